@@ -1,0 +1,293 @@
+"""The Vision Transformer (Dosovitskiy et al. 2021), with attention maps on demand.
+
+Read top to bottom: `VisionTransformer` (patch embedding, prefix tokens, position encoding,
+encoder blocks, pooling, head), then the named variants and `create_model`.
+Parameter names match timm's `VisionTransformer`, so timm weights load directly (`vit.timm_compat`).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+import torch
+from torch import nn
+
+from vit.block import Block
+from vit.patch_embed import PatchEmbed
+from vit.pos_embed import resample_pos_embed, sincos_2d
+
+# Shapes: B batch, C channels, H/W image, P patch, Gh/Gw grid, L = Gh*Gw patches,
+#         n prefix tokens (CLS + registers), N = n + L tokens, D embed_dim, nh heads, K classes.
+
+LayerNorm = partial(nn.LayerNorm, eps=1e-6)  # timm's ViT epsilon: weights trained with it expect it
+
+
+class VisionTransformer(nn.Module):
+    """Vision Transformer classifier.
+
+    Args:
+        img_size: (H, W) or side the model is built for; other multiples of the patch size also run.
+        patch_size: patch side P in pixels.
+        in_chans: image channels C.
+        num_classes: K; 0 makes `forward` return pooled features.
+        global_pool: "token" (CLS token) or "avg" (mean of patch tokens).
+        embed_dim: token width D.
+        depth: number of encoder blocks.
+        num_heads: attention heads nh.
+        mlp_ratio: MLP hidden width as a multiple of D.
+        qkv_bias: bias on the q, k, v projection.
+        qk_norm: LayerNorm on q and k.
+        init_values: LayerScale initial value; None disables LayerScale.
+        class_token: prepend a learned CLS token.
+        reg_tokens: number of register tokens (Darcet et al. 2024) after the CLS token.
+        no_embed_class: prefix tokens get no position embedding (timm's flag of the same name).
+        pos_embed: "learn" (a learned table) or "sincos" (fixed 2-D sin-cos).
+        pre_norm: LayerNorm before the blocks (CLIP-style).
+        fc_norm: put the final norm after pooling; None means "only for avg pooling", as in timm.
+        drop_rate: dropout before the head.
+        pos_drop_rate: dropout after adding the position encoding.
+        proj_drop_rate: dropout after attention projection and in the MLP.
+        attn_drop_rate: dropout on attention weights.
+        drop_path_rate: stochastic depth, rising linearly to this rate in the last block.
+        attn_score: attention scoring function: "scaled_dot", "dot", "additive" or "bilinear".
+        weight_init: "trunc_normal" (std 0.02, as timm) or "xavier" (uniform, Var(w) = 2 / (n_in + n_out)).
+    """
+
+    def __init__(
+        self,
+        img_size: int | tuple[int, int] = 224,
+        patch_size: int = 16,
+        in_chans: int = 3,
+        num_classes: int = 1000,
+        global_pool: str = "token",
+        embed_dim: int = 768,
+        depth: int = 12,
+        num_heads: int = 12,
+        mlp_ratio: float = 4.0,
+        qkv_bias: bool = True,
+        qk_norm: bool = False,
+        init_values: float | None = None,
+        class_token: bool = True,
+        reg_tokens: int = 0,
+        no_embed_class: bool = False,
+        pos_embed: str = "learn",
+        pre_norm: bool = False,
+        fc_norm: bool | None = None,
+        drop_rate: float = 0.0,
+        pos_drop_rate: float = 0.0,
+        proj_drop_rate: float = 0.0,
+        attn_drop_rate: float = 0.0,
+        drop_path_rate: float = 0.0,
+        attn_score: str = "scaled_dot",
+        weight_init: str = "trunc_normal",
+    ):
+        super().__init__()
+        if global_pool not in ("token", "avg"):
+            raise ValueError(f"global_pool must be 'token' or 'avg', got {global_pool!r}")
+        if global_pool == "token" and not class_token:
+            raise ValueError("global_pool='token' needs class_token=True; use global_pool='avg' without a CLS token")
+        if pos_embed not in ("learn", "sincos"):
+            raise ValueError(f"pos_embed must be 'learn' or 'sincos', got {pos_embed!r}")
+        if weight_init not in ("trunc_normal", "xavier"):
+            raise ValueError(f"weight_init must be 'trunc_normal' or 'xavier', got {weight_init!r}")
+        # the constructor's arguments, so a checkpoint can rebuild the model without any config file
+        self.config = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
+        self.num_classes = num_classes
+        self.global_pool = global_pool
+        self.embed_dim = self.num_features = embed_dim
+        self.num_reg_tokens = reg_tokens
+        self.num_prefix_tokens = int(class_token) + reg_tokens
+        self.no_embed_class = no_embed_class or pos_embed == "sincos"
+        use_fc_norm = global_pool == "avg" if fc_norm is None else fc_norm
+
+        self.patch_embed = PatchEmbed(img_size, patch_size, in_chans, embed_dim, bias=not pre_norm)
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_dim)) if class_token else None
+        self.reg_token = nn.Parameter(torch.zeros(1, reg_tokens, embed_dim)) if reg_tokens else None
+        L = self.patch_embed.num_patches
+        embed_len = L if self.no_embed_class else L + self.num_prefix_tokens
+        if pos_embed == "learn":
+            self.pos_embed = nn.Parameter(torch.zeros(1, embed_len, embed_dim))
+        else:
+            self.register_buffer("pos_embed", sincos_2d(self.patch_embed.grid_size, embed_dim), persistent=False)
+        self.pos_embed_type = pos_embed
+        self.pos_drop = nn.Dropout(pos_drop_rate)
+        self.norm_pre = LayerNorm(embed_dim) if pre_norm else nn.Identity()
+
+        dpr = torch.linspace(0, drop_path_rate, depth).tolist()  # stochastic depth grows with depth
+        self.blocks = nn.ModuleList(
+            Block(
+                embed_dim,
+                num_heads,
+                mlp_ratio,
+                qkv_bias,
+                qk_norm,
+                proj_drop_rate,
+                attn_drop_rate,
+                init_values,
+                dpr[i],
+                attn_score,
+                LayerNorm,
+            )
+            for i in range(depth)
+        )
+        self.norm = LayerNorm(embed_dim) if not use_fc_norm else nn.Identity()
+        self.fc_norm = LayerNorm(embed_dim) if use_fc_norm else nn.Identity()
+        self.head_drop = nn.Dropout(drop_rate)
+        self.head = nn.Linear(embed_dim, num_classes) if num_classes > 0 else nn.Identity()
+        self.init_weights(weight_init)
+
+    def init_weights(self, mode: str = "trunc_normal") -> None:
+        """Initialise like timm (`trunc_normal`) or with Xavier-uniform linear and patch weights (`xavier`)."""
+        if self.pos_embed_type == "learn":
+            nn.init.trunc_normal_(self.pos_embed, std=0.02)
+        for token in (self.cls_token, self.reg_token):
+            if token is not None:
+                nn.init.normal_(token, std=1e-6)
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                if mode == "xavier":
+                    nn.init.xavier_uniform_(m.weight)
+                else:
+                    nn.init.trunc_normal_(m.weight, std=0.02)
+                if m.bias is not None:
+                    nn.init.zeros_(m.bias)
+        if mode == "xavier":
+            w = self.patch_embed.proj.weight
+            nn.init.xavier_uniform_(w.view(w.shape[0], -1))  # as a linear map of a flattened patch
+
+    @torch.jit.ignore
+    def no_weight_decay(self) -> set[str]:
+        """Parameters that weight decay must not touch (besides norms and biases)."""
+        return {"pos_embed", "cls_token", "reg_token"}
+
+    def layer_id(self, name: str) -> int:
+        """Depth of a parameter for layer-wise LR decay: 0 for embeddings, i + 1 for block i, depth + 1 after."""
+        if name.startswith(("cls_token", "reg_token", "pos_embed", "patch_embed", "norm_pre")):
+            return 0
+        if name.startswith("blocks."):
+            return int(name.split(".")[1]) + 1
+        return len(self.blocks) + 1
+
+    @property
+    def grid_size(self) -> tuple[int, int]:
+        return self.patch_embed.grid_size
+
+    def _pos_embed(self, x: torch.Tensor) -> torch.Tensor:
+        B, Gh, Gw, D = x.shape
+        if self.pos_embed_type == "sincos":
+            pos = self.pos_embed if (Gh, Gw) == self.grid_size else sincos_2d((Gh, Gw), D).to(x)
+        else:
+            prefix = 0 if self.no_embed_class else self.num_prefix_tokens
+            pos = resample_pos_embed(self.pos_embed, (Gh, Gw), self.grid_size, prefix)  # (1, [n +] L, D)
+        x = x.reshape(B, Gh * Gw, D)  # (B, L, D)
+        prefix_tokens = [t.expand(B, -1, -1) for t in (self.cls_token, self.reg_token) if t is not None]
+        if self.no_embed_class:
+            x = torch.cat(prefix_tokens + [x + pos], dim=1)  # (B, N, D)
+        else:
+            x = torch.cat(prefix_tokens + [x], dim=1) + pos  # (B, N, D)
+        return self.pos_drop(x)
+
+    def forward_features(
+        self, x: torch.Tensor, return_attn: bool = False
+    ) -> torch.Tensor | tuple[torch.Tensor, list[torch.Tensor]]:
+        """Args:
+            x: images (B, C, H, W); H and W multiples of the patch size.
+            return_attn: also return every block's attention map.
+
+        Returns:
+            Tokens (B, N, D) after the final norm; with `return_attn`, also a list of `depth`
+            maps (B, nh, N, N), first block first.
+        """
+        x = self._pos_embed(self.patch_embed(x))  # (B, N, D)
+        x = self.norm_pre(x)
+        attns = []
+        for blk in self.blocks:
+            x, attn = blk(x, return_attn=return_attn)
+            attns.append(attn)
+        x = self.norm(x)
+        return (x, attns) if return_attn else x
+
+    def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
+        """Args:
+            x: tokens (B, N, D) from `forward_features`.
+            pre_logits: return the pooled, normalised features instead of logits.
+
+        Returns:
+            Logits (B, K), or features (B, D).
+        """
+        if self.global_pool == "avg":
+            x = x[:, self.num_prefix_tokens :].mean(dim=1)  # (B, D)
+        else:
+            x = x[:, 0]  # (B, D)
+        x = self.head_drop(self.fc_norm(x))
+        return x if pre_logits else self.head(x)
+
+    def forward(
+        self, x: torch.Tensor, return_attn: bool = False
+    ) -> torch.Tensor | tuple[torch.Tensor, list[torch.Tensor]]:
+        """Args:
+            x: images (B, C, H, W).
+            return_attn: also return the attention maps; runs the explicit softmax path.
+
+        Returns:
+            Logits (B, K) (features (B, D) when `num_classes=0`); with `return_attn`,
+            `(logits, attns)` where `attns` holds one (B, nh, N, N) map per block, first block first.
+        """
+        if return_attn:
+            x, attns = self.forward_features(x, return_attn=True)
+            return self.forward_head(x), attns
+        return self.forward_head(self.forward_features(x))
+
+    def reset_classifier(self, num_classes: int) -> None:
+        """Replace the head with a fresh one for `num_classes` classes (0 removes it)."""
+        self.num_classes = self.config["num_classes"] = num_classes
+        self.head = nn.Linear(self.embed_dim, num_classes) if num_classes > 0 else nn.Identity()
+        if num_classes > 0:
+            nn.init.trunc_normal_(self.head.weight, std=0.02)
+            nn.init.zeros_(self.head.bias)
+
+    def flops_per_image(self, img_size: tuple[int, int] | None = None) -> int:
+        """Multiply-adds x 2 of one forward pass at `img_size` (matmuls only; softmax and norms are noise)."""
+        H, W = img_size or self.patch_embed.img_size
+        P = self.patch_embed.patch_size[0]
+        L = (H // P) * (W // P)
+        N, D = L + self.num_prefix_tokens, self.embed_dim
+        hidden = self.blocks[0].mlp.fc1.out_features if len(self.blocks) else 0
+        per_block = N * D * 3 * D + 2 * N * N * D + N * D * D + 2 * N * D * hidden
+        embed = L * self.patch_embed.proj.in_channels * P * P * D
+        head = D * self.num_classes
+        return 2 * (embed + len(self.blocks) * per_block + head)
+
+
+# Variants are data: name -> constructor arguments. `create_model(name, **overrides)` builds one.
+VARIANTS: dict[str, dict[str, Any]] = {
+    "vit_tiny_patch16_224": dict(img_size=224, patch_size=16, embed_dim=192, depth=12, num_heads=3),
+    "vit_small_patch16_224": dict(img_size=224, patch_size=16, embed_dim=384, depth=12, num_heads=6),
+    "vit_base_patch16_224": dict(img_size=224, patch_size=16, embed_dim=768, depth=12, num_heads=12),
+    # small images (CIFAR-sized or the digits sample): 8 x 8 grid of 4-pixel patches
+    "vit_tiny_patch4_32": dict(img_size=32, patch_size=4, embed_dim=192, depth=12, num_heads=3),
+    "vit_small_patch4_32": dict(img_size=32, patch_size=4, embed_dim=384, depth=12, num_heads=6),
+    "vit_micro_patch4_32": dict(img_size=32, patch_size=4, embed_dim=64, depth=4, num_heads=4, mlp_ratio=2.0),
+}
+
+
+def create_model(name: str, **overrides: Any) -> VisionTransformer:
+    """Build a named variant; keyword arguments override its settings (e.g. `num_classes=10`).
+
+    Args:
+        name: a key of `VARIANTS`.
+        **overrides: any `VisionTransformer` argument.
+
+    Returns:
+        A freshly initialised model.
+    """
+    if name not in VARIANTS:
+        raise ValueError(f"unknown model {name!r}; choose one of: {', '.join(VARIANTS)}")
+    return VisionTransformer(**{**VARIANTS[name], **overrides})
+
+
+def count_params(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
