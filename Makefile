@@ -35,6 +35,29 @@ test: install lint
 test-fast: install
 	$(BIN)/pytest -q -m "not slow and not browser"
 
+# The main job on the embedded sample: data -> training -> ONNX -> server. Each step is a file
+# target, so a second `make demo` reuses whatever is already up to date.
+SAMPLE := data/digits
+CKPT := $(RUN)/checkpoints/best.ckpt
+ONNX := artifacts/sample.onnx
+
+sample: $(SAMPLE)/.complete
+$(SAMPLE)/.complete: | $(VENV)/.installed
+	$(BIN)/vit-sample-data --out $(SAMPLE)
+
+train: $(CKPT)
+$(CKPT): $(SAMPLE)/.complete configs/sample.yaml | $(VENV)/.installed
+	$(BIN)/vit-train fit --config configs/sample.yaml --trainer.default_root_dir $(RUN)
+
+export: $(ONNX)
+$(ONNX): $(CKPT)
+	$(BIN)/vit-export $(CKPT) -o $(ONNX)
+
+demo: install $(ONNX)
+	$(BIN)/vit-serve $(ONNX) --host $(HOST) --port $(PORT)
+
+serve: demo
+
 bench: install
 	$(PYTHON) benchmarks/model_vs_timm.py
 
