@@ -18,8 +18,12 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff")
 DEFAULT_MAX_PIXELS = 40_000_000  # about 40 MP: any phone photo, well short of a decompression bomb
-INTERPOLATIONS = {"bicubic": Image.Resampling.BICUBIC, "bilinear": Image.Resampling.BILINEAR,
-                  "nearest": Image.Resampling.NEAREST, "lanczos": Image.Resampling.LANCZOS}
+INTERPOLATIONS = {
+    "bicubic": Image.Resampling.BICUBIC,
+    "bilinear": Image.Resampling.BILINEAR,
+    "nearest": Image.Resampling.NEAREST,
+    "lanczos": Image.Resampling.LANCZOS,
+}
 
 ImageSource = Union[str, Path, bytes, bytearray, Image.Image, np.ndarray]
 

@@ -289,5 +289,3 @@ def create_model(name: str, **overrides: Any) -> VisionTransformer:
 
 def count_params(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
-
-

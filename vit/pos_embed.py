@@ -15,16 +15,19 @@ def resample_pos_embed(
     new_grid: tuple[int, int],
     old_grid: tuple[int, int],
     num_prefix_tokens: int = 0,
+    antialias: bool = False,
 ) -> torch.Tensor:
     """Interpolate a learned position table to another patch grid.
 
-    Bicubic without antialias: antialias has no ONNX export, and for upsampling it changes nothing.
+    In the forward pass: bicubic without antialias, which exports to ONNX. Converting weights once
+    (`from_timm`) uses antialias, as timm does, so the result matches timm's own resize.
 
     Args:
         pos_embed: (1, n + Gh*Gw, D) with `num_prefix_tokens` leading prefix positions.
         new_grid: target (Gh', Gw').
         old_grid: the (Gh, Gw) the table was learned for.
         num_prefix_tokens: leading positions that belong to prefix tokens and are kept as they are.
+        antialias: PyTorch's antialiased bicubic (a = -0.5, like PIL) instead of a = -0.75.
 
     Returns:
         (1, n + Gh'*Gw', D).
@@ -34,7 +37,9 @@ def resample_pos_embed(
     prefix, grid = pos_embed[:, :num_prefix_tokens], pos_embed[:, num_prefix_tokens:]
     D = grid.shape[-1]
     grid = grid.reshape(1, old_grid[0], old_grid[1], D).permute(0, 3, 1, 2)  # (1, D, Gh, Gw)
-    grid = F.interpolate(grid.float(), size=new_grid, mode="bicubic", align_corners=False).to(pos_embed.dtype)
+    grid = F.interpolate(grid.float(), size=new_grid, mode="bicubic", align_corners=False, antialias=antialias).to(
+        pos_embed.dtype
+    )
     grid = grid.permute(0, 2, 3, 1).reshape(1, new_grid[0] * new_grid[1], D)  # (1, Gh'*Gw', D)
     return torch.cat([prefix, grid], dim=1)
 

@@ -90,7 +90,7 @@ def rollout_from_gradients(
         raise ValueError(f"need one gradient per attention map, got {len(attns)} maps and {len(grads)} gradients")
     B, _, N, _ = attns[0].shape
     relevance = torch.eye(N, dtype=attns[0].dtype, device=attns[0].device).expand(B, N, N)  # (B, N, N)
-    for attn, grad in zip(attns, grads):
+    for attn, grad in zip(attns, grads, strict=True):
         if grad.shape != attn.shape:
             raise ValueError(f"gradient shape {tuple(grad.shape)} does not match its map {tuple(attn.shape)}")
         a = (grad * attn).clamp(min=0).mean(dim=1)  # (B, N, N): positive, class-specific evidence

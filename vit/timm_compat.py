@@ -53,7 +53,7 @@ def from_timm(
     if "pos_embed" in state and model.pos_embed_type == "learn" and state["pos_embed"].shape != model.pos_embed.shape:
         prefix = 0 if model.no_embed_class else model.num_prefix_tokens
         old_grid = timm_model.patch_embed.grid_size
-        state["pos_embed"] = resample_pos_embed(state["pos_embed"], model.grid_size, old_grid, prefix)
+        state["pos_embed"] = resample_pos_embed(state["pos_embed"], model.grid_size, old_grid, prefix, antialias=True)
     missing, unexpected = model.load_state_dict(state, strict=False)
     expected_missing = {k for k in model.state_dict() if k.startswith("head.")} if "head.weight" not in state else set()
     if set(missing) - expected_missing or unexpected:

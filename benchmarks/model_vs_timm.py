@@ -1,0 +1,88 @@
+"""Our ViT against timm's, same config and weights, interleaved in one run.
+
+Rows: inference images/s at batch 1 and 32, and a training step (forward, backward, AdamW) at
+batch 32; on CPU in fp32, and on CUDA in bf16 when a GPU is present. ratio = ours / timm.
+
+    .venv/bin/python benchmarks/model_vs_timm.py [--models vit_tiny_patch16_224 vit_small_patch16_224] [--repeats 7]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import platform
+import statistics
+import time
+
+import timm
+import torch
+
+import vit
+
+
+def timed(fn, sync) -> float:
+    sync()
+    t0 = time.perf_counter()
+    fn()
+    sync()
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="+", default=["vit_tiny_patch16_224", "vit_small_patch16_224"])
+    parser.add_argument("--repeats", type=int, default=7, help="interleaved timing rounds; the median is reported")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    cpu = platform.processor() or platform.machine()
+    print(
+        f"# model_vs_timm: {datetime.date.today()}, {device.type} ({cpu}, {torch.get_num_threads()} threads), "
+        f"{dtype}, torch {torch.__version__}, timm {timm.__version__}, median of {args.repeats}"
+    )
+    print("| model | task | batch | ours img/s | timm img/s | ours/timm |")
+    print("|---|---|---|---|---|---|")
+    for name in args.models:
+        torch.manual_seed(0)
+        theirs = timm.create_model(name, pretrained=False).to(device)
+        ours = vit.from_timm(theirs).to(device)
+        models = {"ours": ours, "timm": theirs}
+        for task, B in (("inference", 1), ("inference", 32), ("train step", 32)):
+            x = torch.randn(B, 3, 224, 224, device=device)
+            y = torch.randint(0, 1000, (B,), device=device)
+            steps = {}
+            for key, m in models.items():
+                if task == "inference":
+                    m.eval()
+
+                    def step(m=m, x=x):
+                        with torch.inference_mode(), torch.autocast(device.type, dtype, enabled=dtype != torch.float32):
+                            m(x)
+                else:
+                    m.train()
+                    opt = torch.optim.AdamW(m.parameters(), lr=1e-4)
+
+                    def step(m=m, opt=opt, x=x, y=y):
+                        with torch.autocast(device.type, dtype, enabled=dtype != torch.float32):
+                            loss = torch.nn.functional.cross_entropy(m(x), y)
+                        opt.zero_grad(set_to_none=True)
+                        loss.backward()
+                        opt.step()
+
+                steps[key] = step
+                step()  # warm-up
+            times = {k: [] for k in steps}
+            for _ in range(args.repeats):
+                for key in ("ours", "timm") if _ % 2 == 0 else ("timm", "ours"):  # alternate who goes first
+                    times[key].append(timed(steps[key], sync))
+            rate = {k: B / statistics.median(v) for k, v in times.items()}
+            print(
+                f"| {name} | {task} | {B} | {rate['ours']:.1f} | {rate['timm']:.1f} | "
+                f"{rate['ours'] / rate['timm']:.3f} |"
+            )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,173 @@
+"""The model: shapes, the per-call attention maps, the four score functions, other image sizes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from vit import ATTN_SCORES, VARIANTS, VisionTransformer, create_model
+
+
+def test_forward_shapes(tiny_model):
+    x = torch.randn(3, 3, 32, 32)
+    assert tiny_model(x).shape == (3, 5)
+    tokens = tiny_model.forward_features(x)
+    assert tokens.shape == (3, 1 + 16, 32)  # CLS + 4 x 4 patches
+    assert tiny_model.forward_head(tokens, pre_logits=True).shape == (3, 32)
+
+
+def test_num_classes_zero_returns_pooled_features(tiny_config):
+    model = VisionTransformer(**{**tiny_config, "num_classes": 0}).eval()
+    assert model(torch.randn(2, 3, 32, 32)).shape == (2, 32)
+
+
+@pytest.mark.parametrize(
+    "overrides, n_prefix",
+    [
+        (dict(), 1),
+        (dict(global_pool="avg", class_token=False), 0),
+        (dict(reg_tokens=4), 5),
+        (dict(reg_tokens=2, no_embed_class=True, global_pool="avg"), 3),
+        (dict(pos_embed="sincos"), 1),
+        (dict(init_values=1e-5, qk_norm=True, qkv_bias=False), 1),
+    ],
+)
+def test_attention_maps_per_call(tiny_config, overrides, n_prefix):
+    model = VisionTransformer(**{**tiny_config, **overrides}).eval()
+    assert model.num_prefix_tokens == n_prefix
+    x = torch.randn(2, 3, 32, 32)
+    logits, attns = model(x, return_attn=True)
+    N = n_prefix + 16
+    assert len(attns) == 2 and all(a.shape == (2, 2, N, N) for a in attns)
+    torch.testing.assert_close(attns[0].sum(-1), torch.ones(2, 2, N))  # softmax rows
+    torch.testing.assert_close(logits, model(x), atol=1e-5, rtol=1e-5)  # explicit path == fused path
+
+
+@pytest.mark.parametrize("score", ATTN_SCORES)
+def test_fused_and_explicit_paths_agree_for_every_score(tiny_config, score):
+    torch.manual_seed(0)
+    model = VisionTransformer(**tiny_config, attn_score=score).eval()
+    x = torch.randn(4, 3, 32, 32)
+    fused = model(x)
+    explicit, attns = model(x, return_attn=True)
+    torch.testing.assert_close(fused, explicit, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(attns[0], attns[1])
+
+
+def test_scores_differ_from_each_other(tiny_config):
+    x = torch.randn(2, 3, 32, 32)
+    maps = {}
+    for score in ATTN_SCORES:
+        torch.manual_seed(0)  # same weights everywhere except the score function's own
+        maps[score] = VisionTransformer(**tiny_config, attn_score=score).eval()(x, return_attn=True)[1][0]
+    # bilinear starts as scaled dot product (W = I / sqrt(hd)); the others must differ
+    torch.testing.assert_close(maps["bilinear"], maps["scaled_dot"], atol=1e-6, rtol=1e-5)
+    assert not torch.allclose(maps["dot"], maps["scaled_dot"], atol=1e-4)
+    assert not torch.allclose(maps["additive"], maps["scaled_dot"], atol=1e-4)
+
+
+@pytest.mark.parametrize("score", ATTN_SCORES)
+def test_every_score_function_learns(tiny_config, score):
+    torch.manual_seed(0)
+    model = VisionTransformer(**tiny_config, attn_score=score)
+    x, y = torch.randn(16, 3, 32, 32), torch.arange(16) % 5
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(40):
+        loss = F.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.3 * losses[0], f"{score}: loss {losses[0]:.3f} -> {losses[-1]:.3f}"
+    if score in ("additive", "bilinear"):
+        own = [p for n, p in model.named_parameters() if "score_" in n]
+        assert own and all(p.grad is not None and p.grad.abs().sum() > 0 for p in own)
+
+
+def test_other_image_sizes_run_including_rectangles(tiny_model):
+    for H, W in [(32, 32), (48, 48), (16, 40), (64, 24)]:
+        logits, attns = tiny_model(torch.randn(2, 3, H, W), return_attn=True)
+        L = (H // 8) * (W // 8)
+        assert logits.shape == (2, 5) and attns[0].shape[-1] == 1 + L
+
+
+def test_resampled_position_grid_is_the_identity_at_the_built_size(tiny_model):
+    from vit.pos_embed import resample_pos_embed
+
+    pos = tiny_model.pos_embed
+    assert resample_pos_embed(pos, (4, 4), (4, 4), 1) is pos
+    up = resample_pos_embed(pos, (8, 8), (4, 4), 1)
+    assert up.shape == (1, 1 + 64, 32)
+    torch.testing.assert_close(up[:, :1], pos[:, :1])  # the CLS position is kept as is
+
+
+def test_image_size_not_a_multiple_of_the_patch_is_refused(tiny_model):
+    with pytest.raises(ValueError, match="multiple of the patch size"):
+        tiny_model(torch.randn(1, 3, 30, 32))
+    with pytest.raises(ValueError, match="not a multiple of patch_size"):
+        VisionTransformer(img_size=30, patch_size=8)
+
+
+def test_bad_arguments_say_what_is_allowed():
+    with pytest.raises(ValueError, match="attn_score must be one of"):
+        VisionTransformer(img_size=32, patch_size=8, embed_dim=32, depth=1, num_heads=2, attn_score="cosine")
+    with pytest.raises(ValueError, match="global_pool='token' needs class_token"):
+        VisionTransformer(img_size=32, patch_size=8, embed_dim=32, depth=1, num_heads=2, class_token=False)
+    with pytest.raises(ValueError, match="not divisible by num_heads"):
+        VisionTransformer(img_size=32, patch_size=8, embed_dim=30, depth=1, num_heads=4)
+    with pytest.raises(ValueError, match="unknown model 'vit_huge'"):
+        create_model("vit_huge")
+
+
+def test_xavier_init_has_the_glorot_variance():
+    model = VisionTransformer(img_size=32, patch_size=8, embed_dim=64, depth=1, num_heads=2, weight_init="xavier")
+    w = model.blocks[0].mlp.fc1.weight  # (256, 64)
+    n_out, n_in = w.shape
+    assert w.var().item() == pytest.approx(2 / (n_in + n_out), rel=0.1)
+    default = VisionTransformer(img_size=32, patch_size=8, embed_dim=64, depth=1, num_heads=2)
+    assert default.blocks[0].mlp.fc1.weight.std().item() == pytest.approx(0.02, rel=0.1)
+
+
+def test_drop_path_is_active_only_in_training(tiny_config):
+    model = VisionTransformer(**tiny_config, drop_path_rate=0.5)
+    x = torch.randn(8, 3, 32, 32)
+    model.train()
+    torch.manual_seed(1)
+    a = model(x)
+    torch.manual_seed(2)
+    b = model(x)
+    assert not torch.allclose(a, b)
+    model.eval()
+    torch.testing.assert_close(model(x), model(x))
+
+
+def test_config_rebuilds_the_same_model(tiny_model):
+    clone = VisionTransformer(**tiny_model.config).eval()
+    clone.load_state_dict(tiny_model.state_dict())
+    x = torch.randn(2, 3, 32, 32)
+    torch.testing.assert_close(clone(x), tiny_model(x))
+
+
+def test_layer_ids_for_layerwise_lr_decay(tiny_model):
+    ids = {name: tiny_model.layer_id(name) for name, _ in tiny_model.named_parameters()}
+    assert ids["cls_token"] == ids["pos_embed"] == ids["patch_embed.proj.weight"] == 0
+    assert ids["blocks.0.attn.qkv.weight"] == 1 and ids["blocks.1.mlp.fc2.bias"] == 2
+    assert ids["head.weight"] == ids["norm.weight"] == 3
+
+
+def test_variants_build_with_their_documented_sizes():
+    for name, kw in VARIANTS.items():
+        model = create_model(name, depth=1)  # one block is enough to check the wiring
+        assert model.embed_dim == kw["embed_dim"] and model.patch_embed.img_size == (kw["img_size"],) * 2
+    small = create_model("vit_small_patch16_224")
+    assert sum(p.numel() for p in small.parameters()) == pytest.approx(22.05e6, rel=0.01)
+    assert small.flops_per_image() == pytest.approx(9.2e9, rel=0.05)  # ViT-S/16: ~4.6 GMACs
+
+
+@pytest.mark.slow
+def test_torch_compile_matches_eager(tiny_model):
+    compiled = torch.compile(tiny_model)
+    x = torch.randn(2, 3, 32, 32)
+    torch.testing.assert_close(compiled(x), tiny_model(x), atol=1e-5, rtol=1e-5)
