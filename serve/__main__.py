@@ -1,0 +1,87 @@
+"""`vit-serve model.onnx [--host 127.0.0.1] [--port 7860] ...`: the UI and the API in one process.
+
+Every field of `ServeSettings` is an option (``--max-batch-size 16``). The URL is printed once the
+model is loaded, warmed up and the socket is listening. SIGTERM (or Ctrl-C) stops taking new
+connections, lets requests in flight finish, drains the batcher, then exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from dataclasses import MISSING, fields
+from pathlib import Path
+
+import uvicorn
+
+from serve.settings import ServeSettings, field_help
+
+log = logging.getLogger("vitscope.serve")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="vit-serve",
+        description="Serve an exported vitscope ONNX model: Gradio UI at /, JSON API at /v1/classify, "
+        "KServe v2 at /v2, health at /healthz and /readyz, Prometheus metrics at /metrics.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("model", type=Path, help="the .onnx file written by vit-export")
+    helps = field_help()
+    for f in fields(ServeSettings):
+        default = f.default if f.default is not MISSING else None
+        kind = type(default) if default is not None else str
+        parser.add_argument(f"--{f.name.replace('_', '-')}", type=kind, default=default, help=helps.get(f.name, ""))
+    parser.add_argument("--no-ui", action="store_true", help="serve the API only, without the Gradio UI")
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        settings = ServeSettings(**{f.name: getattr(args, f.name) for f in fields(ServeSettings)})
+    except ValueError as e:
+        print(f"vit-serve: {e}", file=sys.stderr)
+        return 2
+
+    from serve.api import build_app
+    from serve.runtime import OnnxClassifier
+
+    try:
+        classifier = OnnxClassifier(args.model, threads=settings.threads or None)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"vit-serve: cannot load {args.model}: {e}", file=sys.stderr)
+        return 2
+    app = build_app(classifier, settings, with_ui=not args.no_ui)
+    config = uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level=args.log_level,
+        timeout_graceful_shutdown=settings.graceful_timeout_s,
+        access_log=False,
+    )
+    server = AnnouncingServer(config)
+    server.run()
+    return 0
+
+
+class AnnouncingServer(uvicorn.Server):
+    """A uvicorn server that prints its URL once the model is warm and the socket listens."""
+
+    async def startup(self, sockets=None):
+        await super().startup(sockets)  # runs the app's lifespan (load, warm-up) first
+        if self.started and not self.should_exit:
+            port = self.config.port
+            for server in getattr(self, "servers", []):
+                for sock in server.sockets:
+                    port = sock.getsockname()[1]  # the real port when --port 0
+            host = "127.0.0.1" if self.config.host in ("0.0.0.0", "") else self.config.host
+            print(f"vitscope is ready: http://{host}:{port}/", flush=True)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

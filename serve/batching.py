@@ -1,0 +1,224 @@
+"""Micro-batching: one worker thread owns the ONNX session and runs concurrent requests together.
+
+Requests put (H, W, 3) uint8 images on a bounded queue and get a `concurrent.futures.Future`. The
+worker takes the first waiting image, then gathers more for up to `max_delay_ms` or until
+`max_batch_size`, stacks them and runs one forward pass. Other work that needs the session (rollout
+maps, deletion curves) is queued as a plain call and runs alone, on the same thread, so the session
+is never used from two threads or from the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+
+class QueueFull(RuntimeError):
+    """The bounded queue is full: the caller should retry later (HTTP 503 + Retry-After)."""
+
+
+class ShuttingDown(RuntimeError):
+    """The batcher is draining after a stop request and takes no new work."""
+
+
+@dataclass
+class _Image:
+    pixels: np.ndarray  # (H, W, 3) uint8
+    future: Future
+
+
+@dataclass
+class _Call:
+    fn: Callable[..., Any]
+    args: tuple
+    future: Future
+
+
+class MicroBatcher:
+    """Runs `predict_batch` on batches of queued images from one worker thread.
+
+    Args:
+        predict_batch: (B, H, W, 3) uint8 -> (B, ...) array, one row per image.
+        max_batch_size: most images in one call of `predict_batch`.
+        max_delay_ms: how long the first image of a batch waits for more.
+        queue_size: most items waiting; `submit` raises `QueueFull` beyond it.
+        on_batch: called with the realised batch size after each batch (for metrics).
+    """
+
+    def __init__(
+        self,
+        predict_batch: Callable[[np.ndarray], np.ndarray],
+        max_batch_size: int = 16,
+        max_delay_ms: float = 5.0,
+        queue_size: int = 256,
+        on_batch: Callable[[int], None] | None = None,
+    ):
+        self.predict_batch = predict_batch
+        self.max_batch_size = max_batch_size
+        self.max_delay = max_delay_ms / 1000.0
+        self.on_batch = on_batch
+        self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def depth(self) -> int:
+        """Items waiting in the queue (not counting the batch being run)."""
+        return self._queue.qsize()
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def start(self) -> MicroBatcher:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="vitscope-batcher", daemon=True)
+            self._thread.start()
+        return self
+
+    def submit(self, pixels: np.ndarray) -> Future:
+        """Queue one (H, W, 3) uint8 image; the future resolves to its row of the output."""
+        return self._put(_Image(pixels, Future()))
+
+    def call(self, fn: Callable[..., Any], *args: Any) -> Future:
+        """Queue `fn(*args)` to run alone on the worker thread; the future resolves to its result."""
+        return self._put(_Call(fn, args, Future()))
+
+    def _put(self, item: _Image | _Call) -> Future:
+        if self._stopping.is_set():
+            raise ShuttingDown("the server is shutting down; send the request to another replica or retry")
+        if self._thread is None:
+            raise RuntimeError("the batcher is not started; call start() first")
+        try:
+            self._queue.put_nowait(item)
+        except queue.Full:
+            raise QueueFull(f"the server is busy ({self._queue.maxsize} requests waiting); retry shortly") from None
+        return item.future
+
+    def close(self, timeout: float | None = 30.0) -> None:
+        """Stop taking work, finish everything already queued, then stop the worker thread."""
+        self._stopping.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                log.warning("batcher still busy after %.1f s; abandoning the remaining work", timeout)
+
+    def _loop(self) -> None:
+        pending: _Image | _Call | None = None
+        while True:
+            item = pending
+            pending = None
+            if item is None:
+                try:
+                    item = self._queue.get(timeout=0.05)
+                except queue.Empty:
+                    if self._stopping.is_set():
+                        return  # drained: nothing queued and no new work accepted
+                    continue
+            if isinstance(item, _Call):
+                _run_call(item)
+                continue
+            batch = [item]
+            deadline = time.monotonic() + self.max_delay
+            while len(batch) < self.max_batch_size:
+                remaining = deadline - time.monotonic()
+                try:
+                    nxt = self._queue.get(timeout=remaining) if remaining > 0 else self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if isinstance(nxt, _Call):
+                    pending = nxt  # run it after this batch, in arrival order
+                    break
+                batch.append(nxt)
+            self._run_batch(batch)
+
+    def _run_batch(self, batch: list[_Image]) -> None:
+        live = [b for b in batch if b.future.set_running_or_notify_cancel()]
+        if not live:
+            return
+        try:
+            out = self.predict_batch(np.stack([b.pixels for b in live]))  # (B, ...)
+        except Exception as e:  # one bad batch fails its requests, never the worker
+            log.exception("batch of %d failed", len(live))
+            for b in live:
+                b.future.set_exception(e)
+            return
+        if self.on_batch is not None:
+            self.on_batch(len(live))
+        for b, row in zip(live, out, strict=True):
+            b.future.set_result(row)
+
+
+def _run_call(item: _Call) -> None:
+    if not item.future.set_running_or_notify_cancel():
+        return
+    try:
+        item.future.set_result(item.fn(*item.args))
+    except Exception as e:
+        item.future.set_exception(e)
+
+
+class Engine:
+    """The classifier behind the batcher: the only object that touches the ONNX session.
+
+    Async callers (the API) await `predict` / `run`; sync callers (the Gradio handlers, which run
+    in worker threads) use `predict_sync` / `run_sync`. Either way the session runs on the batcher's
+    thread.
+
+    Args:
+        classifier: a `serve.runtime.OnnxClassifier`.
+        settings: a `serve.settings.ServeSettings`.
+        on_batch: called with each realised batch size.
+    """
+
+    def __init__(self, classifier, settings, on_batch: Callable[[int], None] | None = None):
+        self.classifier, self.settings = classifier, settings
+        self.batcher = MicroBatcher(
+            classifier.predict_pixels,
+            max_batch_size=settings.max_batch_size,
+            max_delay_ms=settings.max_delay_ms,
+            queue_size=settings.queue_size,
+            on_batch=on_batch,
+        )
+        self.ready = False
+
+    def start(self) -> None:
+        """Start the worker and warm the session up (first calls allocate), then mark ready."""
+        self.batcher.start()
+        H, W = self.classifier.input_size
+        for size in sorted({1, self.settings.max_batch_size}):
+            blank = np.zeros((size, H, W, 3), np.uint8)
+            self.batcher.call(self.classifier.predict_pixels, blank).result(timeout=600)
+        self.ready = True
+
+    def stop(self) -> None:
+        """Refuse new work, finish the queued requests, stop the worker."""
+        self.ready = False
+        self.batcher.close(timeout=self.settings.graceful_timeout_s)
+
+    async def predict(self, pixels: np.ndarray) -> np.ndarray:
+        """(H, W, 3) uint8 -> (K,) probabilities, batched with concurrent requests."""
+        fut = asyncio.wrap_future(self.batcher.submit(pixels))
+        return await asyncio.wait_for(fut, self.settings.request_timeout_s)
+
+    async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """`fn(*args)` on the worker thread (for anything else that uses the session)."""
+        fut = asyncio.wrap_future(self.batcher.call(fn, *args))
+        return await asyncio.wait_for(fut, self.settings.request_timeout_s)
+
+    def predict_sync(self, pixels: np.ndarray) -> np.ndarray:
+        return self.batcher.submit(pixels).result(timeout=self.settings.request_timeout_s)
+
+    def run_sync(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return self.batcher.call(fn, *args).result(timeout=self.settings.request_timeout_s)

@@ -1,0 +1,82 @@
+"""Every knob of the server in one typed object, with the reason for each default.
+
+`vit-serve` turns each field into a command-line option (``max_batch_size`` -> ``--max-batch-size``),
+so the help text below is the documentation of the server's limits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, fields
+from typing import Any
+
+
+@dataclass
+class ServeSettings:
+    """Limits, batching and threading of one `vit-serve` process.
+
+    Args:
+        host: interface to bind; 127.0.0.1 keeps the server private to this machine.
+        port: TCP port; 7860 is the port Gradio users expect.
+        max_batch_size: most images run through ONNX Runtime in one call. 16 keeps a ViT-Tiny
+            batch inside the CPU caches while amortising the per-call overhead.
+        max_delay_ms: how long the first request of a batch waits for company. 5 ms is small next
+            to one forward pass, so a lone request barely notices it.
+        queue_size: requests allowed to wait for the model; beyond it the server answers 503
+            with Retry-After instead of letting latency grow without bound.
+        retry_after_s: the Retry-After hint sent with a 503.
+        threads: intra-op threads for ONNX Runtime (0: let it use all cores).
+        max_bytes: largest accepted request body, 10 MiB: any phone photo, far below a memory problem.
+        max_pixels: largest accepted image, checked from the header before decoding: 40 MP is any
+            camera photo and stops decompression bombs.
+        top_k: predictions returned when the client does not ask for a number.
+        deletion_steps: points on the deletion curve (patches removed in this many steps).
+        request_timeout_s: how long a request waits for its result before the server gives up (504).
+        graceful_timeout_s: on SIGTERM, how long in-flight requests may take to finish.
+        examples_dir: folder of sample images offered as examples in the UI (skipped when absent).
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 7860
+    max_batch_size: int = 16
+    max_delay_ms: float = 5.0
+    queue_size: int = 256
+    retry_after_s: int = 1
+    threads: int = 0
+    max_bytes: int = 10 * 1024 * 1024
+    max_pixels: int = 40_000_000
+    top_k: int = 5
+    deletion_steps: int = 16
+    request_timeout_s: float = 30.0
+    graceful_timeout_s: float = 20.0
+    examples_dir: str = "data/digits"
+
+    def __post_init__(self):
+        positive = ("max_batch_size", "queue_size", "max_bytes", "max_pixels", "top_k", "deletion_steps")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.max_delay_ms < 0:
+            raise ValueError(f"max_delay_ms must be >= 0, got {self.max_delay_ms}")
+        if self.threads < 0:
+            raise ValueError(f"threads must be >= 0 (0: all cores), got {self.threads}")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in 0..65535, got {self.port}")
+
+    def replace(self, **changes: Any) -> ServeSettings:
+        return dataclasses.replace(self, **changes)
+
+
+def field_help() -> dict[str, str]:
+    """The help text of each field, parsed from the class docstring's Args section."""
+    doc = ServeSettings.__doc__ or ""
+    out: dict[str, str] = {}
+    current = None
+    for line in doc.split("Args:", 1)[-1].splitlines():
+        stripped = line.strip()
+        name, sep, rest = stripped.partition(":")
+        if sep and name in {f.name for f in fields(ServeSettings)}:
+            current, out[name] = name, rest.strip()
+        elif current and stripped:
+            out[current] += " " + stripped
+    return out
