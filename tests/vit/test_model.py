@@ -171,3 +171,16 @@ def test_torch_compile_matches_eager(tiny_model):
     compiled = torch.compile(tiny_model)
     x = torch.randn(2, 3, 32, 32)
     torch.testing.assert_close(compiled(x), tiny_model(x), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.gpu
+def test_bf16_on_cuda_matches_fp32(tiny_model):
+    model = tiny_model.cuda()
+    x = torch.randn(4, 3, 32, 32, device="cuda")
+    with torch.autocast("cuda", torch.bfloat16):
+        fast, attns = model(x, return_attn=True)
+        fused = model(x)
+    reference = model(x)
+    torch.testing.assert_close(fast.float(), reference, atol=0.05, rtol=0.05)
+    torch.testing.assert_close(fused.float(), reference, atol=0.05, rtol=0.05)
+    assert attns[0].dtype == torch.bfloat16
