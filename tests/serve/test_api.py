@@ -1,0 +1,277 @@
+"""The API in process (FastAPI's TestClient runs the real lifespan, batcher and ONNX session)."""
+
+from __future__ import annotations
+
+import base64
+import io
+import struct
+import threading
+import time
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+from fastapi.testclient import TestClient
+from PIL import Image
+
+from serve.api import build_app
+from serve.batching import MicroBatcher, QueueFull
+from serve.runtime import OnnxClassifier
+from serve.settings import ServeSettings
+
+
+def png_bytes(a: np.ndarray, mode: str | None = None) -> bytes:
+    buf = io.BytesIO()
+    Image.fromarray(a, mode).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def jpeg_bytes(a: np.ndarray) -> bytes:
+    buf = io.BytesIO()
+    Image.fromarray(a).save(buf, format="JPEG")
+    return buf.getvalue()
+
+
+def bright_square(quadrant: int) -> np.ndarray:
+    """A 32 x 32 image with a bright square in one quadrant (the tiny model's classes)."""
+    img = np.full((32, 32, 3), 30, np.uint8)
+    r, c = divmod(quadrant, 2)
+    img[16 * r + 2 : 16 * r + 14, 16 * c + 2 : 16 * c + 14] = 230
+    return img
+
+
+def huge_png_header(width: int = 100_000, height: int = 100_000) -> bytes:
+    """A valid PNG whose header claims a huge size: a decompression bomb must be refused from the header."""
+    raw = png_bytes(np.zeros((1, 1, 3), np.uint8))
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    chunk = b"IHDR" + ihdr
+    return raw[:8] + struct.pack(">I", 13) + chunk + struct.pack(">I", zlib.crc32(chunk)) + raw[33:]
+
+
+@pytest.fixture(scope="module")
+def classifier(tiny_onnx):
+    return OnnxClassifier(tiny_onnx)
+
+
+@pytest.fixture(scope="module")
+def client(classifier):
+    settings = ServeSettings(max_bytes=64 * 1024, max_pixels=1_000_000, max_delay_ms=20, examples_dir="")
+    with TestClient(build_app(classifier, settings), raise_server_exceptions=False) as c:
+        yield c
+
+
+def counter(client, name: str, **labels) -> float:
+    """One sample of the Prometheus text exposition, 0 when absent."""
+    for line in client.get("/metrics").text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            if all(f'{k}="{v}"' in line for k, v in labels.items()):
+                return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_health_and_readiness_after_warm_up(client):
+    assert client.get("/healthz").json() == {"status": "live"}
+    ready = client.get("/readyz")
+    assert ready.status_code == 200 and ready.json()["status"] == "ready"
+    assert client.get("/v2/health/live").json() == {"live": True}
+    assert client.get("/v2/health/ready").json() == {"ready": True}
+
+
+def test_readyz_is_503_before_the_lifespan_has_warmed_the_model(classifier):
+    app = build_app(classifier, ServeSettings(examples_dir=""), with_ui=False)
+    c = TestClient(app)  # not entered: the lifespan (load, warm-up) has not run
+    r = c.get("/readyz")
+    assert r.status_code == 503 and r.headers["retry-after"] == "1"
+    assert r.json()["error"]["code"] == "not_ready"
+
+
+@pytest.mark.parametrize("quadrant", [0, 3])
+def test_classify_multipart_upload_matches_the_in_process_model(client, classifier, quadrant):
+    data = png_bytes(bright_square(quadrant))
+    r = client.post("/v1/classify", files={"file": ("sq.png", data, "image/png")})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["model"] == classifier.name and body["version"] == classifier.version
+    (label, prob), *_ = classifier.predict(data)[0]
+    assert body["predictions"][0]["label"] == label
+    assert body["predictions"][0]["score"] == pytest.approx(prob, abs=1e-5)
+    scores = [p["score"] for p in body["predictions"]]
+    assert scores == sorted(scores, reverse=True) and sum(scores) == pytest.approx(1.0, abs=1e-4)
+
+
+def test_classify_raw_body_honours_top_k(client):
+    r = client.post(
+        "/v1/classify?top_k=2", content=jpeg_bytes(bright_square(1)), headers={"content-type": "image/jpeg"}
+    )
+    assert r.status_code == 200
+    assert len(r.json()["predictions"]) == 2
+
+
+def test_rgba_and_grayscale_uploads_match_their_rgb_version(client):
+    rgb = bright_square(2)
+    rgba = np.concatenate([rgb, np.full((32, 32, 1), 255, np.uint8)], axis=-1)
+    gray = np.repeat(rgb[..., :1], 3, axis=-1)  # the square image is already gray
+    expected = client.post("/v1/classify", content=png_bytes(rgb), headers={"content-type": "image/png"}).json()
+    for data in (png_bytes(rgba, "RGBA"), png_bytes(gray[..., 0], "L")):
+        r = client.post("/v1/classify", content=data, headers={"content-type": "image/png"})
+        assert r.status_code == 200 and r.json()["predictions"] == expected["predictions"]
+
+
+def test_explain_returns_the_rollout_grid_overlay_and_deletion_score(client, classifier):
+    r = client.post(
+        "/v1/classify?explain=true&head_fusion=max&discard_ratio=0.5",
+        files={"file": ("sq.png", png_bytes(bright_square(0)), "image/png")},
+    )
+    assert r.status_code == 200, r.text
+    ex = r.json()["explanation"]
+    grid = np.array(ex["grid"])
+    assert grid.shape == classifier.grid_size and grid.max() == pytest.approx(1.0, abs=1e-4)
+    overlay = Image.open(io.BytesIO(base64.b64decode(ex["overlay_png"])))
+    assert overlay.format == "PNG" and overlay.mode == "RGB"
+    d = ex["deletion"]
+    assert d["target"] == classifier.labels.index(r.json()["predictions"][0]["label"])
+    assert 0 <= d["auc_map"] <= 1 and 0 <= d["auc_random"] <= 1
+    assert d["faithful"] == (d["auc_map"] < d["auc_random"])
+
+
+BAD_INPUTS = {
+    "garbage bytes": (b"\x00\x01garbage" * 10, "application/octet-stream", 415, "not_an_image"),
+    "zero bytes": (b"", "image/png", 422, "empty"),
+    "truncated jpeg": (jpeg_bytes(bright_square(0))[:200], "image/jpeg", 422, "corrupt"),
+    "text named png": ("file", ("notes.png", b"this is text, not a picture", "image/png"), 415, "not_an_image"),
+    "huge dimensions": (huge_png_header(), "image/png", 413, "too_large"),
+    "oversized body": (b"\x89PNG" + b"0" * (65 * 1024), "image/png", 413, "body_too_large"),
+    "wrong content type": (b'{"image": "cat"}', "application/json", 415, "unsupported_media_type"),
+    "multipart without file": ("top_k", (None, "3"), 422, "bad_request"),
+    "top_k not a number": (png_bytes(bright_square(0)), "image/png?top_k=x", 422, "bad_request"),
+    "bad head fusion": (png_bytes(bright_square(0)), "image/png?explain=true&head_fusion=median", 422, "bad_request"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUTS))
+def test_bad_input_gets_a_json_4xx_and_the_server_keeps_serving(client, case):
+    data, ctype, status, code = BAD_INPUTS[case]
+    if isinstance(data, str):  # a multipart form field
+        r = client.post("/v1/classify", files={data: ctype})
+    else:
+        ctype, _, query = ctype.partition("?")
+        r = client.post("/v1/classify" + (f"?{query}" if query else ""), content=data, headers={"content-type": ctype})
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["code"] == code and len(err["message"]) > 10
+    ok = client.post("/v1/classify", content=png_bytes(bright_square(0)), headers={"content-type": "image/png"})
+    assert ok.status_code == 200 and client.get("/readyz").status_code == 200
+
+
+def test_v2_metadata_lists_labels_and_input_shape(client, classifier):
+    meta = client.get(f"/v2/models/{classifier.name}").json()
+    assert meta["parameters"]["labels"] == classifier.labels
+    assert meta["inputs"][0]["shape"] == [-1, *classifier.input_size, 3] and meta["inputs"][0]["datatype"] == "UINT8"
+    assert client.get("/v2/models/nope").status_code == 404
+
+
+def test_v2_infer_matches_the_in_process_model(client, classifier):
+    x = np.stack([bright_square(1), bright_square(2)])  # (2, 32, 32, 3)
+    req = {"inputs": [{"name": "image", "datatype": "UINT8", "shape": list(x.shape), "data": x.ravel().tolist()}]}
+    r = client.post(f"/v2/models/{classifier.name}/infer", json=req)
+    assert r.status_code == 200, r.text
+    out = r.json()["outputs"][0]
+    assert out["shape"] == [2, len(classifier.labels)]
+    probs = np.array(out["data"]).reshape(out["shape"])
+    np.testing.assert_allclose(probs, classifier.predict_pixels(x), atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "tensor",
+    [
+        {"name": "image", "datatype": "FP32", "shape": [1, 32, 32, 3], "data": [0.0] * 3072},
+        {"name": "image", "datatype": "UINT8", "shape": [1, 16, 16, 3], "data": [0] * 768},
+        {"name": "image", "datatype": "UINT8", "shape": [1, 32, 32, 3], "data": [0] * 5},
+        {"name": "image", "datatype": "UINT8", "shape": [1, 32, 32, 3], "data": [300] * 3072},
+    ],
+)
+def test_v2_infer_refuses_tensors_that_do_not_fit(client, classifier, tensor):
+    r = client.post(f"/v2/models/{classifier.name}/infer", json={"inputs": [tensor]})
+    assert r.status_code == 422 and r.json()["error"]["code"] == "bad_request"
+
+
+def test_concurrent_requests_share_batches_and_metrics_move(client):
+    before = counter(client, "vitscope_requests_total", route="/v1", status="200")
+    batches_before = counter(client, "vitscope_batch_size_count")
+    data = png_bytes(bright_square(3))
+
+    def post(_):
+        return client.post("/v1/classify", content=data, headers={"content-type": "image/png"}).status_code
+
+    with ThreadPoolExecutor(8) as pool:
+        statuses = list(pool.map(post, range(32)))
+    assert statuses == [200] * 32
+    assert counter(client, "vitscope_requests_total", route="/v1", status="200") == before + 32
+    batches = counter(client, "vitscope_batch_size_count") - batches_before
+    assert 1 <= batches < 32  # at least some requests shared a forward pass
+    assert counter(client, "vitscope_request_latency_seconds_count", route="/v1") >= 32
+
+
+def test_full_queue_answers_503_with_retry_after(classifier):
+    settings = ServeSettings(queue_size=1, max_batch_size=1, examples_dir="", retry_after_s=2)
+    with TestClient(build_app(classifier, settings, with_ui=False)) as c:
+        engine = c.app.state.engine
+        gate = threading.Event()
+        blocker = engine.batcher.call(gate.wait, 10)  # the worker is busy ...
+        time.sleep(0.1)
+        queued = engine.batcher.submit(bright_square(0))  # ... and the one queue slot is taken
+        r = c.post("/v1/classify", content=png_bytes(bright_square(0)), headers={"content-type": "image/png"})
+        gate.set()
+        blocker.result(5), queued.result(5)
+        assert r.status_code == 503 and r.headers["retry-after"] == "2"
+        assert r.json()["error"]["code"] == "queue_full"
+        ok = c.post("/v1/classify", content=png_bytes(bright_square(0)), headers={"content-type": "image/png"})
+        assert ok.status_code == 200
+
+
+def test_batcher_groups_waiting_requests_up_to_the_batch_size():
+    sizes = []
+    batcher = MicroBatcher(lambda b: b.reshape(len(b), -1).sum(axis=1), max_batch_size=4, max_delay_ms=200)
+    batcher.on_batch = sizes.append
+    batcher.start()
+    futures = [batcher.submit(np.full((2, 2, 3), i, np.uint8)) for i in range(6)]
+    assert [f.result(5) for f in futures] == [12 * i for i in range(6)]  # each gets its own row back
+    batcher.close()
+    assert sizes == [4, 2]
+
+
+def test_batcher_refuses_beyond_the_queue_and_drains_on_close():
+    gate = threading.Event()
+    batcher = MicroBatcher(lambda b: b[:, 0, 0, 0], max_batch_size=2, max_delay_ms=0, queue_size=2).start()
+    batcher.call(gate.wait, 5)
+    time.sleep(0.05)
+    queued = [batcher.submit(np.full((1, 1, 3), i, np.uint8)) for i in (1, 2)]
+    with pytest.raises(QueueFull, match="retry"):
+        batcher.submit(np.zeros((1, 1, 3), np.uint8))
+    gate.set()
+    batcher.close(timeout=5)
+    assert [f.result(0) for f in queued] == [1, 2] and not batcher.running
+
+
+def test_a_failing_batch_fails_its_requests_but_not_the_worker():
+    calls = []
+
+    def flaky(batch):
+        calls.append(len(batch))
+        if len(calls) == 1:
+            raise RuntimeError("boom")
+        return batch[:, 0, 0, 0]
+
+    batcher = MicroBatcher(flaky, max_batch_size=1, max_delay_ms=0).start()
+    with pytest.raises(RuntimeError, match="boom"):
+        batcher.submit(np.zeros((1, 1, 3), np.uint8)).result(5)
+    assert batcher.submit(np.full((1, 1, 3), 7, np.uint8)).result(5) == 7
+    batcher.close()
+
+
+def test_settings_refuse_nonsense_with_the_field_name():
+    with pytest.raises(ValueError, match="max_batch_size"):
+        ServeSettings(max_batch_size=0)
+    with pytest.raises(ValueError, match="max_delay_ms"):
+        ServeSettings(max_delay_ms=-1)
