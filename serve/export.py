@@ -1,0 +1,272 @@
+"""`vit-export`: a trained checkpoint -> one self-describing ONNX file, checked against torch.
+
+    vit-export runs/sample/checkpoints/best.ckpt -o artifacts/sample.onnx [--quantize int8]
+
+The file holds, with no side files:
+- the graph: (B, H, W, 3) uint8 pixels in (resized and cropped by `Preprocess.to_uint8`),
+  normalisation inside, logits out; an optional boolean `explain` input switches to the explain
+  branch, which also outputs every block's attention maps (`serve.onnx_graph`);
+- `metadata_props`: class names, input size, preprocessing, patch grid, prefix tokens, depth,
+  heads, variant, the checkpoint's sha256 and the versions used (see `build_metadata`).
+
+Before the file is written, the parity gate (`serve.parity`) runs torch and onnxruntime on
+validation images and refuses the export when they disagree.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import io
+import logging
+import os
+import sys
+import tempfile
+import warnings
+from contextlib import redirect_stdout
+from importlib import metadata as importlib_metadata
+from pathlib import Path
+from typing import Any
+
+import onnx
+import onnxruntime as ort
+import torch
+from torch import nn
+
+from serve.images import Preprocess
+from serve.onnx_graph import combine_fast_and_explain, set_metadata
+from serve.runtime import FORMAT_KEY, FORMAT_VERSION
+from train.checkpoint import load_network
+from vit.model import VisionTransformer
+
+log = logging.getLogger(__name__)
+
+# Shapes: B batch, H/W image, K classes, nh heads, N tokens, depth blocks.
+
+DEFAULT_OPSET = 18
+
+
+class PixelModel(nn.Module):
+    """The network behind its input contract: uint8 NHWC pixels in, normalisation inside.
+
+    The arithmetic is `Preprocess.normalize`'s, in the same order and precision, so torch on
+    normalised floats and onnxruntime on pixels see identical inputs.
+
+    Args:
+        net: the trained network.
+        mean: per-channel mean, RGB.
+        std: per-channel standard deviation, RGB.
+        explain: also return the stacked attention maps (the explicit softmax path).
+    """
+
+    def __init__(self, net: VisionTransformer, mean: tuple[float, ...], std: tuple[float, ...], explain: bool = False):
+        super().__init__()
+        self.net = net
+        self.explain = explain
+        self.register_buffer("mean", torch.tensor(mean, dtype=torch.float32).view(1, 1, 1, 3))
+        self.register_buffer("std", torch.tensor(std, dtype=torch.float32).view(1, 1, 1, 3))
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        x = pixels.to(torch.float32) / 255.0  # (B, H, W, 3)
+        x = ((x - self.mean) / self.std).permute(0, 3, 1, 2)  # (B, 3, H, W)
+        if not self.explain:
+            return self.net(x)  # (B, K)
+        logits, attns = self.net(x, return_attn=True)
+        return logits, torch.stack(attns)  # (B, K), (depth, B, nh, N, N)
+
+
+def export_graph(module: nn.Module, img_size: tuple[int, int], opset: int = DEFAULT_OPSET) -> onnx.ModelProto:
+    """Export a `PixelModel` with the dynamo exporter and a dynamic batch axis."""
+    H, W = img_size
+    sample = torch.randint(0, 256, (2, H, W, 3), dtype=torch.uint8)
+    names = ["logits", "attns"] if getattr(module, "explain", False) else ["logits"]
+    with warnings.catch_warnings(), redirect_stdout(io.StringIO()), torch.no_grad():
+        warnings.simplefilter("ignore")
+        program = torch.onnx.export(
+            module.eval(),
+            (sample,),
+            input_names=["pixels"],
+            output_names=names,
+            dynamic_shapes={"pixels": {0: torch.export.Dim("batch", min=1, max=4096)}},
+            opset_version=opset,
+            dynamo=True,
+            external_data=False,
+            verbose=False,
+        )
+    return program.model_proto
+
+
+def versions(opset: int) -> dict[str, str]:
+    def v(pkg: str) -> str:
+        try:
+            return importlib_metadata.version(pkg)
+        except importlib_metadata.PackageNotFoundError:
+            return "unknown"
+
+    return {
+        "vitscope": v("vitscope"),
+        "torch": str(torch.__version__),
+        "onnx": onnx.__version__,
+        "onnxruntime": ort.__version__,
+        "opset": str(opset),
+    }
+
+
+def build_metadata(
+    net: VisionTransformer, meta: dict[str, Any], preprocess: Preprocess, opset: int, quantization: str = "none"
+) -> dict[str, Any]:
+    """Everything a client needs to use the file, as `metadata_props` entries."""
+    H, W = preprocess.img_size
+    P = net.patch_embed.patch_size[0]
+    return {
+        FORMAT_KEY: FORMAT_VERSION,
+        "class_names": list(meta["class_names"]),
+        "input": "pixels: (B, H, W, 3) uint8 RGB, resized and centre-cropped as in 'preprocess'; normalised inside",
+        "outputs": "logits (B, K); attns (depth, B, nh, N, N) when explain=True, else empty",
+        "input_size": [H, W],
+        "preprocess": preprocess.to_dict(),
+        "mean": list(preprocess.mean),
+        "std": list(preprocess.std),
+        "patch_size": P,
+        "grid_size": [H // P, W // P],
+        "num_prefix_tokens": net.num_prefix_tokens,
+        "depth": len(net.blocks),
+        "num_heads": net.blocks[0].attn.num_heads if len(net.blocks) else 0,
+        "rollout_query": "cls" if net.cls_token is not None else "mean",
+        "variant": str(meta.get("variant") or ""),
+        "model_config": {
+            k: v for k, v in net.config.items() if isinstance(v, (int, float, str, bool, list, tuple, type(None)))
+        },
+        "checkpoint_sha256": meta.get("sha256", ""),
+        "quantization": quantization,
+        "explain_precision": "fp32",
+        "supports_gradients": False,
+        "versions": versions(opset),
+    }
+
+
+@dataclasses.dataclass
+class ExportResult:
+    """What `export_onnx` wrote and measured."""
+
+    path: Path
+    metadata: dict[str, Any]
+    parity: dict[str, Any] | None = None
+    quantization: dict[str, Any] | None = None
+
+
+def export_onnx(
+    checkpoint: str | Path,
+    output: str | Path,
+    *,
+    quantize: str | None = None,
+    opset: int = DEFAULT_OPSET,
+    img_size: tuple[int, int] | None = None,
+    val_dir: str | Path | None = None,
+    parity_samples: int = 256,
+    check_parity: bool = True,
+) -> ExportResult:
+    """Export a checkpoint to one ONNX file, check it against torch, and write it.
+
+    Args:
+        checkpoint: a vitscope checkpoint (`best.ckpt`).
+        output: the .onnx file to write.
+        quantize: None for fp32, or "int8" (dynamic, or static when calibration on the validation
+            images is better); the explain branch stays fp32.
+        opset: ONNX opset.
+        img_size: (H, W) to export at instead of the training size (multiples of the patch size).
+        val_dir: an image folder (one subfolder per class) for the parity gate when the run has no split.json.
+        parity_samples: at most this many validation images in the parity gate.
+        check_parity: run the parity gate (only tests of the gate itself turn it off).
+
+    Returns:
+        An `ExportResult`.
+
+    Raises:
+        ParityError: torch and onnxruntime disagree beyond the thresholds; nothing is written.
+    """
+    from serve import parity
+    from serve import quantize as quant
+
+    checkpoint, output = Path(checkpoint), Path(output)
+    net, meta = load_network(checkpoint)
+    preprocess = meta["preprocess"]
+    if img_size is not None:
+        P = net.patch_embed.patch_size[0]
+        if img_size[0] % P or img_size[1] % P:
+            raise ValueError(f"--img-size {img_size} must be multiples of the patch size {P}")
+        preprocess = dataclasses.replace(preprocess, img_size=tuple(img_size))
+    if quantize not in (None, "int8"):
+        raise ValueError(f"quantize must be None or 'int8', got {quantize!r}")
+
+    log.info("exporting %s at %s", checkpoint, preprocess.img_size)
+    fast = export_graph(PixelModel(net, preprocess.mean, preprocess.std), preprocess.img_size, opset)
+    explain = export_graph(PixelModel(net, preprocess.mean, preprocess.std, explain=True), preprocess.img_size, opset)
+    sample = parity.validation_sample(checkpoint, meta["class_names"], preprocess, val_dir, parity_samples)
+
+    quant_report = None
+    quantization = "none"
+    if quantize == "int8":
+        fast, quant_report = quant.quantize_int8(fast, sample, net, preprocess)
+        quantization = quant_report["chosen"]
+
+    model = combine_fast_and_explain(fast, explain)
+    metadata = build_metadata(net, meta, preprocess, opset, quantization)
+    set_metadata(model, metadata)
+    model.doc_string = f"vitscope {metadata['variant'] or 'ViT'} classifier, {len(meta['class_names'])} classes"
+    onnx.checker.check_model(model)
+
+    output.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".onnx", dir=output.parent, prefix=f".{output.stem}.")
+    os.close(fd)
+    tmp = Path(tmp)
+    try:
+        tmp.write_bytes(model.SerializeToString())
+        report = None
+        if check_parity:
+            report = parity.check(net, tmp, sample, preprocess, int8=quantize == "int8")
+        os.replace(tmp, output)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return ExportResult(output, metadata, report, quant_report)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command line entry point (`vit-export`)."""
+    from serve.parity import ParityError, format_report
+
+    p = argparse.ArgumentParser(prog="vit-export", description=__doc__.split("\n\n")[0])
+    p.add_argument("checkpoint", type=Path, help="a vitscope checkpoint, e.g. runs/sample/checkpoints/best.ckpt")
+    p.add_argument("-o", "--output", type=Path, required=True, help="the .onnx file to write")
+    p.add_argument("--quantize", choices=["int8"], default=None, help="int8 weights for the logits path")
+    p.add_argument("--opset", type=int, default=DEFAULT_OPSET, help=f"ONNX opset (default {DEFAULT_OPSET})")
+    p.add_argument("--img-size", type=int, nargs=2, metavar=("H", "W"), help="export at another input size")
+    p.add_argument("--val-dir", type=Path, help="image folder for the parity gate when the run has no split.json")
+    p.add_argument("--parity-samples", type=int, default=256, help="validation images in the parity gate")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    try:
+        result = export_onnx(
+            args.checkpoint,
+            args.output,
+            quantize=args.quantize,
+            opset=args.opset,
+            img_size=tuple(args.img_size) if args.img_size else None,
+            val_dir=args.val_dir,
+            parity_samples=args.parity_samples,
+        )
+    except ParityError as e:
+        print(format_report(e.report), file=sys.stderr)
+        print(f"vit-export: parity gate FAILED, nothing written: {e}", file=sys.stderr)
+        return 1
+    except (ValueError, FileNotFoundError) as e:
+        print(f"vit-export: {e}", file=sys.stderr)
+        return 2
+    print(format_report(result.parity, result.quantization))
+    size_mb = result.path.stat().st_size / 1e6
+    print(f"wrote {result.path} ({size_mb:.1f} MB, {len(result.metadata['class_names'])} classes)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

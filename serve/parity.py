@@ -1,0 +1,199 @@
+"""The export's parity gate: torch and onnxruntime must give the same answers on validation images.
+
+Both sides see the serving preprocessing: the image goes through `Preprocess.to_uint8`; torch gets
+`Preprocess.normalize` of those pixels, onnxruntime gets the pixels (it normalises inside).
+Thresholds (fp32): top-1 agreement 100%, max |delta logit| <= 1e-4, rollout-map correlation >= 0.999.
+int8 logits path: top-1 agreement >= 99% (its explain branch is fp32 and held to the fp32 thresholds).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from serve.images import ImageError, Preprocess, is_image_file, load_image
+from serve.runtime import OnnxClassifier
+from vit.model import VisionTransformer
+from vit.rollout import attention_rollout
+
+log = logging.getLogger(__name__)
+
+# Shapes: M sample images, H/W image, K classes, L patches.
+
+MAX_LOGIT_DELTA = 1e-4
+MIN_ROLLOUT_CORR = 0.999
+MIN_INT8_AGREEMENT = 0.99
+
+
+class ParityError(RuntimeError):
+    """The exported model disagrees with torch; `report` holds the numbers."""
+
+    def __init__(self, message: str, report: dict[str, Any]):
+        super().__init__(message)
+        self.report = report
+
+
+@dataclasses.dataclass
+class Sample:
+    """Validation images for the gate: pixels (M, H, W, 3) uint8, labels (M,) (-1: unknown), where they came from."""
+
+    pixels: np.ndarray
+    labels: np.ndarray
+    source: str
+
+
+def validation_sample(
+    checkpoint: Path, class_names: list[str], preprocess: Preprocess, val_dir: Path | None = None, limit: int = 256
+) -> Sample:
+    """The run's validation images (`<run>/split.json`), else `val_dir`, else random images with a warning."""
+    entries: list[tuple[Path, int]] = []
+    source = ""
+    split = Path(checkpoint).resolve().parent.parent / "split.json"
+    index = {name: i for i, name in enumerate(class_names)}
+    if split.is_file():
+        run_dir = split.parent
+        for e in json.loads(split.read_text()).get("val", []):
+            p = Path(e["path"])
+            if not p.is_absolute() and not p.exists() and (run_dir / p).exists():
+                p = run_dir / p
+            label = e.get("label", -1)
+            entries.append((p, index.get(label, -1) if isinstance(label, str) else int(label)))
+        source = str(split)
+    if not entries and val_dir is not None:
+        for p in sorted(Path(val_dir).rglob("*")):
+            if p.is_file() and is_image_file(p):
+                entries.append((p, index.get(p.parent.name, -1)))
+        source = str(val_dir)
+    if len(entries) > limit:  # evenly spread, deterministic
+        entries = [entries[i] for i in np.linspace(0, len(entries) - 1, limit).round().astype(int)]
+    pixels, labels = [], []
+    for p, label in entries:
+        try:
+            pixels.append(preprocess.to_uint8(load_image(p)))
+            labels.append(label)
+        except (ImageError, FileNotFoundError) as err:
+            log.warning("parity sample: skipping %s (%s)", p, err)
+    if not pixels:
+        warnings.warn(
+            "no validation images found (no split.json next to the checkpoint's run and no --val-dir): "
+            "the parity gate runs on 32 random images instead",
+            stacklevel=2,
+        )
+        H, W = preprocess.img_size
+        rng = np.random.default_rng(0)
+        return Sample(rng.integers(0, 256, (32, H, W, 3), dtype=np.uint8), np.full(32, -1), "random images")
+    return Sample(np.stack(pixels), np.asarray(labels), source)
+
+
+@torch.no_grad()
+def torch_reference(
+    net: VisionTransformer, pixels: np.ndarray, preprocess: Preprocess, batch_size: int = 32
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Torch on the serving preprocessing: (logits of the fused path, logits of the explicit path, rollout (M, L))."""
+    query = "cls" if net.cls_token is not None else "mean"
+    fast, explicit, maps = [], [], []
+    for i in range(0, len(pixels), batch_size):
+        x = torch.from_numpy(preprocess.normalize(pixels[i : i + batch_size]))  # (b, 3, H, W)
+        fast.append(net(x).numpy())
+        logits, attns = net(x, return_attn=True)
+        explicit.append(logits.numpy())
+        maps.append(attention_rollout(attns, num_prefix_tokens=net.num_prefix_tokens, query=query).numpy())
+    return np.concatenate(fast), np.concatenate(explicit), np.concatenate(maps)
+
+
+def map_correlation(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Pearson correlation per row of two (M, L) arrays; 1 where both rows are constant."""
+    a = a - a.mean(axis=-1, keepdims=True)
+    b = b - b.mean(axis=-1, keepdims=True)
+    den = np.sqrt((a * a).sum(-1) * (b * b).sum(-1))
+    num = (a * b).sum(-1)
+    return np.where(den > 1e-12, num / np.maximum(den, 1e-30), 1.0)
+
+
+def check(
+    net: VisionTransformer, path: Path, sample: Sample, preprocess: Preprocess, int8: bool = False, batch_size: int = 32
+) -> dict[str, Any]:
+    """Run the gate on an exported file.
+
+    Returns:
+        The numbers (agreement, max logit deltas, min rollout correlation, accuracies).
+
+    Raises:
+        ParityError: when a threshold is missed.
+    """
+    clf = OnnxClassifier(path, providers=["CPUExecutionProvider"], threads=2)
+    t_fast, t_explicit, t_maps = torch_reference(net, sample.pixels, preprocess, batch_size)
+    o_fast, o_explain, o_maps = [], [], []
+    for i in range(0, len(sample.pixels), batch_size):
+        batch = sample.pixels[i : i + batch_size]
+        o_fast.append(clf.session.run(["logits"], {"pixels": batch})[0])
+        logits, attns = clf.session.run(["logits", "attns"], {"pixels": batch, "explain": np.array(True)})
+        o_explain.append(logits)
+        o_maps.append(clf.rollout_from_attns(attns).reshape(len(batch), -1))
+    o_fast, o_explain, o_maps = np.concatenate(o_fast), np.concatenate(o_explain), np.concatenate(o_maps)
+
+    labels = sample.labels
+    known = labels >= 0
+    report: dict[str, Any] = {
+        "images": len(sample.pixels),
+        "source": sample.source,
+        "precision": "int8" if int8 else "fp32",
+        "top1_agreement": float((t_fast.argmax(-1) == o_fast.argmax(-1)).mean()),
+        "max_logit_delta": float(np.abs(t_fast - o_fast).max()),
+        "explain_max_logit_delta": float(np.abs(t_explicit - o_explain).max()),
+        "min_rollout_corr": float(map_correlation(t_maps, o_maps).min()),
+    }
+    if known.any():
+        report["torch_accuracy"] = float((t_fast.argmax(-1) == labels)[known].mean())
+        report["onnx_accuracy"] = float((o_fast.argmax(-1) == labels)[known].mean())
+    failures = []
+    if int8:
+        if report["top1_agreement"] < MIN_INT8_AGREEMENT:
+            failures.append(f"int8 top-1 agreement {report['top1_agreement']:.2%} < {MIN_INT8_AGREEMENT:.0%}")
+    else:
+        if report["top1_agreement"] < 1.0:
+            failures.append(f"top-1 agreement {report['top1_agreement']:.2%} < 100%")
+        if report["max_logit_delta"] > MAX_LOGIT_DELTA:
+            failures.append(f"max |delta logit| {report['max_logit_delta']:.2e} > {MAX_LOGIT_DELTA:.0e}")
+    if report["explain_max_logit_delta"] > MAX_LOGIT_DELTA:
+        failures.append(
+            f"explain branch max |delta logit| {report['explain_max_logit_delta']:.2e} > {MAX_LOGIT_DELTA:.0e}"
+        )
+    if report["min_rollout_corr"] < MIN_ROLLOUT_CORR:
+        failures.append(f"rollout correlation {report['min_rollout_corr']:.5f} < {MIN_ROLLOUT_CORR}")
+    report["passed"] = not failures
+    if failures:
+        raise ParityError("; ".join(failures), report)
+    return report
+
+
+def format_report(report: dict[str, Any] | None, quant: dict[str, Any] | None = None) -> str:
+    """The gate's numbers as a few aligned lines for the terminal."""
+    if report is None:
+        return "parity gate: skipped"
+    lines = [f"parity gate on {report['images']} images from {report['source']} ({report['precision']}):"]
+    lines.append(f"  top-1 agreement torch vs onnxruntime  {report['top1_agreement']:.2%}")
+    lines.append(f"  max |delta logit| (logits path)       {report['max_logit_delta']:.2e}")
+    lines.append(f"  max |delta logit| (explain path)      {report['explain_max_logit_delta']:.2e}")
+    lines.append(f"  min rollout-map correlation           {report['min_rollout_corr']:.6f}")
+    if "torch_accuracy" in report:
+        lines.append(
+            f"  accuracy torch / onnxruntime          {report['torch_accuracy']:.2%} / {report['onnx_accuracy']:.2%}"
+        )
+    if quant:
+        for name, r in quant["candidates"].items():
+            acc = f", accuracy {r['accuracy']:.2%}" if r.get("accuracy") is not None else ""
+            lines.append(
+                f"  {name:<13} agreement {r['agreement']:.2%}{acc}, {r['ms_per_image']:.2f} ms/image "
+                f"({r['speedup']:.2f}x fp32)"
+            )
+        lines.append(f"  chosen: {quant['chosen']}")
+    lines.append(f"  result: {'PASSED' if report.get('passed') else 'FAILED'}")
+    return "\n".join(lines)

@@ -1,0 +1,127 @@
+"""int8 for the logits path: dynamic quantisation, and static quantisation calibrated on validation images.
+
+Only the MatMul/Gemm weights are quantised (the transformer's cost); the patch-embedding Conv,
+LayerNorm and softmax stay fp32, which keeps the accuracy. Both kinds are tried and measured on
+the validation sample: agreement with the fp32 torch model, accuracy on the labels, and batch-1
+speed. Static wins only when it agrees at least as well and is faster.
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import torch
+from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_dynamic, quantize_static
+
+from serve.images import Preprocess
+from vit.model import VisionTransformer
+
+log = logging.getLogger(__name__)
+
+QUANT_OPS = ["MatMul", "Gemm"]
+
+
+class _PixelReader(CalibrationDataReader):
+    def __init__(self, pixels: np.ndarray, batch_size: int = 8):
+        self.batches = iter([pixels[i : i + batch_size] for i in range(0, len(pixels), batch_size)])
+
+    def get_next(self) -> dict[str, np.ndarray] | None:
+        batch = next(self.batches, None)
+        return None if batch is None else {"pixels": batch}
+
+
+def _session(model: onnx.ModelProto | bytes, threads: int = 1) -> ort.InferenceSession:
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    data = model if isinstance(model, bytes) else model.SerializeToString()
+    return ort.InferenceSession(data, options, providers=["CPUExecutionProvider"])
+
+
+def _logits(session: ort.InferenceSession, pixels: np.ndarray, batch_size: int = 32) -> np.ndarray:
+    return np.concatenate(
+        [session.run(["logits"], {"pixels": pixels[i : i + batch_size]})[0] for i in range(0, len(pixels), batch_size)]
+    )
+
+
+def _ms_per_image(session: ort.InferenceSession, pixels: np.ndarray, budget_s: float = 0.5) -> float:
+    one = pixels[:1]
+    session.run(["logits"], {"pixels": one})  # warm-up
+    times = []
+    start = time.perf_counter()
+    while time.perf_counter() - start < budget_s or len(times) < 3:
+        t = time.perf_counter()
+        session.run(["logits"], {"pixels": one})
+        times.append(time.perf_counter() - t)
+    return 1000 * float(np.median(times))
+
+
+def quantize_int8(
+    fast: onnx.ModelProto, sample: Any, net: VisionTransformer, preprocess: Preprocess
+) -> tuple[onnx.ModelProto, dict[str, Any]]:
+    """Quantise the logits graph both ways and keep the better one.
+
+    Args:
+        fast: the fp32 logits graph (input `pixels`, output `logits`).
+        sample: a `serve.parity.Sample` of validation pixels and labels.
+        net: the fp32 torch network, the reference.
+        preprocess: the serving preprocessing.
+
+    Returns:
+        (the chosen int8 graph, report with "chosen" and per-candidate agreement, accuracy, speed).
+    """
+    pixels, labels = sample.pixels, sample.labels
+    known = labels >= 0
+    with torch.no_grad():
+        reference = np.concatenate(
+            [net(torch.from_numpy(preprocess.normalize(pixels[i : i + 32]))).numpy() for i in range(0, len(pixels), 32)]
+        ).argmax(-1)
+    fp32_ms = _ms_per_image(_session(fast), pixels)
+    candidates: dict[str, onnx.ModelProto] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        src, dyn, sta = Path(tmp, "fp32.onnx"), Path(tmp, "dynamic.onnx"), Path(tmp, "static.onnx")
+        onnx.save(fast, src)
+        quantize_dynamic(src, dyn, op_types_to_quantize=QUANT_OPS, per_channel=True, weight_type=QuantType.QInt8)
+        candidates["int8-dynamic"] = onnx.load(dyn)
+        try:
+            quantize_static(
+                src,
+                sta,
+                _PixelReader(pixels[:64]),
+                quant_format=QuantFormat.QDQ,
+                op_types_to_quantize=QUANT_OPS,
+                per_channel=True,
+                activation_type=QuantType.QUInt8,
+                weight_type=QuantType.QInt8,
+            )
+            candidates["int8-static"] = onnx.load(sta)
+        except Exception as e:  # static calibration is the optional extra: report and go on with dynamic
+            log.warning("static int8 quantisation failed, keeping dynamic: %s", e)
+
+    report: dict[str, Any] = {"fp32_ms_per_image": fp32_ms, "candidates": {}}
+    for name, model in candidates.items():
+        session = _session(model)
+        pred = _logits(session, pixels).argmax(-1)
+        ms = _ms_per_image(session, pixels)
+        report["candidates"][name] = {
+            "agreement": float((pred == reference).mean()),
+            "accuracy": float((pred == labels)[known].mean()) if known.any() else None,
+            "fp32_accuracy": float((reference == labels)[known].mean()) if known.any() else None,
+            "ms_per_image": ms,
+            "speedup": fp32_ms / ms,
+        }
+    c = report["candidates"]
+    chosen = "int8-dynamic"
+    if "int8-static" in c and (c["int8-static"]["agreement"], c["int8-static"]["speedup"]) > (
+        c["int8-dynamic"]["agreement"],
+        c["int8-dynamic"]["speedup"],
+    ):
+        chosen = "int8-static"
+    report["chosen"] = chosen
+    return candidates[chosen], report

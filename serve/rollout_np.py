@@ -1,0 +1,118 @@
+"""Attention rollout in numpy: the same math as `vit.rollout`, for the torch-free runtime.
+
+A parity test pins `attention_rollout` here to `vit.attention_rollout` on the same maps, and
+`rollout_from_gradients` to `vit.rollout_from_gradients`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+# Shapes: B batch, nh heads, n prefix tokens, L patches, N = n + L tokens.
+
+HEAD_FUSIONS = ("mean", "max", "min")
+
+
+def attention_rollout(
+    attns: Sequence[np.ndarray] | np.ndarray,
+    *,
+    head_fusion: str = "mean",
+    discard_ratio: float = 0.0,
+    num_prefix_tokens: int = 1,
+    query: str = "cls",
+) -> np.ndarray:
+    """Roll attention out through the blocks: how much each patch feeds the output token.
+
+    Args:
+        attns: per-block softmax maps, first block first: a sequence of (B, nh, N, N) or one
+            (depth, B, nh, N, N) array.
+        head_fusion: "mean", "max" or "min" over heads.
+        discard_ratio: share of patch columns, per row, set to 0 (the smallest ones).
+        num_prefix_tokens: n, the CLS and register tokens in front of the patches.
+        query: "cls" reads the CLS token's row; "mean" averages the patch rows.
+
+    Returns:
+        (B, L) float32 relevance per patch, each image scaled so its maximum is 1.
+    """
+    if head_fusion not in HEAD_FUSIONS:
+        raise ValueError(f"head_fusion must be one of {HEAD_FUSIONS}, got {head_fusion!r}")
+    if not 0.0 <= discard_ratio < 1.0:
+        raise ValueError(f"discard_ratio must be in [0, 1), got {discard_ratio}")
+    _check_query(query, num_prefix_tokens)
+    if len(attns) == 0:
+        raise ValueError("attention_rollout needs at least one attention map")
+    B, _, N, _ = attns[0].shape
+    n = num_prefix_tokens
+    L = N - n
+    eye = np.eye(N, dtype=np.float32)  # (N, N)
+    rollout = np.broadcast_to(eye, (B, N, N))
+    k = math.floor(discard_ratio * L)
+    for attn in attns:
+        a = _fuse_heads(np.asarray(attn, dtype=np.float32), head_fusion)  # (B, N, N)
+        if k > 0:
+            patch_cols = a[..., n:].copy()  # (B, N, L)
+            weakest = np.argpartition(patch_cols, k - 1, axis=-1)[..., :k]  # (B, N, k)
+            np.put_along_axis(patch_cols, weakest, 0.0, axis=-1)
+            a = np.concatenate([a[..., :n], patch_cols], axis=-1)  # (B, N, N)
+        a = (a + eye) / 2  # residual path
+        a = a / a.sum(axis=-1, keepdims=True)  # rows sum to 1
+        rollout = a @ rollout  # (B, N, N): this block after everything before it
+    return _read_out(rollout, n, query)
+
+
+def rollout_from_gradients(
+    attns: Sequence[np.ndarray] | np.ndarray,
+    grads: Sequence[np.ndarray] | np.ndarray,
+    *,
+    num_prefix_tokens: int = 1,
+    query: str = "cls",
+) -> np.ndarray:
+    """Gradient-weighted rollout (Chefer et al. 2021): R <- R + mean_h((dy/dA * A)^+) R, block by block.
+
+    Args:
+        attns: per-block maps (B, nh, N, N), first block first.
+        grads: the gradient of the target score with respect to each map, same shapes.
+        num_prefix_tokens: n.
+        query: "cls" or "mean".
+
+    Returns:
+        (B, L) float32 relevance per patch, maximum 1 per image.
+    """
+    if len(attns) != len(grads) or len(attns) == 0:
+        raise ValueError(f"need one gradient per attention map, got {len(attns)} maps and {len(grads)} gradients")
+    _check_query(query, num_prefix_tokens)
+    B, _, N, _ = attns[0].shape
+    relevance = np.broadcast_to(np.eye(N, dtype=np.float32), (B, N, N))
+    for attn, grad in zip(attns, grads, strict=True):
+        if grad.shape != attn.shape:
+            raise ValueError(f"gradient shape {tuple(grad.shape)} does not match its map {tuple(attn.shape)}")
+        a = np.clip(grad * attn, 0, None).mean(axis=1)  # (B, N, N): positive, class-specific evidence
+        relevance = relevance + a @ relevance
+    return _read_out(relevance, num_prefix_tokens, query)
+
+
+def _check_query(query: str, n: int) -> None:
+    if query not in ("cls", "mean"):
+        raise ValueError(f"query must be 'cls' or 'mean', got {query!r}")
+    if query == "cls" and n < 1:
+        raise ValueError("query='cls' needs a CLS token; use query='mean' for models without one")
+
+
+def _fuse_heads(attn: np.ndarray, how: str) -> np.ndarray:
+    if how == "mean":
+        return attn.mean(axis=1)  # (B, N, N)
+    if how == "max":
+        return attn.max(axis=1)
+    return attn.min(axis=1)
+
+
+def _read_out(rollout: np.ndarray, n: int, query: str) -> np.ndarray:
+    if query == "cls":
+        out = rollout[:, 0, n:]  # (B, L): the CLS row, patch columns
+    else:
+        out = rollout[:, n:, n:].mean(axis=1)  # (B, L): mean over patch rows
+    peak = np.maximum(out.max(axis=-1, keepdims=True), np.finfo(np.float32).tiny)
+    return (out / peak).astype(np.float32)

@@ -1,0 +1,244 @@
+"""Run an exported vitscope model with onnxruntime alone: no torch, no Lightning, no side files.
+
+    clf = OnnxClassifier("artifacts/sample.onnx")
+    clf.predict(["cat.jpg", "dog.png"], top_k=3)   # [[("cat", 0.91), ...], [("dog", 0.88), ...]]
+    probs, maps = clf.rollout(clf.prepare("cat.jpg")[None])   # maps (1, Gh, Gw) in [0, 1]
+
+The file describes itself (`metadata_props`, see `serve.export`): class names, preprocessing,
+patch grid. Its input is (B, H, W, 3) uint8 pixels already resized and cropped by
+`Preprocess.to_uint8`; normalisation happens inside the graph.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnxruntime as ort
+
+from serve.images import ImageSource, Preprocess, load_image
+from serve.model_file import read_model_bytes
+from serve.rollout_np import attention_rollout, rollout_from_gradients
+
+# Shapes: B batch, H/W image, K classes, nh heads, N tokens, Gh/Gw patch grid, L = Gh * Gw.
+
+FORMAT_KEY = "vitscope_format"
+FORMAT_VERSION = "1"
+# One intra-op thread by default: on small (2-core) CPU machines two threads per session are
+# rarely faster for ViT-sized matmuls at batch 1, and a server runs several sessions/requests at
+# once; benchmarks/export_bench.py measures 1 vs 2 threads side by side. Pass `threads` to change it.
+DEFAULT_THREADS = 1
+PREFERRED_PROVIDERS = ("TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider")
+
+
+def default_providers() -> list[str]:
+    """TensorRT, then CUDA, when this onnxruntime build has them; the CPU always."""
+    available = set(ort.get_available_providers())
+    return [p for p in PREFERRED_PROVIDERS if p in available] or ["CPUExecutionProvider"]
+
+
+def softmax(logits: np.ndarray) -> np.ndarray:
+    """(B, K) logits -> (B, K) float32 probabilities."""
+    z = logits.astype(np.float32) - logits.max(axis=-1, keepdims=True)
+    e = np.exp(z)
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+class OnnxClassifier:
+    """An exported vitscope model, loaded for inference.
+
+    Args:
+        path: the .onnx file written by `vit-export`.
+        providers: onnxruntime execution providers; None picks TensorRT or CUDA when present, else CPU.
+        threads: intra-op threads per session; None uses `DEFAULT_THREADS`.
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: a truncated or foreign file, external data references, or no vitscope metadata.
+    """
+
+    def __init__(self, path: str | Path, providers: Sequence[str] | None = None, threads: int | None = None):
+        self.path = Path(path)
+        data = read_model_bytes(self.path)
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = threads or DEFAULT_THREADS
+        options.inter_op_num_threads = 1
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        options.log_severity_level = 3  # `explain` is an input with a default on purpose: no warning about it
+        self.threads = options.intra_op_num_threads
+        try:
+            self.session = ort.InferenceSession(data, options, providers=list(providers or default_providers()))
+        except Exception as e:  # onnxruntime's own errors are long; keep the first line
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise ValueError(f"{self.path} could not be loaded by onnxruntime: {first}") from None
+        raw = self.session.get_modelmeta().custom_metadata_map
+        if raw.get(FORMAT_KEY) != FORMAT_VERSION:
+            raise ValueError(
+                f"{self.path} has no vitscope metadata (class names, preprocessing); "
+                "export the checkpoint with vit-export to get a self-describing model"
+            )
+        self.metadata: dict[str, Any] = {k: _parse(v) for k, v in raw.items()}
+        m = self.metadata
+        self.labels: list[str] = [str(c) for c in m["class_names"]]
+        self.preprocess = Preprocess.from_dict(m["preprocess"])
+        self.input_size: tuple[int, int] = tuple(m["input_size"])
+        self.grid_size: tuple[int, int] = tuple(m["grid_size"])
+        self.num_prefix_tokens: int = int(m["num_prefix_tokens"])
+        self.depth: int = int(m["depth"])
+        self.num_heads: int = int(m["num_heads"])
+        self.rollout_query: str = m.get("rollout_query", "cls")
+        self.name: str = str(m.get("variant") or self.path.stem)
+        self.version: str = str(m.get("checkpoint_sha256", ""))[:12] or "unversioned"
+        inputs = {i.name for i in self.session.get_inputs()}
+        self.supports_gradients: bool = bool(m.get("supports_gradients")) and "target" in inputs
+
+    def __repr__(self) -> str:
+        return f"OnnxClassifier({str(self.path)!r}, classes={len(self.labels)}, input={self.input_size})"
+
+    def prepare(self, source: ImageSource) -> np.ndarray:
+        """Decode, resize and crop one image exactly like the evaluation transform.
+
+        Returns:
+            (H, W, 3) uint8.
+
+        Raises:
+            ImageError: the input is not a usable image.
+        """
+        return self.preprocess.to_uint8(load_image(source))
+
+    def _check_batch(self, batch: np.ndarray) -> np.ndarray:
+        batch = np.asarray(batch)
+        if batch.ndim == 3:
+            batch = batch[None]
+        H, W = self.input_size
+        if batch.dtype != np.uint8 or batch.ndim != 4 or batch.shape[1:] != (H, W, 3):
+            raise ValueError(f"expected (B, {H}, {W}, 3) uint8 pixels from prepare(), got {batch.shape} {batch.dtype}")
+        return np.ascontiguousarray(batch)
+
+    def predict_pixels(self, batch: np.ndarray) -> np.ndarray:
+        """The fast, logits-only path: (B, H, W, 3) uint8 -> (B, K) float32 probabilities."""
+        (logits,) = self.session.run(["logits"], {"pixels": self._check_batch(batch)})
+        return softmax(logits)
+
+    def predict(
+        self, images: ImageSource | Sequence[ImageSource], top_k: int = 5, batch_size: int = 32
+    ) -> list[list[tuple[str, float]]]:
+        """Classify one image or a list of images.
+
+        Args:
+            images: one `ImageSource` (path, bytes, PIL image, uint8 array) or a list of them.
+            top_k: how many classes to return per image (at most K).
+            batch_size: images per onnxruntime call.
+
+        Returns:
+            Per image, [(label, probability), ...] sorted by probability, highest first.
+        """
+        if isinstance(images, (list, tuple)):
+            sources = list(images)
+        else:
+            sources = [images]
+        k = max(1, min(int(top_k), len(self.labels)))
+        results = []
+        for i in range(0, len(sources), batch_size):
+            pixels = np.stack([self.prepare(s) for s in sources[i : i + batch_size]])
+            results.extend(self.top_k(self.predict_pixels(pixels), k))
+        return results
+
+    def top_k(self, probs: np.ndarray, k: int = 5) -> list[list[tuple[str, float]]]:
+        """(B, K) probabilities -> per image, the k best (label, probability), highest first."""
+        order = np.argsort(-probs, axis=-1, kind="stable")[:, :k]
+        return [[(self.labels[j], float(p[j])) for j in row] for p, row in zip(probs, order, strict=True)]
+
+    def attentions(self, batch: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Probabilities and every block's attention maps (the explain branch, explicit softmax).
+
+        Returns:
+            (probs (B, K), attns (depth, B, nh, N, N) float32).
+        """
+        logits, attns = self.session.run(
+            ["logits", "attns"], {"pixels": self._check_batch(batch), "explain": np.array(True)}
+        )
+        return softmax(logits), attns
+
+    def rollout(
+        self,
+        batch: np.ndarray,
+        head_fusion: str = "mean",
+        discard_ratio: float = 0.0,
+        blocks: tuple[int, int] | None = None,
+        query: str | None = None,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Attention rollout maps for a batch.
+
+        Args:
+            batch: (B, H, W, 3) uint8 from `prepare`.
+            head_fusion: "mean", "max" or "min" over heads.
+            discard_ratio: share of the weakest patch links dropped per row, in [0, 1).
+            blocks: (start, stop) rolls out only blocks[start:stop]; None uses all.
+            query: "cls" or "mean"; None uses the model's readout (CLS token when it has one).
+
+        Returns:
+            (probs (B, K), maps (B, Gh, Gw) float32, maximum 1 per image).
+        """
+        probs, attns = self.attentions(batch)
+        return probs, self.rollout_from_attns(attns, head_fusion, discard_ratio, blocks, query)
+
+    def rollout_from_attns(
+        self,
+        attns: np.ndarray,
+        head_fusion: str = "mean",
+        discard_ratio: float = 0.0,
+        blocks: tuple[int, int] | None = None,
+        query: str | None = None,
+    ) -> np.ndarray:
+        """Rollout maps (B, Gh, Gw) from maps returned by `attentions`; arguments as in `rollout`."""
+        if blocks is not None:
+            start, stop = blocks
+            attns = attns[start:stop]
+            if len(attns) == 0:
+                raise ValueError(f"blocks={blocks} selects no block of {self.depth}")
+        maps = attention_rollout(
+            attns,
+            head_fusion=head_fusion,
+            discard_ratio=discard_ratio,
+            num_prefix_tokens=self.num_prefix_tokens,
+            query=query or self.rollout_query,
+        )  # (B, L)
+        return maps.reshape(-1, *self.grid_size)
+
+    def gradient_rollout(
+        self, batch: np.ndarray, target: int | Sequence[int] | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Class-specific maps by gradient-weighted rollout (Chefer et al. 2021), gradients from the file.
+
+        Args:
+            batch: (B, H, W, 3) uint8.
+            target: a class index for all images, one per image, or None for each image's top class.
+
+        Returns:
+            (probs (B, K), maps (B, Gh, Gw) float32, maximum 1 per image).
+        """
+        if not self.supports_gradients:
+            raise ValueError(f"{self.path.name} has no gradient graph; re-export it with vit-export --gradients")
+        batch = self._check_batch(batch)
+        B = len(batch)
+        if target is None:
+            target = self.predict_pixels(batch).argmax(axis=-1)
+        target = np.broadcast_to(np.asarray(target, dtype=np.int64), (B,)).copy()
+        if target.min() < 0 or target.max() >= len(self.labels):
+            raise ValueError(f"target classes must be in [0, {len(self.labels)}), got {target.tolist()}")
+        logits, attns, grads = self.session.run(
+            ["logits", "attns", "grads"], {"pixels": batch, "explain": np.array(True), "target": target}
+        )
+        maps = rollout_from_gradients(attns, grads, num_prefix_tokens=self.num_prefix_tokens, query=self.rollout_query)
+        return softmax(logits), maps.reshape(-1, *self.grid_size)
+
+
+def _parse(value: str) -> Any:
+    try:
+        return json.loads(value)
+    except ValueError:
+        return value
