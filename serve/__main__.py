@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 from dataclasses import MISSING, fields
 from pathlib import Path
@@ -65,8 +66,14 @@ def main(argv: list[str] | None = None) -> int:
         access_log=False,
     )
     server = AnnouncingServer(config)
+    # uvicorn re-raises SIGTERM after its graceful shutdown; exiting 0 then says the drain completed
+    signal.signal(signal.SIGTERM, _exit_after_drain)
     server.run()
     return 0
+
+
+def _exit_after_drain(signum, frame) -> None:
+    raise SystemExit(0)
 
 
 class AnnouncingServer(uvicorn.Server):

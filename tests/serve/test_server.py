@@ -1,0 +1,203 @@
+"""A real `vit-serve` process on 127.0.0.1: health, classify, v2, bad inputs, load, SIGTERM draining."""
+
+from __future__ import annotations
+
+import io
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+from PIL import Image
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """`python -m serve MODEL --port <free>` with its output collected; a context manager that always stops it.
+
+    Args:
+        model: the .onnx file.
+        args: extra `vit-serve` options.
+    """
+
+    def __init__(self, model: str | Path, *args: str):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "serve", str(model), "--host", "127.0.0.1", "--port", str(self.port), *args]
+        self.proc = subprocess.Popen(
+            cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1
+        )
+        self.lines: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line.rstrip("\n"))
+
+    @property
+    def output(self) -> str:
+        return "\n".join(self.lines)
+
+    def wait_ready(self, timeout: float = 180.0) -> ServerProcess:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vit-serve exited with {self.proc.returncode}:\n{self.output}")
+            try:
+                if httpx.get(self.url + "/readyz", timeout=2).status_code == 200:
+                    return self
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(f"vit-serve not ready after {timeout} s:\n{self.output}")
+
+    def stop(self, timeout: float = 30.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self._reader.join(5)
+        return self.proc.returncode
+
+    def __enter__(self) -> ServerProcess:
+        return self.wait_ready()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def png_bytes(a: np.ndarray) -> bytes:
+    buf = io.BytesIO()
+    Image.fromarray(a).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def sample_png(seed: int = 0) -> bytes:
+    return png_bytes(np.random.default_rng(seed).integers(0, 256, (48, 40, 3), dtype=np.uint8))
+
+
+def metric(url: str, name: str, **labels) -> float:
+    """Sum of the samples of one metric (with these labels) from a live /metrics."""
+    total = 0.0
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        head, _, value = line.rpartition(" ")
+        if (head == name or head.startswith(name + "{")) and all(f'{k}="{v}"' in head for k, v in labels.items()):
+            total += float(value)
+    return total
+
+
+@pytest.fixture(scope="module")
+def server(tiny_onnx):
+    with ServerProcess(tiny_onnx, "--max-delay-ms", "10", "--max-bytes", "1048576", "--no-ui") as s:
+        yield s
+
+
+@pytest.mark.slow
+def test_the_url_is_printed_once_ready(server):
+    assert f"vitscope is ready: {server.url}/" in server.output
+
+
+@pytest.mark.slow
+def test_classify_and_v2_infer_over_http(server, tiny_onnx):
+    r = httpx.post(server.url + "/v1/classify?top_k=3", files={"file": ("a.png", sample_png(), "image/png")})
+    assert r.status_code == 200 and len(r.json()["predictions"]) == 3
+    name = r.json()["model"]
+    meta = httpx.get(f"{server.url}/v2/models/{name}").json()
+    x = np.zeros((1, *meta["inputs"][0]["shape"][1:]), np.uint8)
+    req = {"inputs": [{"name": "image", "datatype": "UINT8", "shape": list(x.shape), "data": x.ravel().tolist()}]}
+    out = httpx.post(f"{server.url}/v2/models/{name}/infer", json=req).json()["outputs"][0]
+    assert out["shape"] == [1, len(meta["parameters"]["labels"])]
+    assert sum(out["data"]) == pytest.approx(1.0, abs=1e-4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "body, ctype, status",
+    [
+        (b"\xff\xd8\xff\xe0garbage", "image/jpeg", 422),
+        (b"", "application/octet-stream", 422),
+        (b"plain text", "text/plain", 415),
+        (b"\x00" * (1024 * 1024 + 1), "image/png", 413),
+    ],
+)
+def test_bad_inputs_over_http_leave_the_server_healthy(server, body, ctype, status):
+    r = httpx.post(server.url + "/v1/classify", content=body, headers={"content-type": ctype}, timeout=30)
+    assert r.status_code == status and "error" in r.json()
+    assert httpx.get(server.url + "/readyz").status_code == 200
+    assert httpx.post(server.url + "/v1/classify", content=sample_png(), timeout=30).status_code == 200
+
+
+@pytest.mark.slow
+def test_bounded_load_has_no_errors_and_batches_requests(server):
+    duration, clients = 10.0, 16
+    images_before = metric(server.url, "vitscope_batch_size_sum")
+    batches_before = metric(server.url, "vitscope_batch_size_count")
+    data = [sample_png(i) for i in range(4)]
+
+    def client(i: int) -> tuple[int, int]:
+        ok = bad = 0
+        end = time.monotonic() + duration
+        with httpx.Client(base_url=server.url, timeout=30) as c:
+            while time.monotonic() < end:
+                r = c.post("/v1/classify", content=data[i % 4], headers={"content-type": "image/png"})
+                ok, bad = (ok + 1, bad) if r.status_code == 200 else (ok, bad + 1)
+        return ok, bad
+
+    with ThreadPoolExecutor(clients) as pool:
+        results = list(pool.map(client, range(clients)))
+    ok, bad = sum(r[0] for r in results), sum(r[1] for r in results)
+    assert bad == 0 and ok > clients
+    images = metric(server.url, "vitscope_batch_size_sum") - images_before
+    batches = metric(server.url, "vitscope_batch_size_count") - batches_before
+    assert images == ok and batches < images  # some forward passes served more than one request
+    assert metric(server.url, "vitscope_requests_total", route="/v1", status="200") >= ok
+    assert metric(server.url, "vitscope_queue_depth") >= 0
+
+
+@pytest.mark.slow
+def test_sigterm_drains_requests_in_flight_then_exits(tiny_onnx):
+    # a long batching delay keeps the requests waiting inside the server when SIGTERM arrives
+    s = ServerProcess(tiny_onnx, "--max-delay-ms", "1500", "--max-batch-size", "64", "--no-ui")
+    try:
+        s.wait_ready()
+        with ThreadPoolExecutor(6) as pool:
+            futures = [
+                pool.submit(httpx.post, s.url + "/v1/classify", content=sample_png(i), timeout=30) for i in range(6)
+            ]
+            deadline = time.monotonic() + 10
+            while metric(s.url, "vitscope_queue_depth") < 1 and time.monotonic() < deadline:
+                time.sleep(0.05)  # wait until the requests sit inside the batcher
+            s.proc.send_signal(signal.SIGTERM)
+            statuses = [f.result().status_code for f in futures]
+        assert statuses == [200] * 6
+        assert s.proc.wait(30) == 0
+        with pytest.raises(httpx.TransportError):
+            httpx.get(s.url + "/healthz", timeout=2)
+    finally:
+        s.stop()
+
+
+@pytest.mark.slow
+def test_a_missing_model_file_fails_fast_with_a_clear_message(tmp_path):
+    r = subprocess.run(
+        [sys.executable, "-m", "serve", str(tmp_path / "nope.onnx")], cwd=ROOT, capture_output=True, text=True
+    )
+    assert r.returncode == 2 and "nope.onnx" in r.stderr and "not found" in r.stderr
