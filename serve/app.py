@@ -116,7 +116,7 @@ def deletion_text(score: DeletionScore, labels) -> str:
 def example_files(folder: str | Path, per_class: int = 1, limit: int = 6) -> list[str]:
     """A few sample images, one per class folder, when the sample data exists."""
     root = Path(folder)
-    if not root.is_dir():
+    if not str(folder) or not root.is_dir():
         return []
     found: list[str] = []
     for sub in sorted(p for p in root.iterdir() if p.is_dir()):

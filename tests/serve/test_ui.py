@@ -1,0 +1,94 @@
+"""The Gradio UI: its documented api_names called with gradio_client against a real server, and its helpers."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from serve.app import cls_attention, example_files, render_overlay
+from tests.serve.test_server import ServerProcess
+
+
+@pytest.fixture(scope="module")
+def ui_server(tiny_onnx):
+    with ServerProcess(tiny_onnx, "--examples-dir", "") as s:
+        yield s
+
+
+@pytest.fixture
+def image_file(tmp_path):
+    img = np.full((32, 32, 3), 30, np.uint8)
+    img[4:14, 18:28] = 230  # bright square, top right
+    path = tmp_path / "square.png"
+    Image.fromarray(img).save(path)
+    return path
+
+
+@pytest.mark.slow
+def test_gradio_client_classify_returns_labels_overlay_and_deletion_score(ui_server, image_file, tiny_onnx):
+    from gradio_client import Client, handle_file
+
+    from serve.runtime import OnnxClassifier
+
+    clf = OnnxClassifier(tiny_onnx)
+    client = Client(ui_server.url + "/", verbose=False)
+    names = set(client.view_api(print_info=False, return_format="dict")["named_endpoints"])
+    assert {"/classify", "/attention", "/gradient_rollout"} <= names
+
+    label, overlay, text = client.predict(
+        handle_file(str(image_file)), "mean", 0.0, 0, clf.depth, 0.5, "inferno", api_name="/classify"
+    )
+    expected = clf.predict(image_file, top_k=1)[0][0][0]
+    assert label["label"] == expected
+    assert {c["label"] for c in label["confidences"]} <= set(clf.labels)
+    assert np.asarray(Image.open(overlay)).shape[2] == 3
+    assert "Deletion score" in text and "random order" in text
+
+    attn, attn_text = client.predict(
+        handle_file(str(image_file)), clf.depth - 1, clf.num_heads - 1, 0.7, "jet", api_name="/attention"
+    )
+    assert Image.open(attn).size[0] > 0 and "Deletion score" in attn_text
+
+
+@pytest.mark.slow
+def test_gradio_client_gets_a_clear_error_for_a_bad_block_range(ui_server, image_file):
+    from gradio_client import Client, handle_file
+
+    client = Client(ui_server.url + "/", verbose=False)
+    with pytest.raises(Exception, match="block range"):
+        client.predict(handle_file(str(image_file)), "mean", 0.0, 1, 1, 0.5, "inferno", api_name="/classify")
+    assert client.predict(handle_file(str(image_file)), "max", 0.5, 0, 1, 0.5, "inferno", api_name="/classify")
+
+
+def test_overlay_keeps_the_image_at_zero_opacity_and_is_the_map_at_full():
+    pixels = np.random.default_rng(0).integers(0, 256, (32, 32, 3), dtype=np.uint8)
+    grid = np.zeros((4, 4), np.float32)
+    grid[0, 0] = 1.0
+    plain = render_overlay(pixels, grid, opacity=0.0, size=32)
+    np.testing.assert_array_equal(plain, pixels)
+    full = render_overlay(pixels, grid, opacity=1.0, colormap="inferno", size=64)
+    assert full.shape == (64, 64, 3)
+    assert full[:8, :8].mean() > full[-8:, -8:].mean()  # the hot corner is brighter in inferno
+
+
+def test_cls_attention_rows_are_distributions_over_patches(tiny_onnx):
+    from serve.runtime import OnnxClassifier
+
+    clf = OnnxClassifier(tiny_onnx)
+    pixels = np.random.default_rng(1).integers(0, 256, (*clf.input_size, 3), dtype=np.uint8)
+    probs, grid = cls_attention(clf, pixels, clf.depth - 1, 0)
+    assert grid.shape == clf.grid_size and (grid >= 0).all()
+    assert grid.sum() <= 1.0 + 1e-5  # the CLS row sums to 1 over all tokens, prefix included
+    assert probs.shape == (len(clf.labels),)
+
+
+def test_examples_take_one_image_per_class_folder(tmp_path):
+    for cls in ("0", "1", "2"):
+        (tmp_path / cls).mkdir()
+        for i in range(3):
+            Image.fromarray(np.zeros((8, 8), np.uint8)).save(tmp_path / cls / f"{i}.png")
+    (tmp_path / "1" / "notes.txt").write_text("not an image")
+    found = example_files(tmp_path, limit=2)
+    assert [p.split("/")[-2:] for p in found] == [["0", "0.png"], ["1", "0.png"]]
+    assert example_files(tmp_path / "missing") == [] and example_files("") == []
