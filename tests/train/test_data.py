@@ -1,0 +1,128 @@
+"""The image-folder scan and data module on messy, broken and well-formed folders."""
+
+from __future__ import annotations
+
+import csv
+import shutil
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from serve.images import Preprocess, load_image
+from tests.train.conftest import write_shapes
+from train.data import ImageFolderDataModule
+from train.folder import scan_folder
+from train.transforms import Augment
+
+
+def test_awkward_files_load_and_broken_ones_are_skipped_with_reasons(messy_folder: Path):
+    scan = scan_folder(messy_folder, val_fraction=0.25, seed=0)
+    assert scan.classes == ["cat", "dog"]  # hidden .ipynb_checkpoints is not a class
+    names = {Path(p).name for p, _ in scan.train + scan.val}
+    assert names == {
+        "photo.jpg", "UPPER.JPG", "Shout.PNG", "gray.png", "palette.png", "rgba.png", "cmyk.jpg",
+        "sixteen.png", "exif_rotated.jpg", "dog0.png", "dog1.png", "dog2.png",
+    }  # fmt: skip
+    bad = {Path(b.path).name: b.reason for b in scan.bad}
+    assert set(bad) == {"truncated.jpg", "empty.png", "text.png"}
+    assert "empty" in bad["empty.png"] and "not an image" in bad["text.png"]
+
+
+def test_data_module_reports_bad_files_in_run_dir_and_yields_every_good_image(messy_folder: Path, tmp_path: Path):
+    dm = ImageFolderDataModule(str(messy_folder), val_fraction=0.25, img_size=32, batch_size=4, num_workers=0)
+    dm.setup("fit")
+    dm.write_reports(tmp_path / "run")
+    with open(tmp_path / "run" / "bad_files.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert sorted(Path(r["file"]).name for r in rows) == ["empty.png", "text.png", "truncated.jpg"]
+    assert all(r["reason"] for r in rows)
+    seen = 0
+    for loader in (dm.train_dataloader(), dm.val_dataloader()):
+        for x, y in loader:
+            assert x.shape[1:] == (3, 32, 32) and x.dtype == torch.float32 and torch.isfinite(x).all()
+            seen += len(y)
+    assert seen >= len(dm.scan.val) + len(dm.scan.train) - dm.batch_size  # train drops only a last partial batch
+
+
+def test_exif_rotated_jpeg_is_trained_upright(messy_folder: Path):
+    path = messy_folder / "cat" / "exif_rotated.jpg"
+    assert load_image(path).size == (40, 48)  # stored 48 x 40, displayed (and trained) rotated
+
+
+def test_validation_transform_is_the_serving_preprocessing(shapes_folder: Path):
+    dm = ImageFolderDataModule(str(shapes_folder), img_size=32, crop_pct=0.875, num_workers=0)
+    dm.setup("fit")
+    path, label = dm.scan.val[0]
+    x, y = dm.val_set[0]
+    serving = Preprocess((32, 32), 0.875, "bicubic", dm.preprocess.mean, dm.preprocess.std)
+    np.testing.assert_array_equal(x.numpy(), serving(load_image(path)))
+    assert y == label
+
+
+def test_empty_class_folder_stops_with_message_naming_it(shapes_folder: Path):
+    (shapes_folder / "empty_class").mkdir()
+    (shapes_folder / "empty_class" / ".DS_Store").write_bytes(b"\x00")
+    with pytest.raises(ValueError, match="empty_class.*no readable images"):
+        scan_folder(shapes_folder)
+
+
+def test_fewer_than_two_classes_stops_with_message_naming_the_folder(tmp_path: Path):
+    root = write_shapes(tmp_path / "one", classes=("only",))
+    with pytest.raises(ValueError, match=f"{root}.*at least 2 class folders"):
+        scan_folder(root)
+    with pytest.raises(FileNotFoundError, match="missing"):
+        scan_folder(tmp_path / "missing")
+
+
+def test_classes_are_sorted_folder_names_and_labels_follow_them(tmp_path: Path):
+    root = write_shapes(tmp_path / "s", per_class=4, classes=("zebra", "Apple", "mango"))
+    scan = scan_folder(root)
+    assert scan.classes == ["Apple", "mango", "zebra"]
+    for p, y in scan.train + scan.val:
+        assert Path(p).parent.name == scan.classes[y]
+
+
+def test_same_seed_gives_same_stratified_split_and_another_seed_another(tmp_path: Path):
+    root = write_shapes(tmp_path / "s", per_class=20)
+    a, b, c = scan_folder(root, 0.25, seed=1), scan_folder(root, 0.25, seed=1), scan_folder(root, 0.25, seed=2)
+    assert a.train == b.train and a.val == b.val
+    assert a.val != c.val
+    assert Counter(y for _, y in a.val) == {0: 5, 1: 5, 2: 5}  # 25 % of every class
+    assert not {p for p, _ in a.train} & {p for p, _ in a.val}
+
+
+def test_split_is_saved_as_json_with_absolute_paths(shapes_folder: Path, tmp_path: Path):
+    dm = ImageFolderDataModule(str(shapes_folder), img_size=32, num_workers=0)
+    dm.write_reports(tmp_path / "run")
+    import json
+
+    split = json.loads((tmp_path / "run" / "split.json").read_text())
+    assert split["classes"] == ["bar", "column", "square"]
+    assert {"path", "label"} == set(split["val"][0])
+    assert all(Path(e["path"]).is_absolute() and Path(e["path"]).is_file() for e in split["train"] + split["val"])
+    assert len(split["train"]) + len(split["val"]) == 90
+
+
+def test_train_val_layout_keeps_the_users_split(tmp_path: Path):
+    root = tmp_path / "tv"
+    write_shapes(root / "train", per_class=6)
+    write_shapes(root / "val", per_class=2, seed=1)
+    scan = scan_folder(root, val_fraction=0.5)
+    assert scan.layout == "train_val" and scan.classes == ["bar", "column", "square"]
+    assert len(scan.train) == 18 and len(scan.val) == 6
+    assert all("/val/" in p for p, _ in scan.val) and all("/train/" in p for p, _ in scan.train)
+    shutil.rmtree(root / "val" / "square")
+    with pytest.raises(ValueError, match="same class folders"):
+        scan_folder(root)
+
+
+def test_training_transform_without_augmentation_matches_the_serving_preprocessing(shapes_folder: Path):
+    off = Augment(crop_scale=(1.0, 1.0), crop_ratio=(1.0, 1.0), hflip=0.0, rand_augment=None, re_prob=0.0)
+    dm = ImageFolderDataModule(str(shapes_folder), img_size=32, crop_pct=1.0, augment=off, num_workers=0)
+    dm.setup("fit")
+    path, _ = dm.scan.train[0]
+    x, _ = dm.train_set[0]
+    np.testing.assert_allclose(x.numpy(), dm.preprocess(load_image(path)), atol=1e-6)

@@ -1,0 +1,115 @@
+"""`vit-train`: LightningCLI over `ViTClassifier` and `ImageFolderDataModule`.
+
+    vit-train fit --config configs/sample.yaml --trainer.default_root_dir runs/sample
+    vit-train fit --config configs/sample.yaml --trainer.default_root_dir runs/sample --ckpt_path last
+
+A run directory holds `checkpoints/best.ckpt` and `checkpoints/last.ckpt` (no version folders, so
+`--ckpt_path last` resumes in place), `config.yaml`, TensorBoard and CSV logs, `split.json`,
+`bad_files.csv` and `reports/` (confusion matrix, per-class accuracy).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint, ProgressBar, RichProgressBar
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+
+from train.data import ImageFolderDataModule
+from train.module import ViTClassifier
+
+log = logging.getLogger(__name__)
+
+
+class RunDirConfig(SaveConfigCallback):
+    """Save the resolved config as `<run_dir>/config.yaml` (not inside a logger's version folder)."""
+
+    def setup(self, trainer: Trainer, pl_module, stage: str) -> None:
+        if self.already_saved or not trainer.is_global_zero:
+            return
+        run_dir = Path(trainer.default_root_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.parser.save(self.config, run_dir / self.config_filename, skip_none=False, overwrite=True, multifile=False)
+        self.already_saved = True
+
+
+class VitCLI(LightningCLI):
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        parser.add_argument(
+            "--num_threads",
+            type=int | None,
+            default=None,
+            help="CPU threads for PyTorch ops (torch.set_num_threads); None keeps PyTorch's default",
+        )
+        parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
+        parser.set_defaults(
+            {
+                "checkpoint.filename": "best",
+                "checkpoint.monitor": "val/acc",
+                "checkpoint.mode": "max",
+                "checkpoint.save_top_k": 1,
+                "checkpoint.save_last": True,
+                "checkpoint.enable_version_counter": False,
+            }
+        )
+        parser.link_arguments("data.img_size", "model.img_size")
+        parser.link_arguments("data.num_classes", "model.num_classes", apply_on="instantiate")
+
+    def before_instantiate_classes(self) -> None:
+        config = self.config.get(str(self.subcommand), self.config)
+        if config.get("num_threads"):
+            torch.set_num_threads(config["num_threads"])
+
+    def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Callback]) -> Trainer:
+        run_dir = Path(config.get("default_root_dir") or os.getcwd())
+        if config.get("logger") in (None, True):  # default loggers live in the run directory
+            config["logger"] = [TensorBoardLogger(run_dir, name="tensorboard"), CSVLogger(run_dir, name="csv")]
+        has_bar = any(isinstance(cb, ProgressBar) for cb in (config.get("callbacks") or []))
+        if config.get("enable_progress_bar") is not False and not has_bar:
+            callbacks = [*callbacks, RichProgressBar()]
+        for cb in callbacks:
+            if isinstance(cb, ModelCheckpoint) and cb.dirpath is None:
+                cb.dirpath = str(run_dir / "checkpoints")  # fixed: resume finds last.ckpt here
+        return super()._instantiate_trainer(config, callbacks)
+
+    def after_fit(self) -> None:
+        trainer = self.trainer
+        if not trainer.is_global_zero:
+            return
+        ckpt = trainer.checkpoint_callback
+        best = Path(ckpt.best_model_path) if ckpt and ckpt.best_model_path else None
+        score = ckpt.best_model_score if ckpt is not None else None
+        lines = ["", "Training finished."]
+        if score is not None:
+            lines.append(f"  best validation accuracy: {float(score):.4f}")
+        if best is not None:
+            lines += [
+                f"  best checkpoint: {best}",
+                "  next: export it to ONNX with",
+                f"    vit-export {best} -o model.onnx",
+            ]
+        log.info("\n".join(lines))
+
+
+def main(args: list[str] | None = None) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    logging.getLogger("train").setLevel(logging.INFO)
+    torch.set_float32_matmul_precision("high")
+    VitCLI(
+        ViTClassifier,
+        ImageFolderDataModule,
+        save_config_callback=RunDirConfig,
+        save_config_kwargs={"overwrite": True},
+        args=args,
+        auto_configure_optimizers=False,
+    )
+
+
+if __name__ == "__main__":
+    main()

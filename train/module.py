@@ -1,0 +1,257 @@
+"""The LightningModule: a `vit.VisionTransformer` trained as an image classifier.
+
+AdamW (no weight decay on norms, biases, position embedding and tokens), cosine schedule with
+linear warmup, optional layer-wise LR decay, optional EMA of the weights (validated and saved),
+mixup/cutmix with soft-target cross-entropy, label smoothing, top-1/top-5 accuracy and a
+confusion matrix written into the run directory.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import numpy as np
+import torch
+from timm.data import Mixup
+from timm.loss import SoftTargetCrossEntropy
+from timm.utils import ModelEmaV3
+from torch import nn
+from torchmetrics.classification import MulticlassAccuracy, MulticlassConfusionMatrix
+
+from train.checkpoint import META_KEY
+from train.reports import write_confusion_csv, write_confusion_png
+from vit.model import VisionTransformer, create_model
+from vit.timm_compat import from_timm
+
+
+def build_network(
+    num_classes: int,
+    img_size: int,
+    variant: str,
+    net_args: dict[str, Any] | None,
+    pretrained: str | None,
+    arch: str | None,
+) -> VisionTransformer:
+    """A named variant (fresh weights) or pretrained timm weights with a fresh head for `num_classes`."""
+    overrides = {**(net_args or {}), "num_classes": num_classes, "img_size": img_size}
+    if pretrained is None:
+        return create_model(variant, **overrides)
+    is_file = Path(pretrained).suffix in (".safetensors", ".pth", ".pt", ".bin")
+    if is_file:
+        return from_timm(pretrained, arch or variant, **overrides)
+    return from_timm(pretrained, pretrained=True, **overrides)
+
+
+class ViTClassifier(pl.LightningModule):
+    """Image classifier around `vit.VisionTransformer`.
+
+    Args:
+        num_classes: number of classes (linked from the data module).
+        img_size: input side in pixels (linked from the data module).
+        variant: a `vit.VARIANTS` name: the architecture (and, with `pretrained`, the timm architecture
+            of a local checkpoint file).
+        net_args: `VisionTransformer` arguments that override the variant's (e.g. drop_path_rate).
+        pretrained: start from timm weights: a timm model name (downloaded when the hub is reachable)
+            or a local .safetensors/.pth/.bin file. The head is always fresh.
+        lr: peak learning rate (after warmup).
+        min_lr: learning rate at the end of the cosine schedule.
+        weight_decay: AdamW weight decay (never on norms, biases, position embedding or tokens).
+        betas: AdamW betas.
+        warmup_epochs: linear warmup length, in epochs (fractions allowed).
+        layer_decay: layer-wise LR decay (e.g. 0.75 for fine-tuning): block i gets lr * decay^(depth + 1 - i).
+        label_smoothing: label smoothing of the cross-entropy.
+        mixup_alpha: mixup strength (0 disables mixup).
+        cutmix_alpha: cutmix strength (0 disables cutmix).
+        mix_prob: probability of mixing a batch when mixup or cutmix is on.
+        ema_decay: keep an exponential moving average of the weights with this decay; it is what
+            validation scores and the checkpoint exports. None disables it.
+        channels_last: feed images in channels-last memory format (faster patch embedding on GPU).
+        compile: run the network through `torch.compile`.
+    """
+
+    def __init__(
+        self,
+        num_classes: int = 1000,
+        img_size: int = 224,
+        variant: str = "vit_tiny_patch16_224",
+        net_args: dict[str, Any] | None = None,
+        pretrained: str | None = None,
+        lr: float = 1.0e-3,
+        min_lr: float = 1.0e-6,
+        weight_decay: float = 0.05,
+        betas: tuple[float, float] = (0.9, 0.999),
+        warmup_epochs: float = 5.0,
+        layer_decay: float | None = None,
+        label_smoothing: float = 0.1,
+        mixup_alpha: float = 0.0,
+        cutmix_alpha: float = 0.0,
+        mix_prob: float = 1.0,
+        ema_decay: float | None = None,
+        channels_last: bool = False,
+        compile: bool = False,
+    ):
+        super().__init__()
+        self.save_hyperparameters()
+        self.net = build_network(num_classes, img_size, variant, net_args, pretrained, variant)
+        self.ema = ModelEmaV3(self.net, decay=ema_decay) if ema_decay else None
+        self.mixup = None
+        if mixup_alpha > 0 or cutmix_alpha > 0:
+            self.mixup = Mixup(
+                mixup_alpha, cutmix_alpha, prob=mix_prob, label_smoothing=label_smoothing, num_classes=num_classes
+            )
+        self.train_loss = (
+            SoftTargetCrossEntropy() if self.mixup else nn.CrossEntropyLoss(label_smoothing=label_smoothing)
+        )
+        self.val_acc = MulticlassAccuracy(num_classes, top_k=1, average="micro")
+        self.val_acc5 = MulticlassAccuracy(num_classes, top_k=min(5, num_classes), average="micro")
+        self.val_confmat = MulticlassConfusionMatrix(num_classes)
+        self.class_names = [str(i) for i in range(num_classes)]
+        self.preprocess: dict[str, Any] | None = None
+        self.best_acc = -1.0
+        self._compiled = None
+
+    @property
+    def eval_net(self) -> VisionTransformer:
+        """The network that validation scores and the checkpoint exports: the EMA copy when there is one."""
+        return self.ema.module if self.ema is not None else self.net
+
+    def _inputs(self, x: torch.Tensor) -> torch.Tensor:
+        return x.contiguous(memory_format=torch.channels_last) if self.hparams.channels_last else x
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Args:
+            x: normalised images (B, 3, H, W).
+
+        Returns:
+            Logits (B, K) of the evaluated network.
+        """
+        return self.eval_net(self._inputs(x))
+
+    def setup(self, stage: str) -> None:
+        dm = getattr(self.trainer, "datamodule", None)
+        if dm is not None and hasattr(dm, "classes"):
+            self.class_names = list(dm.classes)
+            self.preprocess = dm.preprocess.to_dict()
+        if self.hparams.channels_last:
+            self.net.to(memory_format=torch.channels_last)
+        if self.hparams.compile and self._compiled is None:
+            self._compiled = torch.compile(self.net)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch  # (B, 3, H, W), (B,)
+        if self.mixup is not None:
+            x, y = self.mixup(x, y)  # y becomes (B, K) soft targets
+        logits = (self._compiled or self.net)(self._inputs(x))  # (B, K)
+        loss = self.train_loss(logits, y)
+        self.log("train/loss", loss, prog_bar=True)
+        return loss
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self.ema is not None:
+            self.ema.update(self.net, step=self.global_step)
+
+    def _evaluate(self, batch: tuple[torch.Tensor, torch.Tensor], prefix: str) -> None:
+        x, y = batch
+        logits = self(x)  # (B, K)
+        self.log(f"{prefix}/loss", nn.functional.cross_entropy(logits, y), sync_dist=True)
+        self.val_acc(logits, y)
+        self.val_acc5(logits, y)
+        self.val_confmat(logits, y)
+        self.log(f"{prefix}/acc", self.val_acc, prog_bar=True)
+        self.log(f"{prefix}/acc5", self.val_acc5)
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        self._evaluate(batch, "val")
+
+    def test_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        self._evaluate(batch, "test")
+
+    def predict_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return self(batch[0]).softmax(-1)  # (B, K) probabilities
+
+    def _epoch_report(self) -> None:
+        confmat = self.val_confmat.compute().cpu().numpy()  # (K, K), summed over ranks
+        self.val_confmat.reset()
+        if self.trainer.sanity_checking or not self.trainer.is_global_zero:
+            return
+        acc = float(np.trace(confmat) / max(confmat.sum(), 1))
+        fitting = self.trainer.state.fn == "fit"
+        if fitting and acc <= self.best_acc:
+            return
+        self.best_acc = max(self.best_acc, acc)
+        reports = Path(self.trainer.default_root_dir) / "reports"
+        write_confusion_csv(confmat, self.class_names, reports)
+        self._confmat = (confmat, f"epoch {self.current_epoch}: accuracy {acc:.4f}")
+        if not fitting:
+            write_confusion_png(confmat, self.class_names, reports / "confusion_matrix.png", self._confmat[1])
+
+    def on_validation_epoch_end(self) -> None:
+        self._epoch_report()
+
+    def on_test_epoch_end(self) -> None:
+        self._epoch_report()
+
+    def on_fit_end(self) -> None:
+        if self.trainer.is_global_zero and getattr(self, "_confmat", None) is not None:
+            confmat, title = self._confmat
+            reports = Path(self.trainer.default_root_dir) / "reports"
+            write_confusion_png(confmat, self.class_names, reports / "confusion_matrix.png", "best " + title)
+
+    def param_groups(self) -> list[dict[str, Any]]:
+        """AdamW groups: no decay on 1-d parameters and tokens; per-layer LR scale with `layer_decay`."""
+        hp, net = self.hparams, self.net
+        skip = net.no_weight_decay()
+        n_layers = len(net.blocks) + 1
+        groups: dict[tuple[int, bool], dict[str, Any]] = {}
+        for name, p in net.named_parameters():
+            if not p.requires_grad:
+                continue
+            no_decay = p.ndim <= 1 or name.split(".")[0] in skip
+            layer = net.layer_id(name) if hp.layer_decay else n_layers
+            key = (layer, no_decay)
+            if key not in groups:
+                scale = hp.layer_decay ** (n_layers - layer) if hp.layer_decay else 1.0
+                groups[key] = {"params": [], "weight_decay": 0.0 if no_decay else hp.weight_decay, "lr_scale": scale}
+            groups[key]["params"].append(p)
+        for g in groups.values():
+            g["lr"] = hp.lr * g["lr_scale"]
+        return list(groups.values())
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        hp = self.hparams
+        opt = torch.optim.AdamW(self.param_groups(), lr=hp.lr, betas=tuple(hp.betas))
+        total = max(1, int(self.trainer.estimated_stepping_batches))
+        epochs = max(1, self.trainer.max_epochs or 1)
+        warmup = min(int(hp.warmup_epochs * total / epochs), total - 1)
+        floor = hp.min_lr / hp.lr
+
+        def lr_factor(step: int) -> float:
+            if step < warmup:
+                return (step + 1) / (warmup + 1)
+            t = (step - warmup) / max(1, total - warmup)
+            return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(t, 1.0)))
+
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Add the plain-data entry that `train.checkpoint.load_network` rebuilds the network from."""
+        import lightning
+        import timm
+
+        checkpoint[META_KEY] = {
+            "model_config": dict(self.net.config),
+            "class_names": list(self.class_names),
+            "preprocess": self.preprocess,
+            "weights_prefix": "ema.module." if self.ema is not None else "net.",
+            "variant": self.hparams.variant,
+            "versions": {"torch": torch.__version__, "lightning": lightning.__version__, "timm": timm.__version__},
+        }
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        meta = checkpoint.get(META_KEY, {})
+        self.class_names = list(meta.get("class_names", self.class_names))
+        self.preprocess = meta.get("preprocess", self.preprocess)

@@ -1,0 +1,60 @@
+"""Validation reports written into the run directory: confusion matrix (CSV, PNG) and per-class accuracy."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+import numpy as np
+
+
+def write_confusion_csv(confmat: np.ndarray, classes: list[str], out_dir: Path) -> None:
+    """Write `confusion_matrix.csv` (rows: true class, columns: predicted) and `per_class_accuracy.csv`.
+
+    Args:
+        confmat: (K, K) counts, rows true, columns predicted.
+        classes: the K class names.
+        out_dir: the folder to write into (created).
+    """
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with open(out_dir / "confusion_matrix.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["true \\ predicted", *classes])
+        for name, row in zip(classes, confmat, strict=False):
+            w.writerow([name, *map(int, row)])
+    support = confmat.sum(axis=1)
+    correct = np.diag(confmat)
+    with open(out_dir / "per_class_accuracy.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["class", "accuracy", "correct", "images"])
+        for name, c, n in zip(classes, correct, support, strict=False):
+            w.writerow([name, f"{c / n:.4f}" if n else "", int(c), int(n)])
+
+
+def write_confusion_png(confmat: np.ndarray, classes: list[str], path: Path, title: str = "") -> None:
+    """Draw the confusion matrix, normalised per true class, with counts in the cells."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    K = len(classes)
+    rates = confmat / np.maximum(confmat.sum(axis=1, keepdims=True), 1)
+    side = min(4 + 0.45 * K, 40)
+    fig, ax = plt.subplots(figsize=(side, side))
+    ax.imshow(rates, cmap="Blues", vmin=0, vmax=1)
+    ax.set_xticks(range(K), classes, rotation=90 if K > 10 else 0)
+    ax.set_yticks(range(K), classes)
+    ax.set_xlabel("predicted")
+    ax.set_ylabel("true")
+    ax.set_title(title)
+    if K <= 30:
+        for i in range(K):
+            for j in range(K):
+                if confmat[i, j]:
+                    color = "white" if rates[i, j] > 0.5 else "black"
+                    ax.text(j, i, int(confmat[i, j]), ha="center", va="center", color=color, fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
