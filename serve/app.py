@@ -43,7 +43,7 @@ def render_overlay(
 
     Args:
         pixels: (H, W, 3) uint8, the model's input crop.
-        grid: (Gh, Gw) relevance, any scale (normalised to its own maximum here).
+        grid: (Gh, Gw) relevance, any scale (stretched to its own min-max range here).
         opacity: weight of the heat map, 0 (image only) to 1 (map only).
         colormap: a matplotlib colormap name.
         size: longer side of the result in pixels.
@@ -56,7 +56,8 @@ def render_overlay(
     w, h = max(1, round(W * scale)), max(1, round(H * scale))
     base = np.asarray(Image.fromarray(pixels).resize((w, h), Image.Resampling.BICUBIC), np.float32)  # (h, w, 3)
     g = np.asarray(grid, np.float32)
-    g = g / g.max() if g.max() > 0 else g
+    span = float(g.max() - g.min())
+    g = (g - g.min()) / span if span > 1e-8 else np.zeros_like(g)  # min-max: the contrast within this map
     heat = np.asarray(Image.fromarray(g).resize((w, h), Image.Resampling.BILINEAR), np.float32)  # (h, w)
     rgb = matplotlib.colormaps[colormap](np.clip(heat, 0.0, 1.0))[..., :3] * 255.0  # (h, w, 3)
     return np.clip((1.0 - opacity) * base + opacity * rgb, 0, 255).astype(np.uint8)
@@ -192,7 +193,9 @@ def build_ui(classifier, engine, settings) -> gr.Blocks:
         )
         with gr.Row():
             image = gr.Image(type="filepath", image_mode=None, sources=["upload", "clipboard", "webcam"], label="Image")
-            overlay = gr.Image(type="numpy", label="Attention rollout", interactive=False, elem_id="overlay")
+            overlay = gr.Image(
+                type="numpy", label="Attention rollout", interactive=False, elem_id="overlay", height=320
+            )
         with gr.Row():
             label = gr.Label(num_top_classes=min(settings.top_k, len(labels)), label="Prediction", elem_id="label")
             faith = gr.Markdown(elem_id="faithfulness")
