@@ -91,8 +91,8 @@ def _const(graph: onnx.GraphProto, name: str, values: list[int]) -> str:
 def _as_branch(model: onnx.ModelProto, prefix: str, shared: dict[str, onnx.TensorProto]) -> onnx.GraphProto:
     """The model's graph as an If branch: no inputs, its names prefixed, its weights moved to `shared`.
 
-    Identical tensors (same dtype, shape and bytes) from both graphs are stored once, under a
-    name derived from their content.
+    `shared` maps a content digest to the tensor: identical tensors (same dtype, shape and
+    bytes) from both graphs are stored once.
     """
     if model.functions:
         model = onnx.inliner.inline_local_functions(model)
@@ -100,19 +100,15 @@ def _as_branch(model: onnx.ModelProto, prefix: str, shared: dict[str, onnx.Tenso
     outer = {i.name for i in g.input}  # read from the outer graph, not renamed
     rename: dict[str, str] = {}
     for init in g.initializer:
-        key = hashlib.sha1(
-            init.name.encode()
-            + bytes([init.data_type])
-            + str(list(init.dims)).encode()
-            + numpy_helper.to_array(init).tobytes()
-        ).hexdigest()[:16]
-        name = f"{init.name.split('/')[-1]}@{key}"
-        rename[init.name] = name
-        if name not in shared:
+        digest = hashlib.sha1(bytes([init.data_type]) + str(list(init.dims)).encode())
+        digest.update(numpy_helper.to_array(init).tobytes())
+        key = digest.hexdigest()[:16]
+        if key not in shared:  # same content, same tensor: the first name it was seen under
             t = onnx.TensorProto()
             t.CopyFrom(init)
-            t.name = name
-            shared[name] = t
+            t.name = f"{init.name.split('/')[-1]}@{key}"
+            shared[key] = t
+        rename[init.name] = shared[key].name
 
     def new(name: str) -> str:
         if not name or name in outer:

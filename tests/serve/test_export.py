@@ -1,17 +1,104 @@
-"""vit-export: the exported file, its metadata, the parity gate, int8."""
+"""vit-export: the exported file, its metadata, the explain branch, the parity gate, int8."""
 
 from __future__ import annotations
 
-import numpy as np
+import json
 
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+
+from serve import parity
+from serve.export import main
 from serve.runtime import OnnxClassifier
+
+from .conftest import CLASS_NAMES
 
 
 def test_exported_model_predicts_the_quadrant_of_its_validation_images(tiny_onnx, tiny_run):
-    import json
-
     clf = OnnxClassifier(tiny_onnx)
     val = json.loads((tiny_run / "split.json").read_text())["val"]
     top = clf.predict([v["path"] for v in val], top_k=2)
     accuracy = np.mean([clf.labels.index(t[0][0]) == v["label"] for t, v in zip(top, val, strict=True)])
     assert accuracy >= 0.9
+
+
+def test_metadata_round_trips_from_the_checkpoint_to_the_file(tiny_onnx, tiny_checkpoint):
+    from train.checkpoint import load_network
+
+    net, meta = load_network(tiny_checkpoint)
+    clf = OnnxClassifier(tiny_onnx)
+    assert clf.labels == CLASS_NAMES
+    assert clf.preprocess == meta["preprocess"]
+    assert clf.input_size == (32, 32) and clf.grid_size == (4, 4)
+    assert (clf.num_prefix_tokens, clf.depth, clf.num_heads) == (1, 2, 2)
+    assert clf.name == "tiny_test" and clf.version == meta["sha256"][:12]
+    m = clf.metadata
+    assert m["checkpoint_sha256"] == meta["sha256"] and m["quantization"] == "none"
+    assert m["mean"] == list(meta["preprocess"].mean) and m["std"] == list(meta["preprocess"].std)
+    assert {"vitscope", "torch", "onnx", "onnxruntime", "opset"} <= set(m["versions"])
+    assert m["model_config"]["embed_dim"] == net.config["embed_dim"]
+
+
+def test_the_graph_takes_uint8_pixels_and_explain_is_optional(tiny_onnx):
+    model = onnx.load(tiny_onnx)
+    onnx.checker.check_model(model)
+    session = ort.InferenceSession(str(tiny_onnx), providers=["CPUExecutionProvider"])
+    pixels = session.get_inputs()[0]
+    assert pixels.name == "pixels" and pixels.type == "tensor(uint8)" and pixels.shape[1:] == [32, 32, 3]
+    x = np.random.default_rng(0).integers(0, 256, (3, 32, 32, 3), dtype=np.uint8)
+    logits, attns = session.run(None, {"pixels": x})  # no explain input: the fast branch
+    assert logits.shape == (3, 4) and attns.size == 0
+    logits2, attns2 = session.run(None, {"pixels": x, "explain": np.array(True)})
+    np.testing.assert_allclose(logits2, logits, atol=1e-5)
+    assert attns2.shape == (2, 3, 2, 17, 17)
+    np.testing.assert_allclose(attns2.sum(-1), 1.0, atol=1e-5)  # softmax rows
+
+
+def test_weights_are_stored_once_for_both_branches(tiny_onnx, tiny_checkpoint):
+    from train.checkpoint import load_network
+
+    net, _ = load_network(tiny_checkpoint)
+    n_params = sum(p.numel() for p in net.parameters())
+    model = onnx.load(tiny_onnx)
+    stored = sum(int(np.prod(t.dims)) for t in model.graph.initializer)
+    assert n_params <= stored < 1.3 * n_params
+
+
+def test_the_parity_gate_fails_loudly_and_writes_nothing(tiny_checkpoint, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(parity, "MAX_LOGIT_DELTA", 0.0)  # no real export is bit-exact: the gate must trip
+    out = tmp_path / "model.onnx"
+    assert main([str(tiny_checkpoint), "-o", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert "parity gate FAILED" in err and "max |delta logit|" in err
+    assert not out.exists() and list(tmp_path.iterdir()) == []
+
+
+def test_the_gate_catches_a_model_that_differs_from_the_checkpoint(tiny_onnx, tiny_checkpoint):
+    import torch
+
+    from train.checkpoint import load_network
+
+    net, meta = load_network(tiny_checkpoint)
+    with torch.no_grad():
+        net.head.bias[0] += 1.0  # what the file holds is no longer what the checkpoint holds
+    sample = parity.validation_sample(tiny_checkpoint, CLASS_NAMES, meta["preprocess"])
+    with pytest.raises(parity.ParityError, match="delta logit") as err:
+        parity.check(net, tiny_onnx, sample, meta["preprocess"])
+    assert err.value.report["max_logit_delta"] == pytest.approx(1.0, abs=1e-3)
+
+
+@pytest.mark.slow
+def test_int8_export_runs_reports_and_keeps_the_answers(tiny_checkpoint, tmp_path, capsys):
+    out = tmp_path / "int8.onnx"
+    assert main([str(tiny_checkpoint), "-o", str(out), "--quantize", "int8", "--img-size", "32", "32"]) == 0
+    printed = capsys.readouterr().out
+    assert "int8-dynamic" in printed and "chosen: int8-" in printed and "PASSED" in printed
+    clf = OnnxClassifier(out)
+    assert clf.metadata["quantization"].startswith("int8-") and clf.metadata["explain_precision"] == "fp32"
+    branches = {a.name: a.g for a in onnx.load(out).graph.node[0].attribute}
+    ops = {n.op_type for n in branches["else_branch"].node}  # the logits path
+    assert ops & {"MatMulInteger", "DynamicQuantizeLinear", "QuantizeLinear", "QLinearMatMul"}
+    probs, maps = clf.rollout(np.zeros((1, 32, 32, 3), np.uint8))
+    assert maps.shape == (1, 4, 4)

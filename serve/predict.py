@@ -1,0 +1,129 @@
+"""`vit-predict`: classify image files and folders with an exported model, no torch needed.
+
+    vit-predict artifacts/sample.onnx photo.jpg data/digits/ --top-k 3 --format csv > predictions.csv
+
+Results go to stdout: `json` writes one JSON object per image per line (JSON Lines), `csv` one
+row per image and rank. Files that cannot be read are reported on stderr, one per line, and the
+run goes on; the exit status is non-zero only when nothing could be classified.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TextIO
+
+import numpy as np
+from tqdm import tqdm
+
+from serve.images import ImageError, is_image_file
+from serve.runtime import OnnxClassifier
+
+PROGRESS_MIN_FILES = 20  # a bar for a handful of files is noise
+
+
+def collect_files(paths: list[Path], errors: TextIO) -> list[Path]:
+    """Files as given, and the image files under folders (recursive, sorted); missing paths reported."""
+    files: list[Path] = []
+    for p in paths:
+        if p.is_dir():
+            found = sorted(f for f in p.rglob("*") if f.is_file() and is_image_file(f))
+            if not found:
+                print(f"{p}: no image files in this folder", file=errors)
+            files.extend(found)
+        elif p.exists():
+            files.append(p)
+        else:
+            print(f"{p}: no such file or folder", file=errors)
+    return files
+
+
+def _batches(files: list[Path], batch_size: int) -> Iterator[list[Path]]:
+    for i in range(0, len(files), batch_size):
+        yield files[i : i + batch_size]
+
+
+class _Writer:
+    def __init__(self, fmt: str, out: TextIO):
+        self.fmt, self.out = fmt, out
+        if fmt == "csv":
+            self.csv = csv.writer(out, lineterminator="\n")
+            self.csv.writerow(["path", "rank", "label", "probability"])
+
+    def write(self, path: Path, top: list[tuple[str, float]]) -> None:
+        if self.fmt == "csv":
+            for rank, (label, prob) in enumerate(top, start=1):
+                self.csv.writerow([str(path), rank, label, f"{prob:.6f}"])
+        else:
+            preds = [{"label": label, "probability": round(prob, 6)} for label, prob in top]
+            self.out.write(json.dumps({"path": str(path), "predictions": preds}) + "\n")
+
+
+def run(
+    model: Path,
+    paths: list[Path],
+    top_k: int = 5,
+    fmt: str = "json",
+    batch_size: int = 32,
+    threads: int | None = None,
+    out: TextIO | None = None,
+    errors: TextIO | None = None,
+) -> tuple[int, int]:
+    """Classify every image under `paths`, writing results to `out` and unreadable files to `errors`.
+
+    Returns:
+        (classified, failed) counts.
+    """
+    out, errors = out or sys.stdout, errors or sys.stderr
+    clf = OnnxClassifier(model, threads=threads)
+    files = collect_files(paths, errors)
+    writer = _Writer(fmt, out)
+    done, failed = 0, 0
+    with tqdm(total=len(files), unit="img", file=sys.stderr, disable=len(files) < PROGRESS_MIN_FILES) as bar:
+        for group in _batches(files, batch_size):
+            ok, pixels = [], []
+            for f in group:
+                try:
+                    pixels.append(clf.prepare(f))
+                    ok.append(f)
+                except (ImageError, OSError) as e:
+                    failed += 1
+                    tqdm.write(f"{f}: {e}", file=errors)  # one line per file, path first
+            if pixels:
+                probs = clf.predict_pixels(np.stack(pixels))
+                for f, top in zip(ok, clf.top_k(probs, top_k), strict=True):
+                    writer.write(f, top)
+                done += len(ok)
+            out.flush()
+            bar.update(len(group))
+    return done, failed
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command line entry point (`vit-predict`)."""
+    p = argparse.ArgumentParser(prog="vit-predict", description=__doc__.split("\n\n")[0])
+    p.add_argument("model", type=Path, help="an .onnx file written by vit-export")
+    p.add_argument("paths", type=Path, nargs="+", metavar="PATH", help="image files or folders (searched recursively)")
+    p.add_argument("--top-k", type=int, default=5, help="classes per image (default 5)")
+    p.add_argument("--format", choices=["json", "csv"], default="json", help="json: one object per line; csv: rows")
+    p.add_argument("--batch-size", type=int, default=32, help="images per onnxruntime call (default 32)")
+    p.add_argument("--threads", type=int, default=None, help="onnxruntime intra-op threads (default 1)")
+    args = p.parse_args(argv)
+    if args.top_k < 1 or args.batch_size < 1:
+        p.error("--top-k and --batch-size must be at least 1")
+    try:
+        done, failed = run(args.model, args.paths, args.top_k, args.format, args.batch_size, args.threads)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"vit-predict: {e}", file=sys.stderr)
+        return 2
+    if failed:
+        print(f"vit-predict: classified {done} images, {failed} could not be read", file=sys.stderr)
+    return 0 if done else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,70 @@
+"""vit-predict: folders with broken files in them, both output formats, exit codes."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+
+import numpy as np
+from PIL import Image
+
+from serve.predict import main
+
+from .conftest import CLASS_NAMES, quadrant_images
+
+
+def _folder(tmp_path, n: int = 6):
+    images, labels = quadrant_images(n, seed=3)
+    folder = tmp_path / "photos"
+    for i, (img, label) in enumerate(zip(images, labels, strict=True)):
+        sub = folder / ("nested" if i % 2 else "")
+        sub.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(img).save(sub / f"{i}_{CLASS_NAMES[label]}.png")
+    return folder
+
+
+def test_a_folder_with_broken_files_is_classified_and_the_broken_ones_reported(tiny_onnx, tmp_path, capsys):
+    folder = _folder(tmp_path)
+    good = (folder / "0_top_left.png").read_bytes()
+    (folder / "truncated.png").write_bytes(good[: len(good) // 2])
+    (folder / "notes.jpg").write_text("not an image")
+    (folder / "readme.txt").write_text("ignored: not an image suffix")
+
+    assert main([str(tiny_onnx), str(folder), "--top-k", "2", "--batch-size", "4"]) == 0
+    out, err = capsys.readouterr()
+    rows = [json.loads(line) for line in out.splitlines()]
+    assert len(rows) == 6
+    for row in rows:
+        assert len(row["predictions"]) == 2
+        true = row["path"].rsplit("/", 1)[1].split("_", 1)[1].removesuffix(".png")
+        assert row["predictions"][0]["label"] == true
+    broken = [line for line in err.splitlines() if line.startswith(str(folder))]
+    assert sorted(line.split(":")[0].rsplit("/", 1)[1] for line in broken) == ["notes.jpg", "truncated.png"]
+    assert "6 images, 2 could not be read" in err
+
+
+def test_csv_output_has_one_row_per_image_and_rank(tiny_onnx, tmp_path, capsys):
+    folder = _folder(tmp_path, n=3)
+    single = next(folder.glob("*.png"))
+    assert main([str(tiny_onnx), str(folder), str(single), "--format", "csv", "--top-k", "3"]) == 0
+    rows = list(csv.DictReader(io.StringIO(capsys.readouterr().out)))
+    assert len(rows) == (3 + 1) * 3
+    assert [r["rank"] for r in rows[:3]] == ["1", "2", "3"]
+    probs = np.array([float(r["probability"]) for r in rows[:3]])
+    assert np.all(np.diff(probs) <= 0) and 0 < probs.sum() <= 1.0001
+
+
+def test_nothing_classifiable_exits_non_zero(tiny_onnx, tmp_path, capsys):
+    bad = tmp_path / "bad.png"
+    bad.write_bytes(b"\x89PNG\r\n\x1a\n broken")
+    assert main([str(tiny_onnx), str(bad), str(tmp_path / "missing.jpg")]) == 1
+    err = capsys.readouterr().err
+    assert "bad.png" in err and "missing.jpg: no such file or folder" in err
+
+
+def test_a_foreign_model_file_is_a_clear_error(tmp_path, capsys):
+    fake = tmp_path / "model.onnx"
+    fake.write_bytes(b"\x00\x01garbage")
+    assert main([str(fake), str(tmp_path)]) == 2
+    assert "vit-predict:" in capsys.readouterr().err
