@@ -231,7 +231,10 @@ def build_app(classifier, settings: ServeSettings | None = None, with_ui: bool =
         """Classify one image (multipart field `file` or raw body); `explain=true` adds the rollout map."""
         data, form = await decode_request(request, settings)
         params = _parse_params(request.query_params, form, settings)
-        pixels = await run_in_threadpool(decode_image, data, classifier, settings)
+        if len(data) <= settings.inline_decode_bytes:
+            pixels = decode_image(data, classifier, settings)
+        else:
+            pixels = await run_in_threadpool(decode_image, data, classifier, settings)
         probs = await predict(pixels)
         explanation = None
         if params["explain"]:

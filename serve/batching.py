@@ -1,8 +1,10 @@
 """Micro-batching: one worker thread owns the ONNX session and runs concurrent requests together.
 
 Requests put (H, W, 3) uint8 images on a bounded queue and get a `concurrent.futures.Future`. The
-worker takes the first waiting image, then gathers more for up to `max_delay_ms` or until
-`max_batch_size`, stacks them and runs one forward pass. Other work that needs the session (rollout
+worker takes the first waiting image and everything already queued behind it; when that shows
+concurrency (more than one image now, or in the last batch) it waits up to `max_delay_ms` for more,
+until `max_batch_size`. A lone request runs at once: under no load, waiting only adds latency.
+Then it stacks the images and runs one forward pass. Other work that needs the session (rollout
 maps, deletion curves) is queued as a plain call and runs alone, on the same thread, so the session
 is never used from two threads or from the event loop.
 """
@@ -51,7 +53,7 @@ class MicroBatcher:
     Args:
         predict_batch: (B, H, W, 3) uint8 -> (B, ...) array, one row per image.
         max_batch_size: most images in one call of `predict_batch`.
-        max_delay_ms: how long the first image of a batch waits for more.
+        max_delay_ms: how long a batch waits for more images once there is concurrency.
         queue_size: most items waiting; `submit` raises `QueueFull` beyond it.
         on_batch: called with the realised batch size after each batch (for metrics).
     """
@@ -71,6 +73,7 @@ class MicroBatcher:
         self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
+        self._last_batch = 1
 
     @property
     def depth(self) -> int:
@@ -130,17 +133,27 @@ class MicroBatcher:
                 _run_call(item)
                 continue
             batch = [item]
-            deadline = time.monotonic() + self.max_delay
+            deadline = None
             while len(batch) < self.max_batch_size:
-                remaining = deadline - time.monotonic()
                 try:
-                    nxt = self._queue.get(timeout=remaining) if remaining > 0 else self._queue.get_nowait()
+                    nxt = self._queue.get_nowait()  # whatever is already waiting joins at no cost
                 except queue.Empty:
-                    break
+                    if deadline is None:
+                        if len(batch) == 1 and self._last_batch == 1:
+                            break  # a lone request with no sign of concurrency: waiting would only add latency
+                        deadline = time.monotonic() + self.max_delay
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        break
+                    try:
+                        nxt = self._queue.get(timeout=remaining)
+                    except queue.Empty:
+                        break
                 if isinstance(nxt, _Call):
                     pending = nxt  # run it after this batch, in arrival order
                     break
                 batch.append(nxt)
+            self._last_batch = len(batch)
             self._run_batch(batch)
 
     def _run_batch(self, batch: list[_Image]) -> None:

@@ -20,13 +20,15 @@ class ServeSettings:
         port: TCP port; 7860 is the port Gradio users expect.
         max_batch_size: most images run through ONNX Runtime in one call. 16 keeps a ViT-Tiny
             batch inside the CPU caches while amortising the per-call overhead.
-        max_delay_ms: how long the first request of a batch waits for company. 5 ms is small next
-            to one forward pass, so a lone request barely notices it.
+        max_delay_ms: how long a batch waits for more requests once there is concurrency (a lone
+            request never waits). 5 ms is small next to one forward pass of a ViT on a CPU.
         queue_size: requests allowed to wait for the model; beyond it the server answers 503
             with Retry-After instead of letting latency grow without bound.
         retry_after_s: the Retry-After hint sent with a 503.
         threads: intra-op threads for ONNX Runtime (0: let it use all cores).
         max_bytes: largest accepted request body, 10 MiB: any phone photo, far below a memory problem.
+        inline_decode_bytes: uploads up to this size are decoded on the event loop (a small PNG decodes
+            faster than a hop to a worker thread); larger ones go to a thread so the loop stays free.
         max_pixels: largest accepted image, checked from the header before decoding: 40 MP is any
             camera photo and stops decompression bombs.
         top_k: predictions returned when the client does not ask for a number.
@@ -44,6 +46,7 @@ class ServeSettings:
     retry_after_s: int = 1
     threads: int = 0
     max_bytes: int = 10 * 1024 * 1024
+    inline_decode_bytes: int = 64 * 1024
     max_pixels: int = 40_000_000
     top_k: int = 5
     deletion_steps: int = 16

@@ -230,12 +230,24 @@ def test_full_queue_answers_503_with_retry_after(classifier):
         assert ok.status_code == 200
 
 
+def test_a_lone_request_does_not_wait_for_the_batching_delay():
+    batcher = MicroBatcher(lambda b: b[:, 0, 0, 0], max_batch_size=8, max_delay_ms=2000).start()
+    t0 = time.perf_counter()
+    assert batcher.submit(np.full((1, 1, 3), 5, np.uint8)).result(5) == 5
+    assert time.perf_counter() - t0 < 1.0
+    batcher.close()
+
+
 def test_batcher_groups_waiting_requests_up_to_the_batch_size():
     sizes = []
     batcher = MicroBatcher(lambda b: b.reshape(len(b), -1).sum(axis=1), max_batch_size=4, max_delay_ms=200)
     batcher.on_batch = sizes.append
     batcher.start()
+    gate = threading.Event()
+    batcher.call(gate.wait, 5)  # hold the worker while six requests queue up
+    time.sleep(0.05)
     futures = [batcher.submit(np.full((2, 2, 3), i, np.uint8)) for i in range(6)]
+    gate.set()
     assert [f.result(5) for f in futures] == [12 * i for i in range(6)]  # each gets its own row back
     batcher.close()
     assert sizes == [4, 2]

@@ -1,0 +1,181 @@
+"""Does the server keep up with the model? A live `vit-serve` on loopback against in-process ONNX Runtime.
+
+Measures, in one run on the same machine:
+  1. in-process ORT throughput at each batch size (the best is the server's ceiling), and single-image latency;
+  2. the server's throughput at concurrency 16 (target >= 0.8x the in-process best);
+  3. the server's latency at concurrency 1 (target: p99 <= 1.2x in-process single-image p99 + 5 ms);
+  4. optionally a soak at concurrency 8 (`--soak 300`): 0 errors and resident memory growth <= 5%.
+
+The load generator is a minimal asyncio HTTP/1.1 keep-alive client (prebuilt requests, no parsing
+beyond the status line and Content-Length), so it costs the shared CPU as little as possible.
+
+    .venv/bin/python benchmarks/serve_bench.py artifacts/sample.onnx [--duration 10] [--soak 300]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import io
+import platform
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from serve.runtime import OnnxClassifier  # noqa: E402
+from tests.serve.test_server import ServerProcess  # noqa: E402
+
+
+def sample_image(data_dir: Path, size: tuple[int, int]) -> bytes:
+    """PNG bytes of one sample image (a digit when the sample data exists, else noise)."""
+    files = sorted(data_dir.glob("*/*.png")) if data_dir.is_dir() else []
+    if files:
+        return files[0].read_bytes()
+    buf = io.BytesIO()
+    Image.fromarray(np.random.default_rng(0).integers(0, 256, (*size, 3), dtype=np.uint8)).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def in_process(clf: OnnxClassifier, data: bytes, seconds: float) -> dict:
+    """Throughput per batch size, and single-image latency with and without decoding."""
+    pixels = clf.prepare(data)
+    rows = {}
+    for bs in (1, 2, 4, 8, 16, 32, 64):
+        batch = np.repeat(pixels[None], bs, axis=0)
+        clf.predict_pixels(batch)
+        n, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < seconds:
+            clf.predict_pixels(batch)
+            n += bs
+        rows[bs] = n / (time.perf_counter() - t0)
+    lat, lat_decode = [], []
+    for _ in range(2000):
+        t0 = time.perf_counter()
+        clf.predict_pixels(pixels[None])
+        t1 = time.perf_counter()
+        clf.predict_pixels(clf.prepare(data)[None])
+        lat.append(t1 - t0)
+        lat_decode.append(time.perf_counter() - t1)
+    return {"throughput": rows, "latency": pct(lat), "latency_decode": pct(lat_decode)}
+
+
+def pct(xs: list[float]) -> dict:
+    a = np.asarray(xs) * 1000.0
+    return {"p50": float(np.percentile(a, 50)), "p99": float(np.percentile(a, 99)), "mean": float(a.mean())}
+
+
+async def load(port: int, body: bytes, concurrency: int, seconds: float) -> dict:
+    """`concurrency` keep-alive connections posting `body` back to back for `seconds`."""
+    request = (
+        f"POST /v1/classify HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: image/png\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    ).encode() + body
+    latencies: list[float] = []
+    errors = 0
+    end = time.perf_counter() + seconds
+
+    async def worker():
+        nonlocal errors
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            while time.perf_counter() < end:
+                t0 = time.perf_counter()
+                writer.write(request)
+                status_line = await reader.readline()
+                length = 0
+                while (line := await reader.readline()) not in (b"\r\n", b""):
+                    if line.lower().startswith(b"content-length:"):
+                        length = int(line.split(b":")[1])
+                await reader.readexactly(length)
+                latencies.append(time.perf_counter() - t0)
+                if b" 200 " not in status_line:
+                    errors += 1
+        finally:
+            writer.close()
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    wall = time.perf_counter() - t0
+    return {"requests": len(latencies), "errors": errors, "rps": len(latencies) / wall, **pct(latencies)}
+
+
+def rss_kib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("model", type=Path, help="the .onnx file (e.g. artifacts/sample.onnx)")
+    p.add_argument("--data", type=Path, default=Path("data/digits"), help="sample images (one is posted)")
+    p.add_argument("--duration", type=float, default=10.0, help="seconds per server measurement")
+    p.add_argument("--concurrency", type=int, default=16)
+    p.add_argument("--soak", type=float, default=0.0, help="also soak at concurrency 8 for this many seconds")
+    p.add_argument("--server-args", default="", help="extra vit-serve options, e.g. '--max-batch-size 32'")
+    args = p.parse_args(argv)
+
+    clf = OnnxClassifier(args.model)
+    data = sample_image(args.data, clf.input_size)
+    ref = in_process(clf, data, seconds=2.0)
+    best_bs, best = max(ref["throughput"].items(), key=lambda kv: kv[1])
+    del clf
+
+    with ServerProcess(args.model, "--no-ui", *args.server_args.split()) as server:
+        asyncio.run(load(server.port, data, args.concurrency, 2.0))  # warm the connection path
+        c16 = asyncio.run(load(server.port, data, args.concurrency, args.duration))
+        c1 = asyncio.run(load(server.port, data, 1, args.duration))
+        soak = None
+        if args.soak:
+            pid = server.proc.pid
+            asyncio.run(load(server.port, data, 8, min(30.0, args.soak / 10)))  # settle allocations first
+            rss0 = rss_kib(pid)
+            soak = asyncio.run(load(server.port, data, 8, args.soak))
+            soak["rss0"], soak["rss1"] = rss0, rss_kib(pid)
+
+    print(f"# serve_bench: {args.model} on {platform.machine()} ({platform.platform()}), {time.strftime('%Y-%m-%d')}")
+    print("\nIn-process ONNX Runtime (predict_pixels on prepared pixels):\n")
+    print("| batch | images/s |\n|---:|---:|")
+    for bs, ips in ref["throughput"].items():
+        print(f"| {bs} | {ips:,.0f} |")
+    lat, latd = ref["latency"], ref["latency_decode"]
+    print(
+        f"\nsingle image: p50 {lat['p50']:.2f} ms, p99 {lat['p99']:.2f} ms; "
+        f"with PNG decode + resize: p50 {latd['p50']:.2f} ms, p99 {latd['p99']:.2f} ms"
+    )
+    ratio = c16["rps"] / best
+    bound = 1.2 * latd["p99"] + 5.0
+    print("\n| measurement | value | target | met |\n|---|---:|---:|:-:|")
+    print(
+        f"| server throughput, concurrency {args.concurrency} | {c16['rps']:,.0f} req/s ({c16['errors']} errors) | | |"
+    )
+    print(f"| in-process best (batch {best_bs}) | {best:,.0f} img/s | | |")
+    print(f"| ratio server / in-process | {ratio:.2f}x | >= 0.8x | {'yes' if ratio >= 0.8 else 'no'} |")
+    print(
+        f"| server latency, concurrency 1 | p50 {c1['p50']:.2f} ms, p99 {c1['p99']:.2f} ms | "
+        f"p99 <= {bound:.2f} ms (1.2 x {latd['p99']:.2f} + 5) | {'yes' if c1['p99'] <= bound else 'no'} |"
+    )
+    print(f"| server latency, concurrency {args.concurrency} | p50 {c16['p50']:.2f} ms, p99 {c16['p99']:.2f} ms | | |")
+    if soak:
+        growth = (soak["rss1"] - soak["rss0"]) / soak["rss0"] * 100
+        ok = soak["errors"] == 0 and growth <= 5.0
+        print(
+            f"| soak {args.soak:.0f} s, concurrency 8 | {soak['requests']:,} requests, {soak['errors']} errors, "
+            f"RSS {soak['rss0'] / 1024:.0f} -> {soak['rss1'] / 1024:.0f} MiB ({growth:+.1f}%) "
+            f"| 0 errors, <= 5% | {'yes' if ok else 'no'} |"
+        )
+    print(
+        f"\nReproduce: .venv/bin/python benchmarks/serve_bench.py {args.model} --duration {args.duration:g}"
+        + (f" --soak {args.soak:g}" if args.soak else "")
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
