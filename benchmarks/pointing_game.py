@@ -1,0 +1,152 @@
+"""Does the rollout point at the object? The pointing game on digits placed in clutter.
+
+Each sample digit is shrunk and pasted at a random place on a white canvas of the model's input
+size, among random gray strokes and dots (the clutter). Its tight box is saved. A map "hits" when
+the centre of its highest patch lies inside the box. Baselines: a uniformly random patch (its
+expected hit rate, computed exactly from the boxes) and always the centre patch.
+
+    .venv/bin/python benchmarks/pointing_game.py artifacts/sample.onnx [--n 300] [--out runs/pointing_game]
+
+Canvases (PNG) and boxes (boxes.json) are written to --out, so the numbers can be checked by eye.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+from PIL import Image, ImageDraw
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from serve.runtime import OnnxClassifier  # noqa: E402
+
+
+def make_canvas(
+    digit: Image.Image, size: tuple[int, int], scale: float, clutter: int, rng: np.random.Generator
+) -> tuple[np.ndarray, tuple[int, int, int, int]]:
+    """A cluttered canvas with the digit at a random place.
+
+    Args:
+        digit: the digit image (dark ink on white).
+        size: (H, W) of the canvas.
+        scale: digit side / canvas side.
+        clutter: number of random strokes and dots.
+        rng: the random source.
+
+    Returns:
+        ((H, W, 3) uint8 canvas, (x0, y0, x1, y1) tight box of the digit's ink, end-exclusive).
+    """
+    H, W = size
+    h, w = max(4, round(H * scale)), max(4, round(W * scale))
+    ink = np.asarray(digit.convert("L").resize((w, h), Image.Resampling.BILINEAR))  # (h, w)
+    canvas = Image.new("L", (W, H), 255)
+    draw = ImageDraw.Draw(canvas)
+    for _ in range(clutter):
+        gray = int(rng.integers(110, 210))
+        if rng.random() < 0.5:
+            x0, y0 = rng.integers(0, W), rng.integers(0, H)
+            dx, dy = rng.integers(-W // 4, W // 4 + 1), rng.integers(-H // 4, H // 4 + 1)
+            draw.line([(int(x0), int(y0)), (int(x0 + dx), int(y0 + dy))], fill=gray, width=int(rng.integers(1, 3)))
+        else:
+            x0, y0, r = int(rng.integers(0, W)), int(rng.integers(0, H)), int(rng.integers(1, 3))
+            draw.ellipse([x0 - r, y0 - r, x0 + r, y0 + r], fill=gray)
+    x, y = int(rng.integers(0, W - w + 1)), int(rng.integers(0, H - h + 1))
+    a = np.asarray(canvas).copy()
+    a[y : y + h, x : x + w] = np.minimum(a[y : y + h, x : x + w], ink)  # ink over clutter
+    rows, cols = np.nonzero(ink < 200)
+    box = (
+        (x, y, x + w, y + h)
+        if rows.size == 0
+        else (x + cols.min(), y + rows.min(), x + cols.max() + 1, y + rows.max() + 1)
+    )
+    return np.repeat(a[..., None], 3, axis=-1), tuple(int(v) for v in box)
+
+
+def patch_centres(grid: tuple[int, int], size: tuple[int, int]) -> np.ndarray:
+    """(L, 2) (x, y) centres of the patches, row-major."""
+    (Gh, Gw), (H, W) = grid, size
+    ys, xs = np.meshgrid((np.arange(Gh) + 0.5) * H / Gh, (np.arange(Gw) + 0.5) * W / Gw, indexing="ij")
+    return np.stack([xs.ravel(), ys.ravel()], axis=1)
+
+
+def inside(points: np.ndarray, box) -> np.ndarray:
+    x0, y0, x1, y1 = box
+    return (points[:, 0] >= x0) & (points[:, 0] < x1) & (points[:, 1] >= y0) & (points[:, 1] < y1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("model", type=Path, help="the .onnx file (e.g. artifacts/sample.onnx)")
+    p.add_argument("--data", type=Path, default=Path("data/digits"), help="class folders of digit images")
+    p.add_argument("--n", type=int, default=300, help="canvases")
+    p.add_argument("--scale", type=float, default=0.5, help="digit side as a fraction of the canvas side")
+    p.add_argument("--clutter", type=int, default=10, help="random strokes and dots per canvas")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=Path("runs/pointing_game"), help="where canvases and boxes go")
+    args = p.parse_args(argv)
+
+    files = sorted(args.data.glob("*/*.png"))
+    if not files:
+        print(f"no images under {args.data}; run vit-sample-data --out {args.data} first", file=sys.stderr)
+        return 2
+    clf = OnnxClassifier(args.model)
+    rng = np.random.default_rng(args.seed)
+    picks = rng.choice(len(files), size=min(args.n, len(files)), replace=False)
+    args.out.mkdir(parents=True, exist_ok=True)
+    centres = patch_centres(clf.grid_size, clf.input_size)
+    centre_patch = int(np.argmin(((centres - np.array(clf.input_size[::-1]) / 2) ** 2).sum(axis=1)))
+
+    methods = ["rollout (mean)", "rollout (max, discard 0.9)", "last block CLS attention (mean of heads)"]
+    hits = {m: [] for m in methods + ["centre patch"]}
+    random_rate, correct, records = [], 0, []
+    for i, idx in enumerate(picks):
+        path = files[idx]
+        canvas, box = make_canvas(Image.open(path), clf.input_size, args.scale, args.clutter, rng)
+        name = f"{i:04d}.png"
+        Image.fromarray(canvas).save(args.out / name)
+        records.append({"file": name, "source": str(path), "label": path.parent.name, "box_xyxy": box})
+        batch = canvas[None]
+        probs, mean_map = clf.rollout(batch, head_fusion="mean")
+        _, max_map = clf.rollout(batch, head_fusion="max", discard_ratio=0.9)
+        _, attns = clf.attentions(batch)
+        last = np.mean([cls_attention_from(attns, clf, h) for h in range(clf.num_heads)], axis=0)
+        correct += clf.labels[int(probs[0].argmax())] == path.parent.name
+        in_box = inside(centres, box)
+        for m, grid in zip(methods, (mean_map[0], max_map[0], last), strict=True):
+            hits[m].append(bool(in_box[int(np.argmax(grid))]))
+        hits["centre patch"].append(bool(in_box[centre_patch]))
+        random_rate.append(float(in_box.mean()))
+    (args.out / "boxes.json").write_text(json.dumps(records, indent=1))
+
+    n = len(picks)
+    print(
+        f"# pointing_game: {args.model}, {n} canvases {clf.input_size[0]} x {clf.input_size[1]}, digit at "
+        f"{args.scale:g} of the side, {args.clutter} clutter marks, seed {args.seed}; "
+        f"{platform.machine()}, {time.strftime('%Y-%m-%d')}"
+    )
+    print(f"classification accuracy on the canvases: {correct / n:.1%} (the model was trained on centred digits)\n")
+    print("| map | pointing game hit rate |\n|---|---:|")
+    for m, h in hits.items():
+        print(f"| {m} | {np.mean(h):.1%} |")
+    print(f"| random patch (expected) | {np.mean(random_rate):.1%} |")
+    print(f"\nCanvases and boxes: {args.out}/ (boxes.json, x0 y0 x1 y1 in pixels, end-exclusive)")
+    print(f"Reproduce: .venv/bin/python benchmarks/pointing_game.py {args.model} --n {args.n} --seed {args.seed}")
+    return 0
+
+
+def cls_attention_from(attns: np.ndarray, clf: OnnxClassifier, head: int) -> np.ndarray:
+    """(Gh, Gw) CLS-row attention of the last block and one head, from `attentions` output."""
+    P, (Gh, Gw) = clf.num_prefix_tokens, clf.grid_size
+    a = attns[-1, 0, head]  # (N, N)
+    row = a[0, P:] if P > 0 else a[P:, P:].mean(axis=0)
+    return row.reshape(Gh, Gw)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
