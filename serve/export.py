@@ -75,6 +75,66 @@ class PixelModel(nn.Module):
         return logits, torch.stack(attns)  # (B, K), (depth, B, nh, N, N)
 
 
+class GradientModel(nn.Module):
+    """Pixels and a target class per image -> logits, attention maps, and d(target logit)/d(map).
+
+    Traced with its backward pass (`make_fx`) into plain aten ops, so the ONNX file can compute
+    class-specific gradient rollout without torch.
+    """
+
+    def __init__(self, net: VisionTransformer, mean: tuple[float, ...], std: tuple[float, ...]):
+        super().__init__()
+        self.pixels = PixelModel(net, mean, std, explain=True)
+
+    def forward(self, pixels: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        x = pixels.to(torch.float32) / 255.0
+        x = ((x - self.pixels.mean) / self.pixels.std).permute(0, 3, 1, 2)  # (B, 3, H, W)
+        with torch.enable_grad():
+            logits, attns = self.pixels.net(x, return_attn=True)  # (B, K), depth x (B, nh, N, N)
+            score = logits.gather(1, target[:, None]).sum()  # images are independent: one backward for all
+            grads = torch.autograd.grad(score, attns)
+        return logits.detach(), torch.stack([a.detach() for a in attns]), torch.stack(grads)
+
+
+def export_gradient_graph(
+    net: VisionTransformer, preprocess: Preprocess, opset: int = DEFAULT_OPSET
+) -> onnx.ModelProto:
+    """Export `GradientModel`: trace forward and backward to aten ops, then export those with a dynamic batch."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    H, W = preprocess.img_size
+    module = GradientModel(net, preprocess.mean, preprocess.std).eval()
+    pixels = torch.randint(0, 256, (2, H, W, 3), dtype=torch.uint8)
+    target = torch.zeros(2, dtype=torch.int64)
+    requires = [p.requires_grad for p in net.parameters()]
+    batch = torch.export.Dim("batch", min=1, max=4096)
+    try:
+        for p in net.parameters():
+            p.requires_grad_(True)  # the maps need a graph to differentiate through
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            traced = make_fx(module, tracing_mode="symbolic", _allow_non_fake_inputs=True)(pixels, target)
+        for p in net.parameters():
+            p.requires_grad_(False)  # the backward pass is now explicit ops in `traced`
+        with warnings.catch_warnings(), redirect_stdout(io.StringIO()), torch.no_grad():
+            warnings.simplefilter("ignore")
+            program = torch.onnx.export(
+                traced,
+                (pixels, target),
+                input_names=["pixels", "target"],
+                output_names=["logits", "attns", "grads"],
+                dynamic_shapes=({0: batch}, {0: batch}),
+                opset_version=opset,
+                dynamo=True,
+                external_data=False,
+                verbose=False,
+            )
+    finally:
+        for p, r in zip(net.parameters(), requires, strict=True):
+            p.requires_grad_(r)
+    return program.model_proto
+
+
 def export_graph(module: nn.Module, img_size: tuple[int, int], opset: int = DEFAULT_OPSET) -> onnx.ModelProto:
     """Export a `PixelModel` with the dynamo exporter and a dynamic batch axis."""
     H, W = img_size
@@ -113,7 +173,12 @@ def versions(opset: int) -> dict[str, str]:
 
 
 def build_metadata(
-    net: VisionTransformer, meta: dict[str, Any], preprocess: Preprocess, opset: int, quantization: str = "none"
+    net: VisionTransformer,
+    meta: dict[str, Any],
+    preprocess: Preprocess,
+    opset: int,
+    quantization: str = "none",
+    gradients: bool = False,
 ) -> dict[str, Any]:
     """Everything a client needs to use the file, as `metadata_props` entries."""
     H, W = preprocess.img_size
@@ -122,7 +187,8 @@ def build_metadata(
         FORMAT_KEY: FORMAT_VERSION,
         "class_names": list(meta["class_names"]),
         "input": "pixels: (B, H, W, 3) uint8 RGB, resized and centre-cropped as in 'preprocess'; normalised inside",
-        "outputs": "logits (B, K); attns (depth, B, nh, N, N) when explain=True, else empty",
+        "outputs": "logits (B, K); attns (depth, B, nh, N, N) when explain=True; grads (same shape) when also "
+        "gradients=True, d(logit of target[b])/d(attns); outputs not asked for are empty",
         "input_size": [H, W],
         "preprocess": preprocess.to_dict(),
         "mean": list(preprocess.mean),
@@ -140,7 +206,7 @@ def build_metadata(
         "checkpoint_sha256": meta.get("sha256", ""),
         "quantization": quantization,
         "explain_precision": "fp32",
-        "supports_gradients": False,
+        "supports_gradients": gradients,
         "versions": versions(opset),
     }
 
@@ -165,6 +231,7 @@ def export_onnx(
     val_dir: str | Path | None = None,
     parity_samples: int = 256,
     check_parity: bool = True,
+    gradients: bool = True,
 ) -> ExportResult:
     """Export a checkpoint to one ONNX file, check it against torch, and write it.
 
@@ -178,6 +245,8 @@ def export_onnx(
         val_dir: an image folder (one subfolder per class) for the parity gate when the run has no split.json.
         parity_samples: at most this many validation images in the parity gate.
         check_parity: run the parity gate (only tests of the gate itself turn it off).
+        gradients: include the gradient graph for class-specific gradient rollout (about 1.7x
+            the file size; the logits path is unaffected).
 
     Returns:
         An `ExportResult`.
@@ -202,6 +271,7 @@ def export_onnx(
     log.info("exporting %s at %s", checkpoint, preprocess.img_size)
     fast = export_graph(PixelModel(net, preprocess.mean, preprocess.std), preprocess.img_size, opset)
     explain = export_graph(PixelModel(net, preprocess.mean, preprocess.std, explain=True), preprocess.img_size, opset)
+    grads = export_gradient_graph(net, preprocess, opset) if gradients else None
     sample = parity.validation_sample(checkpoint, meta["class_names"], preprocess, val_dir, parity_samples)
 
     quant_report = None
@@ -210,8 +280,8 @@ def export_onnx(
         fast, quant_report = quant.quantize_int8(fast, sample, net, preprocess)
         quantization = quant_report["chosen"]
 
-    model = combine_fast_and_explain(fast, explain)
-    metadata = build_metadata(net, meta, preprocess, opset, quantization)
+    model = combine_fast_and_explain(fast, explain, grads)
+    metadata = build_metadata(net, meta, preprocess, opset, quantization, gradients=grads is not None)
     set_metadata(model, metadata)
     model.doc_string = f"vitscope {metadata['variant'] or 'ViT'} classifier, {len(meta['class_names'])} classes"
     onnx.checker.check_model(model)
@@ -242,6 +312,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--opset", type=int, default=DEFAULT_OPSET, help=f"ONNX opset (default {DEFAULT_OPSET})")
     p.add_argument("--img-size", type=int, nargs=2, metavar=("H", "W"), help="export at another input size")
     p.add_argument("--val-dir", type=Path, help="image folder for the parity gate when the run has no split.json")
+    p.add_argument(
+        "--no-gradients", action="store_true", help="leave out the gradient graph (smaller file, no gradient rollout)"
+    )
     p.add_argument("--parity-samples", type=int, default=256, help="validation images in the parity gate")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
@@ -254,6 +327,7 @@ def main(argv: list[str] | None = None) -> int:
             img_size=tuple(args.img_size) if args.img_size else None,
             val_dir=args.val_dir,
             parity_samples=args.parity_samples,
+            gradients=not args.no_gradients,
         )
     except ParityError as e:
         print(format_report(e.report), file=sys.stderr)

@@ -1,4 +1,4 @@
-"""Graph surgery for the exported file: two graphs in one model, sharing their weights.
+"""Graph surgery for the exported file: two (or three) graphs in one model, sharing their weights.
 
 The fast graph (fused attention, logits only) and the explain graph (explicit softmax, logits and
 every block's attention maps) are exported separately, then become the two branches of one `If`
@@ -7,8 +7,13 @@ branches can read them (ONNX outer-scope references). `explain` is also an initi
 False, so it is an optional input: a client that only sends `pixels` gets the fast branch and
 never pays for the attention maps.
 
-    pixels (B, H, W, 3) uint8 --+--> If(explain) --then--> explain graph -> logits (B, K), attns (depth, B, nh, N, N)
-    explain () bool [False] ----+                 --else--> fast graph    -> logits (B, K), attns (0, 0, 0, 0, 0)
+    pixels (B, H, W, 3) uint8 --+--> If(explain) --else--> fast graph -> logits (B, K); attns, grads empty
+    explain () bool [False] ----+                 --then--> If(gradients) --else--> explain graph -> logits, attns
+    gradients () bool [False] --+                             --then--> gradient graph -> logits, attns, grads
+    target (B,) int64 [empty] --+
+
+attns and grads are (depth, B, nh, N, N). The gradient graph (optional) holds the backward pass
+of the target logit down to every attention map, traced to plain ONNX ops at export time.
 """
 
 from __future__ import annotations
@@ -22,54 +27,83 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 EXPLAIN_INPUT = "explain"
+GRADIENTS_INPUT = "gradients"
+TARGET_INPUT = "target"
 
 
-def combine_fast_and_explain(fast: onnx.ModelProto, explain: onnx.ModelProto) -> onnx.ModelProto:
-    """One model whose `explain` input picks the fast graph or the explain graph.
+def combine_fast_and_explain(
+    fast: onnx.ModelProto, explain: onnx.ModelProto, gradients: onnx.ModelProto | None = None
+) -> onnx.ModelProto:
+    """One model whose `explain` (and `gradients`) inputs pick the fast, explain or gradient graph.
 
     Args:
         fast: a model with one input `pixels` and one output `logits`.
         explain: a model with input `pixels` and outputs `logits`, `attns`.
+        gradients: optional, a model with inputs `pixels`, `target` and outputs `logits`, `attns`,
+            `grads` (the gradient of each image's target logit with respect to every attention map).
 
     Returns:
-        A model with inputs `pixels`, optional `explain`, and outputs `logits`, `attns`.
+        A model with inputs `pixels`, optional `explain` (and, with a gradient graph, optional
+        `gradients` and `target`), and outputs `logits`, `attns`, `grads`; outputs a branch does
+        not compute are empty.
     """
     shared: dict[str, onnx.TensorProto] = {}
-    then_graph = _as_branch(explain, "explain", shared)
-    else_graph = _as_branch(fast, "fast", shared)
-    # the fast branch outputs an empty attns tensor, since both branches must give the same outputs
-    empty = helper.make_node(
-        "ConstantOfShape",
-        [_const(else_graph, "fast/empty_shape", [0, 0, 0, 0, 0])],
-        ["fast/attns"],
-        value=helper.make_tensor("v", TensorProto.FLOAT, [1], [0.0]),
-    )
-    else_graph.node.append(empty)
-    else_graph.output.append(helper.make_tensor_value_info("fast/attns", TensorProto.FLOAT, None))
-
-    pixels = fast.graph.input[0]
-    logits_type = explain.graph.output[0].type
-    attns_type = explain.graph.output[1].type
+    outer = {"pixels", TARGET_INPUT}
+    explain_graph = _as_branch(explain, "explain", shared, outer)
+    _pad_outputs(explain_graph, "explain", ["grads"])
+    fast_graph = _as_branch(fast, "fast", shared, outer)
+    _pad_outputs(fast_graph, "fast", ["attns", "grads"])
+    inputs = [fast.graph.input[0], helper.make_tensor_value_info(EXPLAIN_INPUT, TensorProto.BOOL, [])]
+    defaults = [numpy_helper.from_array(np.array(False), EXPLAIN_INPUT)]
+    then_graph = explain_graph
+    if gradients is not None:
+        grad_graph = _as_branch(gradients, "grad", shared, outer)
+        names = ["select/logits", "select/attns", "select/grads"]
+        inner = helper.make_node(
+            "If", [GRADIENTS_INPUT], names, name="gradients_or_maps", then_branch=grad_graph, else_branch=explain_graph
+        )
+        then_graph = helper.make_graph(
+            [inner], "explain_select", [], [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in names]
+        )
+        inputs += [
+            helper.make_tensor_value_info(GRADIENTS_INPUT, TensorProto.BOOL, []),
+            helper.make_tensor_value_info(TARGET_INPUT, TensorProto.INT64, [None]),
+        ]
+        defaults += [
+            numpy_helper.from_array(np.array(False), GRADIENTS_INPUT),
+            numpy_helper.from_array(np.zeros(0, np.int64), TARGET_INPUT),
+        ]
     if_node = helper.make_node(
         "If",
         [EXPLAIN_INPUT],
-        ["logits", "attns"],
+        ["logits", "attns", "grads"],
         name="explain_or_fast",
         then_branch=then_graph,
-        else_branch=else_graph,
+        else_branch=fast_graph,
     )
-    explain_default = numpy_helper.from_array(np.array(False), EXPLAIN_INPUT)
+    logits_type = explain.graph.output[0].type
+    # attns and grads: rank 5 with unknown sizes, since a branch that skips them outputs (0, 0, 0, 0, 0)
+    maps = [helper.make_tensor_value_info(n, TensorProto.FLOAT, [None] * 5) for n in ("attns", "grads")]
     graph = helper.make_graph(
         [if_node],
         "vitscope",
-        [pixels, helper.make_tensor_value_info(EXPLAIN_INPUT, TensorProto.BOOL, [])],
-        [_value_info("logits", logits_type), _value_info("attns", attns_type)],
-        initializer=[explain_default, *shared.values()],
+        inputs,
+        [_value_info("logits", logits_type), *maps],
+        initializer=[*defaults, *shared.values()],
     )
     model = helper.make_model(graph, opset_imports=list(fast.opset_import), ir_version=fast.ir_version)
     model.producer_name = "vitscope"
     onnx.checker.check_model(model, full_check=False)
     return model
+
+
+def _pad_outputs(graph: onnx.GraphProto, prefix: str, names: list[str]) -> None:
+    """Append empty (0, 0, 0, 0, 0) float outputs: every branch of an If gives the same outputs."""
+    shape = _const(graph, f"{prefix}/empty_shape", [0, 0, 0, 0, 0])
+    for name in names:
+        value = helper.make_tensor("v", TensorProto.FLOAT, [1], [0.0])
+        graph.node.append(helper.make_node("ConstantOfShape", [shape], [f"{prefix}/{name}"], value=value))
+        graph.output.append(helper.make_tensor_value_info(f"{prefix}/{name}", TensorProto.FLOAT, None))
 
 
 def _value_info(name: str, type_proto: onnx.TypeProto) -> onnx.ValueInfoProto:
@@ -88,7 +122,9 @@ def _const(graph: onnx.GraphProto, name: str, values: list[int]) -> str:
     return name
 
 
-def _as_branch(model: onnx.ModelProto, prefix: str, shared: dict[str, onnx.TensorProto]) -> onnx.GraphProto:
+def _as_branch(
+    model: onnx.ModelProto, prefix: str, shared: dict[str, onnx.TensorProto], outer: set[str]
+) -> onnx.GraphProto:
     """The model's graph as an If branch: no inputs, its names prefixed, its weights moved to `shared`.
 
     `shared` maps a content digest to the tensor: identical tensors (same dtype, shape and
@@ -97,7 +133,7 @@ def _as_branch(model: onnx.ModelProto, prefix: str, shared: dict[str, onnx.Tenso
     if model.functions:
         model = onnx.inliner.inline_local_functions(model)
     g = model.graph
-    outer = {i.name for i in g.input}  # read from the outer graph, not renamed
+    outer = outer & {i.name for i in g.input}  # the model's inputs: read from the outer graph, not renamed
     rename: dict[str, str] = {}
     for init in g.initializer:
         digest = hashlib.sha1(bytes([init.data_type]) + str(list(init.dims)).encode())

@@ -21,7 +21,7 @@ import torch
 from serve.images import ImageError, Preprocess, is_image_file, load_image
 from serve.runtime import OnnxClassifier
 from vit.model import VisionTransformer
-from vit.rollout import attention_rollout
+from vit.rollout import attention_rollout, gradient_rollout
 
 log = logging.getLogger(__name__)
 
@@ -117,6 +117,20 @@ def map_correlation(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return np.where(den > 1e-12, num / np.maximum(den, 1e-30), 1.0)
 
 
+def gradient_rollout_correlation(
+    net: VisionTransformer, clf: OnnxClassifier, pixels: np.ndarray, preprocess: Preprocess, batch_size: int = 32
+) -> float:
+    """Lowest per-image correlation of torch's and the file's gradient rollout, for torch's top class."""
+    corr = []
+    for i in range(0, len(pixels), batch_size):
+        batch = pixels[i : i + batch_size]
+        x = torch.from_numpy(preprocess.normalize(batch))
+        t_maps, logits = gradient_rollout(net, x)
+        _, o_maps = clf.gradient_rollout(batch, target=logits.argmax(-1).numpy())
+        corr.append(map_correlation(t_maps.numpy(), o_maps.reshape(len(batch), -1)))
+    return float(np.concatenate(corr).min())
+
+
 def check(
     net: VisionTransformer, path: Path, sample: Sample, preprocess: Preprocess, int8: bool = False, batch_size: int = 32
 ) -> dict[str, Any]:
@@ -138,6 +152,11 @@ def check(
         o_explain.append(logits)
         o_maps.append(clf.rollout_from_attns(attns).reshape(len(batch), -1))
     o_fast, o_explain, o_maps = np.concatenate(o_fast), np.concatenate(o_explain), np.concatenate(o_maps)
+    grad_corr = (
+        gradient_rollout_correlation(net, clf, sample.pixels, preprocess, batch_size)
+        if clf.supports_gradients
+        else None
+    )
 
     labels = sample.labels
     known = labels >= 0
@@ -150,6 +169,8 @@ def check(
         "explain_max_logit_delta": float(np.abs(t_explicit - o_explain).max()),
         "min_rollout_corr": float(map_correlation(t_maps, o_maps).min()),
     }
+    if grad_corr is not None:
+        report["min_gradient_rollout_corr"] = grad_corr
     if known.any():
         report["torch_accuracy"] = float((t_fast.argmax(-1) == labels)[known].mean())
         report["onnx_accuracy"] = float((o_fast.argmax(-1) == labels)[known].mean())
@@ -168,6 +189,8 @@ def check(
         )
     if report["min_rollout_corr"] < MIN_ROLLOUT_CORR:
         failures.append(f"rollout correlation {report['min_rollout_corr']:.5f} < {MIN_ROLLOUT_CORR}")
+    if grad_corr is not None and grad_corr < MIN_ROLLOUT_CORR:
+        failures.append(f"gradient rollout correlation {grad_corr:.5f} < {MIN_ROLLOUT_CORR}")
     report["passed"] = not failures
     if failures:
         raise ParityError("; ".join(failures), report)
@@ -183,6 +206,8 @@ def format_report(report: dict[str, Any] | None, quant: dict[str, Any] | None = 
     lines.append(f"  max |delta logit| (logits path)       {report['max_logit_delta']:.2e}")
     lines.append(f"  max |delta logit| (explain path)      {report['explain_max_logit_delta']:.2e}")
     lines.append(f"  min rollout-map correlation           {report['min_rollout_corr']:.6f}")
+    if "min_gradient_rollout_corr" in report:
+        lines.append(f"  min gradient-rollout correlation      {report['min_gradient_rollout_corr']:.6f}")
     if "torch_accuracy" in report:
         lines.append(
             f"  accuracy torch / onnxruntime          {report['torch_accuracy']:.2%} / {report['onnx_accuracy']:.2%}"

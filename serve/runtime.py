@@ -92,7 +92,7 @@ class OnnxClassifier:
         self.rollout_query: str = m.get("rollout_query", "cls")
         self.name: str = str(m.get("variant") or self.path.stem)
         self.version: str = str(m.get("checkpoint_sha256", ""))[:12] or "unversioned"
-        inputs = {i.name for i in self.session.get_inputs()}
+        inputs = {i.name for i in (*self.session.get_inputs(), *self.session.get_overridable_initializers())}
         self.supports_gradients: bool = bool(m.get("supports_gradients")) and "target" in inputs
 
     def __repr__(self) -> str:
@@ -222,7 +222,9 @@ class OnnxClassifier:
             (probs (B, K), maps (B, Gh, Gw) float32, maximum 1 per image).
         """
         if not self.supports_gradients:
-            raise ValueError(f"{self.path.name} has no gradient graph; re-export it with vit-export --gradients")
+            raise ValueError(
+                f"{self.path.name} has no gradient graph; export it again with vit-export (without --no-gradients)"
+            )
         batch = self._check_batch(batch)
         B = len(batch)
         if target is None:
@@ -231,7 +233,8 @@ class OnnxClassifier:
         if target.min() < 0 or target.max() >= len(self.labels):
             raise ValueError(f"target classes must be in [0, {len(self.labels)}), got {target.tolist()}")
         logits, attns, grads = self.session.run(
-            ["logits", "attns", "grads"], {"pixels": batch, "explain": np.array(True), "target": target}
+            ["logits", "attns", "grads"],
+            {"pixels": batch, "explain": np.array(True), "gradients": np.array(True), "target": target},
         )
         maps = rollout_from_gradients(attns, grads, num_prefix_tokens=self.num_prefix_tokens, query=self.rollout_query)
         return softmax(logits), maps.reshape(-1, *self.grid_size)

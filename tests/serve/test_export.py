@@ -48,28 +48,34 @@ def test_the_graph_takes_uint8_pixels_and_explain_is_optional(tiny_onnx):
     pixels = session.get_inputs()[0]
     assert pixels.name == "pixels" and pixels.type == "tensor(uint8)" and pixels.shape[1:] == [32, 32, 3]
     x = np.random.default_rng(0).integers(0, 256, (3, 32, 32, 3), dtype=np.uint8)
-    logits, attns = session.run(None, {"pixels": x})  # no explain input: the fast branch
-    assert logits.shape == (3, 4) and attns.size == 0
-    logits2, attns2 = session.run(None, {"pixels": x, "explain": np.array(True)})
+    logits, attns, grads = session.run(None, {"pixels": x})  # no explain input: the fast branch
+    assert logits.shape == (3, 4) and attns.size == 0 and grads.size == 0
+    logits2, attns2, grads2 = session.run(None, {"pixels": x, "explain": np.array(True)})
+    assert grads2.size == 0
     np.testing.assert_allclose(logits2, logits, atol=1e-5)
     assert attns2.shape == (2, 3, 2, 17, 17)
     np.testing.assert_allclose(attns2.sum(-1), 1.0, atol=1e-5)  # softmax rows
 
 
-def test_weights_are_stored_once_for_both_branches(tiny_onnx, tiny_checkpoint):
+def test_the_fast_and_explain_branches_share_one_copy_of_the_weights(tiny_checkpoint, tmp_path):
     from train.checkpoint import load_network
 
     net, _ = load_network(tiny_checkpoint)
     n_params = sum(p.numel() for p in net.parameters())
-    model = onnx.load(tiny_onnx)
-    stored = sum(int(np.prod(t.dims)) for t in model.graph.initializer)
+    out = tmp_path / "no_grad.onnx"
+    assert main([str(tiny_checkpoint), "-o", str(out), "--no-gradients"]) == 0
+    stored = sum(int(np.prod(t.dims)) for t in onnx.load(out).graph.initializer)
     assert n_params <= stored < 1.3 * n_params
+    clf = OnnxClassifier(out)
+    assert not clf.supports_gradients
+    with pytest.raises(ValueError, match="no gradient graph"):
+        clf.gradient_rollout(np.zeros((1, 32, 32, 3), np.uint8))
 
 
 def test_the_parity_gate_fails_loudly_and_writes_nothing(tiny_checkpoint, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(parity, "MAX_LOGIT_DELTA", 0.0)  # no real export is bit-exact: the gate must trip
     out = tmp_path / "model.onnx"
-    assert main([str(tiny_checkpoint), "-o", str(out)]) == 1
+    assert main([str(tiny_checkpoint), "-o", str(out), "--no-gradients"]) == 1
     err = capsys.readouterr().err
     assert "parity gate FAILED" in err and "max |delta logit|" in err
     assert not out.exists() and list(tmp_path.iterdir()) == []
@@ -92,7 +98,10 @@ def test_the_gate_catches_a_model_that_differs_from_the_checkpoint(tiny_onnx, ti
 @pytest.mark.slow
 def test_int8_export_runs_reports_and_keeps_the_answers(tiny_checkpoint, tmp_path, capsys):
     out = tmp_path / "int8.onnx"
-    assert main([str(tiny_checkpoint), "-o", str(out), "--quantize", "int8", "--img-size", "32", "32"]) == 0
+    assert (
+        main([str(tiny_checkpoint), "-o", str(out), "--quantize", "int8", "--img-size", "32", "32", "--no-gradients"])
+        == 0
+    )
     printed = capsys.readouterr().out
     assert "int8-dynamic" in printed and "chosen: int8-" in printed and "PASSED" in printed
     clf = OnnxClassifier(out)

@@ -121,6 +121,25 @@ def test_rollout_maps_match_torch_rollout_of_the_same_model(tiny_onnx, tiny_chec
     assert maps.max() == pytest.approx(1.0) and maps.min() >= 0.0
 
 
+def test_gradient_rollout_from_the_file_matches_torch_for_any_target(tiny_onnx, tiny_checkpoint):
+    from train.checkpoint import load_network
+    from vit import gradient_rollout as torch_gradient_rollout
+
+    net, meta = load_network(tiny_checkpoint)
+    clf = OnnxClassifier(tiny_onnx)
+    assert clf.supports_gradients
+    pixels = np.stack([clf.prepare(img) for img in _random_images(4)])
+    x = torch.from_numpy(meta["preprocess"].normalize(pixels))
+    for target in (None, 2, [0, 1, 2, 3, 0]):
+        expected, logits = torch_gradient_rollout(net, x, None if target is None else torch.tensor(target))
+        probs, maps = clf.gradient_rollout(pixels, target=target)
+        assert maps.shape == (len(pixels), *clf.grid_size)
+        np.testing.assert_allclose(maps.reshape(len(pixels), -1), expected.numpy(), atol=1e-4)
+        np.testing.assert_allclose(probs, logits.softmax(-1).numpy(), atol=1e-5)
+    with pytest.raises(ValueError, match="target classes"):
+        clf.gradient_rollout(pixels, target=7)
+
+
 def test_rollout_blocks_selects_a_range_of_blocks(tiny_onnx):
     clf = OnnxClassifier(tiny_onnx)
     pixels = np.stack([clf.prepare(img) for img in _random_images(3)])
