@@ -6,7 +6,7 @@ at `/`. Every model call goes through the engine, so it runs on the batcher's th
 Endpoints for `gradio_client` (``Client(url).predict(..., api_name=...)``):
 
     /classify          (image, head_fusion, discard_ratio, block_start, block_stop, opacity, colormap)
-                       -> (top-k label dict, rollout overlay, deletion score text)
+                       -> (top-k label dict, rollout overlay, deletion score text, the model's input crop)
     /attention         (image, block, head, opacity, colormap) -> (CLS attention overlay, deletion score text)
     /gradient_rollout  (image, class label, opacity, colormap) -> (gradient rollout overlay, deletion score text)
 """
@@ -156,7 +156,8 @@ def build_ui(classifier, engine, settings) -> gr.Blocks:
             explain_pixels, classifier, pixels, head_fusion, float(discard_ratio), blocks, fill, settings
         )
         overlay = render_overlay(pixels, ex["grid"], float(opacity), colormap)
-        return as_label(ex["probs"]), overlay, deletion_text(ex["deletion"], labels)
+        seen_big = render_overlay(pixels, ex["grid"], 0.0)  # the input crop at display size
+        return as_label(ex["probs"]), overlay, deletion_text(ex["deletion"], labels), seen_big
 
     def attention(path, block, head, opacity, colormap):
         pixels = pixels_of(path)
@@ -191,10 +192,17 @@ def build_ui(classifier, engine, settings) -> gr.Blocks:
             f"{', '.join(labels[:20])}{' ...' if len(labels) > 20 else ''}. "
             f"Uploads up to {settings.max_bytes // (1024 * 1024)} MiB."
         )
-        with gr.Row():
-            image = gr.Image(type="filepath", image_mode=None, sources=["upload", "clipboard", "webcam"], label="Image")
+        with gr.Row(equal_height=True):
+            image = gr.Image(
+                type="filepath",
+                image_mode=None,
+                sources=["upload", "clipboard", "webcam"],
+                label="Image (upload, paste or webcam)",
+                height=300,
+            )
+            seen = gr.Image(type="numpy", label="What the model sees", interactive=False, height=300)
             overlay = gr.Image(
-                type="numpy", label="Attention rollout", interactive=False, elem_id="overlay", height=320
+                type="numpy", label="Attention rollout", interactive=False, elem_id="overlay", height=300
             )
         with gr.Row():
             label = gr.Label(num_top_classes=min(settings.top_k, len(labels)), label="Prediction", elem_id="label")
@@ -209,8 +217,9 @@ def build_ui(classifier, engine, settings) -> gr.Blocks:
             last = gr.Slider(1, depth, value=depth, step=1, label="Last block (exclusive)")
         run_btn = gr.Button("Classify and explain", variant="primary")
         inputs = [image, fusion, discard, first, last, opacity, cmap]
-        run_btn.click(classify, inputs, [label, overlay, faith], api_name="classify")
-        image.change(classify, inputs, [label, overlay, faith], api_name=False)
+        outputs = [label, overlay, faith, seen]
+        run_btn.click(classify, inputs, outputs, api_name="classify")
+        image.change(classify, inputs, outputs, api_name=False)
 
         with gr.Tab("Raw attention (per block, per head)"):
             with gr.Row():

@@ -36,13 +36,14 @@ def test_gradio_client_classify_returns_labels_overlay_and_deletion_score(ui_ser
     names = set(client.view_api(print_info=False, return_format="dict")["named_endpoints"])
     assert {"/classify", "/attention", "/gradient_rollout"} <= names
 
-    label, overlay, text = client.predict(
+    label, overlay, text, seen = client.predict(
         handle_file(str(image_file)), "mean", 0.0, 0, clf.depth, 0.5, "inferno", api_name="/classify"
     )
     expected = clf.predict(image_file, top_k=1)[0][0][0]
     assert label["label"] == expected
     assert {c["label"] for c in label["confidences"]} <= set(clf.labels)
     assert np.asarray(Image.open(overlay)).shape[2] == 3
+    assert Image.open(seen).size == Image.open(overlay).size
     assert "Deletion score" in text and "random order" in text
 
     attn, attn_text = client.predict(
