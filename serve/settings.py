@@ -25,7 +25,8 @@ class ServeSettings:
         queue_size: requests allowed to wait for the model; beyond it the server answers 503
             with Retry-After instead of letting latency grow without bound.
         retry_after_s: the Retry-After hint sent with a 503.
-        threads: intra-op threads for ONNX Runtime (0: let it use all cores).
+        threads: intra-op threads for ONNX Runtime (0: the runtime's default of 1, which leaves the
+            other cores to the event loop; the batcher, not the thread count, fills the CPU).
         max_bytes: largest accepted request body, 10 MiB: any phone photo, far below a memory problem.
         inline_decode_bytes: uploads up to this size are decoded on the event loop (a small PNG decodes
             faster than a hop to a worker thread); larger ones go to a thread so the loop stays free.
@@ -62,7 +63,7 @@ class ServeSettings:
         if self.max_delay_ms < 0:
             raise ValueError(f"max_delay_ms must be >= 0, got {self.max_delay_ms}")
         if self.threads < 0:
-            raise ValueError(f"threads must be >= 0 (0: all cores), got {self.threads}")
+            raise ValueError(f"threads must be >= 0 (0: the runtime's default), got {self.threads}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
 
