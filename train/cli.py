@@ -5,13 +5,16 @@
 
 A run directory holds `checkpoints/best.ckpt` and `checkpoints/last.ckpt` (no version folders, so
 `--ckpt_path last` resumes in place), `config.yaml`, TensorBoard and CSV logs, `split.json`,
-`bad_files.csv` and `reports/` (confusion matrix, per-class accuracy).
+`bad_files.csv`, `reports/` (confusion matrix, per-class accuracy) and `summary.json`.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -78,6 +81,9 @@ class VitCLI(LightningCLI):
                 cb.dirpath = str(run_dir / "checkpoints")  # fixed: resume finds last.ckpt here
         return super()._instantiate_trainer(config, callbacks)
 
+    def before_fit(self) -> None:
+        self._fit_start = time.perf_counter()
+
     def after_fit(self) -> None:
         trainer = self.trainer
         if not trainer.is_global_zero:
@@ -85,6 +91,17 @@ class VitCLI(LightningCLI):
         ckpt = trainer.checkpoint_callback
         best = Path(ckpt.best_model_path) if ckpt and ckpt.best_model_path else None
         score = ckpt.best_model_score if ckpt is not None else None
+        seconds = time.perf_counter() - self._fit_start
+        summary = {
+            "best_val_acc": None if score is None else float(score),
+            "best_checkpoint": None if best is None else str(best),
+            "epochs": trainer.current_epoch,
+            "global_step": trainer.global_step,
+            "fit_seconds": round(seconds, 2),
+            "train_images": len(getattr(self.datamodule, "train_set", [])),
+        }
+        if not trainer.fast_dev_run:
+            (Path(trainer.default_root_dir) / "summary.json").write_text(json.dumps(summary, indent=1))
         lines = ["", "Training finished."]
         if score is not None:
             lines.append(f"  best validation accuracy: {float(score):.4f}")
@@ -97,18 +114,26 @@ class VitCLI(LightningCLI):
         log.info("\n".join(lines))
 
 
-def main(args: list[str] | None = None) -> None:
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    logging.getLogger("train").setLevel(logging.INFO)
+def build_cli(args: list[str] | None = None, run: bool = True) -> VitCLI:
+    """Parse `args` (default: the command line) and, with `run`, execute the subcommand."""
     torch.set_float32_matmul_precision("high")
-    VitCLI(
+    # the EMA copy is never trained, so it stays in eval mode on purpose
+    warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode")
+    return VitCLI(
         ViTClassifier,
         ImageFolderDataModule,
         save_config_callback=RunDirConfig,
         save_config_kwargs={"overwrite": True},
         args=args,
+        run=run,
         auto_configure_optimizers=False,
     )
+
+
+def main(args: list[str] | None = None) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    logging.getLogger("train").setLevel(logging.INFO)
+    build_cli(args)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ from timm.utils import ModelEmaV3
 from torch import nn
 from torchmetrics.classification import MulticlassAccuracy, MulticlassConfusionMatrix
 
+from serve.images import Preprocess
 from train.checkpoint import META_KEY
 from train.reports import write_confusion_csv, write_confusion_png
 from vit.model import VisionTransformer, create_model
@@ -138,7 +139,8 @@ class ViTClassifier(pl.LightningModule):
         if self.hparams.channels_last:
             self.net.to(memory_format=torch.channels_last)
         if self.hparams.compile and self._compiled is None:
-            self._compiled = torch.compile(self.net)
+            # kept off the module tree, so the checkpoint holds the weights once, under "net."
+            object.__setattr__(self, "_compiled", torch.compile(self.net))
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch  # (B, 3, H, W), (B,)
@@ -245,10 +247,14 @@ class ViTClassifier(pl.LightningModule):
         checkpoint[META_KEY] = {
             "model_config": dict(self.net.config),
             "class_names": list(self.class_names),
-            "preprocess": self.preprocess,
+            "preprocess": self.preprocess or Preprocess(self.hparams.img_size).to_dict(),
             "weights_prefix": "ema.module." if self.ema is not None else "net.",
             "variant": self.hparams.variant,
-            "versions": {"torch": torch.__version__, "lightning": lightning.__version__, "timm": timm.__version__},
+            "versions": {
+                "torch": str(torch.__version__),
+                "lightning": str(lightning.__version__),
+                "timm": str(timm.__version__),
+            },
         }
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:

@@ -1,0 +1,78 @@
+"""vit-train parses every shipped config, and runs each one on a tiny folder."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from tests.train.conftest import CONFIGS
+from train.cli import build_cli, main
+
+
+def test_configs_exist():
+    assert {p.name for p in CONFIGS} >= {
+        "sample.yaml",
+        "vit_tiny.yaml",
+        "vit_small.yaml",
+        "vit_base.yaml",
+        "finetune_timm.yaml",
+    }
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda p: p.name)
+def test_config_parses_and_links_num_classes_and_img_size_from_the_data(config: Path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", str(config), "--print_config"])
+    assert exit_info.value.code in (0, None)
+    resolved = yaml.safe_load(capsys.readouterr().out)
+    assert "num_classes" not in resolved["model"] and "img_size" not in resolved["model"]  # linked, never typed
+    assert resolved["checkpoint"]["filename"] == "best" and resolved["checkpoint"]["save_last"] is True
+
+
+def _strings_that_look_like_numbers(node, where=""):
+    if isinstance(node, dict):
+        for k, v in node.items():
+            yield from _strings_that_look_like_numbers(v, f"{where}.{k}")
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            yield from _strings_that_look_like_numbers(v, f"{where}[{i}]")
+    elif isinstance(node, str):
+        try:
+            float(node)
+            yield where
+        except ValueError:
+            pass
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda p: p.name)
+def test_config_numbers_are_yaml_numbers_not_strings(config: Path):
+    assert list(_strings_that_look_like_numbers(yaml.safe_load(config.read_text()))) == []
+
+
+def _tiny_timm_checkpoint(path: Path) -> Path:
+    import timm
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    save_file(timm.create_model("vit_tiny_patch16_224", num_classes=7).state_dict(), str(path))
+    return path
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda p: p.name)
+def test_fast_dev_run_of_each_config_on_a_tiny_folder(config: Path, shapes_folder: Path, tmp_path: Path):
+    args = ["fit", "--config", str(config), "--data.root", str(shapes_folder), "--trainer.fast_dev_run", "1"]
+    args += ["--trainer.accelerator", "cpu", "--trainer.devices", "1", "--trainer.precision", "32-true"]
+    args += ["--trainer.default_root_dir", str(tmp_path / "run"), "--trainer.enable_progress_bar", "false"]
+    args += ["--data.img_size", "32", "--data.batch_size", "4", "--data.num_workers", "0", "--model.compile", "false"]
+    if "pretrained: " in config.read_text():
+        weights = _tiny_timm_checkpoint(tmp_path / "vit_tiny.safetensors")
+        args += ["--model.pretrained", str(weights), "--model.variant", "vit_tiny_patch16_224"]
+    cli = build_cli(args)
+    net = cli.model.net
+    assert net.num_classes == 3 and net.head.out_features == 3  # linked from the folder's classes
+    assert net.patch_embed.img_size == (32, 32)  # linked from data.img_size
+    assert cli.trainer.state.finished
