@@ -1,0 +1,295 @@
+"""Is the exported model fast, and close to the hardware? One run, side by side, interleaved repeats.
+
+    .venv/bin/python benchmarks/export_bench.py [--repeats 5] [--models vit_tiny vit_small sample]
+
+For ViT-Ti/16 and ViT-S/16 at 224 px (random weights, nothing downloaded) and the sample model
+(`runs/sample/checkpoints/best.ckpt`, or a same-shaped random one), at batch 1 and 32, with 1 and
+2 intra-op threads:
+- torch eager: our model, `torch.inference_mode()`, fused attention;
+- ORT fp32: the vit-export file (uint8 pixels in, the `If` switch, fast branch);
+- ORT plain: the same logits graph exported alone (no `If`, no explain branch), to show the
+  switch costs nothing;
+- ORT int8: the vit-export int8 logits path (dynamic quantisation);
+- timm ORT: timm's VisionTransformer of the same shape exported the plain way (float NCHW in).
+Ratios are speed-ups over torch eager at the same batch and thread count. Then the achieved
+GFLOP/s of ViT-S/16 fp32 at batch 1 against the fp32 MatMul peak of onnxruntime measured in the
+same run, and the int8 accuracy change on the held-out digits when the sample run exists.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from serve.graphs import PixelModel, export_graph  # noqa: E402
+from serve.images import Preprocess, load_image  # noqa: E402
+from serve.onnx_graph import combine_fast_and_explain  # noqa: E402
+from serve.quantize import dynamic_int8  # noqa: E402
+from vit import create_model  # noqa: E402
+
+SAMPLE_CKPT = ROOT / "runs/sample/checkpoints/best.ckpt"
+MODELS = {"vit_tiny": "vit_tiny_patch16_224", "vit_small": "vit_small_patch16_224", "sample": "vit_micro_patch4_32"}
+ENGINES = ("torch eager", "ORT fp32", "ORT plain", "ORT int8", "timm ORT")
+
+
+def session(model: onnx.ModelProto | Path, threads: int) -> ort.InferenceSession:
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.inter_op_num_threads = 1
+    options.log_severity_level = 3
+    data = model.SerializeToString() if isinstance(model, onnx.ModelProto) else str(model)
+    return ort.InferenceSession(data, options, providers=["CPUExecutionProvider"])
+
+
+def timm_plain_export(net, img_size: tuple[int, int], path: Path) -> Path:
+    """timm's VisionTransformer with our net's shape, exported the way its docs and users do it."""
+    import timm
+
+    cfg = net.config
+    model = timm.models.vision_transformer.VisionTransformer(
+        img_size=img_size,
+        patch_size=cfg["patch_size"],
+        embed_dim=cfg["embed_dim"],
+        depth=cfg["depth"],
+        num_heads=cfg["num_heads"],
+        mlp_ratio=cfg["mlp_ratio"],
+        num_classes=cfg["num_classes"],
+    ).eval()
+    x = torch.randn(2, 3, *img_size)
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(
+            model,
+            (x,),
+            str(path),
+            input_names=["input"],
+            output_names=["logits"],
+            dynamic_shapes={"x": {0: torch.export.Dim("batch", min=1, max=4096)}},
+            dynamo=True,
+            external_data=False,
+            verbose=False,
+        )
+    return path
+
+
+def build(name: str, tmp: Path) -> dict:
+    """The torch net and every ONNX variant of one model."""
+    note = ""
+    if name == "sample" and SAMPLE_CKPT.is_file():
+        from train.checkpoint import load_network
+
+        net, meta = load_network(SAMPLE_CKPT)
+        pre = meta["preprocess"]
+        note = f"trained: {SAMPLE_CKPT.relative_to(ROOT)}"
+    else:
+        torch.manual_seed(0)
+        net = create_model(MODELS[name], num_classes=10 if name == "sample" else 1000).eval()
+        pre = Preprocess(img_size=net.patch_embed.img_size, mean=(0.5,) * 3, std=(0.5,) * 3)
+        meta = None
+        if name == "sample":
+            note = "random weights: runs/sample/checkpoints/best.ckpt not found (run `make train`)"
+    size = tuple(pre.img_size)
+    t = time.perf_counter()
+    fast = export_graph(PixelModel(net, pre.mean, pre.std), size)
+    explain = export_graph(PixelModel(net, pre.mean, pre.std, explain=True), size)
+    int8 = dynamic_int8(fast)
+    files = {
+        "ORT fp32": combine_fast_and_explain(fast, explain),
+        "ORT plain": fast,
+        "ORT int8": combine_fast_and_explain(int8, explain),
+        "timm ORT": timm_plain_export(net, size, tmp / f"{name}_timm.onnx"),
+    }
+    print(f"  built {name} in {time.perf_counter() - t:.0f} s {note}", file=sys.stderr, flush=True)
+    return {"net": net, "pre": pre, "meta": meta, "files": files, "note": note, "size": size}
+
+
+def runners(model: dict, threads: int) -> dict:
+    net, size = model["net"], model["size"]
+    sessions = {k: session(v, threads) for k, v in model["files"].items()}
+
+    def make(engine: str, batch: int):
+        rng = np.random.default_rng(batch)
+        pixels = rng.integers(0, 256, (batch, *size, 3), dtype=np.uint8)
+        if engine == "torch eager":
+            x = torch.from_numpy(model["pre"].normalize(pixels))
+
+            def run():
+                with torch.inference_mode():
+                    net(x)
+
+            return run
+        s = sessions[engine]
+        feed = {"input": model["pre"].normalize(pixels)} if engine == "timm ORT" else {"pixels": pixels}
+        return lambda: s.run(None, feed)
+
+    return make
+
+
+def timed(fn, calls: int) -> float:
+    t = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - t) / calls
+
+
+THREAD_ENGINES = ("torch eager", "ORT fp32", "ORT int8")  # the 2-thread comparison: the engines that matter
+
+
+def bench_model(model: dict, repeats: int, batches=(1, 32)) -> list[dict]:
+    """Every engine with 1 thread; torch, ORT fp32 and int8 again with 2 threads."""
+    rows = []
+    for threads, engines in ((1, ENGINES), (2, THREAD_ENGINES)):
+        torch.set_num_threads(threads)
+        make = runners(model, threads)
+        for batch in batches:
+            fns = {e: make(e, batch) for e in engines}
+            for fn in fns.values():
+                fn()  # warm-up
+            # calls per repeat so one repeat takes roughly 0.3 s or more
+            calls = {e: max(1, int(0.3 / max(timed(fn, 1), 1e-4))) for e, fn in fns.items()}
+            times = {e: [] for e in engines}
+            for _ in range(repeats if batch == 1 else min(repeats, 3)):  # interleaved: every engine once per round
+                for e, fn in fns.items():
+                    times[e].append(timed(fn, calls[e]))
+            base = statistics.median(times["torch eager"])
+            for e in engines:
+                ms = 1000 * statistics.median(times[e])
+                rows.append(
+                    dict(threads=threads, batch=batch, engine=e, ms=ms, ips=batch * 1000 / ms, x=base * 1000 / ms)
+                )
+    return rows
+
+
+def matmul_peak(threads: int, n: int = 1024, repeats: int = 5) -> float:
+    """fp32 GFLOP/s of onnxruntime's MatMul on (n, n) @ (n, n), the best of `repeats` interleaved rounds."""
+    from onnx import TensorProto, helper
+
+    a = helper.make_tensor_value_info("a", TensorProto.FLOAT, [n, n])
+    b = helper.make_tensor_value_info("b", TensorProto.FLOAT, [n, n])
+    c = helper.make_tensor_value_info("c", TensorProto.FLOAT, [n, n])
+    graph = helper.make_graph([helper.make_node("MatMul", ["a", "b"], ["c"])], "mm", [a, b], [c])
+    s = session(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]), threads)
+    rng = np.random.default_rng(0)
+    feed = {"a": rng.standard_normal((n, n), dtype=np.float32), "b": rng.standard_normal((n, n), dtype=np.float32)}
+    s.run(None, feed)
+    best = min(timed(lambda: s.run(None, feed), 5) for _ in range(repeats))
+    return 2 * n**3 / best / 1e9
+
+
+def digits_accuracy(model: dict) -> str | None:
+    """fp32 vs int8 accuracy on the sample run's held-out images (its split.json)."""
+    split = SAMPLE_CKPT.parent.parent / "split.json"
+    if model["meta"] is None or not split.is_file():
+        return None
+    names = model["meta"]["class_names"]
+    val = json.loads(split.read_text())["val"]
+    pre = model["pre"]
+    pixels = np.stack(
+        [pre.to_uint8(load_image(ROOT / e["path"] if not Path(e["path"]).exists() else e["path"])) for e in val]
+    )
+    labels = np.array([names.index(e["label"]) if isinstance(e["label"], str) else int(e["label"]) for e in val])
+    acc = {}
+    with torch.inference_mode():
+        acc["torch fp32"] = float(
+            (model["net"](torch.from_numpy(pre.normalize(pixels))).argmax(-1).numpy() == labels).mean()
+        )
+    for e in ("ORT fp32", "ORT int8"):
+        s = session(model["files"][e], 2)
+        logits = np.concatenate(
+            [s.run(["logits"], {"pixels": pixels[i : i + 64]})[0] for i in range(0, len(pixels), 64)]
+        )
+        acc[e] = float((logits.argmax(-1) == labels).mean())
+    loss = 100 * (acc["ORT fp32"] - acc["ORT int8"])
+    return (
+        f"held-out digits ({len(labels)} images): torch fp32 {acc['torch fp32']:.2%}, ORT fp32 {acc['ORT fp32']:.2%}, "
+        f"ORT int8 {acc['ORT int8']:.2%} -> int8 loses {loss:.2f} points (target <= 0.5)"
+    )
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--repeats", type=int, default=5, help="interleaved rounds per measurement (median reported)")
+    p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    args = p.parse_args()
+    logging.getLogger().setLevel(logging.ERROR)  # onnxruntime.quantization's advice to pre-process, every time
+    print(
+        f"# export_bench: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
+        f"torch {torch.__version__}, onnxruntime {ort.__version__}, "
+        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, load average {os.getloadavg()[0]:.2f} at start"
+    )
+    t0 = time.perf_counter()
+    notes, results = [], {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in args.models:
+            model = build(name, Path(tmp))
+            if model["note"]:
+                notes.append(f"{name}: {model['note']}")
+            results[name] = (model, bench_model(model, args.repeats))
+            print(f"  measured {name} at {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+
+        print("\nOne intra-op thread; ms per batch (speed-up over torch eager)\n")
+        print("| model | batch | " + " | ".join(ENGINES) + " |")
+        print("|---|---|" + "---|" * len(ENGINES))
+        for name, (_, rows) in results.items():
+            for batch in (1, 32):
+                cells = {r["engine"]: r for r in rows if r["threads"] == 1 and r["batch"] == batch}
+                vals = " | ".join(f"{cells[e]['ms']:.2f} ({cells[e]['x']:.2f}x)" for e in ENGINES)
+                print(f"| {name} | {batch} | {vals} |")
+
+        print("\nTwo intra-op threads; ms per batch (speed-up over the same engine with one thread)\n")
+        print("| model | batch | " + " | ".join(THREAD_ENGINES) + " |")
+        print("|---|---|" + "---|" * len(THREAD_ENGINES))
+        for name, (_, rows) in results.items():
+            for batch in (1, 32):
+                one = {r["engine"]: r["ms"] for r in rows if r["threads"] == 1 and r["batch"] == batch}
+                two = {r["engine"]: r["ms"] for r in rows if r["threads"] == 2 and r["batch"] == batch}
+                vals = " | ".join(f"{two[e]:.2f} ({one[e] / two[e]:.2f}x)" for e in THREAD_ENGINES)
+                print(f"| {name} | {batch} | {vals} |")
+
+        if "vit_small" in results:
+            model, rows = results["vit_small"]
+            flops = model["net"].flops_per_image()
+            print(f"\nViT-S/16 fp32 at batch 1: {flops / 1e9:.2f} GFLOP per image (model.flops_per_image())")
+            for threads in (1, 2):
+                ms = next(
+                    r["ms"] for r in rows if r["engine"] == "ORT fp32" and r["batch"] == 1 and r["threads"] == threads
+                )
+                ms32 = next(
+                    r["ms"] for r in rows if r["engine"] == "ORT fp32" and r["batch"] == 32 and r["threads"] == threads
+                )
+                peak = matmul_peak(threads)
+                achieved, achieved32 = flops / ms / 1e6, 32 * flops / ms32 / 1e6
+                print(
+                    f"  {threads} thread(s): achieved {achieved:.1f} GFLOP/s at batch 1 "
+                    f"({achieved32:.1f} at batch 32); "
+                    f"MatMul peak (1024^3) {peak:.1f} GFLOP/s; "
+                    f"ratio {achieved / peak:.0%} (batch 32: {achieved32 / peak:.0%})"
+                )
+
+        if "sample" in results:
+            line = digits_accuracy(results["sample"][0])
+            print("\n" + (line or "int8 accuracy on held-out digits: skipped (no runs/sample/checkpoints/best.ckpt)"))
+    for n in notes:
+        print(f"note: {n}")
+    print(f"\ntotal {time.perf_counter() - t0:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

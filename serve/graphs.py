@@ -1,0 +1,135 @@
+"""The network as ONNX graphs: uint8 pixels in, normalisation inside, with a dynamic batch axis.
+
+Three graphs of one network, combined into one file by `serve.onnx_graph`:
+- the fast graph (`PixelModel`): fused attention, logits only;
+- the explain graph (`PixelModel(explain=True)`): the explicit softmax path, logits and maps;
+- the gradient graph (`GradientModel`): also the gradient of a target logit with respect to
+  every map, its backward pass traced to plain aten ops by `make_fx` before export.
+"""
+
+from __future__ import annotations
+
+import io
+import warnings
+from contextlib import redirect_stdout
+
+import onnx
+import torch
+from torch import nn
+
+from serve.images import Preprocess
+from vit.model import VisionTransformer
+
+# Shapes: B batch, H/W image, K classes, nh heads, N tokens, depth blocks.
+
+DEFAULT_OPSET = 18
+
+
+class PixelModel(nn.Module):
+    """The network behind its input contract: uint8 NHWC pixels in, normalisation inside.
+
+    The arithmetic is `Preprocess.normalize`'s, in the same order and precision, so torch on
+    normalised floats and onnxruntime on pixels see identical inputs.
+
+    Args:
+        net: the trained network.
+        mean: per-channel mean, RGB.
+        std: per-channel standard deviation, RGB.
+        explain: also return the stacked attention maps (the explicit softmax path).
+    """
+
+    def __init__(self, net: VisionTransformer, mean: tuple[float, ...], std: tuple[float, ...], explain: bool = False):
+        super().__init__()
+        self.net = net
+        self.explain = explain
+        self.register_buffer("mean", torch.tensor(mean, dtype=torch.float32).view(1, 1, 1, 3))
+        self.register_buffer("std", torch.tensor(std, dtype=torch.float32).view(1, 1, 1, 3))
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        x = pixels.to(torch.float32) / 255.0  # (B, H, W, 3)
+        x = ((x - self.mean) / self.std).permute(0, 3, 1, 2)  # (B, 3, H, W)
+        if not self.explain:
+            return self.net(x)  # (B, K)
+        logits, attns = self.net(x, return_attn=True)
+        return logits, torch.stack(attns)  # (B, K), (depth, B, nh, N, N)
+
+
+class GradientModel(nn.Module):
+    """Pixels and a target class per image -> logits, attention maps, and d(target logit)/d(map).
+
+    Traced with its backward pass (`make_fx`) into plain aten ops, so the ONNX file can compute
+    class-specific gradient rollout without torch.
+    """
+
+    def __init__(self, net: VisionTransformer, mean: tuple[float, ...], std: tuple[float, ...]):
+        super().__init__()
+        self.pixels = PixelModel(net, mean, std, explain=True)
+
+    def forward(self, pixels: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        x = pixels.to(torch.float32) / 255.0
+        x = ((x - self.pixels.mean) / self.pixels.std).permute(0, 3, 1, 2)  # (B, 3, H, W)
+        with torch.enable_grad():
+            logits, attns = self.pixels.net(x, return_attn=True)  # (B, K), depth x (B, nh, N, N)
+            score = logits.gather(1, target[:, None]).sum()  # images are independent: one backward for all
+            grads = torch.autograd.grad(score, attns)
+        return logits.detach(), torch.stack([a.detach() for a in attns]), torch.stack(grads)
+
+
+def export_gradient_graph(
+    net: VisionTransformer, preprocess: Preprocess, opset: int = DEFAULT_OPSET
+) -> onnx.ModelProto:
+    """Export `GradientModel`: trace forward and backward to aten ops, then export those with a dynamic batch."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    H, W = preprocess.img_size
+    module = GradientModel(net, preprocess.mean, preprocess.std).eval()
+    pixels = torch.randint(0, 256, (2, H, W, 3), dtype=torch.uint8)
+    target = torch.zeros(2, dtype=torch.int64)
+    requires = [p.requires_grad for p in net.parameters()]
+    batch = torch.export.Dim("batch", min=1, max=4096)
+    try:
+        for p in net.parameters():
+            p.requires_grad_(True)  # the maps need a graph to differentiate through
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            traced = make_fx(module, tracing_mode="symbolic", _allow_non_fake_inputs=True)(pixels, target)
+        for p in net.parameters():
+            p.requires_grad_(False)  # the backward pass is now explicit ops in `traced`
+        with warnings.catch_warnings(), redirect_stdout(io.StringIO()), torch.no_grad():
+            warnings.simplefilter("ignore")
+            program = torch.onnx.export(
+                traced,
+                (pixels, target),
+                input_names=["pixels", "target"],
+                output_names=["logits", "attns", "grads"],
+                dynamic_shapes=({0: batch}, {0: batch}),
+                opset_version=opset,
+                dynamo=True,
+                external_data=False,
+                verbose=False,
+            )
+    finally:
+        for p, r in zip(net.parameters(), requires, strict=True):
+            p.requires_grad_(r)
+    return program.model_proto
+
+
+def export_graph(module: nn.Module, img_size: tuple[int, int], opset: int = DEFAULT_OPSET) -> onnx.ModelProto:
+    """Export a `PixelModel` with the dynamo exporter and a dynamic batch axis."""
+    H, W = img_size
+    sample = torch.randint(0, 256, (2, H, W, 3), dtype=torch.uint8)
+    names = ["logits", "attns"] if getattr(module, "explain", False) else ["logits"]
+    with warnings.catch_warnings(), redirect_stdout(io.StringIO()), torch.no_grad():
+        warnings.simplefilter("ignore")
+        program = torch.onnx.export(
+            module.eval(),
+            (sample,),
+            input_names=["pixels"],
+            output_names=names,
+            dynamic_shapes={"pixels": {0: torch.export.Dim("batch", min=1, max=4096)}},
+            opset_version=opset,
+            dynamo=True,
+            external_data=False,
+            verbose=False,
+        )
+    return program.model_proto
