@@ -204,8 +204,16 @@ def test_concurrent_requests_share_batches_and_metrics_move(client):
     def post(_):
         return client.post("/v1/classify", content=data, headers={"content-type": "image/png"}).status_code
 
+    engine = client.app.state.engine
+    gate = threading.Event()
+    engine.batcher.call(gate.wait, 10)  # hold the worker so that requests are sure to overlap
     with ThreadPoolExecutor(8) as pool:
-        statuses = list(pool.map(post, range(32)))
+        futures = [pool.submit(post, i) for i in range(32)]
+        deadline = time.monotonic() + 10
+        while engine.batcher.depth < 8 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        gate.set()
+        statuses = [f.result() for f in futures]
     assert statuses == [200] * 32
     assert counter(client, "vitscope_requests_total", route="/v1", status="200") == before + 32
     batches = counter(client, "vitscope_batch_size_count") - batches_before
