@@ -42,6 +42,16 @@ class RunDirConfig(SaveConfigCallback):
         self.already_saved = True
 
 
+class LastCheckpoint(ModelCheckpoint):
+    """`last.ckpt` after every epoch, whatever its score: what `--ckpt_path last` resumes from.
+
+    (Lightning's own `save_last` only refreshes it when a top-k checkpoint is written.)
+    """
+
+    def __init__(self, dirpath: str):
+        super().__init__(dirpath=dirpath, filename="last", monitor=None, save_top_k=1, enable_version_counter=False)
+
+
 class VitCLI(LightningCLI):
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.add_argument(
@@ -57,7 +67,7 @@ class VitCLI(LightningCLI):
                 "checkpoint.monitor": "val/acc",
                 "checkpoint.mode": "max",
                 "checkpoint.save_top_k": 1,
-                "checkpoint.save_last": True,
+                "checkpoint.save_last": False,  # LastCheckpoint writes last.ckpt every epoch
                 "checkpoint.enable_version_counter": False,
             }
         )
@@ -79,6 +89,8 @@ class VitCLI(LightningCLI):
         for cb in callbacks:
             if isinstance(cb, ModelCheckpoint) and cb.dirpath is None:
                 cb.dirpath = str(run_dir / "checkpoints")  # fixed: resume finds last.ckpt here
+        if config.get("enable_checkpointing") is not False:
+            callbacks = [*callbacks, LastCheckpoint(str(run_dir / "checkpoints"))]
         return super()._instantiate_trainer(config, callbacks)
 
     def before_fit(self) -> None:

@@ -97,7 +97,7 @@ class ViTClassifier(pl.LightningModule):
         super().__init__()
         self.save_hyperparameters()
         self.net = build_network(num_classes, img_size, variant, net_args, pretrained, variant)
-        self.ema = ModelEmaV3(self.net, decay=ema_decay) if ema_decay else None
+        self.ema = ModelEmaV3(self.net, decay=ema_decay).requires_grad_(False) if ema_decay else None
         self.mixup = None
         if mixup_alpha > 0 or cutmix_alpha > 0:
             self.mixup = Mixup(

@@ -1,0 +1,146 @@
+"""End to end: a real tiny training run, its run directory, its checkpoints, resume after a kill, DDP."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from serve.images import load_image
+from tests.train.conftest import REPO, write_shapes
+from train.checkpoint import load_checkpoint, load_network
+from train.cli import build_cli
+
+SAMPLE = str(REPO / "configs" / "sample.yaml")
+
+
+def fit_args(root: Path, run_dir: Path, epochs: int, *extra: str) -> list[str]:
+    return [
+        "fit", "--config", SAMPLE, "--data.root", str(root), "--trainer.default_root_dir", str(run_dir),
+        "--trainer.max_epochs", str(epochs), "--trainer.enable_progress_bar", "false",
+        "--data.batch_size", "8", "--model.warmup_epochs", "1.0", *extra,
+    ]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A 15-epoch run of configs/sample.yaml on 3 easy classes, EMA on."""
+    tmp = tmp_path_factory.mktemp("e2e")
+    root = write_shapes(tmp / "shapes")
+    run_dir = tmp / "run"
+    cli = build_cli(fit_args(root, run_dir, 15, "--model.ema_decay", "0.9"))
+    return cli, run_dir
+
+
+@pytest.mark.slow
+def test_tiny_training_beats_chance_clearly(trained):
+    cli, _ = trained
+    assert float(cli.trainer.checkpoint_callback.best_model_score) >= 0.8  # chance is 1/3
+
+
+@pytest.mark.slow
+def test_run_dir_holds_checkpoints_config_logs_split_and_reports(trained):
+    _, run = trained
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["best.ckpt", "last.ckpt"]
+    for name in ("config.yaml", "split.json", "bad_files.csv", "reports/confusion_matrix.png"):
+        assert (run / name).is_file(), name
+    assert list((run / "tensorboard").rglob("events.out.tfevents.*"))
+    assert list((run / "csv").rglob("metrics.csv"))
+    split = json.loads((run / "split.json").read_text())
+    assert split["classes"] == ["bar", "column", "square"] and len(split["val"]) == 18
+    with open(run / "reports" / "per_class_accuracy.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [r["class"] for r in rows] == ["bar", "column", "square"] and sum(int(r["images"]) for r in rows) == 18
+    with open(run / "reports" / "confusion_matrix.csv") as f:
+        assert sum(int(v) for row in list(csv.reader(f))[1:] for v in row[1:]) == 18
+
+
+@pytest.mark.slow
+def test_checkpoint_carries_what_export_needs_and_loads_with_weights_only(trained):
+    cli, run = trained
+    ckpt = load_checkpoint(run / "checkpoints" / "best.ckpt")  # torch.load(weights_only=True)
+    meta = ckpt["vitscope"]
+    assert meta["class_names"] == ["bar", "column", "square"]
+    assert meta["preprocess"] == cli.datamodule.preprocess.to_dict()
+    assert meta["weights_prefix"] == "ema.module."
+    assert meta["model_config"]["num_classes"] == 3 and meta["variant"] == "vit_micro_patch4_32"
+
+
+@pytest.mark.slow
+def test_load_network_gives_the_logits_of_the_trained_module(trained):
+    cli, run = trained
+    module = cli.model.eval()
+    net, meta = load_network(run / "checkpoints" / "last.ckpt")
+    split = json.loads((run / "split.json").read_text())
+    x = torch.stack([torch.from_numpy(meta["preprocess"](load_image(e["path"]))) for e in split["val"]])
+    with torch.no_grad():
+        torch.testing.assert_close(net(x), module(x), rtol=1e-5, atol=1e-5)
+        assert not torch.allclose(net(x), module.net.eval()(x))  # it is the EMA copy, not the raw weights
+
+
+def _wait_for_checkpoint(path: Path, min_epoch: int, proc: subprocess.Popen, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, "training stopped before it could be killed"
+        try:
+            if torch.load(path, map_location="cpu", weights_only=True)["epoch"] >= min_epoch:
+                return
+        except Exception:  # noqa: BLE001
+            pass  # not written yet, or being written
+        time.sleep(0.2)
+    raise TimeoutError(f"{path} did not reach epoch {min_epoch}")
+
+
+@pytest.mark.slow
+def test_killed_run_resumes_from_last_checkpoint_in_the_same_run_dir(tmp_path: Path):
+    root = write_shapes(tmp_path / "shapes", per_class=12)
+    run = tmp_path / "run"
+    last = run / "checkpoints" / "last.ckpt"
+    cmd = [sys.executable, "-m", "train", *fit_args(root, run, 500)]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        _wait_for_checkpoint(last, 1, proc)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)  # the kill: no chance to clean up
+        proc.wait()
+    killed = torch.load(last, map_location="cpu", weights_only=True)
+    done_epochs, done_steps = killed["epoch"] + 1, killed["global_step"]
+    cli = build_cli(fit_args(root, run, done_epochs + 2, "--ckpt_path", "last"))
+    steps_per_epoch = done_steps // done_epochs
+    assert cli.trainer.current_epoch == done_epochs + 2
+    assert cli.trainer.global_step == done_steps + 2 * steps_per_epoch  # continued, not restarted
+    resumed = torch.load(last, map_location="cpu", weights_only=True)
+    assert resumed["epoch"] == done_epochs + 1
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["best.ckpt", "last.ckpt"]
+    logs = sorted((run / "csv").glob("version_*/metrics.csv"))
+    assert len(logs) == 2  # the killed run's log is kept beside the resumed run's
+    with open(logs[-1]) as f:
+        assert min(int(r["epoch"]) for r in csv.DictReader(f)) == done_epochs
+
+
+@pytest.mark.slow
+def test_ddp_on_two_cpu_processes_leaves_identical_weights_on_both_ranks(tmp_path: Path):
+    root = write_shapes(tmp_path / "shapes", per_class=16)
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "train", *fit_args(root, run, 1)]
+    cmd += ["--trainer.strategy", "ddp", "--trainer.devices", "2", "--trainer.accelerator", "cpu"]
+    cmd += ["--trainer.max_steps", "3", "--trainer.callbacks+=tests.train.rank_weights.SaveRankWeights"]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    w0 = torch.load(run / "rank0.pt", weights_only=True)
+    w1 = torch.load(run / "rank1.pt", weights_only=True)
+    initial = build_cli(fit_args(root, tmp_path / "unused", 1)[1:], run=False).model.net.state_dict()
+    assert w0.keys() == w1.keys()
+    for k in w0:
+        torch.testing.assert_close(w0[k], w1[k], rtol=0, atol=0)
+    assert any(not torch.equal(w0[k], initial[k]) for k in w0)  # they trained, and stayed in step
+    assert (run / "checkpoints" / "last.ckpt").is_file()
