@@ -248,7 +248,7 @@ def build_app(classifier, settings: ServeSettings | None = None, with_ui: bool =
                 "overlay_png": base64.b64encode(_png(ex["overlay"])).decode("ascii"),
                 "deletion": ex["deletion"].to_dict(),
             }
-        return encode_response(classifier, probs, params["top_k"], explanation)
+        return JSONResponse(encode_response(classifier, probs, params["top_k"], explanation))  # already plain JSON
 
     @app.get("/healthz")
     async def healthz():
