@@ -115,18 +115,19 @@ class Throughput(Callback):
     def __init__(self, skip: int, batch_size: int):
         self.skip, self.batch_size = skip, batch_size
         self.t0 = self.t1 = None
-        self.n = 0
+        self.n = self.calls = 0
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        if batch_idx == self.skip:
+        if self.calls == self.skip:  # counted across epochs: batch_idx restarts every epoch
             sync(pl_module.device)
             self.t0 = time.perf_counter()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        if batch_idx >= self.skip:
+        if self.calls >= self.skip:
             self.n += self.batch_size
             sync(pl_module.device)
             self.t1 = time.perf_counter()
+        self.calls += 1
 
     @property
     def rate(self) -> float:
