@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import io
 import platform
 import sys
@@ -140,6 +141,8 @@ def main(argv: list[str] | None = None) -> int:
             soak["rss0"], soak["rss1"] = rss0, rss_kib(pid)
 
     print(f"# serve_bench: {args.model} on {platform.machine()} ({platform.platform()}), {time.strftime('%Y-%m-%d')}")
+    fast = [m for m in ("uvloop", "httptools") if importlib.util.find_spec(m)]
+    print(f"server HTTP stack: {'uvloop + httptools' if len(fast) == 2 else 'asyncio + h11 (pure Python)'}")
     print("\nIn-process ONNX Runtime (predict_pixels on prepared pixels):\n")
     print("| batch | images/s |\n|---:|---:|")
     for bs, ips in ref["throughput"].items():
