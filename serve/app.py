@@ -157,7 +157,19 @@ def build_ui(classifier, engine, settings) -> gr.Blocks:
         )
         overlay = render_overlay(pixels, ex["grid"], float(opacity), colormap)
         seen_big = render_overlay(pixels, ex["grid"], 0.0)  # the input crop at display size
-        return as_label(ex["probs"]), overlay, deletion_text(ex["deletion"], labels), seen_big
+        last = (pixels, ex["grid"])  # kept in the page's state: restyling needs no model call
+        return as_label(ex["probs"]), overlay, deletion_text(ex["deletion"], labels), seen_big, last
+
+    def reclassify(path, *controls):
+        if not path:
+            return [gr.update()] * 5  # a control moved before any upload: nothing to redo
+        return classify(path, *controls)
+
+    def restyle(last, opacity, colormap):
+        if last is None:
+            return gr.update()
+        pixels, grid = last
+        return render_overlay(pixels, grid, float(opacity), colormap)
 
     def attention(path, block, head, opacity, colormap):
         pixels = pixels_of(path)
@@ -214,12 +226,18 @@ def build_ui(classifier, engine, settings) -> gr.Blocks:
             cmap = gr.Dropdown(list(COLORMAPS), value=COLORMAPS[0], label="Colormap")
         with gr.Row():
             first = gr.Slider(0, depth - 1, value=0, step=1, label="First block")
-            last = gr.Slider(1, depth, value=depth, step=1, label="Last block (exclusive)")
+            last_block = gr.Slider(1, depth, value=depth, step=1, label="Last block (exclusive)")
         run_btn = gr.Button("Classify and explain", variant="primary")
-        inputs = [image, fusion, discard, first, last, opacity, cmap]
-        outputs = [label, overlay, faith, seen]
+        inputs = [image, fusion, discard, first, last_block, opacity, cmap]
+        last_explained = gr.State(None)
+        outputs = [label, overlay, faith, seen, last_explained]
         run_btn.click(classify, inputs, outputs, api_name="classify")
-        image.change(classify, inputs, outputs, api_name=False)
+        image.change(reclassify, inputs, outputs, api_name=False)
+        for control in (opacity, cmap):
+            control.change(restyle, [last_explained, opacity, cmap], overlay, api_name=False, show_progress="hidden")
+        fusion.change(reclassify, inputs, outputs, api_name=False)
+        for slider in (discard, first, last_block):
+            slider.release(reclassify, inputs, outputs, api_name=False)
 
         with gr.Tab("Raw attention (per block, per head)"):
             with gr.Row():
