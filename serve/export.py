@@ -200,7 +200,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--parity-samples", type=int, default=256, help="validation images in the parity gate")
     args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    logging.basicConfig(level=logging.WARNING, format="%(message)s", stream=sys.stderr)
+    logging.getLogger("serve").setLevel(logging.INFO)  # our progress; the exporter's own INFO chatter stays quiet
     try:
         result = export_onnx(
             args.checkpoint,

@@ -8,9 +8,11 @@ speed. Static wins when it agrees better with fp32, or as well and runs faster.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -62,12 +64,25 @@ def _ms_per_image(session: ort.InferenceSession, pixels: np.ndarray, budget_s: f
     return 1000 * float(np.median(times))
 
 
+@contextlib.contextmanager
+def _quiet_root_logger() -> Iterator[None]:
+    """onnxruntime.quantization logs advice on the root logger for every tensor; keep errors only."""
+    root = logging.getLogger()
+    level = root.level
+    root.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        root.setLevel(level)
+
+
 def dynamic_int8(fast: onnx.ModelProto) -> onnx.ModelProto:
     """The logits graph with int8 MatMul/Gemm weights (per channel) and activations quantised on the fly."""
     with tempfile.TemporaryDirectory() as tmp:
         src, dst = Path(tmp, "fp32.onnx"), Path(tmp, "dynamic.onnx")
         onnx.save(fast, src)
-        quantize_dynamic(src, dst, op_types_to_quantize=QUANT_OPS, per_channel=True, weight_type=QuantType.QInt8)
+        with _quiet_root_logger():
+            quantize_dynamic(src, dst, op_types_to_quantize=QUANT_OPS, per_channel=True, weight_type=QuantType.QInt8)
         return onnx.load(dst)
 
 
@@ -98,16 +113,17 @@ def quantize_int8(
         onnx.save(fast, src)
         candidates["int8-dynamic"] = dynamic_int8(fast)
         try:
-            quantize_static(
-                src,
-                sta,
-                _PixelReader(pixels[:64]),
-                quant_format=QuantFormat.QDQ,
-                op_types_to_quantize=QUANT_OPS,
-                per_channel=True,
-                activation_type=QuantType.QUInt8,
-                weight_type=QuantType.QInt8,
-            )
+            with _quiet_root_logger():
+                quantize_static(
+                    src,
+                    sta,
+                    _PixelReader(pixels[:64]),
+                    quant_format=QuantFormat.QDQ,
+                    op_types_to_quantize=QUANT_OPS,
+                    per_channel=True,
+                    activation_type=QuantType.QUInt8,
+                    weight_type=QuantType.QInt8,
+                )
             candidates["int8-static"] = onnx.load(sta)
         except Exception as e:  # static calibration is the optional extra: report and go on with dynamic
             log.warning("static int8 quantisation failed, keeping dynamic: %s", e)
