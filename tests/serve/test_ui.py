@@ -12,7 +12,8 @@ from tests.serve.test_server import ServerProcess
 
 @pytest.fixture(scope="module")
 def ui_server(tiny_onnx):
-    with ServerProcess(tiny_onnx, "--examples-dir", "") as s:
+    # the UI keeps event streams open; a short grace period keeps the teardown quick
+    with ServerProcess(tiny_onnx, "--examples-dir", "", "--graceful-timeout-s", "3") as s:
         yield s
 
 
