@@ -28,6 +28,7 @@ from serve.images import IMAGE_SUFFIXES, ImageError, load_image
 log = logging.getLogger(__name__)
 
 COLORMAPS = ("inferno", "jet", "viridis", "magma", "turbo")
+NO_GRADIENTS = "this model file has no gradient graph (vit-export --no-gradients); re-export it without that flag"
 DISPLAY_SIZE = 256  # the input crop is tiny for small models: show it large enough to see
 
 
@@ -186,7 +187,7 @@ def build_ui(classifier, engine, settings) -> gr.Blocks:
 
     def gradient(path, label, opacity, colormap):
         if not grads:
-            raise gr.Error("this model file has no gradient graph; export it with gradients to use gradient rollout")
+            raise gr.Error(NO_GRADIENTS)
         pixels = pixels_of(path)
         target = labels.index(label) if label in labels else None
 
@@ -250,7 +251,7 @@ def build_ui(classifier, engine, settings) -> gr.Blocks:
             attn_btn.click(attention, [image, blk, head, opacity, cmap], [attn_img, attn_faith], api_name="attention")
 
         with gr.Tab("Gradient rollout"):
-            why = "" if grads else " (off: this model file was exported without a gradient graph)"
+            why = "" if grads else f" (off: {NO_GRADIENTS})"
             target = gr.Dropdown(labels, value=labels[0], label=f"Class to explain{why}", interactive=grads)
             grad_btn = gr.Button("Gradient rollout for this class", interactive=grads)
             with gr.Row():

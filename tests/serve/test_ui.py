@@ -54,6 +54,24 @@ def test_gradio_client_classify_returns_labels_overlay_and_deletion_score(ui_ser
 
 
 @pytest.mark.slow
+def test_gradient_rollout_for_a_chosen_class_or_a_clear_reason_why_not(ui_server, image_file, tiny_onnx):
+    from gradio_client import Client, handle_file
+
+    from serve.runtime import OnnxClassifier
+
+    clf = OnnxClassifier(tiny_onnx)
+    client = Client(ui_server.url + "/", verbose=False)
+    args = (handle_file(str(image_file)), clf.labels[-1], 0.5, "inferno")
+    if not clf.supports_gradients:
+        with pytest.raises(Exception, match="no gradient graph"):
+            client.predict(*args, api_name="/gradient_rollout")
+        return
+    overlay, text = client.predict(*args, api_name="/gradient_rollout")
+    assert Image.open(overlay).size[0] > 0
+    assert f"Deletion score for *{clf.labels[-1]}*" in text  # the chosen class, not the top one
+
+
+@pytest.mark.slow
 def test_gradio_client_gets_a_clear_error_for_a_bad_block_range(ui_server, image_file):
     from gradio_client import Client, handle_file
 
