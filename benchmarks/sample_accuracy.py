@@ -10,6 +10,7 @@ Target: >= 98.5 % top-1 on the held-out digits in <= 3 minutes of training on 2 
 from __future__ import annotations
 
 import argparse
+import csv
 import datetime
 import json
 import os
@@ -55,8 +56,11 @@ def main() -> None:
     total = time.perf_counter() - start
     s = json.loads((run_dir / "summary.json").read_text())
     split = json.loads((run_dir / "split.json").read_text())
+    with open(next((run_dir / "csv").glob("version_*/metrics.csv"))) as f:
+        last_acc = [float(r["val/acc"]) for r in csv.DictReader(f) if r.get("val/acc")][-1]
     rows = [
-        ("val accuracy (top-1)", f"{100 * s['best_val_acc']:.2f} % of {len(split['val'])} held-out digits"),
+        ("val accuracy (top-1), best.ckpt", f"{100 * s['best_val_acc']:.2f} % of {len(split['val'])} held-out digits"),
+        ("val accuracy (top-1), last epoch", f"{100 * last_acc:.2f} %"),
         ("training wall time (fit)", f"{s['fit_seconds']:.1f} s"),
         ("command wall time (incl. start-up, scan)", f"{total:.1f} s"),
         ("epochs", str(s["epochs"])),
