@@ -27,9 +27,10 @@ from serve.rollout_np import attention_rollout, rollout_from_gradients
 
 FORMAT_KEY = "vitscope_format"
 FORMAT_VERSION = "1"
-# One intra-op thread by default: on small (2-core) CPU machines two threads per session are
-# rarely faster for ViT-sized matmuls at batch 1, and a server runs several sessions/requests at
-# once; benchmarks/export_bench.py measures 1 vs 2 threads side by side. Pass `threads` to change it.
+# One intra-op thread by default. benchmarks/export_bench.py measures 1 vs 2 side by side: on the
+# 2-core build VM (shared with other jobs) a second thread made ViT-S/16 at batch 1 about 2x slower
+# (0.54x), and only batch 32 on a quiet machine gained (up to 1.5x). A server overlaps requests
+# anyway, so each session keeps to one core. Pass `threads` (or the server's setting) to change it.
 DEFAULT_THREADS = 1
 PREFERRED_PROVIDERS = ("TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider")
 
