@@ -1,4 +1,7 @@
 # vitscope: `make demo` runs the whole job on the embedded sample, `make test` checks it.
+SHELL := /bin/bash
+# pipefail: a failing benchmark piped into tee still fails the target
+.SHELLFLAGS := -eo pipefail -c
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -58,8 +61,16 @@ demo: install $(ONNX)
 
 serve: demo
 
-bench: install
-	$(PYTHON) benchmarks/model_vs_timm.py
+# Every benchmark, one after another (they time the same 2 cores); outputs land in artifacts/bench/.
+BENCH := artifacts/bench
+bench: install $(ONNX)
+	mkdir -p $(BENCH)
+	$(PYTHON) benchmarks/model_vs_timm.py | tee $(BENCH)/model_vs_timm.md
+	$(PYTHON) benchmarks/sample_accuracy.py | tee $(BENCH)/sample_accuracy.md
+	$(PYTHON) benchmarks/train_overhead.py | tee $(BENCH)/train_overhead.md
+	$(PYTHON) benchmarks/export_bench.py | tee $(BENCH)/export_bench.md
+	$(PYTHON) benchmarks/serve_bench.py $(ONNX) --duration 10 | tee $(BENCH)/serve_bench.md
+	$(PYTHON) benchmarks/pointing_game.py $(ONNX) --n 300 --seed 0 | tee $(BENCH)/pointing_game.md
 
 clean:
 	rm -rf runs artifacts .pytest_cache

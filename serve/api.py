@@ -206,9 +206,10 @@ def build_app(classifier, settings: ServeSettings | None = None, with_ui: bool =
             ApiError("internal", f"internal error ({type(err).__name__}); see the server log"), settings
         )
 
-    async def predict(pixels: np.ndarray) -> np.ndarray:
+    async def engine_call(work):
+        """Await work queued on the model's worker; map its failures to API errors."""
         try:
-            return await engine.predict(pixels)
+            return await work
         except QueueFull as e:
             raise ApiError("queue_full", str(e)) from None
         except ShuttingDown as e:
@@ -216,15 +217,11 @@ def build_app(classifier, settings: ServeSettings | None = None, with_ui: bool =
         except TimeoutError:
             raise ApiError("timeout", f"no result within {settings.request_timeout_s} s; retry later") from None
 
+    async def predict(pixels: np.ndarray) -> np.ndarray:
+        return await engine_call(engine.predict(pixels))
+
     async def run(fn, *args):
-        try:
-            return await engine.run(fn, *args)
-        except QueueFull as e:
-            raise ApiError("queue_full", str(e)) from None
-        except ShuttingDown as e:
-            raise ApiError("shutting_down", str(e)) from None
-        except TimeoutError:
-            raise ApiError("timeout", f"no result within {settings.request_timeout_s} s; retry later") from None
+        return await engine_call(engine.run(fn, *args))
 
     @app.post("/v1/classify")
     async def classify(request: Request):
