@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 # Field numbers from onnx.proto (stable since IR version 3).
-_MODEL_GRAPH, _MODEL_FUNCTIONS = 7, 25
+_MODEL_GRAPH, _MODEL_METADATA, _MODEL_FUNCTIONS = 7, 14, 25
 _GRAPH_NODE, _GRAPH_INITIALIZER, _GRAPH_SPARSE_INITIALIZER = 1, 5, 15
 _FUNCTION_NODE = 7
 _NODE_ATTRIBUTE = 5
@@ -75,6 +75,19 @@ def check_model_bytes(data: bytes, name: str = "model") -> None:
             f"{name} refers to external data files; vitscope only loads self-contained models "
             "(export with vit-export, which writes one file)"
         ) from None
+
+
+def read_metadata(data: bytes) -> dict[str, str]:
+    """The model's `metadata_props` as a dict, straight from the wire format (before any session exists)."""
+    out = {}
+    try:
+        for field, value in _fields(memoryview(data)):
+            if field == _MODEL_METADATA and isinstance(value, memoryview):
+                entry = {f: bytes(v).decode("utf-8", "replace") for f, v in _fields(value) if isinstance(v, memoryview)}
+                out[entry.get(1, "")] = entry.get(2, "")  # StringStringEntryProto: key = 1, value = 2
+    except _WireError:
+        return {}
+    return out
 
 
 class _WireError(Exception):

@@ -111,7 +111,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--top-k", type=int, default=5, help="classes per image (default 5)")
     p.add_argument("--format", choices=["json", "csv"], default="json", help="json: one object per line; csv: rows")
     p.add_argument("--batch-size", type=int, default=32, help="images per onnxruntime call (default 32)")
-    p.add_argument("--threads", type=int, default=None, help="onnxruntime intra-op threads (default 1)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="onnxruntime intra-op threads (default: 1 for small models, every core for large ones)",
+    )
     args = p.parse_args(argv)
     if args.top_k < 1 or args.batch_size < 1:
         p.error("--top-k and --batch-size must be at least 1")

@@ -20,18 +20,19 @@ import numpy as np
 import onnxruntime as ort
 
 from serve.images import ImageSource, Preprocess, load_image
-from serve.model_file import read_model_bytes
+from serve.model_file import read_metadata, read_model_bytes
 from serve.rollout_np import attention_rollout, rollout_from_gradients
 
 # Shapes: B batch, H/W image, K classes, nh heads, N tokens, Gh/Gw patch grid, L = Gh * Gw.
 
 FORMAT_KEY = "vitscope_format"
 FORMAT_VERSION = "1"
-# One intra-op thread by default. benchmarks/export_bench.py measures 1 vs 2 side by side: on the
-# 2-core build VM (shared with other jobs) a second thread made ViT-S/16 at batch 1 about 2x slower
-# (0.54x), and only batch 32 on a quiet machine gained (up to 1.5x). A server overlaps requests
-# anyway, so each session keeps to one core. Pass `threads` (or the server's setting) to change it.
-DEFAULT_THREADS = 1
+# Intra-op threads when the caller does not say: measured by benchmarks/export_bench.py (BENCHMARKS.md).
+# On a quiet 2-core machine a second thread made ViT-Ti/16 and ViT-S/16 at 224 px 1.6-1.8x faster at
+# batch 1, while the 32-px sample model (about 0.02 GFLOP per image) gained nothing: its matmuls are
+# too small to split, and a second thread only takes the core that the server's event loop needs.
+# So: one thread below SMALL_MODEL_GFLOPS, otherwise onnxruntime's default (every physical core).
+SMALL_MODEL_GFLOPS = 0.25
 PREFERRED_PROVIDERS = ("TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider")
 
 
@@ -39,6 +40,19 @@ def default_providers() -> list[str]:
     """TensorRT, then CUDA, when this onnxruntime build has them; the CPU always."""
     available = set(ort.get_available_providers())
     return [p for p in PREFERRED_PROVIDERS if p in available] or ["CPUExecutionProvider"]
+
+
+def default_threads(metadata: dict[str, str]) -> int:
+    """1 for a small model, 0 (onnxruntime's default: every physical core) for a large one; see above."""
+    try:
+        cfg = _parse(metadata["model_config"])
+        Gh, Gw = _parse(metadata["grid_size"])
+        D, depth, mlp = cfg["embed_dim"], cfg["depth"], cfg.get("mlp_ratio", 4.0)
+        N = Gh * Gw + int(metadata.get("num_prefix_tokens", 1))
+    except (KeyError, TypeError, ValueError):
+        return 1
+    gflops = 2 * depth * (N * D * D * (4 + 2 * mlp) + 2 * N * N * D) / 1e9  # matmuls per image
+    return 1 if gflops < SMALL_MODEL_GFLOPS else 0
 
 
 def softmax(logits: np.ndarray) -> np.ndarray:
@@ -54,7 +68,7 @@ class OnnxClassifier:
     Args:
         path: the .onnx file written by `vit-export`.
         providers: onnxruntime execution providers; None picks TensorRT or CUDA when present, else CPU.
-        threads: intra-op threads per session; None uses `DEFAULT_THREADS`.
+        threads: intra-op threads; None picks by model size (`default_threads`), 0 means every physical core.
 
     Raises:
         FileNotFoundError: no such file.
@@ -65,7 +79,7 @@ class OnnxClassifier:
         self.path = Path(path)
         data = read_model_bytes(self.path)
         options = ort.SessionOptions()
-        options.intra_op_num_threads = threads or DEFAULT_THREADS
+        options.intra_op_num_threads = default_threads(read_metadata(data)) if threads is None else threads
         options.inter_op_num_threads = 1
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         options.log_severity_level = 3  # `explain` is an input with a default on purpose: no warning about it

@@ -25,8 +25,8 @@ class ServeSettings:
         queue_size: requests allowed to wait for the model; beyond it the server answers 503
             with Retry-After instead of letting latency grow without bound.
         retry_after_s: the Retry-After hint sent with a 503.
-        threads: intra-op threads for ONNX Runtime (0: the runtime's default of 1, which leaves the
-            other cores to the event loop; the batcher, not the thread count, fills the CPU).
+        threads: intra-op threads for ONNX Runtime (0: by model size, see `serve.runtime.default_threads`:
+            one for small models, which leaves the other core to the event loop, every core for large ones).
         max_bytes: largest accepted request body, 10 MiB: any phone photo, far below a memory problem.
         inline_decode_bytes: uploads up to this size are decoded on the event loop (a small PNG decodes
             faster than a hop to a worker thread); larger ones go to a thread so the loop stays free.

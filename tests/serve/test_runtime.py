@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import json
 import os
 import subprocess
 import sys
@@ -216,3 +217,20 @@ def test_a_model_with_external_data_is_refused_before_loading(tiny_onnx, tmp_pat
     assert (tmp_path / "weights.bin").exists()
     with pytest.raises(ModelFileError, match="external data"):
         OnnxClassifier(external)
+
+
+def _meta(**config) -> dict[str, str]:
+    grid = config.pop("grid")
+    return {"model_config": json.dumps(config), "grid_size": json.dumps(grid), "num_prefix_tokens": "1"}
+
+
+def test_thread_default_follows_model_size(tiny_onnx):
+    from serve.runtime import OnnxClassifier, default_threads
+
+    sample = _meta(embed_dim=64, depth=4, mlp_ratio=2.0, grid=[8, 8])  # ~0.02 GFLOP: one thread
+    vit_small = _meta(embed_dim=384, depth=12, mlp_ratio=4.0, grid=[14, 14])  # ~9 GFLOP: every core
+    assert default_threads(sample) == 1
+    assert default_threads(vit_small) == 0
+    assert default_threads({}) == 1  # no usable metadata: the cautious choice
+    assert OnnxClassifier(tiny_onnx).threads == 1
+    assert OnnxClassifier(tiny_onnx, threads=2).threads == 2
