@@ -69,8 +69,9 @@ bench: install $(ONNX)
 	$(PYTHON) benchmarks/sample_accuracy.py | tee $(BENCH)/sample_accuracy.md
 	$(PYTHON) benchmarks/train_overhead.py | tee $(BENCH)/train_overhead.md
 	$(PYTHON) benchmarks/export_bench.py | tee $(BENCH)/export_bench.md
-	$(PYTHON) benchmarks/serve_bench.py $(ONNX) --duration 10 | tee $(BENCH)/serve_bench.md
+	$(PYTHON) benchmarks/serve_bench.py $(ONNX) --duration 10 --soak 300 | tee $(BENCH)/serve_bench.md
 	$(PYTHON) benchmarks/pointing_game.py $(ONNX) --n 300 --seed 0 | tee $(BENCH)/pointing_game.md
+	$(PYTHON) benchmarks/gpu_train.py | tee $(BENCH)/gpu_train.md
 
 clean:
 	rm -rf runs artifacts .pytest_cache

@@ -95,12 +95,12 @@ async def decode_request(request: Request, settings: ServeSettings) -> tuple[byt
     body = await read_body(request, settings.max_bytes)
     ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if ctype == "multipart/form-data":
-        form = await request.form()
-        upload = form.get("file")
-        fields = {k: v for k, v in form.items() if isinstance(v, str)}
-        if upload is None or isinstance(upload, str):
-            raise ApiError("bad_request", "multipart uploads must carry the image in a file field named 'file'")
-        return await upload.read(), fields
+        async with request.form() as form:  # closes spooled upload files when done
+            upload = form.get("file")
+            fields = {k: v for k, v in form.items() if isinstance(v, str)}
+            if upload is None or isinstance(upload, str):
+                raise ApiError("bad_request", "multipart uploads must carry the image in a file field named 'file'")
+            return await upload.read(), fields
     if ctype and not ctype.startswith(RAW_TYPES):
         raise ApiError(
             "unsupported_media_type",
@@ -214,7 +214,7 @@ def build_app(classifier, settings: ServeSettings | None = None, with_ui: bool =
             raise ApiError("queue_full", str(e)) from None
         except ShuttingDown as e:
             raise ApiError("shutting_down", str(e)) from None
-        except TimeoutError:
+        except (TimeoutError, asyncio.TimeoutError):  # distinct classes before Python 3.11
             raise ApiError("timeout", f"no result within {settings.request_timeout_s} s; retry later") from None
 
     async def predict(pixels: np.ndarray) -> np.ndarray:

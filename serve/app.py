@@ -94,12 +94,13 @@ def cls_attention(classifier, pixels: np.ndarray, block: int, head: int) -> tupl
     """Raw attention of one block and head: the CLS query's row over the patches, as a grid.
 
     Returns:
-        (probs (K,), grid (Gh, Gw)); without a class token, the mean over all queries.
+        (probs (K,), grid (Gh, Gw)); for models read out by the patch mean (no CLS token), the mean
+        over the patch queries.
     """
     probs, attns = classifier.attentions(pixels[None])  # attns (depth, 1, nh, N, N)
     P, (Gh, Gw) = classifier.num_prefix_tokens, classifier.grid_size
     a = np.asarray(attns[block, 0, head])  # (N, N)
-    row = a[0, P:] if P > 0 else a[P:, P:].mean(axis=0)  # (L,)
+    row = a[0, P:] if classifier.rollout_query == "cls" else a[P:, P:].mean(axis=0)  # (L,)
     return probs[0], row.reshape(Gh, Gw)
 
 
@@ -244,9 +245,10 @@ def build_ui(classifier, engine, settings) -> gr.Blocks:
             with gr.Row():
                 blk = gr.Slider(0, depth - 1, value=depth - 1, step=1, label="Block")
                 head = gr.Slider(0, nh - 1, value=0, step=1, label="Head")
-            attn_btn = gr.Button("Show the CLS token's attention")
+            query = "the CLS token's" if classifier.rollout_query == "cls" else "the patches' mean"
+            attn_btn = gr.Button(f"Show {query} attention")
             with gr.Row():
-                attn_img = gr.Image(type="numpy", label="CLS attention of this head", interactive=False)
+                attn_img = gr.Image(type="numpy", label=f"{query.capitalize()} attention, this head", interactive=False)
                 attn_faith = gr.Markdown()
             attn_btn.click(attention, [image, blk, head, opacity, cmap], [attn_img, attn_faith], api_name="attention")
 

@@ -18,6 +18,8 @@ import numpy as np
 
 # Shapes: H/W image, Gh/Gw patch grid, L = Gh*Gw patches, S = steps + 1 points per curve, K classes.
 
+_trapezoid = getattr(np, "trapezoid", None) or np.trapz  # numpy 2 renamed trapz
+
 
 @dataclass
 class DeletionScore:
@@ -148,8 +150,8 @@ def deletion_score(
         fractions=x.tolist(),
         curve_map=curve_map.tolist(),
         curve_random=curve_random.tolist(),
-        auc_map=float(np.trapezoid(curve_map, x)),
-        auc_random=float(np.trapezoid(curve_random, x)),
+        auc_map=float(_trapezoid(curve_map, x)),
+        auc_random=float(_trapezoid(curve_random, x)),
     )
 
 

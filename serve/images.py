@@ -93,6 +93,7 @@ def load_image(source: ImageSource, max_pixels: int | None = DEFAULT_MAX_PIXELS)
             raise ImageError(f"{name} could not be read: {e}", "corrupt") from None
     W, H = img.size
     if max_pixels is not None and W * H > max_pixels:
+        img.close()
         raise ImageError(
             f"image is {W} x {H} = {W * H:,} pixels, over the limit of {max_pixels:,}; resize it first", "too_large"
         )

@@ -66,7 +66,7 @@ def check_model_bytes(data: bytes, name: str = "model") -> None:
                 for nf, nv in _fields(v):
                     if nf == _FUNCTION_NODE:
                         _check_node(nv)
-    except _WireError as e:
+    except (_WireError, TypeError) as e:  # TypeError: a varint where a message belongs
         raise ModelFileError(
             f"{name} is truncated or not an ONNX file ({e}); export it again with vit-export"
         ) from None
@@ -85,7 +85,7 @@ def read_metadata(data: bytes) -> dict[str, str]:
             if field == _MODEL_METADATA and isinstance(value, memoryview):
                 entry = {f: bytes(v).decode("utf-8", "replace") for f, v in _fields(value) if isinstance(v, memoryview)}
                 out[entry.get(1, "")] = entry.get(2, "")  # StringStringEntryProto: key = 1, value = 2
-    except _WireError:
+    except (_WireError, TypeError):
         return {}
     return out
 

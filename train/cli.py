@@ -78,6 +78,9 @@ class VitCLI(LightningCLI):
         config = self.config.get(str(self.subcommand), self.config)
         if config.get("num_threads"):
             torch.set_num_threads(config["num_threads"])
+        if config.get("ckpt_path") and config.get("model.pretrained"):
+            # the checkpoint holds every weight: resuming must not need the hub or the original file again
+            config["model.pretrained"] = None
 
     def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Callback]) -> Trainer:
         run_dir = Path(config.get("default_root_dir") or os.getcwd())
@@ -89,7 +92,9 @@ class VitCLI(LightningCLI):
         for cb in callbacks:
             if isinstance(cb, ModelCheckpoint) and cb.dirpath is None:
                 cb.dirpath = str(run_dir / "checkpoints")  # fixed: resume finds last.ckpt here
-        if config.get("enable_checkpointing") is not False:
+        if config.get("enable_checkpointing") is False:  # Lightning refuses checkpoint callbacks then
+            callbacks = [cb for cb in callbacks if not isinstance(cb, ModelCheckpoint)]
+        else:
             callbacks = [*callbacks, LastCheckpoint(str(run_dir / "checkpoints"))]
         return super()._instantiate_trainer(config, callbacks)
 

@@ -62,7 +62,7 @@ class ViTClassifier(pl.LightningModule):
         weight_decay: AdamW weight decay (never on norms, biases, position embedding or tokens).
         betas: AdamW betas.
         warmup_epochs: linear warmup length, in epochs (fractions allowed).
-        layer_decay: layer-wise LR decay (e.g. 0.75 for fine-tuning): block i gets lr * decay^(depth + 1 - i).
+        layer_decay: layer-wise LR decay (e.g. 0.75 for fine-tuning): block i (from 0) gets lr * decay^(depth - i).
         label_smoothing: label smoothing of the cross-entropy.
         mixup_alpha: mixup strength (0 disables mixup).
         cutmix_alpha: cutmix strength (0 disables cutmix).

@@ -76,3 +76,18 @@ def test_fast_dev_run_of_each_config_on_a_tiny_folder(config: Path, shapes_folde
     assert net.num_classes == 3 and net.head.out_features == 3  # linked from the folder's classes
     assert net.patch_embed.img_size == (32, 32)  # linked from data.img_size
     assert cli.trainer.state.finished
+
+
+@pytest.mark.slow
+def test_resuming_a_finetune_does_not_need_the_pretrained_weights_again(shapes_folder: Path, tmp_path: Path):
+    weights = _tiny_timm_checkpoint(tmp_path / "vit_tiny.safetensors")
+    args = ["fit", "--config", str(Path("configs/finetune_timm.yaml").resolve()), "--data.root", str(shapes_folder)]
+    args += ["--trainer.accelerator", "cpu", "--trainer.devices", "1", "--trainer.precision", "32-true"]
+    args += ["--trainer.default_root_dir", str(tmp_path / "run"), "--trainer.enable_progress_bar", "false"]
+    args += ["--data.img_size", "32", "--data.batch_size", "8", "--data.num_workers", "0", "--model.compile", "false"]
+    args += ["--model.pretrained", str(weights), "--model.variant", "vit_tiny_patch16_224"]
+    args += ["--trainer.limit_train_batches", "2", "--trainer.limit_val_batches", "1"]
+    build_cli([*args, "--trainer.max_epochs", "1"])
+    weights.unlink()  # offline and the original file gone: the checkpoint must be enough
+    cli = build_cli([*args, "--trainer.max_epochs", "2", "--ckpt_path", "last"])
+    assert cli.trainer.current_epoch == 2 and cli.trainer.state.finished
