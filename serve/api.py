@@ -228,16 +228,18 @@ def build_app(classifier, settings: ServeSettings | None = None, with_ui: bool =
         """Classify one image (multipart field `file` or raw body); `explain=true` adds the rollout map."""
         data, form = await decode_request(request, settings)
         params = _parse_params(request.query_params, form, settings)
-        if len(data) <= settings.inline_decode_bytes:
+        if len(data) <= settings.inline_decode_bytes and _header_pixels(data) <= INLINE_DECODE_PIXELS:
             pixels = decode_image(data, classifier, settings)
         else:
             pixels = await run_in_threadpool(decode_image, data, classifier, settings)
-        probs = await predict(pixels)
         explanation = None
-        if params["explain"]:
+        if not params["explain"]:
+            probs = await predict(pixels)
+        else:  # the explain pass computes the probabilities too: no second forward pass
             ex = await run(
                 explain_pixels, classifier, pixels, params["head_fusion"], params["discard_ratio"], None, fill, settings
             )
+            probs = ex["probs"]
             explanation = {
                 "head_fusion": params["head_fusion"],
                 "discard_ratio": params["discard_ratio"],
@@ -271,6 +273,21 @@ def build_app(classifier, settings: ServeSettings | None = None, with_ui: bool =
         ui = build_ui(classifier, engine, settings)
         app = gr.mount_gradio_app(app, ui, path="/", max_file_size=settings.max_bytes, ssr_mode=False)
     return app
+
+
+# A small file can still declare a huge image (a flat 40 MP PNG compresses to kilobytes): only images
+# up to 1 MP, a few milliseconds of decoding and resizing, are decoded on the event loop.
+INLINE_DECODE_PIXELS = 1_000_000
+
+
+def _header_pixels(data: bytes) -> int:
+    """Width x height from the image header alone; 0 when there is no readable header (decoding says why)."""
+    try:
+        with Image.open(io.BytesIO(data)) as img:
+            W, H = img.size
+    except Exception:  # any unreadable header: decode_image gives the user-facing error
+        return 0
+    return W * H
 
 
 def _png(rgb: np.ndarray) -> bytes:

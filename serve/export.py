@@ -81,7 +81,8 @@ def build_metadata(
         "num_prefix_tokens": net.num_prefix_tokens,
         "depth": len(net.blocks),
         "num_heads": net.blocks[0].attn.num_heads if len(net.blocks) else 0,
-        "rollout_query": "cls" if net.cls_token is not None else "mean",
+        "rollout_query": net.rollout_query,
+        "gflops_per_image": round(net.flops_per_image() / 1e9, 4),
         "variant": str(meta.get("variant") or ""),
         "model_config": {
             k: v for k, v in net.config.items() if isinstance(v, (int, float, str, bool, list, tuple, type(None)))

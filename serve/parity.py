@@ -97,7 +97,7 @@ def torch_reference(
     net: VisionTransformer, pixels: np.ndarray, preprocess: Preprocess, batch_size: int = 32
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Torch on the serving preprocessing: (logits of the fused path, logits of the explicit path, rollout (M, L))."""
-    query = "cls" if net.cls_token is not None else "mean"
+    query = net.rollout_query
     fast, explicit, maps = [], [], []
     for i in range(0, len(pixels), batch_size):
         x = torch.from_numpy(preprocess.normalize(pixels[i : i + batch_size]))  # (b, 3, H, W)

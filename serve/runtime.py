@@ -43,15 +43,14 @@ def default_providers() -> list[str]:
 
 
 def default_threads(metadata: dict[str, str]) -> int:
-    """1 for a small model, 0 (onnxruntime's default: every physical core) for a large one; see above."""
+    """1 for a small model, 0 (onnxruntime's default: every physical core) for a large one; see above.
+
+    The size is the export's `gflops_per_image` (`VisionTransformer.flops_per_image`); without it, 1.
+    """
     try:
-        cfg = _parse(metadata["model_config"])
-        Gh, Gw = _parse(metadata["grid_size"])
-        D, depth, mlp = cfg["embed_dim"], cfg["depth"], cfg.get("mlp_ratio", 4.0)
-        N = Gh * Gw + int(metadata.get("num_prefix_tokens", 1))
+        gflops = float(metadata["gflops_per_image"])
     except (KeyError, TypeError, ValueError):
         return 1
-    gflops = 2 * depth * (N * D * D * (4 + 2 * mlp) + 2 * N * N * D) / 1e9  # matmuls per image
     return 1 if gflops < SMALL_MODEL_GFLOPS else 0
 
 

@@ -170,6 +170,12 @@ class VisionTransformer(nn.Module):
         return len(self.blocks) + 1
 
     @property
+    def rollout_query(self) -> str:
+        """Which rows of rolled-out attention explain the output: the CLS row when the head reads the CLS
+        token, the mean of the patch rows when it reads the patch average (`vit.attention_rollout`'s `query`)."""
+        return "cls" if self.global_pool == "token" else "mean"
+
+    @property
     def grid_size(self) -> tuple[int, int]:
         return self.patch_embed.grid_size
 

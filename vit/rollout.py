@@ -111,13 +111,13 @@ def gradient_rollout(
         model: a `VisionTransformer` (anything with `forward(x, return_attn=True)` and `num_prefix_tokens`).
         images: (B, C, H, W).
         target: class index for every image, (B,) indices, or None for each image's top class.
-        query: "cls" or "mean"; defaults to "cls" when the model has a CLS token.
+        query: "cls" or "mean"; defaults to the model's `rollout_query` (how its head pools).
 
     Returns:
         (maps, logits): maps (B, L) with maximum 1 per image, logits (B, K).
     """
     n = model.num_prefix_tokens
-    query = query or ("cls" if getattr(model, "cls_token", None) is not None else "mean")
+    query = query or model.rollout_query
     with torch.enable_grad():
         logits, attns = model(images, return_attn=True)
         B = logits.shape[0]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import io
-import json
 import os
 import subprocess
 import sys
@@ -219,18 +218,15 @@ def test_a_model_with_external_data_is_refused_before_loading(tiny_onnx, tmp_pat
         OnnxClassifier(external)
 
 
-def _meta(**config) -> dict[str, str]:
-    grid = config.pop("grid")
-    return {"model_config": json.dumps(config), "grid_size": json.dumps(grid), "num_prefix_tokens": "1"}
-
-
 def test_thread_default_follows_model_size(tiny_onnx):
     from serve.runtime import OnnxClassifier, default_threads
+    from vit import create_model
 
-    sample = _meta(embed_dim=64, depth=4, mlp_ratio=2.0, grid=[8, 8])  # ~0.02 GFLOP: one thread
-    vit_small = _meta(embed_dim=384, depth=12, mlp_ratio=4.0, grid=[14, 14])  # ~9 GFLOP: every core
-    assert default_threads(sample) == 1
-    assert default_threads(vit_small) == 0
+    sample = create_model("vit_micro_patch4_32")  # ~0.02 GFLOP: one thread
+    vit_small = create_model("vit_small_patch16_224")  # ~9 GFLOP: every core
+    assert default_threads({"gflops_per_image": str(sample.flops_per_image() / 1e9)}) == 1
+    assert default_threads({"gflops_per_image": str(vit_small.flops_per_image() / 1e9)}) == 0
     assert default_threads({}) == 1  # no usable metadata: the cautious choice
-    assert OnnxClassifier(tiny_onnx).threads == 1
+    clf = OnnxClassifier(tiny_onnx)
+    assert float(clf.metadata["gflops_per_image"]) > 0 and clf.threads == 1
     assert OnnxClassifier(tiny_onnx, threads=2).threads == 2

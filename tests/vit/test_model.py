@@ -143,6 +143,12 @@ def test_drop_path_is_active_only_in_training(tiny_config):
     torch.testing.assert_close(model(x), model(x))
 
 
+def test_rollout_reads_the_rows_the_head_pools(tiny_config):
+    assert VisionTransformer(**tiny_config).rollout_query == "cls"
+    assert VisionTransformer(**tiny_config, global_pool="avg").rollout_query == "mean"  # CLS kept, patches pooled
+    assert VisionTransformer(**tiny_config, global_pool="avg", class_token=False).rollout_query == "mean"
+
+
 def test_config_rebuilds_the_same_model(tiny_model):
     clone = VisionTransformer(**tiny_model.config).eval()
     clone.load_state_dict(tiny_model.state_dict())
