@@ -344,9 +344,13 @@ def _add_v2_routes(app: FastAPI, classifier, engine: Engine, settings: ServeSett
     async def v2_infer(name: str, request: Request):
         check_name(name)
         body = await read_body(request, settings.max_bytes)
-        pixels = await run_in_threadpool(_v2_tensor, body, (H, W), settings.queue_size)
-        probs = await asyncio.gather(*(predict(p) for p in pixels))  # each image joins the shared batches
-        out = np.stack(probs).astype(np.float32)  # (B, K)
+        # at most one batch per request, so one client cannot fill the whole queue
+        pixels = await run_in_threadpool(_v2_tensor, body, (H, W), settings.max_batch_size)
+        results = await asyncio.gather(*(predict(p) for p in pixels), return_exceptions=True)  # each joins the batches
+        failed = next((r for r in results if isinstance(r, BaseException)), None)
+        if failed is not None:  # every image has settled: nothing is left running or unobserved
+            raise failed
+        out = np.stack(results).astype(np.float32)  # (B, K)
         answer = {
             "model_name": classifier.name,
             "model_version": str(classifier.version),
@@ -373,7 +377,11 @@ def _v2_tensor(body: bytes, size: tuple[int, int], max_images: int) -> np.ndarra
     if dtype != "UINT8":
         raise ApiError("bad_request", f"input datatype must be UINT8 pixels, got {dtype}")
     if len(shape) != 4 or shape[1:] != [H, W, 3] or not 1 <= shape[0] <= max_images:
-        raise ApiError("bad_request", f"input shape must be [B, {H}, {W}, 3] with 1 <= B <= {max_images}, got {shape}")
+        raise ApiError(
+            "bad_request",
+            f"input shape must be [B, {H}, {W}, 3] with 1 <= B <= {max_images} "
+            f"(split larger tensors into several requests), got {shape}",
+        )
     try:
         arr = np.asarray(data, dtype=np.int64).reshape(shape)
     except (ValueError, TypeError, OverflowError):

@@ -250,6 +250,7 @@ class ViTClassifier(pl.LightningModule):
             "preprocess": self.preprocess or Preprocess(self.hparams.img_size).to_dict(),
             "weights_prefix": "ema.module." if self.ema is not None else "net.",
             "variant": self.hparams.variant,
+            "best_val_acc": self.best_acc,  # so a resumed run keeps the best reports, not the next epoch's
             "versions": {
                 "torch": str(torch.__version__),
                 "lightning": str(lightning.__version__),
@@ -261,3 +262,4 @@ class ViTClassifier(pl.LightningModule):
         meta = checkpoint.get(META_KEY, {})
         self.class_names = list(meta.get("class_names", self.class_names))
         self.preprocess = meta.get("preprocess", self.preprocess)
+        self.best_acc = float(meta.get("best_val_acc", self.best_acc))

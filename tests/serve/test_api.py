@@ -189,6 +189,7 @@ def test_v2_infer_matches_the_in_process_model(client, classifier):
         {"name": "image", "datatype": "UINT8", "shape": [1, 16, 16, 3], "data": [0] * 768},
         {"name": "image", "datatype": "UINT8", "shape": [1, 32, 32, 3], "data": [0] * 5},
         {"name": "image", "datatype": "UINT8", "shape": [1, 32, 32, 3], "data": [300] * 3072},
+        {"name": "image", "datatype": "UINT8", "shape": [17, 32, 32, 3], "data": []},  # over max_batch_size (16)
     ],
 )
 def test_v2_infer_refuses_tensors_that_do_not_fit(client, classifier, tensor):

@@ -72,6 +72,8 @@ def test_checkpoint_carries_what_export_needs_and_loads_with_weights_only(traine
     assert meta["preprocess"] == cli.datamodule.preprocess.to_dict()
     assert meta["weights_prefix"] == "ema.module."
     assert meta["model_config"]["num_classes"] == 3 and meta["variant"] == "vit_micro_patch4_32"
+    last = torch.load(run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)["vitscope"]
+    assert last["best_val_acc"] == pytest.approx(cli.model.best_acc)  # a resumed run compares against it
 
 
 @pytest.mark.slow
