@@ -119,17 +119,13 @@ def decode_image(data: bytes, classifier, settings: ServeSettings) -> np.ndarray
     return classifier.preprocess.to_uint8(img)
 
 
-def top_predictions(probs: np.ndarray, labels: list[str], k: int) -> list[dict[str, Any]]:
-    """(K,) probabilities -> the `k` best as [{label, score}], best first."""
-    order = np.argsort(-probs, kind="stable")[: max(1, min(k, len(labels)))]
-    return [{"label": labels[i], "score": float(probs[i])} for i in order]
-
-
 def encode_response(classifier, probs: np.ndarray, top_k: int, explanation: dict | None = None) -> dict[str, Any]:
     out: dict[str, Any] = {
         "model": classifier.name,
         "version": classifier.version,
-        "predictions": top_predictions(probs, classifier.labels, top_k),
+        "predictions": [
+            {"label": label, "score": score} for label, score in classifier.top_k(probs[None], max(1, top_k))[0]
+        ],
     }
     if explanation is not None:
         out["explanation"] = explanation

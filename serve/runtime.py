@@ -192,7 +192,7 @@ class OnnxClassifier:
             head_fusion: "mean", "max" or "min" over heads.
             discard_ratio: share of the weakest patch links dropped per row, in [0, 1).
             blocks: (start, stop) rolls out only blocks[start:stop]; None uses all.
-            query: "cls" or "mean"; None uses the model's readout (CLS token when it has one).
+            query: "cls" or "mean"; None uses the model's readout (the CLS row when its head pools the CLS token).
 
         Returns:
             (probs (B, K), maps (B, Gh, Gw) float32, maximum 1 per image).
