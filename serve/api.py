@@ -31,7 +31,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from serve.batching import Engine, QueueFull, ShuttingDown
-from serve.images import ImageError, load_image
+from serve.images import ImageError, load_image, open_image
 from serve.metrics import Metrics, MetricsMiddleware
 from serve.settings import ServeSettings
 
@@ -110,13 +110,21 @@ async def decode_request(request: Request, settings: ServeSettings) -> tuple[byt
     return body, {}
 
 
-def decode_image(data: bytes, classifier, settings: ServeSettings) -> np.ndarray:
-    """Encoded bytes -> (H, W, 3) uint8 at the model's input size. Runs in a worker thread."""
+def open_upload(data: bytes, settings: ServeSettings) -> Image.Image:
+    """The image's header only (size checked against `max_pixels`); `decode_image` decodes it."""
     try:
-        img = load_image(bytes(data), max_pixels=settings.max_pixels)
+        return open_image(bytes(data), max_pixels=settings.max_pixels)
     except ImageError as e:
         raise ApiError(e.kind if e.kind in ERROR_STATUS else "corrupt", str(e)) from None
-    return classifier.preprocess.to_uint8(img)
+
+
+def decode_image(img: Image.Image, classifier, settings: ServeSettings) -> np.ndarray:
+    """An opened image -> (H, W, 3) uint8 at the model's input size."""
+    try:
+        rgb = load_image(img, max_pixels=settings.max_pixels)
+    except ImageError as e:
+        raise ApiError(e.kind if e.kind in ERROR_STATUS else "corrupt", str(e)) from None
+    return classifier.preprocess.to_uint8(rgb)
 
 
 def encode_response(classifier, probs: np.ndarray, top_k: int, explanation: dict | None = None) -> dict[str, Any]:
@@ -224,10 +232,11 @@ def build_app(classifier, settings: ServeSettings | None = None, with_ui: bool =
         """Classify one image (multipart field `file` or raw body); `explain=true` adds the rollout map."""
         data, form = await decode_request(request, settings)
         params = _parse_params(request.query_params, form, settings)
-        if len(data) <= settings.inline_decode_bytes and _header_pixels(data) <= INLINE_DECODE_PIXELS:
-            pixels = decode_image(data, classifier, settings)
+        img = open_upload(data, settings)
+        if len(data) <= settings.inline_decode_bytes and img.width * img.height <= INLINE_DECODE_PIXELS:
+            pixels = decode_image(img, classifier, settings)
         else:
-            pixels = await run_in_threadpool(decode_image, data, classifier, settings)
+            pixels = await run_in_threadpool(decode_image, img, classifier, settings)
         explanation = None
         if not params["explain"]:
             probs = await predict(pixels)
@@ -253,7 +262,12 @@ def build_app(classifier, settings: ServeSettings | None = None, with_ui: bool =
     async def readyz():
         if not engine.ready:
             raise ApiError("not_ready", "the model is loading or warming up (or the server is stopping)")
-        return {"status": "ready", "model": classifier.name, "version": classifier.version}
+        return {
+            "status": "ready",
+            "model": classifier.name,
+            "version": classifier.version,
+            "batch_size": engine.batch_size,
+        }
 
     @app.get("/metrics")
     async def prometheus():
@@ -274,16 +288,6 @@ def build_app(classifier, settings: ServeSettings | None = None, with_ui: bool =
 # A small file can still declare a huge image (a flat 40 MP PNG compresses to kilobytes): only images
 # up to 1 MP, a few milliseconds of decoding and resizing, are decoded on the event loop.
 INLINE_DECODE_PIXELS = 1_000_000
-
-
-def _header_pixels(data: bytes) -> int:
-    """Width x height from the image header alone; 0 when there is no readable header (decoding says why)."""
-    try:
-        with Image.open(io.BytesIO(data)) as img:
-            W, H = img.size
-    except Exception:  # any unreadable header: decode_image gives the user-facing error
-        return 0
-    return W * H
 
 
 def _png(rgb: np.ndarray) -> bytes:
@@ -340,7 +344,7 @@ def _add_v2_routes(app: FastAPI, classifier, engine: Engine, settings: ServeSett
     async def v2_infer(name: str, request: Request):
         check_name(name)
         body = await read_body(request, settings.max_bytes)
-        # at most one batch per request, so one client cannot fill the whole queue
+        # at most max_batch_size images per request, so one client cannot fill the whole queue
         pixels = await run_in_threadpool(_v2_tensor, body, (H, W), settings.max_batch_size)
         results = await asyncio.gather(*(predict(p) for p in pixels), return_exceptions=True)  # each joins the batches
         failed = next((r for r in results if isinstance(r, BaseException)), None)

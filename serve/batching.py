@@ -2,9 +2,15 @@
 
 Requests put (H, W, 3) uint8 images on a bounded queue and get a `concurrent.futures.Future`. The
 worker takes the first waiting image and everything already queued behind it; when that shows
-concurrency (more than one image now, or in the last batch) it waits up to `max_delay_ms` for more,
-until `max_batch_size`. A lone request runs at once: under no load, waiting only adds latency.
-Then it stacks the images and runs one forward pass. Other work that needs the session (rollout
+concurrency (more than one image now, or in the last batch) it may wait up to `max_delay_ms` for
+more (by default it does not), until `max_batch_size`. A lone request runs at once: under no load,
+waiting only adds latency. Then it stacks the images and runs one forward pass.
+
+The batch size matters for throughput in a way that is easy to miss: while a batch runs, the event
+loop decodes the next requests, so smaller batches keep both busy (a pipeline), whereas a batch as
+large as the number of clients makes the loop and the model take turns. `Engine.start` therefore
+measures the model and batches only as many images as it takes to amortise the per-call overhead
+(`choose_batch_size`). Other work that needs the session (rollout
 maps, deletion curves) is queued as a plain call and runs alone, on the same thread, so the session
 is never used from two threads or from the event loop.
 """
@@ -62,7 +68,7 @@ class MicroBatcher:
         self,
         predict_batch: Callable[[np.ndarray], np.ndarray],
         max_batch_size: int = 16,
-        max_delay_ms: float = 5.0,
+        max_delay_ms: float = 0.0,
         queue_size: int = 256,
         on_batch: Callable[[int], None] | None = None,
     ):
@@ -173,6 +179,39 @@ class MicroBatcher:
             b.future.set_result(row)
 
 
+def time_batch_sizes(
+    predict_batch: Callable[[np.ndarray], Any], image_shape: tuple[int, ...], max_batch_size: int, budget_s: float = 3.0
+) -> dict[int, float]:
+    """Seconds per image of `predict_batch` at batch 1, 2, 4, ... up to `max_batch_size` (best of 5 calls each).
+
+    Stops early once `budget_s` is spent, so a large model on a slow CPU still starts quickly (its
+    per-call overhead is small next to one image anyway).
+    """
+    sizes = [1 << i for i in range(max_batch_size.bit_length()) if 1 << i <= max_batch_size]
+    if sizes[-1] != max_batch_size:
+        sizes.append(max_batch_size)
+    deadline = time.monotonic() + budget_s
+    times: dict[int, float] = {}
+    for bs in sizes:
+        batch = np.zeros((bs, *image_shape), np.uint8)
+        predict_batch(batch)  # the first call at a new shape allocates
+        best = float("inf")
+        for _ in range(5):
+            t0 = time.perf_counter()
+            predict_batch(batch)
+            best = min(best, time.perf_counter() - t0)
+        times[bs] = best / bs
+        if time.monotonic() > deadline:
+            break
+    return times
+
+
+def choose_batch_size(seconds_per_image: dict[int, float], tolerance: float = 0.05) -> int:
+    """The smallest batch size whose time per image is within `tolerance` of the best one."""
+    best = min(seconds_per_image.values())
+    return min(bs for bs, t in seconds_per_image.items() if t <= best * (1 + tolerance))
+
+
 def _run_call(item: _Call) -> None:
     if not item.future.set_running_or_notify_cancel():
         return
@@ -204,15 +243,25 @@ class Engine:
             queue_size=settings.queue_size,
             on_batch=on_batch,
         )
+        self.batch_size = settings.preferred_batch_size  # measured in `start` when 0
         self.ready = False
 
     def start(self) -> None:
-        """Start the worker and warm the session up (first calls allocate), then mark ready."""
+        """Start the worker, warm the session up and choose the batch size, then mark ready."""
         self.batcher.start()
         H, W = self.classifier.input_size
-        for size in sorted({1, self.settings.max_batch_size}):
-            blank = np.zeros((size, H, W, 3), np.uint8)
-            self.batcher.call(self.classifier.predict_pixels, blank).result(timeout=600)
+        preferred = self.settings.preferred_batch_size
+        if preferred:
+            for size in sorted({1, preferred}):  # the first call at each shape allocates
+                self.batcher.call(self.classifier.predict_pixels, np.zeros((size, H, W, 3), np.uint8)).result(600)
+        else:
+            times = self.batcher.call(
+                time_batch_sizes, self.classifier.predict_pixels, (H, W, 3), self.settings.max_batch_size
+            ).result(600)
+            preferred = choose_batch_size(times)
+            table = ", ".join(f"{bs}: {t * 1000:.3f}" for bs, t in times.items())
+            log.info("batching up to %d images (ms per image by batch size: %s)", preferred, table)
+        self.batcher.max_batch_size = self.batch_size = preferred
         self.ready = True
 
     def stop(self) -> None:

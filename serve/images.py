@@ -53,7 +53,8 @@ def load_image(source: ImageSource, max_pixels: int | None = DEFAULT_MAX_PIXELS)
     transparent images onto white. The pixel count is checked from the header before decoding.
 
     Args:
-        source: a path, encoded bytes, a PIL image, or an (H, W) / (H, W, 3|4) uint8 array.
+        source: a path, encoded bytes, a PIL image (such as one from `open_image`), or an
+            (H, W) / (H, W, 3|4) uint8 array.
         max_pixels: refuse images with more pixels than this (None: no limit).
 
     Returns:
@@ -67,36 +68,9 @@ def load_image(source: ImageSource, max_pixels: int | None = DEFAULT_MAX_PIXELS)
         return _from_array(source)
     if isinstance(source, Image.Image):
         img = source
+        _check_pixels(img, max_pixels)
     else:
-        if isinstance(source, (bytes, bytearray)):
-            if len(source) == 0:
-                raise ImageError("the upload is empty (0 bytes): send the image file's contents", "empty")
-            fp, name = io.BytesIO(source), "upload"
-        else:
-            path = Path(source)
-            if not path.is_file():
-                raise FileNotFoundError(f"no such image file: {path}")
-            if path.stat().st_size == 0:
-                raise ImageError(f"{path} is empty (0 bytes)", "empty")
-            fp, name = path, str(path)
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("error", Image.DecompressionBombWarning)
-                img = Image.open(fp)
-        except UnidentifiedImageError:
-            raise ImageError(
-                f"{name} is not an image: no JPEG, PNG, GIF, BMP, WebP or TIFF header found", "not_an_image"
-            ) from None
-        except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
-            raise ImageError(f"{name} is too large to decode safely: {e}", "too_large") from None
-        except OSError as e:
-            raise ImageError(f"{name} could not be read: {e}", "corrupt") from None
-    W, H = img.size
-    if max_pixels is not None and W * H > max_pixels:
-        img.close()
-        raise ImageError(
-            f"image is {W} x {H} = {W * H:,} pixels, over the limit of {max_pixels:,}; resize it first", "too_large"
-        )
+        img = open_image(source, max_pixels)
     try:
         img.load()  # decode fully now, so truncation shows here and not later
         img = ImageOps.exif_transpose(img)
@@ -105,6 +79,51 @@ def load_image(source: ImageSource, max_pixels: int | None = DEFAULT_MAX_PIXELS)
         raise
     except (OSError, SyntaxError, ValueError) as e:
         raise ImageError(f"image data is corrupt or truncated: {e}", "corrupt") from None
+
+
+def open_image(source: str | Path | bytes | bytearray, max_pixels: int | None = DEFAULT_MAX_PIXELS) -> Image.Image:
+    """Read the header only: an image not decoded yet, its pixel count already checked.
+
+    `img.size` tells the cost of decoding before paying it; `load_image(img)` then decodes it.
+
+    Raises:
+        ImageError: empty, not an image, or over `max_pixels`.
+        FileNotFoundError: for a path that does not exist.
+    """
+    if isinstance(source, (bytes, bytearray)):
+        if len(source) == 0:
+            raise ImageError("the upload is empty (0 bytes): send the image file's contents", "empty")
+        fp, name = io.BytesIO(source), "upload"
+    else:
+        path = Path(source)
+        if not path.is_file():
+            raise FileNotFoundError(f"no such image file: {path}")
+        if path.stat().st_size == 0:
+            raise ImageError(f"{path} is empty (0 bytes)", "empty")
+        fp, name = path, str(path)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            img = Image.open(fp)
+    except UnidentifiedImageError:
+        raise ImageError(
+            f"{name} is not an image: no JPEG, PNG, GIF, BMP, WebP or TIFF header found", "not_an_image"
+        ) from None
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
+        raise ImageError(f"{name} is too large to decode safely: {e}", "too_large") from None
+    except OSError as e:
+        raise ImageError(f"{name} could not be read: {e}", "corrupt") from None
+    _check_pixels(img, max_pixels)
+    return img
+
+
+def _check_pixels(img: Image.Image, max_pixels: int | None) -> None:
+    W, H = img.size
+    if max_pixels is not None and W * H > max_pixels:
+        img.close()
+        raise ImageError(
+            f"image is {W} x {H} = {W * H:,} pixels, over the limit of {max_pixels:,}; resize it first", "too_large"
+        )
 
 
 def _to_rgb(img: Image.Image) -> Image.Image:

@@ -18,10 +18,17 @@ class ServeSettings:
     Args:
         host: interface to bind; 127.0.0.1 keeps the server private to this machine.
         port: TCP port; 7860 is the port Gradio users expect.
-        max_batch_size: most images run through ONNX Runtime in one call. 16 keeps a ViT-Tiny
-            batch inside the CPU caches while amortising the per-call overhead.
-        max_delay_ms: how long a batch waits for more requests once there is concurrency (a lone
-            request never waits). 5 ms is small next to one forward pass of a ViT on a CPU.
+        max_batch_size: most images in one ONNX Runtime call and in one v2 infer request; the
+            largest batch size `preferred_batch_size` may choose.
+        preferred_batch_size: the batches the batcher forms under load (0: measured at warm-up, the
+            smallest power of two whose time per image is within 5% of the best up to
+            `max_batch_size`). Small batches keep the model and the HTTP event loop working at the
+            same time: while one batch runs, the loop decodes the next requests. Bigger batches only
+            pay off while they still amortise a per-call overhead.
+        max_delay_ms: how long a batch waits to fill up once there is concurrency. 0 (as in Triton's
+            dynamic batcher): a batch is whatever is waiting when the model becomes free; under load
+            requests queue up while the model runs, so batches fill by themselves, and at low load
+            nobody waits for requests that are not coming.
         queue_size: requests allowed to wait for the model; beyond it the server answers 503
             with Retry-After instead of letting latency grow without bound.
         retry_after_s: the Retry-After hint sent with a 503.
@@ -41,8 +48,9 @@ class ServeSettings:
 
     host: str = "127.0.0.1"
     port: int = 7860
-    max_batch_size: int = 16
-    max_delay_ms: float = 5.0
+    max_batch_size: int = 32
+    preferred_batch_size: int = 0
+    max_delay_ms: float = 0.0
     queue_size: int = 256
     retry_after_s: int = 1
     threads: int = 0
@@ -60,6 +68,11 @@ class ServeSettings:
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if not 0 <= self.preferred_batch_size <= self.max_batch_size:
+            raise ValueError(
+                f"preferred_batch_size must be in 0..max_batch_size ({self.max_batch_size}) "
+                f"(0: measured at warm-up), got {self.preferred_batch_size}"
+            )
         if self.max_delay_ms < 0:
             raise ValueError(f"max_delay_ms must be >= 0, got {self.max_delay_ms}")
         if self.threads < 0:

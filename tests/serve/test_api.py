@@ -16,7 +16,7 @@ from fastapi.testclient import TestClient
 from PIL import Image
 
 from serve.api import build_app
-from serve.batching import MicroBatcher, QueueFull
+from serve.batching import MicroBatcher, QueueFull, choose_batch_size, time_batch_sizes
 from serve.runtime import OnnxClassifier
 from serve.settings import ServeSettings
 
@@ -56,7 +56,9 @@ def classifier(tiny_onnx):
 
 @pytest.fixture(scope="module")
 def client(classifier):
-    settings = ServeSettings(max_bytes=64 * 1024, max_pixels=1_000_000, max_delay_ms=20, examples_dir="")
+    settings = ServeSettings(
+        max_bytes=64 * 1024, max_pixels=1_000_000, preferred_batch_size=16, max_delay_ms=20, examples_dir=""
+    )
     with TestClient(build_app(classifier, settings), raise_server_exceptions=False) as c:
         yield c
 
@@ -189,7 +191,7 @@ def test_v2_infer_matches_the_in_process_model(client, classifier):
         {"name": "image", "datatype": "UINT8", "shape": [1, 16, 16, 3], "data": [0] * 768},
         {"name": "image", "datatype": "UINT8", "shape": [1, 32, 32, 3], "data": [0] * 5},
         {"name": "image", "datatype": "UINT8", "shape": [1, 32, 32, 3], "data": [300] * 3072},
-        {"name": "image", "datatype": "UINT8", "shape": [17, 32, 32, 3], "data": []},  # over max_batch_size (16)
+        {"name": "image", "datatype": "UINT8", "shape": [33, 32, 32, 3], "data": []},  # over max_batch_size (32)
     ],
 )
 def test_v2_infer_refuses_tensors_that_do_not_fit(client, classifier, tensor):
@@ -291,8 +293,32 @@ def test_a_failing_batch_fails_its_requests_but_not_the_worker():
     batcher.close()
 
 
+def test_batch_size_is_the_smallest_one_that_amortises_the_per_call_overhead():
+    assert choose_batch_size({1: 2.0, 2: 1.1, 4: 1.04, 8: 1.0, 16: 1.01}) == 4  # 1.04 is within 5% of 1.0
+    assert choose_batch_size({1: 1.0, 2: 0.99, 4: 1.0}) == 1  # no overhead to amortise: batching only adds latency
+
+    def per_image_cost(batch):  # no per-call overhead
+        time.sleep(0.004 * len(batch))
+
+    def per_call_cost(batch):  # nearly all of it is per call
+        time.sleep(0.02 + 0.0002 * len(batch))
+
+    assert choose_batch_size(time_batch_sizes(per_image_cost, (1, 1, 3), 8)) <= 2
+    times = time_batch_sizes(per_call_cost, (1, 1, 3), 8)
+    assert list(times) == [1, 2, 4, 8] and choose_batch_size(times) == 8
+
+
+def test_the_server_measures_its_batch_size_at_warm_up(classifier):
+    settings = ServeSettings(max_batch_size=8, examples_dir="")
+    with TestClient(build_app(classifier, settings, with_ui=False)) as c:
+        chosen = c.get("/readyz").json()["batch_size"]
+        assert chosen in (1, 2, 4, 8) and c.app.state.engine.batcher.max_batch_size == chosen
+
+
 def test_settings_refuse_nonsense_with_the_field_name():
     with pytest.raises(ValueError, match="max_batch_size"):
         ServeSettings(max_batch_size=0)
+    with pytest.raises(ValueError, match="preferred_batch_size"):
+        ServeSettings(max_batch_size=8, preferred_batch_size=16)
     with pytest.raises(ValueError, match="max_delay_ms"):
         ServeSettings(max_delay_ms=-1)
