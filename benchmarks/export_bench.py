@@ -6,10 +6,12 @@ For ViT-Ti/16 and ViT-S/16 at 224 px (random weights, nothing downloaded) and th
 (`runs/sample/checkpoints/best.ckpt`, or a same-shaped random one), at batch 1 and 32, with 1 and
 2 intra-op threads:
 - torch eager: our model, `torch.inference_mode()`, fused attention;
-- ORT fp32: the vit-export file (uint8 pixels in, the `If` switch, fast branch);
+- ORT fp32: the vit-export file (uint8 pixels in, the `If` switch, fast branch with its attention
+  blocks and GELUs fused into onnxruntime contrib ops, `serve.fusion`);
 - ORT plain: the same logits graph exported alone (no `If`, no explain branch), to show the
   switch costs nothing;
-- ORT int8: the vit-export int8 logits path (dynamic quantisation);
+- ORT unfused: the logits graph as the exporter writes it, before `serve.fusion`;
+- ORT int8: the vit-export int8 logits path (dynamic quantisation, `QAttention` in the blocks);
 - timm ORT: timm's VisionTransformer of the same shape exported the plain way (float NCHW in).
 Each cell is the best of the interleaved rounds (batch 32: at most 3 rounds). Ratios are speed-ups
 over torch eager at the same batch and thread count. Then the achieved GFLOP/s of ViT-S/16 fp32
@@ -39,22 +41,21 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from serve.graphs import PixelModel, export_graph  # noqa: E402
+from serve.graphs import PixelModel, export_fast_graph, export_graph  # noqa: E402
 from serve.images import Preprocess, load_image  # noqa: E402
 from serve.onnx_graph import combine_fast_and_explain  # noqa: E402
 from serve.quantize import dynamic_int8  # noqa: E402
+from serve.runtime import session_options  # noqa: E402
 from vit import create_model  # noqa: E402
 
 SAMPLE_CKPT = ROOT / "runs/sample/checkpoints/best.ckpt"
 MODELS = {"vit_tiny": "vit_tiny_patch16_224", "vit_small": "vit_small_patch16_224", "sample": "vit_micro_patch4_32"}
-ENGINES = ("torch eager", "ORT fp32", "ORT plain", "ORT int8", "timm ORT")
+ENGINES = ("torch eager", "ORT fp32", "ORT plain", "ORT unfused", "ORT int8", "timm ORT")
 
 
 def session(model: onnx.ModelProto | Path, threads: int) -> ort.InferenceSession:
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = threads
-    options.inter_op_num_threads = 1
-    options.log_severity_level = 3
+    """A CPU session with the options `serve.runtime.OnnxClassifier` uses."""
+    options = session_options(threads)
     data = model.SerializeToString() if isinstance(model, onnx.ModelProto) else str(model)
     return ort.InferenceSession(data, options, providers=["CPUExecutionProvider"])
 
@@ -108,12 +109,16 @@ def build(name: str, tmp: Path) -> dict:
             note = "random weights: runs/sample/checkpoints/best.ckpt not found (run `make train`)"
     size = tuple(pre.img_size)
     t = time.perf_counter()
-    fast = export_graph(PixelModel(net, pre.mean, pre.std), size)
+    fast, fused = export_fast_graph(net, pre)
+    unfused, _ = export_fast_graph(net, pre, fuse=False)
     explain = export_graph(PixelModel(net, pre.mean, pre.std, explain=True), size)
     int8 = dynamic_int8(fast)
+    fusions = ", ".join(f"{k} x{v}" for k, v in fused.items())
+    note = "; ".join(filter(None, [note, f"fast graph fused: {fusions}"]))
     files = {
         "ORT fp32": combine_fast_and_explain(fast, explain),
         "ORT plain": fast,
+        "ORT unfused": unfused,
         "ORT int8": combine_fast_and_explain(int8, explain),
         "timm ORT": timm_plain_export(net, size, tmp / f"{name}_timm.onnx"),
     }

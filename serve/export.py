@@ -5,7 +5,8 @@
 The file holds, with no side files:
 - the graph: (B, H, W, 3) uint8 pixels in (resized and cropped by `Preprocess.to_uint8`),
   normalisation inside, logits out; an optional boolean `explain` input switches to the explain
-  branch, which also outputs every block's attention maps (`serve.onnx_graph`);
+  branch, which also outputs every block's attention maps (`serve.onnx_graph`); the logits path's
+  attention blocks and GELUs are onnxruntime contrib ops (`Attention`, `BiasGelu`: `serve.fusion`);
 - `metadata_props`: class names, input size, preprocessing, patch grid, prefix tokens, depth,
   heads, variant, the checkpoint's sha256 and the versions used (see `build_metadata`).
 
@@ -29,7 +30,7 @@ import onnx
 import onnxruntime as ort
 import torch
 
-from serve.graphs import DEFAULT_OPSET, PixelModel, export_gradient_graph, export_graph
+from serve.graphs import DEFAULT_OPSET, PixelModel, export_fast_graph, export_gradient_graph, export_graph
 from serve.images import Preprocess
 from serve.onnx_graph import combine_fast_and_explain, set_metadata
 from serve.runtime import FORMAT_KEY, FORMAT_VERSION
@@ -62,8 +63,12 @@ def build_metadata(
     opset: int,
     quantization: str = "none",
     gradients: bool = False,
+    fused: dict[str, int] | None = None,
 ) -> dict[str, Any]:
-    """Everything a client needs to use the file, as `metadata_props` entries."""
+    """Everything a client needs to use the file, as `metadata_props` entries.
+
+    `fused` counts the onnxruntime contrib ops (com.microsoft) in the logits path (`serve.fusion`).
+    """
     H, W = preprocess.img_size
     P = net.patch_embed.patch_size[0]
     return {
@@ -90,6 +95,7 @@ def build_metadata(
         "checkpoint_sha256": meta.get("sha256", ""),
         "quantization": quantization,
         "explain_precision": "fp32",
+        "contrib_ops": {k: v for k, v in (fused or {}).items() if v},
         "supports_gradients": gradients,
         "versions": versions(opset),
     }
@@ -153,7 +159,7 @@ def export_onnx(
         raise ValueError(f"quantize must be None or 'int8', got {quantize!r}")
 
     log.info("exporting %s at %s", checkpoint, preprocess.img_size)
-    fast = export_graph(PixelModel(net, preprocess.mean, preprocess.std), preprocess.img_size, opset)
+    fast, fused = export_fast_graph(net, preprocess, opset)
     explain = export_graph(PixelModel(net, preprocess.mean, preprocess.std, explain=True), preprocess.img_size, opset)
     grads = export_gradient_graph(net, preprocess, opset) if gradients else None
     sample = parity.validation_sample(checkpoint, meta["class_names"], preprocess, val_dir, parity_samples)
@@ -165,7 +171,7 @@ def export_onnx(
         quantization = quant_report["chosen"]
 
     model = combine_fast_and_explain(fast, explain, grads)
-    metadata = build_metadata(net, meta, preprocess, opset, quantization, gradients=grads is not None)
+    metadata = build_metadata(net, meta, preprocess, opset, quantization, gradients=grads is not None, fused=fused)
     set_metadata(model, metadata)
     model.doc_string = f"vitscope {metadata['variant'] or 'ViT'} classifier, {len(meta['class_names'])} classes"
     onnx.checker.check_model(model)

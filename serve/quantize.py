@@ -1,9 +1,11 @@
 """int8 for the logits path: dynamic quantisation, and static quantisation calibrated on validation images.
 
-Only the MatMul/Gemm weights are quantised (the transformer's cost); the patch-embedding Conv,
-LayerNorm and softmax stay fp32, which keeps the accuracy. Both kinds are tried and measured on
-the validation sample: agreement with the fp32 torch model, accuracy on the labels, and batch-1
-speed. Static wins when it agrees better with fp32, or as well and runs faster.
+Only the weights of the linear layers are quantised (the transformer's cost): MatMul/Gemm, and the
+fused `Attention` blocks (`serve.fusion`), which dynamic quantisation turns into `QAttention`; the
+patch-embedding Conv, LayerNorm and softmax stay fp32, which keeps the accuracy. Static (QDQ)
+quantisation has no `Attention` rule, so there only the other MatMuls are quantised. Both kinds
+are tried and measured on the validation sample: agreement with the fp32 torch model, accuracy on
+the labels, and batch-1 speed. Static wins when it agrees better with fp32, or as well and runs faster.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from vit.model import VisionTransformer
 log = logging.getLogger(__name__)
 
 QUANT_OPS = ["MatMul", "Gemm"]
+DYNAMIC_QUANT_OPS = [*QUANT_OPS, "Attention"]
 
 
 class _PixelReader(CalibrationDataReader):
@@ -77,12 +80,14 @@ def _quiet_root_logger() -> Iterator[None]:
 
 
 def dynamic_int8(fast: onnx.ModelProto) -> onnx.ModelProto:
-    """The logits graph with int8 MatMul/Gemm weights (per channel) and activations quantised on the fly."""
+    """The logits graph with int8 MatMul/Gemm/Attention weights (per channel), activations quantised on the fly."""
     with tempfile.TemporaryDirectory() as tmp:
         src, dst = Path(tmp, "fp32.onnx"), Path(tmp, "dynamic.onnx")
         onnx.save(fast, src)
         with _quiet_root_logger():
-            quantize_dynamic(src, dst, op_types_to_quantize=QUANT_OPS, per_channel=True, weight_type=QuantType.QInt8)
+            quantize_dynamic(
+                src, dst, op_types_to_quantize=DYNAMIC_QUANT_OPS, per_channel=True, weight_type=QuantType.QInt8
+            )
         return onnx.load(dst)
 
 

@@ -39,6 +39,7 @@ def test_metadata_round_trips_from_the_checkpoint_to_the_file(tiny_onnx, tiny_ch
     assert m["mean"] == list(meta["preprocess"].mean) and m["std"] == list(meta["preprocess"].std)
     assert {"vitscope", "torch", "onnx", "onnxruntime", "opset"} <= set(m["versions"])
     assert m["model_config"]["embed_dim"] == net.config["embed_dim"]
+    assert m["contrib_ops"] == {"Attention": 2, "BiasGelu": 2}  # the fast branch, fused (serve.fusion)
 
 
 def test_the_graph_takes_uint8_pixels_and_explain_is_optional(tiny_onnx):
@@ -70,6 +71,46 @@ def test_the_fast_and_explain_branches_share_one_copy_of_the_weights(tiny_checkp
     assert not clf.supports_gradients
     with pytest.raises(ValueError, match="no gradient graph"):
         clf.gradient_rollout(np.zeros((1, 32, 32, 3), np.uint8))
+
+
+def _logits(model: onnx.ModelProto, pixels: np.ndarray) -> np.ndarray:
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return session.run(["logits"], {"pixels": pixels})[0]
+
+
+def test_the_fused_fast_graph_matches_the_graph_as_exported(tiny_checkpoint):
+    from serve.graphs import export_fast_graph
+    from train.checkpoint import load_network
+
+    net, meta = load_network(tiny_checkpoint)
+    fused, counts = export_fast_graph(net, meta["preprocess"])
+    plain, _ = export_fast_graph(net, meta["preprocess"], fuse=False)
+    assert counts == {"Attention": 2, "BiasGelu": 2}
+    ops = {n.op_type for n in fused.graph.node}
+    assert {"Attention", "BiasGelu"} <= ops and not ops & {"Softmax", "Erf", "Slice"}  # nothing of the old blocks left
+    pixels = np.random.default_rng(0).integers(0, 256, (5, 32, 32, 3), dtype=np.uint8)
+    np.testing.assert_allclose(_logits(fused, pixels), _logits(plain, pixels), atol=1e-5)
+
+
+@pytest.mark.parametrize("attn_score", ["dot", "bilinear", "additive"])
+def test_fusion_leaves_attention_it_does_not_recognise_as_it_is(attn_score):
+    import torch
+
+    from serve.graphs import export_fast_graph
+    from serve.images import Preprocess
+    from vit import VisionTransformer
+
+    from .conftest import TINY_NET
+
+    torch.manual_seed(0)
+    net = VisionTransformer(**TINY_NET, attn_score=attn_score).eval()
+    preprocess = Preprocess(img_size=(32, 32))
+    fused, counts = export_fast_graph(net, preprocess)
+    plain, _ = export_fast_graph(net, preprocess, fuse=False)
+    assert counts == {"Attention": 0, "BiasGelu": 2}
+    assert "Softmax" in {n.op_type for n in fused.graph.node}
+    pixels = np.random.default_rng(1).integers(0, 256, (3, 32, 32, 3), dtype=np.uint8)
+    np.testing.assert_allclose(_logits(fused, pixels), _logits(plain, pixels), atol=1e-5)
 
 
 def test_the_parity_gate_fails_loudly_and_writes_nothing(tiny_checkpoint, tmp_path, monkeypatch, capsys):
@@ -109,5 +150,7 @@ def test_int8_export_runs_reports_and_keeps_the_answers(tiny_checkpoint, tmp_pat
     branches = {a.name: a.g for a in onnx.load(out).graph.node[0].attribute}
     ops = {n.op_type for n in branches["else_branch"].node}  # the logits path
     assert ops & {"MatMulInteger", "DynamicQuantizeLinear", "QuantizeLinear", "QLinearMatMul"}
+    if clf.metadata["quantization"] == "int8-dynamic":
+        assert "QAttention" in ops  # the fused attention blocks, quantised too
     probs, maps = clf.rollout(np.zeros((1, 32, 32, 3), np.uint8))
     assert maps.shape == (1, 4, 4)

@@ -230,3 +230,11 @@ def test_thread_default_follows_model_size(tiny_onnx):
     clf = OnnxClassifier(tiny_onnx)
     assert float(clf.metadata["gflops_per_image"]) > 0 and clf.threads == 1
     assert OnnxClassifier(tiny_onnx, threads=2).threads == 2
+
+
+def test_idle_threads_spin_only_briefly():
+    from serve.runtime import SPIN_DURATION_US, session_options
+
+    options = session_options(2)
+    assert options.intra_op_num_threads == 2 and options.inter_op_num_threads == 1
+    assert options.get_session_config_entry("session.intra_op.spin_duration_us") == str(SPIN_DURATION_US)
