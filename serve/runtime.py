@@ -33,12 +33,6 @@ FORMAT_VERSION = "1"
 # too small to split, and a second thread only takes the core that the server's event loop needs.
 # So: one thread below SMALL_MODEL_GFLOPS, otherwise onnxruntime's default (every physical core).
 SMALL_MODEL_GFLOPS = 0.25
-# How long an idle intra-op thread spins before it sleeps. Measured side by side on a 2-core machine
-# (ViT-Ti/16 fp32 and int8, batch 1, 2 threads): onnxruntime's default, which spins much longer, bought
-# nothing over 50 us when the machine was quiet, but when another process wanted a core the spinning
-# threads fought it and the median call became 1.6-2.3x slower; not spinning at all cost about 20%
-# on a quiet machine.
-SPIN_DURATION_US = 50
 PREFERRED_PROVIDERS = ("TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider")
 
 
@@ -61,12 +55,17 @@ def default_threads(metadata: dict[str, str]) -> int:
 
 
 def session_options(threads: int) -> ort.SessionOptions:
-    """onnxruntime session options for `threads` intra-op threads (0: every physical core), as served."""
+    """onnxruntime session options for `threads` intra-op threads (0: every physical core), as served.
+
+    Idle intra-op threads keep onnxruntime's default spinning: on a quiet 2-core machine, capping the
+    spin at 50 us made ViT-Ti/16 at batch 1 with 2 threads 1.3x slower in fp32 and 1.2x in int8 (median
+    of interleaved calls), because the threads fell asleep between the graph's many small parallel
+    sections. Where the cores are shared with other busy processes, fewer threads is the better cure.
+    """
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads
     options.inter_op_num_threads = 1
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    options.add_session_config_entry("session.intra_op.spin_duration_us", str(SPIN_DURATION_US))
     options.log_severity_level = 3  # `explain` is an input with a default on purpose: no warning about it
     return options
 
