@@ -11,6 +11,10 @@ The load generator is a minimal asyncio HTTP/1.1 keep-alive client (prebuilt req
 beyond the status line and Content-Length), so it costs the shared CPU as little as possible.
 
     .venv/bin/python benchmarks/serve_bench.py artifacts/sample.onnx [--duration 10] [--soak 300]
+    .venv/bin/python benchmarks/serve_bench.py --variant vit_tiny_patch16_224   # a production-size model
+
+With `--variant`, the model file is that variant with random weights and the sample's ten labels,
+exported by `vit-export`'s code: what the server costs depends on the model's size, not on its training.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import importlib.util
 import io
 import platform
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -41,6 +46,30 @@ def sample_image(data_dir: Path, size: tuple[int, int]) -> bytes:
     buf = io.BytesIO()
     Image.fromarray(np.random.default_rng(0).integers(0, 256, (*size, 3), dtype=np.uint8)).save(buf, format="PNG")
     return buf.getvalue()
+
+
+def random_model_file(variant: str, data_dir: Path, out_dir: Path) -> Path:
+    """A vitscope .onnx of `variant` with random weights and one class per folder of `data_dir`."""
+    import torch
+
+    import vit
+    from serve.export import export_onnx
+    from serve.images import Preprocess
+    from train.checkpoint import META_KEY
+
+    classes = sorted(p.name for p in data_dir.iterdir() if p.is_dir())
+    torch.manual_seed(0)
+    net = vit.create_model(variant, num_classes=len(classes))
+    meta = {
+        "model_config": dict(net.config),
+        "class_names": classes,
+        "preprocess": Preprocess(tuple(net.patch_embed.img_size)).to_dict(),
+        "weights_prefix": "net.",
+        "variant": variant,
+    }
+    ckpt = out_dir / f"{variant}.ckpt"
+    torch.save({"state_dict": {f"net.{k}": v for k, v in net.state_dict().items()}, META_KEY: meta}, ckpt)
+    return export_onnx(ckpt, out_dir / f"{variant}.onnx", val_dir=data_dir, parity_samples=32, gradients=False).path
 
 
 def in_process(clf: OnnxClassifier, data: bytes, seconds: float) -> dict:
@@ -121,18 +150,28 @@ def rss_kib(pid: int) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("model", type=Path, help="the .onnx file (e.g. artifacts/sample.onnx)")
+    p.add_argument("model", type=Path, nargs="?", help="the .onnx file (e.g. artifacts/sample.onnx)")
+    p.add_argument("--variant", help="instead of a file: this vit.create_model variant with random weights")
     p.add_argument("--data", type=Path, default=Path("data/digits"), help="sample images (one is posted)")
     p.add_argument("--duration", type=float, default=10.0, help="seconds per server measurement")
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--soak", type=float, default=0.0, help="also soak at concurrency 8 for this many seconds")
     p.add_argument("--server-args", default="", help="extra vit-serve options, e.g. '--max-batch-size 32'")
     args = p.parse_args(argv)
+    if (args.model is None) == (args.variant is None):
+        p.error("give a model file or --variant, not both")
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.variant:
+            args.model = random_model_file(args.variant, args.data, Path(tmp))
+        return run(args)
 
+
+def run(args: argparse.Namespace) -> int:
     clf = OnnxClassifier(args.model)
     data = sample_image(args.data, clf.input_size)
     ref = in_process(clf, data, seconds=2.0)
     best_bs, best = max(ref["throughput"].items(), key=lambda kv: kv[1])
+    threads = clf.threads or "every core's"
     del clf
 
     with ServerProcess(args.model, "--no-ui", *args.server_args.split()) as server:
@@ -147,7 +186,11 @@ def main(argv: list[str] | None = None) -> int:
             soak = asyncio.run(load(server.port, data, 8, args.soak))
             soak["rss0"], soak["rss1"] = rss0, rss_kib(pid)
 
-    print(f"# serve_bench: {args.model} on {platform.machine()} ({platform.platform()}), {time.strftime('%Y-%m-%d')}")
+    model = f"{args.variant} (random weights)" if args.variant else args.model
+    print(
+        f"# serve_bench: {model}, {threads} ORT thread(s), on {platform.machine()} ({platform.platform()}), "
+        f"{time.strftime('%Y-%m-%d')}"
+    )
     fast = [m for m in ("uvloop", "httptools") if importlib.util.find_spec(m)]
     print(f"server HTTP stack: {'uvloop + httptools' if len(fast) == 2 else 'asyncio + h11 (pure Python)'}")
     print("\nIn-process ONNX Runtime (predict_pixels on prepared pixels):\n")
@@ -183,7 +226,8 @@ def main(argv: list[str] | None = None) -> int:
             f"| 0 errors, <= 5% | {'yes' if ok else 'no'} |"
         )
     print(
-        f"\nReproduce: .venv/bin/python benchmarks/serve_bench.py {args.model} --duration {args.duration:g}"
+        f"\nReproduce: .venv/bin/python benchmarks/serve_bench.py "
+        f"{'--variant ' + args.variant if args.variant else args.model} --duration {args.duration:g}"
         + (f" --soak {args.soak:g}" if args.soak else "")
     )
     return 0

@@ -173,8 +173,19 @@ def build_app(classifier, settings: ServeSettings | None = None, with_ui: bool =
 
     settings = settings or ServeSettings()
     metrics = Metrics()
-    engine = Engine(classifier, settings, on_batch=metrics.batch_size.observe)
+    engine = Engine(
+        classifier,
+        settings,
+        on_batch=metrics.batch_size.observe,
+        decode=lambda img: decode_image(img, classifier, settings),  # an upload from `open_upload`
+    )
     metrics.queue_depth.set_function(lambda: engine.batcher.depth)
+    # Decode small uploads where a core is free. With onnxruntime on one thread (small models) the
+    # event loop has the other core: decoding there runs in parallel with the model. With onnxruntime
+    # on every core there is no free core: decoding on the loop would fight its threads (ViT-Ti/16:
+    # 0.72x of in-process throughput), while decoding on the model's thread just before each batch,
+    # in series, as in-process code does, reached 0.89x (benchmarks/serve_bench.py).
+    decode_on_worker = classifier.threads != 1
     fill = mean_fill_of(classifier)
 
     @asynccontextmanager
@@ -221,8 +232,8 @@ def build_app(classifier, settings: ServeSettings | None = None, with_ui: bool =
         except (TimeoutError, asyncio.TimeoutError):  # distinct classes before Python 3.11
             raise ApiError("timeout", f"no result within {settings.request_timeout_s} s; retry later") from None
 
-    async def predict(pixels: np.ndarray) -> np.ndarray:
-        return await engine_call(engine.predict(pixels))
+    async def predict(item) -> np.ndarray:
+        return await engine_call(engine.predict(item))
 
     async def run(fn, *args):
         return await engine_call(engine.run(fn, *args))
@@ -231,15 +242,18 @@ def build_app(classifier, settings: ServeSettings | None = None, with_ui: bool =
         """Classify one image (multipart field `file` or raw body); `explain=true` adds the rollout map."""
         data, form = await decode_request(request, settings)
         params = _parse_params(request.query_params, form, settings)
-        img = open_upload(data, settings)
-        if len(data) <= settings.inline_decode_bytes and img.width * img.height <= INLINE_DECODE_PIXELS:
-            pixels = decode_image(img, classifier, settings)
-        else:
-            pixels = await run_in_threadpool(decode_image, img, classifier, settings)
+        img = open_upload(data, settings)  # the header: not an image, or too many pixels, fails here
+        small = len(data) <= settings.inline_decode_bytes and img.width * img.height <= INLINE_DECODE_PIXELS
         explanation = None
         if not params["explain"]:
-            probs = await predict(pixels)
+            if not small:  # in a thread of its own, so that it never holds up the loop or a batch
+                probs = await predict(await run_in_threadpool(decode_image, img, classifier, settings))
+            elif decode_on_worker:  # on the model's thread, right before its batch runs
+                probs = await predict(img)
+            else:  # on the event loop, while the model runs on the other core
+                probs = await predict(decode_image(img, classifier, settings))
         else:  # the explain pass computes the probabilities too: no second forward pass
+            pixels = await run_in_threadpool(decode_image, img, classifier, settings)
             ex = await run(
                 explain_pixels, classifier, pixels, params["head_fusion"], params["discard_ratio"], None, fill, settings
             )
@@ -290,7 +304,7 @@ def build_app(classifier, settings: ServeSettings | None = None, with_ui: bool =
 
 
 # A small file can still declare a huge image (a flat 40 MP PNG compresses to kilobytes): only images
-# up to 1 MP, a few milliseconds of decoding and resizing, are decoded on the event loop.
+# up to 1 MP, a few milliseconds of decoding and resizing, are decoded on the loop or the model's thread.
 INLINE_DECODE_PIXELS = 1_000_000
 
 

@@ -4,7 +4,10 @@ Requests put (H, W, 3) uint8 images on a bounded queue and get a `concurrent.fut
 worker takes the first waiting image and everything already queued behind it; when that shows
 concurrency (more than one image now, or in the last batch) it may wait up to `max_delay_ms` for
 more (by default it does not), until `max_batch_size`. A lone request runs at once: under no load,
-waiting only adds latency. Then it stacks the images and runs one forward pass.
+waiting only adds latency. Then it decodes whatever arrived still encoded (`prepare`), stacks the
+images and runs one forward pass. Decoding here rather than on the event loop (as LitServe decodes in
+its workers) never has a decode compete with onnxruntime's threads for the cores; the API does so
+when onnxruntime uses every core (`serve.api.build_app`).
 
 The batch size matters for throughput in a way that is easy to miss: while a batch runs, the event
 loop decodes the next requests, so smaller batches keep both busy (a pipeline), whereas a batch as
@@ -42,7 +45,7 @@ class ShuttingDown(RuntimeError):
 
 @dataclass
 class _Image:
-    pixels: np.ndarray  # (H, W, 3) uint8
+    item: Any  # (H, W, 3) uint8, or what `prepare` turns into it
     future: Future
 
 
@@ -62,6 +65,9 @@ class MicroBatcher:
         max_delay_ms: how long a batch waits for more images once there is concurrency.
         queue_size: most items waiting; `submit` raises `QueueFull` beyond it.
         on_batch: called with the realised batch size after each batch (for metrics).
+        prepare: turns a submitted item into its (H, W, 3) uint8 image on the worker thread, right
+            before its batch runs (for example, decodes an upload); an item it fails on fails its
+            own request only. None: items are images already.
     """
 
     def __init__(
@@ -71,8 +77,10 @@ class MicroBatcher:
         max_delay_ms: float = 0.0,
         queue_size: int = 256,
         on_batch: Callable[[int], None] | None = None,
+        prepare: Callable[[Any], np.ndarray] | None = None,
     ):
         self.predict_batch = predict_batch
+        self.prepare = prepare
         self.max_batch_size = max_batch_size
         self.max_delay = max_delay_ms / 1000.0
         self.on_batch = on_batch
@@ -96,9 +104,9 @@ class MicroBatcher:
             self._thread.start()
         return self
 
-    def submit(self, pixels: np.ndarray) -> Future:
-        """Queue one (H, W, 3) uint8 image; the future resolves to its row of the output."""
-        return self._put(_Image(pixels, Future()))
+    def submit(self, item: Any) -> Future:
+        """Queue one (H, W, 3) uint8 image (or an item for `prepare`); the future resolves to its row of the output."""
+        return self._put(_Image(item, Future()))
 
     def call(self, fn: Callable[..., Any], *args: Any) -> Future:
         """Queue `fn(*args)` to run alone on the worker thread; the future resolves to its result."""
@@ -163,11 +171,20 @@ class MicroBatcher:
             self._run_batch(batch)
 
     def _run_batch(self, batch: list[_Image]) -> None:
-        live = [b for b in batch if b.future.set_running_or_notify_cancel()]
+        live, images = [], []
+        for b in batch:
+            if not b.future.set_running_or_notify_cancel():
+                continue
+            try:
+                images.append(b.item if self.prepare is None else self.prepare(b.item))
+            except Exception as e:  # e.g. a corrupt upload: only its own request fails
+                b.future.set_exception(e)
+                continue
+            live.append(b)
         if not live:
             return
         try:
-            out = self.predict_batch(np.stack([b.pixels for b in live]))  # (B, ...)
+            out = self.predict_batch(np.stack(images))  # (B, ...)
         except Exception as e:  # one bad batch fails its requests, never the worker
             log.exception("batch of %d failed", len(live))
             for b in live:
@@ -232,9 +249,17 @@ class Engine:
         classifier: a `serve.runtime.OnnxClassifier`.
         settings: a `serve.settings.ServeSettings`.
         on_batch: called with each realised batch size.
+        decode: turns a submitted item that is not an array yet (an opened upload) into its
+            (H, W, 3) uint8 image, on the worker thread (see `MicroBatcher`'s `prepare`).
     """
 
-    def __init__(self, classifier, settings, on_batch: Callable[[int], None] | None = None):
+    def __init__(
+        self,
+        classifier,
+        settings,
+        on_batch: Callable[[int], None] | None = None,
+        decode: Callable[[Any], np.ndarray] | None = None,
+    ):
         self.classifier, self.settings = classifier, settings
         self.batcher = MicroBatcher(
             classifier.predict_pixels,
@@ -242,6 +267,7 @@ class Engine:
             max_delay_ms=settings.max_delay_ms,
             queue_size=settings.queue_size,
             on_batch=on_batch,
+            prepare=None if decode is None else (lambda item: item if isinstance(item, np.ndarray) else decode(item)),
         )
         self.batch_size = settings.preferred_batch_size  # measured in `start` when 0
         self.ready = False
@@ -269,9 +295,9 @@ class Engine:
         self.ready = False
         self.batcher.close(timeout=self.settings.graceful_timeout_s)
 
-    async def predict(self, pixels: np.ndarray) -> np.ndarray:
-        """(H, W, 3) uint8 -> (K,) probabilities, batched with concurrent requests."""
-        fut = asyncio.wrap_future(self.batcher.submit(pixels))
+    async def predict(self, item: Any) -> np.ndarray:
+        """(H, W, 3) uint8 (or an item for `decode`) -> (K,) probabilities, batched with concurrent requests."""
+        fut = asyncio.wrap_future(self.batcher.submit(item))
         return await asyncio.wait_for(fut, self.settings.request_timeout_s)
 
     async def run(self, fn: Callable[..., Any], *args: Any) -> Any:

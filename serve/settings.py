@@ -35,8 +35,9 @@ class ServeSettings:
         threads: intra-op threads for ONNX Runtime (0: by model size, see `serve.runtime.default_threads`:
             one for small models, which leaves the other core to the event loop, every core for large ones).
         max_bytes: largest accepted request body, 10 MiB: any phone photo, far below a memory problem.
-        inline_decode_bytes: uploads up to this size are decoded on the event loop (a small PNG decodes
-            faster than a hop to a worker thread); larger ones go to a thread so the loop stays free.
+        inline_decode_bytes: uploads up to this size (and 1 MP) are decoded where a core is free: on the
+            event loop when onnxruntime runs on one thread, else on the model's thread right before their
+            batch; larger ones are decoded in a thread of their own so that they never hold anything up.
         max_pixels: largest accepted image, checked from the header before decoding: 40 MP is any
             camera photo and stops decompression bombs.
         top_k: predictions returned when the client does not ask for a number.

@@ -264,6 +264,40 @@ def test_batcher_groups_waiting_requests_up_to_the_batch_size():
     assert sizes == [4, 2]
 
 
+def test_with_onnxruntime_on_every_core_uploads_are_decoded_on_the_models_thread(tiny_onnx, classifier):
+    two_threads = OnnxClassifier(tiny_onnx, threads=2)  # no free core: decoding moves off the event loop
+    image = bright_square(2)
+    with TestClient(build_app(two_threads, ServeSettings(examples_dir=""), with_ui=False)) as c:
+        ok = c.post("/v1/classify?top_k=1", content=png_bytes(image), headers={"content-type": "image/png"})
+        bad = c.post("/v1/classify", content=png_bytes(image)[:60], headers={"content-type": "image/png"})
+        again = c.post("/v1/classify", content=png_bytes(image), headers={"content-type": "image/png"})
+    label, score = classifier.predict(image, top_k=1)[0][0]
+    assert ok.status_code == 200 and ok.json()["predictions"][0]["label"] == label
+    assert ok.json()["predictions"][0]["score"] == pytest.approx(score, abs=1e-5)
+    assert bad.status_code == 422 and bad.json()["error"]["code"] == "corrupt"  # header fine, data cut short
+    assert again.status_code == 200
+
+
+def test_an_item_that_fails_to_decode_fails_alone_and_its_batch_runs():
+    def decode(item):
+        if item == "corrupt":
+            raise ValueError("image data is corrupt")
+        return np.full((1, 1, 3), int(item), np.uint8)
+
+    sizes = []
+    batcher = MicroBatcher(lambda b: b[:, 0, 0, 0], max_batch_size=4, prepare=decode, on_batch=sizes.append).start()
+    gate = threading.Event()
+    batcher.call(gate.wait, 5)  # hold the worker while three items queue up
+    time.sleep(0.05)
+    futures = [batcher.submit(x) for x in ("3", "corrupt", "5")]
+    gate.set()
+    assert futures[0].result(5) == 3 and futures[2].result(5) == 5
+    with pytest.raises(ValueError, match="corrupt"):
+        futures[1].result(5)
+    batcher.close()
+    assert sizes == [2]
+
+
 def test_batcher_refuses_beyond_the_queue_and_drains_on_close():
     gate = threading.Event()
     batcher = MicroBatcher(lambda b: b[:, 0, 0, 0], max_batch_size=2, max_delay_ms=0, queue_size=2).start()
