@@ -70,6 +70,7 @@ bench: install $(ONNX)
 	$(PYTHON) benchmarks/train_overhead.py | tee $(BENCH)/train_overhead.md
 	$(PYTHON) benchmarks/export_bench.py | tee $(BENCH)/export_bench.md
 	$(PYTHON) benchmarks/serve_bench.py $(ONNX) --duration 10 --soak 300 | tee $(BENCH)/serve_bench.md
+	$(PYTHON) benchmarks/serve_bench.py --variant vit_tiny_patch16_224 --duration 10 | tee $(BENCH)/serve_bench_vit_tiny.md
 	$(PYTHON) benchmarks/pointing_game.py $(ONNX) --n 300 --seed 0 | tee $(BENCH)/pointing_game.md
 	$(PYTHON) benchmarks/gpu_train.py | tee $(BENCH)/gpu_train.md
 
