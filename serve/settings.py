@@ -21,7 +21,7 @@ class ServeSettings:
         max_batch_size: most images in one ONNX Runtime call and in one v2 infer request; the
             largest batch size `preferred_batch_size` may choose.
         preferred_batch_size: the batches the batcher forms under load (0: measured at warm-up, the
-            smallest power of two whose time per image is within 5% of the best up to
+            smallest power of two whose time per image is within 3% of the best up to
             `max_batch_size`). Small batches keep the model and the HTTP event loop working at the
             same time: while one batch runs, the loop decodes the next requests. Bigger batches only
             pay off while they still amortise a per-call overhead.
