@@ -33,7 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
     for f in fields(ServeSettings):
         default = f.default if f.default is not MISSING else None
         kind = type(default) if default is not None else str
-        parser.add_argument(f"--{f.name.replace('_', '-')}", type=kind, default=default, help=helps.get(f.name, ""))
+        text = helps.get(f.name, "").replace("%", "%%")  # argparse formats help with %
+        parser.add_argument(f"--{f.name.replace('_', '-')}", type=kind, default=default, help=text)
     parser.add_argument("--no-ui", action="store_true", help="serve the API only, without the Gradio UI")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return parser

@@ -71,3 +71,11 @@ def test_folder_to_onnx_to_predictions(tmp_path):
     # the ONNX model through the serving loader scores exactly what training's validation reported
     best_val_acc = json.loads((run_dir / "summary.json").read_text())["best_val_acc"]
     assert accuracy == pytest.approx(best_val_acc, abs=1.5 / len(rows))
+
+
+@pytest.mark.parametrize("script", ["vit-sample-data", "vit-train", "vit-export", "vit-predict", "vit-serve"])
+def test_every_console_script_explains_itself(script, tmp_path):
+    out = run(script, "--help", cwd=tmp_path).stdout
+    assert "usage:" in out.lower()
+    if script == "vit-serve":  # every server setting is an option, with its documentation
+        assert "--preferred-batch-size" in out and "3% of the best" in out
