@@ -17,6 +17,9 @@ import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff")
+# The decoders PIL may use: the formats above (JPEG's includes the MPO files of many phones). Every other
+# PIL plugin stays off for untrusted input (EPS, for one, would run Ghostscript).
+FORMATS = ("JPEG", "PNG", "BMP", "GIF", "WEBP", "TIFF")
 DEFAULT_MAX_PIXELS = 40_000_000  # about 40 MP: any phone photo, well short of a decompression bomb
 INTERPOLATIONS = {
     "bicubic": Image.Resampling.BICUBIC,
@@ -77,7 +80,7 @@ def load_image(source: ImageSource, max_pixels: int | None = DEFAULT_MAX_PIXELS)
         return _to_rgb(img)
     except ImageError:
         raise
-    except (OSError, SyntaxError, ValueError) as e:
+    except Exception as e:  # decoders of broken files raise anything (OSError, ValueError, OverflowError, ...)
         raise ImageError(f"image data is corrupt or truncated: {e}", "corrupt") from None
 
 
@@ -104,14 +107,14 @@ def open_image(source: str | Path | bytes | bytearray, max_pixels: int | None = 
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
-            img = Image.open(fp)
+            img = Image.open(fp, formats=FORMATS)
     except UnidentifiedImageError:
         raise ImageError(
             f"{name} is not an image: no JPEG, PNG, GIF, BMP, WebP or TIFF header found", "not_an_image"
         ) from None
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
         raise ImageError(f"{name} is too large to decode safely: {e}", "too_large") from None
-    except OSError as e:
+    except Exception as e:  # a header PIL recognises but cannot parse: any error at all means a broken file
         raise ImageError(f"{name} could not be read: {e}", "corrupt") from None
     _check_pixels(img, max_pixels)
     return img

@@ -237,3 +237,36 @@ def test_session_options_set_the_intra_op_threads_only():
 
     options = session_options(2)
     assert options.intra_op_num_threads == 2 and options.inter_op_num_threads == 1
+
+
+def test_a_tiff_with_impossible_tiles_is_a_corrupt_image():
+    buf = io.BytesIO()
+    Image.new("I;16", (40, 48)).save(buf, format="TIFF")
+    data = bytearray(buf.getvalue())
+    data[70] = 68  # one byte of the header: PIL raised a bare ValueError ("Invalid tile dimensions")
+    with pytest.raises(ImageError) as e:
+        load_image(bytes(data))
+    assert e.value.kind == "corrupt"
+
+
+@pytest.mark.filterwarnings("ignore")  # PIL warns about the damage it tolerates
+@pytest.mark.parametrize("fmt, mode", [("TIFF", "I;16"), ("TIFF", "RGB"), ("BMP", "RGB"), ("GIF", "P"), ("PNG", "LA")])
+def test_a_damaged_file_is_an_image_error_never_another_exception(fmt, mode):
+    buf = io.BytesIO()
+    Image.new(mode, (40, 48)).save(buf, format=fmt)
+    good = np.frombuffer(buf.getvalue(), np.uint8)
+    rng = np.random.default_rng(0)
+    for _ in range(300):  # flip a few bytes, mostly in the header where the parsers live
+        bad = good.copy()
+        at = rng.integers(0, min(len(bad), 256), size=rng.integers(1, 4))
+        bad[at] = rng.integers(0, 256, size=len(at))
+        try:
+            load_image(bad.tobytes())
+        except ImageError:
+            pass  # any other exception would be an HTTP 500 in the server
+
+
+def test_only_the_documented_formats_are_decoded():
+    with pytest.raises(ImageError, match="not an image") as e:
+        load_image(b"P6\n4x 4\n255\n")  # a PPM header: PIL reads PPM, we do not
+    assert e.value.kind == "not_an_image"
