@@ -156,10 +156,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--duration", type=float, default=10.0, help="seconds per server measurement")
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--soak", type=float, default=0.0, help="also soak at concurrency 8 for this many seconds")
-    p.add_argument("--server-args", default="", help="extra vit-serve options, e.g. '--max-batch-size 32'")
+    p.add_argument("--server-args", default="", help="extra vit-serve options, e.g. '--preferred-batch-size 8'")
     args = p.parse_args(argv)
     if (args.model is None) == (args.variant is None):
-        p.error("give a model file or --variant, not both")
+        p.error("give exactly one of: a model file, or --variant NAME")
     with tempfile.TemporaryDirectory() as tmp:
         if args.variant:
             args.model = random_model_file(args.variant, args.data, Path(tmp))

@@ -211,8 +211,9 @@ def build_app(classifier, settings: ServeSettings | None = None, with_ui: bool =
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, err: StarletteHTTPException):
-        code = {404: "not_found", 405: "method_not_allowed"}.get(err.status_code, "bad_request")
-        return JSONResponse({"error": {"code": code, "message": str(err.detail)}}, err.status_code)
+        # Starlette's own errors: its routing (404, 405) and its form parser (a malformed multipart body)
+        code = {404: "not_found", 405: "method_not_allowed", 413: "body_too_large"}.get(err.status_code, "bad_request")
+        return error_response(ApiError(code, str(err.detail)), settings)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, err: Exception):

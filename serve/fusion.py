@@ -120,6 +120,9 @@ def _match_attention(g: _Graph, softmax: onnx.NodeProto, num_heads: int) -> tupl
     out = merge and g.only_consumer(merge.output[0], "Reshape")  # -> (B, N, D)
     if out is None or list(_attr(merge, "perm", [])) != [0, 2, 1, 3]:
         return None
+    merged = g.const(out.input[1])  # Attention outputs (B, N, D): the reshape must say the same
+    if merged is None or len(merged) != 3 or merged[2] != weight.shape[0]:
+        return None
     node = helper.make_node(
         "Attention",
         [proj.input[0], proj.input[1], add.input[1]],
@@ -146,8 +149,8 @@ def _match_bias_gelu(g: _Graph, erf: onnx.NodeProto) -> tuple[onnx.NodeProto, st
     x = add.output[0]
     others = {
         "sqrt2": g.scalar(div.input[1]),
-        "one": g.scalar(next(i for i in one.input if i != erf.output[0])),
-        "half": g.scalar(next(i for i in half.input if i != one.output[0])),
+        "one": g.scalar(next((i for i in one.input if i != erf.output[0]), None)),
+        "half": g.scalar(next((i for i in half.input if i != one.output[0]), None)),
     }
     if None in others.values() or set(out.input) != {x, half.output[0]}:
         return None

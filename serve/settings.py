@@ -18,13 +18,13 @@ class ServeSettings:
     Args:
         host: interface to bind; 127.0.0.1 keeps the server private to this machine.
         port: TCP port; 7860 is the port Gradio users expect.
-        max_batch_size: most images in one ONNX Runtime call and in one v2 infer request; the
-            largest batch size `preferred_batch_size` may choose.
-        preferred_batch_size: the batches the batcher forms under load (0: measured at warm-up, the
-            smallest power of two whose time per image is within 3% of the best up to
-            `max_batch_size`). Small batches keep the model and the HTTP event loop working at the
-            same time: while one batch runs, the loop decodes the next requests. Bigger batches only
-            pay off while they still amortise a per-call overhead.
+        max_batch_size: most images in one v2 infer request and in one call of the explain path, and
+            the largest batch size `preferred_batch_size` may be.
+        preferred_batch_size: the most images the batcher puts in one ONNX Runtime call (0: measured
+            at warm-up, the smallest of 1, 2, 4, ... and `max_batch_size` whose time per image is
+            within 3% of the best). Small batches keep the model and the HTTP event loop working at
+            the same time: while one batch runs, the loop decodes the next requests. Bigger batches
+            only pay off while they still amortise a per-call overhead.
         max_delay_ms: how long a batch waits to fill up once there is concurrency. 0 (as in Triton's
             dynamic batcher): a batch is whatever is waiting when the model becomes free; under load
             requests queue up while the model runs, so batches fill by themselves, and at low load

@@ -146,6 +146,7 @@ BAD_INPUTS = {
     "oversized body": (b"\x89PNG" + b"0" * (65 * 1024), "image/png", 413, "body_too_large"),
     "wrong content type": (b'{"image": "cat"}', "application/json", 415, "unsupported_media_type"),
     "multipart without file": ("top_k", (None, "3"), 422, "bad_request"),
+    "multipart without boundary": (b"--x\r\nnot a form\r\n", "multipart/form-data", 422, "bad_request"),
     "top_k not a number": (png_bytes(bright_square(0)), "image/png?top_k=x", 422, "bad_request"),
     "bad head fusion": (png_bytes(bright_square(0)), "image/png?explain=true&head_fusion=median", 422, "bad_request"),
 }
