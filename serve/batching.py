@@ -202,8 +202,8 @@ def time_batch_sizes(
     """Seconds per image of `predict_batch` at batch 1, 2, 4, ... up to `max_batch_size` (the best of at
     least 5 calls and 50 ms each).
 
-    Stops early once `budget_s` is spent, so a large model on a slow CPU still starts quickly (its
-    per-call overhead is small next to one image anyway).
+    Skips the sizes that would overrun `budget_s`, so a large model on a slow CPU still starts quickly
+    (its per-call overhead is small next to one image anyway).
     """
     sizes = [1 << i for i in range(max_batch_size.bit_length()) if 1 << i <= max_batch_size]
     if sizes[-1] != max_batch_size:
@@ -211,6 +211,8 @@ def time_batch_sizes(
     deadline = time.monotonic() + budget_s
     times: dict[int, float] = {}
     for bs in sizes:
+        if times and time.monotonic() + 6 * bs * times[max(times)] > deadline:
+            break  # this size's 6 calls or more would overrun the budget
         batch = np.zeros((bs, *image_shape), np.uint8)
         predict_batch(batch)  # the first call at a new shape allocates
         best, calls, started = float("inf"), 0, time.perf_counter()
@@ -219,8 +221,6 @@ def time_batch_sizes(
             predict_batch(batch)
             best, calls = min(best, time.perf_counter() - t0), calls + 1
         times[bs] = best / bs
-        if time.monotonic() > deadline:
-            break
     return times
 
 

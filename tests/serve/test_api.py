@@ -342,6 +342,13 @@ def test_batch_size_is_the_smallest_one_that_amortises_the_per_call_overhead():
     times = time_batch_sizes(per_call_cost, (1, 1, 3), 8)
     assert list(times) == [1, 2, 4, 8] and choose_batch_size(times) == 8
 
+    def slow(batch):  # a big model on a slow CPU: start-up must not time batch 8 for a minute
+        time.sleep(0.05 * len(batch))
+
+    t0 = time.perf_counter()
+    assert list(time_batch_sizes(slow, (1, 1, 3), 8, budget_s=1.0)) in ([1], [1, 2])  # batch 4 would overrun
+    assert time.perf_counter() - t0 < 2.0
+
 
 def test_the_server_measures_its_batch_size_at_warm_up(classifier):
     settings = ServeSettings(max_batch_size=8, examples_dir="")

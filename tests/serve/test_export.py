@@ -154,3 +154,29 @@ def test_int8_export_runs_reports_and_keeps_the_answers(tiny_checkpoint, tmp_pat
         assert "QAttention" in ops  # the fused attention blocks, quantised too
     probs, maps = clf.rollout(np.zeros((1, 32, 32, 3), np.uint8))
     assert maps.shape == (1, 4, 4)
+
+
+def test_fusion_refuses_an_attention_block_whose_output_is_not_tokens_by_width():
+    import torch
+    from onnx import numpy_helper
+
+    from serve.fusion import fuse_for_cpu
+    from serve.graphs import export_fast_graph
+    from serve.images import Preprocess
+    from vit import VisionTransformer
+
+    from .conftest import TINY_NET
+
+    torch.manual_seed(0)
+    net = VisionTransformer(**TINY_NET).eval()
+    plain, _ = export_fast_graph(net, Preprocess(img_size=(32, 32)), fuse=False)
+    _, counts = fuse_for_cpu(plain, net.blocks[0].attn.num_heads)
+    assert counts["Attention"] == len(net.blocks)
+    # make every (B, N, D) merge of the heads a (B * N, D) one: no longer what `Attention` outputs
+    merges = {n.input[1] for n in plain.graph.node if n.op_type == "Reshape"}
+    for init in plain.graph.initializer:
+        shape = numpy_helper.to_array(init)
+        if init.name in merges and shape.ndim == 1 and len(shape) == 3 and shape[2] == net.embed_dim:
+            init.CopyFrom(numpy_helper.from_array(np.array([-1, net.embed_dim], np.int64), init.name))
+    _, counts = fuse_for_cpu(plain, net.blocks[0].attn.num_heads)
+    assert counts["Attention"] == 0
