@@ -19,7 +19,8 @@ import base64
 import io
 import json
 import logging
-from contextlib import asynccontextmanager
+from collections.abc import Iterator
+from contextlib import asynccontextmanager, contextmanager
 from typing import Any
 
 import numpy as np
@@ -112,19 +113,23 @@ async def decode_request(request: Request, settings: ServeSettings) -> tuple[byt
 
 def open_upload(data: bytes, settings: ServeSettings) -> Image.Image:
     """The image's header only (size checked against `max_pixels`); `decode_image` decodes it."""
-    try:
+    with _as_api_error():
         return open_image(bytes(data), max_pixels=settings.max_pixels)
-    except ImageError as e:
-        raise ApiError(e.kind if e.kind in ERROR_STATUS else "corrupt", str(e)) from None
 
 
 def decode_image(img: Image.Image, classifier, settings: ServeSettings) -> np.ndarray:
     """An opened image -> (H, W, 3) uint8 at the model's input size."""
+    with _as_api_error():
+        return classifier.preprocess.to_uint8(load_image(img, max_pixels=settings.max_pixels))
+
+
+@contextmanager
+def _as_api_error() -> Iterator[None]:
+    """An `ImageError` becomes the `ApiError` of its kind."""
     try:
-        rgb = load_image(img, max_pixels=settings.max_pixels)
+        yield
     except ImageError as e:
         raise ApiError(e.kind if e.kind in ERROR_STATUS else "corrupt", str(e)) from None
-    return classifier.preprocess.to_uint8(rgb)
 
 
 def encode_response(classifier, probs: np.ndarray, top_k: int, explanation: dict | None = None) -> dict[str, Any]:

@@ -275,8 +275,12 @@ class Engine:
             on_batch=on_batch,
             prepare=None if decode is None else (lambda item: item if isinstance(item, np.ndarray) else decode(item)),
         )
-        self.batch_size = settings.preferred_batch_size  # measured in `start` when 0
         self.ready = False
+
+    @property
+    def batch_size(self) -> int:
+        """The most images per ONNX Runtime call (chosen in `start`)."""
+        return self.batcher.max_batch_size
 
     def start(self) -> None:
         """Start the worker, warm the session up and choose the batch size, then mark ready."""
@@ -293,7 +297,7 @@ class Engine:
             preferred = choose_batch_size(times)
             table = ", ".join(f"{bs}: {t * 1000:.3f}" for bs, t in times.items())
             log.info("batching up to %d images (ms per image by batch size: %s)", preferred, table)
-        self.batcher.max_batch_size = self.batch_size = preferred
+        self.batcher.max_batch_size = preferred
         self.ready = True
 
     def stop(self) -> None:
