@@ -34,7 +34,11 @@ def build_parser() -> argparse.ArgumentParser:
         default = f.default if f.default is not MISSING else None
         kind = type(default) if default is not None else str
         text = helps.get(f.name, "").replace("%", "%%")  # argparse formats help with %
-        parser.add_argument(f"--{f.name.replace('_', '-')}", type=kind, default=default, help=text)
+        flag = f"--{f.name.replace('_', '-')}"
+        if kind is bool:  # --opentelemetry / --no-opentelemetry
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=text)
+        else:
+            parser.add_argument(flag, type=kind, default=default, help=text)
     parser.add_argument("--no-ui", action="store_true", help="serve the API only, without the Gradio UI")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return parser

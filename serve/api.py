@@ -202,7 +202,8 @@ def build_app(classifier, settings: ServeSettings | None = None, with_ui: bool =
         finally:
             await run_in_threadpool(engine.stop)
 
-    app = FastAPI(title="vitscope", version=str(classifier.version), lifespan=lifespan)
+    off = None if settings.opentelemetry else {"tracing": False, "metrics": False, "logs": False}
+    app = FastAPI(title="vitscope", version=str(classifier.version), lifespan=lifespan, telemetry=off)
     app.state.engine, app.state.metrics, app.state.settings = engine, metrics, settings
 
     @app.exception_handler(ApiError)

@@ -206,6 +206,8 @@ class Preprocess:
         new_w, new_h = max(W, math.floor(w * scale + 0.5)), max(H, math.floor(h * scale + 0.5))
         if (new_w, new_h) != (w, h):
             img = img.resize((new_w, new_h), INTERPOLATIONS[self.interpolation])
+        if (new_w, new_h) == (W, H):
+            return img
         left, top = (new_w - W) // 2, (new_h - H) // 2
         return img.crop((left, top, left + W, top + H))
 

@@ -45,6 +45,10 @@ class ServeSettings:
         request_timeout_s: how long a request waits for its result before the server gives up (504).
         graceful_timeout_s: on SIGTERM, how long in-flight requests may take to finish.
         examples_dir: folder of sample images offered as examples in the UI (skipped when absent).
+        opentelemetry: FastAPI's OpenTelemetry spans and metrics for every request, sent to the
+            providers configured in this process (for example by `opentelemetry-instrument`). Off by
+            default: /metrics covers the API, and checking for providers on every request alone cost
+            about 4% of the sample model's throughput (benchmarks/serve_bench.py).
     """
 
     host: str = "127.0.0.1"
@@ -63,6 +67,7 @@ class ServeSettings:
     request_timeout_s: float = 30.0
     graceful_timeout_s: float = 20.0
     examples_dir: str = "data/digits"
+    opentelemetry: bool = False
 
     def __post_init__(self):
         positive = ("max_batch_size", "queue_size", "max_bytes", "max_pixels", "top_k", "deletion_steps")

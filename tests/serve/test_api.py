@@ -5,6 +5,8 @@ from __future__ import annotations
 import base64
 import io
 import struct
+import subprocess
+import sys
 import threading
 import time
 import zlib
@@ -364,3 +366,45 @@ def test_settings_refuse_nonsense_with_the_field_name():
         ServeSettings(max_batch_size=8, preferred_batch_size=16)
     with pytest.raises(ValueError, match="max_delay_ms"):
         ServeSettings(max_delay_ms=-1)
+
+
+SPANS_SCRIPT = """
+import sys
+from fastapi.testclient import TestClient
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from serve.api import build_app
+from serve.runtime import OnnxClassifier
+from serve.settings import ServeSettings
+
+exporter = InMemorySpanExporter()
+provider = TracerProvider()
+provider.add_span_processor(SimpleSpanProcessor(exporter))
+trace.set_tracer_provider(provider)
+settings = ServeSettings(opentelemetry=sys.argv[2] == "on", preferred_batch_size=1)
+with TestClient(build_app(OnnxClassifier(sys.argv[1]), settings, with_ui=False)) as client:
+    assert client.get("/healthz").status_code == 200
+print(len(exporter.get_finished_spans()))
+"""
+
+
+@pytest.mark.parametrize("flag", ["on", "off"])
+def test_opentelemetry_spans_only_when_asked_for(tiny_onnx, flag):
+    # in a process of its own: the global tracer provider can be set once per process
+    out = subprocess.run(
+        [sys.executable, "-c", SPANS_SCRIPT, str(tiny_onnx), flag], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    spans = int(out.stdout.split()[-1])
+    assert (spans > 0) if flag == "on" else (spans == 0)
+
+
+def test_boolean_settings_are_on_off_flags():
+    from serve.__main__ import build_parser
+
+    parse = build_parser().parse_args
+    assert parse(["m.onnx"]).opentelemetry is False
+    assert parse(["m.onnx", "--opentelemetry"]).opentelemetry is True
+    assert parse(["m.onnx", "--opentelemetry", "--no-opentelemetry"]).opentelemetry is False
