@@ -52,8 +52,11 @@ train: $(CKPT)
 $(CKPT): $(SAMPLE)/.complete configs/sample.yaml | $(VENV)/.installed
 	$(BIN)/vit-train fit --config configs/sample.yaml --trainer.default_root_dir $(RUN)
 
+# The exporter's own code is a prerequisite too: a new graph rewrite or metadata field reaches the
+# model file after a `git pull`, without retraining.
+EXPORTER := $(wildcard vit/*.py) $(addprefix serve/,export.py graphs.py fusion.py onnx_graph.py quantize.py parity.py)
 export: $(ONNX)
-$(ONNX): $(CKPT)
+$(ONNX): $(CKPT) $(EXPORTER)
 	$(BIN)/vit-export $(CKPT) -o $(ONNX)
 
 demo: install $(ONNX)
