@@ -120,6 +120,30 @@ class OnnxClassifier:
         self.version: str = str(m.get("checkpoint_sha256", ""))[:12] or "unversioned"
         inputs = {i.name for i in (*self.session.get_inputs(), *self.session.get_overridable_initializers())}
         self.supports_gradients: bool = bool(m.get("supports_gradients")) and "target" in inputs
+        self._check_metadata()
+
+    def _check_metadata(self) -> None:
+        """The metadata repeats some facts for clients (input size, mean/std, grid): they must agree with
+        each other and with the graph, or an edited file would give wrong answers instead of an error."""
+        m, pre = self.metadata, self.preprocess
+        H, W = self.input_size
+        P = int(m.get("patch_size") or 0)
+        graph_in = next((i.shape for i in self.session.get_inputs() if i.name == "pixels"), None)
+        graph_out = next((o.shape for o in self.session.get_outputs() if o.name == "logits"), None)
+        checks = [
+            ("input_size", list(self.input_size), "preprocess img_size", list(pre.img_size)),
+            ("mean", [float(x) for x in m.get("mean", pre.mean)], "preprocess mean", list(pre.mean)),
+            ("std", [float(x) for x in m.get("std", pre.std)], "preprocess std", list(pre.std)),
+            ("grid_size", list(self.grid_size), "input_size / patch_size", [H // P, W // P] if P else None),
+            ("input_size", [H, W], "the graph's pixels input (H, W)", _static(graph_in, 1, 3)),
+            ("the number of class_names", [len(self.labels)], "the graph's logits width", _static(graph_out, 1, 2)),
+        ]
+        for name, value, other, expected in checks:
+            if expected is not None and value != expected:
+                raise ValueError(
+                    f"{self.path} has inconsistent metadata: {name} is {value} but {other} is {expected}; "
+                    "the file was edited after export: export the checkpoint again with vit-export"
+                )
 
     def __repr__(self) -> str:
         return f"OnnxClassifier({str(self.path)!r}, classes={len(self.labels)}, input={self.input_size})"
@@ -264,6 +288,12 @@ class OnnxClassifier:
         )
         maps = rollout_from_gradients(attns, grads, num_prefix_tokens=self.num_prefix_tokens, query=self.rollout_query)
         return softmax(logits), maps.reshape(-1, *self.grid_size)
+
+
+def _static(shape: list | None, start: int, stop: int) -> list[int] | None:
+    """shape[start:stop] when those dimensions are fixed numbers (None when the graph leaves any open)."""
+    dims = list(shape or [])[start:stop]
+    return dims if len(dims) == stop - start and all(isinstance(d, int) for d in dims) else None
 
 
 def _parse(value: str) -> Any:

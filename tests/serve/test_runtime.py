@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import io
+import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -270,3 +272,29 @@ def test_only_the_documented_formats_are_decoded():
     with pytest.raises(ImageError, match="not an image") as e:
         load_image(b"P6\n4x 4\n255\n")  # a PPM header: PIL reads PPM, we do not
     assert e.value.kind == "not_an_image"
+
+
+@pytest.mark.parametrize(
+    "key, value, says",
+    [
+        ("input_size", [64, 64], "input_size is [64, 64] but preprocess img_size is"),
+        ("preprocess", None, "the graph's pixels input"),  # img_size edited in both places: the graph disagrees
+        ("class_names", ["only", "three", "labels"], "the number of class_names is [3] but the graph's logits width"),
+        ("mean", [0.0, 0.0, 0.0], "mean is [0.0, 0.0, 0.0] but preprocess mean is"),
+    ],
+)
+def test_a_model_whose_metadata_disagrees_with_itself_or_the_graph_is_refused(tiny_onnx, tmp_path, key, value, says):
+    model = onnx.load(tiny_onnx)
+    props = {p.key: p for p in model.metadata_props}
+    if key == "preprocess":
+        pre = json.loads(props["preprocess"].value)
+        pre["img_size"] = [64, 64]
+        props["preprocess"].value = json.dumps(pre)
+        props["input_size"].value = json.dumps([64, 64])
+        props["grid_size"].value = json.dumps([64 // json.loads(props["patch_size"].value)] * 2)
+    else:
+        props[key].value = json.dumps(value)
+    edited = tmp_path / "edited.onnx"
+    onnx.save(model, edited)
+    with pytest.raises(ValueError, match=re.escape(says)):
+        OnnxClassifier(edited)
