@@ -27,12 +27,14 @@ class ImageListDataset(Dataset):
 
     Args:
         items: (absolute path, label) pairs.
-        transform: RGB PIL image -> (3, H, W) tensor.
+        transform: RGB PIL image (or what `fixed` returns) -> (3, H, W) tensor.
         cache: keep decoded images in memory (for small datasets that fit; each worker holds its own).
+        fixed: a first step that gives the same result every epoch (validation: resize and crop); the
+            cache keeps its result, not the full-size image, and `transform` gets it.
     """
 
-    def __init__(self, items: list[tuple[str, int]], transform, cache: bool = False):
-        self.items, self.transform, self.cache = items, transform, cache
+    def __init__(self, items: list[tuple[str, int]], transform, cache: bool = False, fixed=None):
+        self.items, self.transform, self.cache, self.fixed = items, transform, cache, fixed
         self._images: dict[int, object] = {}
 
     def __len__(self) -> int:
@@ -42,6 +44,8 @@ class ImageListDataset(Dataset):
         if i in self._images:
             return self._images[i]
         img = load_image(self.items[i][0])
+        if self.fixed is not None:
+            img = self.fixed(img)
         if self.cache:
             self._images[i] = img
         return img
@@ -127,7 +131,8 @@ class ImageFolderDataModule(pl.LightningDataModule):
         self.train_set = ImageListDataset(
             scan.train, build_train_transform(self.augment, self.preprocess), self.cache_images
         )
-        self.val_set = ImageListDataset(scan.val, EvalTransform(self.preprocess), self.cache_images)
+        evaluate = EvalTransform(self.preprocess)
+        self.val_set = ImageListDataset(scan.val, evaluate, self.cache_images, fixed=evaluate.resize)
         if scan.bad:
             log.warning("skipped %d unreadable image file(s) in %s", len(scan.bad), scan.root)
         if self.trainer is not None and self.trainer.is_global_zero:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from PIL import Image
 from timm.data import RandomResizedCropAndInterpolation, rand_augment_transform
@@ -51,13 +52,21 @@ class Augment:
 
 
 class EvalTransform:
-    """RGB PIL image -> (3, H, W) float32 tensor via `Preprocess.__call__` (the serving transform)."""
+    """RGB PIL image -> (3, H, W) float32 tensor via `Preprocess.__call__` (the serving transform).
+
+    In two steps, so that a cache can keep the first one's small result: `resize` (resize and crop to
+    (H, W, 3) uint8, the same every epoch), then normalisation; `__call__` takes either input.
+    """
 
     def __init__(self, preprocess: Preprocess):
         self.preprocess = preprocess
 
-    def __call__(self, img: Image.Image) -> torch.Tensor:
-        return torch.from_numpy(self.preprocess(img))
+    def resize(self, img: Image.Image) -> np.ndarray:
+        return self.preprocess.to_uint8(img)
+
+    def __call__(self, img: Image.Image | np.ndarray) -> torch.Tensor:
+        pixels = img if isinstance(img, np.ndarray) else self.resize(img)
+        return torch.from_numpy(self.preprocess.normalize(pixels))
 
 
 def build_train_transform(aug: Augment, pre: Preprocess) -> T.Compose:

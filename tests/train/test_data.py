@@ -126,3 +126,17 @@ def test_training_transform_without_augmentation_matches_the_serving_preprocessi
     path, _ = dm.scan.train[0]
     x, _ = dm.train_set[0]
     np.testing.assert_allclose(x.numpy(), dm.preprocess(load_image(path)), atol=1e-6)
+
+
+def test_the_validation_cache_keeps_the_resized_image_and_gives_the_same_tensors(shapes_folder: Path):
+    plain = ImageFolderDataModule(str(shapes_folder), img_size=16, batch_size=4)
+    cached = ImageFolderDataModule(str(shapes_folder), img_size=16, batch_size=4, cache_images=True)
+    plain.setup("fit")
+    cached.setup("fit")
+    for i in range(len(cached.val_set)):
+        first, label = cached.val_set[i]
+        again, _ = cached.val_set[i]  # from the cache
+        reference, ref_label = plain.val_set[i]
+        assert label == ref_label and torch.equal(first, reference) and torch.equal(again, reference)
+    kept = list(cached.val_set._images.values())
+    assert kept and all(isinstance(k, np.ndarray) and k.shape == (16, 16, 3) for k in kept)  # not the full images
