@@ -67,10 +67,11 @@ def render_overlay(
 def explain_pixels(
     classifier, pixels: np.ndarray, head_fusion: str, discard_ratio: float, blocks, fill, settings
 ) -> dict[str, Any]:
-    """Rollout map, overlay and deletion score of one image. Runs on the batcher's thread.
+    """Rollout map and deletion score of one image. Runs on the batcher's thread, so it does the model's
+    work only: the caller renders the overlay (`render_overlay`) in its own colours.
 
     Returns:
-        {"probs": (K,), "grid": (Gh, Gw), "overlay": (h, w, 3) uint8, "deletion": DeletionScore}.
+        {"probs": (K,), "grid": (Gh, Gw), "deletion": DeletionScore}.
     """
     probs, maps = classifier.rollout(pixels[None], head_fusion=head_fusion, discard_ratio=discard_ratio, blocks=blocks)
     grid = np.asarray(maps[0], np.float32)  # (Gh, Gw)
@@ -87,7 +88,7 @@ def _with_deletion(classifier, pixels, probs, grid, fill, settings, target=None)
         steps=settings.deletion_steps,
         chunk=settings.max_batch_size,
     )
-    return {"probs": np.asarray(probs), "grid": grid, "overlay": render_overlay(pixels, grid), "deletion": score}
+    return {"probs": np.asarray(probs), "grid": grid, "deletion": score}
 
 
 def cls_attention(classifier, pixels: np.ndarray, block: int, head: int) -> tuple[np.ndarray, np.ndarray]:
