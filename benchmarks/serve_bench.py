@@ -34,8 +34,8 @@ from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from serve.process import ServerProcess  # noqa: E402
 from serve.runtime import OnnxClassifier  # noqa: E402
-from tests.serve.test_server import ServerProcess  # noqa: E402
 
 
 def sample_image(data_dir: Path, size: tuple[int, int]) -> bytes:

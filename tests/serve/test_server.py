@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import io
 import signal
-import socket
 import subprocess
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -17,71 +15,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from serve.process import ServerProcess
+
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class ServerProcess:
-    """`python -m serve MODEL --port <free>` with its output collected; a context manager that always stops it.
-
-    Args:
-        model: the .onnx file.
-        args: extra `vit-serve` options.
-    """
-
-    def __init__(self, model: str | Path, *args: str):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "serve", str(model), "--host", "127.0.0.1", "--port", str(self.port), *args]
-        self.proc = subprocess.Popen(
-            cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1
-        )
-        self.lines: list[str] = []
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            self.lines.append(line.rstrip("\n"))
-
-    @property
-    def output(self) -> str:
-        return "\n".join(self.lines)
-
-    def wait_ready(self, timeout: float = 180.0) -> ServerProcess:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"vit-serve exited with {self.proc.returncode}:\n{self.output}")
-            try:
-                if httpx.get(self.url + "/readyz", timeout=2).status_code == 200:
-                    return self
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
-        raise TimeoutError(f"vit-serve not ready after {timeout} s:\n{self.output}")
-
-    def stop(self, timeout: float = 30.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        self._reader.join(5)
-        return self.proc.returncode
-
-    def __enter__(self) -> ServerProcess:
-        return self.wait_ready()
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
 
 
 def png_bytes(a: np.ndarray) -> bytes:

@@ -7,7 +7,7 @@ import pytest
 from PIL import Image
 
 from serve.app import cls_attention, example_files, render_overlay
-from tests.serve.test_server import ServerProcess
+from serve.process import ServerProcess
 
 
 @pytest.fixture(scope="module")

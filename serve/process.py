@@ -1,0 +1,87 @@
+"""`vit-serve` in a child process, for integration tests and benchmarks: started on a free port,
+ready once `/readyz` answers 200, always stopped with SIGTERM (the graceful drain) on exit.
+
+    with ServerProcess("artifacts/sample.onnx", "--no-ui") as server:
+        urllib.request.urlopen(server.url + "/readyz")
+"""
+
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """`python -m serve MODEL --port <free>` with its output collected; a context manager that always stops it.
+
+    Args:
+        model: the .onnx file.
+        args: extra `vit-serve` options.
+        cwd: the child's working directory (relative paths such as `--examples-dir` resolve there).
+    """
+
+    def __init__(self, model: str | Path, *args: str, cwd: str | Path | None = None):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "serve", str(model), "--host", "127.0.0.1", "--port", str(self.port), *args]
+        self.proc = subprocess.Popen(
+            cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1
+        )
+        self.lines: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line.rstrip("\n"))
+
+    @property
+    def output(self) -> str:
+        return "\n".join(self.lines)
+
+    def wait_ready(self, timeout: float = 180.0) -> ServerProcess:
+        """Block until `/readyz` answers 200; raise with the server's output if it exits or takes too long."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vit-serve exited with {self.proc.returncode}:\n{self.output}")
+            try:
+                with urllib.request.urlopen(self.url + "/readyz", timeout=2) as r:
+                    if r.status == 200:
+                        return self
+            except (urllib.error.URLError, OSError):  # not listening yet, or 503 while warming up
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(f"vit-serve not ready after {timeout} s:\n{self.output}")
+
+    def stop(self, timeout: float = 30.0) -> int:
+        """SIGTERM, wait for the drain (kill after `timeout`); returns the exit code."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self._reader.join(5)
+        return self.proc.returncode
+
+    def __enter__(self) -> ServerProcess:
+        return self.wait_ready()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
