@@ -185,6 +185,9 @@ def export_onnx(
         report = None
         if check_parity:
             report = parity.check(net, tmp, sample, preprocess, int8=quantize == "int8")
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes it owner-only; a model file is for every reader
         os.replace(tmp, output)
     finally:
         tmp.unlink(missing_ok=True)

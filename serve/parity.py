@@ -174,6 +174,7 @@ def check(
     if known.any():
         report["torch_accuracy"] = float((t_fast.argmax(-1) == labels)[known].mean())
         report["onnx_accuracy"] = float((o_fast.argmax(-1) == labels)[known].mean())
+        report["chance_accuracy"] = 1.0 / t_fast.shape[-1]
     failures = []
     if int8:
         if report["top1_agreement"] < MIN_INT8_AGREEMENT:
@@ -212,6 +213,13 @@ def format_report(report: dict[str, Any] | None, quant: dict[str, Any] | None = 
         lines.append(
             f"  accuracy torch / onnxruntime          {report['torch_accuracy']:.2%} / {report['onnx_accuracy']:.2%}"
         )
+        chance = report.get("chance_accuracy", 0.0)
+        if report["torch_accuracy"] < 1.5 * chance:
+            lines.append(
+                f"  warning: that is close to chance ({chance:.0%} for {round(1 / chance)} classes): the gate checks "
+                "that the file answers like the checkpoint, not that the checkpoint was trained well; is this "
+                "the checkpoint you meant?"
+            )
     if quant:
         for name, r in quant["candidates"].items():
             acc = f", accuracy {r['accuracy']:.2%}" if r.get("accuracy") is not None else ""

@@ -27,10 +27,22 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint not found: {path}")
+    with open(path, "rb") as f:
+        head = f.read(4)
+    if head[:2] != b"PK" and head[:1] != b"\x80":  # a zip (torch.save) or a legacy pickle
+        what = "an ONNX model (export input is the .ckpt it came from)" if path.suffix == ".onnx" else "not one"
+        raise ValueError(
+            f"{path} is not a PyTorch checkpoint ({what}): give the .ckpt file vit-train wrote, "
+            "e.g. runs/<run>/checkpoints/best.ckpt"
+        )
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # a truncated or foreign file: say so instead of a pickle traceback
-        raise ValueError(f"{path} is not a readable PyTorch checkpoint: {e}") from None
+    except Exception as e:  # truncated, or pickled objects we will not unpickle: say so, not a traceback
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ValueError(
+            f"{path} could not be read as a vitscope checkpoint ({first[:200]}); checkpoints are loaded with "
+            "weights_only=True and never unpickled: give a .ckpt file written by vit-train"
+        ) from None
     if not isinstance(ckpt, dict) or META_KEY not in ckpt or "state_dict" not in ckpt:
         raise ValueError(f"{path} is not a vitscope checkpoint (no '{META_KEY}' entry); train it with vit-train")
     return ckpt

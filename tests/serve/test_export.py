@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
+from pathlib import Path
 
 import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
+import torch
 
 from serve import parity
 from serve.export import main
@@ -180,3 +183,42 @@ def test_fusion_refuses_an_attention_block_whose_output_is_not_tokens_by_width()
             init.CopyFrom(numpy_helper.from_array(np.array([-1, net.embed_dim], np.int64), init.name))
     _, counts = fuse_for_cpu(plain, net.blocks[0].attn.num_heads)
     assert counts["Attention"] == 0
+
+
+def test_the_written_model_is_readable_by_everyone_the_umask_allows(tiny_onnx):
+    umask = os.umask(0)
+    os.umask(umask)
+    assert tiny_onnx.stat().st_mode & 0o777 == 0o666 & ~umask
+
+
+def test_export_says_what_to_give_it_when_the_input_is_not_a_checkpoint(tiny_onnx, tmp_path, capsys):
+    notes = tmp_path / "notes.txt"
+    notes.write_text("hello")
+    pickled = tmp_path / "object.ckpt"
+    torch.save({"vitscope": Path("not plain data")}, pickled)  # an object weights_only refuses to unpickle
+    for source, says in [
+        (tiny_onnx, "is not a PyTorch checkpoint (an ONNX model"),
+        (notes, "is not a PyTorch checkpoint (not one)"),
+        (pickled, "never unpickled: give a .ckpt file written by vit-train"),
+    ]:
+        assert main([str(source), "-o", str(tmp_path / "out.onnx")]) == 2
+        err = capsys.readouterr().err
+        assert says in err and "Traceback" not in err
+    assert not (tmp_path / "out.onnx").exists()
+
+
+def test_the_report_warns_when_the_checkpoint_is_no_better_than_chance():
+    report = {
+        "images": 100,
+        "source": "val",
+        "precision": "fp32",
+        "top1_agreement": 1.0,
+        "max_logit_delta": 1e-6,
+        "explain_max_logit_delta": 1e-6,
+        "min_rollout_corr": 1.0,
+        "passed": True,
+    }
+    trained = parity.format_report({**report, "torch_accuracy": 0.99, "onnx_accuracy": 0.99, "chance_accuracy": 0.1})
+    untrained = parity.format_report({**report, "torch_accuracy": 0.1, "onnx_accuracy": 0.1, "chance_accuracy": 0.1})
+    assert "close to chance" not in trained
+    assert "close to chance (10% for 10 classes)" in untrained and "is this the checkpoint you meant?" in untrained
