@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import math
+import re
 import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -113,7 +114,11 @@ def open_image(source: str | Path | bytes | bytearray, max_pixels: int | None = 
             f"{name} is not an image: no JPEG, PNG, GIF, BMP, WebP or TIFF header found", "not_an_image"
         ) from None
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
-        raise ImageError(f"{name} is too large to decode safely: {e}", "too_large") from None
+        # Pillow's own, higher limit; the one that counts is ours: say that one
+        pixels = re.search(r"\((\d+) pixels\)", str(e))
+        size = f"{int(pixels.group(1)):,} pixels" if pixels else "more pixels than Pillow decodes safely"
+        limit = f"the limit of {max_pixels:,}" if max_pixels else "Pillow's decompression-bomb limit"
+        raise ImageError(f"{name} is {size}, over {limit}; resize it first", "too_large") from None
     except Exception as e:  # a header PIL recognises but cannot parse: any error at all means a broken file
         raise ImageError(f"{name} could not be read: {e}", "corrupt") from None
     _check_pixels(img, max_pixels)

@@ -298,3 +298,12 @@ def test_a_model_whose_metadata_disagrees_with_itself_or_the_graph_is_refused(ti
     onnx.save(model, edited)
     with pytest.raises(ValueError, match=re.escape(says)):
         OnnxClassifier(edited)
+
+
+@pytest.mark.parametrize("side", [7_000, 20_000])  # under and over Pillow's own decompression-bomb limits
+def test_an_oversized_image_is_refused_naming_our_pixel_limit(side):
+    from tests.serve.test_api import huge_png_header
+
+    with pytest.raises(ImageError, match="over the limit of 40,000,000; resize it first") as e:
+        load_image(huge_png_header(side, side), max_pixels=40_000_000)
+    assert e.value.kind == "too_large" and f"{side * side:,} pixels" in str(e.value)
