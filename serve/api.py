@@ -30,6 +30,7 @@ from fastapi.responses import JSONResponse, Response
 from PIL import Image
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 from serve.batching import Engine, QueueFull, ShuttingDown
 from serve.images import ImageError, load_image, open_image
@@ -301,6 +302,23 @@ def build_app(classifier, settings: ServeSettings | None = None, with_ui: bool =
         return Response(body, media_type=ctype)
 
     _add_v2_routes(app, classifier, engine, settings, predict)
+
+    api_routes = list(app.router.routes)
+
+    async def no_such_route(request: Request):
+        """Any other /v1 or /v2 request: a JSON 404 or 405 (the UI at `/` would otherwise answer it)."""
+        allowed = sorted(
+            {m for r in api_routes if r.matches(request.scope)[0] == Match.PARTIAL for m in getattr(r, "methods", ())}
+        )
+        if allowed:
+            raise ApiError("method_not_allowed", f"{request.url.path} takes {', '.join(allowed)}, not {request.method}")
+        raise ApiError(
+            "not_found", f"no route {request.url.path}: the API is POST /v1/classify and the KServe v2 paths under /v2"
+        )
+
+    every_method = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
+    for prefix in ("/v1", "/v2"):
+        app.router.add_route(prefix + "/{rest:path}", no_such_route, methods=every_method, include_in_schema=False)
 
     app.add_middleware(MetricsMiddleware, metrics=metrics, routes=("/v1", "/v2", "/healthz", "/readyz", "/gradio_api"))
     if with_ui:

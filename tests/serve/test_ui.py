@@ -112,3 +112,21 @@ def test_examples_take_one_image_per_class_folder(tmp_path):
     found = example_files(tmp_path, limit=2)
     assert [p.split("/")[-2:] for p in found] == [["0", "0.png"], ["1", "0.png"]]
     assert example_files(tmp_path / "missing") == [] and example_files("") == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "method, path, status, code",
+    [
+        ("GET", "/v1/classify", 405, "method_not_allowed"),
+        ("POST", "/v1/clasify", 404, "not_found"),
+        ("POST", "/v2/models/tiny_test", 405, "method_not_allowed"),
+        ("GET", "/v2/health/nope", 404, "not_found"),
+    ],
+)
+def test_api_paths_answer_json_errors_even_with_the_ui_mounted_at_the_root(ui_server, method, path, status, code):
+    import httpx
+
+    r = httpx.request(method, ui_server.url + path, timeout=10)
+    assert r.status_code == status and r.json()["error"]["code"] == code
+    assert httpx.get(ui_server.url + "/", timeout=10).status_code == 200  # the UI itself is still there
