@@ -48,9 +48,10 @@ sample: $(SAMPLE)/.complete
 $(SAMPLE)/.complete: | $(VENV)/.installed
 	$(BIN)/vit-sample-data --out $(SAMPLE)
 
+# make retrains only when the data or the config changed: then the old run is replaced (--overwrite)
 train: $(CKPT)
 $(CKPT): $(SAMPLE)/.complete configs/sample.yaml | $(VENV)/.installed
-	$(BIN)/vit-train fit --config configs/sample.yaml --trainer.default_root_dir $(RUN)
+	$(BIN)/vit-train fit --config configs/sample.yaml --trainer.default_root_dir $(RUN) --overwrite true
 
 # The exporter's own code is a prerequisite too: a new graph rewrite or metadata field reaches the
 # model file after a `git pull`, without retraining.

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -52,6 +53,10 @@ class LastCheckpoint(ModelCheckpoint):
         super().__init__(dirpath=dirpath, filename="last", monitor=None, save_top_k=1, enable_version_counter=False)
 
 
+class SetupError(Exception):
+    """A run that cannot start as asked: a missing folder, a bad setting, an existing run in the way."""
+
+
 class VitCLI(LightningCLI):
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.add_argument(
@@ -59,6 +64,13 @@ class VitCLI(LightningCLI):
             type=int | None,
             default=None,
             help="CPU threads for PyTorch ops (torch.set_num_threads); None keeps PyTorch's default",
+        )
+        parser.add_argument(
+            "--overwrite",
+            type=bool,
+            default=False,
+            help="fit into a run directory that already holds checkpoints, replacing them (without it, "
+            "fit refuses: resume with --ckpt_path last, or choose another --trainer.default_root_dir)",
         )
         parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
         parser.set_defaults(
@@ -98,7 +110,22 @@ class VitCLI(LightningCLI):
             callbacks = [*callbacks, LastCheckpoint(str(run_dir / "checkpoints"))]
         return super()._instantiate_trainer(config, callbacks)
 
+    def instantiate_classes(self) -> None:
+        try:
+            super().instantiate_classes()
+        except (OSError, ValueError) as e:  # a folder or weights file that is not there; arguments our classes refuse
+            raise SetupError(str(e)) from e
+
     def before_fit(self) -> None:
+        config = self.config.get("fit", self.config)
+        run_dir = Path(self.trainer.default_root_dir)
+        existing = sorted(p.name for p in (run_dir / "checkpoints").glob("*.ckpt"))
+        if existing and not config.get("ckpt_path") and not config.get("overwrite") and not self.trainer.fast_dev_run:
+            raise SetupError(
+                f"{run_dir} already holds a run ({', '.join(existing)} in {run_dir / 'checkpoints'}); a new fit would "
+                "replace them. Resume it with --ckpt_path last, start a new run with --trainer.default_root_dir "
+                "runs/<new name>, or replace it with --overwrite true"
+            )
         self._fit_start = time.perf_counter()
 
     def after_fit(self) -> None:
@@ -150,7 +177,11 @@ def build_cli(args: list[str] | None = None, run: bool = True) -> VitCLI:
 def main(args: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     logging.getLogger("train").setLevel(logging.INFO)
-    build_cli(args)
+    try:
+        build_cli(args)
+    except SetupError as e:  # the user's to fix: one line, not a traceback through Lightning
+        print(f"vit-train: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":

@@ -156,4 +156,14 @@ def _timm_model(source: nn.Module | str | Path, model_name: str | None, pretrain
         return timm_model.eval()
     if model_name is not None and model_name != text:
         raise ValueError(f"got the model name twice: {text!r} and model_name={model_name!r}")
-    return timm.create_model(text, pretrained=pretrained).eval()
+    try:
+        return timm.create_model(text, pretrained=pretrained).eval()
+    except Exception as e:
+        if not pretrained or (isinstance(e, (ValueError, RuntimeError)) and "Unknown model" in str(e)):
+            raise
+        first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+        raise OSError(
+            f"could not get the pretrained weights of {text!r} from the Hugging Face hub ({type(e).__name__}: "
+            f"{first}). Without network access, download the weights elsewhere and pass the file: "
+            f"from_timm('weights.safetensors', {text!r}), or in vit-train --model.pretrained weights.safetensors"
+        ) from e

@@ -91,3 +91,30 @@ def test_resuming_a_finetune_does_not_need_the_pretrained_weights_again(shapes_f
     weights.unlink()  # offline and the original file gone: the checkpoint must be enough
     cli = build_cli([*args, "--trainer.max_epochs", "2", "--ckpt_path", "last"])
     assert cli.trainer.current_epoch == 2 and cli.trainer.state.finished
+
+
+def test_a_missing_data_folder_is_one_line_not_a_traceback(tmp_path: Path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", "configs/sample.yaml", "--data.root", str(tmp_path / "nope")])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "Traceback" not in err
+    assert err.startswith("vit-train: image folder not found: ") and "root/<class>/<image>" in err
+
+
+@pytest.mark.slow
+def test_fit_refuses_to_replace_an_existing_run_unless_told(shapes_folder: Path, tmp_path: Path, capsys):
+    run = tmp_path / "run"
+    args = ["fit", "--config", "configs/sample.yaml", "--data.root", str(shapes_folder)]
+    args += ["--trainer.default_root_dir", str(run), "--trainer.enable_progress_bar", "false"]
+    args += ["--trainer.max_epochs", "1", "--trainer.limit_train_batches", "2", "--trainer.limit_val_batches", "1"]
+    args += ["--data.num_workers", "0", "--model.compile", "false"]
+    main(args)
+    best = run / "checkpoints" / "best.ckpt"
+    before = best.stat().st_mtime_ns
+    with pytest.raises(SystemExit) as exit_info:
+        main(args)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "already holds a run" in err and "--ckpt_path last" in err
+    assert best.stat().st_mtime_ns == before  # nothing was touched
+    main([*args, "--overwrite", "true"])
+    assert best.stat().st_mtime_ns > before  # written again
