@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import timm
 import torch
@@ -110,3 +114,23 @@ def test_unsupported_timm_features_are_named():
     timm_model = TimmViT(**SMALL, global_pool="map")
     with pytest.raises(ValueError, match="global_pool='map'"):
         timm_config(timm_model)
+
+
+def test_unreachable_hub_says_how_to_load_the_weights_from_a_file():
+    # offline by setting, in a process of its own (huggingface_hub reads it at import), so nothing is attempted
+    code = (
+        "import vit\n"
+        "try:\n"
+        "    vit.from_timm('vit_tiny_patch16_224', pretrained=True)\n"
+        "except OSError as e:\n"
+        "    print(e)\n"
+    )
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert "could not get the pretrained weights of 'vit_tiny_patch16_224'" in out.stdout, out.stderr
+    assert "--model.pretrained weights.safetensors" in out.stdout
+
+
+def test_an_unknown_model_name_is_not_blamed_on_the_network():
+    with pytest.raises(RuntimeError, match="Unknown model"):
+        from_timm("vit_no_such_model", pretrained=True)
