@@ -171,6 +171,12 @@ def build_cli(args: list[str] | None = None, run: bool = True) -> VitCLI:
         args=args,
         run=run,
         auto_configure_optimizers=False,
+        parser_kwargs={
+            "prog": "vit-train",
+            "description": "Train a vitscope ViT on an image folder (root/<class>/<image>) with Lightning. "
+            "Start with: vit-train fit --config configs/vit_tiny.yaml --data.root path/to/images "
+            "--trainer.default_root_dir runs/mine; `vit-train fit --help` lists every option.",
+        },
     )
 
 
