@@ -140,8 +140,9 @@ class _Connection(asyncio.Protocol):
         length = int(head[at + 15 :].split(b"\r\n", 1)[0]) if at >= 0 else 0
         if len(self.buf) - head_end - 4 < length:
             return  # the body is still coming
-        self.stats["latencies"].append(time.perf_counter() - self.t0)
-        if not head.startswith(b"http/1.1 200 "):
+        if head.startswith(b"http/1.1 200 "):
+            self.stats["latencies"].append(time.perf_counter() - self.t0)
+        else:
             self.stats["errors"] += 1
         self.send()
 
@@ -170,7 +171,10 @@ async def load(port: int, body: bytes, concurrency: int, seconds: float) -> dict
         fut = loop.create_future()
         await loop.create_connection(lambda f=fut: _Connection(request, end, stats, f), "127.0.0.1", port)
         done.append(fut)
-    await asyncio.gather(*done)
+    try:  # a server that stops answering must not hang the benchmark
+        await asyncio.wait_for(asyncio.gather(*done), seconds + 60)
+    except asyncio.TimeoutError:
+        stats["errors"] += sum(not f.done() for f in done)  # each stalled connection counts as an error
     wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     n = len(stats["latencies"])
     return {
@@ -188,7 +192,7 @@ def run_loop(coro):
         import uvloop
     except ImportError:
         return asyncio.run(coro)
-    return uvloop.run(coro)
+    return uvloop.run(coro) if hasattr(uvloop, "run") else asyncio.run(coro)  # uvloop.run: 0.18 and later
 
 
 def rss_kib(pid: int) -> int:
@@ -211,6 +215,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if (args.model is None) == (args.variant is None):
         p.error("give exactly one of: a model file, or --variant NAME")
+    if args.rounds < 1 or args.duration <= 0:
+        p.error("--rounds must be at least 1 and --duration positive")
     with tempfile.TemporaryDirectory() as tmp:
         if args.variant:
             args.model = random_model_file(args.variant, args.data, Path(tmp))

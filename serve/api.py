@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import inspect
 import io
 import json
 import logging
@@ -62,9 +63,9 @@ RAW_TYPES = ("image/", "application/octet-stream")
 class ApiError(Exception):
     """A failed request as a value: a code from `ERROR_STATUS` and a message the user can act on."""
 
-    def __init__(self, code: str, message: str):
+    def __init__(self, code: str, message: str, headers: dict[str, str] | None = None):
         super().__init__(message)
-        self.code, self.message = code, message
+        self.code, self.message, self.headers = code, message, headers or {}
 
     @property
     def status(self) -> int:
@@ -72,7 +73,7 @@ class ApiError(Exception):
 
 
 def error_response(err: ApiError, settings: ServeSettings) -> JSONResponse:
-    headers = {"Retry-After": str(settings.retry_after_s)} if err.status == 503 else None
+    headers = {**err.headers, **({"Retry-After": str(settings.retry_after_s)} if err.status == 503 else {})}
     return JSONResponse({"error": {"code": err.code, "message": err.message}}, err.status, headers=headers)
 
 
@@ -203,6 +204,8 @@ def build_app(classifier, settings: ServeSettings | None = None, with_ui: bool =
         finally:
             await run_in_threadpool(engine.stop)
 
+    if settings.opentelemetry and "telemetry" not in inspect.signature(FastAPI).parameters:
+        log.warning("--opentelemetry needs a FastAPI with native OpenTelemetry (telemetry=); this one has none")
     off = None if settings.opentelemetry else {"tracing": False, "metrics": False, "logs": False}
     app = FastAPI(title="vitscope", version=str(classifier.version), lifespan=lifespan, telemetry=off)
     app.state.engine, app.state.metrics, app.state.settings = engine, metrics, settings
@@ -307,18 +310,24 @@ def build_app(classifier, settings: ServeSettings | None = None, with_ui: bool =
 
     async def no_such_route(request: Request):
         """Any other /v1 or /v2 request: a JSON 404 or 405 (the UI at `/` would otherwise answer it)."""
+        path = request.url.path
         allowed = sorted(
             {m for r in api_routes if r.matches(request.scope)[0] == Match.PARTIAL for m in getattr(r, "methods", ())}
         )
         if allowed:
-            raise ApiError("method_not_allowed", f"{request.url.path} takes {', '.join(allowed)}, not {request.method}")
-        raise ApiError(
-            "not_found", f"no route {request.url.path}: the API is POST /v1/classify and the KServe v2 paths under /v2"
-        )
+            raise ApiError(
+                "method_not_allowed",
+                f"{path} takes {', '.join(allowed)}, not {request.method}",
+                {"Allow": ", ".join(allowed)},
+            )
+        bare = {**request.scope, "path": path.rstrip("/")}
+        if path.endswith("/") and any(r.matches(bare)[0] != Match.NONE for r in api_routes):
+            raise ApiError("not_found", f"no route {path}: drop the trailing slash ({path.rstrip('/')})")
+        raise ApiError("not_found", f"no route {path}: the API is POST /v1/classify and the KServe v2 paths under /v2")
 
     every_method = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
-    for prefix in ("/v1", "/v2"):
-        app.router.add_route(prefix + "/{rest:path}", no_such_route, methods=every_method, include_in_schema=False)
+    for path in ("/v1", "/v1/{rest:path}", "/v2/{rest:path}"):  # /v2 itself is the server's metadata
+        app.router.add_route(path, no_such_route, methods=every_method, include_in_schema=False)
 
     app.add_middleware(MetricsMiddleware, metrics=metrics, routes=("/v1", "/v2", "/healthz", "/readyz", "/gradio_api"))
     if with_ui:

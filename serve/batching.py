@@ -199,10 +199,11 @@ class MicroBatcher:
 def time_batch_sizes(
     predict_batch: Callable[[np.ndarray], Any], image_shape: tuple[int, ...], max_batch_size: int, budget_s: float = 3.0
 ) -> dict[int, float]:
-    """Seconds per image of `predict_batch` at batch 1, 2, 4, ... up to `max_batch_size`: the mean over at
-    least 5 calls and 50 ms each, after one untimed call. The mean, not the best call: the server lives on
-    sustained throughput, and on a busy machine the best of a few calls flatters small batches (ViT-Ti/16 on
-    2 cores: batch 2's best call was as fast per image as batch 8, its sustained rate 15% slower).
+    """Seconds per image of `predict_batch` at batch 1, 2, 4, ... up to `max_batch_size`: the median of at
+    least 5 calls and 50 ms each, after one untimed call. Not the best call: the server lives on sustained
+    throughput, and on a busy machine the best of a few calls flatters small batches (ViT-Ti/16 on 2 cores:
+    batch 2's best call was as fast per image as batch 8, its sustained rate 15% slower). Not the mean
+    either, which one scheduling hiccup can tip.
 
     Skips the sizes that would overrun `budget_s`, so a large model on a slow CPU still starts quickly
     (its per-call overhead is small next to one image anyway).
@@ -217,11 +218,12 @@ def time_batch_sizes(
             break  # this size's 6 calls or more would overrun the budget
         batch = np.zeros((bs, *image_shape), np.uint8)
         predict_batch(batch)  # the first call at a new shape allocates
-        calls, started = 0, time.perf_counter()
-        while calls < 5 or time.perf_counter() - started < 0.05:  # a fast model gets more calls: less noise
+        calls, started = [], time.perf_counter()
+        while len(calls) < 5 or time.perf_counter() - started < 0.05:  # a fast model gets more calls: less noise
+            t0 = time.perf_counter()
             predict_batch(batch)
-            calls += 1
-        times[bs] = (time.perf_counter() - started) / (calls * bs)
+            calls.append(time.perf_counter() - t0)
+        times[bs] = float(np.median(calls)) / bs
     return times
 
 

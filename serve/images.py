@@ -115,10 +115,13 @@ def open_image(source: str | Path | bytes | bytearray, max_pixels: int | None = 
         ) from None
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
         # Pillow's own, higher limit; the one that counts is ours: say that one
-        pixels = re.search(r"\((\d+) pixels\)", str(e))
-        size = f"{int(pixels.group(1)):,} pixels" if pixels else "more pixels than Pillow decodes safely"
-        limit = f"the limit of {max_pixels:,}" if max_pixels else "Pillow's decompression-bomb limit"
-        raise ImageError(f"{name} is {size}, over {limit}; resize it first", "too_large") from None
+        found = re.search(r"\((\d+) pixels\)", str(e))
+        pixels = int(found.group(1)) if found else None
+        if max_pixels and pixels and pixels > max_pixels:
+            message = f"{name} is {pixels:,} pixels, over the limit of {max_pixels:,}; resize it first"
+        else:
+            message = f"{name} is too large for Pillow to decode safely ({e}); resize it first"
+        raise ImageError(message, "too_large") from None
     except Exception as e:  # a header PIL recognises but cannot parse: any error at all means a broken file
         raise ImageError(f"{name} could not be read: {e}", "corrupt") from None
     _check_pixels(img, max_pixels)

@@ -214,9 +214,9 @@ def format_report(report: dict[str, Any] | None, quant: dict[str, Any] | None = 
             f"  accuracy torch / onnxruntime          {report['torch_accuracy']:.2%} / {report['onnx_accuracy']:.2%}"
         )
         chance = report.get("chance_accuracy", 0.0)
-        if report["torch_accuracy"] < 1.5 * chance:
+        if chance and report["torch_accuracy"] < chance + 0.1 * (1.0 - chance):  # within a tenth of the way up
             lines.append(
-                f"  warning: that is close to chance ({chance:.0%} for {round(1 / chance)} classes): the gate checks "
+                f"  warning: that is close to chance ({chance:.1%} for {round(1 / chance)} classes): the gate checks "
                 "that the file answers like the checkpoint, not that the checkpoint was trained well; is this "
                 "the checkpoint you meant?"
             )

@@ -11,6 +11,7 @@ Lightning, and loads with ``weights_only=True``:
 from __future__ import annotations
 
 import hashlib
+import pickle
 from pathlib import Path
 from typing import Any
 
@@ -30,19 +31,22 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
     with open(path, "rb") as f:
         head = f.read(4)
     if head[:2] != b"PK" and head[:1] != b"\x80":  # a zip (torch.save) or a legacy pickle
-        what = "an ONNX model (export input is the .ckpt it came from)" if path.suffix == ".onnx" else "not one"
+        onnx = " (it is an ONNX model: export takes the .ckpt it came from)" if path.suffix == ".onnx" else ""
         raise ValueError(
-            f"{path} is not a PyTorch checkpoint ({what}): give the .ckpt file vit-train wrote, "
+            f"{path} is not a PyTorch checkpoint{onnx}; give the .ckpt file vit-train wrote, "
             "e.g. runs/<run>/checkpoints/best.ckpt"
         )
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # truncated, or pickled objects we will not unpickle: say so, not a traceback
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    except pickle.UnpicklingError as e:  # objects beyond tensors and plain data: never loaded
+        first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
         raise ValueError(
-            f"{path} could not be read as a vitscope checkpoint ({first[:200]}); checkpoints are loaded with "
-            "weights_only=True and never unpickled: give a .ckpt file written by vit-train"
+            f"{path} holds Python objects that a weights-only load refuses ({first}); vitscope checkpoints hold "
+            "tensors and plain data only: give a .ckpt file written by vit-train"
         ) from None
+    except Exception as e:  # a zip that ends early, a damaged record: say so, not a traceback
+        first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+        raise ValueError(f"{path} is damaged or truncated ({first}); train or copy it again") from None
     if not isinstance(ckpt, dict) or META_KEY not in ckpt or "state_dict" not in ckpt:
         raise ValueError(f"{path} is not a vitscope checkpoint (no '{META_KEY}' entry); train it with vit-train")
     return ckpt

@@ -39,7 +39,9 @@ class RunDirConfig(SaveConfigCallback):
             return
         run_dir = Path(trainer.default_root_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
-        self.parser.save(self.config, run_dir / self.config_filename, skip_none=False, overwrite=True, multifile=False)
+        config = self.config.clone()
+        config.overwrite = False  # a permission for this command only: refitting the saved config must ask again
+        self.parser.save(config, run_dir / self.config_filename, skip_none=False, overwrite=True, multifile=False)
         self.already_saved = True
 
 

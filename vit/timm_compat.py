@@ -158,8 +158,8 @@ def _timm_model(source: nn.Module | str | Path, model_name: str | None, pretrain
         raise ValueError(f"got the model name twice: {text!r} and model_name={model_name!r}")
     try:
         return timm.create_model(text, pretrained=pretrained).eval()
-    except Exception as e:
-        if not pretrained or (isinstance(e, (ValueError, RuntimeError)) and "Unknown model" in str(e)):
+    except OSError as e:  # huggingface_hub's and requests' errors; timm's own (unknown model or tag) pass through
+        if not pretrained:
             raise
         first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
         raise OSError(

@@ -197,9 +197,9 @@ def test_export_says_what_to_give_it_when_the_input_is_not_a_checkpoint(tiny_onn
     pickled = tmp_path / "object.ckpt"
     torch.save({"vitscope": Path("not plain data")}, pickled)  # an object weights_only refuses to unpickle
     for source, says in [
-        (tiny_onnx, "is not a PyTorch checkpoint (an ONNX model"),
-        (notes, "is not a PyTorch checkpoint (not one)"),
-        (pickled, "never unpickled: give a .ckpt file written by vit-train"),
+        (tiny_onnx, "is not a PyTorch checkpoint (it is an ONNX model"),
+        (notes, "is not a PyTorch checkpoint; give the .ckpt file"),
+        (pickled, "holds Python objects that a weights-only load refuses"),
     ]:
         assert main([str(source), "-o", str(tmp_path / "out.onnx")]) == 2
         err = capsys.readouterr().err
@@ -221,4 +221,4 @@ def test_the_report_warns_when_the_checkpoint_is_no_better_than_chance():
     trained = parity.format_report({**report, "torch_accuracy": 0.99, "onnx_accuracy": 0.99, "chance_accuracy": 0.1})
     untrained = parity.format_report({**report, "torch_accuracy": 0.1, "onnx_accuracy": 0.1, "chance_accuracy": 0.1})
     assert "close to chance" not in trained
-    assert "close to chance (10% for 10 classes)" in untrained and "is this the checkpoint you meant?" in untrained
+    assert "close to chance (10.0% for 10 classes)" in untrained and "is this the checkpoint you meant?" in untrained

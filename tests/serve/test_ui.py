@@ -122,6 +122,8 @@ def test_examples_take_one_image_per_class_folder(tmp_path):
         ("POST", "/v1/clasify", 404, "not_found"),
         ("POST", "/v2/models/tiny_test", 405, "method_not_allowed"),
         ("GET", "/v2/health/nope", 404, "not_found"),
+        ("GET", "/v1", 404, "not_found"),
+        ("POST", "/v1/classify/", 404, "not_found"),
     ],
 )
 def test_api_paths_answer_json_errors_even_with_the_ui_mounted_at_the_root(ui_server, method, path, status, code):
@@ -129,4 +131,8 @@ def test_api_paths_answer_json_errors_even_with_the_ui_mounted_at_the_root(ui_se
 
     r = httpx.request(method, ui_server.url + path, timeout=10)
     assert r.status_code == status and r.json()["error"]["code"] == code
+    if status == 405:
+        assert r.headers["allow"] in r.json()["error"]["message"]
+    if path.endswith("/"):
+        assert "drop the trailing slash" in r.json()["error"]["message"]
     assert httpx.get(ui_server.url + "/", timeout=10).status_code == 200  # the UI itself is still there

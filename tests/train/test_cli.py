@@ -118,3 +118,4 @@ def test_fit_refuses_to_replace_an_existing_run_unless_told(shapes_folder: Path,
     assert best.stat().st_mtime_ns == before  # nothing was touched
     main([*args, "--overwrite", "true"])
     assert best.stat().st_mtime_ns > before  # written again
+    assert yaml.safe_load((run / "config.yaml").read_text())["overwrite"] is False  # the permission is not saved

@@ -116,7 +116,7 @@ def test_unsupported_timm_features_are_named():
         timm_config(timm_model)
 
 
-def test_unreachable_hub_says_how_to_load_the_weights_from_a_file():
+def test_unreachable_hub_says_how_to_load_the_weights_from_a_file(tmp_path):
     # offline by setting, in a process of its own (huggingface_hub reads it at import), so nothing is attempted
     code = (
         "import vit\n"
@@ -125,7 +125,7 @@ def test_unreachable_hub_says_how_to_load_the_weights_from_a_file():
         "except OSError as e:\n"
         "    print(e)\n"
     )
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path)}  # and an empty cache
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert "could not get the pretrained weights of 'vit_tiny_patch16_224'" in out.stdout, out.stderr
     assert "--model.pretrained weights.safetensors" in out.stdout
