@@ -38,14 +38,13 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
         )
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as e:  # objects beyond tensors and plain data: never loaded
+    except Exception as e:  # say what is wrong in one line, not a traceback
         first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
-        raise ValueError(
-            f"{path} holds Python objects that a weights-only load refuses ({first}); vitscope checkpoints hold "
-            "tensors and plain data only: give a .ckpt file written by vit-train"
-        ) from None
-    except Exception as e:  # a zip that ends early, a damaged record: say so, not a traceback
-        first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+        if isinstance(e, pickle.UnpicklingError):  # objects beyond tensors and plain data: never loaded
+            raise ValueError(
+                f"{path} holds Python objects that a weights-only load refuses ({first}); vitscope checkpoints "
+                "hold tensors and plain data only: give a .ckpt file written by vit-train"
+            ) from None
         raise ValueError(f"{path} is damaged or truncated ({first}); train or copy it again") from None
     if not isinstance(ckpt, dict) or META_KEY not in ckpt or "state_dict" not in ckpt:
         raise ValueError(f"{path} is not a vitscope checkpoint (no '{META_KEY}' entry); train it with vit-train")
