@@ -3,20 +3,33 @@
 Rows: inference images/s at batch 1 and 32, and a training step (forward, backward, AdamW) at
 batch 32; on CPU in fp32, and on CUDA in bf16 when a GPU is present. ratio = ours / timm.
 
-    .venv/bin/python benchmarks/model_vs_timm.py [--models vit_tiny_patch16_224 vit_small_patch16_224] [--repeats 7]
+    .venv/bin/python benchmarks/model_vs_timm.py [--models vit_tiny_patch16_224 vit_small_patch16_224] [--processes 5]
+
+Each process builds the three models (ours, timm, and a second copy of timm) in a rotated order
+and times them in interleaved rounds, keeping each model's best round. Identical code timed in
+one process can differ by several percent for the whole life of that process (where its weights
+and buffers happen to land in memory), so every figure is the median over fresh processes, with
+the range across them.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import platform
+import statistics
+import subprocess
+import sys
 import time
 
 import timm
 import torch
 
 import vit
+
+MODELS = ("ours", "timm", "timm again")
+TASKS = (("inference", 1), ("inference", 32), ("train step", 32))
 
 
 def timed(fn, sync) -> float:
@@ -27,64 +40,94 @@ def timed(fn, sync) -> float:
     return time.perf_counter() - t0
 
 
+def measure(name: str, device: torch.device, repeats: int, first: int) -> dict[str, dict[str, float]]:
+    """One process's best seconds per call: {"task batch": {model: seconds}}; models are built from `first` on."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    torch.manual_seed(0)
+    weights = timm.create_model(name, pretrained=False).state_dict()
+    models = {}
+    for key in MODELS[first:] + MODELS[:first]:
+        m = timm.create_model(name, pretrained=False)
+        m.load_state_dict(weights)
+        models[key] = (vit.from_timm(m) if key == "ours" else m).to(device)
+    best = {}
+    for task, B in TASKS:
+        x = torch.randn(B, 3, 224, 224, device=device)
+        y = torch.randint(0, 1000, (B,), device=device)
+        steps = {}
+        for key, m in models.items():
+            if task == "inference":
+                m.eval()
+
+                def step(m=m, x=x):
+                    with torch.inference_mode(), torch.autocast(device.type, dtype, enabled=dtype != torch.float32):
+                        m(x)
+            else:
+                m.train()
+                opt = torch.optim.AdamW(m.parameters(), lr=1e-4)
+
+                def step(m=m, opt=opt, x=x, y=y):
+                    with torch.autocast(device.type, dtype, enabled=dtype != torch.float32):
+                        loss = torch.nn.functional.cross_entropy(m(x), y)
+                    opt.zero_grad(set_to_none=True)
+                    loss.backward()
+                    opt.step()
+
+            steps[key] = step
+            step()  # warm-up
+        times = {k: [] for k in steps}
+        for r in range(repeats):
+            for key in MODELS[r % 3 :] + MODELS[: r % 3]:  # rotate who goes first
+                times[key].append(timed(steps[key], sync))
+        best[f"{task} {B}"] = {k: min(v) for k, v in times.items()}  # interference only slows a round
+    return best
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=["vit_tiny_patch16_224", "vit_small_patch16_224"])
-    parser.add_argument("--repeats", type=int, default=9, help="interleaved timing rounds; the best is reported")
+    parser.add_argument("--processes", type=int, default=5, help="fresh processes per model; medians are reported")
+    parser.add_argument("--repeats", type=int, default=5, help="interleaved timing rounds per process; the best counts")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)  # one process: build order
     args = parser.parse_args()
+    if args.processes < 1 or args.repeats < 1:
+        parser.error("--processes and --repeats must be at least 1")
     device = torch.device(args.device)
+    if args.worker is not None:
+        print(json.dumps(measure(args.models[0], device, args.repeats, args.worker)))
+        return
+
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     cpu = platform.processor() or platform.machine()
     print(
         f"# model_vs_timm: {datetime.date.today()}, {device.type} ({cpu}, {torch.get_num_threads()} threads), "
-        f"{dtype}, torch {torch.__version__}, timm {timm.__version__}, best of {args.repeats} interleaved rounds"
+        f"{dtype}, torch {torch.__version__}, timm {timm.__version__}, median of {args.processes} processes "
+        f"[range], each the best of {args.repeats} interleaved rounds"
     )
     # "timm again" is a second copy of timm's model timed the same way: timm/timm shows how far apart two
-    # runs of the very same code land on this machine, so ours/timm can be read against that noise floor.
+    # copies of the very same code land on this machine, so ours/timm can be read against that noise floor.
     print("| model | task | batch | ours img/s | timm img/s | ours/timm | timm again/timm (noise) |")
     print("|---|---|---|---|---|---|---|")
     for name in args.models:
-        torch.manual_seed(0)
-        theirs = timm.create_model(name, pretrained=False).to(device)
-        ours = vit.from_timm(theirs).to(device)
-        again = timm.create_model(name, pretrained=False).to(device)
-        again.load_state_dict(theirs.state_dict())
-        models = {"ours": ours, "timm": theirs, "timm again": again}
-        for task, B in (("inference", 1), ("inference", 32), ("train step", 32)):
-            x = torch.randn(B, 3, 224, 224, device=device)
-            y = torch.randint(0, 1000, (B,), device=device)
-            steps = {}
-            for key, m in models.items():
-                if task == "inference":
-                    m.eval()
-
-                    def step(m=m, x=x):
-                        with torch.inference_mode(), torch.autocast(device.type, dtype, enabled=dtype != torch.float32):
-                            m(x)
-                else:
-                    m.train()
-                    opt = torch.optim.AdamW(m.parameters(), lr=1e-4)
-
-                    def step(m=m, opt=opt, x=x, y=y):
-                        with torch.autocast(device.type, dtype, enabled=dtype != torch.float32):
-                            loss = torch.nn.functional.cross_entropy(m(x), y)
-                        opt.zero_grad(set_to_none=True)
-                        loss.backward()
-                        opt.step()
-
-                steps[key] = step
-                step()  # warm-up
-            times = {k: [] for k in steps}
-            for _ in range(args.repeats):
-                order = list(steps)[_ % 3 :] + list(steps)[: _ % 3]  # rotate who goes first
-                for key in order:
-                    times[key].append(timed(steps[key], sync))
-            rate = {k: B / min(v) for k, v in times.items()}  # the best round: interference only slows a round
+        runs = []
+        for p in range(args.processes):
+            cmd = [sys.executable, __file__, "--models", name, "--repeats", str(args.repeats)]
+            cmd += ["--device", args.device, "--worker", str(p % 3)]
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            if proc.returncode:
+                sys.exit(f"model_vs_timm: the worker for {name} failed:\n{proc.stderr}")
+            runs.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+        for task, B in TASKS:
+            best = [run[f"{task} {B}"] for run in runs]
+            rate = {k: statistics.median(B / b[k] for b in best) for k in MODELS}
+            ratio = {k: [b["timm"] / b[k] for b in best] for k in ("ours", "timm again")}
+            cells = {k: f"{statistics.median(v):.3f} [{min(v):.3f}-{max(v):.3f}]" for k, v in ratio.items()}
             print(
                 f"| {name} | {task} | {B} | {rate['ours']:.1f} | {rate['timm']:.1f} | "
-                f"{rate['ours'] / rate['timm']:.3f} | {rate['timm again'] / rate['timm']:.3f} |"
+                f"{cells['ours']} | {cells['timm again']} |",
+                flush=True,
             )
 
 

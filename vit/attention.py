@@ -79,17 +79,24 @@ class Attention(nn.Module):
             nn.init.normal_(self.score_k, std=hd**-0.5)
             nn.init.normal_(self.score_v, std=hd**-0.5)
 
-    def forward(self, x: torch.Tensor, return_attn: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(
+        self, x: torch.Tensor, return_attn: bool = False, num_queries: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Args:
             x: tokens (B, N, D).
             return_attn: also return the softmax weights; runs the explicit path.
+            num_queries: Nq; only the first Nq tokens query (keys and values still come from all N).
+                None: every token, Nq = N.
 
         Returns:
-            (out, attn): out is (B, N, D); attn is (B, nh, N, N) before dropout, or None.
+            (out, attn): out is (B, Nq, D); attn is (B, nh, Nq, N) before dropout, or None.
         """
         B, N, D = x.shape
         nh, hd = self.num_heads, self.head_dim
         q, k, v = self.qkv(x).reshape(B, N, 3, nh, hd).permute(2, 0, 3, 1, 4)  # 3 x (B, nh, N, hd)
+        if num_queries is not None:
+            q = q[:, :, :num_queries]  # (B, nh, Nq, hd)
+        Nq = q.shape[2]
         q, k = self.q_norm(q), self.k_norm(k)
         if self.attn_score == "bilinear":
             q = torch.einsum("bhnd,hde->bhne", q, self.score_weight)  # q W: (B, nh, N, hd)
@@ -97,13 +104,13 @@ class Attention(nn.Module):
         if not return_attn and self.attn_score != "additive":
             x = F.scaled_dot_product_attention(
                 q, k, v, dropout_p=self.attn_drop.p if self.training else 0.0, scale=self.scale
-            )  # (B, nh, N, hd)
+            )  # (B, nh, Nq, hd)
             attn = None
         else:
-            attn = self.scores(q, k).softmax(dim=-1)  # (B, nh, N, N), rows sum to 1
-            x = self.attn_drop(attn) @ v  # (B, nh, N, hd)
+            attn = self.scores(q, k).softmax(dim=-1)  # (B, nh, Nq, N), rows sum to 1
+            x = self.attn_drop(attn) @ v  # (B, nh, Nq, hd)
 
-        x = x.transpose(1, 2).reshape(B, N, D)  # (B, N, D)
+        x = x.transpose(1, 2).reshape(B, Nq, D)  # (B, Nq, D)
         x = self.proj_drop(self.proj(x))
         return x, attn
 
@@ -111,16 +118,16 @@ class Attention(nn.Module):
         """Attention logits before softmax.
 
         Args:
-            q: (B, nh, N, hd), already multiplied by W for the bilinear score.
+            q: (B, nh, Nq, hd), already multiplied by W for the bilinear score.
             k: (B, nh, N, hd).
 
         Returns:
-            (B, nh, N, N).
+            (B, nh, Nq, N).
         """
         if self.attn_score != "additive":
-            return (q * self.scale) @ k.transpose(-2, -1)  # (B, nh, N, N)
-        wq = torch.einsum("bhnd,hde->bhne", q, self.score_q)  # (B, nh, N, da)
+            return (q * self.scale) @ k.transpose(-2, -1)  # (B, nh, Nq, N)
+        wq = torch.einsum("bhnd,hde->bhne", q, self.score_q)  # (B, nh, Nq, da)
         uk = torch.einsum("bhmd,hde->bhme", k, self.score_k)  # (B, nh, N, da)
-        # every query against every key: (B, nh, N, 1, da) + (B, nh, 1, N, da)
-        hidden = torch.tanh(wq.unsqueeze(3) + uk.unsqueeze(2))  # (B, nh, N, N, da)
-        return torch.einsum("bhnme,he->bhnm", hidden, self.score_v)  # (B, nh, N, N)
+        # every query against every key: (B, nh, Nq, 1, da) + (B, nh, 1, N, da)
+        hidden = torch.tanh(wq.unsqueeze(3) + uk.unsqueeze(2))  # (B, nh, Nq, N, da)
+        return torch.einsum("bhnme,he->bhnm", hidden, self.score_v)  # (B, nh, Nq, N)

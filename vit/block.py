@@ -23,7 +23,10 @@ class Mlp(nn.Module):
         self.drop2 = nn.Dropout(drop)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.drop2(self.fc2(self.norm(self.drop1(self.act(self.fc1(x))))))
+        x = self.fc1(x)  # (B, N, hidden)
+        # without autograd, GELU overwrites fc1's fresh output: no second (B, N, hidden) buffer to fill
+        x = self.act(x) if torch.is_grad_enabled() else torch.ops.aten.gelu_(x)
+        return self.drop2(self.fc2(self.norm(self.drop1(x))))
 
 
 class LayerScale(nn.Module):
@@ -57,6 +60,10 @@ class DropPath(nn.Module):
 
 class Block(nn.Module):
     """x + attn(norm1(x)), then x + mlp(norm2(x)), each branch with optional LayerScale and drop path.
+
+    Without autograd (inference), the residual sums and the MLP's GELU are written in place into
+    tensors the block itself just made, never into its input. A forward hook on `attn`, `mlp` or
+    `mlp.fc1` therefore sees its output updated afterwards; clone it in the hook to keep it.
 
     Args:
         dim: token width D.
@@ -96,15 +103,25 @@ class Block(nn.Module):
         self.ls2 = LayerScale(dim, init_values) if init_values else nn.Identity()
         self.drop_path2 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
 
-    def forward(self, x: torch.Tensor, return_attn: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(
+        self, x: torch.Tensor, return_attn: bool = False, num_queries: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Args:
             x: tokens (B, N, D).
             return_attn: also return this block's attention map.
+            num_queries: Nq; compute only the first Nq tokens' outputs (they still attend to all N).
+                None: every token, Nq = N.
 
         Returns:
-            (x, attn): x is (B, N, D); attn is (B, nh, N, N) or None.
+            (x, attn): x is (B, Nq, D); attn is (B, nh, Nq, N) or None.
         """
-        y, attn = self.attn(self.norm1(x), return_attn=return_attn)
-        x = x + self.drop_path1(self.ls1(y))  # residual path
-        x = x + self.drop_path2(self.ls2(self.mlp(self.norm2(x))))  # residual path
+        y, attn = self.attn(self.norm1(x), return_attn, num_queries)  # (B, Nq, D)
+        if num_queries is not None:
+            x = x[:, :num_queries]  # (B, Nq, D)
+        if torch.is_grad_enabled():
+            x = x + self.drop_path1(self.ls1(y))  # residual path
+            x = x + self.drop_path2(self.ls2(self.mlp(self.norm2(x))))  # residual path
+        else:  # the same sums, each written into the branch's fresh output: fewer buffers to fill
+            x = self.drop_path1(self.ls1(y)).add_(x)
+            x = self.drop_path2(self.ls2(self.mlp(self.norm2(x)))).add_(x)
         return x, attn

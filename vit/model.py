@@ -195,21 +195,24 @@ class VisionTransformer(nn.Module):
         return self.pos_drop(x)
 
     def forward_features(
-        self, x: torch.Tensor, return_attn: bool = False
+        self, x: torch.Tensor, return_attn: bool = False, num_out_tokens: int | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, list[torch.Tensor]]:
         """Args:
             x: images (B, C, H, W); H and W multiples of the patch size.
             return_attn: also return every block's attention map.
+            num_out_tokens: T; the last block computes only the first T tokens (they still attend
+                to every token). None: all of them, T = N.
 
         Returns:
-            Tokens (B, N, D) after the final norm; with `return_attn`, also a list of `depth`
-            maps (B, nh, N, N), first block first.
+            Tokens (B, T, D) after the final norm; with `return_attn`, also a list of `depth`
+            maps (B, nh, N, N), first block first (the last one (B, nh, T, N)).
         """
         x = self._pos_embed(self.patch_embed(x))  # (B, N, D)
         x = self.norm_pre(x)
         attns = []
-        for blk in self.blocks:
-            x, attn = blk(x, return_attn=return_attn)
+        for i, blk in enumerate(self.blocks):
+            last = i == len(self.blocks) - 1
+            x, attn = blk(x, return_attn, num_out_tokens if last else None)
             attns.append(attn)
         x = self.norm(x)
         return (x, attns) if return_attn else x
@@ -243,7 +246,14 @@ class VisionTransformer(nn.Module):
         if return_attn:
             x, attns = self.forward_features(x, return_attn=True)
             return self.forward_head(x), attns
-        return self.forward_head(self.forward_features(x))
+        # A CLS-token head reads token 0 alone, so the last block computes token 0 alone: the same
+        # logits, with that block's projection and MLP run on 1 token instead of N.
+        return self.forward_head(self.forward_features(x, num_out_tokens=self._head_tokens))
+
+    @property
+    def _head_tokens(self) -> int | None:
+        """How many leading tokens the head reads: 1 (the CLS token) for token pooling, else all (None)."""
+        return 1 if self.global_pool == "token" else None
 
     def reset_classifier(self, num_classes: int) -> None:
         """Replace the head with a fresh one for `num_classes` classes (0 removes it)."""
@@ -254,16 +264,20 @@ class VisionTransformer(nn.Module):
             nn.init.zeros_(self.head.bias)
 
     def flops_per_image(self, img_size: tuple[int, int] | None = None) -> int:
-        """Multiply-adds x 2 of one forward pass at `img_size` (matmuls only; softmax and norms are noise)."""
+        """Multiply-adds x 2 of one `forward` at `img_size` (matmuls only; softmax and norms are noise)."""
         H, W = img_size or self.patch_embed.img_size
         P = self.patch_embed.patch_size[0]
         L = (H // P) * (W // P)
         N, D = L + self.num_prefix_tokens, self.embed_dim
         hidden = self.blocks[0].mlp.fc1.out_features if len(self.blocks) else 0
-        per_block = N * D * 3 * D + 2 * N * N * D + N * D * D + 2 * N * D * hidden
+
+        def block(Nq: int) -> int:  # Nq of the N tokens query; q, k, v are projected for all N
+            return N * D * 3 * D + 2 * Nq * N * D + Nq * D * D + 2 * Nq * D * hidden
+
+        blocks = (len(self.blocks) - 1) * block(N) + block(self._head_tokens or N) if len(self.blocks) else 0
         embed = L * self.patch_embed.proj.in_channels * P * P * D
         head = D * self.num_classes
-        return 2 * (embed + len(self.blocks) * per_block + head)
+        return 2 * (embed + blocks + head)
 
 
 # Variants are data: name -> constructor arguments. `create_model(name, **overrides)` builds one.

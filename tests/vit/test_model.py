@@ -169,7 +169,51 @@ def test_variants_build_with_their_documented_sizes():
         assert model.embed_dim == kw["embed_dim"] and model.patch_embed.img_size == (kw["img_size"],) * 2
     small = create_model("vit_small_patch16_224")
     assert sum(p.numel() for p in small.parameters()) == pytest.approx(22.05e6, rel=0.01)
-    assert small.flops_per_image() == pytest.approx(9.2e9, rel=0.05)  # ViT-S/16: ~4.6 GMACs
+    pooled = create_model("vit_small_patch16_224", global_pool="avg")  # every token through every block
+    assert pooled.flops_per_image() == pytest.approx(9.2e9, rel=0.05)  # ViT-S/16: ~4.6 GMACs
+    # a CLS head: the last block's attention rows, projection and MLP run for 1 token, not N = 197
+    D, N, hidden = 384, 197, 4 * 384
+    saved = 2 * (N - 1) * (2 * N * D + D * D + 2 * D * hidden)
+    assert small.flops_per_image() == pooled.flops_per_image() - saved
+
+
+@pytest.mark.parametrize("score", ATTN_SCORES)
+@pytest.mark.parametrize("overrides", [dict(), dict(reg_tokens=2, init_values=1e-2), dict(drop_path_rate=0.2)])
+def test_the_last_block_computes_only_the_token_the_head_reads(tiny_config, score, overrides):
+    torch.manual_seed(0)
+    model = VisionTransformer(**{**tiny_config, **overrides}, attn_score=score).eval()
+    x = torch.randn(3, 3, 32, 32)
+    tokens = model.forward_features(x)  # every token through every block
+    torch.testing.assert_close(model(x), model.forward_head(tokens), atol=1e-5, rtol=1e-5)
+    cls_only = model.forward_features(x, num_out_tokens=1)
+    assert cls_only.shape == (3, 1, 32)
+    torch.testing.assert_close(cls_only, tokens[:, :1], atol=1e-5, rtol=1e-5)
+    # training reads the same token: the loss and every gradient match the full computation
+    model.train()
+    y = torch.tensor([0, 1, 2])
+    torch.manual_seed(1)  # drop path draws one mask per image and block either way
+    full = F.cross_entropy(model.forward_head(model.forward_features(x)), y)
+    torch.manual_seed(1)
+    pruned = F.cross_entropy(model(x), y)
+    torch.testing.assert_close(pruned, full)
+    params = list(model.parameters())
+    for a, b in zip(torch.autograd.grad(pruned, params), torch.autograd.grad(full, params), strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_inference_without_autograd_is_the_same_arithmetic_and_leaves_inputs_alone(tiny_config):
+    torch.manual_seed(0)
+    model = VisionTransformer(**{**tiny_config, "init_values": 1e-2}).eval()
+    x = torch.randn(2, 3, 32, 32)
+    tokens = model._pos_embed(model.patch_embed(x))
+    kept = tokens.clone()
+    with_grad = model.blocks[0](tokens)[0]
+    with torch.inference_mode():
+        in_place = model.blocks[0](tokens)[0]
+        logits = model(x)
+    assert torch.equal(tokens, kept)  # the block's input is never written to
+    assert torch.equal(in_place, with_grad)  # the in-place sums are the same sums, bit for bit
+    assert torch.equal(logits, model(x))
 
 
 @pytest.mark.slow
