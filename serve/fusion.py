@@ -14,7 +14,8 @@ recognise this attention pattern. So the two patterns are matched here, strictly
 
 Both are the same arithmetic up to float rounding (well inside the parity gate's 1e-4), and
 dynamic int8 quantisation turns `Attention` into `QAttention`. A pattern that does not match
-exactly (another attention score, qk-norm, no bias) is left as it is. Only the fast branch is
+exactly (another attention score, qk-norm, no bias, or the last block of a CLS-token model, which
+computes the CLS token's row alone) is left as it is. Only the fast branch is
 fused: the explain and gradient branches must output the attention maps, so they stay plain ONNX.
 Residual Add + LayerNormalization is deliberately not fused: onnxruntime's CPU
 SkipLayerNormalization measured several times slower than the two ops it replaces.
