@@ -4,7 +4,8 @@
 
 Results go to stdout: `json` writes one JSON object per image per line (JSON Lines), `csv` one
 row per image and rank. Files that cannot be read are reported on stderr, one per line, and the
-run goes on; the exit status is non-zero only when nothing could be classified.
+run goes on. Exit status: 0 when every image was classified; 1 when some could not be read (every
+other image's result is still written), so scripts notice; 2 for a bad model file or arguments.
 """
 
 from __future__ import annotations
@@ -26,20 +27,27 @@ from serve.runtime import OnnxClassifier
 PROGRESS_MIN_FILES = 20  # a bar for a handful of files is noise
 
 
-def collect_files(paths: list[Path], errors: TextIO) -> list[Path]:
-    """Files as given, and the image files under folders (recursive, sorted); missing paths reported."""
+def collect_files(paths: list[Path], errors: TextIO) -> tuple[list[Path], int]:
+    """Files as given, and the image files under folders (recursive, sorted).
+
+    Returns:
+        (files, problems): a missing path or a folder without images is reported and counted.
+    """
     files: list[Path] = []
+    problems = 0
     for p in paths:
         if p.is_dir():
             found = sorted(f for f in p.rglob("*") if f.is_file() and is_image_file(f))
             if not found:
                 print(f"{p}: no image files in this folder", file=errors)
+                problems += 1
             files.extend(found)
         elif p.exists():
             files.append(p)
         else:
             print(f"{p}: no such file or folder", file=errors)
-    return files
+            problems += 1
+    return files, problems
 
 
 def _batches(files: list[Path], batch_size: int) -> Iterator[list[Path]]:
@@ -76,13 +84,13 @@ def run(
     """Classify every image under `paths`, writing results to `out` and unreadable files to `errors`.
 
     Returns:
-        (classified, failed) counts.
+        (classified, failed) counts; failed also counts missing paths and folders without images.
     """
     out, errors = out or sys.stdout, errors or sys.stderr
     clf = OnnxClassifier(model, threads=threads)
-    files = collect_files(paths, errors)
+    files, failed = collect_files(paths, errors)
     writer = _Writer(fmt, out)
-    done, failed = 0, 0
+    done = 0
     with tqdm(total=len(files), unit="img", file=sys.stderr, disable=len(files) < PROGRESS_MIN_FILES) as bar:
         for group in _batches(files, batch_size):
             ok, pixels = [], []
@@ -126,8 +134,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"vit-predict: {e}", file=sys.stderr)
         return 2
     if failed:
-        print(f"vit-predict: classified {done} images, {failed} could not be read", file=sys.stderr)
-    return 0 if done else 1
+        print(f"vit-predict: classified {done} images; {failed} input(s) could not be read", file=sys.stderr)
+    return 1 if failed or not done else 0
 
 
 if __name__ == "__main__":

@@ -56,7 +56,7 @@ def test_folder_to_onnx_to_predictions(tmp_path):
         capture_output=True,
         text=True,
     )
-    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.returncode == 1, out.stderr[-3000:]  # one input could not be read; the rest are classified
     assert "broken.png" in out.stderr
     rows = [json.loads(line) for line in out.stdout.splitlines() if line.strip()]
     assert len(rows) == len(val)

@@ -31,7 +31,7 @@ def test_a_folder_with_broken_files_is_classified_and_the_broken_ones_reported(t
     (folder / "notes.jpg").write_text("not an image")
     (folder / "readme.txt").write_text("ignored: not an image suffix")
 
-    assert main([str(tiny_onnx), str(folder), "--top-k", "2", "--batch-size", "4"]) == 0
+    assert main([str(tiny_onnx), str(folder), "--top-k", "2", "--batch-size", "4"]) == 1  # some were unreadable
     out, err = capsys.readouterr()
     rows = [json.loads(line) for line in out.splitlines()]
     assert len(rows) == 6
@@ -41,7 +41,15 @@ def test_a_folder_with_broken_files_is_classified_and_the_broken_ones_reported(t
         assert row["predictions"][0]["label"] == true
     broken = [line for line in err.splitlines() if line.startswith(str(folder))]
     assert sorted(line.split(":")[0].rsplit("/", 1)[1] for line in broken) == ["notes.jpg", "truncated.png"]
-    assert "6 images, 2 could not be read" in err
+    assert "6 images; 2 input(s) could not be read" in err
+
+
+def test_a_missing_path_among_good_ones_fails_the_run_after_classifying_the_rest(tiny_onnx, tmp_path, capsys):
+    folder = _folder(tmp_path, n=2)
+    assert main([str(tiny_onnx), str(folder), str(tmp_path / "typo.png")]) == 1
+    out, err = capsys.readouterr()
+    assert len(out.splitlines()) == 2  # the good images are written all the same
+    assert "typo.png: no such file or folder" in err and "classified 2 images; 1 input(s)" in err
 
 
 def test_csv_output_has_one_row_per_image_and_rank(tiny_onnx, tmp_path, capsys):
@@ -61,6 +69,7 @@ def test_nothing_classifiable_exits_non_zero(tiny_onnx, tmp_path, capsys):
     assert main([str(tiny_onnx), str(bad), str(tmp_path / "missing.jpg")]) == 1
     err = capsys.readouterr().err
     assert "bad.png" in err and "missing.jpg: no such file or folder" in err
+    assert "classified 0 images; 2 input(s) could not be read" in err
 
 
 def test_a_foreign_model_file_is_a_clear_error(tmp_path, capsys):
