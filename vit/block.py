@@ -62,8 +62,9 @@ class Block(nn.Module):
     """x + attn(norm1(x)), then x + mlp(norm2(x)), each branch with optional LayerScale and drop path.
 
     Without autograd (inference), the residual sums and the MLP's GELU are written in place into
-    tensors the block itself just made, never into its input. A forward hook on `attn`, `mlp` or
-    `mlp.fc1` therefore sees its output updated afterwards; clone it in the hook to keep it.
+    tensors the block itself just made, never into its input. A forward hook on a module inside the
+    block (`attn`, `mlp` and their layers, `ls1`, `drop_path2`, ...) may therefore see its output
+    updated afterwards; clone it in the hook to keep it.
 
     Args:
         dim: token width D.
@@ -118,10 +119,15 @@ class Block(nn.Module):
         y, attn = self.attn(self.norm1(x), return_attn, num_queries)  # (B, Nq, D)
         if num_queries is not None:
             x = x[:, :num_queries]  # (B, Nq, D)
-        if torch.is_grad_enabled():
-            x = x + self.drop_path1(self.ls1(y))  # residual path
-            x = x + self.drop_path2(self.ls2(self.mlp(self.norm2(x))))  # residual path
-        else:  # the same sums, each written into the branch's fresh output: fewer buffers to fill
-            x = self.drop_path1(self.ls1(y)).add_(x)
-            x = self.drop_path2(self.ls2(self.mlp(self.norm2(x)))).add_(x)
+        x = residual(x, self.drop_path1(self.ls1(y)))
+        x = residual(x, self.drop_path2(self.ls2(self.mlp(self.norm2(x)))))
         return x, attn
+
+
+def residual(x: torch.Tensor, branch: torch.Tensor) -> torch.Tensor:
+    """x + branch. Without autograd, the sum is written into `branch` (a fresh tensor of the block's own)
+    when that keeps x's dtype: one buffer fewer to fill. Under autocast a bf16 branch is added out of place,
+    so the residual stream stays in x's precision."""
+    if torch.is_grad_enabled() or branch.dtype != x.dtype:
+        return x + branch
+    return branch.add_(x)

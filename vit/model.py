@@ -201,7 +201,7 @@ class VisionTransformer(nn.Module):
             x: images (B, C, H, W); H and W multiples of the patch size.
             return_attn: also return every block's attention map.
             num_out_tokens: T; the last block computes only the first T tokens (they still attend
-                to every token). None: all of them, T = N.
+                to every token). None: all of them, T = N. `forward` passes 1 for a CLS-token head.
 
         Returns:
             Tokens (B, T, D) after the final norm; with `return_attn`, also a list of `depth`
@@ -219,7 +219,7 @@ class VisionTransformer(nn.Module):
 
     def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
         """Args:
-            x: tokens (B, N, D) from `forward_features`.
+            x: tokens (B, N, D) from `forward_features` ((B, 1, D) is enough for a CLS-token head).
             pre_logits: return the pooled, normalised features instead of logits.
 
         Returns:

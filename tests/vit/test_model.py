@@ -184,7 +184,10 @@ def test_the_last_block_computes_only_the_token_the_head_reads(tiny_config, scor
     model = VisionTransformer(**{**tiny_config, **overrides}, attn_score=score).eval()
     x = torch.randn(3, 3, 32, 32)
     tokens = model.forward_features(x)  # every token through every block
+    seen = []
+    model.blocks[-1].register_forward_hook(lambda module, args, out: seen.append(out[0].shape))
     torch.testing.assert_close(model(x), model.forward_head(tokens), atol=1e-5, rtol=1e-5)
+    assert seen[-1] == (3, 1, 32)  # forward ran the last block for the CLS token alone
     cls_only = model.forward_features(x, num_out_tokens=1)
     assert cls_only.shape == (3, 1, 32)
     torch.testing.assert_close(cls_only, tokens[:, :1], atol=1e-5, rtol=1e-5)
@@ -199,6 +202,18 @@ def test_the_last_block_computes_only_the_token_the_head_reads(tiny_config, scor
     params = list(model.parameters())
     for a, b in zip(torch.autograd.grad(pruned, params), torch.autograd.grad(full, params), strict=True):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_inference_under_autocast_keeps_the_residual_stream_in_float32(tiny_config):
+    torch.manual_seed(0)
+    model = VisionTransformer(**tiny_config).eval()  # no LayerScale: the branches come out of linears in bf16
+    x = torch.randn(2, 3, 32, 32)
+    with torch.autocast("cpu", torch.bfloat16):
+        tokens = model.forward_features(x)
+        with torch.no_grad():
+            no_grad = model.forward_features(x)
+    assert tokens.dtype == no_grad.dtype == torch.float32
+    torch.testing.assert_close(no_grad, tokens.detach())
 
 
 def test_inference_without_autograd_is_the_same_arithmetic_and_leaves_inputs_alone(tiny_config):
