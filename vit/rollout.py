@@ -75,7 +75,8 @@ def rollout_from_gradients(
     num_prefix_tokens: int = 1,
     query: str = "cls",
 ) -> torch.Tensor:
-    """Gradient-weighted rollout (Chefer et al. 2021): R <- R + mean_h((dy/dA * A)^+) R, block by block.
+    """Gradient-weighted rollout (Chefer et al. 2021): R <- R + mean_h((dy/dA * A)^+) R, block by block,
+    from R = I; read out from R - I.
 
     Args:
         attns: per-block maps (B, nh, N, N), first block first.
@@ -95,7 +96,10 @@ def rollout_from_gradients(
             raise ValueError(f"gradient shape {tuple(grad.shape)} does not match its map {tuple(attn.shape)}")
         a = (grad * attn).clamp(min=0).mean(dim=1)  # (B, N, N): positive, class-specific evidence
         relevance = relevance + a @ relevance
-    return _read_out(relevance, num_prefix_tokens, query)
+    # Read out what the attention added, without the identity (each token's relevance to itself): Chefer
+    # et al. leave the CLS token's own column out; for query="mean" the identity adds the same 1/L to
+    # every patch, which after max-scaling flattens small models' maps to 0.98-1.
+    return _read_out(relevance - torch.eye(N, dtype=relevance.dtype, device=relevance.device), num_prefix_tokens, query)
 
 
 def gradient_rollout(

@@ -131,9 +131,17 @@ def test_gradient_rollout_pairs_each_gradient_with_its_block():
     torch.testing.assert_close(out, torch.tensor([[1.0]], dtype=torch.float64))
     swapped = rollout_from_gradients([a1, a2], [g2, g1], num_prefix_tokens=0, query="mean")
     paired = rollout_from_gradients([a1, a2], [g1, g2], num_prefix_tokens=0, query="mean")
-    # paired: R2 = [[1.5, .4], [.45, 3.4]], row mean [.975, 1.9]
-    torch.testing.assert_close(paired, torch.tensor([[0.975 / 1.9, 1.0]], dtype=torch.float64))
+    # paired: R2 = [[1.5, .4], [.45, 3.4]]; read out R2 - I = [[.5, .4], [.45, 2.4]], row mean [.475, 1.4]
+    torch.testing.assert_close(paired, torch.tensor([[0.475 / 1.4, 1.0]], dtype=torch.float64))
     assert not torch.allclose(swapped, paired)
+
+
+def test_gradient_rollout_with_weak_gradients_still_spans_the_range():
+    # tiny evidence on top of the identity: without leaving the identity out, every patch would read ~1
+    a = torch.softmax(torch.randn(1, 2, 5, 5, generator=torch.Generator().manual_seed(0)), dim=-1)
+    g = 1e-3 * torch.rand(1, 2, 5, 5, generator=torch.Generator().manual_seed(1))
+    out = rollout_from_gradients([a, a], [g, g], num_prefix_tokens=0, query="mean")
+    assert out.max() == 1.0 and out.min() < 0.8
 
 
 def test_gradient_rollout_is_class_specific_and_per_image(tiny_model):
