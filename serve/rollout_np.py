@@ -86,7 +86,8 @@ def rollout_from_gradients(
         raise ValueError(f"need one gradient per attention map, got {len(attns)} maps and {len(grads)} gradients")
     _check_query(query, num_prefix_tokens)
     B, _, N, _ = attns[0].shape
-    relevance = np.broadcast_to(np.eye(N, dtype=np.float32), (B, N, N))
+    eye = np.eye(N, dtype=np.float32)  # (N, N)
+    relevance = np.broadcast_to(eye, (B, N, N))
     for attn, grad in zip(attns, grads, strict=True):
         if grad.shape != attn.shape:
             raise ValueError(f"gradient shape {tuple(grad.shape)} does not match its map {tuple(attn.shape)}")
@@ -95,7 +96,7 @@ def rollout_from_gradients(
     # Read out what the attention added, without the identity (each token's relevance to itself): Chefer
     # et al. leave the CLS token's own column out; for query="mean" the identity adds the same 1/L to
     # every patch, which after max-scaling flattens small models' maps to 0.98-1.
-    return _read_out(relevance - np.eye(N, dtype=np.float32), num_prefix_tokens, query)
+    return _read_out(relevance - eye, num_prefix_tokens, query)
 
 
 def _check_query(query: str, n: int) -> None:

@@ -90,7 +90,8 @@ def rollout_from_gradients(
     if len(attns) != len(grads) or len(attns) == 0:
         raise ValueError(f"need one gradient per attention map, got {len(attns)} maps and {len(grads)} gradients")
     B, _, N, _ = attns[0].shape
-    relevance = torch.eye(N, dtype=attns[0].dtype, device=attns[0].device).expand(B, N, N)  # (B, N, N)
+    eye = torch.eye(N, dtype=attns[0].dtype, device=attns[0].device)  # (N, N)
+    relevance = eye.expand(B, N, N)
     for attn, grad in zip(attns, grads, strict=True):
         if grad.shape != attn.shape:
             raise ValueError(f"gradient shape {tuple(grad.shape)} does not match its map {tuple(attn.shape)}")
@@ -99,7 +100,7 @@ def rollout_from_gradients(
     # Read out what the attention added, without the identity (each token's relevance to itself): Chefer
     # et al. leave the CLS token's own column out; for query="mean" the identity adds the same 1/L to
     # every patch, which after max-scaling flattens small models' maps to 0.98-1.
-    return _read_out(relevance - torch.eye(N, dtype=relevance.dtype, device=relevance.device), num_prefix_tokens, query)
+    return _read_out(relevance - eye, num_prefix_tokens, query)
 
 
 def gradient_rollout(
