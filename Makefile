@@ -55,8 +55,7 @@ $(CKPT): $(SAMPLE)/.complete configs/sample.yaml | $(VENV)/.installed
 
 # The exporter's own code is a prerequisite too: a new graph rewrite or metadata field reaches the
 # model file after a `git pull`, without retraining.
-EXPORTER := $(wildcard vit/*.py) train/checkpoint.py \
-	$(addprefix serve/,export.py graphs.py fusion.py onnx_graph.py quantize.py parity.py runtime.py images.py)
+EXPORTER := $(wildcard vit/*.py serve/export/*.py serve/runtime/*.py) train/checkpoint.py
 export: $(ONNX)
 $(ONNX): $(CKPT) $(EXPORTER)
 	$(BIN)/vit-export $(CKPT) -o $(ONNX)

@@ -7,10 +7,10 @@ For ViT-Ti/16 and ViT-S/16 at 224 px (random weights, nothing downloaded) and th
 2 intra-op threads:
 - torch eager: our model, `torch.inference_mode()`, fused attention;
 - ORT fp32: the vit-export file (uint8 pixels in, the `If` switch, fast branch with its attention
-  blocks and GELUs fused into onnxruntime contrib ops, `serve.fusion`);
+  blocks and GELUs fused into onnxruntime contrib ops, `serve.export.fusion`);
 - ORT plain: the same logits graph exported alone (no `If`, no explain branch), to show the
   switch costs nothing;
-- ORT unfused: the logits graph as the exporter writes it, before `serve.fusion`;
+- ORT unfused: the logits graph as the exporter writes it, before `serve.export.fusion`;
 - ORT int8: the vit-export int8 logits path (dynamic quantisation, `QAttention` in the blocks);
 - timm ORT: timm's VisionTransformer of the same shape exported the plain way (float NCHW in).
 Each cell is the best of the interleaved rounds (batch 32: at most 3 rounds). Ratios are speed-ups
@@ -41,11 +41,11 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from serve.graphs import PixelModel, export_fast_graph, export_graph  # noqa: E402
-from serve.images import Preprocess, load_image  # noqa: E402
-from serve.onnx_graph import combine_fast_and_explain  # noqa: E402
-from serve.quantize import dynamic_int8  # noqa: E402
-from serve.runtime import session_options  # noqa: E402
+from serve.export.merge import combine_fast_and_explain  # noqa: E402
+from serve.export.quantize import dynamic_int8  # noqa: E402
+from serve.export.trace import PixelModel, export_fast_graph, export_graph  # noqa: E402
+from serve.runtime.classifier import session_options  # noqa: E402
+from serve.runtime.images import Preprocess, load_image  # noqa: E402
 from vit import create_model  # noqa: E402
 
 SAMPLE_CKPT = ROOT / "runs/sample/checkpoints/best.ckpt"
@@ -54,7 +54,7 @@ ENGINES = ("torch eager", "ORT fp32", "ORT plain", "ORT unfused", "ORT int8", "t
 
 
 def session(model: onnx.ModelProto | Path, threads: int) -> ort.InferenceSession:
-    """A CPU session with the options `serve.runtime.OnnxClassifier` uses."""
+    """A CPU session with the options `serve.runtime.classifier.OnnxClassifier` uses."""
     options = session_options(threads)
     data = model.SerializeToString() if isinstance(model, onnx.ModelProto) else str(model)
     return ort.InferenceSession(data, options, providers=["CPUExecutionProvider"])

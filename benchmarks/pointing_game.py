@@ -24,7 +24,7 @@ from PIL import Image, ImageDraw
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from serve.runtime import OnnxClassifier  # noqa: E402
+from serve.runtime.classifier import OnnxClassifier  # noqa: E402
 
 
 def make_canvas(

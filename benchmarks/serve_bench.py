@@ -35,8 +35,8 @@ from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from serve.process import ServerProcess  # noqa: E402
-from serve.runtime import OnnxClassifier  # noqa: E402
+from serve.runtime.classifier import OnnxClassifier  # noqa: E402
+from tests.serve.process import ServerProcess  # noqa: E402
 
 
 def sample_image(data_dir: Path, size: tuple[int, int]) -> bytes:
@@ -54,8 +54,8 @@ def random_model_file(variant: str, data_dir: Path, out_dir: Path) -> Path:
     import torch
 
     import vit
-    from serve.export import export_onnx
-    from serve.images import Preprocess
+    from serve.export.cli import export_onnx
+    from serve.runtime.images import Preprocess
     from train.checkpoint import META_KEY
 
     classes = sorted(p.name for p in data_dir.iterdir() if p.is_dir())

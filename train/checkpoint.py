@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from serve.images import Preprocess
+from serve.runtime.images import Preprocess
 from vit.model import VisionTransformer
 
 META_KEY = "vitscope"

@@ -1,7 +1,7 @@
 """The image-folder data module: a folder of class folders in, train/val DataLoaders out.
 
-Images are decoded by `serve.images.load_image` (the serving loader), validated with
-`serve.images.Preprocess` (the serving transform), and the split and the list of skipped files
+Images are decoded by `serve.runtime.images.load_image` (the serving loader), validated with
+`serve.runtime.images.Preprocess` (the serving transform), and the split and the list of skipped files
 are written into the run directory (`split.json`, `bad_files.csv`).
 """
 
@@ -15,7 +15,7 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from serve.images import ImageError, Preprocess, load_image
+from serve.runtime.images import ImageError, Preprocess, load_image
 from train.folder import FolderScan, scan_folder
 from train.transforms import Augment, EvalTransform, build_train_transform
 

@@ -16,7 +16,7 @@ import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from serve.images import ImageError, is_image_file, load_image
+from serve.runtime.images import ImageError, is_image_file, load_image
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from timm.utils import ModelEmaV3
 from torch import nn
 from torchmetrics.classification import MulticlassAccuracy, MulticlassConfusionMatrix
 
-from serve.images import Preprocess
+from serve.runtime.images import Preprocess
 from train.checkpoint import META_KEY
 from train.reports import write_confusion_csv, write_confusion_png
 from vit.model import VisionTransformer, create_model

@@ -1,6 +1,6 @@
 """Training augmentation (timm's building blocks) and the evaluation transform (the serving one).
 
-The evaluation transform is `serve.images.Preprocess.__call__`, nothing else: what the model is
+The evaluation transform is `serve.runtime.images.Preprocess.__call__`, nothing else: what the model is
 validated on is, pixel for pixel, what the exported model will be served.
 """
 
@@ -15,12 +15,12 @@ from timm.data import RandomResizedCropAndInterpolation, rand_augment_transform
 from timm.data.random_erasing import RandomErasing
 from torchvision import transforms as T
 
-from serve.images import Preprocess
+from serve.runtime.images import Preprocess
 
 
 @dataclass
 class Augment:
-    """Training-time augmentation, applied to RGB images from `serve.images.load_image`.
+    """Training-time augmentation, applied to RGB images from `serve.runtime.images.load_image`.
 
     Args:
         crop_scale: random-resized-crop area range, as fractions of the image.

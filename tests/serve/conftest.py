@@ -15,7 +15,7 @@ import pytest
 import torch
 from PIL import Image
 
-from serve.images import Preprocess
+from serve.runtime.images import Preprocess
 
 CLASS_NAMES = ["top_left", "top_right", "bottom_left", "bottom_right"]
 TINY_NET = dict(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2, num_classes=len(CLASS_NAMES))
@@ -91,7 +91,7 @@ def tiny_checkpoint(tiny_run) -> Path:
 @pytest.fixture(scope="session")
 def tiny_onnx(tiny_checkpoint, tmp_path_factory) -> Path:
     """The tiny checkpoint exported by `export_onnx` (fp32, parity-checked, with its metadata)."""
-    from serve.export import export_onnx
+    from serve.export.cli import export_onnx
 
     out = tmp_path_factory.mktemp("tiny_onnx") / "tiny.onnx"
     export_onnx(tiny_checkpoint, out)

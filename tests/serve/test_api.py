@@ -17,10 +17,10 @@ import pytest
 from fastapi.testclient import TestClient
 from PIL import Image
 
-from serve.api import build_app
-from serve.batching import MicroBatcher, QueueFull, choose_batch_size, time_batch_sizes
-from serve.runtime import OnnxClassifier
-from serve.settings import ServeSettings
+from serve.runtime.classifier import OnnxClassifier
+from serve.server.app import build_app
+from serve.server.batching import MicroBatcher, QueueFull, choose_batch_size, time_batch_sizes
+from serve.server.settings import ServeSettings
 
 
 def png_bytes(a: np.ndarray, mode: str | None = None) -> bytes:
@@ -375,9 +375,9 @@ from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from serve.api import build_app
-from serve.runtime import OnnxClassifier
-from serve.settings import ServeSettings
+from serve.server.app import build_app
+from serve.runtime.classifier import OnnxClassifier
+from serve.server.settings import ServeSettings
 
 exporter = InMemorySpanExporter()
 provider = TracerProvider()
@@ -408,7 +408,7 @@ def test_opentelemetry_spans_only_when_asked_for(tiny_onnx, flag):
 
 
 def test_boolean_settings_are_on_off_flags():
-    from serve.__main__ import build_parser
+    from serve.server.cli import build_parser
 
     parse = build_parser().parse_args
     assert parse(["m.onnx"]).opentelemetry is False

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from serve.process import ServerProcess
+from tests.serve.process import ServerProcess
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = [
@@ -60,7 +60,7 @@ def capture_ui(url: str, image: Path, screenshot: Path, timeout_ms: int = 60_000
 def test_upload_in_a_real_browser_shows_label_and_overlay(tiny_onnx, tmp_path):
     if not CHROMIUM.exists():
         pytest.skip("Debian's chromium is not installed at /usr/bin/chromium (apt-get install chromium)")
-    from serve.runtime import OnnxClassifier
+    from serve.runtime.classifier import OnnxClassifier
 
     img = np.full((32, 32, 3), 30, np.uint8)
     img[18:28, 4:14] = 230

@@ -13,9 +13,9 @@ import onnxruntime as ort
 import pytest
 import torch
 
-from serve import parity
-from serve.export import main
-from serve.runtime import OnnxClassifier
+from serve.export import parity
+from serve.export.cli import main
+from serve.runtime.classifier import OnnxClassifier
 
 from .conftest import CLASS_NAMES
 
@@ -43,7 +43,7 @@ def test_metadata_round_trips_from_the_checkpoint_to_the_file(tiny_onnx, tiny_ch
     assert m["mean"] == list(meta["preprocess"].mean) and m["std"] == list(meta["preprocess"].std)
     assert {"vitscope", "torch", "onnx", "onnxruntime", "opset"} <= set(m["versions"])
     assert m["model_config"]["embed_dim"] == net.config["embed_dim"]
-    # the fast branch, fused (serve.fusion); the last block computes the CLS token alone and stays plain
+    # the fast branch, fused (serve.export.fusion); the last block computes the CLS token alone and stays plain
     assert m["contrib_ops"] == {"Attention": 1, "BiasGelu": 2}
 
 
@@ -84,7 +84,7 @@ def _logits(model: onnx.ModelProto, pixels: np.ndarray) -> np.ndarray:
 
 
 def test_the_fused_fast_graph_matches_the_graph_as_exported(tiny_checkpoint):
-    from serve.graphs import export_fast_graph
+    from serve.export.trace import export_fast_graph
     from train.checkpoint import load_network
 
     net, meta = load_network(tiny_checkpoint)
@@ -102,8 +102,8 @@ def test_the_fused_fast_graph_matches_the_graph_as_exported(tiny_checkpoint):
 def test_fusion_leaves_attention_it_does_not_recognise_as_it_is(attn_score):
     import torch
 
-    from serve.graphs import export_fast_graph
-    from serve.images import Preprocess
+    from serve.export.trace import export_fast_graph
+    from serve.runtime.images import Preprocess
     from vit import VisionTransformer
 
     from .conftest import TINY_NET
@@ -166,9 +166,9 @@ def test_fusion_refuses_an_attention_block_whose_output_is_not_tokens_by_width()
     import torch
     from onnx import numpy_helper
 
-    from serve.fusion import fuse_for_cpu
-    from serve.graphs import export_fast_graph
-    from serve.images import Preprocess
+    from serve.export.fusion import fuse_for_cpu
+    from serve.export.trace import export_fast_graph
+    from serve.runtime.images import Preprocess
     from vit import VisionTransformer
 
     from .conftest import TINY_NET

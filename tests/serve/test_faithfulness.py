@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from serve.faithfulness import deletion_orders, deletion_score, masked_images, mean_fill
+from serve.runtime.faithfulness import deletion_orders, deletion_score, masked_images, mean_fill
 
 FILL = np.array([0, 0, 0], np.uint8)
 
@@ -87,7 +87,7 @@ def test_bad_inputs_get_clear_errors(pixels, saliency, match):
 
 
 def test_deletion_score_with_the_onnx_model_tracks_its_own_probability(tiny_onnx):
-    from serve.runtime import OnnxClassifier
+    from serve.runtime.classifier import OnnxClassifier
 
     clf = OnnxClassifier(tiny_onnx)
     H, W = clf.input_size

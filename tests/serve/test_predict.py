@@ -9,7 +9,7 @@ import json
 import numpy as np
 from PIL import Image
 
-from serve.predict import main
+from serve.runtime.predict import main
 
 from .conftest import CLASS_NAMES, quadrant_images
 

@@ -1,4 +1,4 @@
-"""serve.runtime: torch-free loading, preprocessing equal to training's, predictions, rollout, refusals."""
+"""serve.runtime.classifier: torch-free loading, preprocessing equal to training's, predictions, rollout, refusals."""
 
 from __future__ import annotations
 
@@ -16,10 +16,10 @@ import pytest
 import torch
 from PIL import Image
 
-from serve.images import ImageError, load_image
-from serve.model_file import ModelFileError
-from serve.rollout_np import attention_rollout, rollout_from_gradients
-from serve.runtime import OnnxClassifier
+from serve.runtime.classifier import OnnxClassifier
+from serve.runtime.images import ImageError, load_image
+from serve.runtime.model_file import ModelFileError
+from serve.runtime.rollout import attention_rollout, rollout_from_gradients
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -37,7 +37,7 @@ def test_runtime_classifies_with_torch_and_lightning_blocked(tiny_onnx):
     code = (
         BLOCK_TORCH
         + f"""
-from serve.runtime import OnnxClassifier
+from serve.runtime.classifier import OnnxClassifier
 import numpy as np
 clf = OnnxClassifier({str(tiny_onnx)!r})
 x = np.zeros((2, *clf.input_size, 3), np.uint8)
@@ -221,7 +221,7 @@ def test_a_model_with_external_data_is_refused_before_loading(tiny_onnx, tmp_pat
 
 
 def test_thread_default_follows_model_size(tiny_onnx):
-    from serve.runtime import OnnxClassifier, default_threads
+    from serve.runtime.classifier import OnnxClassifier, default_threads
     from vit import create_model
 
     sample = create_model("vit_micro_patch4_32")  # ~0.02 GFLOP: one thread
@@ -235,7 +235,7 @@ def test_thread_default_follows_model_size(tiny_onnx):
 
 
 def test_session_options_set_the_intra_op_threads_only():
-    from serve.runtime import session_options
+    from serve.runtime.classifier import session_options
 
     options = session_options(2)
     assert options.intra_op_num_threads == 2 and options.inter_op_num_threads == 1

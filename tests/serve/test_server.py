@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from serve.process import ServerProcess
+from tests.serve.process import ServerProcess
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -134,6 +134,6 @@ def test_sigterm_drains_requests_in_flight_then_exits(tiny_onnx):
 @pytest.mark.slow
 def test_a_missing_model_file_fails_fast_with_a_clear_message(tmp_path):
     r = subprocess.run(
-        [sys.executable, "-m", "serve", str(tmp_path / "nope.onnx")], cwd=ROOT, capture_output=True, text=True
+        [sys.executable, "-m", "serve.server", str(tmp_path / "nope.onnx")], cwd=ROOT, capture_output=True, text=True
     )
     assert r.returncode == 2 and "nope.onnx" in r.stderr and "not found" in r.stderr

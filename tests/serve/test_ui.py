@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from serve.app import cls_attention, example_files, render_overlay
-from serve.process import ServerProcess
+from serve.server.ui import cls_attention, example_files, render_overlay
+from tests.serve.process import ServerProcess
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +30,7 @@ def image_file(tmp_path):
 def test_gradio_client_classify_returns_labels_overlay_and_deletion_score(ui_server, image_file, tiny_onnx):
     from gradio_client import Client, handle_file
 
-    from serve.runtime import OnnxClassifier
+    from serve.runtime.classifier import OnnxClassifier
 
     clf = OnnxClassifier(tiny_onnx)
     client = Client(ui_server.url + "/", verbose=False)
@@ -57,7 +57,7 @@ def test_gradio_client_classify_returns_labels_overlay_and_deletion_score(ui_ser
 def test_gradient_rollout_for_a_chosen_class_or_a_clear_reason_why_not(ui_server, image_file, tiny_onnx):
     from gradio_client import Client, handle_file
 
-    from serve.runtime import OnnxClassifier
+    from serve.runtime.classifier import OnnxClassifier
 
     clf = OnnxClassifier(tiny_onnx)
     client = Client(ui_server.url + "/", verbose=False)
@@ -93,7 +93,7 @@ def test_overlay_keeps_the_image_at_zero_opacity_and_is_the_map_at_full():
 
 
 def test_cls_attention_rows_are_distributions_over_patches(tiny_onnx):
-    from serve.runtime import OnnxClassifier
+    from serve.runtime.classifier import OnnxClassifier
 
     clf = OnnxClassifier(tiny_onnx)
     pixels = np.random.default_rng(1).integers(0, 256, (*clf.input_size, 3), dtype=np.uint8)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from serve.images import Preprocess, load_image
+from serve.runtime.images import Preprocess, load_image
 from tests.train.conftest import write_shapes
 from train.data import ImageFolderDataModule
 from train.folder import scan_folder

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from serve.images import load_image
+from serve.runtime.images import load_image
 from tests.train.conftest import REPO, write_shapes
 from train.checkpoint import load_checkpoint, load_network
 from train.cli import build_cli

@@ -171,7 +171,7 @@ def fuse_for_cpu(model: onnx.ModelProto, num_heads: int) -> tuple[onnx.ModelProt
     """Rewrite the logits graph's attention blocks and GELUs into onnxruntime contrib ops.
 
     Args:
-        model: the fast (logits-only) graph from `serve.graphs.export_graph`, functions inlined.
+        model: the fast (logits-only) graph from `serve.export.trace.export_graph`, functions inlined.
         num_heads: nh of every block.
 
     Returns:

@@ -18,8 +18,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from serve.images import ImageError, Preprocess, is_image_file, load_image
-from serve.runtime import OnnxClassifier
+from serve.runtime.classifier import OnnxClassifier
+from serve.runtime.images import ImageError, Preprocess, is_image_file, load_image
 from vit.model import VisionTransformer
 from vit.rollout import attention_rollout, gradient_rollout
 

@@ -21,8 +21,8 @@ from typing import TextIO
 import numpy as np
 from tqdm import tqdm
 
-from serve.images import ImageError, is_image_file
-from serve.runtime import OnnxClassifier
+from serve.runtime.classifier import OnnxClassifier
+from serve.runtime.images import ImageError, is_image_file
 
 PROGRESS_MIN_FILES = 20  # a bar for a handful of files is noise
 

@@ -26,7 +26,7 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    """`python -m serve MODEL --port <free>` with its output collected; a context manager that always stops it.
+    """`python -m serve.server MODEL --port <free>` with its output collected; a context manager that always stops it.
 
     Args:
         model: the .onnx file.
@@ -37,7 +37,7 @@ class ServerProcess:
     def __init__(self, model: str | Path, *args: str, cwd: str | Path | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "serve", str(model), "--host", "127.0.0.1", "--port", str(self.port), *args]
+        cmd = [sys.executable, "-m", "serve.server", str(model), "--host", "127.0.0.1", "--port", str(self.port), *args]
         self.proc = subprocess.Popen(
             cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1
         )

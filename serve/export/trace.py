@@ -1,8 +1,8 @@
 """The network as ONNX graphs: uint8 pixels in, normalisation inside, with a dynamic batch axis.
 
-Three graphs of one network, combined into one file by `serve.onnx_graph`:
+Three graphs of one network, combined into one file by `serve.export.merge`:
 - the fast graph (`PixelModel`, `export_fast_graph`): fused attention, logits only, its attention
-  blocks and GELUs then fused into onnxruntime contrib ops (`serve.fusion`);
+  blocks and GELUs then fused into onnxruntime contrib ops (`serve.export.fusion`);
 - the explain graph (`PixelModel(explain=True)`): the explicit softmax path, logits and maps;
 - the gradient graph (`GradientModel`): also the gradient of a target logit with respect to
   every map, its backward pass traced to plain aten ops by `make_fx` before export.
@@ -18,8 +18,8 @@ import onnx
 import torch
 from torch import nn
 
-from serve.fusion import fuse_for_cpu
-from serve.images import Preprocess
+from serve.export.fusion import fuse_for_cpu
+from serve.runtime.images import Preprocess
 from vit.model import VisionTransformer
 
 # Shapes: B batch, H/W image, K classes, nh heads, N tokens, depth blocks.
@@ -145,7 +145,7 @@ def export_graph(module: nn.Module, img_size: tuple[int, int], opset: int = DEFA
 def export_fast_graph(
     net: VisionTransformer, preprocess: Preprocess, opset: int = DEFAULT_OPSET, fuse: bool = True
 ) -> tuple[onnx.ModelProto, dict[str, int]]:
-    """The logits-only graph, with its attention blocks and GELUs fused for onnxruntime (`serve.fusion`).
+    """The logits-only graph, with its attention blocks and GELUs fused for onnxruntime (`serve.export.fusion`).
 
     Returns:
         (the graph, the count of each fused contrib op; all zero when `fuse` is False).

@@ -7,7 +7,7 @@ more (by default it does not), until `max_batch_size`. A lone request runs at on
 waiting only adds latency. Then it decodes whatever arrived still encoded (`prepare`), stacks the
 images and runs one forward pass. Decoding here rather than on the event loop (as LitServe decodes in
 its workers) never has a decode compete with onnxruntime's threads for the cores; the API does so
-when onnxruntime uses every core (`serve.api.build_app`).
+when onnxruntime uses every core (`serve.server.app.build_app`).
 
 The batch size matters for throughput in a way that is easy to miss: while a batch runs, the event
 loop decodes the next requests, so smaller batches keep both busy (a pipeline), whereas a batch as
@@ -255,8 +255,8 @@ class Engine:
     thread.
 
     Args:
-        classifier: a `serve.runtime.OnnxClassifier`.
-        settings: a `serve.settings.ServeSettings`.
+        classifier: a `serve.runtime.classifier.OnnxClassifier`.
+        settings: a `serve.server.settings.ServeSettings`.
         on_batch: called with each realised batch size.
         decode: turns a submitted item that is not an array yet (an opened upload) into its
             (H, W, 3) uint8 image, on the worker thread (see `MicroBatcher`'s `prepare`).

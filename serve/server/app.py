@@ -33,10 +33,10 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
-from serve.batching import Engine, QueueFull, ShuttingDown
-from serve.images import ImageError, load_image, open_image
-from serve.metrics import Metrics, MetricsMiddleware
-from serve.settings import ServeSettings
+from serve.runtime.images import ImageError, load_image, open_image
+from serve.server.batching import Engine, QueueFull, ShuttingDown
+from serve.server.metrics import Metrics, MetricsMiddleware
+from serve.server.settings import ServeSettings
 
 log = logging.getLogger(__name__)
 
@@ -169,14 +169,14 @@ def build_app(classifier, settings: ServeSettings | None = None, with_ui: bool =
     """The server: API routes, metrics and (unless `with_ui` is False) the Gradio UI at `/`.
 
     Args:
-        classifier: a loaded `serve.runtime.OnnxClassifier`.
+        classifier: a loaded `serve.runtime.classifier.OnnxClassifier`.
         settings: limits and batching; defaults when None.
         with_ui: mount the Gradio Blocks at `/`.
 
     Returns:
         A FastAPI app whose lifespan starts the batcher, warms the model up and drains on shutdown.
     """
-    from serve.app import build_ui, explain_pixels, mean_fill_of
+    from serve.server.ui import build_ui, explain_pixels, mean_fill_of
 
     settings = settings or ServeSettings()
     metrics = Metrics()
@@ -345,7 +345,7 @@ INLINE_DECODE_PIXELS = 1_000_000
 
 def _overlay_png(pixels: np.ndarray, grid: np.ndarray) -> str:
     """The rollout overlay in the UI's default colours, as base64 PNG."""
-    from serve.app import render_overlay
+    from serve.server.ui import render_overlay
 
     buf = io.BytesIO()
     Image.fromarray(render_overlay(pixels, grid)).save(buf, format="PNG")

@@ -4,7 +4,7 @@
     clf.predict(["cat.jpg", "dog.png"], top_k=3)   # [[("cat", 0.91), ...], [("dog", 0.88), ...]]
     probs, maps = clf.rollout(clf.prepare("cat.jpg")[None])   # maps (1, Gh, Gw) in [0, 1]
 
-The file describes itself (`metadata_props`, see `serve.export`): class names, preprocessing,
+The file describes itself (`metadata_props`, see `serve.export.cli`): class names, preprocessing,
 patch grid. Its input is (B, H, W, 3) uint8 pixels already resized and cropped by
 `Preprocess.to_uint8`; normalisation happens inside the graph.
 """
@@ -19,9 +19,9 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
-from serve.images import ImageSource, Preprocess, load_image
-from serve.model_file import read_metadata, read_model_bytes
-from serve.rollout_np import attention_rollout, rollout_from_gradients
+from serve.runtime.images import ImageSource, Preprocess, load_image
+from serve.runtime.model_file import read_metadata, read_model_bytes
+from serve.runtime.rollout import attention_rollout, rollout_from_gradients
 
 # Shapes: B batch, H/W image, K classes, nh heads, N tokens, Gh/Gw patch grid, L = Gh * Gw.
 

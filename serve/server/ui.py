@@ -1,6 +1,6 @@
 """The Gradio UI: drop an image, see the class, where the transformer looked, and whether to trust it.
 
-`build_ui(classifier, engine, settings)` returns the `gr.Blocks`; `serve.api.build_app` mounts it
+`build_ui(classifier, engine, settings)` returns the `gr.Blocks`; `serve.server.app.build_app` mounts it
 at `/`. Every model call goes through the engine, so it runs on the batcher's thread.
 
 Endpoints for `gradio_client` (``Client(url).predict(..., api_name=...)``):
@@ -22,8 +22,8 @@ import matplotlib
 import numpy as np
 from PIL import Image
 
-from serve.faithfulness import DeletionScore, deletion_score, mean_fill
-from serve.images import IMAGE_SUFFIXES, ImageError, load_image
+from serve.runtime.faithfulness import DeletionScore, deletion_score, mean_fill
+from serve.runtime.images import IMAGE_SUFFIXES, ImageError, load_image
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """int8 for the logits path: dynamic quantisation, and static quantisation calibrated on validation images.
 
 Only the weights of the linear layers are quantised (the transformer's cost): MatMul/Gemm, and the
-fused `Attention` blocks (`serve.fusion`), which dynamic quantisation turns into `QAttention`; the
+fused `Attention` blocks (`serve.export.fusion`), which dynamic quantisation turns into `QAttention`; the
 patch-embedding Conv, LayerNorm and softmax stay fp32, which keeps the accuracy. Static (QDQ)
 quantisation has no `Attention` rule, so there only the other MatMuls are quantised. Both kinds
 are tried and measured on the validation sample: agreement with the fp32 torch model, accuracy on
@@ -24,7 +24,7 @@ import onnxruntime as ort
 import torch
 from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_dynamic, quantize_static
 
-from serve.images import Preprocess
+from serve.runtime.images import Preprocess
 from vit.model import VisionTransformer
 
 log = logging.getLogger(__name__)
@@ -98,7 +98,7 @@ def quantize_int8(
 
     Args:
         fast: the fp32 logits graph (input `pixels`, output `logits`).
-        sample: a `serve.parity.Sample` of validation pixels and labels.
+        sample: a `serve.export.parity.Sample` of validation pixels and labels.
         net: the fp32 torch network, the reference.
         preprocess: the serving preprocessing.
 

@@ -32,7 +32,7 @@ class ServeSettings:
         queue_size: requests allowed to wait for the model; beyond it the server answers 503
             with Retry-After instead of letting latency grow without bound.
         retry_after_s: the Retry-After hint sent with a 503.
-        threads: intra-op threads for ONNX Runtime (0: by model size, see `serve.runtime.default_threads`:
+        threads: intra-op threads for ONNX Runtime (0: by model size, see `serve.runtime.classifier.default_threads`:
             one for small models, which leaves the other core to the event loop, every core for large ones).
         max_bytes: largest accepted request body, 10 MiB: any phone photo, far below a memory problem.
         inline_decode_bytes: uploads up to this size (and 1 MP) are decoded where a core is free: on the

@@ -5,12 +5,12 @@
 The file holds, with no side files:
 - the graph: (B, H, W, 3) uint8 pixels in (resized and cropped by `Preprocess.to_uint8`),
   normalisation inside, logits out; an optional boolean `explain` input switches to the explain
-  branch, which also outputs every block's attention maps (`serve.onnx_graph`); the logits path's
-  attention blocks and GELUs are onnxruntime contrib ops (`Attention`, `BiasGelu`: `serve.fusion`);
+  branch, which also outputs every block's attention maps (`serve.export.merge`); the logits path's
+  attention blocks and GELUs are onnxruntime contrib ops (`Attention`, `BiasGelu`: `serve.export.fusion`);
 - `metadata_props`: class names, input size, preprocessing, patch grid, prefix tokens, depth,
   heads, variant, the checkpoint's sha256 and the versions used (see `build_metadata`).
 
-Before the file is written, the parity gate (`serve.parity`) runs torch and onnxruntime on
+Before the file is written, the parity gate (`serve.export.parity`) runs torch and onnxruntime on
 validation images and refuses the export when they disagree.
 """
 
@@ -30,10 +30,10 @@ import onnx
 import onnxruntime as ort
 import torch
 
-from serve.graphs import DEFAULT_OPSET, PixelModel, export_fast_graph, export_gradient_graph, export_graph
-from serve.images import Preprocess
-from serve.onnx_graph import combine_fast_and_explain, set_metadata
-from serve.runtime import FORMAT_KEY, FORMAT_VERSION
+from serve.export.merge import combine_fast_and_explain, set_metadata
+from serve.export.trace import DEFAULT_OPSET, PixelModel, export_fast_graph, export_gradient_graph, export_graph
+from serve.runtime.classifier import FORMAT_KEY, FORMAT_VERSION
+from serve.runtime.images import Preprocess
 from train.checkpoint import load_network
 from vit.model import VisionTransformer
 
@@ -67,7 +67,7 @@ def build_metadata(
 ) -> dict[str, Any]:
     """Everything a client needs to use the file, as `metadata_props` entries.
 
-    `fused` counts the onnxruntime contrib ops (com.microsoft) in the logits path (`serve.fusion`).
+    `fused` counts the onnxruntime contrib ops (com.microsoft) in the logits path (`serve.export.fusion`).
     """
     H, W = preprocess.img_size
     P = net.patch_embed.patch_size[0]
@@ -144,8 +144,8 @@ def export_onnx(
     Raises:
         ParityError: torch and onnxruntime disagree beyond the thresholds; nothing is written.
     """
-    from serve import parity
-    from serve import quantize as quant
+    from serve.export import parity
+    from serve.export import quantize as quant
 
     checkpoint, output = Path(checkpoint), Path(output)
     net, meta = load_network(checkpoint)
@@ -196,7 +196,7 @@ def export_onnx(
 
 def main(argv: list[str] | None = None) -> int:
     """Command line entry point (`vit-export`)."""
-    from serve.parity import ParityError, format_report
+    from serve.export.parity import ParityError, format_report
 
     p = argparse.ArgumentParser(prog="vit-export", description=__doc__.split("\n\n")[0])
     p.add_argument("checkpoint", type=Path, help="a vitscope checkpoint, e.g. runs/sample/checkpoints/best.ckpt")

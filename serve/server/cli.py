@@ -16,7 +16,7 @@ from pathlib import Path
 
 import uvicorn
 
-from serve.settings import ServeSettings, field_help
+from serve.server.settings import ServeSettings, field_help
 
 log = logging.getLogger("vitscope.serve")
 
@@ -53,8 +53,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"vit-serve: {e}", file=sys.stderr)
         return 2
 
-    from serve.api import build_app
-    from serve.runtime import OnnxClassifier
+    from serve.runtime.classifier import OnnxClassifier
+    from serve.server.app import build_app
 
     try:
         classifier = OnnxClassifier(args.model, threads=settings.threads or None)

@@ -1,6 +1,6 @@
 """The one image loader and evaluation preprocessing, shared by training and serving.
 
-PIL and numpy only (no torch), so `serve.runtime` can use it in a torch-free process and the
+PIL and numpy only (no torch), so `serve.runtime.classifier` can use it in a torch-free process and the
 training data pipeline can use it too: a phone photo becomes the same pixels in both.
 """
 

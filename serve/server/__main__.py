@@ -1,0 +1,3 @@
+from serve.server.cli import main
+
+raise SystemExit(main())
