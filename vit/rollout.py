@@ -1,22 +1,28 @@
-"""Attention rollout (Abnar & Zuidema 2020) and gradient-weighted rollout (Chefer et al. 2021).
+"""Attention rollout (Abnar & Zuidema 2020) and gradient-weighted rollout (Chefer et al. 2021) for torch.
 
-Both turn per-block attention maps into one relevance value per patch: where the model looked.
+Both turn per-block attention maps into one relevance value per patch: where the model looked. The
+arithmetic lives once, in numpy, in `serve.runtime.rollout` (the exported model's torch-free runtime
+uses it too); these functions adapt tensors to it, so the two can never drift apart.
 """
 
 from __future__ import annotations
 
-import math
+from collections.abc import Sequence
 
+import numpy as np
 import torch
 from torch import nn
 
+from serve.runtime import rollout as np_rollout
+from serve.runtime.rollout import HEAD_FUSIONS
+
 # Shapes: B batch, nh heads, n prefix tokens, L patches, N = n + L tokens.
 
-HEAD_FUSIONS = ("mean", "max", "min")
+__all__ = ["HEAD_FUSIONS", "attention_rollout", "gradient_rollout", "rollout_from_gradients"]
 
 
 def attention_rollout(
-    attns: list[torch.Tensor] | tuple[torch.Tensor, ...],
+    attns: Sequence[torch.Tensor],
     *,
     head_fusion: str = "mean",
     discard_ratio: float = 0.0,
@@ -38,39 +44,21 @@ def attention_rollout(
             average-pooled models without a CLS token).
 
     Returns:
-        (B, L) relevance per patch, each image scaled so its maximum is 1.
+        (B, L) relevance per patch on the maps' device (float32; float64 for float64 maps), each image scaled so its maximum is 1.
     """
-    if head_fusion not in HEAD_FUSIONS:
-        raise ValueError(f"head_fusion must be one of {HEAD_FUSIONS}, got {head_fusion!r}")
-    if not 0.0 <= discard_ratio < 1.0:
-        raise ValueError(f"discard_ratio must be in [0, 1), got {discard_ratio}")
-    if query not in ("cls", "mean"):
-        raise ValueError(f"query must be 'cls' or 'mean', got {query!r}")
-    if query == "cls" and num_prefix_tokens < 1:
-        raise ValueError("query='cls' needs a CLS token; use query='mean' for models without one")
-    if len(attns) == 0:
-        raise ValueError("attention_rollout needs at least one attention map")
-    B, _, N, _ = attns[0].shape
-    n = num_prefix_tokens
-    L = N - n
-    eye = torch.eye(N, dtype=attns[0].dtype, device=attns[0].device)  # (N, N)
-    rollout = eye.expand(B, N, N)
-    for attn in attns:
-        a = _fuse_heads(attn, head_fusion)  # (B, N, N)
-        k = math.floor(discard_ratio * L)
-        if k > 0:
-            patch_cols = a[..., n:]  # (B, N, L)
-            weakest = patch_cols.topk(k, dim=-1, largest=False).indices  # (B, N, k)
-            a = torch.cat([a[..., :n], patch_cols.scatter(-1, weakest, 0.0)], dim=-1)  # (B, N, N)
-        a = (a + eye) / 2  # residual path
-        a = a / a.sum(dim=-1, keepdim=True)  # rows sum to 1
-        rollout = a @ rollout  # (B, N, N): this block after everything before it
-    return _read_out(rollout, n, query)
+    out = np_rollout.attention_rollout(
+        _numpy(attns),
+        head_fusion=head_fusion,
+        discard_ratio=discard_ratio,
+        num_prefix_tokens=num_prefix_tokens,
+        query=query,
+    )
+    return _like(out, attns)
 
 
 def rollout_from_gradients(
-    attns: list[torch.Tensor] | tuple[torch.Tensor, ...],
-    grads: list[torch.Tensor] | tuple[torch.Tensor, ...],
+    attns: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
     *,
     num_prefix_tokens: int = 1,
     query: str = "cls",
@@ -85,22 +73,12 @@ def rollout_from_gradients(
         query: "cls" or "mean", as in `attention_rollout`.
 
     Returns:
-        (B, L) relevance per patch for the class the gradients came from, maximum 1 per image.
+        (B, L) relevance per patch (float32; float64 for float64 maps) for the class the gradients came from, maximum 1 per image.
     """
-    if len(attns) != len(grads) or len(attns) == 0:
-        raise ValueError(f"need one gradient per attention map, got {len(attns)} maps and {len(grads)} gradients")
-    B, _, N, _ = attns[0].shape
-    eye = torch.eye(N, dtype=attns[0].dtype, device=attns[0].device)  # (N, N)
-    relevance = eye.expand(B, N, N)
-    for attn, grad in zip(attns, grads, strict=True):
-        if grad.shape != attn.shape:
-            raise ValueError(f"gradient shape {tuple(grad.shape)} does not match its map {tuple(attn.shape)}")
-        a = (grad * attn).clamp(min=0).mean(dim=1)  # (B, N, N): positive, class-specific evidence
-        relevance = relevance + a @ relevance
-    # Read out what the attention added, without the identity (each token's relevance to itself): Chefer
-    # et al. leave the CLS token's own column out; for query="mean" the identity adds the same 1/L to
-    # every patch, which after max-scaling flattens small models' maps to 0.98-1.
-    return _read_out(relevance - eye, num_prefix_tokens, query)
+    out = np_rollout.rollout_from_gradients(
+        _numpy(attns), _numpy(grads), num_prefix_tokens=num_prefix_tokens, query=query
+    )
+    return _like(out, attns)
 
 
 def gradient_rollout(
@@ -135,17 +113,10 @@ def gradient_rollout(
     return maps, logits.detach()
 
 
-def _fuse_heads(attn: torch.Tensor, how: str) -> torch.Tensor:
-    if how == "mean":
-        return attn.mean(dim=1)  # (B, N, N)
-    if how == "max":
-        return attn.amax(dim=1)
-    return attn.amin(dim=1)
+def _numpy(maps: Sequence[torch.Tensor]) -> list[np.ndarray]:
+    return [m.detach().cpu().numpy() if m.dtype == torch.float64 else m.detach().float().cpu().numpy() for m in maps]
 
 
-def _read_out(rollout: torch.Tensor, n: int, query: str) -> torch.Tensor:
-    if query == "cls":
-        out = rollout[:, 0, n:]  # (B, L): the CLS row, patch columns
-    else:
-        out = rollout[:, n:, n:].mean(dim=1)  # (B, L): mean over patch rows
-    return out / out.amax(dim=-1, keepdim=True).clamp_min(torch.finfo(out.dtype).tiny)
+def _like(out: np.ndarray, maps: Sequence[torch.Tensor]) -> torch.Tensor:
+    device = maps[0].device if len(maps) else "cpu"
+    return torch.from_numpy(out).to(device)

@@ -49,10 +49,6 @@ class DeletionScore:
     def to_dict(self) -> dict:
         return {**asdict(self), "faithful": self.faithful}
 
-    def summary(self) -> str:
-        verdict = "faithful" if self.faithful else "not better than random"
-        return f"deletion AUC {self.auc_map:.3f} for the map vs {self.auc_random:.3f} for random order ({verdict})"
-
 
 def deletion_orders(saliency: np.ndarray, random_orders: int, seed: int) -> list[np.ndarray]:
     """Patch orders: the map's (most relevant first) followed by `random_orders` seeded permutations.

@@ -1,7 +1,7 @@
-"""Attention rollout in numpy: the same math as `vit.rollout`, for the torch-free runtime.
+"""Attention rollout in numpy: the one implementation of the arithmetic.
 
-A parity test pins `attention_rollout` here to `vit.attention_rollout` on the same maps, and
-`rollout_from_gradients` to `vit.rollout_from_gradients`.
+The torch-free runtime calls it on the maps the ONNX file outputs; `vit.rollout` adapts torch tensors to
+it, so the model, the exporter's parity gate and the server all compute the same map.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import numpy as np
 
 # Shapes: B batch, nh heads, n prefix tokens, L patches, N = n + L tokens.
 
-HEAD_FUSIONS = ("mean", "max", "min")
+HEAD_FUSIONS = ("mean", "max", "min")  # how the heads of one block are combined
 
 
 def attention_rollout(
@@ -35,7 +35,7 @@ def attention_rollout(
         query: "cls" reads the CLS token's row; "mean" averages the patch rows.
 
     Returns:
-        (B, L) float32 relevance per patch, each image scaled so its maximum is 1.
+        (B, L) relevance per patch (float32; float64 for float64 maps), each image scaled so its maximum is 1.
     """
     if head_fusion not in HEAD_FUSIONS:
         raise ValueError(f"head_fusion must be one of {HEAD_FUSIONS}, got {head_fusion!r}")
@@ -47,11 +47,12 @@ def attention_rollout(
     B, _, N, _ = attns[0].shape
     n = num_prefix_tokens
     L = N - n
-    eye = np.eye(N, dtype=np.float32)  # (N, N)
+    dtype = _float_dtype(attns[0])
+    eye = np.eye(N, dtype=dtype)  # (N, N)
     rollout = np.broadcast_to(eye, (B, N, N))
     k = math.floor(discard_ratio * L)
     for attn in attns:
-        a = _fuse_heads(np.asarray(attn, dtype=np.float32), head_fusion)  # (B, N, N)
+        a = _fuse_heads(np.asarray(attn, dtype=dtype), head_fusion)  # (B, N, N)
         if k > 0:
             patch_cols = a[..., n:].copy()  # (B, N, L)
             weakest = np.argpartition(patch_cols, k - 1, axis=-1)[..., :k]  # (B, N, k)
@@ -80,13 +81,13 @@ def rollout_from_gradients(
         query: "cls" or "mean".
 
     Returns:
-        (B, L) float32 relevance per patch, maximum 1 per image.
+        (B, L) relevance per patch (float32; float64 for float64 maps), maximum 1 per image.
     """
     if len(attns) != len(grads) or len(attns) == 0:
         raise ValueError(f"need one gradient per attention map, got {len(attns)} maps and {len(grads)} gradients")
     _check_query(query, num_prefix_tokens)
     B, _, N, _ = attns[0].shape
-    eye = np.eye(N, dtype=np.float32)  # (N, N)
+    eye = np.eye(N, dtype=_float_dtype(attns[0]))  # (N, N)
     relevance = np.broadcast_to(eye, (B, N, N))
     for attn, grad in zip(attns, grads, strict=True):
         if grad.shape != attn.shape:
@@ -97,6 +98,11 @@ def rollout_from_gradients(
     # et al. leave the CLS token's own column out; for query="mean" the identity adds the same 1/L to
     # every patch, which after max-scaling flattens small models' maps to 0.98-1.
     return _read_out(relevance - eye, num_prefix_tokens, query)
+
+
+def _float_dtype(a) -> np.dtype:
+    """float64 maps stay float64 (exact tests); anything else is computed in float32."""
+    return np.dtype(np.float64) if np.asarray(a).dtype == np.float64 else np.dtype(np.float32)
 
 
 def _check_query(query: str, n: int) -> None:
@@ -119,5 +125,6 @@ def _read_out(rollout: np.ndarray, n: int, query: str) -> np.ndarray:
         out = rollout[:, 0, n:]  # (B, L): the CLS row, patch columns
     else:
         out = rollout[:, n:, n:].mean(axis=1)  # (B, L): mean over patch rows
-    peak = np.maximum(out.max(axis=-1, keepdims=True), np.finfo(np.float32).tiny)
-    return (out / peak).astype(np.float32)
+    dtype = out.dtype if out.dtype == np.float64 else np.float32
+    peak = np.maximum(out.max(axis=-1, keepdims=True), np.finfo(dtype).tiny)
+    return (out / peak).astype(dtype)

@@ -7,7 +7,7 @@ more (by default it does not), until `max_batch_size`. A lone request runs at on
 waiting only adds latency. Then it decodes whatever arrived still encoded (`prepare`), stacks the
 images and runs one forward pass. Decoding here rather than on the event loop (as LitServe decodes in
 its workers) never has a decode compete with onnxruntime's threads for the cores; the API does so
-when onnxruntime uses every core (`serve.server.app.build_app`).
+when onnxruntime uses every core (`serve.server.v1`).
 
 The batch size matters for throughput in a way that is easy to miss: while a batch runs, the event
 loop decodes the next requests, so smaller batches keep both busy (a pipeline), whereas a batch as
@@ -251,7 +251,7 @@ class Engine:
     """The classifier behind the batcher: the only object that touches the ONNX session.
 
     Async callers (the API) await `predict` / `run`; sync callers (the Gradio handlers, which run
-    in worker threads) use `predict_sync` / `run_sync`. Either way the session runs on the batcher's
+    in worker threads) use `run_sync`. Either way the session runs on the batcher's
     thread.
 
     Args:
@@ -317,9 +317,6 @@ class Engine:
         """`fn(*args)` on the worker thread (for anything else that uses the session)."""
         fut = asyncio.wrap_future(self.batcher.call(fn, *args))
         return await asyncio.wait_for(fut, self.settings.request_timeout_s)
-
-    def predict_sync(self, pixels: np.ndarray) -> np.ndarray:
-        return self.batcher.submit(pixels).result(timeout=self.settings.request_timeout_s)
 
     def run_sync(self, fn: Callable[..., Any], *args: Any) -> Any:
         return self.batcher.call(fn, *args).result(timeout=self.settings.request_timeout_s)

@@ -1,8 +1,9 @@
 """`vit-serve model.onnx [--host 127.0.0.1] [--port 7860] ...`: the UI and the API in one process.
 
-Every field of `ServeSettings` is an option (``--max-batch-size 16``). The URL is printed once the
-model is loaded, warmed up and the socket is listening. SIGTERM (or Ctrl-C) stops taking new
-connections, lets requests in flight finish, drains the batcher, then exits.
+Every field of `ServeSettings` is an option (``--max-batch-size 16``) and an environment variable
+(``VITSCOPE_MAX_BATCH_SIZE=16``); the option wins. The URL is printed once the model is loaded, warmed
+up and the socket is listening. SIGTERM (or Ctrl-C) stops taking new connections, lets requests in
+flight finish, drains the batcher, then exits.
 """
 
 from __future__ import annotations
@@ -11,46 +12,57 @@ import argparse
 import logging
 import signal
 import sys
-from dataclasses import MISSING, fields
 from pathlib import Path
 
 import uvicorn
+from pydantic import ValidationError
 
-from serve.server.settings import ServeSettings, field_help
+from serve.server.settings import ENV_PREFIX, ServeSettings
 
 log = logging.getLogger("vitscope.serve")
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The options, one per `ServeSettings` field, with the field's description as help."""
     parser = argparse.ArgumentParser(
         prog="vit-serve",
         description="Serve an exported vitscope ONNX model: Gradio UI at /, JSON API at /v1/classify, "
-        "KServe v2 at /v2, health at /healthz and /readyz, Prometheus metrics at /metrics.",
+        "KServe v2 at /v2, health at /healthz and /readyz, Prometheus metrics at /metrics. Every option "
+        f"can also be set by an environment variable, {ENV_PREFIX}<OPTION> (e.g. {ENV_PREFIX}MAX_BATCH_SIZE).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument("model", type=Path, help="the .onnx file written by vit-export")
-    helps = field_help()
-    for f in fields(ServeSettings):
-        default = f.default if f.default is not MISSING else None
-        kind = type(default) if default is not None else str
-        text = helps.get(f.name, "").replace("%", "%%")  # argparse formats help with %
-        flag = f"--{f.name.replace('_', '-')}"
-        if kind is bool:  # --opentelemetry / --no-opentelemetry
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=text)
+    for name, field in ServeSettings.model_fields.items():
+        flag = f"--{name.replace('_', '-')}"
+        text = (field.description or "").replace("%", "%%")  # argparse formats help with %
+        # SUPPRESS: an option not given stays out of the namespace, so the environment can set it
+        if field.annotation is bool:  # --opentelemetry / --no-opentelemetry
+            action = argparse.BooleanOptionalAction
+            parser.add_argument(
+                flag, action=action, default=argparse.SUPPRESS, help=f"{text} (default: {field.default})"
+            )
         else:
-            parser.add_argument(flag, type=kind, default=default, help=text)
+            kind = field.annotation if field.annotation in (int, float) else str
+            parser.add_argument(flag, type=kind, default=argparse.SUPPRESS, help=f"{text} (default: {field.default})")
     parser.add_argument("--no-ui", action="store_true", help="serve the API only, without the Gradio UI")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return parser
+
+
+def settings_from(args: argparse.Namespace) -> ServeSettings:
+    """The options given on the command line, over the environment, over the defaults."""
+    given = {name: getattr(args, name) for name in ServeSettings.model_fields if hasattr(args, name)}
+    return ServeSettings(**given)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        settings = ServeSettings(**{f.name: getattr(args, f.name) for f in fields(ServeSettings)})
-    except ValueError as e:
-        print(f"vit-serve: {e}", file=sys.stderr)
+        settings = settings_from(args)
+    except ValidationError as e:
+        where = "; ".join(f"{'.'.join(map(str, err['loc'])) or 'settings'}: {err['msg']}" for err in e.errors())
+        print(f"vit-serve: {where}", file=sys.stderr)
         return 2
 
     from serve.runtime.classifier import OnnxClassifier

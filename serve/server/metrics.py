@@ -6,7 +6,6 @@ Each app gets its own registry, so several apps (as in tests) never share counte
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -15,13 +14,9 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 
 
 class Metrics:
-    """The server's Prometheus collectors.
+    """The server's Prometheus collectors (the queue depth is read at scrape time: `queue_depth.set_function`)."""
 
-    Args:
-        queue_depth: returns the number of requests waiting for the model, read at scrape time.
-    """
-
-    def __init__(self, queue_depth: Callable[[], int] | None = None):
+    def __init__(self):
         self.registry = CollectorRegistry()
         self.requests = Counter(
             "vitscope_requests", "HTTP requests by route and status code", ["route", "status"], registry=self.registry
@@ -37,8 +32,6 @@ class Metrics:
             "vitscope_batch_size", "Images per ONNX Runtime call", buckets=BATCH_BUCKETS, registry=self.registry
         )
         self.queue_depth = Gauge("vitscope_queue_depth", "Requests waiting for the model", registry=self.registry)
-        if queue_depth is not None:
-            self.queue_depth.set_function(queue_depth)
 
     def observe(self, route: str, status: int, started: float) -> None:
         """Count one finished request; `started` is its `time.perf_counter()` at arrival."""

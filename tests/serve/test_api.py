@@ -19,7 +19,6 @@ from PIL import Image
 
 from serve.runtime.classifier import OnnxClassifier
 from serve.server.app import build_app
-from serve.server.batching import MicroBatcher, QueueFull, choose_batch_size, time_batch_sizes
 from serve.server.settings import ServeSettings
 
 
@@ -244,29 +243,6 @@ def test_full_queue_answers_503_with_retry_after(classifier):
         assert ok.status_code == 200
 
 
-def test_a_lone_request_does_not_wait_for_the_batching_delay():
-    batcher = MicroBatcher(lambda b: b[:, 0, 0, 0], max_batch_size=8, max_delay_ms=2000).start()
-    t0 = time.perf_counter()
-    assert batcher.submit(np.full((1, 1, 3), 5, np.uint8)).result(5) == 5
-    assert time.perf_counter() - t0 < 1.0
-    batcher.close()
-
-
-def test_batcher_groups_waiting_requests_up_to_the_batch_size():
-    sizes = []
-    batcher = MicroBatcher(lambda b: b.reshape(len(b), -1).sum(axis=1), max_batch_size=4, max_delay_ms=200)
-    batcher.on_batch = sizes.append
-    batcher.start()
-    gate = threading.Event()
-    batcher.call(gate.wait, 5)  # hold the worker while six requests queue up
-    time.sleep(0.05)
-    futures = [batcher.submit(np.full((2, 2, 3), i, np.uint8)) for i in range(6)]
-    gate.set()
-    assert [f.result(5) for f in futures] == [12 * i for i in range(6)]  # each gets its own row back
-    batcher.close()
-    assert sizes == [4, 2]
-
-
 def test_with_onnxruntime_on_every_core_uploads_are_decoded_on_the_models_thread(tiny_onnx, classifier):
     two_threads = OnnxClassifier(tiny_onnx, threads=2)  # no free core: decoding moves off the event loop
     image = bright_square(2)
@@ -279,77 +255,6 @@ def test_with_onnxruntime_on_every_core_uploads_are_decoded_on_the_models_thread
     assert ok.json()["predictions"][0]["score"] == pytest.approx(score, abs=1e-5)
     assert bad.status_code == 422 and bad.json()["error"]["code"] == "corrupt"  # header fine, data cut short
     assert again.status_code == 200
-
-
-def test_an_item_that_fails_to_decode_fails_alone_and_its_batch_runs():
-    def decode(item):
-        if item == "corrupt":
-            raise ValueError("image data is corrupt")
-        return np.full((1, 1, 3), int(item), np.uint8)
-
-    sizes = []
-    batcher = MicroBatcher(lambda b: b[:, 0, 0, 0], max_batch_size=4, prepare=decode, on_batch=sizes.append).start()
-    gate = threading.Event()
-    batcher.call(gate.wait, 5)  # hold the worker while three items queue up
-    time.sleep(0.05)
-    futures = [batcher.submit(x) for x in ("3", "corrupt", "5")]
-    gate.set()
-    assert futures[0].result(5) == 3 and futures[2].result(5) == 5
-    with pytest.raises(ValueError, match="corrupt"):
-        futures[1].result(5)
-    batcher.close()
-    assert sizes == [2]
-
-
-def test_batcher_refuses_beyond_the_queue_and_drains_on_close():
-    gate = threading.Event()
-    batcher = MicroBatcher(lambda b: b[:, 0, 0, 0], max_batch_size=2, max_delay_ms=0, queue_size=2).start()
-    batcher.call(gate.wait, 5)
-    time.sleep(0.05)
-    queued = [batcher.submit(np.full((1, 1, 3), i, np.uint8)) for i in (1, 2)]
-    with pytest.raises(QueueFull, match="retry"):
-        batcher.submit(np.zeros((1, 1, 3), np.uint8))
-    gate.set()
-    batcher.close(timeout=5)
-    assert [f.result(0) for f in queued] == [1, 2] and not batcher.running
-
-
-def test_a_failing_batch_fails_its_requests_but_not_the_worker():
-    calls = []
-
-    def flaky(batch):
-        calls.append(len(batch))
-        if len(calls) == 1:
-            raise RuntimeError("boom")
-        return batch[:, 0, 0, 0]
-
-    batcher = MicroBatcher(flaky, max_batch_size=1, max_delay_ms=0).start()
-    with pytest.raises(RuntimeError, match="boom"):
-        batcher.submit(np.zeros((1, 1, 3), np.uint8)).result(5)
-    assert batcher.submit(np.full((1, 1, 3), 7, np.uint8)).result(5) == 7
-    batcher.close()
-
-
-def test_batch_size_is_the_smallest_one_that_amortises_the_per_call_overhead():
-    assert choose_batch_size({1: 2.0, 2: 1.1, 4: 1.02, 8: 1.0, 16: 1.01}) == 4  # 1.02 is within 3% of 1.0
-    assert choose_batch_size({1: 1.0, 2: 0.99, 4: 1.0}) == 1  # no overhead to amortise: batching only adds latency
-
-    def per_image_cost(batch):  # no per-call overhead
-        time.sleep(0.004 * len(batch))
-
-    def per_call_cost(batch):  # nearly all of it is per call
-        time.sleep(0.02 + 0.0002 * len(batch))
-
-    assert choose_batch_size(time_batch_sizes(per_image_cost, (1, 1, 3), 8)) <= 2
-    times = time_batch_sizes(per_call_cost, (1, 1, 3), 8)
-    assert list(times) == [1, 2, 4, 8] and choose_batch_size(times) == 8
-
-    def slow(batch):  # a big model on a slow CPU: start-up must not time batch 8 for a minute
-        time.sleep(0.05 * len(batch))
-
-    t0 = time.perf_counter()
-    assert list(time_batch_sizes(slow, (1, 1, 3), 8, budget_s=1.0)) in ([1], [1, 2])  # batch 4 would overrun
-    assert time.perf_counter() - t0 < 2.0
 
 
 def test_the_server_measures_its_batch_size_at_warm_up(classifier):
@@ -408,9 +313,20 @@ def test_opentelemetry_spans_only_when_asked_for(tiny_onnx, flag):
 
 
 def test_boolean_settings_are_on_off_flags():
-    from serve.server.cli import build_parser
+    from serve.server.cli import build_parser, settings_from
 
-    parse = build_parser().parse_args
+    def parse(argv):
+        return settings_from(build_parser().parse_args(argv))
+
     assert parse(["m.onnx"]).opentelemetry is False
     assert parse(["m.onnx", "--opentelemetry"]).opentelemetry is True
     assert parse(["m.onnx", "--opentelemetry", "--no-opentelemetry"]).opentelemetry is False
+
+
+def test_settings_come_from_the_environment_and_the_command_line_wins(monkeypatch):
+    from serve.server.cli import build_parser, settings_from
+
+    monkeypatch.setenv("VITSCOPE_MAX_BATCH_SIZE", "4")
+    monkeypatch.setenv("VITSCOPE_QUEUE_SIZE", "9")
+    settings = settings_from(build_parser().parse_args(["m.onnx", "--queue-size", "3"]))
+    assert settings.max_batch_size == 4 and settings.queue_size == 3

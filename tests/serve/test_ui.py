@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from serve.server.ui import cls_attention, example_files, render_overlay
+from serve.server.explain import cls_attention, render_overlay
+from serve.server.ui import example_files
 from tests.serve.process import ServerProcess
 
 

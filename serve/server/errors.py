@@ -1,0 +1,135 @@
+"""Every failure is an `ApiError` value with a code; `ERROR_STATUS` is the one place that maps codes to HTTP
+statuses, and every error body is JSON: {"error": {"code": ..., "message": ...}}.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Iterator
+from contextlib import contextmanager
+
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
+
+from serve.runtime.images import ImageError
+from serve.server.batching import QueueFull, ShuttingDown
+from serve.server.settings import ServeSettings
+
+log = logging.getLogger(__name__)
+
+ERROR_STATUS = {
+    "empty": 422,  # zero bytes
+    "corrupt": 422,  # an image header, but the data is truncated or broken
+    "bad_request": 422,  # a parameter or a tensor that does not fit
+    "not_an_image": 415,  # no image header at all
+    "unsupported": 415,  # an image mode or array we cannot use
+    "unsupported_media_type": 415,  # a content type that cannot carry an image
+    "too_large": 413,  # over the pixel limit (checked from the header)
+    "body_too_large": 413,  # over max_bytes
+    "not_found": 404,
+    "method_not_allowed": 405,
+    "queue_full": 503,
+    "shutting_down": 503,
+    "not_ready": 503,
+    "timeout": 504,
+    "internal": 500,
+}
+
+
+class ApiError(Exception):
+    """A failed request as a value: a code from `ERROR_STATUS` and a message the user can act on."""
+
+    def __init__(self, code: str, message: str, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.code, self.message, self.headers = code, message, headers or {}
+
+    @property
+    def status(self) -> int:
+        return ERROR_STATUS[self.code]
+
+
+def error_response(err: ApiError, settings: ServeSettings) -> JSONResponse:
+    headers = {**err.headers, **({"Retry-After": str(settings.retry_after_s)} if err.status == 503 else {})}
+    return JSONResponse({"error": {"code": err.code, "message": err.message}}, err.status, headers=headers)
+
+
+@contextmanager
+def image_errors_as_api_errors() -> Iterator[None]:
+    """An `ImageError` becomes the `ApiError` of its kind."""
+    try:
+        yield
+    except ImageError as e:
+        raise ApiError(e.kind if e.kind in ERROR_STATUS else "corrupt", str(e)) from None
+
+
+async def model_result(work: Awaitable, settings: ServeSettings):
+    """Await work queued on the model's worker; its failures become the `ApiError` of their kind."""
+    try:
+        return await work
+    except QueueFull as e:
+        raise ApiError("queue_full", str(e)) from None
+    except ShuttingDown as e:
+        raise ApiError("shutting_down", str(e)) from None
+    except (TimeoutError, asyncio.TimeoutError):  # distinct classes before Python 3.11
+        raise ApiError("timeout", f"no result within {settings.request_timeout_s} s; retry later") from None
+
+
+def add_error_handlers(app: FastAPI, settings: ServeSettings) -> None:
+    """Our errors, FastAPI's validation errors, Starlette's routing errors and anything unexpected, all as
+    the JSON body above."""
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, err: ApiError):
+        return error_response(err, settings)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, err: RequestValidationError):
+        where = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in err.errors())
+        return error_response(ApiError("bad_request", f"invalid request: {where}"), settings)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, err: StarletteHTTPException):
+        # Starlette's own errors: its routing (404, 405) and its form parser (a malformed multipart body)
+        code = {404: "not_found", 405: "method_not_allowed", 413: "body_too_large"}.get(err.status_code, "bad_request")
+        return error_response(ApiError(code, str(err.detail)), settings)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, err: Exception):
+        log.exception("unexpected error on %s", request.url.path)
+        return error_response(
+            ApiError("internal", f"internal error ({type(err).__name__}); see the server log"), settings
+        )
+
+
+def add_fallback_routes(app: FastAPI, routers: list[APIRouter]) -> None:
+    """Any other /v1 or /v2 request gets a JSON 404 or 405 (the UI at `/` would otherwise answer it).
+
+    Args:
+        app: the app, which holds `routers` already.
+        routers: the API's routers: their routes are the paths that exist, and the methods they take.
+    """
+    api_routes = [route for router in routers for route in router.routes]
+
+    async def no_such_route(request: Request):
+        path = request.url.path
+        allowed = sorted(
+            {m for r in api_routes if r.matches(request.scope)[0] == Match.PARTIAL for m in getattr(r, "methods", ())}
+        )
+        if allowed:
+            raise ApiError(
+                "method_not_allowed",
+                f"{path} takes {', '.join(allowed)}, not {request.method}",
+                {"Allow": ", ".join(allowed)},
+            )
+        bare = {**request.scope, "path": path.rstrip("/")}
+        if path.endswith("/") and any(r.matches(bare)[0] != Match.NONE for r in api_routes):
+            raise ApiError("not_found", f"no route {path}: drop the trailing slash ({path.rstrip('/')})")
+        raise ApiError("not_found", f"no route {path}: the API is POST /v1/classify and the KServe v2 paths under /v2")
+
+    every_method = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
+    for path in ("/v1", "/v1/{rest:path}", "/v2/{rest:path}"):  # /v2 itself is the server's metadata
+        app.router.add_route(path, no_such_route, methods=every_method, include_in_schema=False)

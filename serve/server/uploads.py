@@ -1,0 +1,73 @@
+"""decode_request: an HTTP request -> image bytes and form fields -> an opened image -> model pixels.
+
+The body is read once, refused with 413 as soon as it passes the byte limit; the image header is
+checked against the pixel limit before anything is decoded.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from fastapi import Request
+from PIL import Image
+
+from serve.runtime.images import load_image, open_image
+from serve.server.errors import ApiError, image_errors_as_api_errors
+from serve.server.settings import ServeSettings
+
+RAW_TYPES = ("image/", "application/octet-stream")
+
+
+async def read_body(request: Request, max_bytes: int) -> bytes:
+    """The request body, refused with 413 as soon as it passes `max_bytes` (before reading it all)."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+        raise ApiError("body_too_large", f"the body is {int(declared):,} bytes, over the {max_bytes:,}-byte limit")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise ApiError("body_too_large", f"the body is over the {max_bytes:,}-byte limit; send a smaller image")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def decode_request(request: Request, settings: ServeSettings) -> tuple[bytes, dict[str, str]]:
+    """The image bytes and any form fields, from a multipart upload or a raw image body."""
+    body = await read_body(request, settings.max_bytes)
+    ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if ctype == "multipart/form-data":
+        async with _replay(request, body).form(max_files=1) as form:  # closes spooled upload files when done
+            upload = form.get("file")
+            fields = {k: v for k, v in form.items() if isinstance(v, str)}
+            if upload is None or isinstance(upload, str):
+                raise ApiError("bad_request", "multipart uploads must carry the image in a file field named 'file'")
+            return await upload.read(), fields
+    if ctype and not ctype.startswith(RAW_TYPES):
+        raise ApiError(
+            "unsupported_media_type",
+            f"content type {ctype!r} cannot carry an image: send the image bytes as image/* or "
+            "application/octet-stream, or multipart/form-data with the field 'file'",
+        )
+    return body, {}
+
+
+def _replay(request: Request, body: bytes) -> Request:
+    """A request over the same scope whose body is `body`, already read within the limit, so that the
+    form parser reads it again from memory rather than from the socket."""
+
+    async def receive() -> dict:
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    return Request(request.scope, receive)
+
+
+def open_upload(data: bytes, settings: ServeSettings) -> Image.Image:
+    """The image's header only (size checked against `max_pixels`); `decode_image` decodes it."""
+    with image_errors_as_api_errors():
+        return open_image(bytes(data), max_pixels=settings.max_pixels)
+
+
+def decode_image(img: Image.Image, classifier, settings: ServeSettings) -> np.ndarray:
+    """An opened image -> (H, W, 3) uint8 at the model's input size."""
+    with image_errors_as_api_errors():
+        return classifier.preprocess.to_uint8(load_image(img, max_pixels=settings.max_pixels))

@@ -1,0 +1,127 @@
+"""The `/v1` API and the health routes: a request goes decode_request -> predict -> encode_response.
+
+POST /v1/classify          image as multipart field `file` or as the raw body; ?top_k=5&explain=true
+GET  /healthz, /readyz     live; ready once the model is loaded and warmed up
+GET  /metrics              Prometheus
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.concurrency import run_in_threadpool
+
+from serve.runtime.rollout import HEAD_FUSIONS
+from serve.server.batching import Engine
+from serve.server.errors import ApiError, model_result
+from serve.server.explain import explain_pixels, mean_fill_of, overlay_png
+from serve.server.metrics import Metrics
+from serve.server.settings import ServeSettings
+from serve.server.uploads import decode_image, decode_request, open_upload
+
+# A small file can still declare a huge image (a flat 40 MP PNG compresses to kilobytes): only images
+# up to 1 MP, a few milliseconds of decoding and resizing, are decoded on the loop or the model's thread.
+INLINE_DECODE_PIXELS = 1_000_000
+TRUE, FALSE = ("1", "true", "yes"), ("0", "false", "no")
+
+
+def encode_response(classifier, probs: np.ndarray, top_k: int, explanation: dict | None = None) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "model": classifier.name,
+        "version": classifier.version,
+        "predictions": [
+            {"label": label, "score": score} for label, score in classifier.top_k(probs[None], max(1, top_k))[0]
+        ],
+    }
+    if explanation is not None:
+        out["explanation"] = explanation
+    return out
+
+
+def parse_params(query, form: dict[str, str], settings: ServeSettings) -> dict[str, Any]:
+    """The query string's and the form's parameters, checked: `ApiError("bad_request")` says what is wrong."""
+    params = {**form, **dict(query)}
+    try:
+        top_k = int(params.get("top_k", settings.top_k))
+        discard = float(params.get("discard_ratio", 0.0))
+    except ValueError:
+        raise ApiError("bad_request", "top_k must be an integer and discard_ratio a number") from None
+    explain = str(params.get("explain", "false")).lower()
+    fusion = params.get("head_fusion", "mean")
+    if explain not in TRUE + FALSE:
+        raise ApiError("bad_request", f"explain must be true or false, got {explain!r}")
+    if top_k < 1:
+        raise ApiError("bad_request", f"top_k must be at least 1, got {top_k}")
+    if fusion not in HEAD_FUSIONS:
+        raise ApiError("bad_request", f"head_fusion must be one of {', '.join(HEAD_FUSIONS)}, got {fusion!r}")
+    if not 0.0 <= discard < 1.0:
+        raise ApiError("bad_request", f"discard_ratio must be in [0, 1), got {discard}")
+    return {"top_k": top_k, "explain": explain in TRUE, "head_fusion": fusion, "discard_ratio": discard}
+
+
+def v1_router(classifier, engine: Engine, metrics: Metrics, settings: ServeSettings) -> APIRouter:
+    """`/v1/classify`, `/healthz`, `/readyz` and `/metrics` for one classifier behind one engine."""
+    router = APIRouter()
+    # Decode small uploads where a core is free: on the event loop when onnxruntime runs on one thread
+    # (small models: the loop has the other core), on the model's thread right before its batch when
+    # onnxruntime uses every core (decoding on the loop would fight its threads; BENCHMARKS.md, serving).
+    decode_on_worker = classifier.threads != 1
+    fill = mean_fill_of(classifier)
+
+    async def classify(request: Request):
+        """Classify one image (multipart field `file` or raw body); `explain=true` adds the rollout map."""
+        data, form = await decode_request(request, settings)
+        params = parse_params(request.query_params, form, settings)
+        img = open_upload(data, settings)  # the header: not an image, or too many pixels, fails here
+        small = len(data) <= settings.inline_decode_bytes and img.width * img.height <= INLINE_DECODE_PIXELS
+        if params["explain"]:  # the explain pass computes the probabilities too: no second forward pass
+            pixels = await run_in_threadpool(decode_image, img, classifier, settings)
+            fusion, discard = params["head_fusion"], params["discard_ratio"]
+            work = engine.run(explain_pixels, classifier, pixels, fusion, discard, None, fill, settings)
+            ex = await model_result(work, settings)
+            explanation = {
+                "head_fusion": fusion,
+                "discard_ratio": discard,
+                "grid": ex["grid"].round(5).tolist(),
+                "overlay_png": await run_in_threadpool(overlay_png, pixels, ex["grid"]),  # a few ms: off the loop
+                "deletion": ex["deletion"].to_dict(),
+            }
+            return JSONResponse(encode_response(classifier, ex["probs"], params["top_k"], explanation))
+        if not small:  # in a thread of its own, so that it never holds up the loop or a batch
+            item = await run_in_threadpool(decode_image, img, classifier, settings)
+        elif decode_on_worker:  # on the model's thread, right before its batch runs
+            item = img
+        else:  # on the event loop, while the model runs on the other core
+            item = decode_image(img, classifier, settings)
+        probs = await model_result(engine.predict(item), settings)
+        return JSONResponse(encode_response(classifier, probs, params["top_k"]))  # already plain JSON
+
+    # A plain Starlette route: it takes the raw Request anyway, and FastAPI's per-request dependency
+    # machinery costs a few percent of a small model's throughput (BENCHMARKS.md, serving). So it is not
+    # in the generated OpenAPI schema; the README documents it.
+    router.add_route("/v1/classify", classify, methods=["POST"])
+
+    @router.get("/healthz")
+    async def healthz():
+        return {"status": "live"}
+
+    @router.get("/readyz")
+    async def readyz():
+        if not engine.ready:
+            raise ApiError("not_ready", "the model is loading or warming up (or the server is stopping)")
+        return {
+            "status": "ready",
+            "model": classifier.name,
+            "version": classifier.version,
+            "batch_size": engine.batch_size,
+        }
+
+    @router.get("/metrics")
+    async def prometheus():
+        body, ctype = metrics.render()
+        return Response(body, media_type=ctype)
+
+    return router
