@@ -44,7 +44,8 @@ def attention_rollout(
             average-pooled models without a CLS token).
 
     Returns:
-        (B, L) relevance per patch on the maps' device (float32; float64 for float64 maps), each image scaled so its maximum is 1.
+        (B, L) relevance per patch on the maps' device (float32; float64 for float64 maps), each
+        image scaled so its maximum is 1.
     """
     out = np_rollout.attention_rollout(
         _numpy(attns),
@@ -73,7 +74,8 @@ def rollout_from_gradients(
         query: "cls" or "mean", as in `attention_rollout`.
 
     Returns:
-        (B, L) relevance per patch (float32; float64 for float64 maps) for the class the gradients came from, maximum 1 per image.
+        (B, L) relevance per patch (float32; float64 for float64 maps) for the class the gradients
+        came from, maximum 1 per image.
     """
     out = np_rollout.rollout_from_gradients(
         _numpy(attns), _numpy(grads), num_prefix_tokens=num_prefix_tokens, query=query
