@@ -24,9 +24,11 @@ $(VENV)/.installed: pyproject.toml constraints-x86_64-linux.txt
 	$(PYTHON) -m pip install --quiet $(CONSTRAINTS) -e '.[dev]'
 	touch $@
 
+# ruff, then the import contracts between the rooms (pyproject.toml, [tool.importlinter])
 lint: install
 	$(BIN)/ruff check vit train serve tests benchmarks
 	$(BIN)/ruff format --check vit train serve tests benchmarks
+	$(BIN)/lint-imports
 
 format: install
 	$(BIN)/ruff format vit train serve tests benchmarks

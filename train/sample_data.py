@@ -31,7 +31,10 @@ def write_digits(out: str | Path, size: int = 32, force: bool = False) -> Path:
     Returns:
         The output folder.
     """
-    from sklearn.datasets import load_digits
+    try:
+        from sklearn.datasets import load_digits
+    except ImportError:
+        raise SystemExit("vit-sample-data needs scikit-learn, which ships the digits: pip install 'vitscope[sample]'")
 
     out = Path(out)
     if (out / MARKER).is_file() and not force:

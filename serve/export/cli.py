@@ -135,8 +135,8 @@ def export_onnx(
         val_dir: an image folder (one subfolder per class) for the parity gate when the run has no split.json.
         parity_samples: at most this many validation images in the parity gate.
         check_parity: run the parity gate (only tests of the gate itself turn it off).
-        gradients: include the gradient graph for class-specific gradient rollout (about 1.7x
-            the file size; the logits path is unaffected).
+        gradients: include the gradient graph for class-specific gradient rollout (a larger
+            file, `ls -l`; the logits path is unaffected).
 
     Returns:
         An `ExportResult`.

@@ -27,10 +27,9 @@ from serve.runtime.rollout import attention_rollout, rollout_from_gradients
 
 FORMAT_KEY = "vitscope_format"
 FORMAT_VERSION = "1"
-# Intra-op threads when the caller does not say: measured by benchmarks/export_bench.py (BENCHMARKS.md).
-# On a quiet 2-core machine a second thread made ViT-Ti/16 and ViT-S/16 at 224 px 1.6-1.8x faster at
-# batch 1, while the 32-px sample model (about 0.02 GFLOP per image) gained nothing: its matmuls are
-# too small to split, and a second thread only takes the core that the server's event loop needs.
+# Intra-op threads when the caller does not say (benchmarks/export_bench.py; figures in BENCHMARKS.md):
+# more threads speed up 224-px models, while a tiny model such as the 32-px sample gains nothing: its
+# matmuls are too small to split, and a second thread only takes the core the server's event loop needs.
 # So: one thread below SMALL_MODEL_GFLOPS, otherwise onnxruntime's default (every physical core).
 SMALL_MODEL_GFLOPS = 0.25
 PREFERRED_PROVIDERS = ("TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider")
@@ -57,10 +56,10 @@ def default_threads(metadata: dict[str, str]) -> int:
 def session_options(threads: int) -> ort.SessionOptions:
     """onnxruntime session options for `threads` intra-op threads (0: every physical core), as served.
 
-    Idle intra-op threads keep onnxruntime's default spinning: on a quiet 2-core machine, capping the
-    spin at 50 us made ViT-Ti/16 at batch 1 with 2 threads 1.3x slower in fp32 and 1.2x in int8 (median
-    of interleaved calls), because the threads fell asleep between the graph's many small parallel
-    sections. Where the cores are shared with other busy processes, fewer threads is the better cure.
+    Idle intra-op threads keep onnxruntime's default spinning: capping the spin made ViT-Ti/16 at batch 1
+    slower (BENCHMARKS.md, export and onnxruntime), because the threads fell asleep between the graph's
+    many small parallel sections. Where the cores are shared with other busy processes, fewer threads is
+    the better cure.
     """
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads

@@ -202,7 +202,7 @@ def time_batch_sizes(
     """Seconds per image of `predict_batch` at batch 1, 2, 4, ... up to `max_batch_size`: the median of at
     least 5 calls and 50 ms each, after one untimed call. Not the best call: the server lives on sustained
     throughput, and on a busy machine the best of a few calls flatters small batches (ViT-Ti/16 on 2 cores:
-    batch 2's best call was as fast per image as batch 8, its sustained rate 15% slower). Not the mean
+    batch 2's best call was as fast per image as batch 8, its sustained rate clearly slower). Not the mean
     either, which one scheduling hiccup can tip.
 
     Skips the sizes that would overrun `budget_s`, so a large model on a slow CPU still starts quickly

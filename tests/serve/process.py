@@ -32,14 +32,23 @@ class ServerProcess:
         model: the .onnx file.
         args: extra `vit-serve` options.
         cwd: the child's working directory (relative paths such as `--examples-dir` resolve there).
+        env: the child's environment (default: this process's).
+        python: the interpreter to run it with (default: this one), e.g. another venv's.
     """
 
-    def __init__(self, model: str | Path, *args: str, cwd: str | Path | None = None):
+    def __init__(
+        self,
+        model: str | Path,
+        *args: str,
+        cwd: str | Path | None = None,
+        env: dict | None = None,
+        python: str = sys.executable,
+    ):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "serve.server", str(model), "--host", "127.0.0.1", "--port", str(self.port), *args]
+        cmd = [python, "-m", "serve.server", str(model), "--host", "127.0.0.1", "--port", str(self.port), *args]
         self.proc = subprocess.Popen(
-            cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1
+            cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1
         )
         self.lines: list[str] = []
         self._reader = threading.Thread(target=self._read, daemon=True)
