@@ -34,7 +34,9 @@ def write_digits(out: str | Path, size: int = 32, force: bool = False) -> Path:
     try:
         from sklearn.datasets import load_digits
     except ImportError:
-        raise SystemExit("vit-sample-data needs scikit-learn, which ships the digits: pip install 'vitscope[sample]'")
+        raise SystemExit(
+            "vit-sample-data needs scikit-learn, which ships the digits: pip install 'vitscope[sample]'"
+        ) from None
 
     out = Path(out)
     if (out / MARKER).is_file() and not force:
