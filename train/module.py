@@ -17,6 +17,7 @@ import numpy as np
 import torch
 from timm.data import Mixup
 from timm.loss import SoftTargetCrossEntropy
+from timm.optim import param_groups_layer_decay, param_groups_weight_decay
 from timm.utils import ModelEmaV3
 from torch import nn
 from torchmetrics.classification import MulticlassAccuracy, MulticlassConfusionMatrix
@@ -62,7 +63,8 @@ class ViTClassifier(pl.LightningModule):
         weight_decay: AdamW weight decay (never on norms, biases, position embedding or tokens).
         betas: AdamW betas.
         warmup_epochs: linear warmup length, in epochs (fractions allowed).
-        layer_decay: layer-wise LR decay (e.g. 0.75 for fine-tuning): block i (from 0) gets lr * decay^(depth - i).
+        layer_decay: layer-wise LR decay (e.g. 0.75 for fine-tuning), by timm's `param_groups_layer_decay`: the
+            head gets lr, block i (from 0) lr * decay^(depth - i), the embeddings lr * decay^(depth + 1).
         label_smoothing: label smoothing of the cross-entropy.
         mixup_alpha: mixup strength (0 disables mixup).
         cutmix_alpha: cutmix strength (0 disables cutmix).
@@ -203,24 +205,19 @@ class ViTClassifier(pl.LightningModule):
             write_confusion_png(confmat, self.class_names, reports / "confusion_matrix.png", "best " + title)
 
     def param_groups(self) -> list[dict[str, Any]]:
-        """AdamW groups: no decay on 1-d parameters and tokens; per-layer LR scale with `layer_decay`."""
+        """AdamW groups from timm: no decay on 1-d parameters and tokens; with `layer_decay`, each layer's
+        LR scaled by decay^(distance from the head), read from the network's `group_matcher`."""
         hp, net = self.hparams, self.net
         skip = net.no_weight_decay()
-        n_layers = len(net.blocks) + 1
-        groups: dict[tuple[int, bool], dict[str, Any]] = {}
-        for name, p in net.named_parameters():
-            if not p.requires_grad:
-                continue
-            no_decay = p.ndim <= 1 or name.split(".")[0] in skip
-            layer = net.layer_id(name) if hp.layer_decay else n_layers
-            key = (layer, no_decay)
-            if key not in groups:
-                scale = hp.layer_decay ** (n_layers - layer) if hp.layer_decay else 1.0
-                groups[key] = {"params": [], "weight_decay": 0.0 if no_decay else hp.weight_decay, "lr_scale": scale}
-            groups[key]["params"].append(p)
-        for g in groups.values():
-            g["lr"] = hp.lr * g["lr_scale"]
-        return list(groups.values())
+        if hp.layer_decay:
+            groups = param_groups_layer_decay(
+                net, weight_decay=hp.weight_decay, no_weight_decay_list=skip, layer_decay=hp.layer_decay
+            )
+        else:
+            groups = param_groups_weight_decay(net, weight_decay=hp.weight_decay, no_weight_decay_list=skip)
+        for g in groups:
+            g["lr"] = hp.lr * g.setdefault("lr_scale", 1.0)
+        return groups
 
     def configure_optimizers(self) -> dict[str, Any]:
         hp = self.hparams

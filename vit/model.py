@@ -161,13 +161,13 @@ class VisionTransformer(nn.Module):
         """Parameters that weight decay must not touch (besides norms and biases)."""
         return {"pos_embed", "cls_token", "reg_token"}
 
-    def layer_id(self, name: str) -> int:
-        """Depth of a parameter for layer-wise LR decay: 0 for embeddings, i + 1 for block i, depth + 1 after."""
-        if name.startswith(("cls_token", "reg_token", "pos_embed", "patch_embed", "norm_pre")):
-            return 0
-        if name.startswith("blocks."):
-            return int(name.split(".")[1]) + 1
-        return len(self.blocks) + 1
+    def group_matcher(self, coarse: bool = False) -> dict[str, Any]:
+        """Parameters by depth, in timm's format (timm.optim's layer-wise LR decay reads it): the embeddings
+        first, then block i; the final norm joins the last block, and the head comes last (as in timm's ViT)."""
+        return {
+            "stem": r"^cls_token|^reg_token|^pos_embed|^patch_embed|^norm_pre",
+            "blocks": r"^blocks\.(\d+)" if coarse else [(r"^blocks\.(\d+)", None), (r"^norm", (99999,))],
+        }
 
     @property
     def rollout_query(self) -> str:

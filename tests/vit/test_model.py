@@ -156,11 +156,23 @@ def test_config_rebuilds_the_same_model(tiny_model):
     torch.testing.assert_close(clone(x), tiny_model(x))
 
 
-def test_layer_ids_for_layerwise_lr_decay(tiny_model):
-    ids = {name: tiny_model.layer_id(name) for name, _ in tiny_model.named_parameters()}
-    assert ids["cls_token"] == ids["pos_embed"] == ids["patch_embed.proj.weight"] == 0
-    assert ids["blocks.0.attn.qkv.weight"] == 1 and ids["blocks.1.mlp.fc2.bias"] == 2
-    assert ids["head.weight"] == ids["norm.weight"] == 3
+def test_layerwise_lr_decay_scales_each_depth_from_the_head(tiny_model):
+    from timm.optim import param_groups_layer_decay
+
+    skip = tiny_model.no_weight_decay()
+    groups = param_groups_layer_decay(tiny_model, weight_decay=0.05, no_weight_decay_list=skip, layer_decay=0.5)
+    scale = {id(p): g["lr_scale"] for g in groups for p in g["params"]}
+    params = dict(tiny_model.named_parameters())
+
+    def of(name):
+        return scale[id(params[name])]
+
+    # as for timm's own ViT: block i at decay^(depth - i), the final norm with the last block, the head at 1
+    assert of("cls_token") == of("pos_embed") == of("patch_embed.proj.weight") == 0.5**3
+    assert of("blocks.0.attn.qkv.weight") == 0.5**2 and of("blocks.1.mlp.fc2.bias") == of("norm.weight") == 0.5
+    assert of("head.weight") == 1.0
+    decay = {id(p): g["weight_decay"] for g in groups for p in g["params"]}
+    assert decay[id(params["pos_embed"])] == 0.0 and decay[id(params["blocks.0.attn.qkv.weight"])] == 0.05
 
 
 def test_variants_build_with_their_documented_sizes():
