@@ -35,7 +35,6 @@ def build_network(
     variant: str,
     net_args: dict[str, Any] | None,
     pretrained: str | None,
-    arch: str | None,
 ) -> VisionTransformer:
     """A named variant (fresh weights) or pretrained timm weights with a fresh head for `num_classes`."""
     overrides = {**(net_args or {}), "num_classes": num_classes, "img_size": img_size}
@@ -43,7 +42,7 @@ def build_network(
         return create_model(variant, **overrides)
     is_file = Path(pretrained).suffix in (".safetensors", ".pth", ".pt", ".bin")
     if is_file:
-        return from_timm(pretrained, arch or variant, **overrides)
+        return from_timm(pretrained, variant, **overrides)
     return from_timm(pretrained, pretrained=True, **overrides)
 
 
@@ -98,7 +97,7 @@ class ViTClassifier(pl.LightningModule):
     ):
         super().__init__()
         self.save_hyperparameters()
-        self.net = build_network(num_classes, img_size, variant, net_args, pretrained, variant)
+        self.net = build_network(num_classes, img_size, variant, net_args, pretrained)
         self.ema = ModelEmaV3(self.net, decay=ema_decay).requires_grad_(False) if ema_decay else None
         self.mixup = None
         if mixup_alpha > 0 or cutmix_alpha > 0:

@@ -10,7 +10,7 @@ import io
 import math
 import re
 import warnings
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Union
 
@@ -186,7 +186,6 @@ class Preprocess:
     interpolation: str = "bicubic"
     mean: tuple[float, float, float] = (0.485, 0.456, 0.406)
     std: tuple[float, float, float] = (0.229, 0.224, 0.225)
-    extra: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def __post_init__(self):
         self.img_size = (self.img_size, self.img_size) if isinstance(self.img_size, int) else tuple(self.img_size)
@@ -198,7 +197,6 @@ class Preprocess:
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
-        d.pop("extra")
         d["img_size"], d["mean"], d["std"] = list(self.img_size), list(self.mean), list(self.std)
         return d
 
