@@ -56,7 +56,7 @@ def atomic_torch_save(obj: Any, path: str | Path) -> None:
             os.fsync(f.fileno())
         os.replace(tmp, path)
         _fsync_dir(path.parent)
-    except OSError as e:
+    except (OSError, RuntimeError) as e:  # torch's zip writer reports a failed write (ENOSPC, EFBIG) as RuntimeError
         tmp.unlink(missing_ok=True)
         kept = " (the previous one is kept)" if path.exists() else ""
         raise TrainingError(f"could not write the checkpoint {path}{kept}: {first_line(e)}") from None
