@@ -73,9 +73,10 @@ def test_the_best_score_survives_a_resume_with_the_run_directory_spelled_differe
     build_cli(fit_args(shapes, "run", 1))  # relative
     ckpts = tmp_path / "run" / "checkpoints"
     last = torch.load(ckpts / "last.ckpt", weights_only=True)
-    for state in last["callbacks"].values():  # a best score no next epoch can beat
+    for state in last["callbacks"].values():
         if state.get("best_model_score") is not None:
-            state["best_model_score"] = torch.tensor(1.0)
+            state["best_model_score"] = torch.tensor(1.0)  # a best score no next epoch can beat
+            state["dirpath"] = "run/checkpoints"  # relative, as checkpoints written before this fix hold it
     torch.save(last, ckpts / "last.ckpt")
     best = sha(ckpts / "best.ckpt")
     cli = build_cli(fit_args(shapes, tmp_path / "run", 2, "--ckpt_path", "last"))  # absolute

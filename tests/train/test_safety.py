@@ -184,3 +184,13 @@ def test_an_unreadable_subfolder_is_reported_not_skipped_silently(tmp_path):
     finally:
         locked.chmod(0o755)
     assert [b.path for b in bad] == [str(locked)] and "folder cannot be read" in bad[0].reason
+
+
+@pytest.mark.slow
+def test_a_real_checkpoint_served_over_http_validates(http_dir, tmp_path, capsys):
+    www, url = http_dir
+    root = write_shapes(tmp_path / "shapes", per_class=6)
+    main(args(root, tmp_path / "run", "--trainer.limit_train_batches", "1"))
+    shutil.copy(tmp_path / "run" / "checkpoints" / "last.ckpt", www / "good.ckpt")
+    main(args(root, tmp_path / "other", "--ckpt_path", f"{url}/good.ckpt", command="validate"))
+    assert "val/acc" in capsys.readouterr().out
