@@ -24,7 +24,15 @@ from torchmetrics.classification import MulticlassAccuracy, MulticlassConfusionM
 from serve.runtime.images import Preprocess
 from train.checkpoint import META_KEY
 from train.reports import write_confusion_csv, write_confusion_png
-from train.safety import RNG_KEY, SetupError, TrainingError, rng_states, set_rng_states
+from train.safety import (
+    RNG_KEY,
+    check_class_names,
+    check_finite_loss,
+    check_finite_weights,
+    first_line,
+    rng_states,
+    set_rng_states,
+)
 from vit.model import VisionTransformer, create_model
 from vit.timm_compat import from_timm
 
@@ -48,9 +56,8 @@ def build_network(
         except (OSError, ValueError):
             raise
         except Exception as e:  # noqa: BLE001 (safetensors' and pickle's errors: not a weights file)
-            first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
             raise ValueError(
-                f"--model.pretrained {pretrained} is not a readable timm weights file ({first}); give the "
+                f"--model.pretrained {pretrained} is not a readable timm weights file ({first_line(e)}); give the "
                 f".safetensors or .pth file of a timm {arch or variant} model"
             ) from None
     return from_timm(pretrained, pretrained=True, **overrides)
@@ -164,12 +171,7 @@ class ViTClassifier(pl.LightningModule):
             x, y = self.mixup(x, y)  # y becomes (B, K) soft targets
         logits = (self._compiled or self.net)(self._inputs(x))  # (B, K)
         loss = self.train_loss(logits, y)
-        if not torch.isfinite(loss):  # stop before backward: the weights stay those of the last finite step
-            raise TrainingError(
-                f"the training loss is {loss.item()} at epoch {self.current_epoch}, step {self.global_step}; "
-                f"training stopped and no checkpoint was written from it. Lower --model.lr (now {self.hparams.lr}) "
-                "or check the images; checkpoints/last.ckpt, if there is one, holds the last finished epoch"
-            )
+        check_finite_loss(loss, self.trainer, self.hparams.lr)  # before backward: the weights stay finite
         self.log("train/loss", loss, prog_bar=True)
         return loss
 
@@ -270,12 +272,7 @@ class ViTClassifier(pl.LightningModule):
         import lightning
         import timm
 
-        bad = [n for n, p in self.named_parameters() if not torch.isfinite(p).all()]
-        if bad:
-            raise TrainingError(
-                f"{len(bad)} weight tensor(s) are NaN or infinite (first: {bad[0]}); the checkpoint was not written. "
-                f"Lower --model.lr (now {self.hparams.lr}), then resume from the last good epoch with --ckpt_path last"
-            )
+        check_finite_weights(self, self.hparams.lr)
         checkpoint[RNG_KEY] = rng_states()  # so a resumed run shuffles and augments as the uninterrupted one
         checkpoint[META_KEY] = {
             "model_config": dict(self.net.config),
@@ -293,16 +290,7 @@ class ViTClassifier(pl.LightningModule):
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         meta = checkpoint.get(META_KEY)
-        if meta is None:
-            raise SetupError(f"not a vitscope checkpoint (no '{META_KEY}' entry): train it with vit-train")
-        saved = list(meta.get("class_names", self.class_names))
-        if self._data_classes is not None and saved != self._data_classes:
-            raise SetupError(
-                f"the checkpoint was trained on {len(saved)} classes {saved}, but the image folder has "
-                f"{len(self._data_classes)} classes {self._data_classes}; its outputs would be labelled wrongly. "
-                "Use the folder it was trained on (same class folders), or start a new run without --ckpt_path"
-            )
-        self.class_names = saved
+        self.class_names = check_class_names(meta, self._data_classes)
         self.preprocess = meta.get("preprocess", self.preprocess)
         self.best_acc = float(meta.get("best_val_acc", self.best_acc))
         if RNG_KEY in checkpoint and self._trainer is not None and self._trainer.state.fn == "fit":

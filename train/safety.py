@@ -26,6 +26,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from train.checkpoint import META_KEY
+
 CKPT_DIR = "checkpoints"
 RNG_KEY = "rng_states"
 
@@ -139,6 +141,61 @@ def check_data_settings(config: Any) -> None:
     workers = config.get("data.num_workers")
     if workers is not None and workers < 0:
         raise SetupError(f"--data.num_workers must be 0 or more, got {workers}")
+
+
+def _lr_hint(lr: float) -> str:
+    return (
+        f"lower --model.lr (now {lr}) in a new run (a resumed run keeps its checkpoint's learning rate), or check "
+        "the images; checkpoints/last.ckpt, if there is one, holds the last finished epoch"
+    )
+
+
+def check_finite_loss(loss: torch.Tensor, trainer: Any, lr: float) -> None:
+    """Stop on a NaN or infinite training loss; under DDP every rank stops together (no rank left waiting).
+
+    Raises:
+        TrainingError: the loss is not finite on some rank.
+    """
+    finite = bool(torch.isfinite(loss))
+    if trainer.strategy.reduce_boolean_decision(finite, all=True):
+        return
+    value = loss.item() if not finite else "not finite on another process"
+    raise TrainingError(
+        f"the training loss is {value} at epoch {trainer.current_epoch}, step {trainer.global_step}; training "
+        f"stopped and nothing was saved from it: {_lr_hint(lr)}"
+    )
+
+
+def check_finite_weights(module: torch.nn.Module, lr: float) -> None:
+    """Refuse to save a model with a NaN or infinite weight.
+
+    Raises:
+        TrainingError: naming the first such weight.
+    """
+    bad = [name for name, p in module.named_parameters() if not torch.isfinite(p).all()]
+    if bad:
+        raise TrainingError(
+            f"{len(bad)} weight tensor(s) are NaN or infinite (first: {bad[0]}); the checkpoint was not written: "
+            f"{_lr_hint(lr)}"
+        )
+
+
+def check_class_names(meta: dict[str, Any] | None, data_classes: list[str] | None) -> list[str]:
+    """The class names a checkpoint's "vitscope" entry holds, refused when they differ from the folder's.
+
+    Raises:
+        SetupError: not a vitscope checkpoint, or other classes (its outputs would be labelled wrongly).
+    """
+    if meta is None or "class_names" not in meta:
+        raise SetupError(f"not a vitscope checkpoint (no '{META_KEY}' entry with class names): train it with vit-train")
+    saved = list(meta["class_names"])
+    if data_classes is not None and saved != list(data_classes):
+        raise SetupError(
+            f"the checkpoint was trained on {len(saved)} classes {saved}, but the image folder has "
+            f"{len(data_classes)} classes {list(data_classes)}; its outputs would be labelled wrongly. Use the "
+            "folder it was trained on (the same class folders), or train a new run without --ckpt_path"
+        )
+    return saved
 
 
 def rng_states() -> dict[str, Any]:

@@ -9,13 +9,18 @@ from lightning.pytorch.callbacks import Callback
 
 
 class PoisonBatch(Callback):
-    """From epoch `epoch` on, every training batch holds NaN pixels (a corrupt input or an overflow upstream)."""
+    """From epoch `epoch` on, every training batch holds NaN pixels (a corrupt input or an overflow upstream).
 
-    def __init__(self, epoch: int = 1):
-        self.epoch = epoch
+    Args:
+        epoch: the first poisoned epoch.
+        rank: poison this DDP process only (None: every process).
+    """
+
+    def __init__(self, epoch: int = 1, rank: int | None = None):
+        self.epoch, self.rank = epoch, rank
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        if trainer.current_epoch >= self.epoch:
+        if trainer.current_epoch >= self.epoch and self.rank in (None, trainer.global_rank):
             batch[0].fill_(float("nan"))
 
 
