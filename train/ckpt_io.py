@@ -25,6 +25,7 @@ import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.fabric.utilities.cloud_io import get_filesystem
 
+from train.checkpoint import META_KEY
 from train.safety import SetupError, TrainingError, first_line, is_remote, usable_checkpoints
 
 log = logging.getLogger(__name__)
@@ -127,4 +128,15 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
     def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: bool | None = None) -> dict[str, Any]:
         # weights_only is True whatever the caller asks: a checkpoint is data, never code to run
-        return load_weights_only(path, map_location or (lambda storage, loc: storage))
+        ckpt = load_weights_only(path, map_location or (lambda storage, loc: storage))
+        missing = [
+            k
+            for k in ("state_dict", "pytorch-lightning_version", META_KEY)
+            if not isinstance(ckpt, dict) or k not in ckpt
+        ]
+        if missing:
+            raise SetupError(
+                f"checkpoint {path} is not one vit-train wrote (no {', '.join(repr(k) for k in missing)}); give a "
+                "runs/<run>/checkpoints/*.ckpt file"
+            )
+        return ckpt

@@ -194,3 +194,10 @@ def test_a_real_checkpoint_served_over_http_validates(http_dir, tmp_path, capsys
     shutil.copy(tmp_path / "run" / "checkpoints" / "last.ckpt", www / "good.ckpt")
     main(args(root, tmp_path / "other", "--ckpt_path", f"{url}/good.ckpt", command="validate"))
     assert "val/acc" in capsys.readouterr().out
+
+
+def test_a_checkpoint_vit_train_did_not_write_is_a_one_line_error(small_folder, tmp_path, capsys):
+    foreign = tmp_path / "foreign.ckpt"
+    torch.save({"epoch": 0, "weights": torch.zeros(3)}, foreign)  # loads weights-only, but is not a run's checkpoint
+    err = one_line_error(args(small_folder, tmp_path / "run", "--ckpt_path", str(foreign), command="validate"), capsys)
+    assert f"checkpoint {foreign} is not one vit-train wrote" in err
