@@ -199,7 +199,11 @@ def check_class_names(meta: dict[str, Any] | None, data_classes: list[str] | Non
 
 
 def rng_states() -> dict[str, Any]:
-    """The random states that decide shuffling, augmentation and dropout, as weights-only-loadable data."""
+    """The random states that decide shuffling, augmentation and dropout, as weights-only-loadable data.
+
+    These are the main process's: DataLoader workers that persist across epochs draw from streams of their
+    own, so a resumed run reproduces the uninterrupted one exactly only with `num_workers=0`.
+    """
     kind, keys, pos, has_gauss, gauss = np.random.get_state()
     states: dict[str, Any] = {
         "python": random.getstate(),
