@@ -84,6 +84,15 @@ def test_a_checkpoint_url_is_loaded_weights_only_and_its_code_never_runs(
     assert "evil.ckpt" in err and "weights-only" in err
 
 
+def test_a_local_checkpoint_holding_code_is_refused_the_same_way(small_folder, tmp_path, capsys):
+    marker = tmp_path / "marker"
+    evil = tmp_path / "run" / "checkpoints" / "last.ckpt"
+    evil.parent.mkdir(parents=True)
+    torch.save({"state_dict": Evil(marker), "vitscope": {}}, evil)
+    err = one_line_error(args(small_folder, tmp_path / "run", "--ckpt_path", "last"), capsys)
+    assert not marker.exists() and "last.ckpt holds Python objects that a weights-only load refuses" in err
+
+
 @pytest.mark.parametrize(
     ("extra", "expected"),
     [
