@@ -74,6 +74,7 @@ bench: install $(ONNX)
 	$(PYTHON) benchmarks/model_vs_timm.py | tee $(BENCH)/model_vs_timm.md
 	$(PYTHON) benchmarks/sample_accuracy.py | tee $(BENCH)/sample_accuracy.md
 	$(PYTHON) benchmarks/train_overhead.py | tee $(BENCH)/train_overhead.md
+	$(PYTHON) benchmarks/checkpoint_save.py | tee $(BENCH)/checkpoint_save.md
 	$(PYTHON) benchmarks/export_bench.py | tee $(BENCH)/export_bench.md
 	$(PYTHON) benchmarks/serve_bench.py $(ONNX) --duration 10 --soak 300 | tee $(BENCH)/serve_bench.md
 	$(PYTHON) benchmarks/serve_bench.py --variant vit_tiny_patch16_224 --duration 10 | tee $(BENCH)/serve_bench_vit_tiny.md

@@ -24,9 +24,21 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint, ProgressBar, RichProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+from lightning.pytorch.plugins import CheckpointIO
 
+from train.callbacks import KeepBestScore
+from train.ckpt_io import AtomicCheckpointIO, load_error, remove_partial_saves
 from train.data import ImageFolderDataModule
 from train.module import ViTClassifier
+from train.safety import (
+    CKPT_DIR,
+    SetupError,
+    TrainingError,
+    check_ckpt_owner,
+    check_data_settings,
+    check_writable,
+    resolve_ckpt_path,
+)
 
 log = logging.getLogger(__name__)
 
@@ -53,10 +65,6 @@ class LastCheckpoint(ModelCheckpoint):
 
     def __init__(self, dirpath: str):
         super().__init__(dirpath=dirpath, filename="last", monitor=None, save_top_k=1, enable_version_counter=False)
-
-
-class SetupError(Exception):
-    """A run that cannot start as asked: a missing folder, a bad setting, an existing run in the way."""
 
 
 class VitCLI(LightningCLI):
@@ -90,14 +98,29 @@ class VitCLI(LightningCLI):
 
     def before_instantiate_classes(self) -> None:
         config = self.config.get(str(self.subcommand), self.config)
+        check_data_settings(config)
         if config.get("num_threads"):
             torch.set_num_threads(config["num_threads"])
         if config.get("ckpt_path") and config.get("model.pretrained"):
             # the checkpoint holds every weight: resuming must not need the hub or the original file again
             config["model.pretrained"] = None
 
+    def _parse_ckpt_path(self) -> None:
+        """Check --ckpt_path before Lightning reads the model's hyperparameters from it: one line if it cannot."""
+        config = self.config.get(str(self.config.get("subcommand")), None)
+        ckpt_path = config.get("ckpt_path") if config is not None else None
+        if ckpt_path:
+            resolve_ckpt_path(ckpt_path, Path(config.get("trainer.default_root_dir") or os.getcwd()))
+        try:
+            super()._parse_ckpt_path()
+        except Exception as e:  # noqa: BLE001 (a file that passed the checks above and still fails to load)
+            raise load_error(ckpt_path, e) from None
+
     def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Callback]) -> Trainer:
         run_dir = Path(config.get("default_root_dir") or os.getcwd())
+        check_writable(run_dir)
+        remove_partial_saves(run_dir / CKPT_DIR)
+        config["plugins"] = _with_atomic_checkpoint_io(config.get("plugins"))
         if config.get("logger") in (None, True):  # default loggers live in the run directory
             config["logger"] = [TensorBoardLogger(run_dir, name="tensorboard"), CSVLogger(run_dir, name="csv")]
         has_bar = any(isinstance(cb, ProgressBar) for cb in (config.get("callbacks") or []))
@@ -105,11 +128,12 @@ class VitCLI(LightningCLI):
             callbacks = [*callbacks, RichProgressBar()]
         for cb in callbacks:
             if isinstance(cb, ModelCheckpoint) and cb.dirpath is None:
-                cb.dirpath = str(run_dir / "checkpoints")  # fixed: resume finds last.ckpt here
+                # fixed (resume finds last.ckpt here) and absolute, as ModelCheckpoint's own init makes it
+                cb.dirpath = os.path.realpath(run_dir / CKPT_DIR)
         if config.get("enable_checkpointing") is False:  # Lightning refuses checkpoint callbacks then
             callbacks = [cb for cb in callbacks if not isinstance(cb, ModelCheckpoint)]
         else:
-            callbacks = [*callbacks, LastCheckpoint(str(run_dir / "checkpoints"))]
+            callbacks = [*callbacks, LastCheckpoint(str(run_dir / CKPT_DIR)), KeepBestScore()]
         return super()._instantiate_trainer(config, callbacks)
 
     def instantiate_classes(self) -> None:
@@ -118,17 +142,36 @@ class VitCLI(LightningCLI):
         except (OSError, ValueError) as e:  # a folder or weights file that is not there; arguments our classes refuse
             raise SetupError(str(e)) from e
 
+    def _check_ckpt_path(self, subcommand: str) -> str | None:
+        """Resolve --ckpt_path (last, best, a file or a URL) and have it loaded weights-only, whatever its source."""
+        kwargs = self.config_init[subcommand]
+        ckpt_path = resolve_ckpt_path(kwargs.get("ckpt_path"), Path(self.trainer.default_root_dir))
+        kwargs["ckpt_path"] = ckpt_path
+        if "weights_only" in kwargs:
+            kwargs["weights_only"] = True
+        return ckpt_path
+
     def before_fit(self) -> None:
         config = self.config.get("fit", self.config)
-        run_dir = Path(self.trainer.default_root_dir)
-        existing = sorted(p.name for p in (run_dir / "checkpoints").glob("*.ckpt"))
-        if existing and not config.get("ckpt_path") and not config.get("overwrite") and not self.trainer.fast_dev_run:
+        ckpt_path = self._check_ckpt_path("fit")
+        if not self.trainer.fast_dev_run:
+            check_ckpt_owner(ckpt_path, Path(self.trainer.default_root_dir), bool(config.get("overwrite")))
+        scan = getattr(self.datamodule, "scan", None)
+        if scan is not None and not scan.val and self.trainer.limit_val_batches != 0:
             raise SetupError(
-                f"{run_dir} already holds a run ({', '.join(existing)} in {run_dir / 'checkpoints'}); a new fit would "
-                "replace them. Resume it with --ckpt_path last, start a new run with --trainer.default_root_dir "
-                "runs/<new name>, or replace it with --overwrite true"
+                f"{scan.root} gives no validation images, so no best.ckpt could be chosen: give each class at "
+                "least 2 images (--data.val_fraction holds some out), or add a root/val/<class>/ folder"
             )
         self._fit_start = time.perf_counter()
+
+    def before_validate(self) -> None:
+        self._check_ckpt_path("validate")
+
+    def before_test(self) -> None:
+        self._check_ckpt_path("test")
+
+    def before_predict(self) -> None:
+        self._check_ckpt_path("predict")
 
     def after_fit(self) -> None:
         trainer = self.trainer
@@ -158,6 +201,14 @@ class VitCLI(LightningCLI):
                 f"    vit-export {best} -o model.onnx",
             ]
         log.info("\n".join(lines))
+
+
+def _with_atomic_checkpoint_io(plugins: Any) -> list[Any]:
+    """The trainer's plugins, with `AtomicCheckpointIO` unless the user chose a checkpoint IO."""
+    plugins = [] if plugins is None else list(plugins) if isinstance(plugins, (list, tuple)) else [plugins]
+    if not any(isinstance(p, CheckpointIO) for p in plugins):
+        plugins.append(AtomicCheckpointIO())
+    return plugins
 
 
 def build_cli(args: list[str] | None = None, run: bool = True) -> VitCLI:
@@ -190,6 +241,9 @@ def main(args: list[str] | None = None) -> None:
     except SetupError as e:  # the user's to fix: one line, not a traceback through Lightning
         print(f"vit-train: {e}", file=sys.stderr)
         raise SystemExit(2) from None
+    except TrainingError as e:  # stopped on purpose; the checkpoints hold the last good state
+        print(f"vit-train: {e}", file=sys.stderr)
+        raise SystemExit(1) from None
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ that do not decode are skipped and reported as `BadFile(path, reason)`.
 from __future__ import annotations
 
 import json
+import os
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -59,8 +60,22 @@ def class_dirs(folder: Path) -> list[Path]:
     return sorted((d for d in folder.iterdir() if d.is_dir() and _visible(d)), key=lambda d: d.name)
 
 
+def unreadable_folders(folder: Path) -> list[BadFile]:
+    """Visible subfolders of `folder` that cannot be listed: `rglob` would skip their images silently."""
+    errors: list[OSError] = []
+    for _ in os.walk(folder, onerror=errors.append):
+        pass
+    visible = [e for e in errors if _visible_path(Path(e.filename).relative_to(folder))]
+    return [BadFile(str(Path(e.filename).resolve()), f"folder cannot be read: {e.strerror}") for e in visible]
+
+
+def _visible_path(rel: Path) -> bool:
+    return not any(part.startswith(".") for part in rel.parts)
+
+
 def list_images(folder: Path, verify: bool, bad: list[BadFile]) -> list[Path]:
-    """Image files under `folder` (recursively, hidden parts skipped), sorted; broken ones go to `bad`."""
+    """Image files under `folder` (recursively, hidden parts skipped), sorted; broken files and folders go to `bad`."""
+    bad.extend(unreadable_folders(folder))
     found = []
     for p in sorted(folder.rglob("*")):
         rel = p.relative_to(folder).parts

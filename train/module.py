@@ -25,6 +25,15 @@ from torchmetrics.classification import MulticlassAccuracy, MulticlassConfusionM
 from serve.runtime.images import Preprocess
 from train.checkpoint import META_KEY
 from train.reports import write_confusion_csv, write_confusion_png
+from train.safety import (
+    RNG_KEY,
+    check_class_names,
+    check_finite_loss,
+    check_finite_weights,
+    first_line,
+    rng_states,
+    set_rng_states,
+)
 from vit.model import VisionTransformer, create_model
 from vit.timm_compat import from_timm
 
@@ -42,7 +51,15 @@ def build_network(
         return create_model(variant, **overrides)
     is_file = Path(pretrained).suffix in (".safetensors", ".pth", ".pt", ".bin")
     if is_file:
-        return from_timm(pretrained, variant, **overrides)
+        try:
+            return from_timm(pretrained, variant, **overrides)
+        except (OSError, ValueError):
+            raise
+        except Exception as e:  # noqa: BLE001 (safetensors' and pickle's errors: not a weights file)
+            raise ValueError(
+                f"--model.pretrained {pretrained} is not a readable timm weights file ({first_line(e)}); give the "
+                f".safetensors or .pth file of a timm {variant} model"
+            ) from None
     return from_timm(pretrained, pretrained=True, **overrides)
 
 
@@ -96,6 +113,10 @@ class ViTClassifier(pl.LightningModule):
         compile: bool = False,
     ):
         super().__init__()
+        if not (math.isfinite(lr) and lr > 0):
+            raise ValueError(f"lr must be a positive number, got {lr}")
+        if not (math.isfinite(min_lr) and 0 <= min_lr):
+            raise ValueError(f"min_lr must be zero or a positive number, got {min_lr}")
         self.save_hyperparameters()
         self.net = build_network(num_classes, img_size, variant, net_args, pretrained)
         self.ema = ModelEmaV3(self.net, decay=ema_decay).requires_grad_(False) if ema_decay else None
@@ -111,6 +132,7 @@ class ViTClassifier(pl.LightningModule):
         self.val_acc5 = MulticlassAccuracy(num_classes, top_k=min(5, num_classes), average="micro")
         self.val_confmat = MulticlassConfusionMatrix(num_classes)
         self.class_names = [str(i) for i in range(num_classes)]
+        self._data_classes: list[str] | None = None  # the folder's classes, once a data module is attached
         self.preprocess: dict[str, Any] | None = None
         self.best_acc = -1.0
         self._compiled = None
@@ -136,6 +158,7 @@ class ViTClassifier(pl.LightningModule):
         dm = getattr(self.trainer, "datamodule", None)
         if dm is not None and hasattr(dm, "classes"):
             self.class_names = list(dm.classes)
+            self._data_classes = list(dm.classes)
             self.preprocess = dm.preprocess.to_dict()
         if self.hparams.channels_last:
             self.net.to(memory_format=torch.channels_last)
@@ -149,6 +172,7 @@ class ViTClassifier(pl.LightningModule):
             x, y = self.mixup(x, y)  # y becomes (B, K) soft targets
         logits = (self._compiled or self.net)(self._inputs(x))  # (B, K)
         loss = self.train_loss(logits, y)
+        check_finite_loss(loss, self.trainer, self.hparams.lr)  # before backward: the weights stay finite
         self.log("train/loss", loss, prog_bar=True)
         return loss
 
@@ -236,10 +260,16 @@ class ViTClassifier(pl.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Add the plain-data entry that `train.checkpoint.load_network` rebuilds the network from."""
+        """Add the plain-data entry that `train.checkpoint.load_network` rebuilds the network from, and the RNG states.
+
+        Raises:
+            TrainingError: a weight is NaN or infinite; such a model is never saved.
+        """
         import lightning
         import timm
 
+        check_finite_weights(self, self.hparams.lr)
+        checkpoint[RNG_KEY] = rng_states()  # so a resumed run shuffles and augments as the uninterrupted one
         checkpoint[META_KEY] = {
             "model_config": dict(self.net.config),
             "class_names": list(self.class_names),
@@ -255,7 +285,9 @@ class ViTClassifier(pl.LightningModule):
         }
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        meta = checkpoint.get(META_KEY, {})
-        self.class_names = list(meta.get("class_names", self.class_names))
+        meta = checkpoint.get(META_KEY)
+        self.class_names = check_class_names(meta, self._data_classes)
         self.preprocess = meta.get("preprocess", self.preprocess)
         self.best_acc = float(meta.get("best_val_acc", self.best_acc))
+        if RNG_KEY in checkpoint and self._trainer is not None and self._trainer.state.fn == "fit":
+            set_rng_states(checkpoint[RNG_KEY])

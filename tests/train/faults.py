@@ -1,0 +1,39 @@
+"""Faults that tests inject into a real training run through `--trainer.callbacks+=tests.train.faults.<Name>`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from lightning.pytorch.callbacks import Callback
+
+
+class PoisonBatch(Callback):
+    """From epoch `epoch` on, every training batch holds NaN pixels (a corrupt input or an overflow upstream).
+
+    Args:
+        epoch: the first poisoned epoch.
+        rank: poison this DDP process only (None: every process).
+    """
+
+    def __init__(self, epoch: int = 1, rank: int | None = None):
+        self.epoch, self.rank = epoch, rank
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.current_epoch >= self.epoch and self.rank in (None, trainer.global_rank):
+            batch[0].fill_(float("nan"))
+
+
+class SlowSave(Callback):
+    """Make every checkpoint `mb` MB bigger (so that writing it takes a while) and mark when a save starts.
+
+    The padding is a plain tensor, so the file still loads with `weights_only=True`. `save_started` is
+    touched in the run directory before the file is written, so a test can kill the run while it writes.
+    """
+
+    def __init__(self, mb: int = 200):
+        self.mb = mb
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:
+        checkpoint["padding"] = torch.ones(self.mb * (1 << 18))  # float32: 4 bytes each
+        (Path(trainer.default_root_dir) / "save_started").touch()

@@ -1,0 +1,218 @@
+"""Real runs that are resumed, killed, starved of disk or poisoned: the run directory always stays usable."""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import os
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.train.conftest import REPO, write_shapes
+from train.checkpoint import load_checkpoint
+from train.cli import build_cli, main
+
+SAMPLE = str(REPO / "configs" / "sample.yaml")
+CONSTANT_LR = ["--model.warmup_epochs", "0.0", "--model.lr", "2.0e-3", "--model.min_lr", "2.0e-3"]
+FAULTS = "--trainer.callbacks+=tests.train.faults."
+
+
+def fit_args(root: Path, run_dir: Path | str, epochs: int, *extra: str) -> list[str]:
+    return [
+        "fit", "--config", SAMPLE, "--data.root", str(root), "--trainer.default_root_dir", str(run_dir),
+        "--trainer.max_epochs", str(epochs), "--trainer.enable_progress_bar", "false", "--data.batch_size", "8",
+        *CONSTANT_LR, *extra,
+    ]  # fmt: skip
+
+
+def sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def exit_code(argv: list[str]) -> int:
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    return exit_info.value.code
+
+
+@pytest.fixture
+def shapes(tmp_path: Path) -> Path:
+    return write_shapes(tmp_path / "shapes", per_class=12)
+
+
+def val_losses(run_dir: Path) -> dict[int, float]:
+    losses = {}
+    for log in sorted((run_dir / "csv").glob("version_*/metrics.csv")):
+        with open(log) as f:
+            losses |= {int(r["epoch"]): float(r["val/loss"]) for r in csv.DictReader(f) if r.get("val/loss")}
+    return losses
+
+
+@pytest.mark.slow
+def test_a_run_resumed_at_an_epoch_boundary_reproduces_the_uninterrupted_run(shapes, tmp_path):
+    build_cli(fit_args(shapes, tmp_path / "straight", 4))
+    build_cli(fit_args(shapes, tmp_path / "split", 2))
+    build_cli(fit_args(shapes, tmp_path / "split", 4, "--ckpt_path", "last"))
+    straight, split = val_losses(tmp_path / "straight"), val_losses(tmp_path / "split")
+    assert sorted(straight) == [0, 1, 2, 3]
+    assert split == straight  # bit for bit: same shuffles, augmentations and drop-path masks
+
+
+@pytest.mark.slow
+def test_the_best_score_survives_a_resume_with_the_run_directory_spelled_differently(shapes, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    build_cli(fit_args(shapes, "run", 1))  # relative
+    ckpts = tmp_path / "run" / "checkpoints"
+    last = torch.load(ckpts / "last.ckpt", weights_only=True)
+    for state in last["callbacks"].values():
+        if state.get("best_model_score") is not None:
+            state["best_model_score"] = torch.tensor(1.0)  # a best score no next epoch can beat
+            state["dirpath"] = "run/checkpoints"  # relative, as checkpoints written before this fix hold it
+    torch.save(last, ckpts / "last.ckpt")
+    best = sha(ckpts / "best.ckpt")
+    cli = build_cli(fit_args(shapes, tmp_path / "run", 2, "--ckpt_path", "last"))  # absolute
+    assert float(cli.trainer.checkpoint_callback.best_model_score) == 1.0
+    assert sha(ckpts / "best.ckpt") == best  # not replaced by a worse epoch
+
+
+@pytest.mark.slow
+def test_a_non_finite_loss_stops_the_run_and_keeps_the_best_checkpoint(shapes, tmp_path, capsys):
+    run = tmp_path / "run"
+    code = exit_code(fit_args(shapes, run, 4, f"{FAULTS}PoisonBatch", "--trainer.callbacks.epoch", "1"))
+    err = capsys.readouterr().err
+    assert code == 1 and "vit-train: the training loss is nan at epoch 1" in err and "Training finished" not in err
+    ckpts = run / "checkpoints"
+    assert load_checkpoint(ckpts / "best.ckpt")["epoch"] == 0  # written by the finite epoch, never since
+    last = load_checkpoint(ckpts / "last.ckpt")
+    assert last["epoch"] == 0 and all(torch.isfinite(v).all() for v in last["state_dict"].values())
+
+
+@pytest.mark.slow
+def test_a_non_finite_loss_on_one_ddp_process_stops_every_process(shapes, tmp_path):
+    argv = fit_args(shapes, tmp_path / "run", 3, f"{FAULTS}PoisonBatch", "--trainer.callbacks.rank", "1")
+    argv += ["--trainer.strategy", "ddp", "--trainer.devices", "2", "--trainer.accelerator", "cpu"]
+    proc = _child(argv)
+    _, err = proc.communicate(timeout=300)  # a rank left waiting for the other would hang here
+    assert proc.returncode == 1 and "the training loss is not finite on another process" in err.decode()
+
+
+@pytest.mark.slow
+def test_resuming_on_a_folder_with_other_classes_is_refused(shapes, tmp_path, capsys):
+    run = tmp_path / "run"
+    build_cli(fit_args(shapes, run, 1))
+    renamed = write_shapes(tmp_path / "renamed", per_class=12, classes=("bar", "column", "circle"))
+    more = write_shapes(tmp_path / "more", per_class=12, classes=("bar", "column", "square", "zigzag"))
+    for root, count in ((renamed, 3), (more, 4)):
+        assert exit_code(fit_args(root, run, 2, "--ckpt_path", "last")) == 2
+        err = capsys.readouterr().err
+        assert "Traceback" not in err and "vit-train: the checkpoint was trained on 3 classes" in err
+        assert f"the image folder has {count} classes" in err
+    assert load_checkpoint(run / "checkpoints" / "last.ckpt")["epoch"] == 0
+
+
+@pytest.fixture
+def other_fs_dir():
+    """A folder on another filesystem than $TMPDIR (where Lightning staged its saves): /dev/shm."""
+    if not os.path.isdir("/dev/shm"):
+        pytest.skip("no /dev/shm")
+    folder = Path(tempfile.mkdtemp(dir="/dev/shm", prefix="vitscope-"))
+    if os.stat(folder).st_dev == os.stat(tempfile.gettempdir()).st_dev:
+        shutil.rmtree(folder)
+        pytest.skip("/dev/shm is on the same filesystem as $TMPDIR")
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def _child(argv: list[str], tmpdir: Path | None = None, **kw) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(REPO), **({"TMPDIR": str(tmpdir)} if tmpdir else {})}
+    cmd = [sys.executable, "-m", "train", *argv]
+    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, **kw)
+
+
+def _snapshot(folder: Path) -> dict[str, tuple[int, int]]:
+    return {e.name: (e.stat().st_size, e.stat().st_mtime_ns) for e in os.scandir(folder)}
+
+
+@pytest.mark.slow
+def test_kill_9_while_a_checkpoint_is_written_leaves_the_previous_ones_loadable(shapes, other_fs_dir):
+    run = other_fs_dir / "run"
+    build_cli(fit_args(shapes, run, 1))
+    ckpts = run / "checkpoints"
+    before = _snapshot(ckpts)
+    proc = _child([*fit_args(shapes, run, 3, "--ckpt_path", "last"), f"{FAULTS}SlowSave"], start_new_session=True)
+    try:
+        deadline = time.monotonic() + 180
+        while _snapshot(ckpts) == before:  # the first byte of the next save lands in the checkpoint folder
+            assert proc.poll() is None and time.monotonic() < deadline, "the resumed run never saved"
+            time.sleep(0.001)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    for name in ("best.ckpt", "last.ckpt"):
+        assert load_checkpoint(ckpts / name)["epoch"] in (0, 1), name  # the old file or the whole new one
+    build_cli(fit_args(shapes, run, 3, "--ckpt_path", "last"))  # resumes, and clears the killed save's leftovers
+    assert sorted(p.name for p in ckpts.iterdir()) == ["best.ckpt", "last.ckpt"]
+
+
+def _limit_file_size(limit: int):
+    def preexec() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails (EFBIG) instead of killing
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    return preexec
+
+
+@pytest.fixture(params=["small_filesystem", "file_size_limit"])
+def full_disk(request, other_fs_dir):
+    """(run directory, extra Popen kwargs) where a 64 MB checkpoint cannot be written.
+
+    small_filesystem: the run directory is a 32 MB tmpfs (needs mount rights) and $TMPDIR has room;
+    file_size_limit: RLIMIT_FSIZE of 32 MB in the child, on another filesystem than $TMPDIR (this one
+    also stops a file staged in $TMPDIR, so it checks the message and the leftovers, not a truncation).
+    """
+    if request.param == "file_size_limit":
+        yield other_fs_dir / "run", {"preexec_fn": _limit_file_size(32 << 20)}
+        return
+    mnt = other_fs_dir / "small"
+    mnt.mkdir()
+    if (
+        shutil.which("mount") is None
+        or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=32m", "tmpfs", str(mnt)], capture_output=True).returncode
+    ):
+        pytest.skip("cannot mount a small tmpfs here (needs root or CAP_SYS_ADMIN)")
+    try:
+        yield mnt / "run", {}
+    finally:
+        subprocess.run(["umount", str(mnt)], check=True)
+
+
+@pytest.mark.slow
+def test_a_full_disk_during_a_save_keeps_the_previous_checkpoints(shapes, full_disk, tmp_path):
+    run, popen_kw = full_disk
+    tmpdir = tmp_path / "tmpdir"  # the child's $TMPDIR, on another filesystem than the run directory
+    tmpdir.mkdir()
+    build_cli(fit_args(shapes, run, 1))
+    ckpts = run / "checkpoints"
+    before = {name: sha(ckpts / name) for name in ("best.ckpt", "last.ckpt")}
+    proc = _child(
+        [*fit_args(shapes, run, 3, "--ckpt_path", "last"), f"{FAULTS}SlowSave", "--trainer.callbacks.mb", "64"],
+        tmpdir,
+        **popen_kw,
+    )
+    _, err = proc.communicate(timeout=240)
+    err = err.decode()
+    assert proc.returncode == 1, err[-3000:]
+    assert "vit-train: could not write the checkpoint" in err and "Traceback" not in err, err[-3000:]
+    assert {name: sha(ckpts / name) for name in before} == before  # untouched, and still loadable:
+    assert load_checkpoint(ckpts / "last.ckpt")["epoch"] == 0
+    assert sorted(p.name for p in ckpts.iterdir()) == ["best.ckpt", "last.ckpt"]  # no partial file left
+    assert [p for p in tmpdir.rglob("*") if p.stat().st_size > 1 << 20] == []  # and no orphan in $TMPDIR

@@ -1,0 +1,212 @@
+"""vit-train refuses what would run foreign code, lose a run, or fail deep inside Lightning: one line, exit 2."""
+
+from __future__ import annotations
+
+import functools
+import http.server
+import os
+import shutil
+import subprocess
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.train.conftest import REPO, write_shapes
+from train.cli import main
+from train.folder import scan_folder
+
+SAMPLE = str(REPO / "configs" / "sample.yaml")
+
+
+def args(root: Path, run_dir: Path, *extra: str, command: str = "fit") -> list[str]:
+    return [
+        command, "--config", SAMPLE, "--data.root", str(root), "--trainer.default_root_dir", str(run_dir),
+        "--trainer.max_epochs", "1", "--trainer.enable_progress_bar", "false", "--data.batch_size", "4", *extra,
+    ]  # fmt: skip
+
+
+def one_line_error(argv: list[str], capsys, code: int = 2) -> str:
+    """Run vit-train, expect exit `code` and a single `vit-train: ...` line on stderr; return that line."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("vit-train: ")]
+    assert exit_info.value.code == code, err[-2000:]
+    assert "Traceback" not in err and len(lines) == 1, err[-2000:]
+    return lines[0]
+
+
+@pytest.fixture
+def small_folder(tmp_path: Path) -> Path:
+    return write_shapes(tmp_path / "shapes", per_class=5)
+
+
+class Evil:
+    """Unpickling it runs code: it writes `marker` (what an attacker's checkpoint would do, and worse)."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return exec, (f"open({str(self.marker)!r}, 'w').write('pwned')",)
+
+
+@pytest.fixture
+def http_dir(tmp_path: Path):
+    """A real HTTP server on 127.0.0.1 serving the folder it yields (as (folder, base URL))."""
+    folder = tmp_path / "www"
+    folder.mkdir()
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(folder))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield folder, f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.mark.parametrize("command", ["validate", "fit"])
+def test_a_checkpoint_url_is_loaded_weights_only_and_its_code_never_runs(
+    command, small_folder, http_dir, tmp_path, capsys, monkeypatch
+):
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch_home"))  # where a hub download would be cached
+    www, url = http_dir
+    marker = tmp_path / "marker"
+    torch.save({"state_dict": Evil(marker), "vitscope": {}}, www / "evil.ckpt")
+    err = one_line_error(
+        args(small_folder, tmp_path / "run", "--ckpt_path", f"{url}/evil.ckpt", command=command), capsys
+    )
+    assert not marker.exists(), "the checkpoint's pickled code ran"
+    assert "evil.ckpt" in err and "weights-only" in err
+
+
+def test_a_local_checkpoint_holding_code_is_refused_the_same_way(small_folder, tmp_path, capsys):
+    marker = tmp_path / "marker"
+    evil = tmp_path / "run" / "checkpoints" / "last.ckpt"
+    evil.parent.mkdir(parents=True)
+    torch.save({"state_dict": Evil(marker), "vitscope": {}}, evil)
+    err = one_line_error(args(small_folder, tmp_path / "run", "--ckpt_path", "last"), capsys)
+    assert not marker.exists() and "last.ckpt holds Python objects that a weights-only load refuses" in err
+
+
+@pytest.mark.parametrize(
+    ("extra", "expected"),
+    [
+        (["--model.lr", "0"], "lr must be a positive number, got 0"),
+        (["--model.lr", "-0.001"], "lr must be a positive number, got -0.001"),
+        (["--model.min_lr", "-1.0"], "min_lr must be zero or a positive number"),
+        (["--data.batch_size", "0"], "--data.batch_size must be at least 1, got 0"),
+        (["--data.num_workers", "-1"], "--data.num_workers must be 0 or more"),
+    ],
+)
+def test_impossible_settings_are_one_line_errors(extra, expected, small_folder, tmp_path, capsys):
+    assert expected in one_line_error(args(small_folder, tmp_path / "run", *extra), capsys)
+
+
+def test_a_pretrained_file_that_is_not_weights_is_a_one_line_error(small_folder, tmp_path, capsys):
+    bad = tmp_path / "weights.safetensors"
+    bad.write_text("not weights\n")
+    extra = ["--model.pretrained", str(bad), "--model.variant", "vit_tiny_patch16_224"]
+    err = one_line_error(args(small_folder, tmp_path / "run", *extra), capsys)
+    assert str(bad) in err and "not a readable timm weights file" in err
+
+
+@pytest.fixture
+def read_only_dir(tmp_path: Path):
+    """A directory nobody, root included, can create files in: chattr +i as root, chmod 555 otherwise."""
+    folder = tmp_path / "read_only"
+    folder.mkdir()
+    if os.geteuid() == 0:
+        if shutil.which("chattr") is None or subprocess.run(["chattr", "+i", str(folder)]).returncode != 0:
+            pytest.skip("running as root without chattr +i: no way to make a directory read-only for root")
+        yield folder
+        subprocess.run(["chattr", "-i", str(folder)], check=True)
+    else:
+        folder.chmod(0o555)
+        yield folder
+        folder.chmod(0o755)
+
+
+def test_a_read_only_run_directory_is_a_one_line_error(small_folder, read_only_dir, capsys):
+    err = one_line_error(args(small_folder, read_only_dir / "run"), capsys)
+    assert f"cannot write into the run directory {read_only_dir / 'run'}" in err
+
+
+def _fake_run(run_dir: Path, *names: str) -> Path:
+    """A run directory whose checkpoints are whole torch.save files (enough for the path rules)."""
+    (run_dir / "checkpoints").mkdir(parents=True)
+    for name in names:
+        torch.save({"epoch": 0}, run_dir / "checkpoints" / name)
+    return run_dir / "checkpoints"
+
+
+def test_ckpt_path_last_without_a_last_ckpt_is_refused_naming_the_usable_files(small_folder, tmp_path, capsys):
+    ckpts = _fake_run(tmp_path / "run", "best.ckpt")
+    before = (ckpts / "best.ckpt").read_bytes()
+    err = one_line_error(args(small_folder, tmp_path / "run", "--ckpt_path", "last"), capsys)
+    assert f"there is no {ckpts / 'last.ckpt'}" in err and str(ckpts / "best.ckpt") in err
+    assert (ckpts / "best.ckpt").read_bytes() == before  # nothing started from scratch over it
+
+
+def test_ckpt_path_last_in_a_new_run_directory_says_there_is_nothing_to_resume(small_folder, tmp_path, capsys):
+    err = one_line_error(args(small_folder, tmp_path / "run", "--ckpt_path", "last"), capsys)
+    assert "holds no usable checkpoint: start without --ckpt_path" in err
+
+
+def test_a_truncated_last_ckpt_is_one_line_naming_the_usable_files(small_folder, tmp_path, capsys):
+    ckpts = _fake_run(tmp_path / "run", "best.ckpt", "last.ckpt")
+    whole = (ckpts / "last.ckpt").read_bytes()
+    (ckpts / "last.ckpt").write_bytes(whole[: len(whole) // 2])  # what a kill during a copy left
+    for ckpt_path in ("last", str(ckpts / "last.ckpt")):
+        err = one_line_error(args(small_folder, tmp_path / "run", "--ckpt_path", ckpt_path), capsys)
+        assert "last.ckpt is damaged or truncated" in err and f"usable checkpoints: {ckpts / 'best.ckpt'}" in err
+
+
+def test_another_runs_checkpoint_cannot_be_fitted_into_a_run_that_holds_checkpoints(small_folder, tmp_path, capsys):
+    ckpts = _fake_run(tmp_path / "run", "best.ckpt", "last.ckpt")
+    other = _fake_run(tmp_path / "other", "last.ckpt") / "last.ckpt"
+    before = (ckpts / "best.ckpt").read_bytes()
+    err = one_line_error(args(small_folder, tmp_path / "run", "--ckpt_path", str(other)), capsys)
+    assert "already holds a run" in err and f"--ckpt_path {other} is not one of its checkpoints" in err
+    assert "--overwrite true" in err and (ckpts / "best.ckpt").read_bytes() == before
+
+
+def test_a_folder_with_no_validation_images_is_refused(tmp_path, capsys):
+    root = write_shapes(tmp_path / "shapes", per_class=1)  # one image per class: all of it goes to training
+    err = one_line_error(args(root, tmp_path / "run"), capsys)
+    assert "gives no validation images" in err and "at least 2 images" in err
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root can list a chmod 000 folder, so it is not unreadable")
+def test_an_unreadable_subfolder_is_reported_not_skipped_silently(tmp_path):
+    root = write_shapes(tmp_path / "shapes", per_class=3)
+    locked = root / "bar" / "more"
+    write_shapes(locked, per_class=1, classes=("x",))
+    locked.chmod(0o000)
+    try:
+        bad = scan_folder(root).bad
+    finally:
+        locked.chmod(0o755)
+    assert [b.path for b in bad] == [str(locked)] and "folder cannot be read" in bad[0].reason
+
+
+@pytest.mark.slow
+def test_a_real_checkpoint_served_over_http_validates(http_dir, tmp_path, capsys):
+    www, url = http_dir
+    root = write_shapes(tmp_path / "shapes", per_class=6)
+    main(args(root, tmp_path / "run", "--trainer.limit_train_batches", "1"))
+    shutil.copy(tmp_path / "run" / "checkpoints" / "last.ckpt", www / "good.ckpt")
+    main(args(root, tmp_path / "other", "--ckpt_path", f"{url}/good.ckpt", command="validate"))
+    assert "val/acc" in capsys.readouterr().out
+
+
+def test_a_checkpoint_vit_train_did_not_write_is_a_one_line_error(small_folder, tmp_path, capsys):
+    foreign = tmp_path / "foreign.ckpt"
+    torch.save({"epoch": 0, "weights": torch.zeros(3)}, foreign)  # loads weights-only, but is not a run's checkpoint
+    err = one_line_error(args(small_folder, tmp_path / "run", "--ckpt_path", str(foreign), command="validate"), capsys)
+    assert f"checkpoint {foreign} is not one vit-train wrote" in err
