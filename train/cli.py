@@ -37,6 +37,7 @@ from train.safety import (
     check_ckpt_owner,
     check_data_settings,
     check_writable,
+    is_remote,
     resolve_ckpt_path,
 )
 
@@ -105,36 +106,50 @@ class VitCLI(LightningCLI):
             # the checkpoint holds every weight: resuming must not need the hub or the original file again
             config["model.pretrained"] = None
 
-    def _parse_ckpt_path(self) -> None:
-        """Check --ckpt_path before Lightning reads the model's hyperparameters from it: one line if it cannot."""
+    def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
+        """Parse, then check --ckpt_path before Lightning reads the model's hyperparameters from it: a missing,
+        damaged or code-carrying checkpoint is one line, not a traceback."""
+        super().parse_arguments(parser, args)
         config = self.config.get(str(self.config.get("subcommand")), None)
         ckpt_path = config.get("ckpt_path") if config is not None else None
-        if ckpt_path:
-            resolve_ckpt_path(ckpt_path, Path(config.get("trainer.default_root_dir") or os.getcwd()))
-        try:
-            super()._parse_ckpt_path()
-        except Exception as e:  # noqa: BLE001 (a file that passed the checks above and still fails to load)
-            raise load_error(ckpt_path, e) from None
+        if not ckpt_path:
+            return
+        path = resolve_ckpt_path(ckpt_path, Path(config.get("trainer.default_root_dir") or os.getcwd()))
+        if not is_remote(path):
+            try:  # memory-mapped: reads the pickle, not the tensors
+                torch.load(path, weights_only=True, mmap=True, map_location="cpu")
+            except Exception as e:  # noqa: BLE001 (any failure to load is the same message)
+                raise load_error(path, e) from None
 
-    def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Callback]) -> Trainer:
+    def instantiate_trainer(self, **kwargs: Any) -> Trainer:
+        """Lightning's trainer, set up for one run directory: loggers, checkpoints (best and last, saved
+        atomically) and the resolved config all live there, so `--ckpt_path last` resumes in place."""
+        init = self.config_init.get(str(self.subcommand), self.config_init)
+        config = init.get("trainer") or {}
         run_dir = Path(config.get("default_root_dir") or os.getcwd())
         check_writable(run_dir)
         remove_partial_saves(run_dir / CKPT_DIR)
-        config["plugins"] = _with_atomic_checkpoint_io(config.get("plugins"))
+        kwargs["plugins"] = _with_atomic_checkpoint_io(config.get("plugins"))
         if config.get("logger") in (None, True):  # default loggers live in the run directory
-            config["logger"] = [TensorBoardLogger(run_dir, name="tensorboard"), CSVLogger(run_dir, name="csv")]
-        has_bar = any(isinstance(cb, ProgressBar) for cb in (config.get("callbacks") or []))
-        if config.get("enable_progress_bar") is not False and not has_bar:
-            callbacks = [*callbacks, RichProgressBar()]
-        for cb in callbacks:
-            if isinstance(cb, ModelCheckpoint) and cb.dirpath is None:
-                # fixed (resume finds last.ckpt here) and absolute, as ModelCheckpoint's own init makes it
-                cb.dirpath = os.path.realpath(run_dir / CKPT_DIR)
+            kwargs["logger"] = [TensorBoardLogger(run_dir, name="tensorboard"), CSVLogger(run_dir, name="csv")]
+        # The best-checkpoint callback (--checkpoint.*) moves into this list, in the order Lightning would
+        # give it, so that `trainer.checkpoint_callback` is still the one that tracks the best score.
+        best, init["checkpoint"] = init.get("checkpoint"), Callback()  # a no-op takes its place
+        callbacks = list(config.get("callbacks") or [])
         if config.get("enable_checkpointing") is False:  # Lightning refuses checkpoint callbacks then
-            callbacks = [cb for cb in callbacks if not isinstance(cb, ModelCheckpoint)]
+            callbacks = [c for c in callbacks if not isinstance(c, ModelCheckpoint)]
         else:
-            callbacks = [*callbacks, LastCheckpoint(str(run_dir / CKPT_DIR)), KeepBestScore()]
-        return super()._instantiate_trainer(config, callbacks)
+            callbacks.append(best)
+            for c in callbacks:
+                if isinstance(c, ModelCheckpoint) and c.dirpath is None:
+                    # fixed (resume finds last.ckpt here) and absolute, as ModelCheckpoint's own init makes it
+                    c.dirpath = os.path.realpath(run_dir / CKPT_DIR)
+        if config.get("enable_progress_bar") is not False and not any(isinstance(c, ProgressBar) for c in callbacks):
+            callbacks.append(RichProgressBar())
+        if config.get("enable_checkpointing") is not False:
+            callbacks += [LastCheckpoint(str(run_dir / CKPT_DIR)), KeepBestScore()]
+        kwargs["callbacks"] = callbacks
+        return super().instantiate_trainer(**kwargs)
 
     def instantiate_classes(self) -> None:
         try:
