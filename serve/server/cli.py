@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.ray:
         try:
-            from serve.server.ray_serve import run
+            from serve.server.ray_launch import run
         except ImportError as e:
             print(f"vit-serve: --ray needs Ray Serve ({e}): pip install 'vitscope[ray]'", file=sys.stderr)
             return 2

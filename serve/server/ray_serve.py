@@ -1,6 +1,6 @@
 """Scale-out on Ray Serve: the same ONNX runtime and API (/v1, /v2, /metrics, health) over N model replicas.
 
-    vit-serve artifacts/sample.onnx --ray --replicas 2 [--max-replicas 4] [--ray-address auto]
+    vit-serve artifacts/sample.onnx --ray --replicas 2 [--ray-address auto]   # see serve.server.ray_launch
     serve run serve.server.ray_serve:app_builder model=artifacts/sample.onnx replicas=2
 
 Two deployments behind Ray Serve's HTTP proxy:
@@ -19,7 +19,8 @@ like a dropped connection. The explain path runs on the ingress's own copy of th
 Every response names the model replica(s) that computed it in the `X-Vitscope-Replica` header (their Ray
 actor names). `/metrics` is the answering ingress's own; Ray's metrics (`serve_batch_size`,
 `serve_batch_queue_length`, per replica) cover the model replicas. The model path must exist on every
-node. This module is the only one that imports ray, an optional extra: `pip install 'vitscope[ray]'`.
+node. This module and `ray_launch` are the only ones that import ray, an optional extra:
+`pip install 'vitscope[ray]'`.
 """
 
 from __future__ import annotations
@@ -27,9 +28,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import signal
-import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from contextvars import ContextVar
 from typing import Any
@@ -251,58 +249,3 @@ def app_builder(args: dict[str, str]):
     cpus, ingress = float(args.pop("cpus", 1.0)), int(args.pop("ingress_replicas", 1))
     high = None if max_replicas is None else int(max_replicas)
     return deployment(model, ServeSettings(**args), replicas, high, cpus, ingress)
-
-
-def wait_for_replicas(count: int, timeout_s: float = 300.0) -> None:
-    """Block until `count` model replicas run (`serve.run` returns once the application is deployed)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        deployments = serve.status().applications[APP_NAME].deployments
-        running = deployments["ModelReplica"].replica_states.get("RUNNING", 0)
-        if running >= count:
-            return
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"only {running} of {count} model replicas run after {timeout_s} s: too few CPUs?")
-        time.sleep(0.5)
-
-
-def run(
-    model: str,
-    settings: ServeSettings,
-    replicas: int,
-    max_replicas: int | None,
-    cpus: float,
-    address: str | None,
-) -> int:
-    """`vit-serve --ray`: deploy on a Ray cluster, print the URL once every replica is ready, and on
-    SIGTERM or Ctrl-C take the application down again (the cluster itself stays up).
-
-    Args:
-        model, settings, replicas, max_replicas, cpus: as for `deployment`.
-        address: the cluster to join ("auto": the one `ray start` runs on this machine); None starts
-            a single-node Ray for this process, stopped on exit.
-
-    Returns:
-        The exit code: 0 once the application is deleted.
-    """
-    import ray
-
-    if settings.port == 0:
-        raise ValueError("--ray needs a fixed --port: it is the port of Ray Serve's HTTP proxy")
-    app = deployment(model, settings, replicas, max_replicas, cpus)  # checks the counts before Ray starts
-    ray.init(address=address, logging_level=logging.WARNING, include_dashboard=False if address is None else None)
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):  # after ray.init, which installs handlers of its own
-        signal.signal(sig, lambda *_: stop.set())
-    try:
-        serve.start(http_options={"host": settings.host, "port": settings.port})
-        serve.run(app, name=APP_NAME, route_prefix="/")
-        wait_for_replicas(replicas)
-        host = "127.0.0.1" if settings.host in ("0.0.0.0", "") else settings.host
-        print(f"vitscope is ready: http://{host}:{settings.port}/ (Ray Serve, {replicas} model replicas)", flush=True)
-        stop.wait()
-        log.info("stopping: deleting the %s application", APP_NAME)
-        serve.delete(APP_NAME)
-    finally:
-        ray.shutdown()
-    return 0
