@@ -48,10 +48,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     ray = parser.add_argument_group("Ray Serve (pip install 'vitscope[ray]'; see serve.server.ray_serve)")
     ray.add_argument("--ray", action="store_true", help="serve the API from replicas on a Ray cluster (no UI)")
-    ray.add_argument("--replicas", type=int, default=1, help="replicas to start, and the fewest to keep")
-    ray.add_argument("--max-replicas", type=int, default=None, help="scale up to this many (default: --replicas)")
-    ray.add_argument("--replica-cpus", type=float, default=1.0, help="CPUs Ray reserves for each replica")
-    ray.add_argument("--ray-address", default=None, help="cluster to join ('auto': started by ray start here)")
+    ray.add_argument("--replicas", type=int, default=1, help="model replicas to start, and the fewest to keep")
+    ray.add_argument("--max-replicas", type=int, help="most model replicas when autoscaling (None: --replicas)")
+    ray.add_argument("--replica-cpus", type=float, default=1.0, help="CPUs Ray reserves for each model replica")
+    ray.add_argument("--ray-address", help="cluster to join ('auto': the one ray start runs here; None: a new one)")
     return parser
 
 

@@ -5,7 +5,10 @@
 
 Each `ray start --block` runs in a session of its own, and stopping sends SIGKILL to exactly those
 sessions' process groups: `ray stop` would stop every Ray process on the machine, other users' too.
-The dashboard is off and the object store small, as befits a shared 2-core machine.
+The dashboard is off and the object store small, as befits a shared 2-core machine. Token authentication
+is off (RAY_AUTH_MODE=disabled, also for the processes started while the cluster runs): once any local
+`ray.init()` has written ~/.ray/auth_token, `ray start` would turn it on, and a driver joining by address
+would then be refused.
 """
 
 from __future__ import annotations
@@ -32,7 +35,8 @@ class LocalRayCluster:
         self.tmp = tempfile.mkdtemp(prefix="vray", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
         self.procs: list[subprocess.Popen] = []
         self.address: str | None = None
-        self.env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
+        self.env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
+        self._auth_mode = os.environ.get("RAY_AUTH_MODE")
 
     def _start(self, *args: str, log: str) -> subprocess.Popen:
         common = ["--num-cpus", str(self.cpus), "--disable-usage-stats", "--block"]
@@ -48,6 +52,7 @@ class LocalRayCluster:
         return proc
 
     def start(self, timeout: float = 120.0) -> LocalRayCluster:
+        os.environ["RAY_AUTH_MODE"] = "disabled"  # drivers started from here join without a token
         head_args = ["--head", "--port=0", "--include-dashboard=false", "--temp-dir", self.tmp]
         self._start(*head_args, "--object-store-memory", str(100 * 2**20), log="head.log")
         deadline = time.monotonic() + timeout
@@ -75,6 +80,10 @@ class LocalRayCluster:
                 pass
             proc.wait(30)
         shutil.rmtree(self.tmp, ignore_errors=True)
+        if self._auth_mode is None:
+            os.environ.pop("RAY_AUTH_MODE", None)
+        else:
+            os.environ["RAY_AUTH_MODE"] = self._auth_mode
 
     def __enter__(self) -> LocalRayCluster:
         try:

@@ -93,6 +93,8 @@ def test_v1_v2_and_metrics_answer_through_ray(server, tiny_onnx):
     np.testing.assert_allclose(logits, session.run(["logits"], {"pixels": x})[0], rtol=1e-5, atol=1e-5)
     r = httpx.post(server.url + f"/v1/classify?top_k={len(CLASS_NAMES)}", files={"file": ("x.png", png(x[0]))})
     assert r.status_code == 200 and r.json()["predictions"][0]["label"] == CLASS_NAMES[0]
+    explained = httpx.post(server.url + "/v1/classify?explain=true", files={"file": ("x.png", png(x[0]))}, timeout=60)
+    assert explained.status_code == 200 and len(explained.json()["explanation"]["grid"]) == 4  # 32 px / patch 8
     bad = {"inputs": [{"name": "pixels", "datatype": "UINT8", "shape": [1, 32, 32, 3], "data": [True] * 3072}]}
     assert httpx.post(f"{server.url}/v2/models/{model}/infer", json=bad).status_code == 422
     assert "vitscope_requests_total" in httpx.get(server.url + "/metrics").text
