@@ -9,7 +9,7 @@ Two deployments behind Ray Serve's HTTP proxy:
              decodes uploads, checks tensors, metrics            batches images, runs the logits pass
 
 `ModelReplica` is what scales: Ray Serve's `@serve.batch` gathers the images sent to it, the batch runs
-on the replica's one ONNX thread, and Ray restarts a replica that dies or fails `check_health`, and adds
+on the replica's one ONNX thread; Ray Serve replaces a replica that dies or fails `check_health`, and adds
 or removes replicas between `--replicas` and `--max-replicas` by the requests in flight. The ingress
 sends each image to a model replica (`RayEngine`) and, if that replica dies with the image in flight,
 sends it again to another one: killing a model replica loses no accepted request. The ingress is light
