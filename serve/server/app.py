@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+from collections.abc import Callable
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
@@ -26,20 +27,26 @@ from serve.server.v2 import v2_router
 log = logging.getLogger(__name__)
 
 
-def build_app(classifier, settings: ServeSettings | None = None, with_ui: bool = True) -> FastAPI:
+def build_app(
+    classifier,
+    settings: ServeSettings | None = None,
+    with_ui: bool = True,
+    engine_class: Callable[..., Engine] = Engine,
+) -> FastAPI:
     """The server: API routes, metrics and (unless `with_ui` is False) the Gradio UI at `/`.
 
     Args:
         classifier: a loaded `serve.runtime.OnnxClassifier`.
         settings: limits and batching; defaults when None.
         with_ui: mount the Gradio Blocks at `/`.
+        engine_class: builds the engine that batches requests (the Ray Serve ingress passes its `RayEngine`).
 
     Returns:
         A FastAPI app whose lifespan starts the batcher, warms the model up and drains on shutdown.
     """
     settings = settings or ServeSettings()
     metrics = Metrics()
-    engine = Engine(
+    engine = engine_class(
         classifier,
         settings,
         on_batch=metrics.batch_size.observe,

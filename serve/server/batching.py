@@ -32,6 +32,8 @@ from typing import Any
 
 import numpy as np
 
+from serve.runtime.classifier import softmax
+
 log = logging.getLogger(__name__)
 
 
@@ -247,6 +249,17 @@ def _run_call(item: _Call) -> None:
         item.future.set_exception(e)
 
 
+def logits_and_probs(classifier, batch: np.ndarray) -> np.ndarray:
+    """The batched forward pass: (B, H, W, 3) uint8 -> (B, 2, K), each image's logits and probabilities.
+
+    Both come from one pass: KServe v2 answers with the file's own `logits` (as Triton serving the file
+    would), /v1 with probabilities, and a batch may mix requests of both kinds. The probabilities are
+    `softmax(logits)` exactly as `OnnxClassifier.predict_pixels` computes them.
+    """
+    (logits,) = classifier.session.run(["logits"], {"pixels": np.ascontiguousarray(batch)})  # (B, K)
+    return np.stack([logits, softmax(logits)], axis=1)
+
+
 class Engine:
     """The classifier behind the batcher: the only object that touches the ONNX session.
 
@@ -270,8 +283,9 @@ class Engine:
         decode: Callable[[Any], np.ndarray] | None = None,
     ):
         self.classifier, self.settings = classifier, settings
+        self.forward = lambda batch: logits_and_probs(classifier, batch)  # (B, H, W, 3) -> (B, 2, K)
         self.batcher = MicroBatcher(
-            classifier.predict_pixels,
+            self.forward,
             max_batch_size=settings.max_batch_size,
             max_delay_ms=settings.max_delay_ms,
             queue_size=settings.queue_size,
@@ -292,11 +306,11 @@ class Engine:
         preferred = self.settings.preferred_batch_size
         if preferred:
             for size in sorted({1, preferred}):  # the first call at each shape allocates
-                self.batcher.call(self.classifier.predict_pixels, np.zeros((size, H, W, 3), np.uint8)).result(600)
+                self.batcher.call(self.forward, np.zeros((size, H, W, 3), np.uint8)).result(600)
         else:
-            times = self.batcher.call(
-                time_batch_sizes, self.classifier.predict_pixels, (H, W, 3), self.settings.max_batch_size
-            ).result(600)
+            times = self.batcher.call(time_batch_sizes, self.forward, (H, W, 3), self.settings.max_batch_size).result(
+                600
+            )
             preferred = choose_batch_size(times)
             table = ", ".join(f"{bs}: {t * 1000:.3f}" for bs, t in times.items())
             log.info("batching up to %d images (ms per image by batch size: %s)", preferred, table)
@@ -308,10 +322,15 @@ class Engine:
         self.ready = False
         self.batcher.close(timeout=self.settings.graceful_timeout_s)
 
-    async def predict(self, item: Any) -> np.ndarray:
-        """(H, W, 3) uint8 (or an item for `decode`) -> (K,) probabilities, batched with concurrent requests."""
+    async def infer(self, item: Any) -> np.ndarray:
+        """(H, W, 3) uint8 (or an item for `decode`) -> (2, K) logits and probabilities, batched with
+        concurrent requests."""
         fut = asyncio.wrap_future(self.batcher.submit(item))
         return await asyncio.wait_for(fut, self.settings.request_timeout_s)
+
+    async def predict(self, item: Any) -> np.ndarray:
+        """(H, W, 3) uint8 (or an item for `decode`) -> (K,) probabilities, batched with concurrent requests."""
+        return (await self.infer(item))[1]
 
     async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
         """`fn(*args)` on the worker thread (for anything else that uses the session)."""

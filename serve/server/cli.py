@@ -46,6 +46,12 @@ def build_parser() -> argparse.ArgumentParser:
             parser.add_argument(flag, type=kind, default=argparse.SUPPRESS, help=f"{text} (default: {field.default})")
     parser.add_argument("--no-ui", action="store_true", help="serve the API only, without the Gradio UI")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    ray = parser.add_argument_group("Ray Serve (pip install 'vitscope[ray]'; see serve.server.ray_serve)")
+    ray.add_argument("--ray", action="store_true", help="serve the API from replicas on a Ray cluster (no UI)")
+    ray.add_argument("--replicas", type=int, default=1, help="model replicas to start, and the fewest to keep")
+    ray.add_argument("--max-replicas", type=int, help="most model replicas when autoscaling (None: --replicas)")
+    ray.add_argument("--replica-cpus", type=float, default=1.0, help="CPUs Ray reserves for each model replica")
+    ray.add_argument("--ray-address", help="cluster to join ('auto': the one ray start runs here; None: a new one)")
     return parser
 
 
@@ -65,6 +71,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"vit-serve: {where}", file=sys.stderr)
         return 2
 
+    if args.ray:
+        try:
+            from serve.server.ray_launch import run
+        except ImportError as e:
+            print(f"vit-serve: --ray needs Ray Serve ({e}): pip install 'vitscope[ray]'", file=sys.stderr)
+            return 2
+        try:
+            return run(str(args.model), settings, args.replicas, args.max_replicas, args.replica_cpus, args.ray_address)
+        except ValueError as e:
+            print(f"vit-serve: {e}", file=sys.stderr)
+            return 2
     from serve.runtime.classifier import OnnxClassifier
     from serve.server.app import build_app
 

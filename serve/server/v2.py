@@ -1,119 +1,156 @@
 """KServe Open Inference Protocol v2: health, model metadata and tensor inference, as a router of its own.
 
-    GET  /v2, /v2/health/live|ready, /v2/models/<name>, /v2/models/<name>/ready
-    POST /v2/models/<name>/infer
+    GET  /v2, /v2/health/live|ready
+    GET  /v2/models/<name>[/versions/<version>], .../ready
+    POST /v2/models/<name>[/versions/<version>]/infer
 
-The input tensor is `image`, UINT8 of shape [B, H, W, 3] at the model's input size (resize and crop on
-the client, or use /v1/classify with encoded images); the output is `probs`, FP32 [B, K].
+The tensors are the ONNX file's own, as Triton serving the same file shows them: the input `pixels`,
+UINT8 [B, H, W, 3] at the model's input size (resize and crop on the client as the metadata's
+`preprocess` says, or use /v1/classify with encoded images), and the output `logits`, FP32 [B, K].
+A request may also ask for `probs` by name (softmax of the logits: what /v1/classify scores).
+JSON and binary tensors are both spoken (`serve.server.v2_tensors`), so `tritonclient.http` works
+against this server as against Triton. Errors have the protocol's shape, {"error": "<message>"}
+(which tritonclient shows), plus the `code` every other route puts in its error object.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
+import functools
 
 import numpy as np
 from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
 from serve.server.batching import Engine
-from serve.server.errors import ApiError, model_result
+from serve.server.errors import ApiError, error_response, model_result
 from serve.server.settings import ServeSettings
 from serve.server.uploads import read_body
+from serve.server.v2_tensors import (
+    HEADER_LENGTH,
+    ONNX_DATATYPES,
+    TensorSpec,
+    encode_infer_response,
+    parse_infer_request,
+)
+
+INPUT, OUTPUT, PROBS = "pixels", "logits", "probs"  # the graph's input and logits output; probs is ours
+EXTENSIONS = ["binary_tensor_data"]
+
+
+def kserve_errors(settings: ServeSettings):
+    """Wraps a route so that its `ApiError`s answer as KServe v2 errors: {"error": message, "code": code}."""
+
+    def wrap(route):
+        @functools.wraps(route)  # FastAPI reads the route's parameters through the wrapper
+        async def wrapper(*args, **kwargs):
+            try:
+                return await route(*args, **kwargs)
+            except ApiError as err:
+                usual = error_response(err, settings)  # its status and headers (Retry-After, Allow)
+                headers = {k: v for k, v in usual.headers.items() if k not in ("content-length", "content-type")}
+                return JSONResponse({"error": err.message, "code": err.code}, err.status, headers=headers)
+
+        return wrapper
+
+    return wrap
+
+
+def tensor_specs(classifier) -> tuple[TensorSpec, TensorSpec]:
+    """The graph's `pixels` input and `logits` output, read from the onnxruntime session (the batch: -1)."""
+    H, W = classifier.input_size
+    K = len(classifier.labels)
+    graph = {t.name: t for t in (*classifier.session.get_inputs(), *classifier.session.get_outputs())}
+    for name in (INPUT, OUTPUT):
+        if name not in graph or graph[name].type not in ONNX_DATATYPES:
+            raise ValueError(f"{classifier.path} has no {name!r} tensor of a known type; export it with vit-export")
+    pixels = TensorSpec(INPUT, ONNX_DATATYPES[graph[INPUT].type], [-1, H, W, 3])
+    logits = TensorSpec(OUTPUT, ONNX_DATATYPES[graph[OUTPUT].type], [-1, K])
+    return pixels, logits
 
 
 def v2_router(classifier, engine: Engine, settings: ServeSettings) -> APIRouter:
     """The v2 routes for one classifier behind one engine."""
     router = APIRouter(prefix="/v2")
-    H, W = classifier.input_size
-    K = len(classifier.labels)
+    pixels, logits = tensor_specs(classifier)
+    version = str(classifier.version)
+    errors = kserve_errors(settings)
 
-    def check_name(name: str) -> None:
+    def check_model(name: str, ver: str | None = None) -> None:
         if name != classifier.name:
             raise ApiError("not_found", f"unknown model {name!r}; this server serves {classifier.name!r}")
+        if ver is not None and ver != version:
+            raise ApiError("not_found", f"unknown version {ver!r} of {name!r}; this server serves version {version!r}")
+
+    def check_ready() -> None:
+        if not engine.ready:
+            raise ApiError("not_ready", "the model is loading or warming up (or the server is stopping)")
 
     @router.get("")
     async def v2_server():
-        return {"name": "vitscope", "version": str(classifier.version), "extensions": []}
+        return {"name": "vitscope", "version": version, "extensions": EXTENSIONS}
 
     @router.get("/health/live")
     async def v2_live():
         return {"live": True}
 
     @router.get("/health/ready")
+    @errors
     async def v2_ready():
-        if not engine.ready:
-            raise ApiError("not_ready", "the model is loading or warming up (or the server is stopping)")
+        check_ready()
         return {"ready": True}
 
     @router.get("/models/{name}/ready")
-    async def v2_model_ready(name: str):
-        check_name(name)
-        return await v2_ready()
+    @router.get("/models/{name}/versions/{ver}/ready")
+    @errors
+    async def v2_model_ready(name: str, ver: str | None = None):
+        check_model(name, ver)
+        check_ready()
+        return {"name": name, "ready": True}
 
     @router.get("/models/{name}")
-    async def v2_metadata(name: str):
-        check_name(name)
+    @router.get("/models/{name}/versions/{ver}")
+    @errors
+    async def v2_metadata(name: str, ver: str | None = None):
+        check_model(name, ver)
         return {
             "name": classifier.name,
-            "versions": [str(classifier.version)],
+            "versions": [version],
             "platform": "onnxruntime_onnx",
-            "inputs": [{"name": "image", "datatype": "UINT8", "shape": [-1, H, W, 3]}],
-            "outputs": [{"name": "probs", "datatype": "FP32", "shape": [-1, K]}],
+            "inputs": [pixels.to_dict()],
+            "outputs": [logits.to_dict()],
             "parameters": {"labels": list(classifier.labels), "preprocess": classifier.preprocess.to_dict()},
         }
 
-    @router.post("/models/{name}/infer")
-    async def v2_infer(name: str, request: Request):
-        check_name(name)
+    @errors
+    async def v2_infer(request: Request):
+        name, ver = request.path_params["name"], request.path_params.get("ver")
+        check_model(name, ver)
+        encoding = request.headers.get("content-encoding", "identity").lower()
+        if encoding != "identity":
+            raise ApiError("unsupported_media_type", f"send the request uncompressed (Content-Encoding {encoding!r})")
         body = await read_body(request, settings.max_bytes)
         # at most max_batch_size images per request, so one client cannot fill the whole queue
-        pixels = await run_in_threadpool(parse_tensor, body, (H, W), settings.max_batch_size)
-        work = (model_result(engine.predict(p), settings) for p in pixels)  # each joins the batches
+        header_length = request.headers.get(HEADER_LENGTH)
+        req = await run_in_threadpool(
+            parse_infer_request, body, header_length, pixels, [OUTPUT, PROBS], settings.max_batch_size
+        )
+        work = (model_result(engine.infer(p), settings) for p in req.pixels)  # each joins the batches
         results = await asyncio.gather(*work, return_exceptions=True)
         failed = next((r for r in results if isinstance(r, BaseException)), None)
         if failed is not None:  # every image has settled: nothing is left running or unobserved
             raise failed
-        out = np.stack(results).astype(np.float32)  # (B, K)
-        answer = {
-            "model_name": classifier.name,
-            "model_version": str(classifier.version),
-            "outputs": [{"name": "probs", "datatype": "FP32", "shape": list(out.shape), "data": out.ravel().tolist()}],
-        }
-        req_id = request.headers.get("x-request-id")
+        rows = np.stack(results)  # (B, 2, K): logits, probs
+        by_name = {OUTPUT: rows[:, 0], PROBS: rows[:, 1]}
+        head = {"model_name": classifier.name, "model_version": version}
+        req_id = req.id or request.headers.get("x-request-id")
         if req_id:
-            answer["id"] = req_id
-        return answer
+            head["id"] = req_id
+        content, headers = encode_infer_response(head, [(n, by_name[n], binary) for n, binary in req.outputs])
+        return Response(content, headers=headers)
 
+    # Plain Starlette routes, like /v1/classify: the body is read raw (JSON header plus binary tensors)
+    for path in ("/models/{name}/infer", "/models/{name}/versions/{ver}/infer"):
+        router.add_route(router.prefix + path, v2_infer, methods=["POST"])  # add_route does not add the prefix
     return router
-
-
-def parse_tensor(body: bytes, size: tuple[int, int], max_images: int) -> np.ndarray:
-    """An inference request's JSON -> (B, H, W, 3) uint8, or an `ApiError` saying what does not fit."""
-    H, W = size
-    try:
-        req = json.loads(body)
-        tensor = req["inputs"][0]
-        shape, dtype, data = list(tensor["shape"]), str(tensor["datatype"]).upper(), tensor["data"]
-    except (ValueError, KeyError, IndexError, TypeError):
-        raise ApiError(
-            "bad_request",
-            'send JSON {"inputs": [{"name": "image", "datatype": "UINT8", "shape": [B, H, W, 3], "data": [...]}]}',
-        ) from None
-    if dtype != "UINT8":
-        raise ApiError("bad_request", f"input datatype must be UINT8 pixels, got {dtype}")
-    if len(shape) != 4 or shape[1:] != [H, W, 3] or not 1 <= shape[0] <= max_images:
-        raise ApiError(
-            "bad_request",
-            f"input shape must be [B, {H}, {W}, 3] with 1 <= B <= {max_images} "
-            f"(split larger tensors into several requests), got {shape}",
-        )
-    try:
-        arr = np.asarray(data, dtype=np.int64).reshape(shape)
-    except (ValueError, TypeError, OverflowError):
-        raise ApiError(
-            "bad_request", f"input data must hold {int(np.prod(shape))} integers for shape {shape}"
-        ) from None
-    if arr.size and (arr.min() < 0 or arr.max() > 255):
-        raise ApiError("bad_request", "UINT8 pixel values must be in 0..255")
-    return arr.astype(np.uint8)

@@ -58,7 +58,10 @@ def test_classify_and_v2_infer_over_http(server, tiny_onnx):
     name = r.json()["model"]
     meta = httpx.get(f"{server.url}/v2/models/{name}").json()
     x = np.zeros((1, *meta["inputs"][0]["shape"][1:]), np.uint8)
-    req = {"inputs": [{"name": "image", "datatype": "UINT8", "shape": list(x.shape), "data": x.ravel().tolist()}]}
+    req = {
+        "inputs": [{"name": "pixels", "datatype": "UINT8", "shape": list(x.shape), "data": x.ravel().tolist()}],
+        "outputs": [{"name": "probs"}],
+    }
     out = httpx.post(f"{server.url}/v2/models/{name}/infer", json=req).json()["outputs"][0]
     assert out["shape"] == [1, len(meta["parameters"]["labels"])]
     assert sum(out["data"]) == pytest.approx(1.0, abs=1e-4)

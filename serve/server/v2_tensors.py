@@ -1,0 +1,223 @@
+"""KServe v2 tensors on the wire: an infer request's JSON (and binary) body -> pixels, logits -> the response body.
+
+Both JSON tensors and the binary tensor data extension (Triton's `extension_binary_data.md`, which
+`tritonclient` uses by default) are read and written:
+
+    request:  Inference-Header-Content-Length: N   (the JSON header is the first N bytes of the body)
+              {"inputs": [{"name": "pixels", "datatype": "UINT8", "shape": [B, H, W, 3],
+                           "parameters": {"binary_data_size": B*H*W*3}}],
+               "outputs": [{"name": "logits", "parameters": {"binary_data": true}}]}  + B*H*W*3 raw bytes
+    response: the same header names the length of the JSON part; each binary output carries
+              "parameters": {"binary_data_size": n} instead of "data", its bytes follow the JSON in order.
+
+Datatypes are strict: UINT8 data are JSON integers 0..255 (not strings, booleans or floats), and a
+binary tensor holds exactly `shape`'s number of elements.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from itertools import chain
+from typing import Any
+
+import numpy as np
+
+from serve.server.errors import ApiError
+
+# Shapes: B batch, H/W image, K classes.
+
+HEADER_LENGTH = "Inference-Header-Content-Length"
+DTYPES = {"UINT8": np.dtype(np.uint8), "FP32": np.dtype("<f4")}  # KServe datatype -> little-endian numpy
+ONNX_DATATYPES = {"tensor(uint8)": "UINT8", "tensor(float)": "FP32"}  # onnxruntime's type names -> KServe
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One tensor of the model as KServe v2 describes it: name, datatype and shape (-1: any batch size)."""
+
+    name: str
+    datatype: str
+    shape: list[int]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "datatype": self.datatype, "shape": list(self.shape)}
+
+
+@dataclass
+class InferRequest:
+    """A checked infer request.
+
+    Attributes:
+        pixels: (B, H, W, 3) uint8.
+        outputs: the outputs to return, in order, each with whether it goes back as binary data.
+        id: the request's id, echoed in the response (None when it has none).
+    """
+
+    pixels: np.ndarray
+    outputs: list[tuple[str, bool]]
+    id: str | None
+
+
+def bad(message: str) -> ApiError:
+    return ApiError("bad_request", message)
+
+
+def read_json(data: bytes, what: str) -> Any:
+    """JSON, or a 422 that says why not (a nesting too deep for the parser is a client error, not a crash)."""
+    try:
+        return json.loads(data)
+    except RecursionError:
+        raise bad(f"the {what} is nested too deeply to be a tensor request; send flat data") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise bad(f"the {what} is not valid JSON ({e})") from None
+
+
+def split_body(body: bytes, header_length: str | None) -> tuple[Any, bytes]:
+    """The JSON header and the binary data after it (`header_length` is the header's byte count, or None
+    when the whole body is JSON)."""
+    if header_length is None:
+        return read_json(body, "request body"), b""
+    if not header_length.strip().isdigit() or int(header_length) > len(body):
+        raise bad(f"{HEADER_LENGTH} must be the JSON header's byte length (at most {len(body)}), got {header_length!r}")
+    n = int(header_length)
+    return read_json(body[:n], "JSON header"), body[n:]
+
+
+def parse_infer_request(
+    body: bytes, header_length: str | None, pixels: TensorSpec, outputs: list[str], max_images: int
+) -> InferRequest:
+    """An infer request -> checked pixels and requested outputs, or an `ApiError` saying what does not fit.
+
+    Args:
+        body: the request body.
+        header_length: the `Inference-Header-Content-Length` header, when the body carries binary data.
+        pixels: the model's input (its shape's first dimension is the batch).
+        outputs: the output names a request may ask for; the first is the default.
+        max_images: the most images in one request.
+    """
+    head, binary = split_body(body, header_length)
+    if not isinstance(head, dict) or not isinstance(head.get("inputs"), list):
+        example = {"name": pixels.name, "datatype": pixels.datatype, "shape": ["B", "..."], "data": ["..."]}
+        raise bad(f"send a JSON object {json.dumps({'inputs': [example]})}")
+    names = [t.get("name") if isinstance(t, dict) else None for t in head["inputs"]]
+    if names != [pixels.name]:
+        raise bad(f"this model takes one input, {pixels.name!r} ({pixels.datatype} {pixels.shape}), got inputs {names}")
+    tensor = head["inputs"][0]
+    shape = check_shape(tensor.get("shape"), pixels, max_images)
+    if tensor.get("datatype") != pixels.datatype:
+        raise bad(f"input {pixels.name!r} must have datatype {pixels.datatype}, got {tensor.get('datatype')!r}")
+    size = binary_size(tensor)
+    if size is None:
+        arr = json_tensor(tensor.get("data"), shape, pixels)
+    elif size != len(binary):
+        raise bad(f"binary_data_size of {pixels.name!r} is {size}, but {len(binary)} bytes follow the JSON header")
+    else:
+        arr = binary_tensor(binary, shape, pixels)
+    params = head.get("parameters") or {}
+    default_binary = bool_param(params, "binary_data_output")
+    wanted = head.get("outputs")
+    if wanted is None:
+        chosen = [(outputs[0], default_binary)]
+    elif isinstance(wanted, list) and wanted:
+        chosen = [requested_output(o, outputs, default_binary) for o in wanted]
+    else:
+        raise bad('"outputs" must be a non-empty list of {"name": ...}; leave it out for the default output')
+    req_id = head.get("id")
+    return InferRequest(arr, chosen, None if req_id is None else str(req_id))
+
+
+def check_shape(shape: Any, spec: TensorSpec, max_images: int) -> list[int]:
+    want = [f"1..{max_images}" if d == -1 else d for d in spec.shape]
+    ok = isinstance(shape, list) and all(type(d) is int for d in shape) and len(shape) == len(spec.shape)
+    if not ok or not 1 <= shape[0] <= max_images or shape[1:] != spec.shape[1:]:
+        raise bad(
+            f"input {spec.name!r} must have shape [{', '.join(map(str, want))}] "
+            f"(split larger batches into several requests), got {shape!r}"
+        )
+    return shape
+
+
+def binary_size(tensor: dict) -> int | None:
+    """The tensor's `binary_data_size` parameter (None: its data are JSON)."""
+    params = tensor.get("parameters") or {}
+    if not isinstance(params, dict):
+        raise bad('"parameters" must be an object')
+    size = params.get("binary_data_size")
+    if size is None:
+        return None
+    if type(size) is not int or size < 0 or "data" in tensor:
+        raise bad("binary_data_size must be a byte count, and a binary tensor has no JSON 'data'")
+    return size
+
+
+def binary_tensor(data: bytes, shape: list[int], spec: TensorSpec) -> np.ndarray:
+    dtype = DTYPES[spec.datatype]
+    count = int(np.prod(shape))
+    if len(data) != count * dtype.itemsize:
+        need = count * dtype.itemsize
+        raise bad(f"{spec.name!r} of shape {shape} is {need} bytes of {spec.datatype}, got {len(data)} bytes")
+    return np.frombuffer(data, dtype).reshape(shape)
+
+
+def json_tensor(data: Any, shape: list[int], spec: TensorSpec) -> np.ndarray:
+    """JSON data (flat, or nested at most as deep as `shape`) -> an array; UINT8 takes only integers 0..255."""
+    flat = data
+    for _ in range(len(shape) - 1):  # iterative, so no nesting can exhaust the stack
+        if not isinstance(flat, list) or not any(isinstance(x, list) for x in flat):
+            break
+        if not all(isinstance(x, list) for x in flat):
+            raise bad(f"the data of {spec.name!r} mix numbers and lists; send a flat list in row-major order")
+        flat = list(chain.from_iterable(flat))
+    count = int(np.prod(shape))
+    if not isinstance(flat, list) or len(flat) != count:
+        raise bad(f"the data of {spec.name!r} must hold {count} numbers for shape {shape}, flat or nested as the shape")
+    if spec.datatype == "UINT8":
+        if not all(type(x) is int and 0 <= x <= 255 for x in flat):  # bool is not int here; "255" and 0.7 fail too
+            raise bad(f"{spec.name!r} is UINT8: its data must be JSON integers 0..255 (no strings, booleans or floats)")
+        return np.array(flat, np.uint8).reshape(shape)
+    if not all(type(x) in (int, float) for x in flat):
+        raise bad(f"{spec.name!r} is {spec.datatype}: its data must be JSON numbers")
+    return np.array(flat, DTYPES[spec.datatype]).reshape(shape)
+
+
+def bool_param(params: Any, key: str) -> bool:
+    if not isinstance(params, dict):
+        raise bad('"parameters" must be an object')
+    value = params.get(key, False)
+    if type(value) is not bool:
+        raise bad(f"parameter {key!r} must be true or false, got {value!r}")
+    return value
+
+
+def requested_output(out: Any, allowed: list[str], default_binary: bool) -> tuple[str, bool]:
+    name = out.get("name") if isinstance(out, dict) else None
+    if name not in allowed:
+        raise bad(f"unknown output {name!r}; this model's outputs are {', '.join(map(repr, allowed))}")
+    params = out.get("parameters") or {}
+    if isinstance(params, dict) and params.get("classification"):
+        raise bad("the classification extension is not supported; use /v1/classify?top_k=... for top classes")
+    return name, bool_param(params, "binary_data") if "binary_data" in params else default_binary
+
+
+def encode_infer_response(head: dict[str, Any], tensors: list[tuple[str, np.ndarray, bool]]) -> tuple[bytes, dict]:
+    """The response body and its headers: JSON, followed by the binary outputs' bytes if any.
+
+    Args:
+        head: model_name, model_version and id, as the response's JSON carries them.
+        tensors: (name, FP32 array, binary) per output, in the requested order.
+    """
+    outputs, chunks = [], []
+    for name, arr, binary in tensors:
+        out: dict[str, Any] = {"name": name, "datatype": "FP32", "shape": list(arr.shape)}
+        if binary:
+            chunk = np.ascontiguousarray(arr, DTYPES["FP32"]).tobytes()
+            out["parameters"] = {"binary_data_size": len(chunk)}
+            chunks.append(chunk)
+        else:
+            out["data"] = arr.astype(np.float32).ravel().tolist()
+        outputs.append(out)
+    header = json.dumps({**head, "outputs": outputs}, separators=(",", ":")).encode()
+    if not chunks:
+        return header, {"content-type": "application/json"}
+    return header + b"".join(chunks), {"content-type": "application/octet-stream", HEADER_LENGTH: str(len(header))}

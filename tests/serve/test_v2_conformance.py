@@ -1,0 +1,150 @@
+"""KServe v2 conformance: the real `tritonclient.http` client against a real `vit-serve` on 127.0.0.1.
+
+The same client code works against Triton serving the same file (README, "Production"): tensor names,
+datatypes and shapes are the graph's own, and both JSON and binary tensors are spoken.
+"""
+
+from __future__ import annotations
+
+import io
+
+import httpx
+import numpy as np
+import onnxruntime as ort
+import pytest
+from PIL import Image
+
+from serve.runtime.classifier import softmax
+from tests.serve.conftest import CLASS_NAMES, quadrant_images
+from tests.serve.process import ServerProcess
+
+tritonclient_http = pytest.importorskip("tritonclient.http")
+InferenceServerException = pytest.importorskip("tritonclient.utils").InferenceServerException
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def server(tiny_onnx):
+    with ServerProcess(tiny_onnx, "--no-ui") as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    c = tritonclient_http.InferenceServerClient(server.url.removeprefix("http://"), network_timeout=30)
+    yield c
+    c.close()
+
+
+@pytest.fixture(scope="module")
+def session(tiny_onnx) -> ort.InferenceSession:
+    """The file in onnxruntime itself: the names, types and logits that Triton would serve."""
+    return ort.InferenceSession(str(tiny_onnx), providers=["CPUExecutionProvider"])
+
+
+@pytest.fixture(scope="module")
+def model(server) -> str:
+    return httpx.get(server.url + "/readyz").json()["model"]
+
+
+def png(img: np.ndarray) -> bytes:
+    buf = io.BytesIO()
+    Image.fromarray(img).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def infer(client, model: str, x: np.ndarray, binary: bool, outputs: tuple[str, ...] = ()):
+    inp = tritonclient_http.InferInput("pixels", list(x.shape), "UINT8")
+    inp.set_data_from_numpy(x, binary_data=binary)
+    wanted = [tritonclient_http.InferRequestedOutput(n, binary_data=binary) for n in outputs] or None
+    return client.infer(model, [inp], outputs=wanted)
+
+
+def test_health_and_readiness_answer_as_kserve(client, model):
+    assert client.is_server_live() and client.is_server_ready()
+    assert client.is_model_ready(model)
+    assert not client.is_model_ready("no_such_model")
+    assert "binary_tensor_data" in client.get_server_metadata()["extensions"]
+
+
+def test_metadata_names_the_graphs_own_tensors(client, model, session):
+    meta = client.get_model_metadata(model)
+    assert meta["platform"] == "onnxruntime_onnx"
+    assert meta["inputs"] == [{"name": "pixels", "datatype": "UINT8", "shape": [-1, 32, 32, 3]}]
+    assert meta["outputs"] == [{"name": "logits", "datatype": "FP32", "shape": [-1, len(CLASS_NAMES)]}]
+    assert meta["parameters"]["labels"] == CLASS_NAMES
+    assert [(i.name, i.type) for i in session.get_inputs()] == [("pixels", "tensor(uint8)")]
+    assert ("logits", "tensor(float)") in [(o.name, o.type) for o in session.get_outputs()]
+
+
+@pytest.mark.parametrize("binary", [True, False], ids=["binary", "json"])
+@pytest.mark.parametrize("batch", [1, 4])
+def test_infer_returns_the_files_logits_by_default(client, model, session, batch, binary):
+    x, _ = quadrant_images(batch, seed=batch)  # (B, 32, 32, 3) uint8
+    result = infer(client, model, x, binary)
+    assert [o["name"] for o in result.get_response()["outputs"]] == ["logits"]  # Triton's default: every output
+    logits = result.as_numpy("logits")
+    assert logits.dtype == np.float32 and logits.shape == (batch, len(CLASS_NAMES))
+    np.testing.assert_allclose(logits, session.run(["logits"], {"pixels": x})[0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("binary", [True, False], ids=["binary", "json"])
+def test_softmax_of_v2_logits_equals_the_v1_scores(client, model, server, binary):
+    x, _ = quadrant_images(4, seed=7)
+    result = infer(client, model, x, binary, outputs=("logits", "probs"))
+    probs = softmax(result.as_numpy("logits"))
+    np.testing.assert_allclose(result.as_numpy("probs"), probs, atol=1e-6)
+    for img, row in zip(x, probs, strict=True):
+        r = httpx.post(server.url + f"/v1/classify?top_k={len(CLASS_NAMES)}", files={"file": ("x.png", png(img))})
+        scores = {p["label"]: p["score"] for p in r.json()["predictions"]}
+        np.testing.assert_allclose([scores[c] for c in CLASS_NAMES], row, atol=1e-6)
+
+
+def test_wrong_datatype_and_shape_are_refused_with_a_message(client, model):
+    x = np.zeros((1, 32, 32, 3), np.float32)
+    as_fp32 = tritonclient_http.InferInput("pixels", [1, 32, 32, 3], "FP32")
+    as_fp32.set_data_from_numpy(x)
+    small = tritonclient_http.InferInput("pixels", [1, 16, 32, 3], "UINT8")
+    small.set_data_from_numpy(np.zeros((1, 16, 32, 3), np.uint8))
+    too_many = tritonclient_http.InferInput("pixels", [33, 32, 32, 3], "UINT8")  # max_batch_size is 32
+    too_many.set_data_from_numpy(np.zeros((33, 32, 32, 3), np.uint8))
+    for inp, words in [(as_fp32, "datatype UINT8"), (small, "shape"), (too_many, "split larger batches")]:
+        with pytest.raises(InferenceServerException) as e:
+            client.infer(model, [inp])
+        assert e.value.status() == "422" and words in e.value.message()
+
+
+@pytest.mark.parametrize(
+    "data",
+    [["255"] * 3072, [True] * 3072, [0.7] * 3072, [256] * 3072, [-1] * 3072, [[[[0] * 3] * 32] * 32] + [0]],
+    ids=["string", "bool", "float", "over-255", "negative", "ragged"],
+)
+def test_uint8_json_takes_only_integers_0_to_255(server, model, data):
+    req = {"inputs": [{"name": "pixels", "datatype": "UINT8", "shape": [1, 32, 32, 3], "data": data}]}
+    r = httpx.post(f"{server.url}/v2/models/{model}/infer", json=req)
+    assert r.status_code == 422 and r.json()["code"] == "bad_request" and "pixels" in r.json()["error"]
+
+
+@pytest.mark.parametrize("depth", [500, 100_000])
+def test_deeply_nested_json_is_a_422_not_a_crash(server, model, depth):
+    nested = "[" * depth + "]" * depth
+    head = '{"inputs": [{"name": "pixels", "datatype": "UINT8", "shape": [1, 32, 32, 3], "data": '
+    for text in (head + nested + "}]}", nested, "[" * depth):
+        r = httpx.post(f"{server.url}/v2/models/{model}/infer", content=text)
+        assert r.status_code == 422 and r.headers["content-type"] == "application/json", r.text
+    assert httpx.get(server.url + "/readyz").status_code == 200
+
+
+def test_binary_sizes_that_do_not_add_up_are_refused(server, model):
+    header = (
+        b'{"inputs": [{"name": "pixels", "datatype": "UINT8", "shape": [1, 32, 32, 3], '
+        b'"parameters": {"binary_data_size": 3072}}]}'
+    )
+    for extra, length in [(b"\0" * 3071, len(header)), (b"\0" * 3073, len(header)), (b"\0" * 3072, 10**6)]:
+        r = httpx.post(
+            f"{server.url}/v2/models/{model}/infer",
+            content=header + extra,
+            headers={"Inference-Header-Content-Length": str(length)},
+        )
+        assert r.status_code == 422, r.text
