@@ -58,7 +58,11 @@ def run(
     if settings.port == 0:
         raise ValueError("--ray needs a fixed --port: it is the port of Ray Serve's HTTP proxy")
     app = deployment(model, settings, replicas, max_replicas, cpus)  # checks the counts before Ray starts
-    ray.init(address=address, logging_level=logging.WARNING, include_dashboard=False if address is None else None)
+    host = address.rsplit(":", 1)[0] if address and ":" in address else ""
+    # a cluster on loopback addresses (one machine): this driver joins it there too, not on the network
+    on_loopback = {"_node_ip_address": host} if host.startswith("127.") else {}
+    dashboard = False if address is None else None
+    ray.init(address=address, logging_level=logging.WARNING, include_dashboard=dashboard, **on_loopback)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):  # after ray.init, which installs handlers of its own
         signal.signal(sig, lambda *_: stop.set())

@@ -5,7 +5,9 @@
 
 Each `ray start --block` runs in a session of its own, and stopping sends SIGKILL to exactly those
 sessions' process groups: `ray stop` would stop every Ray process on the machine, other users' too.
-The dashboard is off and the object store small, as befits a shared 2-core machine. Token authentication
+Every node gets a loopback address of its own (127.0.0.2, 127.0.0.3, ...): Ray replaces 127.0.0.1 with
+the machine's network address, and a test's traffic stays on loopback. The dashboard is off and the object
+store small, as befits a shared 2-core machine. Token authentication
 is off (RAY_AUTH_MODE=disabled, also for the processes started while the cluster runs): once any local
 `ray.init()` has written ~/.ray/auth_token, `ray start` would turn it on, and a driver joining by address
 would then be refused.
@@ -25,6 +27,11 @@ from pathlib import Path
 
 RAY = str(Path(sys.executable).with_name("ray"))
 ADDRESS = re.compile(r"ray start --address='([0-9.]+:[0-9]+)'")
+
+
+def node_ip(i: int) -> str:
+    """The loopback address of node `i` (127.0.0.1 itself is the one address Ray will not keep)."""
+    return f"127.0.0.{i + 2}"
 
 
 class LocalRayCluster:
@@ -53,19 +60,21 @@ class LocalRayCluster:
 
     def start(self, timeout: float = 120.0) -> LocalRayCluster:
         os.environ["RAY_AUTH_MODE"] = "disabled"  # drivers started from here join without a token
-        head_args = ["--head", "--port=0", "--include-dashboard=false", "--temp-dir", self.tmp]
+        head_args = ["--head", "--port=0", f"--node-ip-address={node_ip(0)}", "--include-dashboard=false"]
+        head_args += ["--temp-dir", self.tmp]
         self._start(*head_args, "--object-store-memory", str(100 * 2**20), log="head.log")
         deadline = time.monotonic() + timeout
         while self.address is None:
             found = ADDRESS.search(Path(self.tmp, "head.log").read_text())
-            if found:  # Ray names the machine's own address; its GCS listens on every interface
-                self.address = "127.0.0.1:" + found.group(1).rsplit(":", 1)[1]
+            if found:
+                self.address = found.group(1)
             elif self.procs[0].poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"ray head did not start:\n{self.log('head.log')}")
             else:
                 time.sleep(0.5)
         for i in range(1, self.nodes):
-            self._start("--address", self.address, "--object-store-memory", str(80 * 2**20), log=f"node{i}.log")
+            node = ["--address", self.address, f"--node-ip-address={node_ip(i)}"]
+            self._start(*node, "--object-store-memory", str(80 * 2**20), log=f"node{i}.log")
         return self
 
     def log(self, name: str) -> str:
