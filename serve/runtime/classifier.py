@@ -210,7 +210,9 @@ class OnnxClassifier:
         Returns:
             (probs (B, K), attns (depth, B, nh, N, N) float32).
         """
-        logits, attns = self.session.run(["logits", "attns"], {"pixels": self._check_batch(batch), **self.explain_feeds})
+        logits, attns = self.session.run(
+            ["logits", "attns"], {"pixels": self._check_batch(batch), **self.explain_feeds}
+        )
         return softmax(logits), attns
 
     def rollout(
