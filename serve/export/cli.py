@@ -89,7 +89,7 @@ def build_metadata(
         "input": "pixels: (B, H, W, 3) uint8 RGB, resized and centre-cropped as in 'preprocess'; normalised inside",
         "outputs": outputs,
         "target": target,
-        "oldest_onnxruntime": targets.OLDEST_ONNXRUNTIME[opset],
+        "requires_onnxruntime": f">={targets.OLDEST_ONNXRUNTIME[opset]}",
         "input_size": [H, W],
         "preprocess": preprocess.to_dict(),
         "mean": list(preprocess.mean),
