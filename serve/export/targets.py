@@ -21,7 +21,6 @@ from typing import Any
 import onnx
 from onnx import helper
 
-from serve.export.fusion import CONTRIB_DOMAIN
 from serve.export.merge import combine_fast_and_explain
 from serve.export.trace import PixelModel, export_fast_graph, export_gradient_graph, export_graph
 from serve.runtime.images import Preprocess
@@ -194,8 +193,3 @@ def drop_unused_domains(model: onnx.ModelProto) -> onnx.ModelProto:
     del model.opset_import[:]
     model.opset_import.extend(keep)
     return model
-
-
-def uses_contrib_ops(model: onnx.ModelProto) -> bool:
-    """Whether any node of the model's main graph is one of onnxruntime's contrib ops."""
-    return any(n.domain == CONTRIB_DOMAIN for n in model.graph.node)
