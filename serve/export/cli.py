@@ -135,7 +135,8 @@ def export_onnx(
     int8 = quantize == "int8"
     logits_only = graphs.logits_only
     if logits_only is not None:  # checked before anything is written
-        set_metadata(logits_only, {**metadata, "outputs": "logits (B, K)", "supports_gradients": False})
+        only = {"outputs": "logits (B, K)", "supports_gradients": False, "explain_precision": "none"}
+        set_metadata(logits_only, {**metadata, **only, "quantization": graphs.logits_only_quantization})
         if check_parity:
             parity.check_logits_only(net, logits_only.SerializeToString(), sample, preprocess, int8)
 

@@ -46,6 +46,7 @@ class Graphs:
     fused: dict[str, int]
     quantization: str = "none"
     quant_report: dict[str, Any] | None = None
+    logits_only_quantization: str = "none"  # the portable logits-only graph is quantised on its own
 
 
 def build(
@@ -80,18 +81,20 @@ def build(
         model, report = _finish(
             portable(export_graph(explain, preprocess.img_size, opset)), opset, int8, sample, net, preprocess
         )
-        fast, fused = None, {}
+        fast, fast_report = None, None
         if logits_only:
             fast, _ = export_fast_graph(net, preprocess, opset, fuse=False)
-            fast, _ = _finish(fast, opset, int8, sample, net, preprocess)
-        return Graphs(model, fast, fused, report["chosen"] if report else "none", report)
+            fast, fast_report = _finish(fast, opset, int8, sample, net, preprocess)
+        chosen = report["chosen"] if report else "none"
+        return Graphs(model, fast, {}, chosen, report, fast_report["chosen"] if fast_report else "none")
     fast, fused = export_fast_graph(net, preprocess, opset)
     fast, report = _finish(fast, opset, int8, sample, net, preprocess, portable_ops=False)
     explain = export_graph(PixelModel(net, preprocess.mean, preprocess.std, explain=True), preprocess.img_size, opset)
     grads = export_gradient_graph(net, preprocess, opset) if gradients else None
     parts = [pin_versions(g, opset) for g in (explain, grads) if g is not None]
     model = pin_versions(combine_fast_and_explain(fast, *parts), opset)
-    return Graphs(model, fast if logits_only else None, fused, report["chosen"] if report else "none", report)
+    chosen = report["chosen"] if report else "none"
+    return Graphs(model, fast if logits_only else None, fused, chosen, report, chosen)
 
 
 def _finish(

@@ -139,6 +139,9 @@ def test_the_portable_int8_file_uses_standard_quantised_ops_and_runs_everywhere(
     _, maps = clf.rollout(pixels)
     np.testing.assert_allclose(_maps_from(ref_attns, out), maps, atol=MAP_TOLERANCE)
     np.testing.assert_allclose(_maps_from(ov["attns"], out), maps, atol=MAP_TOLERANCE)
+    triton = onnx.load(int8_files["portable-int8-triton"])
+    assert {domain for domain, _ in _ops(triton)} == {""} and [o.name for o in triton.graph.output] == ["logits"]
+    assert {p.key: p.value for p in triton.metadata_props}["quantization"].startswith("int8-")
 
 
 @pytest.mark.parametrize("opset", [5, -1, 16, 22])
