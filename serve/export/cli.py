@@ -101,10 +101,10 @@ def export_onnx(
     if quantize not in (None, "int8"):
         raise ValueError(f"quantize must be None or 'int8', got {quantize!r}")
     name = triton.model_name(triton_name or output.stem) if triton_repo is not None else None
+    net, meta = load_network(checkpoint)  # a wrong checkpoint path creates no output folder
     _check_writable(output.parent)
     if triton_repo is not None:
         _check_writable(Path(triton_repo))
-    net, meta = load_network(checkpoint)
     preprocess = meta["preprocess"]
     if img_size is not None:
         P = net.patch_embed.patch_size[0]
