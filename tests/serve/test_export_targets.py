@@ -205,13 +205,8 @@ def _old_onnxruntime_venv(folder: Path, version: str) -> Path:
     return python
 
 
-@pytest.mark.slow
-def test_every_target_runs_in_the_oldest_onnxruntime_it_declares(
-    tiny_onnx, portable_onnx, int8_files, pixels, tmp_path
-):
-    version = OLDEST_ONNXRUNTIME[DEFAULT_OPSET]
-    python = _old_onnxruntime_venv(tmp_path / "venv", f"{version}.0")
-    files = {"onnxruntime": tiny_onnx, "portable": portable_onnx, **int8_files}
+def _run_in_old_onnxruntime(python: Path, files: dict[str, Path], pixels: np.ndarray, tmp_path: Path):
+    """Every file through `OLD_RUNTIME_SCRIPT` in the old venv: its version and the outputs, by name."""
     np.save(tmp_path / "pixels.npy", pixels)
     cmd = [str(python), "-c", OLD_RUNTIME_SCRIPT, str(tmp_path / "pixels.npy")]
     run = subprocess.run(
@@ -221,11 +216,36 @@ def test_every_target_runs_in_the_oldest_onnxruntime_it_declares(
         timeout=300,
     )
     assert run.returncode == 0, run.stderr[-2000:]
-    assert run.stdout.strip() == f"{version}.0"
-    old = np.load(tmp_path / "old.npz")
+    return run.stdout.strip(), np.load(tmp_path / "old.npz")
+
+
+@pytest.mark.slow
+def test_every_target_runs_in_the_oldest_onnxruntime_it_declares(
+    tiny_onnx, portable_onnx, int8_files, pixels, tmp_path
+):
+    version = OLDEST_ONNXRUNTIME[DEFAULT_OPSET]
+    python = _old_onnxruntime_venv(tmp_path / "venv", f"{version}.0")
+    files = {"onnxruntime": tiny_onnx, "portable": portable_onnx, **int8_files}
+    ran, old = _run_in_old_onnxruntime(python, files, pixels, tmp_path)
+    assert ran == f"{version}.0"
     for name, path in files.items():
         session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
         np.testing.assert_allclose(old[name], session.run(["logits"], {"pixels": pixels})[0], atol=1e-3, err_msg=name)
     assert old["onnxruntime:attns"].shape == old["portable:attns"].shape == (2, 6, 2, 17, 17)
+    np.testing.assert_allclose(old["onnxruntime:attns"], old["portable:attns"], atol=1e-5)
+    assert old["onnxruntime:grads"].shape == (2, 6, 2, 17, 17)
+
+
+@pytest.mark.slow
+def test_the_newest_opset_runs_in_the_oldest_onnxruntime_it_declares(tiny_checkpoint, pixels, tmp_path):
+    opset = OPSETS[-1]
+    files = {}
+    for target in ("onnxruntime", "portable"):
+        files[target] = tmp_path / f"{target}-{opset}.onnx"
+        assert main([str(tiny_checkpoint), "-o", str(files[target]), "--target", target, "--opset", str(opset)]) == 0
+    version = f"{OLDEST_ONNXRUNTIME[opset]}.0"
+    ran, old = _run_in_old_onnxruntime(_old_onnxruntime_venv(tmp_path / "venv", version), files, pixels, tmp_path)
+    assert ran == version
+    np.testing.assert_allclose(old["onnxruntime"], old["portable"], atol=1e-5)
     np.testing.assert_allclose(old["onnxruntime:attns"], old["portable:attns"], atol=1e-5)
     assert old["onnxruntime:grads"].shape == (2, 6, 2, 17, 17)
