@@ -1,17 +1,21 @@
 """`vit-export`: a trained checkpoint -> one self-describing ONNX file, checked against torch.
 
     vit-export runs/sample/checkpoints/best.ckpt -o artifacts/sample.onnx [--quantize int8]
+        [--target onnxruntime|portable] [--opset 17..21] [--triton-repo DIR]
 
 The file holds, with no side files:
 - the graph: (B, H, W, 3) uint8 pixels in (resized and cropped by `Preprocess.to_uint8`),
-  normalisation inside, logits out; an optional boolean `explain` input switches to the explain
-  branch, which also outputs every block's attention maps (`serve.export.merge`); the logits path's
-  attention blocks and GELUs are onnxruntime contrib ops (`Attention`, `BiasGelu`: `serve.export.fusion`);
+  normalisation inside, logits out. For the onnxruntime target (the default), an optional boolean
+  `explain` input switches to the explain branch, which also outputs every block's attention maps
+  (`serve.export.merge`), and the logits path's attention blocks and GELUs are onnxruntime contrib ops
+  (`Attention`, `BiasGelu`: `serve.export.fusion`). The portable target is standard ONNX ops in one
+  plain graph that always outputs logits and maps, for any runtime (`serve.export.targets`);
 - `metadata_props`: class names, input size, preprocessing, patch grid, prefix tokens, depth,
   heads, variant, the checkpoint's sha256 and the versions used (see `build_metadata`).
 
 Before the file is written, the parity gate (`serve.export.parity`) runs torch and onnxruntime on
-validation images and refuses the export when they disagree.
+validation images and refuses the export when they disagree. `--triton-repo DIR` also writes a
+Triton model repository with the logits-only graph (`serve.export.triton`).
 """
 
 from __future__ import annotations
@@ -22,83 +26,18 @@ import logging
 import os
 import sys
 import tempfile
-from importlib import metadata as importlib_metadata
 from pathlib import Path
 from typing import Any
 
 import onnx
-import onnxruntime as ort
-import torch
 
-from serve.export.merge import combine_fast_and_explain, set_metadata
-from serve.export.trace import DEFAULT_OPSET, PixelModel, export_fast_graph, export_gradient_graph, export_graph
-from serve.runtime.classifier import FORMAT_KEY, FORMAT_VERSION
-from serve.runtime.images import Preprocess
+from serve.export import targets, triton
+from serve.export.merge import set_metadata
+from serve.export.metadata import build_metadata
+from serve.export.trace import DEFAULT_OPSET
 from train.checkpoint import load_network
-from vit.model import VisionTransformer
 
 log = logging.getLogger(__name__)
-
-
-def versions(opset: int) -> dict[str, str]:
-    def v(pkg: str) -> str:
-        try:
-            return importlib_metadata.version(pkg)
-        except importlib_metadata.PackageNotFoundError:
-            return "unknown"
-
-    return {
-        "vitscope": v("vitscope"),
-        "torch": str(torch.__version__),
-        "onnx": onnx.__version__,
-        "onnxruntime": ort.__version__,
-        "opset": str(opset),
-    }
-
-
-def build_metadata(
-    net: VisionTransformer,
-    meta: dict[str, Any],
-    preprocess: Preprocess,
-    opset: int,
-    quantization: str = "none",
-    gradients: bool = False,
-    fused: dict[str, int] | None = None,
-) -> dict[str, Any]:
-    """Everything a client needs to use the file, as `metadata_props` entries.
-
-    `fused` counts the onnxruntime contrib ops (com.microsoft) in the logits path (`serve.export.fusion`).
-    """
-    H, W = preprocess.img_size
-    P = net.patch_embed.patch_size[0]
-    return {
-        FORMAT_KEY: FORMAT_VERSION,
-        "class_names": list(meta["class_names"]),
-        "input": "pixels: (B, H, W, 3) uint8 RGB, resized and centre-cropped as in 'preprocess'; normalised inside",
-        "outputs": "logits (B, K); attns (depth, B, nh, N, N) when explain=True; grads (same shape) when also "
-        "gradients=True, d(logit of target[b])/d(attns); outputs not asked for are empty",
-        "input_size": [H, W],
-        "preprocess": preprocess.to_dict(),
-        "mean": list(preprocess.mean),
-        "std": list(preprocess.std),
-        "patch_size": P,
-        "grid_size": [H // P, W // P],
-        "num_prefix_tokens": net.num_prefix_tokens,
-        "depth": len(net.blocks),
-        "num_heads": net.blocks[0].attn.num_heads if len(net.blocks) else 0,
-        "rollout_query": net.rollout_query,
-        "gflops_per_image": round(net.flops_per_image() / 1e9, 4),
-        "variant": str(meta.get("variant") or ""),
-        "model_config": {
-            k: v for k, v in net.config.items() if isinstance(v, (int, float, str, bool, list, tuple, type(None)))
-        },
-        "checkpoint_sha256": meta.get("sha256", ""),
-        "quantization": quantization,
-        "explain_precision": "fp32",
-        "contrib_ops": {k: v for k, v in (fused or {}).items() if v},
-        "supports_gradients": gradients,
-        "versions": versions(opset),
-    }
 
 
 @dataclasses.dataclass
@@ -109,6 +48,7 @@ class ExportResult:
     metadata: dict[str, Any]
     parity: dict[str, Any] | None = None
     quantization: dict[str, Any] | None = None
+    triton: Path | None = None
 
 
 def export_onnx(
@@ -122,6 +62,9 @@ def export_onnx(
     parity_samples: int = 256,
     check_parity: bool = True,
     gradients: bool = True,
+    target: str = "onnxruntime",
+    triton_repo: str | Path | None = None,
+    triton_name: str | None = None,
 ) -> ExportResult:
     """Export a checkpoint to one ONNX file, check it against torch, and write it.
 
@@ -129,87 +72,158 @@ def export_onnx(
         checkpoint: a vitscope checkpoint (`best.ckpt`).
         output: the .onnx file to write.
         quantize: None for fp32, or "int8" (dynamic, or static when calibration on the validation
-            images is better); the explain branch stays fp32.
-        opset: ONNX opset.
+            images is better); the onnxruntime target's explain branch stays fp32.
+        opset: ONNX opset, in `serve.export.targets.OPSETS`.
         img_size: (H, W) to export at instead of the training size (multiples of the patch size).
         val_dir: an image folder (one subfolder per class) for the parity gate when the run has no split.json.
         parity_samples: at most this many validation images in the parity gate.
         check_parity: run the parity gate (only tests of the gate itself turn it off).
         gradients: include the gradient graph for class-specific gradient rollout (a larger
-            file, `ls -l`; the logits path is unaffected).
+            file, `ls -l`; the logits path is unaffected). The onnxruntime target only.
+        target: "onnxruntime" (fused contrib ops, explain branches behind an `If`) or "portable"
+            (standard ONNX ops, logits and maps always computed); see `serve.export.targets`.
+        triton_repo: also write a Triton model repository with the logits-only graph here.
+        triton_name: the model's name in that repository (default: the output file's stem).
 
     Returns:
         An `ExportResult`.
 
     Raises:
         ParityError: torch and onnxruntime disagree beyond the thresholds; nothing is written.
+        ValueError: bad arguments, or an output folder that cannot be written.
     """
     from serve.export import parity
-    from serve.export import quantize as quant
 
     checkpoint, output = Path(checkpoint), Path(output)
-    net, meta = load_network(checkpoint)
+    targets.check_opset(opset)
+    if target not in targets.TARGETS:
+        raise ValueError(f"target must be one of {', '.join(targets.TARGETS)}, got {target!r}")
+    if quantize not in (None, "int8"):
+        raise ValueError(f"quantize must be None or 'int8', got {quantize!r}")
+    name = triton.model_name(triton_name or output.stem) if triton_repo is not None else None
+    net, meta = load_network(checkpoint)  # a wrong checkpoint path creates no output folder
+    _check_writable(output.parent)
+    if triton_repo is not None:
+        _check_writable(Path(triton_repo))
     preprocess = meta["preprocess"]
     if img_size is not None:
         P = net.patch_embed.patch_size[0]
         if img_size[0] % P or img_size[1] % P:
             raise ValueError(f"--img-size {img_size} must be multiples of the patch size {P}")
         preprocess = dataclasses.replace(preprocess, img_size=tuple(img_size))
-    if quantize not in (None, "int8"):
-        raise ValueError(f"quantize must be None or 'int8', got {quantize!r}")
 
-    log.info("exporting %s at %s", checkpoint, preprocess.img_size)
-    fast, fused = export_fast_graph(net, preprocess, opset)
-    explain = export_graph(PixelModel(net, preprocess.mean, preprocess.std, explain=True), preprocess.img_size, opset)
-    grads = export_gradient_graph(net, preprocess, opset) if gradients else None
+    log.info("exporting %s at %s for %s, opset %d", checkpoint, preprocess.img_size, target, opset)
     sample = parity.validation_sample(checkpoint, meta["class_names"], preprocess, val_dir, parity_samples)
-
-    quant_report = None
-    quantization = "none"
-    if quantize == "int8":
-        fast, quant_report = quant.quantize_int8(fast, sample, net, preprocess)
-        quantization = quant_report["chosen"]
-
-    model = combine_fast_and_explain(fast, explain, grads)
-    metadata = build_metadata(net, meta, preprocess, opset, quantization, gradients=grads is not None, fused=fused)
+    graphs = targets.build(
+        net,
+        preprocess,
+        target=target,
+        opset=opset,
+        sample=sample,
+        quantize=quantize,
+        gradients=gradients and target == "onnxruntime",
+        logits_only=triton_repo is not None,
+    )
+    model = graphs.model
+    supports_gradients = any(i.name == "target" for i in model.graph.input)
+    metadata = build_metadata(
+        net, meta, preprocess, opset, graphs.quantization, supports_gradients, graphs.fused, target=target
+    )
     set_metadata(model, metadata)
     model.doc_string = f"vitscope {metadata['variant'] or 'ViT'} classifier, {len(meta['class_names'])} classes"
     onnx.checker.check_model(model)
+    int8 = quantize == "int8"
+    logits_only = graphs.logits_only
+    if logits_only is not None:  # checked before anything is written
+        only = {"outputs": "logits (B, K)", "supports_gradients": False, "explain_precision": "none"}
+        set_metadata(logits_only, {**metadata, **only, "quantization": graphs.logits_only_quantization})
+        if check_parity:
+            parity.check_logits_only(net, logits_only.SerializeToString(), sample, preprocess, int8)
 
-    output.parent.mkdir(parents=True, exist_ok=True)
+    def gate(path: Path) -> dict[str, Any] | None:
+        int8_maps = int8 and target == "portable"
+        return parity.check(net, path, sample, preprocess, int8, int8_maps=int8_maps) if check_parity else None
+
+    report = _write_checked(model, output, gate)
+    folder = None
+    if logits_only is not None:
+        folder = triton.write_repo(logits_only, list(meta["class_names"]), triton_repo, name)
+    return ExportResult(output, metadata, report, graphs.quant_report, folder)
+
+
+def _check_writable(folder: Path) -> None:
+    """Fail before the slow export, not after it, when `folder` cannot be created or written."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=folder, prefix=".vit-export-probe.")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise ValueError(
+            f"cannot write to {folder}: {e.strerror or e}; choose an output folder you can write to"
+        ) from None
+
+
+def _write_checked(model: onnx.ModelProto, output: Path, gate: Any) -> dict[str, Any] | None:
+    """Write `model` to a temporary file next to `output`, run `gate(tmp)` on it, then move it into place."""
     fd, tmp = tempfile.mkstemp(suffix=".onnx", dir=output.parent, prefix=f".{output.stem}.")
     os.close(fd)
     tmp = Path(tmp)
     try:
         tmp.write_bytes(model.SerializeToString())
-        report = None
-        if check_parity:
-            report = parity.check(net, tmp, sample, preprocess, int8=quantize == "int8")
+        report = gate(tmp)
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes it owner-only; a model file is for every reader
         os.replace(tmp, output)
     finally:
         tmp.unlink(missing_ok=True)
-    return ExportResult(output, metadata, report, quant_report)
+    return report
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Command line entry point (`vit-export`)."""
-    from serve.export.parity import ParityError, format_report
-
+def _parser() -> argparse.ArgumentParser:
+    opsets = targets.OPSETS
+    oldest = ", ".join(f"{o}: {v}" for o, v in targets.OLDEST_ONNXRUNTIME.items())
     p = argparse.ArgumentParser(prog="vit-export", description=__doc__.split("\n\n")[0])
     p.add_argument("checkpoint", type=Path, help="a vitscope checkpoint, e.g. runs/sample/checkpoints/best.ckpt")
     p.add_argument("-o", "--output", type=Path, required=True, help="the .onnx file to write")
+    p.add_argument(
+        "--target",
+        choices=targets.TARGETS,
+        default="onnxruntime",
+        help="onnxruntime (default): fused contrib ops, fastest on onnxruntime, explain branches behind optional "
+        "inputs; portable: standard ONNX ops only (OpenVINO, onnx.reference, any runtime), logits and attention "
+        "maps always output, no gradient rollout",
+    )
     p.add_argument("--quantize", choices=["int8"], default=None, help="int8 weights for the logits path")
-    p.add_argument("--opset", type=int, default=DEFAULT_OPSET, help=f"ONNX opset (default {DEFAULT_OPSET})")
+    p.add_argument(
+        "--opset",
+        type=int,
+        default=DEFAULT_OPSET,
+        help=f"ONNX opset, {opsets[0]} to {opsets[-1]} (default {DEFAULT_OPSET}); the oldest onnxruntime that loads "
+        f"the file, either target: {oldest}",
+    )
     p.add_argument("--img-size", type=int, nargs=2, metavar=("H", "W"), help="export at another input size")
     p.add_argument("--val-dir", type=Path, help="image folder for the parity gate when the run has no split.json")
     p.add_argument(
         "--no-gradients", action="store_true", help="leave out the gradient graph (smaller file, no gradient rollout)"
     )
     p.add_argument("--parity-samples", type=int, default=256, help="validation images in the parity gate")
-    args = p.parse_args(argv)
+    p.add_argument(
+        "--triton-repo",
+        type=Path,
+        metavar="DIR",
+        help="also write a Triton model repository: DIR/NAME/config.pbtxt, labels.txt, 1/model.onnx (logits only)",
+    )
+    p.add_argument("--triton-name", help="the model's name in the Triton repository (default: the output's stem)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command line entry point (`vit-export`)."""
+    from serve.export.parity import ParityError, format_report
+
+    args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s", stream=sys.stderr)
     logging.getLogger("serve").setLevel(logging.INFO)  # our progress; the exporter's own INFO chatter stays quiet
     try:
@@ -222,17 +236,28 @@ def main(argv: list[str] | None = None) -> int:
             val_dir=args.val_dir,
             parity_samples=args.parity_samples,
             gradients=not args.no_gradients,
+            target=args.target,
+            triton_repo=args.triton_repo,
+            triton_name=args.triton_name,
         )
     except ParityError as e:
-        print(format_report(e.report), file=sys.stderr)
+        if "images" in e.report:
+            print(format_report(e.report), file=sys.stderr)
         print(f"vit-export: parity gate FAILED, nothing written: {e}", file=sys.stderr)
         return 1
     except (ValueError, FileNotFoundError) as e:
         print(f"vit-export: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # a disk that filled up or a folder that went away while writing
+        print(
+            f"vit-export: could not write the model: {e.strerror or e} ({e.filename or args.output})", file=sys.stderr
+        )
+        return 2
     print(format_report(result.parity, result.quantization))
     size_mb = result.path.stat().st_size / 1e6
-    print(f"wrote {result.path} ({size_mb:.1f} MB, {len(result.metadata['class_names'])} classes)")
+    print(f"wrote {result.path} ({size_mb:.1f} MB, {len(result.metadata['class_names'])} classes, {args.target})")
+    if result.triton is not None:
+        print(f"wrote the Triton model {result.triton} (config.pbtxt, labels.txt, 1/model.onnx)")
     return 0
 
 

@@ -1,4 +1,4 @@
-"""Graph surgery for the exported file: two (or three) graphs in one model, sharing their weights.
+"""Graph surgery for the onnxruntime target's file: two (or three) graphs in one model, sharing their weights.
 
 The fast graph (fused attention, logits only) and the explain graph (explicit softmax, logits and
 every block's attention maps) are exported separately, then become the two branches of one `If`

@@ -4,6 +4,8 @@ Both sides see the serving preprocessing: the image goes through `Preprocess.to_
 `Preprocess.normalize` of those pixels, onnxruntime gets the pixels (it normalises inside).
 Thresholds (fp32): top-1 agreement 100%, max |delta logit| <= 1e-4, rollout-map correlation >= 0.999.
 int8 logits path: top-1 agreement >= 99% (its explain branch is fp32 and held to the fp32 thresholds).
+The portable int8 file computes its maps in the int8 graph: top-1 agreement >= 99% on both paths, and
+rollout-map correlation >= 0.99. Any logit or map that is not finite fails the gate, whatever the thresholds.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ log = logging.getLogger(__name__)
 MAX_LOGIT_DELTA = 1e-4
 MIN_ROLLOUT_CORR = 0.999
 MIN_INT8_AGREEMENT = 0.99
+MIN_INT8_ROLLOUT_CORR = 0.99
 
 
 class ParityError(RuntimeError):
@@ -132,9 +135,19 @@ def gradient_rollout_correlation(
 
 
 def check(
-    net: VisionTransformer, path: Path, sample: Sample, preprocess: Preprocess, int8: bool = False, batch_size: int = 32
+    net: VisionTransformer,
+    path: Path,
+    sample: Sample,
+    preprocess: Preprocess,
+    int8: bool = False,
+    batch_size: int = 32,
+    int8_maps: bool = False,
 ) -> dict[str, Any]:
     """Run the gate on an exported file.
+
+    Args:
+        int8: the logits path is int8.
+        int8_maps: the maps come from the int8 graph too (the portable target).
 
     Returns:
         The numbers (agreement, max logit deltas, min rollout correlation, accuracies).
@@ -148,7 +161,7 @@ def check(
     for i in range(0, len(sample.pixels), batch_size):
         batch = sample.pixels[i : i + batch_size]
         o_fast.append(clf.session.run(["logits"], {"pixels": batch})[0])
-        logits, attns = clf.session.run(["logits", "attns"], {"pixels": batch, "explain": np.array(True)})
+        logits, attns = clf.session.run(["logits", "attns"], {"pixels": batch, **clf.explain_feeds})
         o_explain.append(logits)
         o_maps.append(clf.rollout_from_attns(attns).reshape(len(batch), -1))
     o_fast, o_explain, o_maps = np.concatenate(o_fast), np.concatenate(o_explain), np.concatenate(o_maps)
@@ -175,7 +188,7 @@ def check(
         report["torch_accuracy"] = float((t_fast.argmax(-1) == labels)[known].mean())
         report["onnx_accuracy"] = float((o_fast.argmax(-1) == labels)[known].mean())
         report["chance_accuracy"] = 1.0 / t_fast.shape[-1]
-    failures = []
+    failures = _not_finite(t_fast=t_fast, o_fast=o_fast, o_explain=o_explain, o_maps=o_maps)
     if int8:
         if report["top1_agreement"] < MIN_INT8_AGREEMENT:
             failures.append(f"int8 top-1 agreement {report['top1_agreement']:.2%} < {MIN_INT8_AGREEMENT:.0%}")
@@ -184,18 +197,65 @@ def check(
             failures.append(f"top-1 agreement {report['top1_agreement']:.2%} < 100%")
         if report["max_logit_delta"] > MAX_LOGIT_DELTA:
             failures.append(f"max |delta logit| {report['max_logit_delta']:.2e} > {MAX_LOGIT_DELTA:.0e}")
-    if report["explain_max_logit_delta"] > MAX_LOGIT_DELTA:
+    explain_agreement = float((t_explicit.argmax(-1) == o_explain.argmax(-1)).mean())
+    if int8_maps and explain_agreement < MIN_INT8_AGREEMENT:
+        failures.append(f"int8 explain top-1 agreement {explain_agreement:.2%} < {MIN_INT8_AGREEMENT:.0%}")
+    if not int8_maps and report["explain_max_logit_delta"] > MAX_LOGIT_DELTA:
         failures.append(
             f"explain branch max |delta logit| {report['explain_max_logit_delta']:.2e} > {MAX_LOGIT_DELTA:.0e}"
         )
-    if report["min_rollout_corr"] < MIN_ROLLOUT_CORR:
-        failures.append(f"rollout correlation {report['min_rollout_corr']:.5f} < {MIN_ROLLOUT_CORR}")
-    if grad_corr is not None and grad_corr < MIN_ROLLOUT_CORR:
+    min_corr = MIN_INT8_ROLLOUT_CORR if int8_maps else MIN_ROLLOUT_CORR
+    if report["min_rollout_corr"] < min_corr:
+        failures.append(f"rollout correlation {report['min_rollout_corr']:.5f} < {min_corr}")
+    if grad_corr is not None and not grad_corr >= MIN_ROLLOUT_CORR:  # NaN fails too
         failures.append(f"gradient rollout correlation {grad_corr:.5f} < {MIN_ROLLOUT_CORR}")
     report["passed"] = not failures
     if failures:
         raise ParityError("; ".join(failures), report)
     return report
+
+
+def check_logits_only(
+    net: VisionTransformer, model: bytes, sample: Sample, preprocess: Preprocess, int8: bool = False
+) -> dict[str, Any]:
+    """The gate for a logits-only file (the Triton model): top-1 agreement and max |delta logit| against torch.
+
+    Raises:
+        ParityError: when a threshold is missed or a logit is not finite.
+    """
+    import onnxruntime as ort
+
+    session = ort.InferenceSession(model, providers=["CPUExecutionProvider"])
+    t_fast, _, _ = torch_reference(net, sample.pixels, preprocess)
+    o_fast = np.concatenate(
+        [session.run(["logits"], {"pixels": sample.pixels[i : i + 32]})[0] for i in range(0, len(sample.pixels), 32)]
+    )
+    agreement = float((t_fast.argmax(-1) == o_fast.argmax(-1)).mean())
+    delta = float(np.abs(t_fast - o_fast).max())
+    failures = _not_finite(t_fast=t_fast, o_fast=o_fast)
+    if agreement < (MIN_INT8_AGREEMENT if int8 else 1.0):
+        failures.append(f"logits-only model: top-1 agreement {agreement:.2%}")
+    if not int8 and not delta <= MAX_LOGIT_DELTA:
+        failures.append(f"logits-only model: max |delta logit| {delta:.2e} > {MAX_LOGIT_DELTA:.0e}")
+    report = {"top1_agreement": agreement, "max_logit_delta": delta, "passed": not failures}
+    if failures:
+        raise ParityError("; ".join(failures), report)
+    return report
+
+
+def _not_finite(**arrays: np.ndarray) -> list[str]:
+    """A failure for each array with a NaN or infinity: NaN compares false with every threshold."""
+    what = {
+        "t_fast": "torch's logits (the checkpoint itself)",
+        "o_fast": "the file's logits",
+        "o_explain": "the file's explain-path logits",
+        "o_maps": "the file's rollout maps",
+    }
+    return [
+        f"{what[name]} are not finite ({int((~np.isfinite(a)).sum())} NaN/inf values)"
+        for name, a in arrays.items()
+        if not np.isfinite(a).all()
+    ]
 
 
 def format_report(report: dict[str, Any] | None, quant: dict[str, Any] | None = None) -> str:

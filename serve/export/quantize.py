@@ -6,6 +6,10 @@ patch-embedding Conv, LayerNorm and softmax stay fp32, which keeps the accuracy.
 quantisation has no `Attention` rule, so there only the other MatMuls are quantised. Both kinds
 are tried and measured on the validation sample: agreement with the fp32 torch model, accuracy on
 the labels, and batch-1 speed. Static wins when it agrees better with fp32, or as well and runs faster.
+
+For the portable target (`serve.export.targets`) the graph is the explain graph, unfused: only the
+MatMul/Gemm nodes with a constant weight are quantised (standard `MatMulInteger` or QDQ ops), never
+the attention products of two activations, so the maps it outputs stay close to fp32.
 """
 
 from __future__ import annotations
@@ -79,28 +83,45 @@ def _quiet_root_logger() -> Iterator[None]:
         root.setLevel(level)
 
 
-def dynamic_int8(fast: onnx.ModelProto) -> onnx.ModelProto:
-    """The logits graph with int8 MatMul/Gemm/Attention weights (per channel), activations quantised on the fly."""
+def weight_nodes(model: onnx.ModelProto) -> list[str]:
+    """Names of the MatMul/Gemm nodes whose second input is a constant weight (an initializer)."""
+    inits = {i.name for i in model.graph.initializer}
+    return [n.name for n in model.graph.node if n.op_type in QUANT_OPS and len(n.input) > 1 and n.input[1] in inits]
+
+
+def dynamic_int8(fast: onnx.ModelProto, portable: bool = False) -> onnx.ModelProto:
+    """The logits graph with int8 MatMul/Gemm/Attention weights (per channel), activations quantised on the fly.
+
+    With `portable`, only the constant-weight MatMul/Gemm nodes (`weight_nodes`), as `MatMulInteger`.
+    """
+    op_types = QUANT_OPS if portable else DYNAMIC_QUANT_OPS
+    nodes = weight_nodes(fast) if portable else None
     with tempfile.TemporaryDirectory() as tmp:
         src, dst = Path(tmp, "fp32.onnx"), Path(tmp, "dynamic.onnx")
         onnx.save(fast, src)
         with _quiet_root_logger():
             quantize_dynamic(
-                src, dst, op_types_to_quantize=DYNAMIC_QUANT_OPS, per_channel=True, weight_type=QuantType.QInt8
+                src,
+                dst,
+                op_types_to_quantize=op_types,
+                nodes_to_quantize=nodes,
+                per_channel=True,
+                weight_type=QuantType.QInt8,
             )
         return onnx.load(dst)
 
 
 def quantize_int8(
-    fast: onnx.ModelProto, sample: Any, net: VisionTransformer, preprocess: Preprocess
+    fast: onnx.ModelProto, sample: Any, net: VisionTransformer, preprocess: Preprocess, portable: bool = False
 ) -> tuple[onnx.ModelProto, dict[str, Any]]:
     """Quantise the logits graph both ways and keep the better one.
 
     Args:
-        fast: the fp32 logits graph (input `pixels`, output `logits`).
+        fast: the fp32 logits graph (input `pixels`, output `logits`; other outputs are kept).
         sample: a `serve.export.parity.Sample` of validation pixels and labels.
         net: the fp32 torch network, the reference.
         preprocess: the serving preprocessing.
+        portable: quantise only constant-weight MatMul/Gemm nodes, into standard ONNX ops.
 
     Returns:
         (the chosen int8 graph, report with "chosen" and per-candidate agreement, accuracy, speed).
@@ -116,7 +137,7 @@ def quantize_int8(
     with tempfile.TemporaryDirectory() as tmp:
         src, sta = Path(tmp, "fp32.onnx"), Path(tmp, "static.onnx")
         onnx.save(fast, src)
-        candidates["int8-dynamic"] = dynamic_int8(fast)
+        candidates["int8-dynamic"] = dynamic_int8(fast, portable)
         try:
             with _quiet_root_logger():
                 quantize_static(
@@ -125,6 +146,7 @@ def quantize_int8(
                     _PixelReader(pixels[:64]),
                     quant_format=QuantFormat.QDQ,
                     op_types_to_quantize=QUANT_OPS,
+                    nodes_to_quantize=weight_nodes(fast) if portable else None,
                     per_channel=True,
                     activation_type=QuantType.QUInt8,
                     weight_type=QuantType.QInt8,

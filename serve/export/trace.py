@@ -6,6 +6,8 @@ Three graphs of one network, combined into one file by `serve.export.merge`:
 - the explain graph (`PixelModel(explain=True)`): the explicit softmax path, logits and maps;
 - the gradient graph (`GradientModel`): also the gradient of a target logit with respect to
   every map, its backward pass traced to plain aten ops by `make_fx` before export.
+The portable target (`serve.export.targets`) ships the explain graph alone instead, and, for a
+Triton repository, the fast graph unfused (`export_fast_graph(fuse=False)`): standard ONNX ops only.
 """
 
 from __future__ import annotations

@@ -107,7 +107,7 @@ class OnnxClassifier:
             )
         self.metadata: dict[str, Any] = {k: _parse(v) for k, v in raw.items()}
         m = self.metadata
-        self.labels: list[str] = [str(c) for c in m["class_names"]]
+        self.labels: list[str] = _class_names(m.get("class_names"), self.path)
         self.preprocess = Preprocess.from_dict(m["preprocess"])
         self.input_size: tuple[int, int] = tuple(m["input_size"])
         self.grid_size: tuple[int, int] = tuple(m["grid_size"])
@@ -119,6 +119,8 @@ class OnnxClassifier:
         self.version: str = str(m.get("checkpoint_sha256", ""))[:12] or "unversioned"
         inputs = {i.name for i in (*self.session.get_inputs(), *self.session.get_overridable_initializers())}
         self.supports_gradients: bool = bool(m.get("supports_gradients")) and "target" in inputs
+        # the onnxruntime target picks its explain branch with an input; the portable one always outputs attns
+        self.explain_feeds: dict[str, np.ndarray] = {"explain": np.array(True)} if "explain" in inputs else {}
         self._check_metadata()
 
     def _check_metadata(self) -> None:
@@ -208,7 +210,7 @@ class OnnxClassifier:
             (probs (B, K), attns (depth, B, nh, N, N) float32).
         """
         logits, attns = self.session.run(
-            ["logits", "attns"], {"pixels": self._check_batch(batch), "explain": np.array(True)}
+            ["logits", "attns"], {"pixels": self._check_batch(batch), **self.explain_feeds}
         )
         return softmax(logits), attns
 
@@ -293,6 +295,17 @@ def _static(shape: list | None, start: int, stop: int) -> list[int] | None:
     """shape[start:stop] when those dimensions are fixed numbers (None when the graph leaves any open)."""
     dims = list(shape or [])[start:stop]
     return dims if len(dims) == stop - start and all(isinstance(d, int) for d in dims) else None
+
+
+def _class_names(value: Any, path: Path) -> list[str]:
+    """The metadata's class names: a JSON list of strings, never a bare string read one label per character."""
+    if not isinstance(value, list) or not value or not all(isinstance(c, (str, int)) for c in value):
+        shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
+        raise ValueError(
+            f"{path} has invalid class_names metadata {shown}: expected a JSON list of names, "
+            'e.g. ["cat", "dog"]; export the checkpoint again with vit-export'
+        )
+    return [str(c) for c in value]
 
 
 def _parse(value: str) -> Any:

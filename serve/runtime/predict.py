@@ -3,9 +3,13 @@
     vit-predict artifacts/sample.onnx photo.jpg data/digits/ --top-k 3 --format csv > predictions.csv
 
 Results go to stdout: `json` writes one JSON object per image per line (JSON Lines), `csv` one
-row per image and rank. Files that cannot be read are reported on stderr, one per line, and the
-run goes on. Exit status: 0 when every image was classified; 1 when some could not be read (every
-other image's result is still written), so scripts notice; 2 for a bad model file or arguments.
+row per image and rank; each prediction is a `label` and its `score` (the softmax probability, as
+the HTTP API names it; `null` in JSON when the model gives no finite number). Files that cannot be
+read are reported on stderr, one per line, and the run goes on. Exit status: 0 when every image was
+classified; 1 when some could not be read (every other image's result is still written), so scripts
+notice; 2 for a bad model file or arguments, or when stdout cannot be written (a full disk). When
+the reader of stdout goes away (`| head`), vit-predict stops quietly with 141, like a Unix tool
+ended by SIGPIPE.
 """
 
 from __future__ import annotations
@@ -13,6 +17,8 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import math
+import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,6 +31,15 @@ from serve.runtime.classifier import OnnxClassifier
 from serve.runtime.images import ImageError, is_image_file
 
 PROGRESS_MIN_FILES = 20  # a bar for a handful of files is noise
+EXIT_BROKEN_PIPE = 128 + 13  # what a shell reports for a process ended by SIGPIPE
+
+
+class OutputError(Exception):
+    """stdout could not be written (a full disk, a closed file); `cause` is the OSError."""
+
+    def __init__(self, cause: OSError):
+        super().__init__(cause.strerror or str(cause))
+        self.cause = cause
 
 
 def collect_files(paths: list[Path], errors: TextIO) -> tuple[list[Path], int]:
@@ -55,20 +70,40 @@ def _batches(files: list[Path], batch_size: int) -> Iterator[list[Path]]:
         yield files[i : i + batch_size]
 
 
+def _score(prob: float) -> float | None:
+    """A score for JSON: rounded, and None (null) for NaN or infinity, which JSON cannot hold."""
+    return round(prob, 6) if math.isfinite(prob) else None
+
+
 class _Writer:
+    """Results to `out` as JSON Lines or CSV; write errors become `OutputError` (BrokenPipeError stays itself)."""
+
     def __init__(self, fmt: str, out: TextIO):
         self.fmt, self.out = fmt, out
         if fmt == "csv":
             self.csv = csv.writer(out, lineterminator="\n")
-            self.csv.writerow(["path", "rank", "label", "probability"])
+            self._guard(self.csv.writerow, ["path", "rank", "label", "score"])
 
     def write(self, path: Path, top: list[tuple[str, float]]) -> None:
         if self.fmt == "csv":
             for rank, (label, prob) in enumerate(top, start=1):
-                self.csv.writerow([str(path), rank, label, f"{prob:.6f}"])
+                self._guard(self.csv.writerow, [str(path), rank, label, f"{prob:.6f}"])
         else:
-            preds = [{"label": label, "probability": round(prob, 6)} for label, prob in top]
-            self.out.write(json.dumps({"path": str(path), "predictions": preds}) + "\n")
+            preds = [{"label": label, "score": _score(prob)} for label, prob in top]
+            line = json.dumps({"path": str(path), "predictions": preds}, allow_nan=False)
+            self._guard(self.out.write, line + "\n")
+
+    def flush(self) -> None:
+        self._guard(self.out.flush)
+
+    @staticmethod
+    def _guard(fn, *args) -> None:
+        try:
+            fn(*args)
+        except BrokenPipeError:
+            raise
+        except OSError as e:
+            raise OutputError(e) from None
 
 
 def run(
@@ -106,7 +141,7 @@ def run(
                 for f, top in zip(ok, clf.top_k(probs, top_k), strict=True):
                     writer.write(f, top)
                 done += len(ok)
-            out.flush()
+            writer.flush()
             bar.update(len(group))
     return done, failed
 
@@ -133,9 +168,26 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"vit-predict: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # the reader left (`| head`): stop quietly, as other tools do
+        _drop_stdout()
+        return EXIT_BROKEN_PIPE
+    except OutputError as e:
+        _drop_stdout()
+        print(f"vit-predict: cannot write the results to stdout: {e}", file=sys.stderr)
+        return 2
     if failed:
         print(f"vit-predict: classified {done} images; {failed} input(s) could not be read", file=sys.stderr)
     return 1 if failed or not done else 0
+
+
+def _drop_stdout() -> None:
+    """Point stdout at /dev/null, so that Python's own flush at exit does not fail a second time, loudly."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):  # stdout that is no real file (tests capture it): nothing to drop
+        pass
 
 
 if __name__ == "__main__":

@@ -225,3 +225,37 @@ def test_the_report_warns_when_the_checkpoint_is_no_better_than_chance():
     untrained = parity.format_report({**report, "torch_accuracy": 0.1, "onnx_accuracy": 0.1, "chance_accuracy": 0.1})
     assert "close to chance" not in trained
     assert "close to chance (10.0% for 10 classes)" in untrained and "is this the checkpoint you meant?" in untrained
+
+
+def test_the_parity_gate_fails_a_model_whose_logits_are_not_finite(tiny_checkpoint, tmp_path, capsys):
+    from .broken_models import nan_checkpoint
+
+    checkpoint = nan_checkpoint(tiny_checkpoint, tmp_path / "run")
+    out = tmp_path / "nan.onnx"
+    assert main([str(checkpoint), "-o", str(out), "--no-gradients"]) == 1  # NaN fails every `>` threshold
+    err = capsys.readouterr().err
+    assert "parity gate FAILED" in err and "not finite" in err and "result: FAILED" in err
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("where", ["under_a_file", "proc"])
+def test_export_into_a_folder_it_cannot_write_is_a_one_line_error(tiny_checkpoint, tmp_path, capsys, where):
+    # root ignores chmod, so the folder is made unwritable by what it is: a path through a file, or /proc
+    (tmp_path / "a_file").write_text("not a folder")
+    out = tmp_path / "a_file" / "model.onnx" if where == "under_a_file" else Path("/proc/vitscope/model.onnx")
+    if where == "proc" and not Path("/proc/self").exists():
+        pytest.skip("no /proc on this system")
+    assert main([str(tiny_checkpoint), "-o", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("vit-export: cannot write to ") and "choose an output folder" in err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert not out.exists()
+
+
+def test_a_model_file_with_class_names_that_are_not_a_json_list_is_refused(tiny_onnx, tmp_path):
+    from .broken_models import with_metadata
+
+    # four characters for four logits: read as a string, it would become four one-letter labels
+    edited = with_metadata(tiny_onnx, tmp_path / "edited.onnx", class_names="abcd")
+    with pytest.raises(ValueError, match=r"invalid class_names metadata 'abcd': expected a JSON list of names"):
+        OnnxClassifier(edited)

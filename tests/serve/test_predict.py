@@ -5,8 +5,13 @@ from __future__ import annotations
 import csv
 import io
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
+import pytest
 from PIL import Image
 
 from serve.runtime.predict import main
@@ -59,7 +64,8 @@ def test_csv_output_has_one_row_per_image_and_rank(tiny_onnx, tmp_path, capsys):
     rows = list(csv.DictReader(io.StringIO(capsys.readouterr().out)))
     assert len(rows) == (3 + 1) * 3
     assert [r["rank"] for r in rows[:3]] == ["1", "2", "3"]
-    probs = np.array([float(r["probability"]) for r in rows[:3]])
+    assert list(rows[0]) == ["path", "rank", "label", "score"]
+    probs = np.array([float(r["score"]) for r in rows[:3]])
     assert np.all(np.diff(probs) <= 0) and 0 < probs.sum() <= 1.0001
 
 
@@ -77,3 +83,69 @@ def test_a_foreign_model_file_is_a_clear_error(tmp_path, capsys):
     fake.write_bytes(b"\x00\x01garbage")
     assert main([str(fake), str(tmp_path)]) == 2
     assert "vit-predict:" in capsys.readouterr().err
+
+
+def _strict_json(line: str) -> dict:
+    def refuse(constant: str):
+        raise ValueError(f"{constant} is not JSON")
+
+    return json.loads(line, parse_constant=refuse)
+
+
+def test_json_output_is_valid_json_even_when_the_model_gives_nan(tiny_checkpoint, tmp_path, capsys):
+    from serve.export.cli import export_onnx
+
+    from .broken_models import nan_checkpoint
+
+    model = tmp_path / "nan.onnx"
+    export_onnx(nan_checkpoint(tiny_checkpoint, tmp_path / "run"), model, gradients=False, check_parity=False)
+    folder = _folder(tmp_path, n=2)
+    assert main([str(model), str(folder), "--top-k", "2"]) == 0
+    rows = [_strict_json(line) for line in capsys.readouterr().out.splitlines()]
+    assert len(rows) == 2
+    assert all(p["score"] is None and p["label"] in CLASS_NAMES for r in rows for p in r["predictions"])
+
+
+def test_json_predictions_name_their_probability_score(tiny_onnx, tmp_path, capsys):
+    folder = _folder(tmp_path, n=1)
+    assert main([str(tiny_onnx), str(folder), "--top-k", "2"]) == 0
+    (row,) = [_strict_json(line) for line in capsys.readouterr().out.splitlines()]
+    assert [set(p) for p in row["predictions"]] == [{"label", "score"}] * 2
+    assert 0.0 < row["predictions"][1]["score"] <= row["predictions"][0]["score"] <= 1.0
+
+
+def _predict_process(model: Path, folder: Path, stdout) -> subprocess.CompletedProcess:
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    cmd = [sys.executable, "-m", "serve.runtime.predict", str(model), str(folder)]
+    return subprocess.run(cmd, stdout=stdout, stderr=subprocess.PIPE, text=True, env=env, timeout=120)
+
+
+def test_a_full_disk_is_a_one_line_error(tiny_onnx, tmp_path):
+    if not Path("/dev/full").exists():
+        pytest.skip("no /dev/full on this system")
+    folder = _folder(tmp_path, n=2)
+    with open("/dev/full", "w") as full:
+        result = _predict_process(tiny_onnx, folder, full)
+    assert result.returncode == 2
+    assert result.stderr.strip() == "vit-predict: cannot write the results to stdout: No space left on device"
+
+
+def test_a_reader_that_goes_away_ends_the_run_quietly(tiny_onnx, tmp_path):
+    folder = _folder(tmp_path, n=2)
+    read, write = os.pipe()
+    os.close(read)  # as `vit-predict ... | head -c0` once head has exited
+    try:
+        result = _predict_process(tiny_onnx, folder, write)
+    finally:
+        os.close(write)
+    assert result.returncode == 141 and result.stderr == ""
+
+
+def test_a_model_with_a_character_string_for_class_names_is_a_clear_error(tiny_onnx, tmp_path, capsys):
+    from .broken_models import with_metadata
+
+    edited = with_metadata(tiny_onnx, tmp_path / "edited.onnx", class_names="abcd")
+    assert main([str(edited), str(_folder(tmp_path, n=1))]) == 2
+    err = capsys.readouterr().err
+    assert "invalid class_names metadata" in err and "export the checkpoint again" in err

@@ -1,0 +1,99 @@
+"""A Triton Inference Server model repository for the logits-only graph (`vit-export --triton-repo DIR`).
+
+    DIR/<name>/config.pbtxt     platform onnxruntime_onnx, inputs and outputs spelled out, dynamic batching
+    DIR/<name>/labels.txt       the class names, one per line, in logit order
+    DIR/<name>/1/model.onnx     pixels (B, H, W, 3) uint8 -> logits (B, K) float32
+
+Triton gets the logits path alone: its auto-complete misreads the explain outputs (rank 5, batch on
+the second axis), and a server answers classification requests. The config is written out in full
+from the graph itself (names, datatypes, dims without the batch axis), so Triton needs no guessing.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import onnx
+
+# Shapes: B batch, H/W image, K classes.
+
+TRITON_DTYPES = {
+    onnx.TensorProto.UINT8: "TYPE_UINT8",
+    onnx.TensorProto.INT64: "TYPE_INT64",
+    onnx.TensorProto.FLOAT: "TYPE_FP32",
+    onnx.TensorProto.FLOAT16: "TYPE_FP16",
+}
+DEFAULT_MAX_BATCH_SIZE = 32
+# How long Triton may hold a request to batch it with others: 0.5 ms is small next to one image's
+# inference on a CPU, and lets concurrent requests share one onnxruntime call.
+MAX_QUEUE_DELAY_US = 500
+
+
+def model_name(name: str) -> str:
+    """A Triton model name (a folder name) from a file stem or variant: letters, digits, '_', '-', '.'."""
+    cleaned = re.sub(r"[^A-Za-z0-9_.-]+", "_", name).strip("._")
+    if not cleaned:
+        raise ValueError(f"--triton-name {name!r} has no usable characters; use letters, digits, '_' or '-'")
+    return cleaned
+
+
+def _tensor(value: onnx.ValueInfoProto, label_file: bool = False) -> str:
+    """One `input`/`output` entry: the graph's name, datatype and dims after the batch axis."""
+    t = value.type.tensor_type
+    if t.elem_type not in TRITON_DTYPES:
+        raise ValueError(f"tensor {value.name} has an ONNX type ({t.elem_type}) this config writer does not map")
+    dims = [d.dim_value if d.HasField("dim_value") else -1 for d in t.shape.dim][1:]  # the batch axis is Triton's
+    lines = [
+        f'    name: "{value.name}"',
+        f"    data_type: {TRITON_DTYPES[t.elem_type]}",
+        f"    dims: [ {', '.join(str(d) for d in dims)} ]",
+    ]
+    if label_file:
+        lines.append('    label_filename: "labels.txt"')
+    return "  {\n" + "\n".join(lines) + "\n  }"
+
+
+def config_pbtxt(model: onnx.ModelProto, name: str, max_batch_size: int = DEFAULT_MAX_BATCH_SIZE) -> str:
+    """`config.pbtxt` for a logits-only model (one input, one output, batch axis first)."""
+    g = model.graph
+    inits = {i.name for i in g.initializer}
+    inputs = [i for i in g.input if i.name not in inits]
+    inputs_text = ",\n".join(_tensor(i) for i in inputs)
+    outputs_text = ",\n".join(_tensor(o, label_file=o.name == "logits") for o in g.output)
+    return (
+        f'name: "{name}"\n'
+        'platform: "onnxruntime_onnx"\n'
+        f"max_batch_size: {max_batch_size}\n"
+        f"input [\n{inputs_text}\n]\n"
+        f"output [\n{outputs_text}\n]\n"
+        f"dynamic_batching {{\n  max_queue_delay_microseconds: {MAX_QUEUE_DELAY_US}\n}}\n"
+    )
+
+
+def write_repo(
+    model: onnx.ModelProto,
+    class_names: list[str],
+    repo: str | Path,
+    name: str,
+    max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
+) -> Path:
+    """Write `repo/<name>/` (config, labels, version 1 of the model) and return that folder.
+
+    Args:
+        model: the logits-only model, input `pixels` (B, H, W, 3) uint8, output `logits` (B, K).
+        class_names: K names, in logit order.
+        repo: the model repository (created if missing; other models in it are left alone).
+        name: the model's name in Triton.
+        max_batch_size: the largest batch Triton may form.
+    """
+    if [o.name for o in model.graph.output] != ["logits"]:
+        raise ValueError("the Triton model must be the logits-only graph (one output, logits)")
+    if any("\n" in c for c in class_names):
+        raise ValueError("class names with line breaks cannot be written to labels.txt")
+    folder = Path(repo) / name
+    (folder / "1").mkdir(parents=True, exist_ok=True)
+    (folder / "1" / "model.onnx").write_bytes(model.SerializeToString())
+    (folder / "labels.txt").write_text("".join(f"{c}\n" for c in class_names), encoding="utf-8")
+    (folder / "config.pbtxt").write_text(config_pbtxt(model, name, max_batch_size), encoding="utf-8")
+    return folder

@@ -1,0 +1,95 @@
+"""vit-export --triton-repo: a repository Triton's own config parser reads, a model that runs as configured."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+
+from serve.export.cli import main
+from serve.runtime.classifier import OnnxClassifier
+
+from .conftest import CLASS_NAMES, quadrant_images
+
+NUMPY_DTYPES = {"TYPE_UINT8": np.uint8, "TYPE_FP32": np.float32}
+
+
+@pytest.fixture(scope="module")
+def repo(tiny_checkpoint, tmp_path_factory) -> tuple[Path, Path]:
+    """(the repository, the main file exported beside it) for the default onnxruntime target."""
+    root = tmp_path_factory.mktemp("triton")
+    out = root / "tiny.onnx"
+    args = ["--triton-repo", str(root / "models"), "--triton-name", "tiny vit", "--no-gradients"]
+    assert main([str(tiny_checkpoint), "-o", str(out), *args]) == 0
+    return root / "models", out
+
+
+def _pb2():
+    return pytest.importorskip(
+        "tritonclient.grpc.model_config_pb2", reason="tritonclient is in the dev extra: pip install -e '.[dev]'"
+    )
+
+
+def _config(folder: Path):
+    from google.protobuf import text_format
+
+    return text_format.Parse((folder / "config.pbtxt").read_text(), _pb2().ModelConfig())
+
+
+def test_the_repository_has_the_layout_triton_expects(repo):
+    models, _ = repo
+    assert sorted(p.name for p in models.iterdir()) == ["tiny_vit"]  # a name Triton accepts as a folder
+    folder = models / "tiny_vit"
+    assert sorted(str(p.relative_to(folder)) for p in folder.rglob("*")) == [
+        "1",
+        "1/model.onnx",
+        "config.pbtxt",
+        "labels.txt",
+    ]
+    assert (folder / "labels.txt").read_text().splitlines() == CLASS_NAMES
+
+
+def test_the_config_parses_as_tritons_model_config_and_matches_the_graph(repo):
+    folder = repo[0] / "tiny_vit"
+    config = _config(folder)
+    assert config.name == "tiny_vit" and config.platform == "onnxruntime_onnx"
+    assert config.max_batch_size >= 1 and config.HasField("dynamic_batching")
+    (pixels,), (logits,) = config.input, config.output
+    pb2 = _pb2()
+    assert (pixels.name, pixels.data_type, list(pixels.dims)) == ("pixels", pb2.TYPE_UINT8, [32, 32, 3])
+    assert (logits.name, logits.data_type, list(logits.dims)) == ("logits", pb2.TYPE_FP32, [len(CLASS_NAMES)])
+    assert logits.label_filename == "labels.txt"
+    graph = onnx.load(folder / "1" / "model.onnx").graph
+    inits = {i.name for i in graph.initializer}
+    assert [i.name for i in graph.input if i.name not in inits] == ["pixels"]
+    assert [o.name for o in graph.output] == ["logits"]  # the logits path alone
+
+
+def test_the_model_runs_in_onnxruntime_as_the_config_describes_it(repo):
+    models, main_file = repo
+    folder = models / "tiny_vit"
+    config = _config(folder)
+    (inp,), (out,) = config.input, config.output
+    dtype = NUMPY_DTYPES[_pb2().DataType.Name(inp.data_type)]
+    images, _ = quadrant_images(5, seed=7)
+    batch = images.astype(dtype).reshape(len(images), *inp.dims)  # (B, *dims): Triton adds the batch axis
+    session = ort.InferenceSession(str(folder / "1" / "model.onnx"), providers=["CPUExecutionProvider"])
+    (logits,) = session.run([out.name], {inp.name: batch})
+    assert logits.dtype == NUMPY_DTYPES[_pb2().DataType.Name(out.data_type)]
+    assert logits.shape == (len(images), *out.dims)
+    clf = OnnxClassifier(main_file)
+    np.testing.assert_allclose(logits, clf.session.run(["logits"], {"pixels": images})[0], atol=1e-5)
+    labels = (folder / "labels.txt").read_text().splitlines()
+    assert [labels[i] for i in logits.argmax(-1)] == [top[0][0] for top in clf.top_k(clf.predict_pixels(images), 1)]
+
+
+@pytest.mark.slow
+def test_the_portable_target_gives_triton_standard_ops(tiny_checkpoint, tmp_path):
+    out = tmp_path / "tiny-portable.onnx"
+    assert main([str(tiny_checkpoint), "-o", str(out), "--target", "portable", "--triton-repo", str(tmp_path)]) == 0
+    model = onnx.load(tmp_path / "tiny-portable" / "1" / "model.onnx")  # named after the output's stem
+    assert {n.domain for n in model.graph.node} == {""} and [o.name for o in model.graph.output] == ["logits"]
+    assert _config(tmp_path / "tiny-portable").name == "tiny-portable"
