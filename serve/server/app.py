@@ -17,6 +17,7 @@ from starlette.concurrency import run_in_threadpool
 
 from serve.server.batching import Engine
 from serve.server.errors import add_error_handlers, add_fallback_routes
+from serve.server.guard import RequestGuard, allowed_hosts_of
 from serve.server.metrics import Metrics, MetricsMiddleware
 from serve.server.settings import ServeSettings
 from serve.server.uploads import decode_image
@@ -71,4 +72,6 @@ def build_app(classifier, settings: ServeSettings | None = None, with_ui: bool =
         from serve.server.ui import mount_ui
 
         app = mount_ui(app, classifier, engine, settings)
+    hosts = allowed_hosts_of(settings.allowed_hosts, settings.host)
+    app.add_middleware(RequestGuard, api_key=settings.api_key.get_secret_value(), allowed_hosts=hosts)  # outermost
     return app

@@ -14,6 +14,7 @@ Endpoints for `gradio_client` (``Client(url).predict(..., api_name=...)``):
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -36,13 +37,61 @@ from serve.server.explain import (
 
 log = logging.getLogger(__name__)
 
+FORM_OVERHEAD = 64 * 1024  # multipart boundaries and headers around the file itself
 NO_GRADIENTS = "this model file has no gradient graph (vit-export --no-gradients); re-export it without that flag"
 
 
 def mount_ui(app: FastAPI, classifier, engine, settings) -> FastAPI:
-    """`app` with the UI at `/` (the API routes, added before, keep their paths)."""
+    """`app` with the UI at `/` (the API routes, added before, keep their paths).
+
+    `gr.mount_gradio_app` leaves the Blocks marked as never launched, and Gradio then skips its check of
+    the file paths a client names in a call: any file the server can read could be copied into the cache
+    and downloaded. Marking it launched, as `launch()` does, turns the check on: a call may name only
+    files uploaded to this server's own temp folder. Paths are never allowed beyond that, and the model
+    file and the server's code are blocked outright.
+    """
     ui = build_ui(classifier, engine, settings)
-    return gr.mount_gradio_app(app, ui, path="/", max_file_size=settings.max_bytes, ssr_mode=False)
+    ui.queue(max_size=settings.ui_queue_size, default_concurrency_limit=settings.ui_concurrency)
+    blocked = [str(Path(classifier.path).resolve()), str(Path(__file__).resolve().parents[1])]  # the model, our code
+    app = gr.mount_gradio_app(
+        app,
+        ui,
+        path="/",
+        max_file_size=settings.max_bytes,
+        ssr_mode=False,
+        allowed_paths=[],
+        blocked_paths=blocked,
+        run_history=False,
+    )
+    ui.has_launched = True  # what launch() sets: Gradio's processing_utils._check_allowed reads it
+    ui.config["version"] = ui.config["version"].split(".")[0]  # gradio_client needs the major; no more
+    app.add_middleware(UploadLimit, max_bytes=settings.max_bytes + FORM_OVERHEAD)
+    return app
+
+
+class UploadLimit:
+    """ASGI middleware: a request to Gradio's upload route must declare its length, within `max_bytes` in
+    all (Gradio's own limit is per file, and one request may carry many files)."""
+
+    def __init__(self, app, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith("/gradio_api/upload") and scope["method"] == "POST":
+            declared = dict(scope["headers"]).get(b"content-length", b"")
+            if not declared.isdigit():
+                return await _send_error(send, 411, "body_too_large", "uploads must declare their Content-Length")
+            if int(declared) > self.max_bytes:
+                message = f"an upload of {int(declared):,} bytes is over the {self.max_bytes:,}-byte limit"
+                return await _send_error(send, 413, "body_too_large", message)
+        await self.app(scope, receive, send)
+
+
+async def _send_error(send, status: int, code: str, message: str) -> None:
+    body = json.dumps({"error": {"code": code, "message": message}}).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
 
 
 def example_files(folder: str | Path, per_class: int = 1, limit: int = 6) -> list[str]:
@@ -135,7 +184,9 @@ def build_ui(classifier, engine, settings) -> gr.Blocks:
     """The Gradio Blocks of the demo (see the module docstring for its api_names)."""
     on = Handlers(classifier, engine, settings)
     labels = on.labels
-    with gr.Blocks(title=f"vitscope: {classifier.name}") as demo:
+    # delete_cache: uploads and results older than ui_cache_s go, checked as often, and all at shutdown
+    cache = (settings.ui_cache_s, settings.ui_cache_s)
+    with gr.Blocks(title=f"vitscope: {classifier.name}", analytics_enabled=False, delete_cache=cache) as demo:
         gr.Markdown(
             f"# vitscope: where did the transformer look?\n"
             f"Model **{classifier.name}** (version {classifier.version}), {len(labels)} classes: "
@@ -146,7 +197,8 @@ def build_ui(classifier, engine, settings) -> gr.Blocks:
         _attention_tab(on, image, opacity, cmap)
         _gradient_tab(on, image, opacity, cmap)
         with gr.Tab("Model"):
-            gr.JSON(_jsonable(getattr(classifier, "metadata", {})), label="Model metadata")
+            meta = {k: v for k, v in dict(getattr(classifier, "metadata", {})).items() if k != "versions"}
+            gr.JSON(_jsonable(meta), label="Model metadata")  # no library versions: they tell attackers what to try
         examples = example_files(settings.examples_dir)
         if examples:
             gr.Examples(examples, inputs=[image], label="Sample images")

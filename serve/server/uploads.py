@@ -17,23 +17,39 @@ from serve.server.settings import ServeSettings
 RAW_TYPES = ("image/", "application/octet-stream")
 
 
-async def read_body(request: Request, max_bytes: int) -> bytes:
-    """The request body, refused with 413 as soon as it passes `max_bytes` (before reading it all)."""
+async def read_body(request: Request, max_bytes: int, discard_bytes: int = 0) -> bytes:
+    """The request body, refused with 413 once it passes `max_bytes`.
+
+    The rest of an oversized body is read and thrown away (up to `discard_bytes` in all) before the 413
+    goes out: a client that writes its whole body before reading the answer (Python's urllib does) would
+    otherwise find the connection reset under it instead of reading the 413.
+    """
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+        if int(declared) <= discard_bytes:
+            await _discard(request, discard_bytes)
         raise ApiError("body_too_large", f"the body is {int(declared):,} bytes, over the {max_bytes:,}-byte limit")
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
         if size > max_bytes:
+            await _discard(request, discard_bytes - size)
             raise ApiError("body_too_large", f"the body is over the {max_bytes:,}-byte limit; send a smaller image")
         chunks.append(chunk)
     return b"".join(chunks)
 
 
+async def _discard(request: Request, budget: int) -> None:
+    """Read and drop the rest of the body, `budget` bytes at most (then the connection closes anyway)."""
+    async for chunk in request.stream():
+        budget -= len(chunk)
+        if budget < 0:
+            return
+
+
 async def decode_request(request: Request, settings: ServeSettings) -> tuple[bytes, dict[str, str]]:
     """The image bytes and any form fields, from a multipart upload or a raw image body."""
-    body = await read_body(request, settings.max_bytes)
+    body = await read_body(request, settings.max_bytes, settings.discard_bytes)
     ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if ctype == "multipart/form-data":
         async with _replay(request, body).form(max_files=1) as form:  # closes spooled upload files when done

@@ -104,11 +104,12 @@ def v1_router(classifier, engine: Engine, metrics: Metrics, settings: ServeSetti
     # in the generated OpenAPI schema; the README documents it.
     router.add_route("/v1/classify", classify, methods=["POST"])
 
-    @router.get("/healthz")
+    # HEAD too: load balancers probe with it. Plain async and no I/O: never queued behind the model
+    @router.api_route("/healthz", methods=["GET", "HEAD"])
     async def healthz():
         return {"status": "live"}
 
-    @router.get("/readyz")
+    @router.api_route("/readyz", methods=["GET", "HEAD"])
     async def readyz():
         if not engine.ready:
             raise ApiError("not_ready", "the model is loading or warming up (or the server is stopping)")
