@@ -15,6 +15,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 from starlette.concurrency import run_in_threadpool
 
+from serve.runtime.images import PixelBudget
 from serve.server.batching import Engine
 from serve.server.errors import add_error_handlers, add_fallback_routes
 from serve.server.guard import RequestGuard, allowed_hosts_of
@@ -63,7 +64,8 @@ def build_app(classifier, settings: ServeSettings | None = None, with_ui: bool =
     app = FastAPI(title="vitscope", version=str(classifier.version), lifespan=lifespan, telemetry=off)
     app.state.engine, app.state.metrics, app.state.settings = engine, metrics, settings
     add_error_handlers(app, settings)
-    routers = [v1_router(classifier, engine, metrics, settings), v2_router(classifier, engine, settings)]
+    budget = PixelBudget(settings.decode_pixel_budget)  # shared by the API and the UI
+    routers = [v1_router(classifier, engine, metrics, settings, budget), v2_router(classifier, engine, settings)]
     for router in routers:
         app.include_router(router)
     add_fallback_routes(app, routers)
@@ -71,7 +73,7 @@ def build_app(classifier, settings: ServeSettings | None = None, with_ui: bool =
     if with_ui:
         from serve.server.ui import mount_ui
 
-        app = mount_ui(app, classifier, engine, settings)
+        app = mount_ui(app, classifier, engine, settings, budget)
     hosts = allowed_hosts_of(settings.allowed_hosts, settings.host)
     app.add_middleware(RequestGuard, api_key=settings.api_key.get_secret_value(), allowed_hosts=hosts)  # outermost
     return app

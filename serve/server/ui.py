@@ -23,7 +23,7 @@ import gradio as gr
 import numpy as np
 from fastapi import FastAPI
 
-from serve.runtime.images import IMAGE_SUFFIXES, ImageError, load_image
+from serve.runtime.images import IMAGE_SUFFIXES, ImageError, PixelBudget
 from serve.runtime.rollout import HEAD_FUSIONS
 from serve.server.explain import (
     COLORMAPS,
@@ -41,7 +41,7 @@ FORM_OVERHEAD = 64 * 1024  # multipart boundaries and headers around the file it
 NO_GRADIENTS = "this model file has no gradient graph (vit-export --no-gradients); re-export it without that flag"
 
 
-def mount_ui(app: FastAPI, classifier, engine, settings) -> FastAPI:
+def mount_ui(app: FastAPI, classifier, engine, settings, budget: PixelBudget | None = None) -> FastAPI:
     """`app` with the UI at `/` (the API routes, added before, keep their paths).
 
     `gr.mount_gradio_app` leaves the Blocks marked as never launched, and Gradio then skips its check of
@@ -50,7 +50,7 @@ def mount_ui(app: FastAPI, classifier, engine, settings) -> FastAPI:
     files uploaded to this server's own temp folder. Paths are never allowed beyond that, and the model
     file and the server's code are blocked outright.
     """
-    ui = build_ui(classifier, engine, settings)
+    ui = build_ui(classifier, engine, settings, budget)
     ui.queue(max_size=settings.ui_queue_size, default_concurrency_limit=settings.ui_concurrency)
     blocked = [str(Path(classifier.path).resolve()), str(Path(__file__).resolve().parents[1])]  # the model, our code
     app = gr.mount_gradio_app(
@@ -111,8 +111,8 @@ def example_files(folder: str | Path, per_class: int = 1, limit: int = 6) -> lis
 class Handlers:
     """The UI's callbacks for one classifier: each takes the widgets' values and returns theirs."""
 
-    def __init__(self, classifier, engine, settings):
-        self.classifier, self.engine, self.settings = classifier, engine, settings
+    def __init__(self, classifier, engine, settings, budget: PixelBudget | None = None):
+        self.classifier, self.engine, self.settings, self.budget = classifier, engine, settings, budget
         self.labels = list(classifier.labels)
         self.depth, self.nh = classifier.depth, classifier.num_heads
         self.fill = mean_fill_of(classifier)
@@ -122,7 +122,9 @@ class Handlers:
         if not path:
             raise gr.Error("upload, paste or take a picture first")
         try:
-            return self.classifier.preprocess.to_uint8(load_image(path, max_pixels=self.settings.max_pixels))
+            # the bytes, not the path: an error then says "upload", never where the server keeps files
+            data = Path(path).read_bytes()
+            return self.classifier.preprocess.load_pixels(data, self.settings.max_pixels, self.budget)
         except ImageError as e:
             raise gr.Error(str(e)) from None
 
@@ -180,9 +182,9 @@ class Handlers:
         return render_overlay(pixels, ex["grid"], float(opacity), colormap), deletion_text(ex["deletion"], self.labels)
 
 
-def build_ui(classifier, engine, settings) -> gr.Blocks:
+def build_ui(classifier, engine, settings, budget: PixelBudget | None = None) -> gr.Blocks:
     """The Gradio Blocks of the demo (see the module docstring for its api_names)."""
-    on = Handlers(classifier, engine, settings)
+    on = Handlers(classifier, engine, settings, budget)
     labels = on.labels
     # delete_cache: uploads and results older than ui_cache_s go, checked as often, and all at shutdown
     cache = (settings.ui_cache_s, settings.ui_cache_s)

@@ -10,7 +10,7 @@ import numpy as np
 from fastapi import Request
 from PIL import Image
 
-from serve.runtime.images import load_image, open_image
+from serve.runtime.images import PixelBudget, open_image
 from serve.server.errors import ApiError, image_errors_as_api_errors
 from serve.server.settings import ServeSettings
 
@@ -83,7 +83,14 @@ def open_upload(data: bytes, settings: ServeSettings) -> Image.Image:
         return open_image(bytes(data), max_pixels=settings.max_pixels)
 
 
-def decode_image(img: Image.Image, classifier, settings: ServeSettings) -> np.ndarray:
-    """An opened image -> (H, W, 3) uint8 at the model's input size."""
+def decode_image(
+    img: Image.Image, classifier, settings: ServeSettings, budget: PixelBudget | None = None
+) -> np.ndarray:
+    """An opened image -> (H, W, 3) uint8 at the model's input size, decoded at reduced size when large.
+
+    Args:
+        budget: held for the pixels being decoded; None for small images decoded where no one may wait
+            (the event loop, the model's thread).
+    """
     with image_errors_as_api_errors():
-        return classifier.preprocess.to_uint8(load_image(img, max_pixels=settings.max_pixels))
+        return classifier.preprocess.load_pixels(img, settings.max_pixels, budget)
