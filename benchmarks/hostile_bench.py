@@ -184,7 +184,7 @@ def main() -> None:
         (f"{args.slow} slowloris connections", attack_slow, args.slow),
     ]
     print(f"# hostile_bench: {platform.machine()}, {platform.python_version()}, {time.strftime('%Y-%m-%d')}\n")
-    print("| attack | outcome | RSS base -> peak (MiB) | /healthz p50 / p99 (ms) | classify p99 (ms) | probe failures |")
+    print("| attack | outcome | RSS base -> peak (MiB) | /healthz p50 / p99 (ms) | classify p99 (ms) | probe fails |")
     print("|---|---|---|---|---|---|")
     with ServerProcess(args.model, "--examples-dir", "") as server:
         pid = server.proc.pid
