@@ -20,6 +20,7 @@ from serve.server.batching import Engine
 from serve.server.errors import add_error_handlers, add_fallback_routes
 from serve.server.guard import RequestGuard, allowed_hosts_of
 from serve.server.metrics import Metrics, MetricsMiddleware
+from serve.server.openapi import describe
 from serve.server.settings import ServeSettings
 from serve.server.uploads import decode_image
 from serve.server.v1 import v1_router
@@ -69,6 +70,7 @@ def build_app(classifier, settings: ServeSettings | None = None, with_ui: bool =
     for router in routers:
         app.include_router(router)
     add_fallback_routes(app, routers)
+    describe(app, settings, classifier.name)
     app.add_middleware(MetricsMiddleware, metrics=metrics, routes=("/v1", "/v2", "/healthz", "/readyz", "/gradio_api"))
     if with_ui:
         from serve.server.ui import mount_ui

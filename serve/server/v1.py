@@ -43,7 +43,12 @@ def encode_response(classifier, probs: np.ndarray, top_k: int, explanation: dict
 
 
 def parse_params(query, form: dict[str, str], settings: ServeSettings) -> dict[str, Any]:
-    """The query string's and the form's parameters, checked: `ApiError("bad_request")` says what is wrong."""
+    """The query string's and the form's parameters, checked: `ApiError("bad_request")` says what is wrong.
+
+    The query string wins where both give a parameter, but a bad value is refused wherever it is.
+    """
+    if form:
+        parse_params(form, {}, settings)  # the form alone, as if it were the query
     params = {**form, **dict(query)}
     try:
         top_k = int(params.get("top_k", settings.top_k))
@@ -104,16 +109,19 @@ def v1_router(
         return JSONResponse(encode_response(classifier, probs, params["top_k"]))  # already plain JSON
 
     # A plain Starlette route: it takes the raw Request anyway, and FastAPI's per-request dependency
-    # machinery costs a few percent of a small model's throughput (BENCHMARKS.md, serving). So it is not
-    # in the generated OpenAPI schema; the README documents it.
+    # machinery costs a few percent of a small model's throughput (BENCHMARKS.md, serving). So FastAPI
+    # does not see it; serve.server.openapi describes it.
     router.add_route("/v1/classify", classify, methods=["POST"])
 
-    # HEAD too: load balancers probe with it. Plain async and no I/O: never queued behind the model
-    @router.api_route("/healthz", methods=["GET", "HEAD"])
+    # Plain async and no I/O: never queued behind the model. HEAD too (load balancers probe with it),
+    # out of the OpenAPI document, where it would repeat GET under the same operation ID.
+    @router.get("/healthz")
+    @router.head("/healthz", include_in_schema=False)
     async def healthz():
         return {"status": "live"}
 
-    @router.api_route("/readyz", methods=["GET", "HEAD"])
+    @router.get("/readyz", responses={503: {"description": "loading, warming up or stopping"}})
+    @router.head("/readyz", include_in_schema=False)
     async def readyz():
         if not engine.ready:
             raise ApiError("not_ready", "the model is loading or warming up (or the server is stopping)")

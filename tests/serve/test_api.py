@@ -36,6 +36,12 @@ def jpeg_bytes(a: np.ndarray) -> bytes:
     return buf.getvalue()
 
 
+def tiff_bytes(a: np.ndarray) -> bytes:
+    buf = io.BytesIO()
+    Image.fromarray(a).save(buf, format="TIFF")
+    return buf.getvalue()
+
+
 def bright_square(quadrant: int) -> np.ndarray:
     """A 32 x 32 image with a bright square in one quadrant (the tiny model's classes)."""
     img = np.full((32, 32, 3), 30, np.uint8)
@@ -152,7 +158,21 @@ BAD_INPUTS = {
     "multipart without boundary": (b"--x\r\nnot a form\r\n", "multipart/form-data", 422, "bad_request"),
     "top_k not a number": (png_bytes(bright_square(0)), "image/png?top_k=x", 422, "bad_request"),
     "bad head fusion": (png_bytes(bright_square(0)), "image/png?explain=true&head_fusion=median", 422, "bad_request"),
+    "explain not a boolean": (png_bytes(bright_square(0)), "image/png?explain=banana", 422, "bad_request"),
+    "NaN pixels": (
+        tiff_bytes(np.where(np.eye(32) > 0, np.nan, 0.5).astype(np.float32)),
+        "image/tiff",
+        422,
+        "non_finite",
+    ),
 }
+
+
+def test_a_bad_form_field_is_refused_even_when_the_query_gives_a_good_one(client):
+    form = {"discard_ratio": "1.5", "explain": "true"}
+    files = {"file": ("a.png", png_bytes(bright_square(0)), "image/png")}
+    r = client.post("/v1/classify?discard_ratio=0&explain=true", files=files, data=form)
+    assert r.status_code == 422 and "discard_ratio" in r.json()["error"]["message"]
 
 
 @pytest.mark.parametrize("case", list(BAD_INPUTS))
