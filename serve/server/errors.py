@@ -34,6 +34,7 @@ ERROR_STATUS = {
     "unsupported_media_type": 415,  # a content type that cannot carry an image
     "too_large": 413,  # over the pixel limit (checked from the header)
     "body_too_large": 413,  # over max_bytes
+    "length_required": 411,  # a UI upload without Content-Length
     "not_found": 404,
     "method_not_allowed": 405,
     "request_timeout": 408,  # the request head or body did not arrive in time

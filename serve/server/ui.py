@@ -14,7 +14,6 @@ Endpoints for `gradio_client` (``Client(url).predict(..., api_name=...)``):
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -34,10 +33,10 @@ from serve.server.explain import (
     render_overlay,
     with_deletion,
 )
+from serve.server.ui_http import CallErrorsAre422, UploadLimit
 
 log = logging.getLogger(__name__)
 
-FORM_OVERHEAD = 64 * 1024  # multipart boundaries and headers around the file itself
 NO_GRADIENTS = "this model file has no gradient graph (vit-export --no-gradients); re-export it without that flag"
 
 
@@ -65,33 +64,9 @@ def mount_ui(app: FastAPI, classifier, engine, settings, budget: PixelBudget | N
     )
     ui.has_launched = True  # what launch() sets: Gradio's processing_utils._check_allowed reads it
     ui.config["version"] = ui.config["version"].split(".")[0]  # gradio_client needs the major; no more
-    app.add_middleware(UploadLimit, max_bytes=settings.max_bytes + FORM_OVERHEAD)
+    app.add_middleware(UploadLimit, max_bytes=settings.max_bytes)
+    app.add_middleware(CallErrorsAre422)
     return app
-
-
-class UploadLimit:
-    """ASGI middleware: a request to Gradio's upload route must declare its length, within `max_bytes` in
-    all (Gradio's own limit is per file, and one request may carry many files)."""
-
-    def __init__(self, app, max_bytes: int):
-        self.app, self.max_bytes = app, max_bytes
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"].startswith("/gradio_api/upload") and scope["method"] == "POST":
-            declared = dict(scope["headers"]).get(b"content-length", b"")
-            if not declared.isdigit():
-                return await _send_error(send, 411, "body_too_large", "uploads must declare their Content-Length")
-            if int(declared) > self.max_bytes:
-                message = f"an upload of {int(declared):,} bytes is over the {self.max_bytes:,}-byte limit"
-                return await _send_error(send, 413, "body_too_large", message)
-        await self.app(scope, receive, send)
-
-
-async def _send_error(send, status: int, code: str, message: str) -> None:
-    body = json.dumps({"error": {"code": code, "message": message}}).encode()
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-    await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
 
 
 def example_files(folder: str | Path, per_class: int = 1, limit: int = 6) -> list[str]:
