@@ -82,6 +82,9 @@ class RequestGuard:
         self.api_key = api_key.encode("utf-8")
 
     async def __call__(self, scope, receive, send):
+        if scope["type"] == "websocket":  # none of ours; refused like any request if it breaks the rules
+            if self.refusal(scope["path"], dict(scope["headers"])) is not None:
+                return await send({"type": "websocket.close", "code": 1008})
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         started, status = time.perf_counter(), CLIENT_CLOSED

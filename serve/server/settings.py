@@ -79,12 +79,14 @@ class ServeSettings(BaseSettings):
         "would refuse real photos and save nothing",
     )
     decode_pixel_budget: int = Field(
-        80_000_000,
+        40_000_000,
         ge=1,
         description="pixels, summed over all requests, that may be decoding at once (an image over the budget "
-        "waits for it alone). A small file can declare a huge image, and decoding costs bytes per declared pixel: "
-        "80 MP is two 40 MP images at a time, a few hundred MB at worst, while thousands of ordinary photos "
-        "decode at once (large JPEGs are decoded at a reduced scale and count as such)",
+        "waits for it alone). A small file can declare a huge image, and decoding costs bytes per declared "
+        "pixel: 40 MP is one of the largest images at a time, about 200 MB at worst, and keeps a core free "
+        "for the event loop (with twice that, /healthz p99 went from 18 to 250 ms under 32 such uploads on "
+        "2 cores; BENCHMARKS.md). Ordinary photos decode many at once: large JPEGs are decoded at a reduced "
+        "scale and count as such",
     )
     max_header_bytes: int = Field(
         64 * 1024,
