@@ -7,7 +7,9 @@ baseline, and the probes' latencies. Goals: +1 GB peak RSS at most, /healthz p99
   1. `--images` (32) concurrent uploads of a 35-byte GIF that declares 65535 x 610 pixels (just under
      the 40 MP limit), repeated for `--rounds` rounds;
   2. one connection sending `--header-mb` (300) MB of request headers;
-  3. `--slow` (500) connections that send their request head one byte a second (slowloris), for 15 s.
+  3. `--slow` (500) connections that send their request head one byte a second (slowloris), for 15 s;
+  4. `--crowd` (1000) keep-alive clients sending ordinary classify requests for 10 s (not an attack: how
+     long health checks wait under a full load).
 
     .venv/bin/python benchmarks/hostile_bench.py artifacts/sample.onnx
 
@@ -166,6 +168,46 @@ def attack_slow(port: int, n: int, seconds: float = 15.0) -> str:
     return f"{n} connections, {still_open} still open after {seconds:.0f} s"
 
 
+def attack_crowd(port: int, n: int, seconds: float = 10.0) -> str:
+    """`n` keep-alive clients sending ordinary classify requests as fast as they are answered."""
+    import asyncio
+
+    png = small_png()
+    request = (
+        f"POST /v1/classify HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: image/png\r\n"
+        f"Content-Length: {len(png)}\r\n\r\n"
+    ).encode() + png
+    counts = {"ok": 0, "other": 0, "failed": 0}
+
+    async def client(end: float) -> None:
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        except OSError:
+            counts["failed"] += 1
+            return
+        try:
+            while time.monotonic() < end:
+                writer.write(request)
+                status = (await reader.readline()).split(b" ")[1:2]
+                length = 0
+                while (line := await reader.readline()) not in (b"\r\n", b""):
+                    if line.lower().startswith(b"content-length:"):
+                        length = int(line.split(b":")[1])
+                await reader.readexactly(length)
+                counts["ok" if status == [b"200"] else "other"] += 1
+        except (OSError, asyncio.IncompleteReadError, IndexError):
+            counts["failed"] += 1
+        finally:
+            writer.close()
+
+    async def crowd() -> None:
+        end = time.monotonic() + seconds
+        await asyncio.gather(*(client(end) for _ in range(n)))
+
+    asyncio.run(crowd())
+    return f"{counts['ok']} answered 200, {counts['other']} other, {counts['failed']} clients failed"
+
+
 def p(values: list[float], q: float) -> float:
     return float(np.percentile(values, q) * 1000) if values else float("nan")
 
@@ -177,18 +219,26 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--header-mb", type=int, default=300)
     parser.add_argument("--slow", type=int, default=500)
+    parser.add_argument("--crowd", type=int, default=1000)
+    parser.add_argument("--only", default="images,headers,slow,crowd", help="which attacks, comma-separated")
     args = parser.parse_args()
-    attacks = [
-        (f"{args.images} concurrent 40 MP GIFs of 35 bytes, x{args.rounds}", attack_images, args.images, args.rounds),
-        (f"{args.header_mb} MB of headers", attack_headers, args.header_mb),
-        (f"{args.slow} slowloris connections", attack_slow, args.slow),
-    ]
+    attacks = {
+        "images": (
+            f"{args.images} concurrent 40 MP GIFs of 35 bytes, x{args.rounds}",
+            attack_images,
+            args.images,
+            args.rounds,
+        ),
+        "headers": (f"{args.header_mb} MB of headers", attack_headers, args.header_mb),
+        "slow": (f"{args.slow} slowloris connections", attack_slow, args.slow),
+        "crowd": (f"{args.crowd} clients classifying for 10 s", attack_crowd, args.crowd),
+    }
     print(f"# hostile_bench: {platform.machine()}, {platform.python_version()}, {time.strftime('%Y-%m-%d')}\n")
     print("| attack | outcome | RSS base -> peak (MiB) | /healthz p50 / p99 (ms) | classify p99 (ms) | probe fails |")
     print("|---|---|---|---|---|---|")
     with ServerProcess(args.model, "--examples-dir", "") as server:
         pid = server.proc.pid
-        for name, attack, *params in attacks:
+        for name, attack, *params in (attacks[a] for a in args.only.split(",")):
             time.sleep(2)
             base = rss_mib(pid)
             with Probes(server.port, pid) as probes:
