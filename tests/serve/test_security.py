@@ -5,7 +5,9 @@ Each test sends the attack itself to a server on 127.0.0.1 and checks that it fa
 
 from __future__ import annotations
 
+import base64
 import json
+import logging
 import re
 import socket
 import time
@@ -13,6 +15,9 @@ import time
 import httpx
 import pytest
 
+from serve.server.cli import _warn_if_exposed
+from serve.server.guard import allowed_hosts_of, host_name, key_of
+from serve.server.settings import ServeSettings
 from tests.serve.process import ServerProcess
 
 KEY = "test-key-9f2c"
@@ -20,6 +25,38 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 # a FileData naming a file the client never uploaded, as the audit sent it to the UI's classify call
 STOLEN = "/etc/passwd"
 CALL = {"data": [{"path": STOLEN, "meta": {"_type": "gradio.FileData"}}, "mean", 0, 0, 2, 0.5, "inferno"]}
+
+
+@pytest.mark.parametrize(
+    "host, name",
+    [("example.org:8080", "example.org"), ("[::1]:7860", "::1"), ("LOCALHOST", "localhost"), ("::1", "::1")],
+)
+def test_host_names_lose_their_port(host, name):
+    assert host_name(host) == name
+
+
+def test_allowed_hosts_default_to_the_bind_host_and_loopback():
+    assert allowed_hosts_of("", "10.1.2.3") == {"10.1.2.3", "localhost", "127.0.0.1", "::1"}
+    assert allowed_hosts_of("", "0.0.0.0") == {"localhost", "127.0.0.1", "::1"}  # no name means "every interface"
+    assert allowed_hosts_of(" vit.example.org, Localhost ", "127.0.0.1") == {"vit.example.org", "localhost"}
+    assert allowed_hosts_of("*", "127.0.0.1") is None
+
+
+def test_the_key_is_read_from_bearer_x_api_key_or_basic_auth():
+    assert key_of({b"authorization": b"Bearer abc"}) == "abc"
+    assert key_of({b"x-api-key": b"abc"}) == "abc"
+    assert key_of({b"authorization": b"Basic " + base64.b64encode(b"anyone:abc")}) == "abc"
+    assert key_of({b"authorization": b"Basic !!!"}) is None and key_of({}) is None
+
+
+def test_binding_beyond_loopback_without_a_key_warns(caplog):
+    with caplog.at_level(logging.WARNING):
+        _warn_if_exposed(ServeSettings(host="0.0.0.0"))
+    assert "without an API key" in caplog.text and "--allowed-hosts" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        _warn_if_exposed(ServeSettings(host="127.0.0.1"))
+    assert caplog.text == ""
 
 
 @pytest.fixture(scope="module")
