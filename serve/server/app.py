@@ -71,11 +71,12 @@ def build_app(classifier, settings: ServeSettings | None = None, with_ui: bool =
         app.include_router(router)
     add_fallback_routes(app, routers)
     describe(app, settings, classifier.name)
-    app.add_middleware(MetricsMiddleware, metrics=metrics, routes=("/v1", "/v2", "/healthz", "/readyz", "/gradio_api"))
     if with_ui:
         from serve.server.ui import mount_ui
 
         app = mount_ui(app, classifier, engine, settings, budget)
+    # after the UI's middleware, so that it counts what the client got (the UI's 422, not Gradio's 500)
+    app.add_middleware(MetricsMiddleware, metrics=metrics, routes=("/v1", "/v2", "/healthz", "/readyz", "/gradio_api"))
     hosts = allowed_hosts_of(settings.allowed_hosts, settings.host)
     app.add_middleware(RequestGuard, api_key=settings.api_key.get_secret_value(), allowed_hosts=hosts)  # outermost
     return app

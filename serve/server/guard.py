@@ -100,16 +100,28 @@ class RequestGuard:
                 message["headers"] = [*message.get("headers", []), (b"x-request-id", request_id.encode())]
             await send(message)
 
+        gone = False  # the client disconnected: what fails after that is not a fault of the server
+
+        async def receive_watching():
+            nonlocal gone
+            message = await receive()
+            gone = gone or message["type"] == "http.disconnect"
+            return message
+
         try:
             refusal = self.refusal(scope["path"], headers)
             if refusal is None:
-                await self.app(scope, receive, send_with_id)
+                await self.app(scope, receive_watching, send_with_id)
             else:
                 await _send_json(send_with_id, *refusal)
-        except BaseException:
-            status = 500 if status == CLIENT_CLOSED else status
-            raise
+        except Exception:
+            if not gone:
+                status = 500 if status == CLIENT_CLOSED else status
+                raise
+            # e.g. Gradio's upload route, whose parser fails when the body stops: one line, not two tracebacks
+            log.info("client went away during %s %s before the answer", scope["method"], scope["path"])
         finally:
+            status = CLIENT_CLOSED if gone and status >= 500 else status
             client = scope.get("client") or ("-", 0)
             ms = (time.perf_counter() - started) * 1000
             log.info('%s "%s %s" %d %.1fms id=%s', client[0], scope["method"], scope["path"], status, ms, request_id)

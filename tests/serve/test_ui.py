@@ -191,6 +191,26 @@ def test_malformed_direct_calls_get_422_not_500(small_ui):
 
 
 @pytest.mark.slow
+def test_an_abandoned_ui_upload_is_one_info_line_and_counted_as_499(small_ui):
+    import socket
+    import time
+
+    import httpx
+
+    head = b"POST /gradio_api/upload HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 100000\r\n"
+    part = b'--xx\r\nContent-Disposition: form-data; name="files"; filename="a.png"\r\n\r\n' + b"x" * 1000
+    with socket.create_connection(("127.0.0.1", small_ui.port)) as s:
+        s.sendall(head + b"Content-Type: multipart/form-data; boundary=xx\r\n\r\n" + part)
+        time.sleep(0.3)
+    time.sleep(0.7)
+    metrics = httpx.get(small_ui.url + "/metrics").text
+    assert 'vitscope_requests_total{route="/gradio_api",status="499"}' in metrics
+    assert 'route="/gradio_api",status="500"' not in metrics
+    assert any("client went away during POST /gradio_api/upload" in line for line in small_ui.lines)
+    assert not any("Exception in ASGI application" in line or "unexpected error" in line for line in small_ui.lines)
+
+
+@pytest.mark.slow
 def test_ui_uploads_live_in_a_folder_of_the_servers_own_removed_at_exit(small_ui, image_file):
     path = Path(upload(small_ui.url, image_file.read_bytes()))
     folder = next(p for p in path.parents if p.name.startswith("vitscope-ui-"))
