@@ -17,13 +17,16 @@ from serve.server.settings import ServeSettings
 RAW_TYPES = ("image/", "application/octet-stream")
 
 
-async def read_body(request: Request, max_bytes: int, discard_bytes: int = 0) -> bytes:
+async def read_body(request: Request, max_bytes: int, discard_bytes: int | None = None) -> bytes:
     """The request body, refused with 413 once it passes `max_bytes`.
 
-    The rest of an oversized body is read and thrown away (up to `discard_bytes` in all) before the 413
-    goes out: a client that writes its whole body before reading the answer (Python's urllib does) would
-    otherwise find the connection reset under it instead of reading the 413.
+    The rest of an oversized body is read and thrown away (up to `discard_bytes` in all; None: the app's
+    `settings.discard_bytes`) before the 413 goes out: a client that writes its whole body before reading
+    the answer (Python's urllib does) would otherwise find the connection reset under it instead.
     """
+    if discard_bytes is None:
+        settings = getattr(request.app.state, "settings", None) if "app" in request.scope else None
+        discard_bytes = settings.discard_bytes if settings is not None else 0
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > max_bytes:
         if int(declared) <= discard_bytes:
@@ -49,7 +52,7 @@ async def _discard(request: Request, budget: int) -> None:
 
 async def decode_request(request: Request, settings: ServeSettings) -> tuple[bytes, dict[str, str]]:
     """The image bytes and any form fields, from a multipart upload or a raw image body."""
-    body = await read_body(request, settings.max_bytes, settings.discard_bytes)
+    body = await read_body(request, settings.max_bytes)
     ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if ctype == "multipart/form-data":
         async with _replay(request, body).form(max_files=1) as form:  # closes spooled upload files when done

@@ -138,9 +138,10 @@ def test_concurrent_tiny_files_declaring_40_mp_keep_the_server_small(server):
 
 
 @pytest.mark.slow
-def test_urllib_writing_a_whole_oversized_body_gets_the_413_not_a_reset(server):
+@pytest.mark.parametrize("path", ["/v1/classify", "/v2/models/tiny_test/infer"])
+def test_urllib_writing_a_whole_oversized_body_gets_the_413_not_a_reset(server, path):
     body = b"\x00" * (64 * 1024 * 1024)
-    req = urllib.request.Request(server.url + "/v1/classify", data=body, headers={"Content-Type": "image/png"})
+    req = urllib.request.Request(server.url + path, data=body, headers={"Content-Type": "application/octet-stream"})
     with pytest.raises(urllib.error.HTTPError) as err:
         urllib.request.urlopen(req, timeout=60)
     assert err.value.code == 413 and b"body_too_large" in err.value.read()
