@@ -41,6 +41,40 @@ class CallErrorsAre422:
         await self.app(scope, receive, send_422)
 
 
+class NoVersionInGradioOpenapi:
+    """ASGI middleware: Gradio's own OpenAPI document (`/gradio_api/openapi.json`) gives its exact version
+    as the document's version, which tells an attacker which advisories apply; it is cut to the major."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["path"] != "/gradio_api/openapi.json":
+            return await self.app(scope, receive, send)
+        # uncompressed, so that it can be read here (Gradio gzips what the client accepts gzipped)
+        scope = {**scope, "headers": [(k, v) for k, v in scope["headers"] if k.lower() != b"accept-encoding"]}
+        start, chunks = None, []
+
+        async def rewrite(message):
+            nonlocal start
+            if message["type"] == "http.response.start":
+                start = message
+                return None
+            chunks.append(message.get("body", b""))
+            if message.get("more_body"):
+                return None
+            body = b"".join(chunks)
+            if start["status"] == 200:
+                doc = json.loads(body)
+                doc.get("info", {})["version"] = str(doc.get("info", {}).get("version", "")).split(".")[0]
+                body = json.dumps(doc).encode()
+            headers = [(k, v) for k, v in start["headers"] if k.lower() != b"content-length"]
+            await send({**start, "headers": [*headers, (b"content-length", str(len(body)).encode())]})
+            await send({"type": "http.response.body", "body": body})
+
+        await self.app(scope, receive, rewrite)
+
+
 class UploadLimit:
     """ASGI middleware: a request to Gradio's upload route must declare its length, within `max_bytes` in
     all (Gradio's own limit is per file, and one request may carry many files)."""
