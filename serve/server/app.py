@@ -2,8 +2,10 @@
 
 It wires the pieces, each in a module of its own: the micro-batching engine (`batching`), the `/v1`
 and health routes (`v1`), KServe v2 (`v2`), the JSON error mapping (`errors`), Prometheus metrics
-(`metrics`), and, unless `with_ui` is False, the Gradio UI at `/` (`ui`, the only module that imports
-gradio: an API-only server never loads it).
+(`metrics`), the OpenAPI document (`openapi`), the Host, API-key and access-log layer around it all
+(`guard`), and, unless `with_ui` is False, the Gradio UI at `/` (`ui`, the only module that imports
+gradio: an API-only server never loads it). Connection limits live below the app, in uvicorn's protocol
+(`protocol`, set up by `cli`).
 """
 
 from __future__ import annotations

@@ -43,7 +43,7 @@ async def read_body(request: Request, max_bytes: int, discard_bytes: int | None 
 
 
 async def _discard(request: Request, budget: int) -> None:
-    """Read and drop the rest of the body, `budget` bytes at most (then the connection closes anyway)."""
+    """Read and drop the rest of the body, `budget` bytes at most (beyond that, the answer goes out anyway)."""
     async for chunk in request.stream():
         budget -= len(chunk)
         if budget < 0:
