@@ -9,7 +9,10 @@ from __future__ import annotations
 import io
 import math
 import re
+import threading
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Union
@@ -36,7 +39,8 @@ class ImageError(ValueError):
     """An input that cannot be used as an image. `kind` says why, for mapping to an HTTP status.
 
     Kinds: "empty" (no bytes), "not_an_image" (no known header), "corrupt" (truncated or
-    undecodable), "too_large" (over the pixel limit), "unsupported" (a mode or array we cannot use).
+    undecodable), "too_large" (over the pixel limit), "unsupported" (a mode or array we cannot use),
+    "non_finite" (NaN or infinite pixel values).
     """
 
     def __init__(self, message: str, kind: str = "corrupt"):
@@ -137,13 +141,101 @@ def _check_pixels(img: Image.Image, max_pixels: int | None) -> None:
         )
 
 
+class PixelBudget:
+    """Pixels that may be decoding at once, across threads: decoding costs memory per declared pixel, and a
+    file of a few bytes can declare 40 MP. An image larger than the whole budget waits for all of it.
+
+    Args:
+        pixels: the budget.
+    """
+
+    def __init__(self, pixels: int):
+        self.total = self.free = pixels
+        self._cond = threading.Condition()
+
+    @contextmanager
+    def hold(self, pixels: int) -> Iterator[None]:
+        """Wait until `pixels` (at most the whole budget) are free, hold them while the block runs."""
+        n = min(pixels, self.total)
+        with self._cond:
+            self._cond.wait_for(lambda: self.free >= n)
+            self.free -= n
+        try:
+            yield
+        finally:
+            with self._cond:
+                self.free += n
+                self._cond.notify_all()
+
+
+def load_reduced(
+    source: ImageSource, cover: tuple[int, int], max_pixels: int | None, budget: PixelBudget | None = None
+) -> Image.Image:
+    """`load_image`, but a large image is decoded or reduced to no less than twice `cover` on each side.
+
+    A model needs far fewer pixels than a photo has: JPEGs are decoded at 1/2, 1/4 or 1/8 scale by the
+    decoder itself (`draft`), other formats are reduced by box averaging (`Image.reduce`) before any
+    mode conversion. The 2x margin is Pillow's own `reducing_gap`: the final resize still has twice the
+    pixels it keeps, so the result is as sharp. Images within 4x of `cover` decode exactly as `load_image`
+    does.
+
+    Args:
+        source: as for `load_image`.
+        cover: (w, h) the caller resizes to (aspect kept, the image covering it), before cropping.
+        max_pixels: refuse images with more pixels than this (None: no limit).
+        budget: held for the pixels being decoded (None: no budget).
+    """
+    if isinstance(source, np.ndarray):
+        return _from_array(source)
+    img = source if isinstance(source, Image.Image) else open_image(source, max_pixels)
+    _check_pixels(img, max_pixels)
+    factor = _reduction(img.size, cover)
+    if factor >= 2 and img.format == "JPEG":
+        img.draft("RGB", (-(-img.width // factor), -(-img.height // factor)))  # the decoder's own 1/2..1/8 scale
+        factor = _reduction(img.size, cover)
+    with budget.hold(img.width * img.height) if budget is not None else nullcontext():
+        try:
+            img.load()
+            img = ImageOps.exif_transpose(img)
+            return _to_rgb(_reduce(img, factor) if factor >= 2 else img)
+        except ImageError:
+            raise
+        except Exception as e:  # as in load_image: any decoder error means a broken file
+            raise ImageError(f"image data is corrupt or truncated: {e}", "corrupt") from None
+
+
+def _reduction(size: tuple[int, int], cover: tuple[int, int]) -> int:
+    """The integer factor that keeps at least twice `cover` on each side, in either orientation (EXIF may
+    turn the image after decoding)."""
+    (w, h), (cw, ch) = size, cover
+    return max(1, min(w // (2 * max(cw, ch)), h // (2 * max(cw, ch))))
+
+
+def _reduce(img: Image.Image, factor: int) -> Image.Image:
+    """Box-average `img` by `factor`; modes `reduce` does not take (palette, 16-bit, 1-bit) are converted
+    strip by strip, so that the wide copy of the whole image never exists."""
+    if img.mode in ("L", "LA", "RGB", "RGBA", "I", "F", "CMYK", "PA"):
+        return img.reduce(factor)
+    wide = {"1": "L", "P": "RGBA" if "transparency" in img.info else "RGB"}.get(img.mode, "I")
+    w, h = img.size
+    out = Image.new(wide, (-(-w // factor), -(-h // factor)))
+    step = factor * max(1, (1 << 22) // (w * factor))  # about 4 MP per strip
+    for top in range(0, h, step):
+        out.paste(img.crop((0, top, w, min(h, top + step))).convert(wide).reduce(factor), (0, top // factor))
+    return out
+
+
 def _to_rgb(img: Image.Image) -> Image.Image:
     mode = img.mode
     if mode == "RGB":
         return img
     if mode in ("I;16", "I;16B", "I;16L", "I", "F"):
-        a = np.asarray(img, dtype=np.float64)
+        a = np.asarray(img, dtype=np.float32)
+        if not np.isfinite(a).all():
+            raise ImageError("the image has NaN or infinite pixel values; send finite data", "non_finite")
         top = 65535.0 if a.max(initial=0) > 255 else 255.0  # 16-bit data, or 8-bit values stored wide
+        if mode == "F" and a.min(initial=0) >= 0 and a.max(initial=0) <= 1.0:
+            top = 1.0  # floating-point data in [0, 1], as scientific and HDR tools write it
         a = np.clip(a / top * 255.0 + 0.5, 0, 255).astype(np.uint8)
         return Image.fromarray(a, "L").convert("RGB")
     if mode == "P" and "transparency" in img.info:
@@ -216,6 +308,18 @@ class Preprocess:
             return img
         left, top = (new_w - W) // 2, (new_h - H) // 2
         return img.crop((left, top, left + W, top + H))
+
+    @property
+    def cover_size(self) -> tuple[int, int]:
+        """(w, h) an image is resized to cover before the centre crop: the pixels the model can use."""
+        H, W = self.img_size
+        return math.ceil(W / self.crop_pct), math.ceil(H / self.crop_pct)
+
+    def load_pixels(
+        self, source: ImageSource, max_pixels: int | None = DEFAULT_MAX_PIXELS, budget: PixelBudget | None = None
+    ) -> np.ndarray:
+        """An image source -> (H, W, 3) uint8 for the model, large images decoded at reduced size (`load_reduced`)."""
+        return self.to_uint8(load_reduced(source, self.cover_size, max_pixels, budget))
 
     def to_uint8(self, img: Image.Image) -> np.ndarray:
         """Resize and crop; returns (H, W, 3) uint8, the input of a graph that normalises inside."""

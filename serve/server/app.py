@@ -2,8 +2,10 @@
 
 It wires the pieces, each in a module of its own: the micro-batching engine (`batching`), the `/v1`
 and health routes (`v1`), KServe v2 (`v2`), the JSON error mapping (`errors`), Prometheus metrics
-(`metrics`), and, unless `with_ui` is False, the Gradio UI at `/` (`ui`, the only module that imports
-gradio: an API-only server never loads it).
+(`metrics`), the OpenAPI document (`openapi`), the Host, API-key and access-log layer around it all
+(`guard`), and, unless `with_ui` is False, the Gradio UI at `/` (`ui`, the only module that imports
+gradio: an API-only server never loads it). Connection limits live below the app, in uvicorn's protocol
+(`protocol`, set up by `cli`).
 """
 
 from __future__ import annotations
@@ -16,9 +18,12 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 from starlette.concurrency import run_in_threadpool
 
+from serve.runtime.images import PixelBudget
 from serve.server.batching import Engine
 from serve.server.errors import add_error_handlers, add_fallback_routes
+from serve.server.guard import RequestGuard, allowed_hosts_of
 from serve.server.metrics import Metrics, MetricsMiddleware
+from serve.server.openapi import describe
 from serve.server.settings import ServeSettings
 from serve.server.uploads import decode_image
 from serve.server.v1 import v1_router
@@ -69,13 +74,18 @@ def build_app(
     app = FastAPI(title="vitscope", version=str(classifier.version), lifespan=lifespan, telemetry=off)
     app.state.engine, app.state.metrics, app.state.settings = engine, metrics, settings
     add_error_handlers(app, settings)
-    routers = [v1_router(classifier, engine, metrics, settings), v2_router(classifier, engine, settings)]
+    budget = PixelBudget(settings.decode_pixel_budget)  # shared by the API and the UI
+    routers = [v1_router(classifier, engine, metrics, settings, budget), v2_router(classifier, engine, settings)]
     for router in routers:
         app.include_router(router)
     add_fallback_routes(app, routers)
-    app.add_middleware(MetricsMiddleware, metrics=metrics, routes=("/v1", "/v2", "/healthz", "/readyz", "/gradio_api"))
+    describe(app, settings, classifier.name)
     if with_ui:
         from serve.server.ui import mount_ui
 
-        app = mount_ui(app, classifier, engine, settings)
+        app = mount_ui(app, classifier, engine, settings, budget)
+    # after the UI's middleware, so that it counts what the client got (the UI's 422, not Gradio's 500)
+    app.add_middleware(MetricsMiddleware, metrics=metrics, routes=("/v1", "/v2", "/healthz", "/readyz", "/gradio_api"))
+    hosts = allowed_hosts_of(settings.allowed_hosts, settings.host)
+    app.add_middleware(RequestGuard, api_key=settings.api_key.get_secret_value(), allowed_hosts=hosts)  # outermost
     return app

@@ -125,13 +125,19 @@ class MicroBatcher:
             raise QueueFull(f"the server is busy ({self._queue.maxsize} requests waiting); retry shortly") from None
         return item.future
 
-    def close(self, timeout: float | None = 30.0) -> None:
-        """Stop taking work, finish everything already queued, then stop the worker thread."""
+    def close(self, timeout: float | None = 30.0) -> bool:
+        """Stop taking work, finish everything already queued, then stop the worker thread.
+
+        Returns:
+            True when the queue drained within `timeout`.
+        """
         self._stopping.set()
         if self._thread is not None:
             self._thread.join(timeout)
             if self._thread.is_alive():
                 log.warning("batcher still busy after %.1f s; abandoning the remaining work", timeout)
+                return False
+        return True
 
     def _loop(self) -> None:
         pending: _Image | _Call | None = None
@@ -293,6 +299,7 @@ class Engine:
             prepare=None if decode is None else (lambda item: item if isinstance(item, np.ndarray) else decode(item)),
         )
         self.ready = False
+        self.drained = False  # set by stop(): whether the queued work finished in time
 
     @property
     def batch_size(self) -> int:
@@ -320,7 +327,7 @@ class Engine:
     def stop(self) -> None:
         """Refuse new work, finish the queued requests, stop the worker."""
         self.ready = False
-        self.batcher.close(timeout=self.settings.graceful_timeout_s)
+        self.drained = self.batcher.close(timeout=self.settings.graceful_timeout_s)
 
     async def infer(self, item: Any) -> np.ndarray:
         """(H, W, 3) uint8 (or an item for `decode`) -> (2, K) logits and probabilities, batched with

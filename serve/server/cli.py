@@ -3,23 +3,31 @@
 Every field of `ServeSettings` is an option (``--max-batch-size 16``) and an environment variable
 (``VITSCOPE_MAX_BATCH_SIZE=16``); the option wins. The URL is printed once the model is loaded, warmed
 up and the socket is listening. SIGTERM (or Ctrl-C) stops taking new connections, lets requests in
-flight finish, drains the batcher, then exits.
+flight finish, drains the batcher, then exits: 0 when everything drained in time, 1 when
+`graceful_timeout_s` ran out first.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import logging
+import os
+import shutil
 import signal
 import sys
+import tempfile
 from pathlib import Path
 
 import uvicorn
 from pydantic import ValidationError
 
+from serve.server.guard import LOOPBACK_HOSTS
+from serve.server.protocol import LimitedHttpToolsProtocol
 from serve.server.settings import ENV_PREFIX, ServeSettings
 
 log = logging.getLogger("vitscope.serve")
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter (malloc.h)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -90,28 +98,88 @@ def main(argv: list[str] | None = None) -> int:
     except (FileNotFoundError, ValueError) as e:
         print(f"vit-serve: cannot load {args.model}: {e}", file=sys.stderr)
         return 2
-    app = build_app(classifier, settings, with_ui=not args.no_ui)
+    _warn_if_exposed(settings)
+    _return_freed_memory()
+    # Gradio's uploads and results go to a folder of this server's own, deleted when it exits. Gradio reads
+    # GRADIO_TEMP_DIR when it is imported, so it is set before build_app imports it.
+    temp_dir = tempfile.mkdtemp(prefix="vitscope-ui-")
+    os.environ["GRADIO_TEMP_DIR"] = temp_dir
+    try:
+        app = build_app(classifier, settings, with_ui=not args.no_ui)
+        server = AnnouncingServer(uvicorn_config(app, settings, args.log_level))
+        # uvicorn re-raises SIGTERM after its graceful shutdown: exit 0 if everything drained, else 1
+        signal.signal(signal.SIGTERM, lambda signum, frame: _exit_after_drain(server, app))
+        server.run()
+    finally:
+        shutil.rmtree(temp_dir, ignore_errors=True)
+    return 0
+
+
+def uvicorn_config(app, settings: ServeSettings, log_level: str) -> uvicorn.Config:
+    """uvicorn with our connection limits (`LimitedHttpToolsProtocol`), and no Server header."""
     config = uvicorn.Config(
         app,
         host=settings.host,
         port=settings.port,
-        log_level=args.log_level,
+        log_level=log_level,
+        http=LimitedHttpToolsProtocol,
+        timeout_keep_alive=settings.keep_alive_s,
         timeout_graceful_shutdown=settings.graceful_timeout_s,
-        access_log=False,
+        access_log=False,  # RequestGuard writes one line per request, with its ID
+        server_header=False,
     )
-    server = AnnouncingServer(config)
-    # uvicorn re-raises SIGTERM after its graceful shutdown; exiting 0 then says the drain completed
-    signal.signal(signal.SIGTERM, _exit_after_drain)
-    server.run()
-    return 0
+    config.limits = settings  # read by LimitedHttpToolsProtocol
+    return config
 
 
-def _exit_after_drain(signum, frame) -> None:
-    raise SystemExit(0)
+def _return_freed_memory() -> None:
+    """Have glibc give large freed blocks back to the system at once (Linux only).
+
+    Decoding a large image allocates hundreds of MB in the decoding thread's malloc arena. glibc raises
+    its mmap threshold after such blocks are freed and keeps later ones in per-thread arenas, so with
+    many threads the process grew by several times the decode budget and stayed there (32 concurrent
+    40 MP GIFs: +1.3 GB, against +0.1 GB with a fixed 1 MiB threshold; BENCHMARKS.md, hostile clients).
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return  # not glibc: nothing to tune
+    libc.mallopt(M_MMAP_THRESHOLD, 1 << 20)
+
+
+def _warn_if_exposed(settings: ServeSettings) -> None:
+    if settings.host not in LOOPBACK_HOSTS and not settings.api_key.get_secret_value():
+        log.warning(
+            "listening on %s without an API key: anyone who can reach this port can use the server. Set "
+            "%sAPI_KEY, or keep it on 127.0.0.1 behind a reverse proxy (README, Deploying safely)",
+            settings.host,
+            ENV_PREFIX,
+        )
+    if settings.host in ("0.0.0.0", "::") and not settings.allowed_hosts:
+        log.warning(
+            "listening on every interface, but only the Host names localhost and 127.0.0.1 are answered: "
+            "pass --allowed-hosts with the name clients use"
+        )
+
+
+def _exit_after_drain(server: AnnouncingServer, app) -> None:
+    engine = getattr(app.state, "engine", None)
+    drained = server.drained and (engine is None or engine.drained)
+    if not drained:
+        log.error("the drain did not finish within graceful_timeout_s; requests in flight were cut off")
+    raise SystemExit(0 if drained else 1)
 
 
 class AnnouncingServer(uvicorn.Server):
-    """A uvicorn server that prints its URL once the model is warm and the socket listens."""
+    """A uvicorn server that prints its URL once the model is warm and the socket listens, and knows whether
+    its shutdown drained every connection in time (`drained`)."""
+
+    drained = False
+
+    async def _wait_tasks_to_complete(self) -> None:
+        # uvicorn cancels this wait when graceful_timeout_s runs out: reaching the end means drained
+        await super()._wait_tasks_to_complete()
+        self.drained = True
 
     async def startup(self, sockets=None):
         await super().startup(sockets)  # runs the app's lifespan (load, warm-up) first

@@ -11,9 +11,10 @@ from contextlib import contextmanager
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.routing import Match
+from starlette.requests import ClientDisconnect
+from starlette.routing import Match, Route
 
 from serve.runtime.images import ImageError
 from serve.server.batching import QueueFull, ShuttingDown
@@ -25,14 +26,22 @@ ERROR_STATUS = {
     "empty": 422,  # zero bytes
     "corrupt": 422,  # an image header, but the data is truncated or broken
     "bad_request": 422,  # a parameter or a tensor that does not fit
+    "non_finite": 422,  # NaN or infinite pixel values
+    "bad_host": 400,  # a Host header not in --allowed-hosts
+    "unauthorized": 401,  # no API key, or a wrong one
     "not_an_image": 415,  # no image header at all
     "unsupported": 415,  # an image mode or array we cannot use
     "unsupported_media_type": 415,  # a content type that cannot carry an image
     "too_large": 413,  # over the pixel limit (checked from the header)
     "body_too_large": 413,  # over max_bytes
+    "length_required": 411,  # a UI upload without Content-Length
     "not_found": 404,
     "method_not_allowed": 405,
+    "request_timeout": 408,  # the request head or body did not arrive in time
+    "headers_too_large": 431,  # over max_header_bytes
+    "client_closed": 499,  # the client went away before the answer (logged and counted, never sent)
     "queue_full": 503,
+    "too_many_connections": 503,  # over max_connections
     "shutting_down": 503,
     "not_ready": 503,
     "timeout": 504,
@@ -97,6 +106,12 @@ def add_error_handlers(app: FastAPI, settings: ServeSettings) -> None:
         code = {404: "not_found", 405: "method_not_allowed", 413: "body_too_large"}.get(err.status_code, "bad_request")
         return error_response(ApiError(code, str(err.detail)), settings)
 
+    @app.exception_handler(ClientDisconnect)
+    async def _client_left(request: Request, err: ClientDisconnect):
+        # the client's own doing, not a fault here: one line at info level, counted as 499, never sent
+        log.info("client went away during %s %s before the answer", request.method, request.url.path)
+        return Response(status_code=ERROR_STATUS["client_closed"])
+
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, err: Exception):
         log.exception("unexpected error on %s", request.url.path)
@@ -130,6 +145,19 @@ def add_fallback_routes(app: FastAPI, routers: list[APIRouter]) -> None:
             raise ApiError("not_found", f"no route {path}: drop the trailing slash ({path.rstrip('/')})")
         raise ApiError("not_found", f"no route {path}: the API is POST /v1/classify and the KServe v2 paths under /v2")
 
-    every_method = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
-    for path in ("/v1", "/v1/{rest:path}", "/v2/{rest:path}"):  # /v2 itself is the server's metadata
-        app.router.add_route(path, no_such_route, methods=every_method, include_in_schema=False)
+    async def any_method(scope, receive, send):  # a plain ASGI app: Starlette routes every method to it
+        await no_such_route(Request(scope, receive))
+
+    endpoint = _AsgiEndpoint(any_method)
+    for path in ("/v1", "/v1/{rest:path}", "/v2", "/v2/{rest:path}", "/healthz", "/readyz", "/metrics"):
+        app.router.routes.append(Route(path, endpoint, include_in_schema=False))
+
+
+class _AsgiEndpoint:
+    """An ASGI callable that is not a function, so that a `Route` passes it every method (TRACE too)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        await self.app(scope, receive, send)

@@ -9,6 +9,7 @@ import time
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+CLIENT_CLOSED = 499
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 
@@ -62,7 +63,7 @@ class MetricsMiddleware:
         route = next((r for r in self.routes if path == r or path.startswith(r + "/")), None)
         if route is None:
             return await self.app(scope, receive, send)
-        started, status = time.perf_counter(), 500
+        started, status, gone = time.perf_counter(), 500, False
 
         async def send_wrapper(message):
             nonlocal status
@@ -70,7 +71,14 @@ class MetricsMiddleware:
                 status = message["status"]
             await send(message)
 
+        async def receive_wrapper():
+            nonlocal gone
+            message = await receive()
+            gone = gone or message["type"] == "http.disconnect"
+            return message
+
         try:
-            await self.app(scope, receive, send_wrapper)
+            await self.app(scope, receive_wrapper, send_wrapper)
         finally:
-            self.metrics.observe(route, status, started)
+            # a client that left counts as 499 (nginx's code), whatever failed after it did
+            self.metrics.observe(route, CLIENT_CLOSED if gone and status >= 500 else status, started)

@@ -9,7 +9,7 @@ over the environment, the environment over the defaults. Each field's descriptio
 
 from __future__ import annotations
 
-from pydantic import Field, model_validator
+from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 ENV_PREFIX = "VITSCOPE_"
@@ -73,8 +73,68 @@ class ServeSettings(BaseSettings):
     max_pixels: int = Field(
         40_000_000,
         ge=1,
-        description="largest accepted image, checked from the header before decoding: 40 MP is any camera photo "
-        "and stops decompression bombs",
+        description="largest accepted image, checked from the header before decoding. 40 MP takes the full "
+        "resolution of most cameras (24-33 MP) and phones, and stops decompression bombs. It is no longer what "
+        "bounds memory (decode_pixel_budget and reduced-size decoding do), so it is not lower: a lower limit "
+        "would refuse real photos and save nothing",
+    )
+    decode_pixel_budget: int = Field(
+        40_000_000,
+        ge=1,
+        description="pixels, summed over all requests, that may be decoding at once (an image over the budget "
+        "waits for it alone). A small file can declare a huge image, and decoding costs bytes per declared "
+        "pixel: 40 MP is one of the largest images at a time, about 200 MB at worst, and keeps a core free "
+        "for the event loop (with twice that, /healthz p99 went from 18 to 250 ms under 32 such uploads on "
+        "2 cores; BENCHMARKS.md). Ordinary photos decode many at once: large JPEGs are decoded at a reduced "
+        "scale and count as such",
+    )
+    max_header_bytes: int = Field(
+        64 * 1024,
+        ge=1024,
+        description="largest request head (request line and headers); beyond it the answer is 431. 64 KiB is "
+        "several times what browsers send with cookies",
+    )
+    header_timeout_s: float = Field(
+        10.0, gt=0, description="time a client has to send the whole request head; then 408 and the connection closes"
+    )
+    body_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        description="time a client has to send the whole body once the head arrived (10 MiB at 1.5 Mbit/s); "
+        "then the connection closes. With header_timeout_s, a slow client cannot hold a connection forever",
+    )
+    keep_alive_s: int = Field(5, ge=1, description="how long an idle keep-alive connection stays open")
+    max_connections: int = Field(
+        2000,
+        ge=1,
+        description="open connections at most; a new one beyond it gets 503 and is closed at once, so the "
+        "process never runs out of file descriptors (it is also kept below the process's file limit)",
+    )
+    discard_bytes: int = Field(
+        128 * 1024 * 1024,
+        ge=0,
+        description="an oversized body is read and thrown away up to this many bytes before the 413 answer, so "
+        "that a client which writes its whole body before reading gets the 413 rather than a reset connection",
+    )
+    api_key: SecretStr = Field(
+        SecretStr(""),
+        description="key every request must carry as 'Authorization: Bearer <key>' or 'X-API-Key: <key>' (the "
+        "UI asks for it as a password); health routes need none. Empty: no key. Prefer the environment "
+        "variable to the option, which other users of the machine can read in the process list",
+    )
+    allowed_hosts: str = Field(
+        "",
+        description="comma-separated Host names the server answers (others get 400: this stops DNS rebinding). "
+        "Empty: the bind host, localhost and 127.0.0.1. '*': any (only behind a proxy that checks it)",
+    )
+    ui_queue_size: int = Field(
+        64, ge=1, description="UI calls allowed to wait; beyond it the UI says the server is busy"
+    )
+    ui_concurrency: int = Field(
+        2, ge=1, description="UI calls running at once (each runs the model several times for its deletion score)"
+    )
+    ui_cache_s: int = Field(
+        3600, ge=60, description="UI uploads and results older than this are deleted (checked as often)"
     )
     top_k: int = Field(5, ge=1, description="predictions returned when the client does not ask for a number")
     deletion_steps: int = Field(

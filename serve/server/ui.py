@@ -22,7 +22,7 @@ import gradio as gr
 import numpy as np
 from fastapi import FastAPI
 
-from serve.runtime.images import IMAGE_SUFFIXES, ImageError, load_image
+from serve.runtime.images import IMAGE_SUFFIXES, ImageError, PixelBudget
 from serve.runtime.rollout import HEAD_FUSIONS
 from serve.server.explain import (
     COLORMAPS,
@@ -33,16 +33,41 @@ from serve.server.explain import (
     render_overlay,
     with_deletion,
 )
+from serve.server.ui_http import CallErrorsAre422, NoVersionInGradioOpenapi, UploadLimit
 
 log = logging.getLogger(__name__)
 
 NO_GRADIENTS = "this model file has no gradient graph (vit-export --no-gradients); re-export it without that flag"
 
 
-def mount_ui(app: FastAPI, classifier, engine, settings) -> FastAPI:
-    """`app` with the UI at `/` (the API routes, added before, keep their paths)."""
-    ui = build_ui(classifier, engine, settings)
-    return gr.mount_gradio_app(app, ui, path="/", max_file_size=settings.max_bytes, ssr_mode=False)
+def mount_ui(app: FastAPI, classifier, engine, settings, budget: PixelBudget | None = None) -> FastAPI:
+    """`app` with the UI at `/` (the API routes, added before, keep their paths).
+
+    `gr.mount_gradio_app` leaves the Blocks marked as never launched, and Gradio then skips its check of
+    the file paths a client names in a call: any file the server can read could be copied into the cache
+    and downloaded. Marking it launched, as `launch()` does, turns the check on: a call may name only
+    files uploaded to this server's own temp folder. Paths are never allowed beyond that, and the model
+    file and the server's code are blocked outright.
+    """
+    ui = build_ui(classifier, engine, settings, budget)
+    ui.queue(max_size=settings.ui_queue_size, default_concurrency_limit=settings.ui_concurrency)
+    blocked = [str(Path(classifier.path).resolve()), str(Path(__file__).resolve().parents[1])]  # the model, our code
+    app = gr.mount_gradio_app(
+        app,
+        ui,
+        path="/",
+        max_file_size=settings.max_bytes,
+        ssr_mode=False,
+        allowed_paths=[],
+        blocked_paths=blocked,
+        run_history=False,
+    )
+    ui.has_launched = True  # what launch() sets: Gradio's processing_utils._check_allowed reads it
+    ui.config["version"] = ui.config["version"].split(".")[0]  # gradio_client needs the major; no more
+    app.add_middleware(UploadLimit, max_bytes=settings.max_bytes)
+    app.add_middleware(CallErrorsAre422)
+    app.add_middleware(NoVersionInGradioOpenapi)
+    return app
 
 
 def example_files(folder: str | Path, per_class: int = 1, limit: int = 6) -> list[str]:
@@ -62,8 +87,8 @@ def example_files(folder: str | Path, per_class: int = 1, limit: int = 6) -> lis
 class Handlers:
     """The UI's callbacks for one classifier: each takes the widgets' values and returns theirs."""
 
-    def __init__(self, classifier, engine, settings):
-        self.classifier, self.engine, self.settings = classifier, engine, settings
+    def __init__(self, classifier, engine, settings, budget: PixelBudget | None = None):
+        self.classifier, self.engine, self.settings, self.budget = classifier, engine, settings, budget
         self.labels = list(classifier.labels)
         self.depth, self.nh = classifier.depth, classifier.num_heads
         self.fill = mean_fill_of(classifier)
@@ -73,7 +98,9 @@ class Handlers:
         if not path:
             raise gr.Error("upload, paste or take a picture first")
         try:
-            return self.classifier.preprocess.to_uint8(load_image(path, max_pixels=self.settings.max_pixels))
+            # the bytes, not the path: an error then says "upload", never where the server keeps files
+            data = Path(path).read_bytes()
+            return self.classifier.preprocess.load_pixels(data, self.settings.max_pixels, self.budget)
         except ImageError as e:
             raise gr.Error(str(e)) from None
 
@@ -131,11 +158,13 @@ class Handlers:
         return render_overlay(pixels, ex["grid"], float(opacity), colormap), deletion_text(ex["deletion"], self.labels)
 
 
-def build_ui(classifier, engine, settings) -> gr.Blocks:
+def build_ui(classifier, engine, settings, budget: PixelBudget | None = None) -> gr.Blocks:
     """The Gradio Blocks of the demo (see the module docstring for its api_names)."""
-    on = Handlers(classifier, engine, settings)
+    on = Handlers(classifier, engine, settings, budget)
     labels = on.labels
-    with gr.Blocks(title=f"vitscope: {classifier.name}") as demo:
+    # delete_cache: uploads and results older than ui_cache_s go, checked as often, and all at shutdown
+    cache = (settings.ui_cache_s, settings.ui_cache_s)
+    with gr.Blocks(title=f"vitscope: {classifier.name}", analytics_enabled=False, delete_cache=cache) as demo:
         gr.Markdown(
             f"# vitscope: where did the transformer look?\n"
             f"Model **{classifier.name}** (version {classifier.version}), {len(labels)} classes: "
@@ -146,7 +175,8 @@ def build_ui(classifier, engine, settings) -> gr.Blocks:
         _attention_tab(on, image, opacity, cmap)
         _gradient_tab(on, image, opacity, cmap)
         with gr.Tab("Model"):
-            gr.JSON(_jsonable(getattr(classifier, "metadata", {})), label="Model metadata")
+            meta = {k: v for k, v in dict(getattr(classifier, "metadata", {})).items() if k != "versions"}
+            gr.JSON(_jsonable(meta), label="Model metadata")  # no library versions: they tell attackers what to try
         examples = example_files(settings.examples_dir)
         if examples:
             gr.Examples(examples, inputs=[image], label="Sample images")

@@ -10,25 +10,44 @@ import numpy as np
 from fastapi import Request
 from PIL import Image
 
-from serve.runtime.images import load_image, open_image
+from serve.runtime.images import PixelBudget, open_image
 from serve.server.errors import ApiError, image_errors_as_api_errors
 from serve.server.settings import ServeSettings
 
 RAW_TYPES = ("image/", "application/octet-stream")
 
 
-async def read_body(request: Request, max_bytes: int) -> bytes:
-    """The request body, refused with 413 as soon as it passes `max_bytes` (before reading it all)."""
+async def read_body(request: Request, max_bytes: int, discard_bytes: int | None = None) -> bytes:
+    """The request body, refused with 413 once it passes `max_bytes`.
+
+    The rest of an oversized body is read and thrown away (up to `discard_bytes` in all; None: the app's
+    `settings.discard_bytes`) before the 413 goes out: a client that writes its whole body before reading
+    the answer (Python's urllib does) would otherwise find the connection reset under it instead.
+    """
+    if discard_bytes is None:
+        settings = getattr(request.app.state, "settings", None) if "app" in request.scope else None
+        discard_bytes = settings.discard_bytes if settings is not None else 0
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+        if int(declared) <= discard_bytes:
+            await _discard(request, discard_bytes)
         raise ApiError("body_too_large", f"the body is {int(declared):,} bytes, over the {max_bytes:,}-byte limit")
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
         if size > max_bytes:
+            await _discard(request, discard_bytes - size)
             raise ApiError("body_too_large", f"the body is over the {max_bytes:,}-byte limit; send a smaller image")
         chunks.append(chunk)
     return b"".join(chunks)
+
+
+async def _discard(request: Request, budget: int) -> None:
+    """Read and drop the rest of the body, `budget` bytes at most (beyond that, the answer goes out anyway)."""
+    async for chunk in request.stream():
+        budget -= len(chunk)
+        if budget < 0:
+            return
 
 
 async def decode_request(request: Request, settings: ServeSettings) -> tuple[bytes, dict[str, str]]:
@@ -67,7 +86,14 @@ def open_upload(data: bytes, settings: ServeSettings) -> Image.Image:
         return open_image(bytes(data), max_pixels=settings.max_pixels)
 
 
-def decode_image(img: Image.Image, classifier, settings: ServeSettings) -> np.ndarray:
-    """An opened image -> (H, W, 3) uint8 at the model's input size."""
+def decode_image(
+    img: Image.Image, classifier, settings: ServeSettings, budget: PixelBudget | None = None
+) -> np.ndarray:
+    """An opened image -> (H, W, 3) uint8 at the model's input size, decoded at reduced size when large.
+
+    Args:
+        budget: held for the pixels being decoded; None for small images decoded where no one may wait
+            (the event loop, the model's thread).
+    """
     with image_errors_as_api_errors():
-        return classifier.preprocess.to_uint8(load_image(img, max_pixels=settings.max_pixels))
+        return classifier.preprocess.load_pixels(img, settings.max_pixels, budget)

@@ -14,6 +14,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
+from serve.runtime.images import PixelBudget
 from serve.runtime.rollout import HEAD_FUSIONS
 from serve.server.batching import Engine
 from serve.server.errors import ApiError, model_result
@@ -42,7 +43,12 @@ def encode_response(classifier, probs: np.ndarray, top_k: int, explanation: dict
 
 
 def parse_params(query, form: dict[str, str], settings: ServeSettings) -> dict[str, Any]:
-    """The query string's and the form's parameters, checked: `ApiError("bad_request")` says what is wrong."""
+    """The query string's and the form's parameters, checked: `ApiError("bad_request")` says what is wrong.
+
+    The query string wins where both give a parameter, but a bad value is refused wherever it is.
+    """
+    if form:
+        parse_params(form, {}, settings)  # the form alone, as if it were the query
     params = {**form, **dict(query)}
     try:
         top_k = int(params.get("top_k", settings.top_k))
@@ -62,8 +68,11 @@ def parse_params(query, form: dict[str, str], settings: ServeSettings) -> dict[s
     return {"top_k": top_k, "explain": explain in TRUE, "head_fusion": fusion, "discard_ratio": discard}
 
 
-def v1_router(classifier, engine: Engine, metrics: Metrics, settings: ServeSettings) -> APIRouter:
-    """`/v1/classify`, `/healthz`, `/readyz` and `/metrics` for one classifier behind one engine."""
+def v1_router(
+    classifier, engine: Engine, metrics: Metrics, settings: ServeSettings, budget: PixelBudget | None = None
+) -> APIRouter:
+    """`/v1/classify`, `/healthz`, `/readyz` and `/metrics` for one classifier behind one engine; large
+    uploads hold `budget` while they decode."""
     router = APIRouter()
     # Decode small uploads where a core is free: on the event loop when onnxruntime runs on one thread
     # (small models: the loop has the other core), on the model's thread right before its batch when
@@ -78,7 +87,7 @@ def v1_router(classifier, engine: Engine, metrics: Metrics, settings: ServeSetti
         img = open_upload(data, settings)  # the header: not an image, or too many pixels, fails here
         small = len(data) <= settings.inline_decode_bytes and img.width * img.height <= INLINE_DECODE_PIXELS
         if params["explain"]:  # the explain pass computes the probabilities too: no second forward pass
-            pixels = await run_in_threadpool(decode_image, img, classifier, settings)
+            pixels = await run_in_threadpool(decode_image, img, classifier, settings, budget)
             fusion, discard = params["head_fusion"], params["discard_ratio"]
             work = engine.run(explain_pixels, classifier, pixels, fusion, discard, None, fill, settings)
             ex = await model_result(work, settings)
@@ -91,7 +100,7 @@ def v1_router(classifier, engine: Engine, metrics: Metrics, settings: ServeSetti
             }
             return JSONResponse(encode_response(classifier, ex["probs"], params["top_k"], explanation))
         if not small:  # in a thread of its own, so that it never holds up the loop or a batch
-            item = await run_in_threadpool(decode_image, img, classifier, settings)
+            item = await run_in_threadpool(decode_image, img, classifier, settings, budget)
         elif decode_on_worker:  # on the model's thread, right before its batch runs
             item = img
         else:  # on the event loop, while the model runs on the other core
@@ -100,15 +109,19 @@ def v1_router(classifier, engine: Engine, metrics: Metrics, settings: ServeSetti
         return JSONResponse(encode_response(classifier, probs, params["top_k"]))  # already plain JSON
 
     # A plain Starlette route: it takes the raw Request anyway, and FastAPI's per-request dependency
-    # machinery costs a few percent of a small model's throughput (BENCHMARKS.md, serving). So it is not
-    # in the generated OpenAPI schema; the README documents it.
+    # machinery costs a few percent of a small model's throughput (BENCHMARKS.md, serving). So FastAPI
+    # does not see it; serve.server.openapi describes it.
     router.add_route("/v1/classify", classify, methods=["POST"])
 
+    # Plain async and no I/O: never queued behind the model. HEAD too (load balancers probe with it),
+    # out of the OpenAPI document, where it would repeat GET under the same operation ID.
     @router.get("/healthz")
+    @router.head("/healthz", include_in_schema=False)
     async def healthz():
         return {"status": "live"}
 
-    @router.get("/readyz")
+    @router.get("/readyz", responses={503: {"description": "loading, warming up or stopping"}})
+    @router.head("/readyz", include_in_schema=False)
     async def readyz():
         if not engine.ready:
             raise ApiError("not_ready", "the model is loading or warming up (or the server is stopping)")

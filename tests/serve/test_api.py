@@ -21,6 +21,8 @@ from serve.runtime.classifier import OnnxClassifier
 from serve.server.app import build_app
 from serve.server.settings import ServeSettings
 
+LOCAL = "http://localhost"  # the Host the server answers by default (TestClient's own, testserver, is refused)
+
 
 def png_bytes(a: np.ndarray, mode: str | None = None) -> bytes:
     buf = io.BytesIO()
@@ -31,6 +33,12 @@ def png_bytes(a: np.ndarray, mode: str | None = None) -> bytes:
 def jpeg_bytes(a: np.ndarray) -> bytes:
     buf = io.BytesIO()
     Image.fromarray(a).save(buf, format="JPEG")
+    return buf.getvalue()
+
+
+def tiff_bytes(a: np.ndarray) -> bytes:
+    buf = io.BytesIO()
+    Image.fromarray(a).save(buf, format="TIFF")
     return buf.getvalue()
 
 
@@ -60,7 +68,7 @@ def client(classifier):
     settings = ServeSettings(
         max_bytes=64 * 1024, max_pixels=1_000_000, preferred_batch_size=16, max_delay_ms=20, examples_dir=""
     )
-    with TestClient(build_app(classifier, settings), raise_server_exceptions=False) as c:
+    with TestClient(build_app(classifier, settings), raise_server_exceptions=False, base_url=LOCAL) as c:
         yield c
 
 
@@ -83,7 +91,7 @@ def test_health_and_readiness_after_warm_up(client):
 
 def test_readyz_is_503_before_the_lifespan_has_warmed_the_model(classifier):
     app = build_app(classifier, ServeSettings(examples_dir=""), with_ui=False)
-    c = TestClient(app)  # not entered: the lifespan (load, warm-up) has not run
+    c = TestClient(app, base_url=LOCAL)  # not entered: the lifespan (load, warm-up) has not run
     r = c.get("/readyz")
     assert r.status_code == 503 and r.headers["retry-after"] == "1"
     assert r.json()["error"]["code"] == "not_ready"
@@ -150,7 +158,21 @@ BAD_INPUTS = {
     "multipart without boundary": (b"--x\r\nnot a form\r\n", "multipart/form-data", 422, "bad_request"),
     "top_k not a number": (png_bytes(bright_square(0)), "image/png?top_k=x", 422, "bad_request"),
     "bad head fusion": (png_bytes(bright_square(0)), "image/png?explain=true&head_fusion=median", 422, "bad_request"),
+    "explain not a boolean": (png_bytes(bright_square(0)), "image/png?explain=banana", 422, "bad_request"),
+    "NaN pixels": (
+        tiff_bytes(np.where(np.eye(32) > 0, np.nan, 0.5).astype(np.float32)),
+        "image/tiff",
+        422,
+        "non_finite",
+    ),
 }
+
+
+def test_a_bad_form_field_is_refused_even_when_the_query_gives_a_good_one(client):
+    form = {"discard_ratio": "1.5", "explain": "true"}
+    files = {"file": ("a.png", png_bytes(bright_square(0)), "image/png")}
+    r = client.post("/v1/classify?discard_ratio=0&explain=true", files=files, data=form)
+    assert r.status_code == 422 and "discard_ratio" in r.json()["error"]["message"]
 
 
 @pytest.mark.parametrize("case", list(BAD_INPUTS))
@@ -229,7 +251,7 @@ def test_concurrent_requests_share_batches_and_metrics_move(client):
 
 def test_full_queue_answers_503_with_retry_after(classifier):
     settings = ServeSettings(queue_size=1, max_batch_size=1, examples_dir="", retry_after_s=2)
-    with TestClient(build_app(classifier, settings, with_ui=False)) as c:
+    with TestClient(build_app(classifier, settings, with_ui=False), base_url=LOCAL) as c:
         engine = c.app.state.engine
         gate = threading.Event()
         blocker = engine.batcher.call(gate.wait, 10)  # the worker is busy ...
@@ -247,7 +269,7 @@ def test_full_queue_answers_503_with_retry_after(classifier):
 def test_with_onnxruntime_on_every_core_uploads_are_decoded_on_the_models_thread(tiny_onnx, classifier):
     two_threads = OnnxClassifier(tiny_onnx, threads=2)  # no free core: decoding moves off the event loop
     image = bright_square(2)
-    with TestClient(build_app(two_threads, ServeSettings(examples_dir=""), with_ui=False)) as c:
+    with TestClient(build_app(two_threads, ServeSettings(examples_dir=""), with_ui=False), base_url=LOCAL) as c:
         ok = c.post("/v1/classify?top_k=1", content=png_bytes(image), headers={"content-type": "image/png"})
         bad = c.post("/v1/classify", content=png_bytes(image)[:60], headers={"content-type": "image/png"})
         again = c.post("/v1/classify", content=png_bytes(image), headers={"content-type": "image/png"})
@@ -260,7 +282,7 @@ def test_with_onnxruntime_on_every_core_uploads_are_decoded_on_the_models_thread
 
 def test_the_server_measures_its_batch_size_at_warm_up(classifier):
     settings = ServeSettings(max_batch_size=8, examples_dir="")
-    with TestClient(build_app(classifier, settings, with_ui=False)) as c:
+    with TestClient(build_app(classifier, settings, with_ui=False), base_url=LOCAL) as c:
         chosen = c.get("/readyz").json()["batch_size"]
         assert chosen in (1, 2, 4, 8) and c.app.state.engine.batcher.max_batch_size == chosen
 
@@ -290,7 +312,7 @@ provider = TracerProvider()
 provider.add_span_processor(SimpleSpanProcessor(exporter))
 trace.set_tracer_provider(provider)
 settings = ServeSettings(opentelemetry=sys.argv[2] == "on", preferred_batch_size=1)
-with TestClient(build_app(OnnxClassifier(sys.argv[1]), settings, with_ui=False)) as client:
+with TestClient(build_app(OnnxClassifier(sys.argv[1]), settings, with_ui=False), base_url="http://localhost") as client:
     assert client.get("/healthz").status_code == 200
 print(len(exporter.get_finished_spans()))
 """

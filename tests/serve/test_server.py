@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -130,6 +131,21 @@ def test_sigterm_drains_requests_in_flight_then_exits(tiny_onnx):
         assert s.proc.wait(30) == 0
         with pytest.raises(httpx.TransportError):
             httpx.get(s.url + "/healthz", timeout=2)
+    finally:
+        s.stop()
+
+
+@pytest.mark.slow
+def test_a_drain_that_runs_out_of_time_exits_1(tiny_onnx):
+    s = ServerProcess(tiny_onnx, "--no-ui", "--graceful-timeout-s", "0.5")
+    try:
+        s.wait_ready()
+        with socket.create_connection(("127.0.0.1", s.port)) as upload:  # half an upload, still in flight
+            upload.sendall(b"POST /v1/classify HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 1000\r\n\r\nxx")
+            time.sleep(0.3)
+            s.proc.send_signal(signal.SIGTERM)
+            assert s.proc.wait(30) == 1
+        assert "the drain did not finish" in s.output
     finally:
         s.stop()
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
 import numpy as np
 import pytest
 from PIL import Image
@@ -137,3 +140,80 @@ def test_api_paths_answer_json_errors_even_with_the_ui_mounted_at_the_root(ui_se
     if path.endswith("/"):
         assert "drop the trailing slash" in r.json()["error"]["message"]
     assert httpx.get(ui_server.url + "/", timeout=10).status_code == 200  # the UI itself is still there
+
+
+@pytest.fixture(scope="module")
+def small_ui(tiny_onnx):
+    """A UI server with a tiny queue and upload limit; stopped by the last test that uses it."""
+    args = ("--examples-dir", "", "--graceful-timeout-s", "3", "--ui-queue-size", "2", "--ui-concurrency", "1")
+    with ServerProcess(tiny_onnx, *args, "--max-bytes", "200000") as s:
+        yield s
+
+
+def upload(url: str, data: bytes) -> str:
+    import httpx
+
+    r = httpx.post(url + "/gradio_api/upload", files=[("files", ("a.png", data, "image/png"))], timeout=30)
+    assert r.status_code == 200, r.text
+    return r.json()[0]
+
+
+@pytest.mark.slow
+def test_ui_uploads_over_the_limit_in_total_are_refused(small_ui):
+    import httpx
+
+    files = [("files", (f"{i}.png", b"\x89PNG" + b"\0" * 150_000, "image/png")) for i in range(5)]
+    r = httpx.post(small_ui.url + "/gradio_api/upload", files=files, timeout=30)  # each file fits, all do not
+    assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large"
+
+
+@pytest.mark.slow
+def test_the_ui_queue_is_bounded_and_says_so(small_ui, image_file):
+    import httpx
+
+    path = upload(small_ui.url, image_file.read_bytes())
+    call = {"data": [{"path": path, "meta": {"_type": "gradio.FileData"}}, "mean", 0, 0, 2, 0.5, "inferno"]}
+    with ThreadPoolExecutor(16) as pool:
+        posts = pool.map(
+            lambda _: httpx.post(small_ui.url + "/gradio_api/call/classify", json=call, timeout=30), range(16)
+        )
+        statuses = [r.status_code for r in posts]
+    assert 503 in statuses and 200 in statuses
+
+
+@pytest.mark.slow
+def test_malformed_direct_calls_get_422_not_500(small_ui):
+    import httpx
+
+    for data in ([1, 2], [{"path": 5}, "mean", 0, 0, 2, 0.5, "inferno"]):
+        r = httpx.post(small_ui.url + "/gradio_api/run/classify", json={"data": data}, timeout=30)
+        assert r.status_code == 422 and r.json()["error"]["code"] == "bad_request"
+
+
+@pytest.mark.slow
+def test_an_abandoned_ui_upload_is_one_info_line_and_counted_as_499(small_ui):
+    import socket
+    import time
+
+    import httpx
+
+    head = b"POST /gradio_api/upload HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 100000\r\n"
+    part = b'--xx\r\nContent-Disposition: form-data; name="files"; filename="a.png"\r\n\r\n' + b"x" * 1000
+    with socket.create_connection(("127.0.0.1", small_ui.port)) as s:
+        s.sendall(head + b"Content-Type: multipart/form-data; boundary=xx\r\n\r\n" + part)
+        time.sleep(0.3)
+    time.sleep(0.7)
+    metrics = httpx.get(small_ui.url + "/metrics").text
+    assert 'vitscope_requests_total{route="/gradio_api",status="499"}' in metrics
+    assert 'route="/gradio_api",status="500"' not in metrics
+    assert any("client went away during POST /gradio_api/upload" in line for line in small_ui.lines)
+    assert not any("Exception in ASGI application" in line or "unexpected error" in line for line in small_ui.lines)
+
+
+@pytest.mark.slow
+def test_ui_uploads_live_in_a_folder_of_the_servers_own_removed_at_exit(small_ui, image_file):
+    path = Path(upload(small_ui.url, image_file.read_bytes()))
+    folder = next(p for p in path.parents if p.name.startswith("vitscope-ui-"))
+    assert path.is_file()
+    assert small_ui.stop() == 0
+    assert not folder.exists()

@@ -1,0 +1,257 @@
+"""Hostile clients against a live `vit-serve` on 127.0.0.1: does it stay small and answer its health checks?
+
+Three attacks from the security audit, one after another, each while two probes run: GET /healthz every
+50 ms and a normal POST /v1/classify every 100 ms. For each, the server's peak resident memory over its
+baseline, and the probes' latencies. Goals: +1 GB peak RSS at most, /healthz p99 under 100 ms.
+
+  1. `--images` (32) concurrent uploads of a 35-byte GIF that declares 65535 x 610 pixels (just under
+     the 40 MP limit), repeated for `--rounds` rounds;
+  2. one connection sending `--header-mb` (300) MB of request headers;
+  3. `--slow` (500) connections that send their request head one byte a second (slowloris), for 15 s;
+  4. `--crowd` (1000) keep-alive clients sending ordinary classify requests for 10 s (not an attack: how
+     long health checks wait under a full load).
+
+    .venv/bin/python benchmarks/hostile_bench.py artifacts/sample.onnx
+
+All traffic goes to 127.0.0.1, bounded in count and time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import io
+import platform
+import socket
+import struct
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tests.serve.process import ServerProcess  # noqa: E402
+
+
+def tiny_gif(width: int = 65535, height: int = 610) -> bytes:
+    """A valid GIF of a few dozen bytes: a `width` x `height` screen holding a 1 x 1 frame."""
+    screen = struct.pack("<HHBBB", width, height, 0x80, 0, 0) + b"\x00\x00\x00\xff\xff\xff"  # 2-colour palette
+    image = b"," + struct.pack("<HHHHB", 0, 0, 1, 1, 0)
+    return b"GIF89a" + screen + image + b"\x02\x02\x44\x01\x00;"
+
+
+def small_png() -> bytes:
+    buf = io.BytesIO()
+    Image.fromarray(np.random.default_rng(0).integers(0, 256, (48, 48, 3), dtype=np.uint8)).save(buf, "PNG")
+    return buf.getvalue()
+
+
+def rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+class Probes:
+    """Background threads: peak RSS of `pid`, /healthz latency, normal request latency."""
+
+    def __init__(self, port: int, pid: int):
+        self.port, self.pid = port, pid
+        self.stop = threading.Event()
+        self.peak = rss_mib(pid)
+        self.health: list[float] = []
+        self.normal: list[float] = []
+        self.failures = 0
+        png = small_png()
+        self.threads = [
+            threading.Thread(target=self._rss, daemon=True),
+            threading.Thread(target=self._probe, args=("GET", "/healthz", None, self.health, 0.05), daemon=True),
+            threading.Thread(target=self._probe, args=("POST", "/v1/classify", png, self.normal, 0.1), daemon=True),
+        ]
+
+    def __enter__(self) -> Probes:
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(10)
+
+    def _rss(self) -> None:
+        while not self.stop.is_set():
+            self.peak = max(self.peak, rss_mib(self.pid))
+            time.sleep(0.02)
+
+    def _probe(self, method: str, path: str, body: bytes | None, into: list[float], every: float) -> None:
+        headers = {"content-type": "image/png"} if body else {}
+        while not self.stop.is_set():
+            started = time.perf_counter()
+            try:
+                conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
+                conn.request(method, path, body=body, headers=headers)
+                ok = conn.getresponse().status == 200
+                conn.close()
+            except OSError:
+                ok = False
+            into.append(time.perf_counter() - started)
+            self.failures += not ok
+            time.sleep(every)
+
+
+def attack_images(port: int, n: int, rounds: int) -> str:
+    gif = tiny_gif()
+
+    def send(_):
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+        conn.request("POST", "/v1/classify", body=gif, headers={"content-type": "image/gif"})
+        status = conn.getresponse().status
+        conn.close()
+        return status
+
+    statuses = []
+    with ThreadPoolExecutor(n) as pool:
+        for _ in range(rounds):
+            statuses += list(pool.map(send, range(n)))
+    return f"{len(statuses)} uploads, statuses {sorted(set(statuses))}"
+
+
+def attack_headers(port: int, megabytes: int) -> str:
+    sent = 0
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+        s.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+        line = b"X-Filler: " + b"a" * (1024 * 1024 - 12) + b"\r\n"
+        try:
+            while sent < megabytes * 1024 * 1024:
+                s.sendall(line)
+                sent += len(line)
+        except OSError:
+            pass
+        try:
+            answer = s.recv(200).split(b"\r\n")[0].decode()
+        except OSError as e:
+            answer = type(e).__name__
+    return f"{sent / 2**20:.1f} MB sent before the server closed; answer {answer!r}"
+
+
+def attack_slow(port: int, n: int, seconds: float = 15.0) -> str:
+    conns = []
+    for _ in range(n):
+        s = socket.create_connection(("127.0.0.1", port), timeout=5)
+        s.setblocking(False)
+        s.send(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+        conns.append(s)
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        for s in conns:
+            try:
+                s.send(b"X")  # one byte of a header that never ends
+            except OSError:
+                pass
+        time.sleep(1.0)
+    still_open = 0
+    for s in conns:
+        try:
+            s.recv(1, socket.MSG_PEEK)  # b"" or the 408: the server let go of it
+        except BlockingIOError:
+            still_open += 1  # nothing to read, not closed: the server still holds it
+        except OSError:
+            pass
+        s.close()
+    return f"{n} connections, {still_open} still open after {seconds:.0f} s"
+
+
+def attack_crowd(port: int, n: int, seconds: float = 10.0) -> str:
+    """`n` keep-alive clients sending ordinary classify requests as fast as they are answered."""
+    import asyncio
+
+    png = small_png()
+    request = (
+        f"POST /v1/classify HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: image/png\r\n"
+        f"Content-Length: {len(png)}\r\n\r\n"
+    ).encode() + png
+    counts = {"ok": 0, "other": 0, "failed": 0}
+
+    async def client(end: float) -> None:
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        except OSError:
+            counts["failed"] += 1
+            return
+        try:
+            while time.monotonic() < end:
+                writer.write(request)
+                status = (await reader.readline()).split(b" ")[1:2]
+                length = 0
+                while (line := await reader.readline()) not in (b"\r\n", b""):
+                    if line.lower().startswith(b"content-length:"):
+                        length = int(line.split(b":")[1])
+                await reader.readexactly(length)
+                counts["ok" if status == [b"200"] else "other"] += 1
+        except (OSError, asyncio.IncompleteReadError, IndexError):
+            counts["failed"] += 1
+        finally:
+            writer.close()
+
+    async def crowd() -> None:
+        end = time.monotonic() + seconds
+        await asyncio.gather(*(client(end) for _ in range(n)))
+
+    asyncio.run(crowd())
+    return f"{counts['ok']} answered 200, {counts['other']} other, {counts['failed']} clients failed"
+
+
+def p(values: list[float], q: float) -> float:
+    return float(np.percentile(values, q) * 1000) if values else float("nan")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("model", type=Path)
+    parser.add_argument("--images", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--header-mb", type=int, default=300)
+    parser.add_argument("--slow", type=int, default=500)
+    parser.add_argument("--crowd", type=int, default=1000)
+    parser.add_argument("--only", default="images,headers,slow,crowd", help="which attacks, comma-separated")
+    args = parser.parse_args()
+    attacks = {
+        "images": (
+            f"{args.images} concurrent 40 MP GIFs of 35 bytes, x{args.rounds}",
+            attack_images,
+            args.images,
+            args.rounds,
+        ),
+        "headers": (f"{args.header_mb} MB of headers", attack_headers, args.header_mb),
+        "slow": (f"{args.slow} slowloris connections", attack_slow, args.slow),
+        "crowd": (f"{args.crowd} clients classifying for 10 s", attack_crowd, args.crowd),
+    }
+    print(f"# hostile_bench: {platform.machine()}, {platform.python_version()}, {time.strftime('%Y-%m-%d')}\n")
+    print("| attack | outcome | RSS base -> peak (MiB) | /healthz p50 / p99 (ms) | classify p99 (ms) | probe fails |")
+    print("|---|---|---|---|---|---|")
+    with ServerProcess(args.model, "--examples-dir", "") as server:
+        pid = server.proc.pid
+        for name, attack, *params in (attacks[a] for a in args.only.split(",")):
+            time.sleep(2)
+            base = rss_mib(pid)
+            with Probes(server.port, pid) as probes:
+                time.sleep(0.5)
+                outcome = attack(server.port, *params)
+                time.sleep(0.5)
+            print(
+                f"| {name} | {outcome} | {base:.0f} -> {probes.peak:.0f} (+{probes.peak - base:.0f}) "
+                f"| {p(probes.health, 50):.1f} / {p(probes.health, 99):.1f} | {p(probes.normal, 99):.1f} "
+                f"| {probes.failures} |",
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,161 @@
+"""The outermost ASGI layer: who may ask, and a record of every request.
+
+Each request gets an ID (the client's `X-Request-Id` when it is sane, else a new one), echoed in the
+response and written in one access log line. Before anything else runs, the `Host` header is checked
+against an allow-list (a page on another site that rebinds its DNS name to 127.0.0.1 sends its own
+name as the Host, so it gets 400 and never reaches the API or the UI) and, when the server has an API
+key, the key is checked in constant time. Health routes answer without either check: load balancers
+and orchestrators probe them by IP, and they tell nothing.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hmac
+import json
+import logging
+import re
+import time
+import uuid
+
+from serve.server.errors import ERROR_STATUS
+
+log = logging.getLogger("vitscope.access")
+
+HEALTH_PATHS = ("/healthz", "/readyz", "/v2/health/live", "/v2/health/ready")
+API_PREFIXES = ("/v1", "/v2", "/metrics", "/openapi.json", "/docs", "/redoc")
+LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
+SANE_REQUEST_ID = re.compile(r"[A-Za-z0-9._:/+=-]{1,128}")
+CLIENT_CLOSED = 499  # nginx's code for a client that went away before the answer: never sent, only logged
+
+
+def allowed_hosts_of(setting: str, bind_host: str) -> frozenset[str] | None:
+    """The Host names to accept: `setting` (comma-separated; "*" for any) or the bind host and loopback.
+
+    Returns:
+        Lower-case names without ports, or None for any host.
+    """
+    names = [h.strip().lower() for h in setting.split(",") if h.strip()]
+    if "*" in names:
+        return None
+    if not names:
+        names = [bind_host.lower(), *LOOPBACK_HOSTS]
+    return frozenset(h.strip("[]") for h in names if h not in ("0.0.0.0", "::", ""))
+
+
+def host_name(value: str) -> str:
+    """`example.com:8080` -> `example.com`, `[::1]:80` -> `::1`."""
+    value = value.strip().lower()
+    if value.startswith("["):
+        return value[1 : value.find("]")] if "]" in value else value
+    return value.rsplit(":", 1)[0] if value.count(":") == 1 else value
+
+
+def key_of(headers: dict[bytes, bytes]) -> str | None:
+    """The key a client sent: `Authorization: Bearer <key>`, `X-API-Key: <key>`, or HTTP Basic's password
+    (what a browser sends for the UI after its login prompt)."""
+    if b"x-api-key" in headers:
+        return headers[b"x-api-key"].decode("latin-1").strip()
+    scheme, _, value = headers.get(b"authorization", b"").decode("latin-1").partition(" ")
+    if scheme.lower() == "bearer":
+        return value.strip()
+    if scheme.lower() == "basic":
+        try:
+            return base64.b64decode(value.strip(), validate=True).decode("utf-8").partition(":")[2]
+        except (binascii.Error, UnicodeDecodeError):
+            return None
+    return None
+
+
+class RequestGuard:
+    """ASGI middleware: request ID, Host allow-list, API key, one access log line per request.
+
+    Args:
+        app: the ASGI app to wrap.
+        api_key: the key clients must send (empty: no key needed).
+        allowed_hosts: Host names to accept (None: any).
+    """
+
+    def __init__(self, app, api_key: str = "", allowed_hosts: frozenset[str] | None = None):
+        self.app, self.allowed_hosts = app, allowed_hosts
+        self.api_key = api_key.encode("utf-8")
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "websocket":  # none of ours; refused like any request if it breaks the rules
+            if self.refusal(scope["path"], dict(scope["headers"])) is not None:
+                return await send({"type": "websocket.close", "code": 1008})
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started, status = time.perf_counter(), CLIENT_CLOSED
+        headers = dict(scope["headers"])
+        given = headers.get(b"x-request-id", b"").decode("latin-1")
+        request_id = given if SANE_REQUEST_ID.fullmatch(given) else uuid.uuid4().hex
+        scope.setdefault("state", {})["request_id"] = request_id
+
+        async def send_with_id(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                message["headers"] = [*message.get("headers", []), (b"x-request-id", request_id.encode())]
+            await send(message)
+
+        gone = False  # the client disconnected: what fails after that is not a fault of the server
+
+        async def receive_watching():
+            nonlocal gone
+            message = await receive()
+            gone = gone or message["type"] == "http.disconnect"
+            return message
+
+        try:
+            refusal = self.refusal(scope["path"], headers)
+            if refusal is None:
+                await self.app(scope, receive_watching, send_with_id)
+            else:
+                await _send_json(send_with_id, *refusal)
+        except Exception:
+            if not gone:
+                status = 500 if status == CLIENT_CLOSED else status
+                raise
+            # e.g. Gradio's upload route, whose parser fails when the body stops: one line, not two tracebacks
+            log.info("client went away during %s %s before the answer", scope["method"], scope["path"])
+        finally:
+            status = CLIENT_CLOSED if gone and status >= 500 else status
+            client = scope.get("client") or ("-", 0)
+            ms = (time.perf_counter() - started) * 1000
+            log.info('%s "%s %s" %d %.1fms id=%s', client[0], scope["method"], scope["path"], status, ms, request_id)
+
+    def refusal(self, path: str, headers: dict[bytes, bytes]) -> tuple[str, str, dict[str, str]] | None:
+        """(code, message, headers) of a request refused before the app sees it, or None."""
+        if path in HEALTH_PATHS:
+            return None
+        host = host_name(headers.get(b"host", b"").decode("latin-1"))
+        if self.allowed_hosts is not None and host not in self.allowed_hosts:
+            return (
+                "bad_host",
+                f"Host {host!r} is not served here; start vit-serve with --allowed-hosts {host or 'NAME'} "
+                "if this name is meant to reach it",
+                {},
+            )
+        if self.api_key:
+            key = key_of(headers)
+            if key is None or not hmac.compare_digest(key.encode("utf-8"), self.api_key):
+                api = path.startswith(API_PREFIXES)
+                challenge = 'Bearer realm="vitscope"' if api else 'Basic realm="vitscope", charset="UTF-8"'
+                what = "no API key" if key is None else "a wrong API key"
+                message = (
+                    f"{what}: send it as 'Authorization: Bearer <key>' or 'X-API-Key: <key>' "
+                    "(in a browser, as the password of the login prompt)"
+                )
+                return "unauthorized", message, {"WWW-Authenticate": challenge}
+        return None
+
+
+async def _send_json(send, code: str, message: str, headers: dict[str, str]) -> None:
+    status = ERROR_STATUS[code]
+    body = json.dumps({"error": {"code": code, "message": message}}).encode()
+    raw = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    raw += [(k.lower().encode(), v.encode()) for k, v in headers.items()]
+    await send({"type": "http.response.start", "status": status, "headers": raw})
+    await send({"type": "http.response.body", "body": body})

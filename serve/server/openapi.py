@@ -1,0 +1,149 @@
+"""The OpenAPI document, made to tell the truth: every body the server sends and every error it can answer.
+
+FastAPI's generated document knows neither our error body (it documents 422 as `{"detail": ...}`) nor
+the errors raised outside its validation (404, 405, 413, ...), thinks `/metrics` is JSON, and cannot
+see `/v1/classify`, a plain Starlette route. `describe(app, settings)` replaces `app.openapi` with the
+generated document corrected on each of those points.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+
+from serve.runtime.rollout import HEAD_FUSIONS
+from serve.server.errors import ERROR_STATUS
+from serve.server.settings import ServeSettings
+
+ERROR = {"$ref": "#/components/schemas/Error"}
+ERROR_SCHEMA = {
+    "type": "object",
+    "required": ["error"],
+    "properties": {
+        "error": {
+            "type": "object",
+            "required": ["code", "message"],
+            "properties": {
+                "code": {"type": "string", "enum": sorted(ERROR_STATUS)},
+                "message": {"type": "string", "description": "what is wrong and what to do"},
+            },
+        }
+    },
+}
+PREDICTIONS = {
+    "type": "object",
+    "required": ["model", "version", "predictions"],
+    "properties": {
+        "model": {"type": "string"},
+        "version": {"type": "string"},
+        "predictions": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "required": ["label", "score"],
+                "properties": {"label": {"type": "string"}, "score": {"type": "number"}},
+            },
+        },
+        "explanation": {
+            "type": "object",
+            "description": "with explain=true: the rollout grid, its overlay (base64 PNG) and deletion score",
+        },
+    },
+}
+WHY = {
+    400: "the Host header is not served here (--allowed-hosts)",
+    401: "no API key, or a wrong one",
+    404: "no such model or route",
+    405: "a method the path does not take (see Allow)",
+    408: "the request head did not arrive in time",
+    413: "the body or the image is over the limit",
+    415: "not an image, or a content type that cannot carry one",
+    422: "a parameter, tensor or image that cannot be used",
+    431: "the request head is too large",
+    500: "a fault of the server",
+    503: "busy, not ready, shutting down or too many connections (see Retry-After)",
+    504: "no result in time",
+}
+
+
+def describe(app: FastAPI, settings: ServeSettings, model_name: str) -> None:
+    """Make `app.openapi()` return the corrected document (built once, on first use)."""
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            app.openapi_schema = corrected(doc, settings, model_name)
+        return app.openapi_schema
+
+    app.openapi = openapi
+
+
+def corrected(doc: dict[str, Any], settings: ServeSettings, model_name: str) -> dict[str, Any]:
+    """`doc` with /v1/classify added, /metrics as text, our error body on every error status, and the
+    served model's name as the example of every `{name}`."""
+    schemas = doc.setdefault("components", {}).setdefault("schemas", {})
+    schemas.pop("HTTPValidationError", None)
+    schemas.pop("ValidationError", None)
+    schemas["Error"], schemas["Predictions"] = ERROR_SCHEMA, PREDICTIONS
+    doc["paths"]["/v1/classify"] = {"post": classify_operation(settings)}
+    metrics = doc["paths"]["/metrics"]["get"]["responses"]["200"]
+    metrics["content"] = {"text/plain": {"schema": {"type": "string"}}}
+    for path, item in doc["paths"].items():
+        for method, op in item.items():
+            op["responses"] = {**op["responses"], **error_responses(path, method, op, settings)}
+            for param in op.get("parameters", []):
+                if param["in"] == "path" and param["name"] == "name":
+                    param["example"] = model_name
+    return doc
+
+
+def error_responses(path: str, method: str, op: dict[str, Any], settings: ServeSettings) -> dict[str, Any]:
+    """The error statuses `method path` can answer, each with our error body."""
+    health = path in ("/healthz", "/readyz", "/v2/health/live", "/v2/health/ready")
+    statuses = {405, 408, 431, 500, 503}
+    if not health:
+        statuses |= {400} | ({401} if settings.api_key.get_secret_value() else set())
+    if "{" in path:
+        statuses.add(404)
+    if op.get("parameters") or op.get("requestBody"):
+        statuses.add(422)
+    if method == "post":
+        statuses |= {413, 415, 422, 504}
+    return {
+        str(s): {"description": WHY[s], "content": {"application/json": {"schema": ERROR}}} for s in sorted(statuses)
+    }
+
+
+def classify_operation(settings: ServeSettings) -> dict[str, Any]:
+    """POST /v1/classify: an image, as a multipart field `file` or as the raw body."""
+    binary = {"type": "string", "format": "binary"}
+    params = {
+        "top_k": {"type": "integer", "minimum": 1, "default": settings.top_k},
+        "explain": {"type": "string", "enum": ["true", "false", "1", "0", "yes", "no"], "default": "false"},
+        "head_fusion": {"type": "string", "enum": list(HEAD_FUSIONS), "default": HEAD_FUSIONS[0]},
+        "discard_ratio": {"type": "number", "minimum": 0, "exclusiveMaximum": 1, "default": 0},
+    }
+    form = {"type": "object", "required": ["file"], "properties": {"file": binary, **params}}
+    return {
+        "summary": "Classify one image",
+        "description": f"JPEG, PNG, GIF, BMP, WebP or TIFF, up to {settings.max_bytes:,} bytes and "
+        f"{settings.max_pixels:,} pixels. explain=true adds the attention rollout map and its deletion score.",
+        "operationId": "classify",
+        "parameters": [{"name": k, "in": "query", "required": False, "schema": v} for k, v in params.items()],
+        "requestBody": {
+            "required": True,
+            "content": {
+                "multipart/form-data": {"schema": form},
+                "image/*": {"schema": binary},
+                "application/octet-stream": {"schema": binary},
+            },
+        },
+        "responses": {
+            "200": {
+                "description": "the top classes, best first",
+                "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Predictions"}}},
+            }
+        },
+    }

@@ -1,0 +1,184 @@
+"""Limits against hostile input: tiny files that declare huge images, odd pixel data, oversized and
+abandoned uploads, wrong methods. Image decoding in process; the HTTP cases against a real server."""
+
+from __future__ import annotations
+
+import io
+import socket
+import struct
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import httpx
+import numpy as np
+import pytest
+from PIL import Image
+
+from serve.runtime.images import PixelBudget, Preprocess, load_image, load_reduced
+from tests.serve.process import ServerProcess
+
+
+def encoded(img: Image.Image, fmt: str, **kw) -> bytes:
+    buf = io.BytesIO()
+    img.save(buf, format=fmt, **kw)
+    return buf.getvalue()
+
+
+def tiny_gif(width: int = 65535, height: int = 610) -> bytes:
+    """A valid GIF of 35 bytes: a `width` x `height` screen holding a 1 x 1 frame."""
+    screen = struct.pack("<HHBBB", width, height, 0x80, 0, 0) + b"\x00\x00\x00\xff\xff\xff"
+    return b"GIF89a" + screen + b"," + struct.pack("<HHHHB", 0, 0, 1, 1, 0) + b"\x02\x02\x44\x01\x00;"
+
+
+def smooth_photo(h: int, w: int) -> np.ndarray:
+    y, x = np.mgrid[0:h, 0:w]
+    return np.stack([x * 255 // w, y * 255 // h, (x + y) * 127 // (w + h)], -1).astype(np.uint8)
+
+
+def rss_mib(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) / 1024 for line in f if line.startswith("VmRSS:"))
+
+
+def test_a_large_jpeg_is_decoded_at_reduced_scale_and_looks_the_same():
+    pre = Preprocess(img_size=(224, 224))
+    data = encoded(Image.fromarray(smooth_photo(3000, 4000)), "JPEG", quality=95)
+    reduced = load_reduced(data, pre.cover_size, 40_000_000)
+    assert max(reduced.size) <= 4000 // 4 and min(reduced.size) >= 2 * 224  # at least twice what the model uses
+    exact = pre.to_uint8(load_image(data)).astype(int)
+    assert np.abs(pre.load_pixels(data).astype(int) - exact).mean() < 2.0
+
+
+def test_a_16_bit_png_is_reduced_before_conversion_and_looks_the_same():
+    pre = Preprocess(img_size=(32, 32), crop_pct=1.0)
+    a = (smooth_photo(1200, 1200)[..., 0].astype(np.uint16) * 257).astype(np.uint16)
+    data = encoded(Image.fromarray(a), "PNG")
+    exact = pre.to_uint8(load_image(data)).astype(int)
+    assert np.abs(pre.load_pixels(data).astype(int) - exact).mean() < 2.0
+
+
+def test_small_images_decode_exactly_as_before():
+    pre = Preprocess(img_size=(32, 32), crop_pct=0.875)
+    data = encoded(Image.fromarray(smooth_photo(100, 90)), "PNG")
+    assert np.array_equal(pre.load_pixels(data), pre.to_uint8(load_image(data)))
+
+
+def test_float_images_in_0_1_are_scaled_to_full_brightness():
+    light = np.full((16, 16), 0.8, np.float32)
+    rgb = np.asarray(load_image(encoded(Image.fromarray(light, "F"), "TIFF")))
+    assert rgb.min() == rgb.max() == 204  # 0.8 * 255, not near black
+
+
+def test_non_finite_pixels_are_refused():
+    bad = np.full((16, 16), 0.5, np.float32)
+    bad[3, 4] = np.nan
+    with pytest.raises(Exception, match="NaN or infinite") as err:
+        load_image(encoded(Image.fromarray(bad, "F"), "TIFF"))
+    assert err.value.kind == "non_finite"
+
+
+def test_the_pixel_budget_lets_only_what_fits_decode_at_once():
+    budget, inside, most = PixelBudget(100), [0], [0]
+    lock = threading.Lock()
+
+    def decode(pixels: int) -> None:
+        with budget.hold(pixels):
+            with lock:
+                inside[0] += pixels
+                most[0] = max(most[0], inside[0])
+            time.sleep(0.02)
+            with lock:
+                inside[0] -= pixels
+
+    threads = [threading.Thread(target=decode, args=(p,)) for p in (60, 60, 30, 500, 10, 90)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert most[0] <= 100 + 500 and budget.free == 100  # an image over the budget waits for all of it
+    assert not any(t.is_alive() for t in threads)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_onnx):
+    with ServerProcess(tiny_onnx, "--no-ui", "--max-bytes", "1048576", "--graceful-timeout-s", "3") as s:
+        yield s
+
+
+@pytest.mark.slow
+def test_concurrent_tiny_files_declaring_40_mp_keep_the_server_small(server):
+    base = rss_mib(server.proc.pid)
+    peak, done = [base], threading.Event()
+
+    def watch():
+        while not done.is_set():
+            peak[0] = max(peak[0], rss_mib(server.proc.pid))
+            time.sleep(0.02)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    gif = tiny_gif()
+    try:
+        with httpx.Client(base_url=server.url, timeout=120) as c:
+            posts = [
+                threading.Thread(target=c.post, args=("/v1/classify",), kwargs={"content": gif}) for _ in range(16)
+            ]
+            for t in posts:
+                t.start()
+            time.sleep(0.5)
+            assert c.get("/healthz").status_code == 200  # answered while the decodes wait for their budget
+            for t in posts:
+                t.join(120)
+    finally:
+        done.set()
+        watcher.join()
+    assert peak[0] - base < 1024  # MiB; 16 such files without a budget took several GB
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", ["/v1/classify", "/v2/models/tiny_test/infer"])
+def test_urllib_writing_a_whole_oversized_body_gets_the_413_not_a_reset(server, path):
+    body = b"\x00" * (64 * 1024 * 1024)
+    req = urllib.request.Request(server.url + path, data=body, headers={"Content-Type": "application/octet-stream"})
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(req, timeout=60)
+    assert err.value.code == 413 and b"body_too_large" in err.value.read()
+
+
+@pytest.mark.slow
+def test_an_abandoned_upload_is_one_info_line_and_counted_as_499(server):
+    with socket.create_connection(("127.0.0.1", server.port)) as s:
+        s.sendall(b"POST /v1/classify HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 100000\r\n\r\n" + b"x" * 1000)
+        time.sleep(0.3)
+    time.sleep(0.5)
+    metrics = httpx.get(server.url + "/metrics").text
+    assert 'vitscope_requests_total{route="/v1",status="499"}' in metrics
+    assert 'status="500"' not in metrics
+    assert any("client went away" in line and " INFO " in line for line in server.lines)
+    assert not any("Traceback" in line for line in server.lines)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "method, path, allow",
+    [
+        ("POST", "/healthz", "GET, HEAD"),
+        ("PUT", "/healthz", "GET, HEAD"),
+        ("DELETE", "/readyz", "GET, HEAD"),
+        ("TRACE", "/v1/classify", "POST"),
+        ("POST", "/metrics", "GET"),
+    ],
+)
+def test_wrong_methods_get_a_json_405_with_allow(server, method, path, allow):
+    r = httpx.request(method, server.url + path)
+    assert r.status_code == 405 and r.headers["allow"] == allow
+    assert r.json()["error"]["code"] == "method_not_allowed"
+
+
+@pytest.mark.slow
+def test_health_routes_answer_head(server):
+    for path in ("/healthz", "/readyz"):
+        r = httpx.head(server.url + path)
+        assert r.status_code == 200 and r.content == b""

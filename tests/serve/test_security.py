@@ -1,0 +1,186 @@
+"""Hostile clients against a real `vit-serve` with its UI: the exploits of the security audit, replayed.
+
+Each test sends the attack itself to a server on 127.0.0.1 and checks that it fails, with a clear answer.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import re
+import socket
+import time
+
+import httpx
+import pytest
+
+from serve.server.cli import _warn_if_exposed
+from serve.server.guard import allowed_hosts_of, host_name, key_of
+from serve.server.settings import ServeSettings
+from tests.serve.process import ServerProcess
+
+KEY = "test-key-9f2c"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+# a FileData naming a file the client never uploaded, as the audit sent it to the UI's classify call
+STOLEN = "/etc/passwd"
+CALL = {"data": [{"path": STOLEN, "meta": {"_type": "gradio.FileData"}}, "mean", 0, 0, 2, 0.5, "inferno"]}
+
+
+@pytest.mark.parametrize(
+    "host, name",
+    [("example.org:8080", "example.org"), ("[::1]:7860", "::1"), ("LOCALHOST", "localhost"), ("::1", "::1")],
+)
+def test_host_names_lose_their_port(host, name):
+    assert host_name(host) == name
+
+
+def test_allowed_hosts_default_to_the_bind_host_and_loopback():
+    assert allowed_hosts_of("", "10.1.2.3") == {"10.1.2.3", "localhost", "127.0.0.1", "::1"}
+    assert allowed_hosts_of("", "0.0.0.0") == {"localhost", "127.0.0.1", "::1"}  # no name means "every interface"
+    assert allowed_hosts_of(" vit.example.org, Localhost ", "127.0.0.1") == {"vit.example.org", "localhost"}
+    assert allowed_hosts_of("*", "127.0.0.1") is None
+
+
+def test_the_key_is_read_from_bearer_x_api_key_or_basic_auth():
+    assert key_of({b"authorization": b"Bearer abc"}) == "abc"
+    assert key_of({b"x-api-key": b"abc"}) == "abc"
+    assert key_of({b"authorization": b"Basic " + base64.b64encode(b"anyone:abc")}) == "abc"
+    assert key_of({b"authorization": b"Basic !!!"}) is None and key_of({}) is None
+
+
+def test_binding_beyond_loopback_without_a_key_warns(caplog):
+    with caplog.at_level(logging.WARNING):
+        _warn_if_exposed(ServeSettings(host="0.0.0.0"))
+    assert "without an API key" in caplog.text and "--allowed-hosts" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        _warn_if_exposed(ServeSettings(host="127.0.0.1"))
+    assert caplog.text == ""
+
+
+@pytest.fixture(scope="module")
+def server(tiny_onnx):
+    args = ["--api-key", KEY, "--examples-dir", "", "--graceful-timeout-s", "3", "--header-timeout-s", "1.5"]
+    with ServerProcess(tiny_onnx, *args, "--max-connections", "40") as s:
+        yield s
+
+
+def gradio_call(url: str, body: dict, headers: dict) -> str:
+    """A Gradio call over its two-step HTTP API: the event stream of its answer, as text."""
+    r = httpx.post(url + "/gradio_api/call/classify", json=body, headers=headers, timeout=10)
+    r.raise_for_status()
+    stream = httpx.get(f"{url}/gradio_api/call/classify/{r.json()['event_id']}", headers=headers, timeout=20)
+    return stream.text
+
+
+@pytest.mark.slow
+def test_the_ui_refuses_to_read_a_file_the_client_did_not_upload(server):
+    events = gradio_call(server.url, CALL, AUTH)
+    assert "event: error" in events and "not uploaded by a user" in events
+    assert "root:" not in events
+    # no path the answer names (a cached copy, say) serves the file either
+    for path in re.findall(r"/[^\s\"'\\]+", events):
+        assert "root:" not in httpx.get(f"{server.url}/gradio_api/file={path}", headers=AUTH, timeout=10).text
+    r = httpx.get(f"{server.url}/gradio_api/file={STOLEN}", headers=AUTH, timeout=10)
+    assert r.status_code == 403 and "root:" not in r.text
+
+
+@pytest.mark.slow
+def test_a_foreign_host_header_is_refused_so_dns_rebinding_reaches_nothing(server):
+    for path in ("/", "/v1/classify", "/gradio_api/info", "/config"):
+        r = httpx.get(server.url + path, headers={**AUTH, "Host": "attacker.example:7860"}, timeout=10)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "bad_host"
+        assert "--allowed-hosts" in r.json()["error"]["message"]
+    assert httpx.get(server.url + "/healthz", headers={"Host": "10.0.0.7"}).status_code == 200  # probes by IP
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", ["/", "/config", "/v1/classify", "/v2/models/tiny_test", "/metrics"])
+def test_without_the_api_key_api_and_ui_answer_401(server, path):
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"X-API-Key": KEY + "x"}):
+        r = httpx.get(server.url + path, headers=headers, timeout=10)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "unauthorized"
+        assert "WWW-Authenticate" in r.headers
+
+
+@pytest.mark.slow
+def test_the_api_key_is_taken_as_bearer_x_api_key_or_a_browser_password(server):
+    for headers in (AUTH, {"X-API-Key": KEY}):
+        assert httpx.get(server.url + "/v2/models/tiny_test", headers=headers).status_code == 200
+    assert httpx.get(server.url + "/", auth=("anyone", KEY), timeout=10).status_code == 200
+    assert httpx.get(server.url + "/healthz").status_code == 200  # health needs no key
+    assert httpx.get(server.url + "/readyz").status_code == 200
+
+
+@pytest.mark.slow
+def test_every_answer_carries_a_request_id_and_a_log_line(server):
+    r = httpx.get(server.url + "/healthz", headers={"X-Request-Id": "abc-123"})
+    assert r.headers["x-request-id"] == "abc-123"
+    odd = httpx.get(server.url + "/healthz", headers={"X-Request-Id": "no spaces\tor tabs"})
+    generated = odd.headers["x-request-id"]
+    assert generated != "no spaces\tor tabs" and len(generated) == 32
+    time.sleep(0.2)
+    assert any("GET /healthz" in line and "id=abc-123" in line for line in server.lines)
+
+
+@pytest.mark.slow
+def test_the_ui_config_names_no_library_versions(server):
+    config = httpx.get(server.url + "/config", headers=AUTH, timeout=10).json()
+    assert "." not in config["version"]  # the major only: gradio_client needs it
+    gradio_openapi = httpx.get(server.url + "/gradio_api/openapi.json", headers=AUTH, timeout=10).json()
+    assert "." not in gradio_openapi["info"]["version"]
+    assert "versions" not in json.dumps(config)
+    assert "server" not in httpx.get(server.url + "/healthz").headers
+
+
+@pytest.mark.slow
+def test_a_huge_request_head_gets_431_and_the_server_stays_small(server):
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as s:
+        s.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+        try:
+            for _ in range(64):  # up to 4 MiB of one header, in 64 KiB pieces
+                s.sendall(b"X-Big: " + b"a" * 65536 + b"\r\n")
+        except OSError:
+            pass  # the server closed the connection under us: what it should do
+        answer = s.recv(65536)
+    assert answer.startswith(b"HTTP/1.1 431") and b"headers_too_large" in answer
+    assert httpx.get(server.url + "/healthz").status_code == 200
+
+
+@pytest.mark.slow
+def test_a_slow_client_is_cut_off_with_408(server):
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as s:
+        s.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n")  # and never the blank line
+        started = time.monotonic()
+        answer = s.recv(65536)
+        waited = time.monotonic() - started
+    assert answer.startswith(b"HTTP/1.1 408") and waited < 5
+
+
+@pytest.mark.slow
+def test_connections_over_the_cap_get_503_and_the_server_keeps_serving(server):
+    idle = []
+    try:
+        for _ in range(45):  # 40 allowed
+            idle.append(socket.create_connection(("127.0.0.1", server.port), timeout=10))
+        refused = idle[-1].recv(4096)
+        assert refused.startswith(b"HTTP/1.1 503") and b"too_many_connections" in refused
+    finally:
+        for s in idle:
+            s.close()
+    time.sleep(0.3)
+    assert httpx.get(server.url + "/healthz").status_code == 200
+
+
+@pytest.mark.slow
+def test_gradio_client_works_with_the_key_in_its_headers(server, tmp_path):
+    import numpy as np
+    from gradio_client import Client, handle_file
+    from PIL import Image
+
+    image = tmp_path / "square.png"
+    Image.fromarray(np.full((32, 32, 3), 200, np.uint8)).save(image)
+    client = Client(server.url + "/", headers={"X-API-Key": KEY}, verbose=False)
+    label, *_ = client.predict(handle_file(str(image)), "mean", 0.0, 0, 2, 0.5, "inferno", api_name="/classify")
+    assert label["label"] in {"top_left", "top_right", "bottom_left", "bottom_right"}
