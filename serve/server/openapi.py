@@ -32,6 +32,17 @@ ERROR_SCHEMA = {
         }
     },
 }
+KSERVE_ERROR = {
+    "type": "object",
+    "required": ["error"],
+    "properties": {
+        "error": {"type": "string", "description": "what is wrong and what to do"},
+        "code": {"type": "string", "enum": sorted(ERROR_STATUS)},
+    },
+    "description": "the KServe v2 protocol's error body, from the /v2 routes themselves",
+}
+# /v2 routes answer in the protocol's shape; what stops a request before them (Host, key, limits) in ours
+V2_ERROR = {"anyOf": [ERROR, {"$ref": "#/components/schemas/KServeError"}]}
 PREDICTIONS = {
     "type": "object",
     "required": ["model", "version", "predictions"],
@@ -86,7 +97,7 @@ def corrected(doc: dict[str, Any], settings: ServeSettings, model_name: str) -> 
     schemas = doc.setdefault("components", {}).setdefault("schemas", {})
     schemas.pop("HTTPValidationError", None)
     schemas.pop("ValidationError", None)
-    schemas["Error"], schemas["Predictions"] = ERROR_SCHEMA, PREDICTIONS
+    schemas["Error"], schemas["KServeError"], schemas["Predictions"] = ERROR_SCHEMA, KSERVE_ERROR, PREDICTIONS
     doc["paths"]["/v1/classify"] = {"post": classify_operation(settings)}
     metrics = doc["paths"]["/metrics"]["get"]["responses"]["200"]
     metrics["content"] = {"text/plain": {"schema": {"type": "string"}}}
@@ -111,8 +122,9 @@ def error_responses(path: str, method: str, op: dict[str, Any], settings: ServeS
         statuses.add(422)
     if method == "post":
         statuses |= {413, 415, 422, 504}
+    schema = V2_ERROR if path.startswith("/v2/") else ERROR
     return {
-        str(s): {"description": WHY[s], "content": {"application/json": {"schema": ERROR}}} for s in sorted(statuses)
+        str(s): {"description": WHY[s], "content": {"application/json": {"schema": schema}}} for s in sorted(statuses)
     }
 
 
