@@ -27,6 +27,7 @@ from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
 from train.data import ImageFolderDataModule
 from train.module import ViTClassifier
+from train.recipe import auto_recipe_args
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +74,9 @@ class VitCLI(LightningCLI):
             default=False,
             help="fit into a run directory that already holds checkpoints, replacing them (without it, "
             "fit refuses: resume with --ckpt_path last, or choose another --trainer.default_root_dir)",
+        )
+        parser.add_argument(
+            "--recipe", type=dict | None, default=None, help="why the automatic recipe chose what it did (train.recipe)"
         )
         parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
         parser.set_defaults(
@@ -186,7 +190,7 @@ def main(args: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     logging.getLogger("train").setLevel(logging.INFO)
     try:
-        build_cli(args)
+        build_cli(auto_recipe_args(sys.argv[1:] if args is None else args))
     except SetupError as e:  # the user's to fix: one line, not a traceback through Lightning
         print(f"vit-train: {e}", file=sys.stderr)
         raise SystemExit(2) from None
