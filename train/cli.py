@@ -28,6 +28,7 @@ from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from train.data import ImageFolderDataModule
 from train.module import ViTClassifier
 from train.recipe import auto_recipe_args
+from train.shards import main as prepare_main
 
 log = logging.getLogger(__name__)
 
@@ -189,8 +190,11 @@ def build_cli(args: list[str] | None = None, run: bool = True) -> VitCLI:
 def main(args: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     logging.getLogger("train").setLevel(logging.INFO)
+    args = sys.argv[1:] if args is None else args
+    if args[:1] == ["prepare"]:  # image folder -> LitData chunks (train.shards)
+        return prepare_main(args[1:])
     try:
-        build_cli(auto_recipe_args(sys.argv[1:] if args is None else args))
+        build_cli(auto_recipe_args(args))
     except SetupError as e:  # the user's to fix: one line, not a traceback through Lightning
         print(f"vit-train: {e}", file=sys.stderr)
         raise SystemExit(2) from None

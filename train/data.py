@@ -26,6 +26,7 @@ from torch.utils.data import DataLoader, Dataset
 from serve.runtime.images import Preprocess
 from train.dataset import BatchCollate, ImageListDataset, fill_cache, usable_cores
 from train.folder import BadFile, FolderScan, folder_classes, scan_folder
+from train.shards import is_streaming_root, streaming_dataset, streaming_scan
 from train.transforms import Augment, BatchTransform, EvalTransform, build_train_transform
 
 SCAN_FILE = "scan.json"  # in the run directory: rank 0's scan, read by the other ranks
@@ -96,7 +97,9 @@ class ImageFolderDataModule(pl.LightningDataModule):
         """The folder scan, done once on first use (under DDP: read from the one rank 0 wrote)."""
         if self._scan is None:
             shared = self._shared_scan_path()
-            if shared is not None and shared.is_file():
+            if is_streaming_root(self.root):
+                self._scan = streaming_scan(self.root)
+            elif shared is not None and shared.is_file():
                 self._scan = FolderScan.load(shared)
             else:
                 self._scan = scan_folder(self.root, self.val_fraction, self.seed, self.verify_images)
@@ -111,7 +114,7 @@ class ImageFolderDataModule(pl.LightningDataModule):
     def prepare_data(self) -> None:
         """Rank 0 scans the folder and writes the result into the run directory; the other ranks read it."""
         shared = self._shared_scan_path()
-        if shared is not None:
+        if shared is not None and not is_streaming_root(self.root):
             shared.parent.mkdir(parents=True, exist_ok=True)
             scan = scan_folder(self.root, self.val_fraction, self.seed, self.verify_images)
             scan.save(shared)
@@ -120,7 +123,7 @@ class ImageFolderDataModule(pl.LightningDataModule):
     @property
     def classes(self) -> list[str]:
         """Class names. A DDP rank other than 0 reads only the folder names: rank 0 scans for everyone."""
-        if self._scan is None and _launched_rank() > 0:
+        if self._scan is None and _launched_rank() > 0 and not is_streaming_root(self.root):
             return folder_classes(self.root)
         return self.scan.classes
 
@@ -134,6 +137,9 @@ class ImageFolderDataModule(pl.LightningDataModule):
         scan = self.scan
         train_store = Preprocess(self.img_size, 1.0, self.preprocess.interpolation)  # the whole (square) image
         evaluate = EvalTransform(self.preprocess)
+        if scan.layout == "litdata":
+            self._setup_streaming(train_store.to_uint8, evaluate.resize)
+            return
         cache = self._cached = self._use_cache(len(scan.train) + len(scan.val))
         store = train_store.to_uint8 if cache or self.batch_augment else None
         train_cache = self._fill(scan.train, store, self.img_size) if cache else None
@@ -148,6 +154,15 @@ class ImageFolderDataModule(pl.LightningDataModule):
             self.val_set = ImageListDataset(scan.val, evaluate.resize, evaluate, None, val_cache)
         if scan.bad:
             log.warning("skipped %d unreadable image file(s) in %s", len(scan.bad), scan.root)
+        if self.trainer is not None and self.trainer.is_global_zero:
+            self.write_reports(Path(self.trainer.default_root_dir))
+
+    def _setup_streaming(self, store, resize) -> None:
+        if not self.batch_augment:
+            raise ValueError("a prepared (LitData) dataset streams uint8 images: set data.batch_augment true")
+        self._cached = False
+        self.train_set = streaming_dataset(self.root, "train", store, shuffle=True, seed=self.seed)
+        self.val_set = streaming_dataset(self.root, "val", resize, shuffle=False, seed=self.seed)
         if self.trainer is not None and self.trainer.is_global_zero:
             self.write_reports(Path(self.trainer.default_root_dir))
 
@@ -187,6 +202,11 @@ class ImageFolderDataModule(pl.LightningDataModule):
         collate = None
         if self.batch_augment:
             collate = BatchCollate(BatchTransform(self.preprocess, self.augment if train else None))
+        if self.scan.layout == "litdata":  # the dataset shuffles and splits chunks across ranks; position resumes
+            from litdata import StreamingDataLoader
+
+            batch = self.batch_size if train else self.eval_batch_size
+            return StreamingDataLoader(dataset, batch_size=batch, num_workers=workers, collate_fn=collate)
         return DataLoader(
             dataset,
             batch_size=self.batch_size if train else self.eval_batch_size,
