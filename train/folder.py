@@ -6,10 +6,10 @@ Two layouts are recognised:
 
 Classes are the sorted names of the class folders. Hidden files and folders (`.DS_Store`,
 `.ipynb_checkpoints`) and files without an image suffix are ignored; files with an image suffix
-whose header does not read (empty, not an image, too large) are skipped and reported as
-`BadFile(path, reason)`. Only headers are read here, by a pool of processes on large folders, so a
-million files scan in about a minute; a file that breaks later, in the pixel data, is skipped and
-reported when it is decoded.
+that are empty or carry no image signature are skipped and reported as `BadFile(path, reason)`. Only
+the first bytes of each file are read here, by a pool of processes on large folders, so a million
+files scan in about a minute; a file broken further in (truncated, corrupt, too many pixels) is
+skipped and reported when it is decoded.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from serve.runtime.images import IMAGE_SUFFIXES, ImageError, open_image
+from serve.runtime.images import IMAGE_SUFFIXES
 
 log = logging.getLogger(__name__)
 
@@ -99,21 +99,37 @@ def _has_image_suffix(name: str) -> bool:
     return os.path.splitext(name)[1].lower() in IMAGE_SUFFIXES
 
 
+# Leading bytes of every format we decode (serve.runtime.images.FORMATS); RIFF needs WEBP at bytes 8-12.
+SIGNATURES = (b"\xff\xd8\xff", b"\x89PNG\r\n\x1a\n", b"GIF87a", b"GIF89a", b"BM", b"II*\x00", b"MM\x00*", b"RIFF")
+
+
+def header_error(path: str) -> str | None:
+    """Why `path` is not an image we read, from its first 16 bytes; None when it looks like one.
+
+    Only the signature is read: a file broken further in (truncated, corrupt, too many pixels) is found
+    when it is decoded, and skipped and reported then.
+    """
+    try:
+        with open(path, "rb") as f:
+            head = f.read(16)
+    except OSError as e:
+        return f"{path} could not be read: {e}"
+    if not head:
+        return f"{path} is empty (0 bytes)"
+    if not head.startswith(SIGNATURES) or (head.startswith(b"RIFF") and head[8:12] != b"WEBP"):
+        return f"{path} is not an image: no JPEG, PNG, GIF, BMP, WebP or TIFF header found"
+    return None
+
+
 def _header_errors(paths: list[str]) -> list[tuple[str, str]]:
-    errors = []
-    for p in paths:
-        try:
-            open_image(p).close()
-        except (ImageError, OSError) as e:
-            errors.append((p, str(e)))
-    return errors
+    return [(p, e) for p in paths if (e := header_error(p)) is not None]
 
 
 def check_headers(paths: list[str], workers: int | None = None, chunk: int = 2_000) -> list[tuple[str, str]]:
-    """Read every file's image header (not its pixels), in a process pool for large lists.
+    """Check every file's image signature (not its pixels), in a process pool for large lists.
 
     Returns:
-        (path, reason) of each file that is empty, not an image, or over the pixel limit.
+        (path, reason) of each file that is empty, unreadable or not an image.
     """
     from train.dataset import usable_cores
 
