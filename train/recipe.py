@@ -112,7 +112,7 @@ def choose(s: Survey) -> tuple[dict[str, Any], dict[str, str]]:
         "trainer": trainer,
         "model": {
             "variant": variant, "net_args": net, "lr": lr, "min_lr": 1.0e-5, "weight_decay": 0.05,
-            "warmup_epochs": 1.0 if small else 5.0, "label_smoothing": 0.1, "ema_decay": 0.998 if small else None,
+            "warmup_epochs": 1.0 if small else 5.0, "label_smoothing": 0.1, "ema_decay": 0.99 if small else None,
         },
         "data": {
             "img_size": side, "crop_pct": 1.0 if small else 0.875, "mean": [0.5] * 3 if small else None,
