@@ -138,7 +138,7 @@ class ImageFolderDataModule(pl.LightningDataModule):
         train_store = Preprocess(self.img_size, 1.0, self.preprocess.interpolation)  # the whole (square) image
         evaluate = EvalTransform(self.preprocess)
         if scan.layout == "litdata":
-            self._setup_streaming(train_store.to_uint8, evaluate.resize)
+            self._setup_streaming(train_store.to_uint8, evaluate)
             return
         cache = self._cached = self._use_cache(len(scan.train) + len(scan.val))
         store = train_store.to_uint8 if cache or self.batch_augment else None
@@ -157,12 +157,13 @@ class ImageFolderDataModule(pl.LightningDataModule):
         if self.trainer is not None and self.trainer.is_global_zero:
             self.write_reports(Path(self.trainer.default_root_dir))
 
-    def _setup_streaming(self, store, resize) -> None:
-        if not self.batch_augment:
-            raise ValueError("a prepared (LitData) dataset streams uint8 images: set data.batch_augment true")
+    def _setup_streaming(self, store, evaluate: EvalTransform) -> None:
         self._cached = False
-        self.train_set = streaming_dataset(self.root, "train", store, shuffle=True, seed=self.seed)
-        self.val_set = streaming_dataset(self.root, "val", resize, shuffle=False, seed=self.seed)
+        train_tf = val_tf = None
+        if not self.batch_augment:  # per-image PIL augmentation of the stored (img_size) image
+            train_tf, val_tf = _Then(_to_pil, build_train_transform(self.augment, self.preprocess)), evaluate
+        self.train_set = streaming_dataset(self.root, "train", store, True, self.seed, train_tf)
+        self.val_set = streaming_dataset(self.root, "val", evaluate.resize, False, self.seed, val_tf)
         if self.trainer is not None and self.trainer.is_global_zero:
             self.write_reports(Path(self.trainer.default_root_dir))
 

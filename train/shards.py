@@ -117,14 +117,19 @@ def streaming_scan(root: str) -> FolderScan:
     return FolderScan(Path(meta["root"]), list(meta["classes"]), [], [], bad, layout="litdata")
 
 
-def streaming_dataset(root: str, split: str, fixed, shuffle: bool, seed: int = 42):
-    """A `litdata.StreamingDataset` of `root/split` yielding ((S, S, 3) uint8 tensor, label)."""
+def streaming_dataset(root: str, split: str, fixed, shuffle: bool, seed: int = 42, transform=None):
+    """A `litdata.StreamingDataset` of `root/split` yielding (image, label).
+
+    The image is `fixed`'s (S, S, 3) uint8 array as a tensor (for a batch transform), or `transform` of it.
+    """
     from litdata import StreamingDataset
 
     class StreamingImages(StreamingDataset):
         def __getitem__(self, index):
             sample = super().__getitem__(index)
             pixels = fixed(load_image(bytes(sample["image"])))  # verified by prepare: decodes
+            if transform is not None:
+                return transform(pixels), int(sample["label"])
             return torch.from_numpy(np.ascontiguousarray(pixels)), int(sample["label"])
 
     return StreamingImages(f"{root.rstrip('/')}/{split}", shuffle=shuffle, drop_last=shuffle, seed=seed)

@@ -45,3 +45,20 @@ def test_fit_streams_a_prepared_dataset_and_reports_its_bad_files(shapes_folder:
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["epochs"] == 2 and summary["best_val_acc"] is not None
     assert "broken.png" in (run_dir / "bad_files.csv").read_text()
+
+
+@pytest.mark.parametrize("batch_augment", [True, False])
+def test_a_prepared_dataset_gives_the_same_batches_shape_as_the_folder(shapes_folder, tmp_path, batch_augment):
+    from train.data import ImageFolderDataModule
+    from train.transforms import Augment
+
+    prepare(str(shapes_folder), str(tmp_path / "shards"), workers=1)
+    dm = ImageFolderDataModule(
+        str(tmp_path / "shards"), img_size=16, batch_size=8, num_workers=0, batch_augment=batch_augment,
+        augment=Augment(rand_augment=None, re_prob=0.25),
+    )  # fmt: skip
+    assert dm.classes == ["bar", "column", "square"]
+    dm.setup("fit")
+    for loader in (dm.train_dataloader(), dm.val_dataloader()):
+        x, y = next(iter(loader))
+        assert x.shape[1:] == (3, 16, 16) and len(x) in (8, 16) and x.dtype.is_floating_point and y.max() < 3
