@@ -35,7 +35,9 @@ BIG_AUG = Augment(rand_augment=None, re_prob=0.25)
 
 def loader_rate(dm: ImageFolderDataModule, batches: int) -> float:
     """Images per second from the training DataLoader (after one warm-up batch)."""
-    loader = iter(dm.train_dataloader())
+    loader = dm.train_dataloader()
+    batches = min(batches, len(loader) - 1)
+    loader = iter(loader)
     next(loader)
     start, n = time.perf_counter(), 0
     for _ in range(batches):
