@@ -190,11 +190,14 @@ def build_cli(args: list[str] | None = None, run: bool = True) -> VitCLI:
 def main(args: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     logging.getLogger("train").setLevel(logging.INFO)
-    args = sys.argv[1:] if args is None else args
-    if args[:1] == ["prepare"]:  # image folder -> LitData chunks (train.shards)
-        return prepare_main(args[1:])
+    argv = sys.argv[1:] if args is None else args
+    if argv[:1] == ["prepare"]:  # image folder -> LitData chunks (train.shards)
+        return prepare_main(argv[1:])
+    recipe_args = auto_recipe_args(argv)
+    if recipe_args != argv:  # the recipe's config goes first; LightningCLI would warn about args and sys.argv
+        warnings.filterwarnings("ignore", message="LightningCLI's args parameter")
     try:
-        build_cli(auto_recipe_args(args))
+        build_cli(args if recipe_args == argv else recipe_args)
     except SetupError as e:  # the user's to fix: one line, not a traceback through Lightning
         print(f"vit-train: {e}", file=sys.stderr)
         raise SystemExit(2) from None
