@@ -30,6 +30,7 @@ from train.callbacks import KeepBestScore
 from train.ckpt_io import AtomicCheckpointIO, load_error, remove_partial_saves
 from train.data import ImageFolderDataModule
 from train.module import ViTClassifier
+from train.recipe import auto_recipe_args
 from train.safety import (
     CKPT_DIR,
     SetupError,
@@ -40,6 +41,7 @@ from train.safety import (
     is_remote,
     resolve_ckpt_path,
 )
+from train.shards import main as prepare_main
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +84,9 @@ class VitCLI(LightningCLI):
             default=False,
             help="fit into a run directory that already holds checkpoints, replacing them (without it, "
             "fit refuses: resume with --ckpt_path last, or choose another --trainer.default_root_dir)",
+        )
+        parser.add_argument(
+            "--recipe", type=dict | None, default=None, help="why the automatic recipe chose what it did (train.recipe)"
         )
         parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
         parser.set_defaults(
@@ -251,8 +256,14 @@ def build_cli(args: list[str] | None = None, run: bool = True) -> VitCLI:
 def main(args: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     logging.getLogger("train").setLevel(logging.INFO)
+    argv = sys.argv[1:] if args is None else args
+    if argv[:1] == ["prepare"]:  # image folder -> LitData chunks (train.shards)
+        return prepare_main(argv[1:])
+    recipe_args = auto_recipe_args(argv)
+    if recipe_args != argv:  # the recipe's config goes first; LightningCLI would warn about args and sys.argv
+        warnings.filterwarnings("ignore", message="LightningCLI's args parameter")
     try:
-        build_cli(args)
+        build_cli(args if recipe_args == argv else recipe_args)
     except SetupError as e:  # the user's to fix: one line, not a traceback through Lightning
         print(f"vit-train: {e}", file=sys.stderr)
         raise SystemExit(2) from None

@@ -3,63 +3,36 @@
 Images are decoded by `serve.runtime.images.load_image` (the serving loader), validated with
 `serve.runtime.images.Preprocess` (the serving transform), and the split and the list of skipped files
 are written into the run directory (`split.json`, `bad_files.csv`).
+
+With `batch_augment` (the default when the augmentation allows it), workers only decode and resize to
+uint8; augmentation and normalisation run once per batch on tensors (`train.transforms.BatchTransform`).
+With `cache_images`, decoded images are kept as one uint8 array, filled once, in parallel, before training.
 """
 
 from __future__ import annotations
 
 import csv
 import logging
+import os
+import time
 from pathlib import Path
 
 import lightning.pytorch as pl
+import numpy as np
 import torch
+from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 
-from serve.runtime.images import ImageError, Preprocess, load_image
-from train.folder import FolderScan, scan_folder
-from train.transforms import Augment, EvalTransform, build_train_transform
+from serve.runtime.images import Preprocess
+from train.dataset import BatchCollate, ImageListDataset, fill_cache, usable_cores
+from train.folder import BadFile, FolderScan, folder_classes, scan_folder
+from train.shards import is_streaming_root, streaming_dataset, streaming_scan
+from train.transforms import Augment, BatchTransform, EvalTransform, build_train_transform
+
+SCAN_FILE = "scan.json"  # in the run directory: rank 0's scan, read by the other ranks
+CACHE_RAM_SHARE = 0.25  # the automatic cache takes at most this share of the machine's memory
 
 log = logging.getLogger(__name__)
-
-
-class ImageListDataset(Dataset):
-    """(path, label) pairs -> (image tensor, label). A file that fails to decode is replaced by the next one.
-
-    Args:
-        items: (absolute path, label) pairs.
-        transform: RGB PIL image (or what `fixed` returns) -> (3, H, W) tensor.
-        cache: keep decoded images in memory (for small datasets that fit; each worker holds its own).
-        fixed: a first step that gives the same result every epoch (validation: resize and crop); the
-            cache keeps its result, not the full-size image, and `transform` gets it.
-    """
-
-    def __init__(self, items: list[tuple[str, int]], transform, cache: bool = False, fixed=None):
-        self.items, self.transform, self.cache, self.fixed = items, transform, cache, fixed
-        self._images: dict[int, object] = {}
-
-    def __len__(self) -> int:
-        return len(self.items)
-
-    def _load(self, i: int):
-        if i in self._images:
-            return self._images[i]
-        img = load_image(self.items[i][0])
-        if self.fixed is not None:
-            img = self.fixed(img)
-        if self.cache:
-            self._images[i] = img
-        return img
-
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
-        for offset in range(len(self.items)):
-            j = (i + offset) % len(self.items)
-            try:
-                img = self._load(j)
-            except (ImageError, OSError) as e:  # changed or removed since the scan: train on, say so
-                log.warning("skipping %s: %s", self.items[j][0], e)
-                continue
-            return self.transform(img), self.items[j][1]
-        raise RuntimeError("no image in this dataset can be read")
 
 
 class ImageFolderDataModule(pl.LightningDataModule):
@@ -77,10 +50,13 @@ class ImageFolderDataModule(pl.LightningDataModule):
         augment: training augmentation.
         batch_size: training batch size per device.
         eval_batch_size: validation batch size (default: 2 x batch_size).
-        num_workers: DataLoader worker processes.
+        num_workers: DataLoader worker processes; None picks them from the cores (see `auto_workers`).
         pin_memory: page-locked batches for faster host-to-GPU copies.
-        verify_images: decode every image once before training, so broken files are skipped and listed up front.
-        cache_images: keep decoded images in memory (small datasets).
+        verify_images: check every image's header before training, so broken files are skipped and listed up front.
+        cache_images: keep decoded images in memory as one uint8 array, resized to the training size (random
+            crops then zoom into those pixels); None caches when it takes under a quarter of the memory.
+        batch_augment: augment and normalise whole batches of uint8 tensors instead of each PIL image; None
+            does so whenever the augmentation allows (no RandAugment, no colour jitter).
     """
 
     def __init__(
@@ -96,10 +72,11 @@ class ImageFolderDataModule(pl.LightningDataModule):
         augment: Augment = Augment(),
         batch_size: int = 64,
         eval_batch_size: int | None = None,
-        num_workers: int = 4,
+        num_workers: int | None = None,
         pin_memory: bool = True,
         verify_images: bool = True,
-        cache_images: bool = False,
+        cache_images: bool | None = None,
+        batch_augment: bool | None = None,
     ):
         super().__init__()
         self.root, self.val_fraction, self.seed = root, val_fraction, seed
@@ -109,34 +86,106 @@ class ImageFolderDataModule(pl.LightningDataModule):
         self.batch_size, self.eval_batch_size = batch_size, eval_batch_size or 2 * batch_size
         self.num_workers, self.pin_memory = num_workers, pin_memory
         self.verify_images, self.cache_images = verify_images, cache_images
+        if batch_augment is None:
+            batch_augment = not augment.rand_augment and augment.color_jitter <= 0
+        self.batch_augment = batch_augment
         self._scan: FolderScan | None = None
+        self.prepare_data_per_node = False  # one scan for the whole run, by global rank 0
 
     @property
     def scan(self) -> FolderScan:
-        """The folder scan, done once on first use."""
+        """The folder scan, done once on first use (under DDP: read from the one rank 0 wrote)."""
         if self._scan is None:
-            self._scan = scan_folder(self.root, self.val_fraction, self.seed, self.verify_images)
+            shared = self._shared_scan_path()
+            if is_streaming_root(self.root):
+                self._scan = streaming_scan(self.root)
+            elif shared is not None and shared.is_file():
+                self._scan = FolderScan.load(shared)
+            else:
+                self._scan = scan_folder(self.root, self.val_fraction, self.seed, self.verify_images)
         return self._scan
+
+    def _shared_scan_path(self) -> Path | None:
+        trainer = self.trainer
+        if trainer is None or trainer.world_size == 1:
+            return None
+        return Path(trainer.default_root_dir) / SCAN_FILE
+
+    def prepare_data(self) -> None:
+        """Rank 0 scans the folder and writes the result into the run directory; the other ranks read it."""
+        shared = self._shared_scan_path()
+        if shared is not None and not is_streaming_root(self.root):
+            shared.parent.mkdir(parents=True, exist_ok=True)
+            scan = scan_folder(self.root, self.val_fraction, self.seed, self.verify_images)
+            scan.save(shared)
+            self._scan = scan
 
     @property
     def classes(self) -> list[str]:
+        """Class names. A DDP rank other than 0 reads only the folder names: rank 0 scans for everyone."""
+        if self._scan is None and _launched_rank() > 0 and not is_streaming_root(self.root):
+            return folder_classes(self.root)
         return self.scan.classes
 
     @property
     def num_classes(self) -> int:
-        return len(self.scan.classes)
+        return len(self.classes)
 
     def setup(self, stage: str) -> None:
+        if getattr(self, "train_set", None) is not None:
+            return
         scan = self.scan
-        self.train_set = ImageListDataset(
-            scan.train, build_train_transform(self.augment, self.preprocess), self.cache_images
-        )
+        train_store = Preprocess(self.img_size, 1.0, self.preprocess.interpolation)  # the whole (square) image
         evaluate = EvalTransform(self.preprocess)
-        self.val_set = ImageListDataset(scan.val, evaluate, self.cache_images, fixed=evaluate.resize)
+        if scan.layout == "litdata":
+            self._setup_streaming(train_store.to_uint8, evaluate)
+            return
+        cache = self._cached = self._use_cache(len(scan.train) + len(scan.val))
+        store = train_store.to_uint8 if cache or self.batch_augment else None
+        train_cache = self._fill(scan.train, store, self.img_size) if cache else None
+        val_cache = self._fill(scan.val, evaluate.resize, None) if cache else None
+        if self.batch_augment:
+            self.train_set = ImageListDataset(scan.train, store, None, self.img_size, train_cache)
+            self.val_set = ImageListDataset(scan.val, evaluate.resize, None, None, val_cache)
+        else:
+            train_tf = build_train_transform(self.augment, self.preprocess)
+            train_tf = train_tf if store is None else _Then(_to_pil, train_tf)
+            self.train_set = ImageListDataset(scan.train, store, train_tf, self.img_size, train_cache)
+            self.val_set = ImageListDataset(scan.val, evaluate.resize, evaluate, None, val_cache)
         if scan.bad:
             log.warning("skipped %d unreadable image file(s) in %s", len(scan.bad), scan.root)
         if self.trainer is not None and self.trainer.is_global_zero:
             self.write_reports(Path(self.trainer.default_root_dir))
+
+    def _setup_streaming(self, store, evaluate: EvalTransform) -> None:
+        self._cached = False
+        train_tf = val_tf = None
+        if not self.batch_augment:  # per-image PIL augmentation of the stored (img_size) image
+            train_tf, val_tf = _Then(_to_pil, build_train_transform(self.augment, self.preprocess)), evaluate
+        self.train_set = streaming_dataset(self.root, "train", store, True, self.seed, train_tf)
+        self.val_set = streaming_dataset(self.root, "val", evaluate.resize, False, self.seed, val_tf)
+        if self.trainer is not None and self.trainer.is_global_zero:
+            self.write_reports(Path(self.trainer.default_root_dir))
+
+    def _use_cache(self, n: int) -> bool:
+        if self.cache_images is not None:
+            return self.cache_images
+        need = n * self.img_size * self.img_size * 3
+        return need <= CACHE_RAM_SHARE * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+    def _fill(self, items, fixed, min_side) -> tuple:
+        start = time.perf_counter()
+        pixels, readable, failed = fill_cache(items, fixed, (self.img_size, self.img_size, 3), min_side)
+        self.scan.bad.extend(BadFile(p, r) for p, r in failed)  # reported in bad_files.csv with the rest
+        log.info("cached %d images (%.0f MB) in %.1f s", len(items), pixels.nbytes / 1e6, time.perf_counter() - start)
+        return pixels, readable
+
+    @property
+    def workers(self) -> int:
+        """DataLoader workers: `num_workers`, or picked from the cores."""
+        if self.num_workers is not None:
+            return self.num_workers
+        return auto_workers(usable_cores(), getattr(self, "_cached", False))
 
     def write_reports(self, run_dir: Path) -> None:
         """Write `split.json` and `bad_files.csv` (file, reason) into the run directory."""
@@ -150,7 +199,15 @@ class ImageFolderDataModule(pl.LightningDataModule):
             log.warning("list of skipped files: %s", run_dir / "bad_files.csv")
 
     def _loader(self, dataset: Dataset, train: bool) -> DataLoader:
-        workers = self.num_workers
+        workers = self.workers
+        collate = None
+        if self.batch_augment:
+            collate = BatchCollate(BatchTransform(self.preprocess, self.augment if train else None))
+        if self.scan.layout == "litdata":  # the dataset shuffles and splits chunks across ranks; position resumes
+            from litdata import StreamingDataLoader
+
+            batch = self.batch_size if train else self.eval_batch_size
+            return StreamingDataLoader(dataset, batch_size=batch, num_workers=workers, collate_fn=collate)
         return DataLoader(
             dataset,
             batch_size=self.batch_size if train else self.eval_batch_size,
@@ -159,6 +216,7 @@ class ImageFolderDataModule(pl.LightningDataModule):
             num_workers=workers,
             pin_memory=self.pin_memory and torch.cuda.is_available(),
             persistent_workers=workers > 0,
+            collate_fn=collate,
         )
 
     def train_dataloader(self) -> DataLoader:
@@ -172,3 +230,33 @@ class ImageFolderDataModule(pl.LightningDataModule):
 
     def predict_dataloader(self) -> DataLoader:
         return self._loader(self.val_set, train=False)
+
+
+def _launched_rank() -> int:
+    """This process's rank as the DDP launcher set it in the environment (0 for the first or only process)."""
+    return max(int(os.environ.get(k, "0") or 0) for k in ("LOCAL_RANK", "NODE_RANK", "RANK"))
+
+
+def _to_pil(pixels: np.ndarray) -> Image.Image:
+    return Image.fromarray(pixels, "RGB")
+
+
+class _Then:
+    """Two steps as one picklable callable (a worker process receives it)."""
+
+    def __init__(self, first, second):
+        self.first, self.second = first, second
+
+    def __call__(self, x):
+        return self.second(self.first(x))
+
+
+def auto_workers(cores: int, cached: bool) -> int:
+    """DataLoader workers for `cores` usable cores.
+
+    Cached images only need a batch transform, which costs the trainer less than feeding a worker on a
+    machine of 1 or 2 cores; otherwise one core stays with the trainer and the rest decode (at most 8).
+    """
+    if cached and cores <= 2:
+        return 0
+    return max(0, min(cores - 1, 8))

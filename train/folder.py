@@ -6,18 +6,28 @@ Two layouts are recognised:
 
 Classes are the sorted names of the class folders. Hidden files and folders (`.DS_Store`,
 `.ipynb_checkpoints`) and files without an image suffix are ignored; files with an image suffix
-that do not decode are skipped and reported as `BadFile(path, reason)`.
+that are empty or carry no image signature are skipped and reported as `BadFile(path, reason)`. Only
+the first bytes of each file are read here, by a pool of processes on large folders, so a million
+files scan in about a minute; a file broken further in (truncated, corrupt, too many pixels) is
+skipped and reported when it is decoded.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import multiprocessing as mp
 import os
 import random
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from serve.runtime.images import ImageError, is_image_file, load_image
+from serve.runtime.images import IMAGE_SUFFIXES
+
+log = logging.getLogger(__name__)
+
+PARALLEL_FROM = 5_000  # files; fewer are checked in this process (a pool costs more than it saves)
 
 
 @dataclass(frozen=True)
@@ -36,6 +46,7 @@ class FolderScan:
     val: list[tuple[str, int]]
     bad: list[BadFile] = field(default_factory=list)
     layout: str = "pool"
+    seconds: float = 0.0
 
     def to_split_dict(self) -> dict:
         """The split as plain data: what `split.json` holds in the run directory."""
@@ -50,6 +61,21 @@ class FolderScan:
     def write_split(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_split_dict(), indent=1))
 
+    def save(self, path: str | Path) -> None:
+        """Write the whole scan (split, bad files, time) as JSON, atomically: other ranks read it."""
+        d = {**self.to_split_dict(), "bad": [[b.path, b.reason] for b in self.bad], "seconds": self.seconds}
+        tmp = Path(path).with_suffix(".tmp")
+        tmp.write_text(json.dumps(d))
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, path: str | Path) -> FolderScan:
+        """The scan `save` wrote."""
+        d = json.loads(Path(path).read_text())
+        pairs = lambda key: [(e["path"], e["label"]) for e in d[key]]
+        bad = [BadFile(p, r) for p, r in d.get("bad", [])]
+        return cls(Path(d["root"]), d["classes"], pairs("train"), pairs("val"), bad, d["layout"], d.get("seconds", 0.0))
+
 
 def _visible(p: Path) -> bool:
     return not p.name.startswith(".")
@@ -60,38 +86,67 @@ def class_dirs(folder: Path) -> list[Path]:
     return sorted((d for d in folder.iterdir() if d.is_dir() and _visible(d)), key=lambda d: d.name)
 
 
-def unreadable_folders(folder: Path) -> list[BadFile]:
-    """Visible subfolders of `folder` that cannot be listed: `rglob` would skip their images silently."""
-    errors: list[OSError] = []
-    for _ in os.walk(folder, onerror=errors.append):
-        pass
-    visible = [e for e in errors if _visible_path(Path(e.filename).relative_to(folder))]
-    return [BadFile(str(Path(e.filename).resolve()), f"folder cannot be read: {e.strerror}") for e in visible]
+def find_image_files(folder: Path, bad: list[BadFile] | None = None) -> list[str]:
+    """Absolute paths of the visible files with an image suffix under `folder`, sorted (one `scandir` per folder).
+
+    A subfolder that cannot be listed would hide its images silently: it goes to `bad` instead.
+    """
+    found, errors = [], []
+    for top, dirs, files in os.walk(folder.resolve(), onerror=errors.append):
+        dirs[:] = [d for d in dirs if not d.startswith(".")]
+        found += [os.path.join(top, f) for f in files if not f.startswith(".") and _has_image_suffix(f)]
+    if bad is not None:
+        bad += [BadFile(str(Path(e.filename).resolve()), f"folder cannot be read: {e.strerror}") for e in errors]
+    return sorted(found)
 
 
-def _visible_path(rel: Path) -> bool:
-    return not any(part.startswith(".") for part in rel.parts)
+def _has_image_suffix(name: str) -> bool:
+    return os.path.splitext(name)[1].lower() in IMAGE_SUFFIXES
 
 
-def list_images(folder: Path, verify: bool, bad: list[BadFile]) -> list[Path]:
-    """Image files under `folder` (recursively, hidden parts skipped), sorted; broken files and folders go to `bad`."""
-    bad.extend(unreadable_folders(folder))
-    found = []
-    for p in sorted(folder.rglob("*")):
-        rel = p.relative_to(folder).parts
-        if any(part.startswith(".") for part in rel) or not p.is_file() or not is_image_file(p):
-            continue
-        if verify:
-            try:
-                load_image(p)
-            except ImageError as e:
-                bad.append(BadFile(str(p.resolve()), str(e)))
-                continue
-        found.append(p.resolve())
-    return found
+# Leading bytes of every format we decode (serve.runtime.images.FORMATS); RIFF needs WEBP at bytes 8-12.
+SIGNATURES = (b"\xff\xd8\xff", b"\x89PNG\r\n\x1a\n", b"GIF87a", b"GIF89a", b"BM", b"II*\x00", b"MM\x00*", b"RIFF")
 
 
-def _scan_classes(folder: Path, classes: list[str] | None, verify: bool, bad: list[BadFile]) -> dict[str, list[Path]]:
+def header_error(path: str) -> str | None:
+    """Why `path` is not an image we read, from its first 16 bytes; None when it looks like one.
+
+    Only the signature is read: a file broken further in (truncated, corrupt, too many pixels) is found
+    when it is decoded, and skipped and reported then.
+    """
+    try:
+        with open(path, "rb") as f:
+            head = f.read(16)
+    except OSError as e:
+        return f"{path} could not be read: {e}"
+    if not head:
+        return f"{path} is empty (0 bytes)"
+    if not head.startswith(SIGNATURES) or (head.startswith(b"RIFF") and head[8:12] != b"WEBP"):
+        return f"{path} is not an image: no JPEG, PNG, GIF, BMP, WebP or TIFF header found"
+    return None
+
+
+def _header_errors(paths: list[str]) -> list[tuple[str, str]]:
+    return [(p, e) for p in paths if (e := header_error(p)) is not None]
+
+
+def check_headers(paths: list[str], workers: int | None = None, chunk: int = 2_000) -> list[tuple[str, str]]:
+    """Check every file's image signature (not its pixels), in a process pool for large lists.
+
+    Returns:
+        (path, reason) of each file that is empty, unreadable or not an image.
+    """
+    from train.dataset import usable_cores
+
+    workers = workers or usable_cores()
+    if len(paths) < PARALLEL_FROM or workers < 2:
+        return _header_errors(paths)
+    chunks = [paths[i : i + chunk] for i in range(0, len(paths), chunk)]
+    with mp.get_context("fork").Pool(workers) as pool:
+        return [e for part in pool.imap(_header_errors, chunks) for e in part]
+
+
+def _scan_classes(folder: Path, classes: list[str] | None, verify: bool, bad: list[BadFile]) -> dict[str, list[str]]:
     dirs = class_dirs(folder)
     names = [d.name for d in dirs]
     if classes is not None and names != classes:
@@ -104,9 +159,13 @@ def _scan_classes(folder: Path, classes: list[str] | None, verify: bool, bad: li
             f"{folder} must hold at least 2 class folders (one folder of images per class), found {len(dirs)}"
             + (f": {names}" if names else "")
         )
-    files = {}
+    files = {d.name: find_image_files(d, bad) for d in dirs}
+    if verify:
+        errors = check_headers([p for paths in files.values() for p in paths])
+        bad += [BadFile(p, reason) for p, reason in errors]
+        failed = {p for p, _ in errors}
+        files = {name: [p for p in paths if p not in failed] for name, paths in files.items()} if failed else files
     for d in dirs:
-        files[d.name] = list_images(d, verify, bad)
         if not files[d.name]:
             raise ValueError(
                 f"class folder {d} holds no readable images (jpg, png, webp, bmp, gif or tiff); "
@@ -116,7 +175,7 @@ def _scan_classes(folder: Path, classes: list[str] | None, verify: bool, bad: li
 
 
 def stratified_split(
-    files: dict[str, list[Path]], val_fraction: float, seed: int
+    files: dict[str, list[str]], val_fraction: float, seed: int
 ) -> tuple[list[tuple[str, int]], list[tuple[str, int]]]:
     """Split each class separately so train and val keep the class proportions.
 
@@ -142,7 +201,8 @@ def scan_folder(root: str | Path, val_fraction: float = 0.2, seed: int = 42, ver
         root: the image folder.
         val_fraction: share of each class held out for validation (pool layout only).
         seed: seed of the split.
-        verify: decode every image now, so broken files are skipped and reported before training.
+        verify: read every image's header now, so files that are not images are skipped and reported
+            before training (files broken further in are found when decoded).
 
     Returns:
         A `FolderScan`.
@@ -151,6 +211,7 @@ def scan_folder(root: str | Path, val_fraction: float = 0.2, seed: int = 42, ver
         FileNotFoundError: `root` does not exist.
         ValueError: fewer than 2 classes, or an empty class folder (the message names it).
     """
+    start = time.perf_counter()
     root = Path(root).expanduser().resolve()
     if not root.is_dir():
         raise FileNotFoundError(f"image folder not found: {root} (expected root/<class>/<image> files)")
@@ -159,9 +220,27 @@ def scan_folder(root: str | Path, val_fraction: float = 0.2, seed: int = 42, ver
         train_files = _scan_classes(root / "train", None, verify, bad)
         classes = sorted(train_files)
         val_files = _scan_classes(root / "val", classes, verify, bad)
-        train = [(str(p), y) for y, c in enumerate(classes) for p in train_files[c]]
-        val = [(str(p), y) for y, c in enumerate(classes) for p in val_files[c]]
-        return FolderScan(root, classes, train, val, bad, layout="train_val")
+        train = [(p, y) for y, c in enumerate(classes) for p in train_files[c]]
+        val = [(p, y) for y, c in enumerate(classes) for p in val_files[c]]
+        return _done(FolderScan(root, classes, train, val, bad, layout="train_val"), start)
     files = _scan_classes(root, None, verify, bad)
     train, val = stratified_split(files, val_fraction, seed)
-    return FolderScan(root, sorted(files), train, val, bad, layout="pool")
+    return _done(FolderScan(root, sorted(files), train, val, bad, layout="pool"), start)
+
+
+def _done(scan: FolderScan, start: float) -> FolderScan:
+    scan.seconds = time.perf_counter() - start
+    log.info(
+        "scanned %s in %.1f s: %d classes, %d train and %d val images, %d unreadable",
+        scan.root, scan.seconds, len(scan.classes), len(scan.train), len(scan.val), len(scan.bad),
+    )  # fmt: skip
+    return scan
+
+
+def folder_classes(root: str | Path) -> list[str]:
+    """The class names of an image folder from its folder names alone (no file is read)."""
+    root = Path(root).expanduser()
+    if not root.is_dir():
+        raise FileNotFoundError(f"image folder not found: {root} (expected root/<class>/<image> files)")
+    base = root / "train" if (root / "train").is_dir() and (root / "val").is_dir() else root
+    return [d.name for d in class_dirs(base)]

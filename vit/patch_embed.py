@@ -1,4 +1,9 @@
-"""Image to patch tokens."""
+"""Image to patch tokens: one strided convolution (a linear map of each patch), or a convolutional stem.
+
+The stem option follows Xiao et al. 2021, "Early convolutions help transformers see better": a few
+3 x 3 stride-2 convolutions (BatchNorm, ReLU) then a 1 x 1 projection replace the patchify layer, with
+the same token grid. It trains faster and more stably on small data; the rest of the model is unchanged.
+"""
 
 from __future__ import annotations
 
@@ -19,6 +24,8 @@ class PatchEmbed(nn.Module):
         in_chans: input channels.
         embed_dim: token width D.
         bias: whether the projection has a bias.
+        stem: "patch" (one conv, kernel = stride = P; timm's layout) or "conv" (log2(P) 3 x 3 stride-2
+            convolutions, each doubling the width up to embed_dim / 2, then a 1 x 1 projection).
     """
 
     def __init__(
@@ -28,8 +35,11 @@ class PatchEmbed(nn.Module):
         in_chans: int = 3,
         embed_dim: int = 768,
         bias: bool = True,
+        stem: str = "patch",
     ):
         super().__init__()
+        if stem not in ("patch", "conv"):
+            raise ValueError(f"stem must be 'patch' or 'conv', got {stem!r}")
         self.img_size = _pair(img_size)
         self.patch_size = (patch_size, patch_size)
         H, W = self.img_size
@@ -37,7 +47,12 @@ class PatchEmbed(nn.Module):
             raise ValueError(f"img_size {self.img_size} is not a multiple of patch_size {patch_size}")
         self.grid_size = (H // patch_size, W // patch_size)
         self.num_patches = self.grid_size[0] * self.grid_size[1]
-        self.proj = nn.Conv2d(in_chans, embed_dim, kernel_size=patch_size, stride=patch_size, bias=bias)
+        if stem == "patch":
+            self.stem = nn.Identity()
+            self.proj = nn.Conv2d(in_chans, embed_dim, kernel_size=patch_size, stride=patch_size, bias=bias)
+        else:
+            self.stem = conv_stem(in_chans, embed_dim, patch_size)
+            self.proj = nn.Conv2d(self.stem[-3].out_channels, embed_dim, kernel_size=1, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Args:
@@ -50,7 +65,25 @@ class PatchEmbed(nn.Module):
         P = self.patch_size[0]
         if not torch.jit.is_tracing() and not torch.compiler.is_compiling() and (H % P or W % P):
             raise ValueError(f"image size ({H}, {W}) is not a multiple of the patch size {P}")
+        x = self.stem(x)  # (B, C', Gh, Gw) with the conv stem; unchanged without
         return self.proj(x).permute(0, 2, 3, 1)  # (B, D, Gh, Gw) -> (B, Gh, Gw, D)
+
+
+def conv_stem(in_chans: int, embed_dim: int, patch_size: int) -> nn.Sequential:
+    """3 x 3 stride-2 conv + BatchNorm + ReLU, log2(patch_size) times: (B, C, H, W) -> (B, C', H/P, W/P).
+
+    Widths double from embed_dim / 2^k to embed_dim / 2, so the last layer is the widest, as in the paper.
+    """
+    k = patch_size.bit_length() - 1
+    if patch_size < 2 or 2**k != patch_size:
+        raise ValueError(f"the conv stem needs a power-of-2 patch_size (2, 4, 8, 16), got {patch_size}")
+    layers: list[nn.Module] = []
+    c_in = in_chans
+    for i in range(k):
+        c_out = max(8, embed_dim // 2 ** (k - i))
+        layers += [nn.Conv2d(c_in, c_out, 3, stride=2, padding=1, bias=False), nn.BatchNorm2d(c_out), nn.ReLU()]
+        c_in = c_out
+    return nn.Sequential(*layers)
 
 
 def _pair(x: int | tuple[int, int]) -> tuple[int, int]:

@@ -14,7 +14,7 @@ import torch
 from serve.runtime.images import Preprocess, load_image
 from tests.train.conftest import write_shapes
 from train.data import ImageFolderDataModule
-from train.folder import scan_folder
+from train.folder import FolderScan, scan_folder
 from train.transforms import Augment
 
 
@@ -24,10 +24,10 @@ def test_awkward_files_load_and_broken_ones_are_skipped_with_reasons(messy_folde
     names = {Path(p).name for p, _ in scan.train + scan.val}
     assert names == {
         "photo.jpg", "UPPER.JPG", "Shout.PNG", "gray.png", "palette.png", "rgba.png", "cmyk.jpg",
-        "sixteen.png", "exif_rotated.jpg", "dog0.png", "dog1.png", "dog2.png",
+        "sixteen.png", "exif_rotated.jpg", "dog0.png", "dog1.png", "dog2.png", "truncated.jpg",
     }  # fmt: skip
     bad = {Path(b.path).name: b.reason for b in scan.bad}
-    assert set(bad) == {"truncated.jpg", "empty.png", "text.png"}
+    assert set(bad) == {"empty.png", "text.png"}  # the scan reads signatures: truncated.jpg fails when decoded
     assert "empty" in bad["empty.png"] and "not an image" in bad["text.png"]
 
 
@@ -119,24 +119,58 @@ def test_train_val_layout_keeps_the_users_split(tmp_path: Path):
         scan_folder(root)
 
 
-def test_training_transform_without_augmentation_matches_the_serving_preprocessing(shapes_folder: Path):
+@pytest.mark.parametrize("batch_augment", [True, False])
+def test_training_batches_without_augmentation_match_the_serving_preprocessing(shapes_folder: Path, batch_augment):
     off = Augment(crop_scale=(1.0, 1.0), crop_ratio=(1.0, 1.0), hflip=0.0, rand_augment=None, re_prob=0.0)
-    dm = ImageFolderDataModule(str(shapes_folder), img_size=32, crop_pct=1.0, augment=off, num_workers=0)
+    dm = ImageFolderDataModule(
+        str(shapes_folder), img_size=32, crop_pct=1.0, augment=off, num_workers=0, batch_augment=batch_augment
+    )
     dm.setup("fit")
-    path, _ = dm.scan.train[0]
-    x, _ = dm.train_set[0]
-    np.testing.assert_allclose(x.numpy(), dm.preprocess(load_image(path)), atol=1e-6)
+    x, _ = dm.train_dataloader().collate_fn([dm.train_set[i] for i in range(4)])  # (4, 3, 32, 32)
+    for i in range(4):
+        np.testing.assert_allclose(x[i].numpy(), dm.preprocess(load_image(dm.scan.train[i][0])), atol=1e-6)
 
 
-def test_the_validation_cache_keeps_the_resized_image_and_gives_the_same_tensors(shapes_folder: Path):
-    plain = ImageFolderDataModule(str(shapes_folder), img_size=16, batch_size=4)
-    cached = ImageFolderDataModule(str(shapes_folder), img_size=16, batch_size=4, cache_images=True)
+def test_validation_batches_are_the_serving_preprocessing_pixel_for_pixel(shapes_folder: Path):
+    dm = ImageFolderDataModule(str(shapes_folder), img_size=24, crop_pct=0.875, num_workers=0, batch_augment=True)
+    dm.setup("fit")
+    x, y = dm.val_dataloader().collate_fn([dm.val_set[i] for i in range(3)])
+    for i in range(3):
+        path, label = dm.scan.val[i]
+        np.testing.assert_array_equal(x[i].numpy(), dm.preprocess(load_image(path)))
+        assert y[i] == label
+
+
+def test_the_cache_is_one_uint8_array_of_resized_images_and_gives_the_same_batches(shapes_folder: Path):
+    plain = ImageFolderDataModule(str(shapes_folder), img_size=16, batch_size=4, cache_images=False, num_workers=0)
+    cached = ImageFolderDataModule(str(shapes_folder), img_size=16, batch_size=4, cache_images=True, num_workers=0)
     plain.setup("fit")
     cached.setup("fit")
-    for i in range(len(cached.val_set)):
-        first, label = cached.val_set[i]
-        again, _ = cached.val_set[i]  # from the cache
-        reference, ref_label = plain.val_set[i]
-        assert label == ref_label and torch.equal(first, reference) and torch.equal(again, reference)
-    kept = list(cached.val_set._images.values())
-    assert kept and all(isinstance(k, np.ndarray) and k.shape == (16, 16, 3) for k in kept)  # not the full images
+    pixels, readable = cached.val_set.cache
+    assert pixels.dtype == np.uint8 and pixels.shape == (len(cached.scan.val), 16, 16, 3) and readable.all()
+    for a, b in zip(plain.val_dataloader(), cached.val_dataloader(), strict=True):
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+def test_a_file_that_fails_to_decode_after_the_header_check_is_skipped_and_reported(shapes_folder, tmp_path):
+    good = shapes_folder / "bar" / "000.png"
+    (shapes_folder / "bar" / "broken.png").write_bytes(good.read_bytes()[:60])  # header intact, data cut
+    assert not scan_folder(shapes_folder).bad  # the header reads
+    dm = ImageFolderDataModule(str(shapes_folder), img_size=16, batch_size=8, cache_images=True, num_workers=0)
+    dm.setup("fit")
+    dm.write_reports(tmp_path / "run")
+    assert "broken.png" in (tmp_path / "run" / "bad_files.csv").read_text()
+    labels = [int(y) for loader in (dm.train_dataloader(), dm.val_dataloader()) for _, ys in loader for y in ys]
+    assert len(labels) >= len(dm.scan.train) + len(dm.scan.val) - 8 - 1  # every readable image, broken one skipped
+
+
+def test_a_ddp_rank_other_than_0_reads_class_names_from_folder_names_and_the_scan_from_rank_0(
+    shapes_folder: Path, tmp_path: Path, monkeypatch
+):
+    scan = scan_folder(shapes_folder, 0.25, seed=3)
+    scan.save(tmp_path / "scan.json")
+    again = FolderScan.load(tmp_path / "scan.json")
+    assert again.train == scan.train and again.val == scan.val and again.classes == scan.classes
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    dm = ImageFolderDataModule(str(shapes_folder), img_size=16)
+    assert dm.num_classes == 3 and dm._scan is None  # no scan on this rank before setup

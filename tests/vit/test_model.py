@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from vit import ATTN_SCORES, VARIANTS, VisionTransformer, create_model
 
@@ -261,3 +262,20 @@ def test_bf16_on_cuda_matches_fp32(tiny_model):
     torch.testing.assert_close(fast.float(), reference, atol=0.05, rtol=0.05)
     torch.testing.assert_close(fused.float(), reference, atol=0.05, rtol=0.05)
     assert attns[0].dtype == torch.bfloat16
+
+
+def test_conv_stem_keeps_the_token_grid_and_rebuilds_from_its_config(tiny_config):
+    torch.manual_seed(0)
+    model = VisionTransformer(**tiny_config, stem="conv")
+    assert model.grid_size == (4, 4) and len([m for m in model.patch_embed.stem if isinstance(m, nn.Conv2d)]) == 3
+    x = torch.randn(3, 3, 32, 32)
+    model.train()
+    model(x).sum().backward()  # BatchNorm in training mode, gradients reach the first convolution
+    assert model.patch_embed.stem[0].weight.grad.abs().sum() > 0
+    model.eval()
+    clone = VisionTransformer(**model.config)
+    clone.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        assert torch.allclose(clone.eval()(x), model(x), atol=1e-6)
+    with pytest.raises(ValueError, match="power-of-2 patch_size"):
+        VisionTransformer(**{**tiny_config, "img_size": 30, "patch_size": 6}, stem="conv")

@@ -11,7 +11,14 @@ import torch
 
 @pytest.mark.slow
 @pytest.mark.parametrize("return_attn", [False, True], ids=["logits", "with-attention"])
-def test_exports_and_matches_onnxruntime(tmp_path, tiny_model, return_attn):
+@pytest.mark.parametrize("stem", ["patch", "conv"])
+def test_exports_and_matches_onnxruntime(tmp_path, tiny_model, tiny_config, return_attn, stem):
+    if stem == "conv":
+        from vit import VisionTransformer
+
+        torch.manual_seed(0)
+        tiny_model = VisionTransformer(**tiny_config, stem="conv").eval()
+
     class Wrapper(torch.nn.Module):
         def __init__(self, net):
             super().__init__()

@@ -1,0 +1,64 @@
+"""LitData: `vit-train prepare` writes the folder as chunks, and training streams them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.train.conftest import REPO
+from train.cli import main
+from train.folder import scan_folder
+from train.shards import is_streaming_root, prepare, read_meta
+
+
+def test_prepare_keeps_the_split_classes_and_reports_every_broken_file(messy_folder: Path, tmp_path: Path):
+    out = tmp_path / "shards"
+    meta = prepare(str(messy_folder), str(out), val_fraction=0.25, seed=0, workers=1)
+    scan = scan_folder(messy_folder, val_fraction=0.25, seed=0)
+    assert meta["classes"] == scan.classes == ["cat", "dog"]
+    assert {Path(b["path"]).name for b in meta["bad"]} == {"truncated.jpg", "empty.png", "text.png"}
+    assert meta["train"] + meta["val"] == 12 and is_streaming_root(out) and read_meta(str(out)) == meta
+    assert "truncated.jpg" in (out / "bad_files.csv").read_text()
+    assert (out / "train" / "index.json").is_file() and (out / "val" / "index.json").is_file()
+
+
+def test_prepare_says_what_is_wrong_in_one_line_with_exit_code_2(tmp_path: Path, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["prepare", "--data.root", str(tmp_path / "missing"), "--out", str(tmp_path / "out")])
+    assert e.value.code == 2 and "image folder not found" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_fit_streams_a_prepared_dataset_and_reports_its_bad_files(shapes_folder: Path, tmp_path: Path):
+    (shapes_folder / "bar" / "broken.png").write_bytes((shapes_folder / "bar" / "000.png").read_bytes()[:60])
+    out, run_dir = tmp_path / "shards", tmp_path / "run"
+    main(["prepare", "--data.root", str(shapes_folder), "--out", str(out), "--workers", "1"])
+    main(
+        [
+            "fit", "--config", str(REPO / "configs" / "small_images.yaml"), "--data.root", str(out),
+            "--trainer.default_root_dir", str(run_dir), "--trainer.max_epochs", "2", "--data.batch_size", "8",
+            "--trainer.enable_progress_bar", "false", "--data.num_workers", "0", "--trainer.accelerator", "cpu",
+        ]
+    )  # fmt: skip
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["epochs"] == 2 and summary["best_val_acc"] is not None
+    assert "broken.png" in (run_dir / "bad_files.csv").read_text()
+
+
+@pytest.mark.parametrize("batch_augment", [True, False])
+def test_a_prepared_dataset_gives_the_same_batches_shape_as_the_folder(shapes_folder, tmp_path, batch_augment):
+    from train.data import ImageFolderDataModule
+    from train.transforms import Augment
+
+    prepare(str(shapes_folder), str(tmp_path / "shards"), workers=1)
+    dm = ImageFolderDataModule(
+        str(tmp_path / "shards"), img_size=16, batch_size=8, num_workers=0, batch_augment=batch_augment,
+        augment=Augment(rand_augment=None, re_prob=0.25),
+    )  # fmt: skip
+    assert dm.classes == ["bar", "column", "square"]
+    dm.setup("fit")
+    for loader in (dm.train_dataloader(), dm.val_dataloader()):
+        x, y = next(iter(loader))
+        assert x.shape[1:] == (3, 16, 16) and len(x) in (8, 16) and x.dtype.is_floating_point and y.max() < 3

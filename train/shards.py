@@ -1,0 +1,157 @@
+"""Image folders as LitData streaming datasets: `vit-train prepare`, and `--data.root` pointing at one.
+
+    vit-train prepare --data.root data/fmnist --out shards/fmnist      # or --out s3://bucket/fmnist
+    vit-train fit --config configs/small_images.yaml --data.root shards/fmnist
+
+`prepare` scans the folder exactly as training does (same split, classes, header check), decodes every
+image once to find the broken ones (listed in `bad_files.csv`), and writes the encoded files, untouched,
+into LitData's chunked format: `out/train/`, `out/val/` and `out/vitscope.json` (classes, split, counts).
+Training streams the chunks (`litdata.StreamingDataset`): each DDP rank reads its own chunks, and the
+`StreamingDataLoader`'s position is saved in checkpoints, so a resumed run continues mid-epoch.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import logging
+import multiprocessing as mp
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from serve.runtime.images import ImageError, load_image
+from train.dataset import usable_cores
+from train.folder import BadFile, FolderScan, scan_folder
+
+log = logging.getLogger(__name__)
+
+META = "vitscope.json"
+FORMAT = "vitscope-litdata/1"
+
+
+def is_streaming_root(root: str | Path) -> bool:
+    """True for a local folder `prepare` wrote, or any remote URL (s3://, gs://): those are streamed."""
+    text = str(root)
+    return "://" in text or (Path(text).expanduser() / META).is_file()
+
+
+def _decode_errors(paths: list[str]) -> list[tuple[str, str]]:
+    errors = []
+    for p in paths:
+        try:
+            load_image(p)
+        except (ImageError, OSError) as e:
+            errors.append((p, str(e)))
+    return errors
+
+
+def _sample(item: tuple[str, int]) -> dict[str, Any]:
+    path, label = item
+    return {"image": Path(path).read_bytes(), "label": int(label)}
+
+
+def prepare(root: str, out: str, val_fraction: float = 0.2, seed: int = 42, workers: int | None = None) -> dict:
+    """Convert the image folder `root` into LitData chunks under `out` (a folder or s3:// / gs:// URL).
+
+    Returns:
+        What `out/vitscope.json` holds: format, classes, layout, counts, bad files.
+    """
+    from litdata import optimize
+
+    scan = scan_folder(root, val_fraction, seed, verify=True)
+    workers = workers or usable_cores()
+    paths = [p for p, _ in scan.train + scan.val]
+    chunks = [paths[i : i + 1000] for i in range(0, len(paths), 1000)]
+    with mp.get_context("fork").Pool(workers) as pool:
+        errors = [e for part in pool.map(_decode_errors, chunks) for e in part]
+    broken = {p for p, _ in errors}
+    bad = [(b.path, b.reason) for b in scan.bad] + errors
+    meta = {"format": FORMAT, "root": str(scan.root), "layout": scan.layout, "classes": scan.classes}
+    for split, items in (("train", scan.train), ("val", scan.val)):
+        items = [it for it in items if it[0] not in broken]
+        optimize(fn=_sample, inputs=items, output_dir=f"{out.rstrip('/')}/{split}", chunk_bytes="64MB",
+                 num_workers=workers, mode="overwrite")  # fmt: skip
+        meta[split] = len(items)
+    meta["bad"] = [{"path": p, "reason": r} for p, r in bad]
+    _write_text(out, META, json.dumps(meta, indent=1))
+    buf = io.StringIO()
+    csv.writer(buf).writerows([["file", "reason"], *bad])
+    _write_text(out, "bad_files.csv", buf.getvalue())
+    return meta
+
+
+def _write_text(out: str, name: str, text: str) -> None:
+    if "://" not in out:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        (Path(out) / name).write_text(text)
+        return
+    import fsspec  # remote outputs: the object store's fsspec driver (s3fs, gcsfs)
+
+    with fsspec.open(f"{out.rstrip('/')}/{name}", "w") as f:
+        f.write(text)
+
+
+def read_meta(root: str) -> dict:
+    """`vitscope.json` of a prepared dataset (local or remote)."""
+    if "://" not in root:
+        meta = json.loads((Path(root).expanduser() / META).read_text())
+    else:
+        import fsspec
+
+        with fsspec.open(f"{root.rstrip('/')}/{META}") as f:
+            meta = json.loads(f.read())
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"{root} is not a dataset written by `vit-train prepare` (format {meta.get('format')!r})")
+    return meta
+
+
+def streaming_scan(root: str) -> FolderScan:
+    """What the data module needs of a prepared dataset: classes and bad files (the split is in the chunks)."""
+    meta = read_meta(root)
+    bad = [BadFile(b["path"], b["reason"]) for b in meta.get("bad", [])]
+    return FolderScan(Path(meta["root"]), list(meta["classes"]), [], [], bad, layout="litdata")
+
+
+def streaming_dataset(root: str, split: str, fixed, shuffle: bool, seed: int = 42, transform=None):
+    """A `litdata.StreamingDataset` of `root/split` yielding (image, label).
+
+    The image is `fixed`'s (S, S, 3) uint8 array as a tensor (for a batch transform), or `transform` of it.
+    """
+    from litdata import StreamingDataset
+
+    class StreamingImages(StreamingDataset):
+        def __getitem__(self, index):
+            sample = super().__getitem__(index)
+            pixels = fixed(load_image(bytes(sample["image"])))  # verified by prepare: decodes
+            if transform is not None:
+                return transform(pixels), int(sample["label"])
+            return torch.from_numpy(np.ascontiguousarray(pixels)), int(sample["label"])
+
+    return StreamingImages(f"{root.rstrip('/')}/{split}", shuffle=shuffle, drop_last=shuffle, seed=seed)
+
+
+def main(argv: list[str]) -> None:
+    """`vit-train prepare --data.root DIR --out SHARDS [--data.val_fraction F] [--data.seed S] [--workers N]`."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="vit-train prepare", description=__doc__.splitlines()[0])
+    parser.add_argument("--data.root", dest="root", required=True, help="the image folder")
+    parser.add_argument("--out", required=True, help="output folder, or s3:// / gs:// URL")
+    parser.add_argument("--data.val_fraction", dest="val_fraction", type=float, default=0.2)
+    parser.add_argument("--data.seed", dest="seed", type=int, default=42)
+    parser.add_argument("--workers", type=int, default=None, help="processes (default: the usable cores)")
+    args = parser.parse_args(argv)
+    try:
+        meta = prepare(args.root, args.out, args.val_fraction, args.seed, args.workers)
+    except (OSError, ValueError) as e:
+        print(f"vit-train prepare: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    print(
+        f"{args.out}: {meta['train']} train and {meta['val']} val images, {len(meta['classes'])} classes, "
+        f"{len(meta['bad'])} unreadable (bad_files.csv); train with --data.root {args.out}"
+    )
