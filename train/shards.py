@@ -55,8 +55,10 @@ def _sample(item: tuple[str, int]) -> dict[str, Any]:
     return {"image": Path(path).read_bytes(), "label": int(label)}
 
 
-def prepare(root: str, out: str, val_fraction: float = 0.2, seed: int = 42, workers: int | None = None) -> dict:
-    """Convert the image folder `root` into LitData chunks under `out` (a folder or s3:// / gs:// URL).
+def prepare(
+    root: str, out: str, val_fraction: float = 0.2, seed: int = 42, workers: int | None = None, chunk_bytes="64MB"
+) -> dict:
+    """Convert the image folder `root` into LitData chunks of `chunk_bytes` under `out` (a folder or s3:// / gs:// URL).
 
     Returns:
         What `out/vitscope.json` holds: format, classes, layout, counts, bad files.
@@ -74,7 +76,7 @@ def prepare(root: str, out: str, val_fraction: float = 0.2, seed: int = 42, work
     meta = {"format": FORMAT, "root": str(scan.root), "layout": scan.layout, "classes": scan.classes}
     for split, items in (("train", scan.train), ("val", scan.val)):
         items = [it for it in items if it[0] not in broken]
-        optimize(fn=_sample, inputs=items, output_dir=f"{out.rstrip('/')}/{split}", chunk_bytes="64MB",
+        optimize(fn=_sample, inputs=items, output_dir=f"{out.rstrip('/')}/{split}", chunk_bytes=chunk_bytes,
                  num_workers=workers, mode="overwrite")  # fmt: skip
         meta[split] = len(items)
     meta["bad"] = [{"path": p, "reason": r} for p, r in bad]

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.train.conftest import REPO
+from tests.train.conftest import REPO, write_shapes
 from train.cli import main
 from train.folder import scan_folder
 from train.shards import is_streaming_root, prepare, read_meta
@@ -62,3 +62,28 @@ def test_a_prepared_dataset_gives_the_same_batches_shape_as_the_folder(shapes_fo
     for loader in (dm.train_dataloader(), dm.val_dataloader()):
         x, y = next(iter(loader))
         assert x.shape[1:] == (3, 16, 16) and len(x) in (8, 16) and x.dtype.is_floating_point and y.max() < 3
+
+
+@pytest.mark.slow
+def test_ddp_on_two_cpu_processes_streams_disjoint_samples(tmp_path: Path):
+    import os
+    import subprocess
+    import sys
+
+    import torch
+
+    out, run = tmp_path / "shards", tmp_path / "run"
+    shapes = write_shapes(tmp_path / "shapes", per_class=40)
+    prepare(str(shapes), str(out), workers=1, chunk_bytes="4kb")  # several chunks to share out
+    cmd = [sys.executable, "-m", "train", "fit", "--config", str(REPO / "configs" / "small_images.yaml")]
+    cmd += ["--data.root", str(out), "--trainer.default_root_dir", str(run), "--trainer.max_epochs", "1"]
+    cmd += ["--data.batch_size", "4", "--data.eval_batch_size", "4", "--data.num_workers", "0"]
+    cmd += ["--trainer.enable_progress_bar", "false"]
+    cmd += ["--trainer.strategy", "ddp", "--trainer.devices", "2", "--trainer.accelerator", "cpu"]
+    cmd += ["--data.augment.crop_scale", "[1.0, 1.0]", "--data.augment.crop_ratio", "[1.0, 1.0]"]
+    cmd += ["--data.augment.hflip", "0.0", "--trainer.callbacks+=tests.train.rank_weights.SaveRankSamples"]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    seen0, seen1 = (torch.load(run / f"samples{r}.pt", weights_only=True) for r in (0, 1))
+    assert seen0 and seen1 and not set(seen0) & set(seen1)  # each rank streams its own chunks
