@@ -177,7 +177,8 @@ class VitCLI(LightningCLI):
         if not self.trainer.fast_dev_run:
             check_ckpt_owner(ckpt_path, Path(self.trainer.default_root_dir), bool(config.get("overwrite")))
         scan = getattr(self.datamodule, "scan", None)
-        if scan is not None and not scan.val and self.trainer.limit_val_batches != 0:
+        # a prepared (LitData) dataset keeps its split in its chunks, not in the scan
+        if scan is not None and scan.layout != "litdata" and not scan.val and self.trainer.limit_val_batches != 0:
             raise SetupError(
                 f"{scan.root} gives no validation images, so no best.ckpt could be chosen: give each class at "
                 "least 2 images (--data.val_fraction holds some out), or add a root/val/<class>/ folder"
