@@ -22,7 +22,7 @@ from serve.runtime.images import PixelBudget
 from serve.server.batching import Engine
 from serve.server.errors import add_error_handlers, add_fallback_routes
 from serve.server.guard import RequestGuard, allowed_hosts_of
-from serve.server.metrics import Metrics, MetricsMiddleware
+from serve.server.metrics import Metrics
 from serve.server.openapi import describe
 from serve.server.settings import ServeSettings
 from serve.server.uploads import decode_image
@@ -84,8 +84,12 @@ def build_app(
         from serve.server.ui import mount_ui
 
         app = mount_ui(app, classifier, engine, settings, budget)
-    # after the UI's middleware, so that it counts what the client got (the UI's 422, not Gradio's 500)
-    app.add_middleware(MetricsMiddleware, metrics=metrics, routes=("/v1", "/v2", "/healthz", "/readyz", "/gradio_api"))
-    hosts = allowed_hosts_of(settings.allowed_hosts, settings.host)
-    app.add_middleware(RequestGuard, api_key=settings.api_key.get_secret_value(), allowed_hosts=hosts)  # outermost
+    # outermost: it counts what the client got (the UI's 422, not Gradio's 500; 400 for a wrong Host)
+    app.add_middleware(
+        RequestGuard,
+        api_key=settings.api_key.get_secret_value(),
+        allowed_hosts=allowed_hosts_of(settings.allowed_hosts, settings.host),
+        metrics=metrics,
+        routes=("/v1", "/v2", "/healthz", "/readyz", "/gradio_api"),
+    )
     return app

@@ -1,7 +1,8 @@
 """The outermost ASGI layer: who may ask, and a record of every request.
 
 Each request gets an ID (the client's `X-Request-Id` when it is sane, else a new one), echoed in the
-response and written in one access log line. Before anything else runs, the `Host` header is checked
+response, written in one access log line and counted in the Prometheus metrics under its route, with the
+status the client got (499 when it went away first). Before anything else runs, the `Host` header is checked
 against an allow-list (a page on another site that rebinds its DNS name to 127.0.0.1 sends its own
 name as the Host, so it gets 400 and never reaches the API or the UI) and, when the server has an API
 key, the key is checked in constant time. Health routes answer without either check: load balancers
@@ -13,13 +14,15 @@ from __future__ import annotations
 import base64
 import binascii
 import hmac
+import itertools
 import json
 import logging
+import os
 import re
 import time
-import uuid
 
 from serve.server.errors import ERROR_STATUS
+from serve.server.metrics import CLIENT_CLOSED, Metrics
 
 log = logging.getLogger("vitscope.access")
 
@@ -27,7 +30,6 @@ HEALTH_PATHS = ("/healthz", "/readyz", "/v2/health/live", "/v2/health/ready")
 API_PREFIXES = ("/v1", "/v2", "/metrics", "/openapi.json", "/docs", "/redoc")
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
 SANE_REQUEST_ID = re.compile(r"[A-Za-z0-9._:/+=-]{1,128}")
-CLIENT_CLOSED = 499  # nginx's code for a client that went away before the answer: never sent, only logged
 
 
 def allowed_hosts_of(setting: str, bind_host: str) -> frozenset[str] | None:
@@ -69,17 +71,29 @@ def key_of(headers: dict[bytes, bytes]) -> str | None:
 
 
 class RequestGuard:
-    """ASGI middleware: request ID, Host allow-list, API key, one access log line per request.
+    """ASGI middleware: request ID, Host allow-list, API key, one access log line and metrics per request.
 
     Args:
         app: the ASGI app to wrap.
         api_key: the key clients must send (empty: no key needed).
         allowed_hosts: Host names to accept (None: any).
+        metrics: where to count requests (None: nowhere).
+        routes: path prefixes to count, each under its own prefix as the route label; other paths (the
+            UI's assets) are logged but not counted.
     """
 
-    def __init__(self, app, api_key: str = "", allowed_hosts: frozenset[str] | None = None):
-        self.app, self.allowed_hosts = app, allowed_hosts
+    def __init__(
+        self,
+        app,
+        api_key: str = "",
+        allowed_hosts: frozenset[str] | None = None,
+        metrics: Metrics | None = None,
+        routes: tuple[str, ...] = (),
+    ):
+        self.app, self.allowed_hosts, self.metrics, self.routes = app, allowed_hosts, metrics, routes
         self.api_key = api_key.encode("utf-8")
+        # IDs as long as a UUID's hex, without a system call per request: a random prefix and a counter
+        self.id_prefix, self.ids = os.urandom(10).hex(), itertools.count()
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "websocket":  # none of ours; refused like any request if it breaks the rules
@@ -90,7 +104,7 @@ class RequestGuard:
         started, status = time.perf_counter(), CLIENT_CLOSED
         headers = dict(scope["headers"])
         given = headers.get(b"x-request-id", b"").decode("latin-1")
-        request_id = given if SANE_REQUEST_ID.fullmatch(given) else uuid.uuid4().hex
+        request_id = given if SANE_REQUEST_ID.fullmatch(given) else f"{self.id_prefix}{next(self.ids):012x}"
         scope.setdefault("state", {})["request_id"] = request_id
 
         async def send_with_id(message):
@@ -122,9 +136,13 @@ class RequestGuard:
             log.info("client went away during %s %s before the answer", scope["method"], scope["path"])
         finally:
             status = CLIENT_CLOSED if gone and status >= 500 else status
+            path = scope["path"]
+            route = next((r for r in self.routes if path == r or path.startswith(r + "/")), None)
+            if self.metrics is not None and route is not None:
+                self.metrics.observe(route, status, started)
             client = scope.get("client") or ("-", 0)
             ms = (time.perf_counter() - started) * 1000
-            log.info('%s "%s %s" %d %.1fms id=%s', client[0], scope["method"], scope["path"], status, ms, request_id)
+            log.info('%s "%s %s" %d %.1fms id=%s', client[0], scope["method"], path, status, ms, request_id)
 
     def refusal(self, path: str, headers: dict[bytes, bytes]) -> tuple[str, str, dict[str, str]] | None:
         """(code, message, headers) of a request refused before the app sees it, or None."""

@@ -1,6 +1,7 @@
 """Prometheus metrics of one app: requests by status, latency, realised batch sizes, queue depth.
 
-Each app gets its own registry, so several apps (as in tests) never share counters.
+Each app gets its own registry, so several apps (as in tests) never share counters. Requests are counted
+by `serve.server.guard.RequestGuard`, the layer that sees what each client got.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ import time
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-CLIENT_CLOSED = 499
+CLIENT_CLOSED = 499  # nginx's code for a client that went away before the answer: never sent, only counted
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 
@@ -42,43 +43,3 @@ class Metrics:
     def render(self) -> tuple[bytes, str]:
         """The text exposition format and its content type."""
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
-
-
-class MetricsMiddleware:
-    """ASGI middleware timing the API routes; other paths (the UI's assets) are not counted.
-
-    Args:
-        app: the ASGI app to wrap.
-        metrics: where to record.
-        routes: path prefixes to count, each reported under its own prefix as the route label.
-    """
-
-    def __init__(self, app, metrics: Metrics, routes: tuple[str, ...]):
-        self.app, self.metrics, self.routes = app, metrics, routes
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        path = scope["path"]
-        route = next((r for r in self.routes if path == r or path.startswith(r + "/")), None)
-        if route is None:
-            return await self.app(scope, receive, send)
-        started, status, gone = time.perf_counter(), 500, False
-
-        async def send_wrapper(message):
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            await send(message)
-
-        async def receive_wrapper():
-            nonlocal gone
-            message = await receive()
-            gone = gone or message["type"] == "http.disconnect"
-            return message
-
-        try:
-            await self.app(scope, receive_wrapper, send_wrapper)
-        finally:
-            # a client that left counts as 499 (nginx's code), whatever failed after it did
-            self.metrics.observe(route, CLIENT_CLOSED if gone and status >= 500 else status, started)
