@@ -54,6 +54,7 @@ class VisionTransformer(nn.Module):
         weight_init: "trunc_normal" (std 0.02, as timm) or "xavier" (uniform, Var(w) = 2 / (n_in + n_out)).
         stem: patch embedding: "patch" (one P x P convolution, timm's) or "conv" (3 x 3 stride-2
             convolutions then a 1 x 1 projection, Xiao et al. 2021: learns faster on small data).
+        stem_widths: the conv stem's widths (see `PatchEmbed`); None: its default.
     """
 
     def __init__(
@@ -84,6 +85,7 @@ class VisionTransformer(nn.Module):
         attn_score: str = "scaled_dot",
         weight_init: str = "trunc_normal",
         stem: str = "patch",
+        stem_widths: list[int] | None = None,
     ):
         super().__init__()
         if global_pool not in ("token", "avg"):
@@ -104,7 +106,9 @@ class VisionTransformer(nn.Module):
         self.no_embed_class = no_embed_class or pos_embed == "sincos"
         use_fc_norm = global_pool == "avg" if fc_norm is None else fc_norm
 
-        self.patch_embed = PatchEmbed(img_size, patch_size, in_chans, embed_dim, bias=not pre_norm, stem=stem)
+        self.patch_embed = PatchEmbed(
+            img_size, patch_size, in_chans, embed_dim, bias=not pre_norm, stem=stem, stem_widths=stem_widths
+        )
         self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_dim)) if class_token else None
         self.reg_token = nn.Parameter(torch.zeros(1, reg_tokens, embed_dim)) if reg_tokens else None
         L = self.patch_embed.num_patches

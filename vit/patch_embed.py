@@ -26,6 +26,9 @@ class PatchEmbed(nn.Module):
         bias: whether the projection has a bias.
         stem: "patch" (one conv, kernel = stride = P; timm's layout) or "conv" (log2(P) 3 x 3 stride-2
             convolutions, each doubling the width up to embed_dim / 2, then a 1 x 1 projection).
+        stem_widths: the conv stem's widths, one per 3 x 3 convolution (None: the doubling above). The
+            last log2(P) convolutions have stride 2; any before them keep the full resolution (stride 1),
+            which helps on tiny images, where a patch holds few pixels.
     """
 
     def __init__(
@@ -36,10 +39,13 @@ class PatchEmbed(nn.Module):
         embed_dim: int = 768,
         bias: bool = True,
         stem: str = "patch",
+        stem_widths: list[int] | tuple[int, ...] | None = None,
     ):
         super().__init__()
         if stem not in ("patch", "conv"):
             raise ValueError(f"stem must be 'patch' or 'conv', got {stem!r}")
+        if stem_widths is not None and stem != "conv":
+            raise ValueError(f"stem_widths is for stem='conv', got stem={stem!r}")
         self.img_size = _pair(img_size)
         self.patch_size = (patch_size, patch_size)
         H, W = self.img_size
@@ -51,7 +57,7 @@ class PatchEmbed(nn.Module):
             self.stem = nn.Identity()
             self.proj = nn.Conv2d(in_chans, embed_dim, kernel_size=patch_size, stride=patch_size, bias=bias)
         else:
-            self.stem = conv_stem(in_chans, embed_dim, patch_size)
+            self.stem = conv_stem(in_chans, embed_dim, patch_size, stem_widths)
             self.proj = nn.Conv2d(self.stem[-3].out_channels, embed_dim, kernel_size=1, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -69,19 +75,25 @@ class PatchEmbed(nn.Module):
         return self.proj(x).permute(0, 2, 3, 1)  # (B, D, Gh, Gw) -> (B, Gh, Gw, D)
 
 
-def conv_stem(in_chans: int, embed_dim: int, patch_size: int) -> nn.Sequential:
-    """3 x 3 stride-2 conv + BatchNorm + ReLU, log2(patch_size) times: (B, C, H, W) -> (B, C', H/P, W/P).
+def conv_stem(
+    in_chans: int, embed_dim: int, patch_size: int, widths: list[int] | tuple[int, ...] | None = None
+) -> nn.Sequential:
+    """3 x 3 conv + BatchNorm + ReLU layers: (B, C, H, W) -> (B, C', H/P, W/P).
 
-    Widths double from embed_dim / 2^k to embed_dim / 2, so the last layer is the widest, as in the paper.
+    The last log2(P) layers have stride 2, any before them stride 1. By default there are log2(P) layers
+    whose widths double from embed_dim / 2^k to embed_dim / 2, so the last is the widest, as in the paper.
     """
     k = patch_size.bit_length() - 1
     if patch_size < 2 or 2**k != patch_size:
         raise ValueError(f"the conv stem needs a power-of-2 patch_size (2, 4, 8, 16), got {patch_size}")
+    widths = [max(8, embed_dim // 2 ** (k - i)) for i in range(k)] if widths is None else list(widths)
+    if len(widths) < k or min(widths) < 1:
+        raise ValueError(f"a {patch_size}-px patch needs at least {k} positive stem widths, got {widths}")
     layers: list[nn.Module] = []
     c_in = in_chans
-    for i in range(k):
-        c_out = max(8, embed_dim // 2 ** (k - i))
-        layers += [nn.Conv2d(c_in, c_out, 3, stride=2, padding=1, bias=False), nn.BatchNorm2d(c_out), nn.ReLU()]
+    for i, c_out in enumerate(widths):
+        stride = 2 if i >= len(widths) - k else 1
+        layers += [nn.Conv2d(c_in, c_out, 3, stride=stride, padding=1, bias=False), nn.BatchNorm2d(c_out), nn.ReLU()]
         c_in = c_out
     return nn.Sequential(*layers)
 

@@ -279,3 +279,16 @@ def test_conv_stem_keeps_the_token_grid_and_rebuilds_from_its_config(tiny_config
         assert torch.allclose(clone.eval()(x), model(x), atol=1e-6)
     with pytest.raises(ValueError, match="power-of-2 patch_size"):
         VisionTransformer(**{**tiny_config, "img_size": 30, "patch_size": 6}, stem="conv")
+
+
+def test_conv_stem_widths_keep_full_resolution_before_the_strided_layers(tiny_config):
+    model = VisionTransformer(**tiny_config, stem="conv", stem_widths=[8, 16, 16, 32])  # 8-px patches: 3 strided
+    convs = [m for m in model.patch_embed.stem if isinstance(m, nn.Conv2d)]
+    assert [c.out_channels for c in convs] == [8, 16, 16, 32]
+    assert [c.stride[0] for c in convs] == [1, 2, 2, 2]
+    assert model(torch.randn(2, 3, 32, 32)).shape == (2, tiny_config["num_classes"])
+    assert VisionTransformer(**model.config).patch_embed.stem[0].out_channels == 8  # rebuilt from its config
+    with pytest.raises(ValueError, match="at least 3 positive stem widths"):
+        VisionTransformer(**tiny_config, stem="conv", stem_widths=[8, 16])
+    with pytest.raises(ValueError, match="stem_widths is for stem='conv'"):
+        VisionTransformer(**tiny_config, stem_widths=[8, 16, 32])
