@@ -21,7 +21,7 @@ import lightning.pytorch as pl
 import numpy as np
 import torch
 from PIL import Image
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, RandomSampler
 
 from serve.runtime.images import Preprocess
 from train.dataset import BatchCollate, ImageListDataset, fill_cache, usable_cores
@@ -208,15 +208,22 @@ class ImageFolderDataModule(pl.LightningDataModule):
 
             batch = self.batch_size if train else self.eval_batch_size
             return StreamingDataLoader(dataset, batch_size=batch, num_workers=workers, collate_fn=collate)
+        if train:  # workers seed each batch from the run's seed (a resumed run's restored RNG state carries it)
+            dataset.seed = torch.initial_seed()
+        # The shuffle draws from the global stream, which a checkpoint saves and restores. The loader's worker
+        # seed comes from a generator of its own: it is drawn when the loader's iterator is made, which a
+        # resumed run does later than the uninterrupted one, and drawn from the global stream it would shift
+        # every draw after it. (With `shuffle=True` the loader would shuffle from that generator too.)
         return DataLoader(
             dataset,
             batch_size=self.batch_size if train else self.eval_batch_size,
-            shuffle=train,
+            sampler=RandomSampler(dataset) if train else None,
             drop_last=train and len(dataset) > self.batch_size,  # even batches for mixup
             num_workers=workers,
             pin_memory=self.pin_memory and torch.cuda.is_available(),
             persistent_workers=workers > 0,
             collate_fn=collate,
+            generator=torch.Generator().manual_seed(self.seed),
         )
 
     def train_dataloader(self) -> DataLoader:

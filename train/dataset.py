@@ -12,13 +12,14 @@ import logging
 import math
 import multiprocessing as mp
 import os
+import random
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import torch
 from PIL import Image
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, get_worker_info
 
 from serve.runtime.images import ImageError, load_image, open_image
 
@@ -53,6 +54,8 @@ class ImageListDataset(Dataset):
             returns the uint8 array as a tensor, for `collate` to transform as a batch.
         min_side: decode JPEGs at reduced size down to this side (see `decode`); None decodes in full.
         cache: a filled `fill_cache` result ((N, S, S, 3) uint8, (N,) bool readable), or None.
+        seed: in a DataLoader worker, each batch's random numbers are seeded from this and the batch's
+            indices (`seed_batch`); None leaves the worker's own streams.
     """
 
     def __init__(
@@ -62,8 +65,10 @@ class ImageListDataset(Dataset):
         transform: Callable | None = None,
         min_side: int | None = None,
         cache: tuple[np.ndarray, np.ndarray] | None = None,
+        seed: int | None = None,
     ):
         self.items, self.fixed, self.transform, self.min_side, self.cache = items, fixed, transform, min_side, cache
+        self.seed = seed
 
     def __len__(self) -> int:
         return len(self.items)
@@ -90,6 +95,23 @@ class ImageListDataset(Dataset):
                 return torch.from_numpy(np.ascontiguousarray(img)), self.items[j][1]  # (S, S, 3) uint8
             return self.transform(img), self.items[j][1]
         raise RuntimeError("no image in this dataset can be read")
+
+    def __getitems__(self, indices: list[int]) -> list:
+        """One batch's samples (what the DataLoader asks for). A persistent worker's random streams run on
+        from epoch to epoch, and a resumed run's new worker starts them afresh: seeded per batch, the batch's
+        augmentation depends only on the seed and the images it holds, in both. The main process keeps its
+        one stream (the checkpoint saves and restores it)."""
+        if self.seed is not None and get_worker_info() is not None:
+            seed_batch(self.seed, indices)
+        return [self[i] for i in indices]
+
+
+def seed_batch(seed: int, indices: list[int]) -> None:
+    """Seed torch, numpy and Python's `random` in this process from `seed` and a batch's indices, in order."""
+    words = [int(w) for w in np.random.SeedSequence([seed, *indices]).generate_state(6)]  # 6 x 32 bits
+    torch.manual_seed(words[0] << 32 | words[1])
+    np.random.seed(words[2:4])
+    random.seed(words[4] << 32 | words[5])
 
 
 class BatchCollate:

@@ -201,8 +201,9 @@ def check_class_names(meta: dict[str, Any] | None, data_classes: list[str] | Non
 def rng_states() -> dict[str, Any]:
     """The random states that decide shuffling, augmentation and dropout, as weights-only-loadable data.
 
-    These are the main process's: DataLoader workers that persist across epochs draw from streams of their
-    own, so a resumed run reproduces the uninterrupted one exactly only with `num_workers=0`.
+    These are the main process's. DataLoader workers need none saved: they seed each batch from the run's
+    seed and the batch's indices (`train.dataset.ImageListDataset.__getitems__`), and the indices come
+    from the main process's stream.
     """
     kind, keys, pos, has_gauss, gauss = np.random.get_state()
     states: dict[str, Any] = {

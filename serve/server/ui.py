@@ -33,7 +33,7 @@ from serve.server.explain import (
     render_overlay,
     with_deletion,
 )
-from serve.server.ui_http import CallErrorsAre422, NoVersionInGradioOpenapi, UploadLimit
+from serve.server.ui_http import FailedCallsAre4xx, NoVersionInGradioOpenapi, UploadLimit
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ def mount_ui(app: FastAPI, classifier, engine, settings, budget: PixelBudget | N
     ui.has_launched = True  # what launch() sets: Gradio's processing_utils._check_allowed reads it
     ui.config["version"] = ui.config["version"].split(".")[0]  # gradio_client needs the major; no more
     app.add_middleware(UploadLimit, max_bytes=settings.max_bytes)
-    app.add_middleware(CallErrorsAre422)
+    app.add_middleware(FailedCallsAre4xx)
     app.add_middleware(NoVersionInGradioOpenapi)
     return app
 

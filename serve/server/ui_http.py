@@ -3,42 +3,90 @@
 from __future__ import annotations
 
 import json
+import logging
 
 from serve.server.errors import ERROR_STATUS
+
+log = logging.getLogger(__name__)
 
 FORM_OVERHEAD = 64 * 1024  # multipart boundaries and headers around the file itself
 
 
-class CallErrorsAre422:
-    """ASGI middleware: Gradio's direct call routes (`/gradio_api/run/<name>`, `/gradio_api/api/<name>`)
-    answer 500 for any failed call, a malformed one included (too few inputs, a value of the wrong type).
-    Our handlers raise `gr.Error` for every input they refuse, so a failed call is the caller's to fix: 422,
-    with Gradio's message in our error body. (Queued calls report failures in their event stream.)"""
+# Gradio's routes that make a call: direct (`run`, `api`), queued (`call`, with its event stream) and the
+# browser's own (`queue/join`, `queue/data`); and its upload route
+CALL_ROUTES = ("/gradio_api/run/", "/gradio_api/api/", "/gradio_api/call/", "/gradio_api/queue/")
+UPLOAD_ROUTE = "/gradio_api/upload"
+
+
+class FailedCallsAre4xx:
+    """ASGI middleware: Gradio answers 500 for any call it cannot make, a malformed one included: too few
+    inputs or a value of the wrong type (direct calls), a missing argument, an unknown endpoint name or
+    function index (queued calls, whose 500 is plain text). Our handlers raise `gr.Error` for every input
+    they refuse, so a failed call is the caller's to fix: 422, with Gradio's reason in our error body. (A
+    queued call that fails later reports it in its event stream.) An upload with a form field where a file
+    should be fails the same way, and gets 400, Gradio's own status for a malformed upload.
+
+    Gradio's event streams raise after their last event when the event or session is unknown, which would
+    cut the stream off mid-chunk: such an error is logged and the stream ends cleanly instead."""
 
     def __init__(self, app):
         self.app = app
 
     async def __call__(self, scope, receive, send):
         path = scope.get("path", "")
-        if scope["type"] != "http" or not path.startswith(("/gradio_api/run/", "/gradio_api/api/")):
+        if scope["type"] != "http" or not path.startswith((*CALL_ROUTES, UPLOAD_ROUTE)):
             return await self.app(scope, receive, send)
-        failed = False
+        started = ended = failed = gone = False
+        said = []  # the body of Gradio's 500
 
-        async def send_422(message):
-            nonlocal failed
+        async def receive_watching():
+            nonlocal gone
+            message = await receive()
+            gone = gone or message["type"] == "http.disconnect"
+            return message
+
+        async def watch(message):
+            nonlocal started, ended, failed
             if message["type"] == "http.response.start" and message["status"] == 500:
                 failed = True
-                return
-            if not failed:
-                return await send(message)
-            if not message.get("more_body"):
-                try:
-                    said = json.loads(message.get("body", b"") or b"{}").get("error")
-                except (ValueError, AttributeError):
-                    said = None
-                await _send_error(send, "bad_request", f"the call failed: {said or 'check its inputs'}")
+            elif failed:
+                said.append(message.get("body", b""))
+            else:
+                started = True
+                ended = message["type"] == "http.response.body" and not message.get("more_body")
+                await send(message)
 
-        await self.app(scope, receive, send_422)
+        try:
+            await self.app(scope, receive_watching, watch)
+        except Exception as e:
+            if gone:
+                raise  # the client left, and the parser failed for it: the guard logs one line, 499
+            if not started:
+                log.info("%s failed with %s: %s", path, type(e).__name__, e)
+                return await _refuse(send, path, f"{type(e).__name__}: {e}")
+            why = e.__cause__ or e  # Starlette wraps what the stream raised: "response already started"
+            level = logging.INFO if getattr(why, "status_code", 500) < 500 else logging.ERROR
+            log.log(level, "%s ended its answer with %s: %s", path, type(why).__name__, why)
+            if not ended:
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+            return
+        if failed:
+            await _refuse(send, path, _reason_in(b"".join(said)))
+
+
+def _reason_in(body: bytes) -> str:
+    """Gradio's reason for a failed call: the `error` of its JSON body, if it gives one."""
+    try:
+        return str(json.loads(body)["error"] or "check its inputs")
+    except (ValueError, TypeError, KeyError):
+        return "check its inputs"
+
+
+async def _refuse(send, path: str, reason: str) -> None:
+    if path.startswith(UPLOAD_ROUTE):
+        fix = "send only files, each as a form part named `files` with a filename"
+        return await _send_error(send, "bad_upload", f"the upload failed ({reason}): {fix}")
+    await _send_error(send, "bad_request", f"the call failed: {reason}")
 
 
 class NoVersionInGradioOpenapi:

@@ -182,12 +182,33 @@ def test_the_ui_queue_is_bounded_and_says_so(small_ui, image_file):
 
 
 @pytest.mark.slow
-def test_malformed_direct_calls_get_422_not_500(small_ui):
+def test_malformed_calls_and_uploads_get_a_json_4xx_not_500(small_ui):
     import httpx
 
-    for data in ([1, 2], [{"path": 5}, "mean", 0, 0, 2, 0.5, "inferno"]):
-        r = httpx.post(small_ui.url + "/gradio_api/run/classify", json={"data": data}, timeout=30)
-        assert r.status_code == 422 and r.json()["error"]["code"] == "bad_request"
+    calls = [
+        ("/run/classify", {"data": [1, 2]}),  # too few inputs
+        ("/run/classify", {"data": [{"path": 5}, "mean", 0, 0, 2, 0.5, "inferno"]}),  # a value of the wrong type
+        ("/call/v2/classify", {"head_fusion": "mean"}),  # no image
+        ("/call/v2/no_such_endpoint", {}),
+        ("/call/no_such_endpoint", {"data": []}),
+        ("/queue/join", {"data": [], "session_hash": "s", "fn_index": 999}),  # what the browser sends, malformed
+    ]
+    for route, body in calls:
+        r = httpx.post(small_ui.url + "/gradio_api" + route, json=body, timeout=30)
+        assert r.status_code == 422 and r.json()["error"]["code"] == "bad_request", (route, r.text)
+    r = httpx.post(small_ui.url + "/gradio_api/upload", files={"files": (None, "a field, not a file")}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "bad_upload"
+    assert "named `files` with a filename" in r.json()["error"]["message"]
+
+
+@pytest.mark.slow
+def test_the_stream_of_an_unknown_event_ends_cleanly_with_its_error(small_ui):
+    import httpx
+
+    for path in ("/gradio_api/call/classify/no-such-event", "/gradio_api/queue/data?session_hash=no-such-session"):
+        r = httpx.get(small_ui.url + path, timeout=30)  # a stream cut off mid-chunk raises RemoteProtocolError
+        assert r.status_code == 200 and "404" in r.text  # Gradio's protocol: the error is the stream's event
+    assert not any("Exception in ASGI application" in line for line in small_ui.lines)
 
 
 @pytest.mark.slow

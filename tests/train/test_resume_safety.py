@@ -58,10 +58,12 @@ def val_losses(run_dir: Path) -> dict[int, float]:
 
 
 @pytest.mark.slow
-def test_a_run_resumed_at_an_epoch_boundary_reproduces_the_uninterrupted_run(shapes, tmp_path):
-    build_cli(fit_args(shapes, tmp_path / "straight", 4))
-    build_cli(fit_args(shapes, tmp_path / "split", 2))
-    build_cli(fit_args(shapes, tmp_path / "split", 4, "--ckpt_path", "last"))
+@pytest.mark.parametrize("workers", [0, 1])
+def test_a_run_resumed_at_an_epoch_boundary_reproduces_the_uninterrupted_run(workers, shapes, tmp_path):
+    loader = ["--data.num_workers", str(workers)]
+    build_cli(fit_args(shapes, tmp_path / "straight", 4, *loader))
+    build_cli(fit_args(shapes, tmp_path / "split", 2, *loader))
+    build_cli(fit_args(shapes, tmp_path / "split", 4, *loader, "--ckpt_path", "last"))
     straight, split = val_losses(tmp_path / "straight"), val_losses(tmp_path / "split")
     assert sorted(straight) == [0, 1, 2, 3]
     assert split == straight  # bit for bit: same shuffles, augmentations and drop-path masks

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import csv
 import functools
 import http.server
 import os
 import shutil
 import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -15,7 +17,6 @@ import torch
 
 from tests.train.conftest import REPO, write_shapes
 from train.cli import main
-from train.folder import scan_folder
 
 SAMPLE = str(REPO / "configs" / "sample.yaml")
 
@@ -31,11 +32,32 @@ def one_line_error(argv: list[str], capsys, code: int = 2) -> str:
     """Run vit-train, expect exit `code` and a single `vit-train: ...` line on stderr; return that line."""
     with pytest.raises(SystemExit) as exit_info:
         main(argv)
-    err = capsys.readouterr().err
+    return the_one_error_line(exit_info.value.code, capsys.readouterr().err, code)
+
+
+def the_one_error_line(exit_code: int, err: str, code: int = 2) -> str:
+    """The single `vit-train: ...` line of `err`, after checking that vit-train exited with `code`."""
     lines = [line for line in err.splitlines() if line.startswith("vit-train: ")]
-    assert exit_info.value.code == code, err[-2000:]
+    assert exit_code == code, err[-2000:]
     assert "Traceback" not in err and len(lines) == 1, err[-2000:]
     return lines[0]
+
+
+# what lets root read and write past file modes; without them, chmod binds root as it binds anyone
+ROOT_BYPASS = "-dac_override,-dac_read_search"
+
+
+def run_bound_by_file_modes(*argv: str) -> subprocess.CompletedProcess:
+    """`python ARGV` in a child process that file modes bind, root included: as root it runs (`setpriv`)
+    without CAP_DAC_OVERRIDE and CAP_DAC_READ_SEARCH, so a chmod 000 folder cannot be listed and a chmod
+    555 one cannot be written, even by its owner."""
+    cmd = [sys.executable, *argv]
+    if os.geteuid() == 0:
+        if shutil.which("setpriv") is None:
+            pytest.skip("running as root without setpriv (util-linux): no way to make file modes bind root")
+        cmd = ["setpriv", f"--inh-caps={ROOT_BYPASS}", f"--bounding-set={ROOT_BYPASS}", *cmd]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
 
 
 @pytest.fixture
@@ -115,25 +137,17 @@ def test_a_pretrained_file_that_is_not_weights_is_a_one_line_error(small_folder,
     assert str(bad) in err and "not a readable timm weights file" in err
 
 
-@pytest.fixture
-def read_only_dir(tmp_path: Path):
-    """A directory nobody, root included, can create files in: chattr +i as root, chmod 555 otherwise."""
-    folder = tmp_path / "read_only"
-    folder.mkdir()
-    if os.geteuid() == 0:
-        if shutil.which("chattr") is None or subprocess.run(["chattr", "+i", str(folder)]).returncode != 0:
-            pytest.skip("running as root without chattr +i: no way to make a directory read-only for root")
-        yield folder
-        subprocess.run(["chattr", "-i", str(folder)], check=True)
-    else:
-        folder.chmod(0o555)
-        yield folder
-        folder.chmod(0o755)
-
-
-def test_a_read_only_run_directory_is_a_one_line_error(small_folder, read_only_dir, capsys):
-    err = one_line_error(args(small_folder, read_only_dir / "run"), capsys)
-    assert f"cannot write into the run directory {read_only_dir / 'run'}" in err
+@pytest.mark.slow
+def test_a_read_only_run_directory_is_a_one_line_error(small_folder, tmp_path):
+    read_only = tmp_path / "read_only"
+    read_only.mkdir()
+    read_only.chmod(0o555)
+    try:
+        child = run_bound_by_file_modes("-m", "train", *args(small_folder, read_only / "run"))
+    finally:
+        read_only.chmod(0o755)
+    err = the_one_error_line(child.returncode, child.stderr)
+    assert f"cannot write into the run directory {read_only / 'run'}" in err
 
 
 def _fake_run(run_dir: Path, *names: str) -> Path:
@@ -182,17 +196,30 @@ def test_a_folder_with_no_validation_images_is_refused(tmp_path, capsys):
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root can list a chmod 000 folder, so it is not unreadable")
+WRITE_REPORTS = """
+import sys
+from pathlib import Path
+from train.data import ImageFolderDataModule
+ImageFolderDataModule(sys.argv[1]).write_reports(Path(sys.argv[2]))
+"""
+
+
+@pytest.mark.slow
 def test_an_unreadable_subfolder_is_reported_not_skipped_silently(tmp_path):
     root = write_shapes(tmp_path / "shapes", per_class=3)
     locked = root / "bar" / "more"
     write_shapes(locked, per_class=1, classes=("x",))
     locked.chmod(0o000)
     try:
-        bad = scan_folder(root).bad
+        child = run_bound_by_file_modes("-c", WRITE_REPORTS, str(root), str(tmp_path / "run"))
     finally:
         locked.chmod(0o755)
-    assert [b.path for b in bad] == [str(locked)] and "folder cannot be read" in bad[0].reason
+    assert child.returncode == 0, child.stderr[-2000:]
+    with open(tmp_path / "run" / "bad_files.csv", newline="") as f:
+        header, *bad = csv.reader(f)
+    assert [path for path, _ in bad] == [str(locked)] and "folder cannot be read" in bad[0][1]
+    split = (tmp_path / "run" / "split.json").read_text()
+    assert str(root / "bar" / "000.png") in split and str(locked) not in split
 
 
 @pytest.mark.slow
