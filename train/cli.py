@@ -41,6 +41,7 @@ from train.safety import (
     is_remote,
     resolve_ckpt_path,
 )
+from train.shards import PREPARE_HELP, prepare_parser
 from train.shards import main as prepare_main
 
 log = logging.getLogger(__name__)
@@ -101,6 +102,14 @@ class VitCLI(LightningCLI):
         )
         parser.link_arguments("data.img_size", "model.img_size")
         parser.link_arguments("data.num_classes", "model.num_classes", apply_on="instantiate")
+
+    def _add_subcommands(self, parser: LightningArgumentParser, **kwargs: Any) -> None:
+        """The Trainer's subcommands, and `prepare` beside them so that `vit-train --help` lists it.
+
+        `main` runs `prepare` before LightningCLI is built: it needs no model, trainer or data module.
+        """
+        super()._add_subcommands(parser, **kwargs)
+        parser._subcommands_action.add_subcommand("prepare", prepare_parser(), help=PREPARE_HELP)
 
     def before_instantiate_classes(self) -> None:
         config = self.config.get(str(self.subcommand), self.config)

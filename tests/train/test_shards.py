@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -28,6 +29,38 @@ def test_prepare_says_what_is_wrong_in_one_line_with_exit_code_2(tmp_path: Path,
     with pytest.raises(SystemExit) as e:
         main(["prepare", "--data.root", str(tmp_path / "missing"), "--out", str(tmp_path / "out")])
     assert e.value.code == 2 and "image folder not found" in capsys.readouterr().err
+
+
+def test_vit_train_help_lists_prepare_beside_the_trainer_subcommands(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    out = capsys.readouterr().out
+    listed = re.findall(r"^ {4}(\w+) +\S", out, re.M)  # "    fit    Runs the full ..."
+    assert e.value.code == 0 and listed == ["fit", "validate", "test", "predict", "prepare"]
+    assert re.search(r"prepare +Write an image folder as LitData chunks", out)
+
+
+def test_prepare_help_describes_each_option(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["prepare", "--help"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0 and out.startswith("usage: vit-train prepare")
+    for option, words in [
+        ("--data.root ROOT", "the image folder"),
+        ("--out OUT", "output folder"),
+        ("--data.val_fraction VAL_FRACTION", "share of each class held out"),
+        ("--data.seed SEED", "seed of that split"),
+        ("--chunk_bytes CHUNK_BYTES", "size of each chunk"),
+        ("--workers WORKERS", "processes"),
+    ]:
+        assert re.search(rf"^  {re.escape(option)}\s+{words}", out, re.M | re.S), option
+
+
+def test_prepare_command_writes_chunks_of_chunk_bytes(shapes_folder: Path, tmp_path: Path, capsys):
+    out = tmp_path / "shards"
+    main(["prepare", "--data.root", str(shapes_folder), "--out", str(out), "--chunk_bytes", "4kb", "--workers", "1"])
+    assert "72 train and 18 val images, 3 classes" in capsys.readouterr().out
+    assert len(json.loads((out / "train" / "index.json").read_text())["chunks"]) > 1
 
 
 @pytest.mark.slow
