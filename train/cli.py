@@ -185,14 +185,27 @@ class VitCLI(LightningCLI):
         ckpt_path = self._check_ckpt_path("fit")
         if not self.trainer.fast_dev_run:
             check_ckpt_owner(ckpt_path, Path(self.trainer.default_root_dir), bool(config.get("overwrite")))
+        if self.trainer.limit_val_batches != 0:
+            self._check_validation_images()
+        self._fit_start = time.perf_counter()
+
+    def _check_validation_images(self) -> None:
+        """Refuse a fit whose validation set is empty, or too small to give every DDP rank an image."""
         scan = getattr(self.datamodule, "scan", None)
+        if scan is None:
+            return
         # a prepared (LitData) dataset keeps its split in its chunks, not in the scan
-        if scan is not None and scan.layout != "litdata" and not scan.val and self.trainer.limit_val_batches != 0:
+        if scan.layout != "litdata" and not scan.val:
             raise SetupError(
                 f"{scan.root} gives no validation images, so no best.ckpt could be chosen: give each class at "
                 "least 2 images (--data.val_fraction holds some out), or add a root/val/<class>/ folder"
             )
-        self._fit_start = time.perf_counter()
+        world, images = self.trainer.world_size, self.datamodule.val_images
+        if images < world:
+            raise SetupError(
+                f"{self.datamodule.root} has {images} validation image(s) for {world} DDP processes, and each "
+                "process needs one: hold out more (--data.val_fraction), or run on fewer devices"
+            )
 
     def before_validate(self) -> None:
         self._check_ckpt_path("validate")

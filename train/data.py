@@ -20,13 +20,14 @@ from pathlib import Path
 import lightning.pytorch as pl
 import numpy as np
 import torch
+from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 
 from serve.runtime.images import Preprocess
 from train.dataset import BatchCollate, ImageListDataset, fill_cache, usable_cores
 from train.folder import BadFile, FolderScan, folder_classes, scan_folder
-from train.shards import is_streaming_root, streaming_dataset, streaming_scan
+from train.shards import is_streaming_root, read_meta, streaming_dataset, streaming_scan
 from train.transforms import Augment, BatchTransform, EvalTransform, build_train_transform
 
 SCAN_FILE = "scan.json"  # in the run directory: rank 0's scan, read by the other ranks
@@ -131,6 +132,17 @@ class ImageFolderDataModule(pl.LightningDataModule):
     def num_classes(self) -> int:
         return len(self.classes)
 
+    @property
+    def val_images(self) -> int:
+        """How many validation images there are, over all ranks."""
+        if self.scan.layout == "litdata":
+            return int(read_meta(self.root)["val"])
+        return len(self.scan.val)
+
+    @property
+    def _world_size(self) -> int:
+        return 1 if self.trainer is None else self.trainer.world_size
+
     def setup(self, stage: str) -> None:
         if getattr(self, "train_set", None) is not None:
             return
@@ -203,15 +215,24 @@ class ImageFolderDataModule(pl.LightningDataModule):
         collate = None
         if self.batch_augment:
             collate = BatchCollate(BatchTransform(self.preprocess, self.augment if train else None))
+        world = self._world_size
         if self.scan.layout == "litdata":  # the dataset shuffles and splits chunks across ranks; position resumes
             from litdata import StreamingDataLoader
 
             batch = self.batch_size if train else self.eval_batch_size
+            if not train and world > 1:
+                # LitData deals out whole batches, the same number to each rank, and the rest to the last one:
+                # with fewer than `world` batches, every rank but the last would have none, and fail.
+                batch = max(1, min(batch, self.val_images // world))
             return StreamingDataLoader(dataset, batch_size=batch, num_workers=workers, collate_fn=collate)
+        sampler = None
+        if not train and world > 1:  # each image once: Lightning's DistributedSampler repeats some to even the ranks
+            sampler = UnrepeatedDistributedSampler(dataset, world, self.trainer.global_rank, shuffle=False)
         return DataLoader(
             dataset,
             batch_size=self.batch_size if train else self.eval_batch_size,
             shuffle=train,
+            sampler=sampler,
             drop_last=train and len(dataset) > self.batch_size,  # even batches for mixup
             num_workers=workers,
             pin_memory=self.pin_memory and torch.cuda.is_available(),

@@ -1,4 +1,5 @@
-"""Callbacks for the DDP tests: each rank saves its weights, or a fingerprint of every image it trained on."""
+"""Callbacks for the DDP tests: each rank saves its weights, a fingerprint of every image it trained on, or how
+many images it validated."""
 
 from __future__ import annotations
 
@@ -23,3 +24,21 @@ class SaveRankSamples(Callback):
 
     def on_train_end(self, trainer, pl_module) -> None:
         torch.save(self.seen, Path(trainer.default_root_dir) / f"samples{trainer.global_rank}.pt")
+
+
+class SaveRankValImages(Callback):
+    """Each rank saves how many images it validated in each epoch (sanity checks left out)."""
+
+    def __init__(self):
+        self.counts: list[int] = []
+
+    def on_validation_epoch_start(self, trainer, pl_module) -> None:
+        if not trainer.sanity_checking:
+            self.counts.append(0)
+
+    def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0) -> None:
+        if not trainer.sanity_checking:
+            self.counts[-1] += len(batch[1])
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        torch.save(self.counts, Path(trainer.default_root_dir) / f"val{trainer.global_rank}.pt")
