@@ -3,6 +3,7 @@ many images it validated."""
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 import torch
@@ -15,12 +16,17 @@ class SaveRankWeights(Callback):
         torch.save({k: v.detach().cpu() for k, v in pl_module.net.state_dict().items()}, out)
 
 
+def fingerprints(images: torch.Tensor) -> list[str]:
+    """One short digest per image, the same in every process (`hash` of bytes is salted per process)."""
+    return [hashlib.blake2b(x.numpy().tobytes(), digest_size=8).hexdigest() for x in images.cpu()]
+
+
 class SaveRankSamples(Callback):
     def __init__(self):
-        self.seen: list[int] = []
+        self.seen: list[str] = []
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        self.seen += [hash(x.numpy().tobytes()) for x in batch[0].cpu()]
+        self.seen += fingerprints(batch[0])
 
     def on_train_end(self, trainer, pl_module) -> None:
         torch.save(self.seen, Path(trainer.default_root_dir) / f"samples{trainer.global_rank}.pt")
