@@ -27,7 +27,7 @@ from torch.utils.data import DataLoader, Dataset
 from serve.runtime.images import Preprocess
 from train.dataset import BatchCollate, ImageListDataset, fill_cache, usable_cores
 from train.folder import BadFile, FolderScan, folder_classes, scan_folder
-from train.shards import is_streaming_root, read_meta, streaming_dataset, streaming_scan
+from train.shards import is_streaming_root, read_meta, streaming_dataset, streaming_loader, streaming_scan
 from train.transforms import Augment, BatchTransform, EvalTransform, build_train_transform
 
 SCAN_FILE = "scan.json"  # in the run directory: rank 0's scan, read by the other ranks
@@ -91,6 +91,7 @@ class ImageFolderDataModule(pl.LightningDataModule):
             batch_augment = not augment.rand_augment and augment.color_jitter <= 0
         self.batch_augment = batch_augment
         self._scan: FolderScan | None = None
+        self._stream = self._stream_state = None  # a streamed training loader, and the position it resumes from
         self.prepare_data_per_node = False  # one scan for the whole run, by global rank 0
 
     @property
@@ -217,14 +218,12 @@ class ImageFolderDataModule(pl.LightningDataModule):
             collate = BatchCollate(BatchTransform(self.preprocess, self.augment if train else None))
         world = self._world_size
         if self.scan.layout == "litdata":  # the dataset shuffles and splits chunks across ranks; position resumes
-            from litdata import StreamingDataLoader
-
             batch = self.batch_size if train else self.eval_batch_size
             if not train and world > 1:
                 # LitData deals out whole batches, the same number to each rank, and the rest to the last one:
                 # with fewer than `world` batches, every rank but the last would have none, and fail.
                 batch = max(1, min(batch, self.val_images // world))
-            return StreamingDataLoader(dataset, batch_size=batch, num_workers=workers, collate_fn=collate)
+            return streaming_loader(dataset, batch, workers, collate)
         sampler = None
         if not train and world > 1:  # each image once: Lightning's DistributedSampler repeats some to even the ranks
             sampler = UnrepeatedDistributedSampler(dataset, world, self.trainer.global_rank, shuffle=False)
@@ -241,7 +240,26 @@ class ImageFolderDataModule(pl.LightningDataModule):
         )
 
     def train_dataloader(self) -> DataLoader:
-        return self._loader(self.train_set, train=True)
+        loader = self._loader(self.train_set, train=True)
+        if self.scan.layout == "litdata":
+            self._stream = loader
+            if self._stream_state:
+                loader.load_state_dict(self._stream_state)
+                self._stream_state = None
+        return loader
+
+    def state_dict(self) -> dict:
+        """Where the streamed training loader stands, so that a run resumed mid-epoch goes on from the next sample.
+
+        Lightning keeps it in its loop state too, but drops it on resume when `configure_optimizers` reads
+        `trainer.estimated_stepping_batches` (ours does: the schedule's length): that builds the loader before
+        the loop state is restored, and the loop restores it only into a loader it builds itself.
+        """
+        return {} if self._stream is None else {"train_stream": self._stream.state_dict()}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Keep the loader position for `train_dataloader`: Lightning restores the data module before asking."""
+        self._stream_state = state_dict.get("train_stream")
 
     def val_dataloader(self) -> DataLoader:
         return self._loader(self.val_set, train=False)

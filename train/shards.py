@@ -7,7 +7,8 @@
 image once to find the broken ones (listed in `bad_files.csv`), and writes the encoded files, untouched,
 into LitData's chunked format: `out/train/`, `out/val/` and `out/vitscope.json` (classes, split, counts).
 Training streams the chunks (`litdata.StreamingDataset`): each DDP rank reads its own chunks, and the
-`StreamingDataLoader`'s position is saved in checkpoints, so a resumed run continues mid-epoch.
+`StreamingDataLoader`'s position is saved in checkpoints, so a run resumed from a mid-epoch `last.ckpt`
+(`--last.every_n_train_steps N` writes one every N steps) continues from the next sample of its epoch.
 """
 
 from __future__ import annotations
@@ -136,6 +137,23 @@ def streaming_dataset(root: str, split: str, fixed, shuffle: bool, seed: int = 4
             return torch.from_numpy(np.ascontiguousarray(pixels)), int(sample["label"])
 
     return StreamingImages(f"{root.rstrip('/')}/{split}", shuffle=shuffle, drop_last=shuffle, seed=seed)
+
+
+def streaming_loader(dataset, batch_size: int, num_workers: int, collate_fn=None):
+    """A `litdata.StreamingDataLoader` of `dataset` whose position is saved in checkpoints and resumed mid-epoch."""
+    from litdata import StreamingDataLoader
+
+    class ResumableLoader(StreamingDataLoader):
+        def __iter__(self):
+            for batch in super().__iter__():
+                # LitData leaves a resumed loader in its resuming state until the epoch's iterator runs out, but
+                # Lightning, which knows the epoch's length, never asks past its last batch: the next epoch
+                # would then go on from the end of this one, and yield nothing.
+                if self.restore and self._num_samples_yielded_streaming >= len(self.dataset):
+                    self.restore = False
+                yield batch
+
+    return ResumableLoader(dataset, batch_size=batch_size, num_workers=num_workers, collate_fn=collate_fn)
 
 
 PREPARE_HELP = "Write an image folder as LitData chunks that fit streams, on one node or many."

@@ -1,5 +1,5 @@
-"""Callbacks for the DDP tests: each rank saves its weights, a fingerprint of every image it trained on, or how
-many images it validated."""
+"""Callbacks for the DDP and resume tests: each rank saves its weights, a fingerprint of every image it trained on
+(at the end, or batch by batch), or how many images it validated."""
 
 from __future__ import annotations
 
@@ -48,3 +48,15 @@ class SaveRankValImages(Callback):
 
     def on_train_end(self, trainer, pl_module) -> None:
         torch.save(self.counts, Path(trainer.default_root_dir) / f"val{trainer.global_rank}.pt")
+
+
+class LogSamples(Callback):
+    """Append `epoch step fingerprint...` for each training batch to `samples.log` in the run directory.
+
+    Each line is flushed as its batch starts, so a killed run leaves the lines of the steps it reached.
+    """
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        line = " ".join([str(trainer.current_epoch), str(trainer.global_step), *fingerprints(batch[0])])
+        with open(Path(trainer.default_root_dir) / "samples.log", "a") as f:
+            f.write(line + "\n")
