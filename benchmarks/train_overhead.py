@@ -1,14 +1,27 @@
-"""What does Lightning cost per training step, next to a plain PyTorch loop?
+"""What does a training step cost beyond the model, next to a plain PyTorch loop?
 
-Same model, same batches (pre-made tensors), same AdamW groups and schedule, same gradient
-clipping, one thread; the two loops run interleaved, several rounds, and the median time per step
-of each is compared. The Lightning side is `ViTClassifier.training_step` under a `Trainer` with
-the shipped defaults (CSV and TensorBoard loggers, `self.log` every step, logging every 10 steps);
-checkpointing, validation and the progress bar are off because they are not part of a step.
+Two comparisons in one run. In each, the plain loop and the Lightning run take turns over several
+rounds (who goes first alternates), and the median time per step of each side is compared. A step is
+timed from the end of one batch to the end of the next, so fetching the batch counts.
 
-    .venv/bin/python benchmarks/train_overhead.py [--steps 60] [--rounds 3] [--batch-size 64]
+1. Lightning alone (target: at most 5 % slower). Same model, same batches (pre-made random tensors),
+   same AdamW groups and schedule, same gradient clipping. The Lightning side is
+   `ViTClassifier.training_step` under a `Trainer` with the shipped defaults (CSV and TensorBoard
+   loggers, `self.log` every step, logging every 10 steps).
+2. vit-train (target: at most 10 % slower). The model, data module and trainer that
+   `vit-train fit --config configs/small_images.yaml --data.img_size 28` builds, on a folder of 28-px grey
+   images: images cached as uint8, augmented a batch at a time on the training process, EMA, the
+   run-directory callbacks and loggers. Against it, a plain loop over the same images already decoded,
+   normalised and batched in memory (no augmentation), same model init, batch size, AdamW groups,
+   clipping and EMA update. The folder is the first images of Fashion-MNIST when
+   `/usr/share/datasets/fashion-mnist` is there (`apt-get install dataset-fashion-mnist`), random
+   grey PNGs otherwise; an epoch is longer than the run, so no validation or epoch-end checkpoint
+   falls inside it.
 
-Target: Lightning at most 5 % slower than the plain loop.
+Checkpointing, validation and the progress bar are off (1) or outside the timed steps (2): they are
+not part of a step.
+
+    .venv/bin/python benchmarks/train_overhead.py [--steps 60] [--vit-steps 30] [--rounds 3] [--threads 1]
 """
 
 from __future__ import annotations
@@ -19,27 +32,58 @@ import statistics
 import tempfile
 import time
 import warnings
+from itertools import islice
+from pathlib import Path
 
+import numpy as np
 import torch
 from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+from PIL import Image
 from torch.utils.data import DataLoader, TensorDataset
 
+from train.cli import build_cli
+from train.dataset import BatchCollate
+from train.fashion_mnist import CLASSES, DEBIAN_DIR, load_split
 from train.module import ViTClassifier
+from train.transforms import BatchTransform
 
+REPO = Path(__file__).resolve().parents[1]
 WARMUP = 5  # steps left out of the timing on both sides
 
 
 class StepTimer(Callback):
-    def __init__(self):
-        self.start = self.end = None
+    """The end time of every training batch."""
 
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        if batch_idx == WARMUP:
-            self.start = time.perf_counter()
+    def __init__(self):
+        self.ends: list[float] = []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.end = time.perf_counter()
+        self.ends.append(time.perf_counter())
+
+    def per_step(self) -> float:
+        """Seconds per step after the first WARMUP (from the end of step WARMUP - 1 to the end of the last)."""
+        return (self.ends[-1] - self.ends[WARMUP - 1]) / (len(self.ends) - WARMUP)
+
+
+def plain_round(module: ViTClassifier, batches, steps: int) -> float:
+    """Seconds per step of a plain loop: what `training_step`, clipping and the module's EMA do, nothing else."""
+    net = module.net.train()
+    opt = torch.optim.AdamW(module.param_groups(), lr=module.hparams.lr, betas=module.hparams.betas)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
+    start = time.perf_counter()
+    for i, (x, y) in enumerate(islice(batches, steps)):
+        loss = module.train_loss(net(x), y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        if module.ema is not None:
+            module.ema.update(net, step=i)
+        if i == WARMUP - 1:
+            start = time.perf_counter()
+    return (time.perf_counter() - start) / (steps - WARMUP)
 
 
 def make_module(num_classes: int) -> ViTClassifier:
@@ -48,7 +92,6 @@ def make_module(num_classes: int) -> ViTClassifier:
 
 
 def lightning_round(loader: DataLoader, steps: int, num_classes: int, log_dir: str) -> float:
-    module = make_module(num_classes)
     timer = StepTimer()
     trainer = Trainer(
         accelerator="cpu",
@@ -64,37 +107,92 @@ def lightning_round(loader: DataLoader, steps: int, num_classes: int, log_dir: s
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    trainer.fit(module, loader)
-    return (timer.end - timer.start) / (steps - WARMUP)
+    trainer.fit(make_module(num_classes), loader)
+    return timer.per_step()
 
 
-def plain_round(loader: DataLoader, steps: int, num_classes: int) -> float:
-    module = make_module(num_classes)
-    net = module.net.train()
-    opt = torch.optim.AdamW(module.param_groups(), lr=module.hparams.lr, betas=module.hparams.betas)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
-    loss_fn = torch.nn.CrossEntropyLoss(label_smoothing=module.hparams.label_smoothing)
-    start = None
-    for i, (x, y) in enumerate(loader):
-        if i == steps:
-            break
-        if i == WARMUP:
-            start = time.perf_counter()
-        loss = loss_fn(net(x), y)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
-        opt.step()
-        sched.step()
-    return (time.perf_counter() - start) / (steps - WARMUP)
+def write_small_images(root: Path, n_train: int, n_val: int) -> str:
+    """`root/{train,val}/<class>/*.png`, 28 x 28 grey: Fashion-MNIST's first images, or random ones without it."""
+    try:
+        splits = {"train": load_split(DEBIAN_DIR, "train"), "val": load_split(DEBIAN_DIR, "t10k")}
+        source = "Fashion-MNIST"
+    except FileNotFoundError:
+        rng = np.random.default_rng(0)
+        n = n_train + n_val
+        images, labels = rng.integers(0, 256, (n, 28, 28), dtype=np.uint8), rng.integers(0, 10, n)
+        splits = {"train": (images[:n_train], labels[:n_train]), "val": (images[n_train:], labels[n_train:])}
+        source = "random grey PNGs"
+    for split, count in (("train", n_train), ("val", n_val)):
+        images, labels = splits[split]
+        for name in CLASSES:
+            (root / split / name).mkdir(parents=True, exist_ok=True)
+        for i in range(count):
+            Image.fromarray(images[i], "L").save(root / split / CLASSES[labels[i]] / f"{i:05d}.png")
+    return source
+
+
+def vit_train_args(root: Path, run_dir: Path, steps: int, threads: int) -> list[str]:
+    """`vit-train fit` arguments, less the subcommand (the objects are built, then fitted here)."""
+    return [
+        "--config", str(REPO / "configs" / "small_images.yaml"), "--data.root", str(root), "--data.img_size", "28",
+        "--trainer.default_root_dir", str(run_dir), "--trainer.max_steps", str(steps), "--trainer.accelerator", "cpu",
+        "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
+        "--num_threads", str(threads),
+    ]  # fmt: skip
+
+
+def vit_train_round(root: Path, run_dir: Path, steps: int, threads: int) -> float:
+    cli = build_cli(vit_train_args(root, run_dir, steps, threads), run=False)
+    timer = StepTimer()
+    cli.trainer.callbacks.append(timer)
+    cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    return timer.per_step()
+
+
+def preloaded_round(root: Path, run_dir: Path, steps: int, threads: int) -> float:
+    """The plain loop on vit-train's model, over its training images decoded, normalised and batched up front."""
+    cli = build_cli(vit_train_args(root, run_dir, steps, threads), run=False)
+    dm = cli.datamodule
+    dm.setup("fit")
+    normalise = BatchCollate(BatchTransform(dm.preprocess))  # no augmentation
+    loader = DataLoader(dm.train_set, dm.batch_size, shuffle=True, collate_fn=normalise, drop_last=True)
+    batches = list(islice(loader, steps))
+    return plain_round(cli.model, batches, steps)
+
+
+def interleaved(rounds: int, plain, framework) -> tuple[list[float], list[float]]:
+    """Per-step times of `rounds` runs of each side, who goes first alternating (drift in machine speed hits both)."""
+    p, f = [], []
+    for r in range(rounds):
+        if r % 2 == 0:
+            p.append(plain(r))
+            f.append(framework(r))
+        else:
+            f.append(framework(r))
+            p.append(plain(r))
+    return p, f
+
+
+def table(rows: list[tuple[str, list[float]]], target: float) -> str:
+    lines = ["| loop | ms/step (median) | rounds (ms/step) |", "|---|---|---|"]
+    for name, times in rows:
+        lines.append(
+            f"| {name} | {1e3 * statistics.median(times):.1f} | {', '.join(f'{1e3 * t:.1f}' for t in times)} |"
+        )
+    ratio = statistics.median(rows[1][1]) / statistics.median(rows[0][1])
+    lines.append(
+        f"\n{rows[1][0].split(' (')[0]} / plain = {ratio:.3f}  ({100 * (ratio - 1):+.1f} %; target <= +{target} %)"
+    )
+    return "\n".join(lines)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--steps", type=int, default=60, help="steps per round, Lightning alone")
+    parser.add_argument("--vit-steps", type=int, default=30, help="steps per round, vit-train (batches of 256)")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--batch-size", type=int, default=64, help="batch size, Lightning alone")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads, both comparisons")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
     torch.set_num_threads(args.threads)
@@ -103,23 +201,30 @@ def main() -> None:
     n = args.steps * args.batch_size
     data = TensorDataset(torch.randn(n, 3, 32, 32, generator=g), torch.randint(0, num_classes, (n,), generator=g))
     loader = DataLoader(data, batch_size=args.batch_size, shuffle=False)
-    plain, light = [], []
-    with tempfile.TemporaryDirectory() as log_dir:
-        for r in range(args.rounds):
-            if r % 2 == 0:  # alternate who goes first, so drift in machine speed hits both
-                plain.append(plain_round(loader, args.steps, num_classes))
-                light.append(lightning_round(loader, args.steps, num_classes, log_dir))
-            else:
-                light.append(lightning_round(loader, args.steps, num_classes, log_dir))
-                plain.append(plain_round(loader, args.steps, num_classes))
-    p, lt = statistics.median(plain), statistics.median(light)
+    with tempfile.TemporaryDirectory() as tmp:
+        plain, light = interleaved(
+            args.rounds,
+            lambda r: plain_round(make_module(num_classes), loader, args.steps),
+            lambda r: lightning_round(loader, args.steps, num_classes, tmp),
+        )
+        root = Path(tmp) / "images"
+        batch = 256  # configs/small_images.yaml's
+        source = write_small_images(root, (args.vit_steps + 1) * batch, 500)  # an epoch outlasts the run
+        preloaded, vit = interleaved(  # a run directory per round
+            args.rounds,
+            lambda r: preloaded_round(root, Path(tmp) / f"plain{r}", args.vit_steps, args.threads),
+            lambda r: vit_train_round(root, Path(tmp) / f"vit{r}", args.vit_steps, args.threads),
+        )
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    print(f"model vit_micro_patch4_32 (32 px), batch {args.batch_size}, {args.steps - WARMUP} timed steps")
-    print(f"x {args.rounds} rounds, {args.threads} thread(s), {when}\n")
-    print("| loop | ms/step (median) | rounds (ms/step) |\n|---|---|---|")
-    print(f"| plain PyTorch | {1e3 * p:.1f} | {', '.join(f'{1e3 * t:.1f}' for t in plain)} |")
-    print(f"| Lightning (ViTClassifier + Trainer) | {1e3 * lt:.1f} | {', '.join(f'{1e3 * t:.1f}' for t in light)} |")
-    print(f"\nLightning / plain = {lt / p:.3f}  ({100 * (lt / p - 1):+.1f} %; target <= +5 %)")
+    print(f"{args.threads} torch thread(s), {args.rounds} rounds, {when}\n")
+    print(f"1. Lightning alone: vit_micro_patch4_32 (32 px), batch {args.batch_size} of random tensors, "
+          f"{args.steps - WARMUP} timed steps a round\n")  # fmt: skip
+    print(table([("plain PyTorch", plain), ("Lightning (ViTClassifier + Trainer)", light)], 5))
+    images = (args.vit_steps + 1) * batch
+    print(f"\n2. vit-train: configs/small_images.yaml at 28 px, batch {batch}, {source} ({images} training images), "
+          f"{args.vit_steps - WARMUP} timed steps a round\n")  # fmt: skip
+    rows = [("plain PyTorch (pre-loaded tensors)", preloaded), ("vit-train (data module + Lightning)", vit)]
+    print(table(rows, 10))
 
 
 if __name__ == "__main__":

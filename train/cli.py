@@ -41,6 +41,7 @@ from train.safety import (
     is_remote,
     resolve_ckpt_path,
 )
+from train.shards import PREPARE_HELP, prepare_parser
 from train.shards import main as prepare_main
 
 log = logging.getLogger(__name__)
@@ -63,11 +64,32 @@ class RunDirConfig(SaveConfigCallback):
 class LastCheckpoint(ModelCheckpoint):
     """`last.ckpt` after every epoch, whatever its score: what `--ckpt_path last` resumes from.
 
-    (Lightning's own `save_last` only refreshes it when a top-k checkpoint is written.)
+    (Lightning's own `save_last` only refreshes it when a top-k checkpoint is written.) It is written into
+    the run directory's `checkpoints/`, where `--ckpt_path last` looks for it.
+
+    Args:
+        every_n_train_steps: also write last.ckpt every this many optimizer steps, so that a stopped run loses at
+            most that many: resumed, it continues mid-epoch. A prepared LitData dataset goes on from the next
+            sample of the epoch; an image folder's loader keeps no position, so the rest of that epoch's steps
+            are drawn from a fresh shuffle. None: at the end of each epoch only.
     """
 
-    def __init__(self, dirpath: str):
-        super().__init__(dirpath=dirpath, filename="last", monitor=None, save_top_k=1, enable_version_counter=False)
+    def __init__(self, every_n_train_steps: int | None = None):
+        if every_n_train_steps is not None and every_n_train_steps < 1:
+            raise ValueError(f"--last.every_n_train_steps must be at least 1, got {every_n_train_steps}")
+        # steps are counted here: Lightning's own step trigger would replace the epoch one (it takes one or the other)
+        super().__init__(filename="last", monitor=None, save_top_k=1, enable_version_counter=False)
+        self.every_steps = every_n_train_steps
+        self._saved_step = -1
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        step = trainer.global_step
+        due = bool(self.every_steps) and step % self.every_steps == 0 and step != self._saved_step
+        epoch_end = batch_idx + 1 >= trainer.num_training_batches  # the epoch's own save follows, after validation
+        if due and not epoch_end and not trainer.sanity_checking:
+            trainer.save_checkpoint(self.format_checkpoint_name({}))
+            self._saved_step = step
 
 
 class VitCLI(LightningCLI):
@@ -89,6 +111,7 @@ class VitCLI(LightningCLI):
             "--recipe", type=dict | None, default=None, help="why the automatic recipe chose what it did (train.recipe)"
         )
         parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
+        parser.add_lightning_class_args(LastCheckpoint, "last")
         parser.set_defaults(
             {
                 "checkpoint.filename": "best",
@@ -101,6 +124,14 @@ class VitCLI(LightningCLI):
         )
         parser.link_arguments("data.img_size", "model.img_size")
         parser.link_arguments("data.num_classes", "model.num_classes", apply_on="instantiate")
+
+    def _add_subcommands(self, parser: LightningArgumentParser, **kwargs: Any) -> None:
+        """The Trainer's subcommands, and `prepare` beside them so that `vit-train --help` lists it.
+
+        `main` runs `prepare` before LightningCLI is built: it needs no model, trainer or data module.
+        """
+        super()._add_subcommands(parser, **kwargs)
+        parser._subcommands_action.add_subcommand("prepare", prepare_parser(), help=PREPARE_HELP)
 
     def before_instantiate_classes(self) -> None:
         config = self.config.get(str(self.subcommand), self.config)
@@ -140,6 +171,7 @@ class VitCLI(LightningCLI):
         # The best-checkpoint callback (--checkpoint.*) moves into this list, in the order Lightning would
         # give it, so that `trainer.checkpoint_callback` is still the one that tracks the best score.
         best, init["checkpoint"] = init.get("checkpoint"), Callback()  # a no-op takes its place
+        last, init["last"] = init.get("last"), Callback()  # added below, after the progress bar
         callbacks = list(config.get("callbacks") or [])
         if config.get("enable_checkpointing") is False:  # Lightning refuses checkpoint callbacks then
             callbacks = [c for c in callbacks if not isinstance(c, ModelCheckpoint)]
@@ -152,7 +184,8 @@ class VitCLI(LightningCLI):
         if config.get("enable_progress_bar") is not False and not any(isinstance(c, ProgressBar) for c in callbacks):
             callbacks.append(RichProgressBar())
         if config.get("enable_checkpointing") is not False:
-            callbacks += [LastCheckpoint(str(run_dir / CKPT_DIR)), KeepBestScore()]
+            last.dirpath = os.path.realpath(run_dir / CKPT_DIR)
+            callbacks += [last, KeepBestScore()]
         kwargs["callbacks"] = callbacks
         return super().instantiate_trainer(**kwargs)
 
@@ -176,14 +209,27 @@ class VitCLI(LightningCLI):
         ckpt_path = self._check_ckpt_path("fit")
         if not self.trainer.fast_dev_run:
             check_ckpt_owner(ckpt_path, Path(self.trainer.default_root_dir), bool(config.get("overwrite")))
+        if self.trainer.limit_val_batches != 0:
+            self._check_validation_images()
+        self._fit_start = time.perf_counter()
+
+    def _check_validation_images(self) -> None:
+        """Refuse a fit whose validation set is empty, or too small to give every DDP rank an image."""
         scan = getattr(self.datamodule, "scan", None)
+        if scan is None:
+            return
         # a prepared (LitData) dataset keeps its split in its chunks, not in the scan
-        if scan is not None and scan.layout != "litdata" and not scan.val and self.trainer.limit_val_batches != 0:
+        if scan.layout != "litdata" and not scan.val:
             raise SetupError(
                 f"{scan.root} gives no validation images, so no best.ckpt could be chosen: give each class at "
                 "least 2 images (--data.val_fraction holds some out), or add a root/val/<class>/ folder"
             )
-        self._fit_start = time.perf_counter()
+        world, images = self.trainer.world_size, self.datamodule.val_images
+        if images < world:
+            raise SetupError(
+                f"{self.datamodule.root} has {images} validation image(s) for {world} DDP processes, and each "
+                "process needs one: hold out more (--data.val_fraction), or run on fewer devices"
+            )
 
     def before_validate(self) -> None:
         self._check_ckpt_path("validate")

@@ -20,13 +20,14 @@ from pathlib import Path
 import lightning.pytorch as pl
 import numpy as np
 import torch
+from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset, RandomSampler
 
 from serve.runtime.images import Preprocess
 from train.dataset import BatchCollate, ImageListDataset, fill_cache, usable_cores
 from train.folder import BadFile, FolderScan, folder_classes, scan_folder
-from train.shards import is_streaming_root, streaming_dataset, streaming_scan
+from train.shards import is_streaming_root, read_meta, streaming_dataset, streaming_loader, streaming_scan
 from train.transforms import Augment, BatchTransform, EvalTransform, build_train_transform
 
 SCAN_FILE = "scan.json"  # in the run directory: rank 0's scan, read by the other ranks
@@ -90,6 +91,7 @@ class ImageFolderDataModule(pl.LightningDataModule):
             batch_augment = not augment.rand_augment and augment.color_jitter <= 0
         self.batch_augment = batch_augment
         self._scan: FolderScan | None = None
+        self._stream = self._stream_state = None  # a streamed training loader, and the position it resumes from
         self.prepare_data_per_node = False  # one scan for the whole run, by global rank 0
 
     @property
@@ -130,6 +132,17 @@ class ImageFolderDataModule(pl.LightningDataModule):
     @property
     def num_classes(self) -> int:
         return len(self.classes)
+
+    @property
+    def val_images(self) -> int:
+        """How many validation images there are, over all ranks."""
+        if self.scan.layout == "litdata":
+            return int(read_meta(self.root)["val"])
+        return len(self.scan.val)
+
+    @property
+    def _world_size(self) -> int:
+        return 1 if self.trainer is None else self.trainer.world_size
 
     def setup(self, stage: str) -> None:
         if getattr(self, "train_set", None) is not None:
@@ -203,21 +216,27 @@ class ImageFolderDataModule(pl.LightningDataModule):
         collate = None
         if self.batch_augment:
             collate = BatchCollate(BatchTransform(self.preprocess, self.augment if train else None))
+        world = self._world_size
         if self.scan.layout == "litdata":  # the dataset shuffles and splits chunks across ranks; position resumes
-            from litdata import StreamingDataLoader
-
             batch = self.batch_size if train else self.eval_batch_size
-            return StreamingDataLoader(dataset, batch_size=batch, num_workers=workers, collate_fn=collate)
+            if not train and world > 1:
+                # LitData deals out whole batches, the same number to each rank, and the rest to the last one:
+                # with fewer than `world` batches, every rank but the last would have none, and fail.
+                batch = max(1, min(batch, self.val_images // world))
+            return streaming_loader(dataset, batch, workers, collate)
         if train:  # workers seed each batch from the run's seed (a resumed run's restored RNG state carries it)
             dataset.seed = torch.initial_seed()
         # The shuffle draws from the global stream, which a checkpoint saves and restores. The loader's worker
         # seed comes from a generator of its own: it is drawn when the loader's iterator is made, which a
         # resumed run does later than the uninterrupted one, and drawn from the global stream it would shift
         # every draw after it. (With `shuffle=True` the loader would shuffle from that generator too.)
+        sampler = RandomSampler(dataset) if train else None
+        if not train and world > 1:  # each image once: Lightning's DistributedSampler repeats some to even the ranks
+            sampler = UnrepeatedDistributedSampler(dataset, world, self.trainer.global_rank, shuffle=False)
         return DataLoader(
             dataset,
             batch_size=self.batch_size if train else self.eval_batch_size,
-            sampler=RandomSampler(dataset) if train else None,
+            sampler=sampler,
             drop_last=train and len(dataset) > self.batch_size,  # even batches for mixup
             num_workers=workers,
             pin_memory=self.pin_memory and torch.cuda.is_available(),
@@ -227,7 +246,26 @@ class ImageFolderDataModule(pl.LightningDataModule):
         )
 
     def train_dataloader(self) -> DataLoader:
-        return self._loader(self.train_set, train=True)
+        loader = self._loader(self.train_set, train=True)
+        if self.scan.layout == "litdata":
+            self._stream = loader
+            if self._stream_state:
+                loader.load_state_dict(self._stream_state)
+                self._stream_state = None
+        return loader
+
+    def state_dict(self) -> dict:
+        """Where the streamed training loader stands, so that a run resumed mid-epoch goes on from the next sample.
+
+        Lightning keeps it in its loop state too, but drops it on resume when `configure_optimizers` reads
+        `trainer.estimated_stepping_batches` (ours does: the schedule's length): that builds the loader before
+        the loop state is restored, and the loop restores it only into a loader it builds itself.
+        """
+        return {} if self._stream is None else {"train_stream": self._stream.state_dict()}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Keep the loader position for `train_dataloader`: Lightning restores the data module before asking."""
+        self._stream_state = state_dict.get("train_stream")
 
     def val_dataloader(self) -> DataLoader:
         return self._loader(self.val_set, train=False)

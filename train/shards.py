@@ -7,7 +7,8 @@
 image once to find the broken ones (listed in `bad_files.csv`), and writes the encoded files, untouched,
 into LitData's chunked format: `out/train/`, `out/val/` and `out/vitscope.json` (classes, split, counts).
 Training streams the chunks (`litdata.StreamingDataset`): each DDP rank reads its own chunks, and the
-`StreamingDataLoader`'s position is saved in checkpoints, so a resumed run continues mid-epoch.
+`StreamingDataLoader`'s position is saved in checkpoints, so a run resumed from a mid-epoch `last.ckpt`
+(`--last.every_n_train_steps N` writes one every N steps) continues from the next sample of its epoch.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from jsonargparse import ArgumentParser
 
 from serve.runtime.images import ImageError, load_image
 from train.dataset import usable_cores
@@ -137,19 +139,57 @@ def streaming_dataset(root: str, split: str, fixed, shuffle: bool, seed: int = 4
     return StreamingImages(f"{root.rstrip('/')}/{split}", shuffle=shuffle, drop_last=shuffle, seed=seed)
 
 
-def main(argv: list[str]) -> None:
-    """`vit-train prepare --data.root DIR --out SHARDS [--data.val_fraction F] [--data.seed S] [--workers N]`."""
-    import argparse
+def streaming_loader(dataset, batch_size: int, num_workers: int, collate_fn=None):
+    """A `litdata.StreamingDataLoader` of `dataset` whose position is saved in checkpoints and resumed mid-epoch."""
+    from litdata import StreamingDataLoader
 
-    parser = argparse.ArgumentParser(prog="vit-train prepare", description=__doc__.splitlines()[0])
-    parser.add_argument("--data.root", dest="root", required=True, help="the image folder")
-    parser.add_argument("--out", required=True, help="output folder, or s3:// / gs:// URL")
-    parser.add_argument("--data.val_fraction", dest="val_fraction", type=float, default=0.2)
-    parser.add_argument("--data.seed", dest="seed", type=int, default=42)
-    parser.add_argument("--workers", type=int, default=None, help="processes (default: the usable cores)")
-    args = parser.parse_args(argv)
+    class ResumableLoader(StreamingDataLoader):
+        def __iter__(self):
+            for batch in super().__iter__():
+                # LitData leaves a resumed loader in its resuming state until the epoch's iterator runs out, but
+                # Lightning, which knows the epoch's length, never asks past its last batch: the next epoch
+                # would then go on from the end of this one, and yield nothing.
+                if self.restore and self._num_samples_yielded_streaming >= len(self.dataset):
+                    self.restore = False
+                yield batch
+
+    return ResumableLoader(dataset, batch_size=batch_size, num_workers=num_workers, collate_fn=collate_fn)
+
+
+PREPARE_HELP = "Write an image folder as LitData chunks that fit streams, on one node or many."
+
+
+def prepare_parser() -> ArgumentParser:
+    """The options of `vit-train prepare`; `vit-train --help` lists it with the Trainer's subcommands."""
+    parser = ArgumentParser(
+        prog="vit-train prepare",
+        description=f"{PREPARE_HELP} Scans --data.root as fit does (same classes, split and header check), decodes "
+        "every image once to list the broken ones in bad_files.csv, and writes OUT/train/, OUT/val/ and "
+        f"OUT/{META}. Then: vit-train fit --data.root OUT.",
+    )
+    parser.add_argument(
+        "--data.root", required=True, help="the image folder: root/<class>/* or root/train|val/<class>/*"
+    )
+    parser.add_argument("--out", required=True, help="output folder, or an s3:// / gs:// URL")
+    parser.add_argument(
+        "--data.val_fraction", type=float, default=0.2,
+        help="share of each class held out for validation when the folder has no train/val split (as in fit)",
+    )  # fmt: skip
+    parser.add_argument("--data.seed", type=int, default=42, help="seed of that split (as in fit)")
+    parser.add_argument(
+        "--chunk_bytes", type=str, default="64MB",
+        help="size of each chunk: DDP ranks and nodes share chunks out, so a small dataset needs small chunks",
+    )  # fmt: skip
+    parser.add_argument("--workers", type=int | None, default=None, help="processes (default: the usable cores)")
+    return parser
+
+
+def main(argv: list[str]) -> None:
+    """`vit-train prepare`: see `prepare_parser` for its options."""
+    args = prepare_parser().parse_args(argv)
+    data = args.data
     try:
-        meta = prepare(args.root, args.out, args.val_fraction, args.seed, args.workers)
+        meta = prepare(data.root, args.out, data.val_fraction, data.seed, args.workers, args.chunk_bytes)
     except (OSError, ValueError) as e:
         print(f"vit-train prepare: {e}", file=sys.stderr)
         raise SystemExit(2) from None

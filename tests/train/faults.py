@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import torch
@@ -37,3 +38,20 @@ class SlowSave(Callback):
     def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:
         checkpoint["padding"] = torch.ones(self.mb * (1 << 18))  # float32: 4 bytes each
         (Path(trainer.default_root_dir) / "save_started").touch()
+
+
+class HangAfter(Callback):
+    """Stop making progress after an optimizer step (a hung node), and touch `hung` in the run directory, so
+    that a test kills the run at a known point.
+
+    Args:
+        step: the optimizer step after which the run hangs.
+    """
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step == self.step:
+            (Path(trainer.default_root_dir) / "hung").touch()
+            time.sleep(3600)

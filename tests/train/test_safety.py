@@ -196,6 +196,14 @@ def test_a_folder_with_no_validation_images_is_refused(tmp_path, capsys):
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
+def test_fewer_validation_images_than_ddp_processes_is_refused(tmp_path, capsys):
+    root = write_shapes(tmp_path / "shapes", per_class=2, classes=("bar", "column"))
+    (root / "column" / "001.png").unlink()  # a class of one image trains on it: 1 held out in all
+    ddp = ["--trainer.strategy", "ddp", "--trainer.devices", "2", "--trainer.accelerator", "cpu"]
+    err = one_line_error(args(root, tmp_path / "run", *ddp), capsys)
+    assert "1 validation image(s) for 2 DDP processes" in err and "--data.val_fraction" in err
+
+
 WRITE_REPORTS = """
 import sys
 from pathlib import Path

@@ -3,12 +3,20 @@
 from __future__ import annotations
 
 import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.train.conftest import REPO, write_shapes
-from train.cli import main
+from tests.train.rank_weights import fingerprints
+from train.cli import build_cli, main
 from train.folder import scan_folder
 from train.shards import is_streaming_root, prepare, read_meta
 
@@ -28,6 +36,38 @@ def test_prepare_says_what_is_wrong_in_one_line_with_exit_code_2(tmp_path: Path,
     with pytest.raises(SystemExit) as e:
         main(["prepare", "--data.root", str(tmp_path / "missing"), "--out", str(tmp_path / "out")])
     assert e.value.code == 2 and "image folder not found" in capsys.readouterr().err
+
+
+def test_vit_train_help_lists_prepare_beside_the_trainer_subcommands(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    out = capsys.readouterr().out
+    listed = re.findall(r"^ {4}(\w+) +\S", out, re.M)  # "    fit    Runs the full ..."
+    assert e.value.code == 0 and listed == ["fit", "validate", "test", "predict", "prepare"]
+    assert re.search(r"prepare +Write an image folder as LitData chunks", out)
+
+
+def test_prepare_help_describes_each_option(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["prepare", "--help"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0 and out.startswith("usage: vit-train prepare")
+    for option, words in [
+        ("--data.root ROOT", "the image folder"),
+        ("--out OUT", "output folder"),
+        ("--data.val_fraction VAL_FRACTION", "share of each class held out"),
+        ("--data.seed SEED", "seed of that split"),
+        ("--chunk_bytes CHUNK_BYTES", "size of each chunk"),
+        ("--workers WORKERS", "processes"),
+    ]:
+        assert re.search(rf"^  {re.escape(option)}\s+{words}", out, re.M | re.S), option
+
+
+def test_prepare_command_writes_chunks_of_chunk_bytes(shapes_folder: Path, tmp_path: Path, capsys):
+    out = tmp_path / "shards"
+    main(["prepare", "--data.root", str(shapes_folder), "--out", str(out), "--chunk_bytes", "4kb", "--workers", "1"])
+    assert "72 train and 18 val images, 3 classes" in capsys.readouterr().out
+    assert len(json.loads((out / "train" / "index.json").read_text())["chunks"]) > 1
 
 
 @pytest.mark.slow
@@ -66,12 +106,6 @@ def test_a_prepared_dataset_gives_the_same_batches_shape_as_the_folder(shapes_fo
 
 @pytest.mark.slow
 def test_ddp_on_two_cpu_processes_streams_disjoint_samples(tmp_path: Path):
-    import os
-    import subprocess
-    import sys
-
-    import torch
-
     out, run = tmp_path / "shards", tmp_path / "run"
     shapes = write_shapes(tmp_path / "shapes", per_class=40)
     prepare(str(shapes), str(out), workers=1, chunk_bytes="4kb")  # several chunks to share out
@@ -87,3 +121,59 @@ def test_ddp_on_two_cpu_processes_streams_disjoint_samples(tmp_path: Path):
     assert result.returncode == 0, result.stderr[-3000:]
     seen0, seen1 = (torch.load(run / f"samples{r}.pt", weights_only=True) for r in (0, 1))
     assert seen0 and seen1 and not set(seen0) & set(seen1)  # each rank streams its own chunks
+
+
+def _stream_fit_args(shards: Path, run: Path, *extra: str) -> list[str]:
+    """Two epochs of 9 steps (39 training images, batches of 4), unaugmented so a sample looks the same each time."""
+    return [
+        "fit", "--config", str(REPO / "configs" / "small_images.yaml"), "--data.root", str(shards),
+        "--trainer.default_root_dir", str(run), "--trainer.max_epochs", "2", "--trainer.accelerator", "cpu",
+        "--data.batch_size", "4", "--data.eval_batch_size", "4", "--data.num_workers", "0",
+        "--trainer.enable_progress_bar", "false", "--data.augment.crop_scale", "[1.0, 1.0]",
+        "--data.augment.crop_ratio", "[1.0, 1.0]", "--data.augment.hflip", "0.0",
+        "--trainer.callbacks+=tests.train.rank_weights.LogSamples", *extra,
+    ]  # fmt: skip
+
+
+def _samples(log: Path, before_step: int | None = None) -> dict[int, list[str]]:
+    """Epoch -> the fingerprints `LogSamples` wrote for it, in order (only steps before `before_step`, if given)."""
+    epochs: dict[int, list[str]] = {}
+    for line in log.read_text().splitlines():
+        epoch, step, *prints = line.split()
+        if before_step is None or int(step) < before_step:
+            epochs.setdefault(int(epoch), []).extend(prints)
+    return epochs
+
+
+@pytest.mark.slow
+def test_a_killed_streaming_run_resumes_mid_epoch_and_sees_each_sample_of_it_once(tmp_path: Path):
+    shards, run = tmp_path / "shards", tmp_path / "run"
+    prepare(str(write_shapes(tmp_path / "shapes", per_class=16)), str(shards), workers=1, chunk_bytes="4kb")
+    cmd = [sys.executable, "-m", "train", *_stream_fit_args(shards, run, "--last.every_n_train_steps", "2")]
+    cmd += ["--trainer.callbacks+=tests.train.faults.HangAfter", "--trainer.callbacks.step", "5"]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (run / "hung").exists():
+            assert proc.poll() is None, proc.stderr.read()[-3000:]
+            assert time.monotonic() < deadline, "the run did not reach step 5"
+            time.sleep(0.2)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)  # no chance to save anything more
+        proc.wait()
+    killed = torch.load(run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    assert (killed["epoch"], killed["global_step"]) == (0, 4)  # mid-epoch: the 5th step was lost with the process
+    kept = _samples((run / "samples.log").rename(tmp_path / "killed.log"), before_step=4)[0]  # what last.ckpt holds
+
+    resumed = build_cli(_stream_fit_args(shards, run, "--last.every_n_train_steps", "2", "--ckpt_path", "last"))
+    assert resumed.trainer.state.finished and resumed.trainer.global_step == 18
+    seen = _samples(run / "samples.log")
+    dm = build_cli(_stream_fit_args(shards, tmp_path / "unused")[1:], run=False).datamodule
+    dm.setup("fit")
+    loader = dm.train_dataloader()
+    expected = [[p for x, _ in loader for p in fingerprints(x)] for _epoch in range(2)]  # never stopped
+    assert len(expected[0]) == 36 and len(set(expected[0])) == 36  # 9 steps of 4 distinct samples
+    assert kept == expected[0][:16]
+    assert seen[0] == expected[0][16:]  # resumed at the 17th sample of the epoch: none repeated, none skipped
+    assert seen[1] == expected[1]  # and the next epoch whole, as if nothing had happened

@@ -18,6 +18,7 @@ from serve.runtime.images import load_image
 from tests.train.conftest import REPO, write_shapes
 from train.checkpoint import load_checkpoint, load_network
 from train.cli import build_cli
+from train.shards import prepare
 
 SAMPLE = str(REPO / "configs" / "sample.yaml")
 
@@ -146,3 +147,23 @@ def test_ddp_on_two_cpu_processes_leaves_identical_weights_on_both_ranks(tmp_pat
         torch.testing.assert_close(w0[k], w1[k], rtol=0, atol=0)
     assert any(not torch.equal(w0[k], initial[k]) for k in w0)  # they trained, and stayed in step
     assert (run / "checkpoints" / "last.ckpt").is_file()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("prepared", [False, True], ids=["folder", "prepared"])
+def test_ddp_validates_each_image_once_when_a_rank_gets_less_than_a_batch(tmp_path: Path, prepared: bool):
+    root = write_shapes(tmp_path / "shapes", per_class=4)  # a quarter held out: 3 images for 2 ranks, batches of 8
+    if prepared:
+        prepare(str(root), str(tmp_path / "shards"), val_fraction=0.25, workers=1)
+        root = tmp_path / "shards"
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "train", *fit_args(root, run, 2, "--data.val_fraction", "0.25")]
+    cmd += ["--data.batch_size", "4", "--data.eval_batch_size", "8", "--data.num_workers", "0"]
+    cmd += ["--trainer.strategy", "ddp", "--trainer.devices", "2", "--trainer.accelerator", "cpu"]
+    cmd += ["--trainer.callbacks+=tests.train.rank_weights.SaveRankValImages"]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    per_rank = [torch.load(run / f"val{r}.pt", weights_only=True) for r in (0, 1)]
+    assert [a + b for a, b in zip(*per_rank, strict=True)] == [3, 3]  # each epoch: every image once, none repeated
+    assert all(n > 0 for counts in per_rank for n in counts)  # every rank had its share
