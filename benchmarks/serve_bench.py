@@ -231,7 +231,8 @@ def run(args: argparse.Namespace) -> int:
     batch = np.repeat(clf.prepare(data)[None], best_bs, axis=0)
     threads = clf.threads or "every core's"
 
-    with ServerProcess(args.model, "--no-ui", *args.server_args.split()) as server:
+    log = Path(tempfile.mkdtemp(prefix="serve_bench-")) / "vit-serve.log"  # its access log: not read during the run
+    with ServerProcess(args.model, "--no-ui", *args.server_args.split(), log_file=log) as server:
         run_loop(load(server.port, data, args.concurrency, 2.0))  # warm the connection path
         # Alternate the in-process and server measurements: this machine's speed drifts by tens of percent
         # over minutes, and alternating rounds (best of each) lets both sides see the same drift.

@@ -10,16 +10,13 @@ flight finish, drains the batcher, then exits: 0 when everything drained in time
 from __future__ import annotations
 
 import argparse
-import atexit
 import ctypes
 import logging
 import os
-import queue
 import shutil
 import signal
 import sys
 import tempfile
-from logging.handlers import QueueHandler, QueueListener
 from pathlib import Path
 
 import uvicorn
@@ -74,7 +71,7 @@ def settings_from(args: argparse.Namespace) -> ServeSettings:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    _log_from_a_thread(args.log_level)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         settings = settings_from(args)
     except ValidationError as e:
@@ -133,21 +130,6 @@ def uvicorn_config(app, settings: ServeSettings, log_level: str) -> uvicorn.Conf
     )
     config.limits = settings  # read by LimitedHttpToolsProtocol
     return config
-
-
-def _log_from_a_thread(level: str) -> None:
-    """Log through a queue to a thread that writes the lines.
-
-    The event loop writes an access line per request: it must never wait on a slow stderr (a pipe read
-    late, a busy journald), and formatting the time stamp is work it can leave to another thread.
-    """
-    handler = logging.StreamHandler()
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    records: queue.SimpleQueue = queue.SimpleQueue()
-    listener = QueueListener(records, handler)
-    logging.basicConfig(level=level.upper(), handlers=[QueueHandler(records)])
-    listener.start()
-    atexit.register(listener.stop)  # writes what is still queued
 
 
 def _return_freed_memory() -> None:

@@ -11,6 +11,7 @@ and orchestrators probe them by IP, and they tell nothing.
 
 from __future__ import annotations
 
+import atexit
 import base64
 import binascii
 import hmac
@@ -19,6 +20,8 @@ import json
 import logging
 import os
 import re
+import sys
+import threading
 import time
 
 from serve.server.errors import ERROR_STATUS
@@ -70,6 +73,50 @@ def key_of(headers: dict[bytes, bytes]) -> str | None:
     return None
 
 
+class AccessLog:
+    """One line per request, kept in memory and written every `flush_s` seconds by a thread of its own, as
+    nginx's `access_log ... buffer= flush=` does; in the format of the other log lines.
+
+    Written one by one through `logging`, from the event loop or by a thread woken for each, the lines cost
+    a small model a third of its throughput (BENCHMARKS.md, serving). Here the loop only appends a tuple.
+    Lines are written only when `vitscope.access` logs INFO (not with `--log-level warning`).
+    """
+
+    def __init__(self, stream=None, flush_s: float = 0.2):
+        self.stream, self.flush_s = stream, flush_s
+        self.pending: list[tuple[float, str]] = []
+        self.writer: threading.Thread | None = None
+        self.lock = threading.Lock()  # one flush at a time (the writer's, or the last one at exit)
+
+    def write(self, line: str) -> None:
+        if not log.isEnabledFor(logging.INFO):
+            return
+        self.pending.append((time.time(), line))  # one bytecode-level append: safe beside the writer's swap
+        if self.writer is None:
+            self.writer = threading.Thread(target=self._write_now_and_then, name="access-log", daemon=True)
+            self.writer.start()
+
+    def flush(self) -> None:
+        with self.lock:
+            lines, self.pending = self.pending, []
+            if not lines:
+                return
+            text = "".join(f"{_stamp(t)} INFO vitscope.access: {line}\n" for t, line in lines)
+            stream = self.stream or sys.stderr
+            stream.write(text)
+            stream.flush()
+
+    def _write_now_and_then(self) -> None:
+        while True:
+            time.sleep(self.flush_s)
+            self.flush()
+
+
+def _stamp(t: float) -> str:
+    """`logging`'s default time stamp: 2026-12-01 20:50:07,123."""
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t)) + f",{int(t * 1000) % 1000:03d}"
+
+
 class RequestGuard:
     """ASGI middleware: request ID, Host allow-list, API key, one access log line and metrics per request.
 
@@ -94,6 +141,8 @@ class RequestGuard:
         self.api_key = api_key.encode("utf-8")
         # IDs as long as a UUID's hex, without a system call per request: a random prefix and a counter
         self.id_prefix, self.ids = os.urandom(10).hex(), itertools.count()
+        self.access_log = AccessLog()
+        atexit.register(self.access_log.flush)  # what is still pending when the server exits
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "websocket":  # none of ours; refused like any request if it breaks the rules
@@ -142,7 +191,7 @@ class RequestGuard:
                 self.metrics.observe(route, status, started)
             client = scope.get("client") or ("-", 0)
             ms = (time.perf_counter() - started) * 1000
-            log.info('%s "%s %s" %d %.1fms id=%s', client[0], scope["method"], path, status, ms, request_id)
+            self.access_log.write(f'{client[0]} "{scope["method"]} {path}" {status} {ms:.1f}ms id={request_id}')
 
     def refusal(self, path: str, headers: dict[bytes, bytes]) -> tuple[str, str, dict[str, str]] | None:
         """(code, message, headers) of a request refused before the app sees it, or None."""
