@@ -71,7 +71,7 @@ def choose(s: Survey) -> tuple[dict[str, Any], dict[str, str]]:
     """The recipe for survey `s`: (config in `vit-train`'s YAML layout, {setting: why}).
 
     Small images (median side <= 64 px), or any images on CPU: a 64-wide, 4-block ViT with a conv stem
-    at the images' side (at most 64 px), batch augmentation, cached uint8 images. Larger images on a GPU:
+    at the images' side (at most 64 px), batches of 64, batch augmentation, cached uint8 images. Larger images on a GPU:
     ViT-Ti/16 at 224 px in bf16.
     """
     why: dict[str, str] = {}
@@ -82,16 +82,20 @@ def choose(s: Survey) -> tuple[dict[str, Any], dict[str, str]]:
     why["data.img_size"] = f"median image side {s.median_side} px -> {side}, {patch}-px patches" + (
         " (CPU: at most 64 px)" if small and s.median_side > SMALL_SIDE else ""
     )
-    batch = int(min(256 if small else 128, max(16, 2 ** int(s.train_images // 20).bit_length() // 2)))
-    why["data.batch_size"] = f"{s.train_images} training images: about 20 batches an epoch at least, at most 256"
+    batch = int(min(64 if small else 128, max(16, 2 ** int(s.train_images // 20).bit_length() // 2)))
+    why["data.batch_size"] = f"{s.train_images} training images: about 20 batches an epoch at least, at most " + (
+        "64 (on CPU, more steps in the same time learn more than larger batches)" if small else "128"
+    )
     steps_per_epoch = max(1, s.train_images // batch)
     epochs = int(min(100, max(10, round(TARGET_STEPS / steps_per_epoch))))
     why["trainer.max_epochs"] = f"about {TARGET_STEPS} steps at {steps_per_epoch} a step per epoch, 10-100 epochs"
-    lr = round(2.0e-3 * min(1.0, batch / 256) if small else 1.0e-3 * batch / 128, 6)
-    why["model.lr"] = "2e-3 at batch 256, scaled down linearly for smaller batches" if small else "1e-3 at 128"
+    lr = round(2.0e-3 * min(1.0, batch / 64) if small else 1.0e-3 * batch / 128, 6)
+    why["model.lr"] = "2e-3 at batch 64, scaled down linearly for smaller batches" if small else "1e-3 at 128"
     if small:
         variant, net = "vit_micro_patch4_32", {"stem": "conv", "pos_embed": "sincos", "global_pool": "avg"}
         net |= {"class_token": False, "patch_size": patch}
+        if patch == 4:  # a full-resolution conv first: a 4-px patch holds few pixels (BENCHMARKS.md, ablation)
+            net["stem_widths"] = [16, 32, 64]
         why["model.variant"] = "small images: 64-wide, 4-block ViT with a conv stem (learns fast from few pixels)"
     else:
         variant, net = "vit_tiny_patch16_224", {"drop_path_rate": 0.1}
