@@ -44,6 +44,10 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--duration", type=float, default=3.0, help="seconds per round")
     p.add_argument("--server-args", default="", help="extra vit-serve options for both")
+    p.add_argument(
+        "--modules", nargs=2, default=["serve.server", "serve.server"],
+        help="each tree's server module (`python -m ...`): 'serve' before serve/ was split into rooms",
+    )  # fmt: skip
     args = p.parse_args()
     model = args.model.resolve()
     data = sample_image(args.data, (32, 32))
@@ -54,7 +58,8 @@ def main() -> None:
             tree = tree.resolve()
             env = dict(os.environ, PYTHONPATH=str(tree))
             log = logs / f"serve_ab-{i}.log"
-            server = ServerProcess(model, "--no-ui", *args.server_args.split(), cwd=tree, env=env, log_file=log)
+            extra = args.server_args.split()
+            server = ServerProcess(model, "--no-ui", *extra, cwd=tree, env=env, log_file=log, module=args.modules[i])
             servers.append((tree, server.wait_ready()))
         for _, server in servers:
             run_loop(load(server.port, data, 16, 1.0))  # warm the connection path

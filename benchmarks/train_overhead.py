@@ -37,6 +37,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import yaml
 from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from PIL import Image
@@ -189,7 +190,7 @@ def table(rows: list[tuple[str, list[float]]], target: float) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=60, help="steps per round, Lightning alone")
-    parser.add_argument("--vit-steps", type=int, default=30, help="steps per round, vit-train (batches of 256)")
+    parser.add_argument("--vit-steps", type=int, default=30, help="steps per round, vit-train (the config's batches)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--batch-size", type=int, default=64, help="batch size, Lightning alone")
     parser.add_argument("--threads", type=int, default=1, help="torch threads, both comparisons")
@@ -208,7 +209,7 @@ def main() -> None:
             lambda r: lightning_round(loader, args.steps, num_classes, tmp),
         )
         root = Path(tmp) / "images"
-        batch = 256  # configs/small_images.yaml's
+        batch = yaml.safe_load(Path("configs/small_images.yaml").read_text())["data"]["batch_size"]
         source = write_small_images(root, (args.vit_steps + 1) * batch, 500)  # an epoch outlasts the run
         preloaded, vit = interleaved(  # a run directory per round
             args.rounds,

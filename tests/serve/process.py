@@ -34,6 +34,7 @@ class ServerProcess:
         cwd: the child's working directory (relative paths such as `--examples-dir` resolve there).
         env: the child's environment (default: this process's).
         python: the interpreter to run it with (default: this one), e.g. another venv's.
+        module: the module that runs the server (`python -m MODULE`); an older tree may name another.
         log_file: write the child's output to this file instead of a pipe read by a thread here (benchmarks:
             reading an access line per request would cost the load generator's process the CPU it measures with).
     """
@@ -46,10 +47,11 @@ class ServerProcess:
         env: dict | None = None,
         python: str = sys.executable,
         log_file: str | Path | None = None,
+        module: str = "serve.server",
     ):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [python, "-m", "serve.server", str(model), "--host", "127.0.0.1", "--port", str(self.port), *args]
+        cmd = [python, "-m", module, str(model), "--host", "127.0.0.1", "--port", str(self.port), *args]
         self.log_file = Path(log_file) if log_file is not None else None
         out = open(self.log_file, "w") if self.log_file is not None else subprocess.PIPE
         self.proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT, text=True, bufsize=1)
