@@ -67,13 +67,16 @@ class StepTimer(Callback):
         return (self.ends[-1] - self.ends[WARMUP - 1]) / (len(self.ends) - WARMUP)
 
 
-def plain_round(module: ViTClassifier, batches, steps: int) -> float:
-    """Seconds per step of a plain loop: what `training_step`, clipping and the module's EMA do, nothing else."""
+def plain_round(module: ViTClassifier, batches, steps: int, transform=None) -> float:
+    """Seconds per step of a plain loop: what `training_step`, clipping and the module's EMA do, nothing else
+    (and `transform` on each batch, when given)."""
     net = module.net.train()
     opt = torch.optim.AdamW(module.param_groups(), lr=module.hparams.lr, betas=module.hparams.betas)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
     start = time.perf_counter()
     for i, (x, y) in enumerate(islice(batches, steps)):
+        if transform is not None:
+            x = transform(x)
         loss = module.train_loss(net(x), y)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -161,17 +164,27 @@ def preloaded_round(root: Path, run_dir: Path, steps: int, threads: int) -> floa
     return plain_round(cli.model, batches, steps)
 
 
-def interleaved(rounds: int, plain, framework) -> tuple[list[float], list[float]]:
-    """Per-step times of `rounds` runs of each side, who goes first alternating (drift in machine speed hits both)."""
-    p, f = [], []
+def augmented_round(root: Path, run_dir: Path, steps: int, threads: int) -> float:
+    """The plain loop over the same uint8 batches held in memory, with vit-train's batch augmentation and
+    normalisation (`BatchTransform`) on each: the same work as a vit-train step, without its data module
+    and Lightning."""
+    cli = build_cli(vit_train_args(root, run_dir, steps, threads), run=False)
+    dm = cli.datamodule
+    dm.setup("fit")
+    as_uint8 = BatchCollate(lambda images: images)  # (B, S, S, 3) uint8, as the cache holds them
+    loader = DataLoader(dm.train_set, dm.batch_size, shuffle=True, collate_fn=as_uint8, drop_last=True)
+    batches = list(islice(loader, steps))
+    return plain_round(cli.model, batches, steps, transform=BatchTransform(dm.preprocess, dm.augment))
+
+
+def interleaved(rounds: int, *sides) -> tuple[list[float], ...]:
+    """Per-step times of `rounds` runs of each side, who goes first rotating (drift in machine speed hits all)."""
+    times: list[list[float]] = [[] for _ in sides]
     for r in range(rounds):
-        if r % 2 == 0:
-            p.append(plain(r))
-            f.append(framework(r))
-        else:
-            f.append(framework(r))
-            p.append(plain(r))
-    return p, f
+        for k in range(len(sides)):
+            i = (r + k) % len(sides)
+            times[i].append(sides[i](r))
+    return tuple(times)
 
 
 def table(rows: list[tuple[str, list[float]]], target: float) -> str:
@@ -211,9 +224,10 @@ def main() -> None:
         root = Path(tmp) / "images"
         batch = yaml.safe_load(Path("configs/small_images.yaml").read_text())["data"]["batch_size"]
         source = write_small_images(root, (args.vit_steps + 1) * batch, 500)  # an epoch outlasts the run
-        preloaded, vit = interleaved(  # a run directory per round
+        preloaded, augmented, vit = interleaved(  # a run directory per round
             args.rounds,
             lambda r: preloaded_round(root, Path(tmp) / f"plain{r}", args.vit_steps, args.threads),
+            lambda r: augmented_round(root, Path(tmp) / f"aug{r}", args.vit_steps, args.threads),
             lambda r: vit_train_round(root, Path(tmp) / f"vit{r}", args.vit_steps, args.threads),
         )
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
@@ -225,6 +239,10 @@ def main() -> None:
     print(f"\n2. vit-train: configs/small_images.yaml at 28 px, batch {batch}, {source} ({images} training images), "
           f"{args.vit_steps - WARMUP} timed steps a round\n")  # fmt: skip
     rows = [("plain PyTorch (pre-loaded tensors)", preloaded), ("vit-train (data module + Lightning)", vit)]
+    print(table(rows, 10))
+    print("\nThe same vit-train step against a plain loop that augments its pre-loaded batches as vit-train does:")
+    print()
+    rows = [("plain PyTorch + the same batch augmentation", augmented), ("vit-train (data module + Lightning)", vit)]
     print(table(rows, 10))
 
 
