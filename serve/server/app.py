@@ -76,8 +76,8 @@ def build_app(
     add_error_handlers(app, settings)
     budget = PixelBudget(settings.decode_pixel_budget)  # shared by the API and the UI
     routers = [v1_router(classifier, engine, metrics, settings, budget), v2_router(classifier, engine, settings)]
-    for router in routers:
-        app.include_router(router)
+    for router in routers:  # flat, as `@app.get` adds them: `include_router` costs a dispatch layer per request
+        app.router.routes.extend(router.routes)
     add_fallback_routes(app, routers)
     describe(app, settings, classifier.name)
     if with_ui:
