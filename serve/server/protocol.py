@@ -6,7 +6,7 @@ connection until the process runs out of file descriptors. Here each connection:
 - answers 431 and closes once its request head passes `max_header_bytes`;
 - answers 408 and closes when the head is not complete `header_timeout_s` after its first byte (or
   after the connection opened), and closes when the body is not complete `body_timeout_s` after the
-  head (the app then sees a client that went away);
+  head (the app then sees a client that went away); deadlines are checked a few times a second;
 - is answered 503 and closed at once when `max_connections` are open already.
 
 The limits are read from `config.limits` (a `ServeSettings`), set by `serve.server.cli`.
@@ -48,7 +48,11 @@ def error_bytes(code: str, message: str) -> bytes:
 
 
 class LimitedHttpToolsProtocol(HttpToolsProtocol):
-    """`HttpToolsProtocol` with a head size limit, head and body deadlines and a connection cap."""
+    """`HttpToolsProtocol` with a head size limit, head and body deadlines and a connection cap.
+
+    A deadline is a number on the connection, not a timer: setting one costs nothing per request, and one
+    sweep per server (`_sweep`, a few times a second) closes the connections whose deadline has passed.
+    """
 
     _last_refusal_log = 0.0  # class-wide: one warning per second at most while the cap is hit
 
@@ -61,7 +65,8 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self.head_bytes = 0  # bytes of the current request head so far
         self.in_head = True  # between a request's first byte and the end of its head
         self.refused = False
-        self.deadline = None  # the TimerHandle of the head or body deadline
+        self.deadline = 0.0  # time.monotonic() by which the head or the body must be in; 0: none
+        self.too_slow = self._head_too_slow  # what happens then
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
@@ -73,46 +78,39 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             self._refuse("too_many_connections", "the server has too many open connections; retry shortly")
             return
         self._arm(self.head_timeout, self._head_too_slow)
+        if getattr(self.server_state, "deadline_sweep", None) is None:
+            self.server_state.deadline_sweep = self.loop.call_later(self._sweep_every(), self._sweep)
 
     def connection_lost(self, exc) -> None:
-        self._disarm()
+        self.deadline = 0.0
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
         if self.refused:
             return
         super().data_received(data)
-        # httptools gathers a header value until its end before calling on_header: count what it holds
+        # a head that spans reads: count what came so far (httptools holds a header until its end)
         if self.in_head and not self.refused:
             self._count_head(len(data))
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
         self.head_bytes, self.in_head = 0, True
-        if self.deadline is None:  # a keep-alive connection's next request: its clock starts now
+        if not self.deadline:  # a keep-alive connection's next request: its clock starts now
             self._arm(self.head_timeout, self._head_too_slow)
-
-    def on_url(self, url: bytes) -> None:
-        self._count_head(len(url))
-        if not self.refused:
-            super().on_url(url)
-
-    def on_header(self, name: bytes, value: bytes) -> None:
-        self._count_head(len(name) + len(value) + 4)
-        if not self.refused:
-            super().on_header(name, value)
 
     def on_headers_complete(self) -> None:
         if self.refused:
             return
-        self._disarm()
-        self.in_head = False
-        super().on_headers_complete()
-        if self.transport.is_closing() or self.cycle is None:
+        # the whole head, exactly, before the app sees it (also when it came in one read)
+        head = len(self.url) + sum(len(name) + len(value) + 4 for name, value in self.headers)
+        self.head_bytes = max(self.head_bytes, head)
+        self._count_head(0)
+        if self.refused:
             return
-        headers = dict(self.headers)
-        if headers.get(b"content-length", b"0") not in (b"0", b"") or b"transfer-encoding" in headers:
-            self._arm(self.body_timeout, self._body_too_slow)
+        self.in_head = False
+        self._arm(self.body_timeout, self._body_too_slow)  # cleared at once by a request without a body
+        super().on_headers_complete()
 
     def on_body(self, body: bytes) -> None:
         if not self.refused:
@@ -121,7 +119,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
     def on_message_complete(self) -> None:
         if self.refused:
             return
-        self._disarm()
+        self.deadline = 0.0
         super().on_message_complete()
 
     def _count_head(self, n: int) -> None:
@@ -130,27 +128,34 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             self._refuse("headers_too_large", f"the request head is over {self.max_head:,} bytes; send fewer headers")
 
     def _head_too_slow(self) -> None:
-        self.deadline = None
         self._refuse("request_timeout", f"the request head did not arrive within {self.head_timeout} s")
 
     def _body_too_slow(self) -> None:
-        self.deadline = None
         log.info("closing a connection whose body did not arrive within %s s", self.body_timeout)
         self.transport.close()  # the app sees a disconnect (499); a response may already be on its way
 
     def _refuse(self, code: str, message: str) -> None:
         """Write the error answer (unless one is under way) and close; the parser reads nothing more."""
-        self._disarm()
+        self.deadline = 0.0
         self.refused = True
         if self.cycle is None or not self.cycle.response_started:
             self.transport.write(error_bytes(code, message))
         self.transport.close()
 
-    def _arm(self, seconds: float, callback) -> None:
-        self._disarm()
-        self.deadline = self.loop.call_later(seconds, callback)
+    def _arm(self, seconds: float, too_slow) -> None:
+        self.deadline, self.too_slow = time.monotonic() + seconds, too_slow
 
-    def _disarm(self) -> None:
-        if self.deadline is not None:
-            self.deadline.cancel()
-            self.deadline = None
+    def _sweep_every(self) -> float:
+        """Seconds between sweeps: a deadline is kept to within a quarter of the shorter timeout, 1 s at most."""
+        return min(1.0, self.head_timeout / 4, self.body_timeout / 4)
+
+    def _sweep(self) -> None:
+        """Close the connections whose deadline passed; run again while any connection is open."""
+        now = time.monotonic()
+        for conn in list(self.connections):
+            deadline = getattr(conn, "deadline", 0.0)
+            if deadline and deadline <= now:
+                conn.deadline = 0.0
+                conn.too_slow()
+        state = self.server_state
+        state.deadline_sweep = self.loop.call_later(self._sweep_every(), self._sweep) if self.connections else None

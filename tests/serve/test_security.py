@@ -150,6 +150,21 @@ def test_a_huge_request_head_gets_431_and_the_server_stays_small(server):
     assert httpx.get(server.url + "/healthz").status_code == 200
 
 
+def test_a_head_over_the_limit_in_one_piece_gets_431_before_the_app_sees_it(server):
+    logged = server.output.count('"GET /healthz"')
+    head = b"GET /v1/nothing HTTP/1.1\r\nHost: 127.0.0.1\r\n" + b"X-Big: " + b"a" * 100_000 + b"\r\n\r\n"
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as s:
+        s.sendall(head)  # 100 kB, over the 64 KiB limit, complete in one write
+        answer = s.recv(65536)
+    assert answer.startswith(b"HTTP/1.1 431") and b"headers_too_large" in answer
+    assert httpx.get(server.url + "/healthz").status_code == 200
+    deadline = time.monotonic() + 5
+    while server.output.count('"GET /healthz"') == logged and time.monotonic() < deadline:
+        time.sleep(0.1)  # the access log is written a few times a second
+    assert server.output.count('"GET /healthz"') > logged
+    assert "/v1/nothing" not in server.output  # refused in the protocol: no access line, no route
+
+
 @pytest.mark.slow
 def test_a_slow_client_is_cut_off_with_408(server):
     with socket.create_connection(("127.0.0.1", server.port), timeout=10) as s:
