@@ -14,6 +14,7 @@ from __future__ import annotations
 import atexit
 import base64
 import binascii
+import functools
 import hmac
 import itertools
 import json
@@ -88,10 +89,11 @@ class AccessLog:
         self.writer: threading.Thread | None = None
         self.lock = threading.Lock()  # one flush at a time (the writer's, or the last one at exit)
 
-    def write(self, line: str) -> None:
+    def write(self, *fields) -> None:
+        """One request: (client, method, path, status, milliseconds, request ID), formatted when written."""
         if not log.isEnabledFor(logging.INFO):
             return
-        self.pending.append((time.time(), line))  # one bytecode-level append: safe beside the writer's swap
+        self.pending.append((time.time(), fields))  # one bytecode-level append: safe beside the writer's swap
         if self.writer is None:
             self.writer = threading.Thread(target=self._write_now_and_then, name="access-log", daemon=True)
             self.writer.start()
@@ -101,7 +103,7 @@ class AccessLog:
             lines, self.pending = self.pending, []
             if not lines:
                 return
-            text = "".join(f"{_stamp(t)} INFO vitscope.access: {line}\n" for t, line in lines)
+            text = "".join(f"{_stamp(t)} INFO vitscope.access: {_line(*fields)}\n" for t, fields in lines)
             stream = self.stream or sys.stderr
             stream.write(text)
             stream.flush()
@@ -112,9 +114,19 @@ class AccessLog:
             self.flush()
 
 
+def _line(client: str, method: str, path: str, status: int, ms: float, request_id: str) -> str:
+    return f'{client} "{method} {path}" {status} {ms:.1f}ms id={request_id}'
+
+
 def _stamp(t: float) -> str:
     """`logging`'s default time stamp: 2026-12-01 20:50:07,123."""
-    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t)) + f",{int(t * 1000) % 1000:03d}"
+    return f"{_seconds(int(t))},{int(t * 1000) % 1000:03d}"
+
+
+@functools.lru_cache(maxsize=4)
+def _seconds(t: int) -> str:
+    """The date and time to the second: formatted once for the hundreds of lines of each second."""
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t))
 
 
 class RequestGuard:
@@ -142,6 +154,7 @@ class RequestGuard:
         # IDs as long as a UUID's hex, without a system call per request: a random prefix and a counter
         self.id_prefix, self.ids = os.urandom(10).hex(), itertools.count()
         self.access_log = AccessLog()
+        self.route_of = functools.lru_cache(maxsize=1024)(self._route_of)  # the same few paths, again and again
         atexit.register(self.access_log.flush)  # what is still pending when the server exits
 
     async def __call__(self, scope, receive, send):
@@ -186,12 +199,16 @@ class RequestGuard:
         finally:
             status = CLIENT_CLOSED if gone and status >= 500 else status
             path = scope["path"]
-            route = next((r for r in self.routes if path == r or path.startswith(r + "/")), None)
+            route = self.route_of(path)
             if self.metrics is not None and route is not None:
                 self.metrics.observe(route, status, started)
             client = scope.get("client") or ("-", 0)
             ms = (time.perf_counter() - started) * 1000
-            self.access_log.write(f'{client[0]} "{scope["method"]} {path}" {status} {ms:.1f}ms id={request_id}')
+            self.access_log.write(client[0], scope["method"], path, status, ms, request_id)
+
+    def _route_of(self, path: str) -> str | None:
+        """The prefix in `routes` that `path` falls under, or None."""
+        return next((r for r in self.routes if path == r or path.startswith(r + "/")), None)
 
     def refusal(self, path: str, headers: dict[bytes, bytes]) -> tuple[str, str, dict[str, str]] | None:
         """(code, message, headers) of a request refused before the app sees it, or None."""
