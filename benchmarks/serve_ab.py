@@ -36,6 +36,12 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def pin(pid: int, cpus: list[int]) -> None:
+    """Every thread of process `pid` (onnxruntime's and the batcher's, started already) onto `cpus`."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        os.sched_setaffinity(int(tid), cpus)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("trees", nargs=2, type=Path, help="two source trees (the first is the baseline)")
@@ -44,6 +50,11 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--duration", type=float, default=3.0, help="seconds per round")
     p.add_argument("--server-args", default="", help="extra vit-serve options for both")
+    p.add_argument(
+        "--pin", action="store_true",
+        help="run each server (all its threads) on the first CPU and the load generator on the others: "
+        "throughput then follows the server's CPU per request, not how the scheduler shares the cores",
+    )  # fmt: skip
     p.add_argument(
         "--modules", nargs=2, default=["serve.server", "serve.server"],
         help="each tree's server module (`python -m ...`): 'serve' before serve/ was split into rooms",
@@ -61,6 +72,11 @@ def main() -> None:
             extra = args.server_args.split()
             server = ServerProcess(model, "--no-ui", *extra, cwd=tree, env=env, log_file=log, module=args.modules[i])
             servers.append((tree, server.wait_ready()))
+        if args.pin:
+            cpus = sorted(os.sched_getaffinity(0))
+            for _, server in servers:
+                pin(server.proc.pid, cpus[:1])
+            os.sched_setaffinity(0, cpus[1:])
         for _, server in servers:
             run_loop(load(server.port, data, 16, 1.0))  # warm the connection path
         rps: dict[Path, list[float]] = {tree: [] for tree, _ in servers}
@@ -75,8 +91,10 @@ def main() -> None:
         for _, server in servers:
             server.stop()
     base = statistics.median(rps[servers[0][0]])
+    pinned = ", servers pinned to one CPU" if args.pin else ""
+    when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     print(f"# serve_ab: {args.rounds} alternating rounds of {args.duration:g} s, concurrency 16, {model.name}, "
-          f"server args {args.server_args!r}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}\n")  # fmt: skip
+          f"server args {args.server_args!r}{pinned}, {when}\n")  # fmt: skip
     print("| tree | req/s median (ratio) | best | each round | server CPU per request (median) |")
     print("|---|---:|---:|---|---:|")
     for tree, values in rps.items():
