@@ -5,7 +5,6 @@ from __future__ import annotations
 import collections
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +16,7 @@ from serve.export.cli import export_onnx, main
 from serve.export.targets import OLDEST_ONNXRUNTIME, OPSETS
 from serve.export.trace import DEFAULT_OPSET
 from serve.runtime.classifier import OnnxClassifier
+from tests.venvs import make_venv
 
 from .conftest import quadrant_images
 
@@ -190,19 +190,11 @@ for name, path in json.loads(sys.argv[2]).items():
 np.savez(sys.argv[3], **out)
 print(ort.__version__)
 """
-OFFLINE = ("Could not find a version", "No matching distribution", "Failed to establish", "Temporary failure")
 
 
 def _old_onnxruntime_venv(folder: Path, version: str) -> Path:
     """A throwaway venv with onnxruntime==version (numpy 1.x: the old wheels are built against it)."""
-    subprocess.run([sys.executable, "-m", "venv", str(folder)], check=True, timeout=300)
-    python = folder / "bin" / "python"
-    pip = [str(python), "-m", "pip", "install", "--quiet", f"onnxruntime=={version}", "numpy<2"]
-    result = subprocess.run(pip, capture_output=True, text=True, timeout=900)
-    if result.returncode != 0 and any(marker in result.stderr for marker in OFFLINE):
-        pytest.skip(f"pip cannot reach the package index for onnxruntime=={version}: {result.stderr.strip()[-200:]}")
-    assert result.returncode == 0, result.stderr
-    return python
+    return make_venv(folder, f"onnxruntime=={version}", "numpy<2")
 
 
 def _run_in_old_onnxruntime(python: Path, files: dict[str, Path], pixels: np.ndarray, tmp_path: Path):

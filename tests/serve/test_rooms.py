@@ -7,7 +7,6 @@ import os
 import shutil
 import subprocess
 import sys
-import venv
 from pathlib import Path
 
 import httpx
@@ -15,6 +14,7 @@ import pytest
 
 from tests.serve.process import ServerProcess
 from tests.serve.test_server import sample_png
+from tests.venvs import make_venv, vitscope_wheel
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -59,15 +59,10 @@ def test_a_forbidden_import_breaks_the_contracts(tmp_path):
 
 @pytest.fixture(scope="module")
 def serve_only_venv(tmp_path_factory) -> Path:
-    """A fresh venv with vitscope and its `[serve]` extra only (pip may reuse its cache)."""
-    where = tmp_path_factory.mktemp("serve-venv") / "venv"
-    venv.create(where, with_pip=True)
-    pip = [str(where / "bin" / "python"), "-m", "pip", "install", "--quiet", "--no-compile"]
-    done = subprocess.run([*pip, f"{ROOT}[serve]"], capture_output=True, text=True, timeout=900)
-    if done.returncode != 0 and "Could not find a version" in done.stderr + done.stdout:
-        pytest.skip(f"pip cannot reach a package index: {done.stderr[-300:]}")
-    assert done.returncode == 0, done.stderr[-2000:]
-    return where
+    """A fresh venv with vitscope's wheel and its `[serve]` extra only (pip may reuse its cache)."""
+    root = tmp_path_factory.mktemp("serve-venv")
+    make_venv(root / "venv", f"{vitscope_wheel(root / 'wheel')}[serve]")
+    return root / "venv"
 
 
 @pytest.mark.slow
