@@ -34,11 +34,14 @@ format: install
 	$(BIN)/ruff format vit train serve tests benchmarks
 	$(BIN)/ruff check --fix vit train serve tests benchmarks
 
+# Two workers (pytest-xdist), each running whole files, so that a file's server or model is built once:
+# much of the suite waits on child processes, disks and sockets, not on the CPU. TEST_WORKERS=0: one process.
+TEST_WORKERS ?= 2
 test: install lint
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 test-fast: install
-	$(BIN)/pytest -q -m "not slow and not browser"
+	$(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow and not browser"
 
 # The main job on the embedded sample: data -> training -> ONNX -> server. Each step is a file
 # target, so a second `make demo` reuses whatever is already up to date.
