@@ -79,7 +79,8 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             return
         self._arm(self.head_timeout, self._head_too_slow)
         if getattr(self.server_state, "deadline_sweep", None) is None:
-            self.server_state.deadline_sweep = self.loop.call_later(self._sweep_every(), self._sweep)
+            every = min(1.0, self.head_timeout / 4, self.body_timeout / 4)
+            self.server_state.deadline_sweep = self.loop.call_later(every, _sweep, self.loop, self.server_state, every)
 
     def connection_lost(self, exc) -> None:
         self.deadline = 0.0
@@ -138,24 +139,30 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         """Write the error answer (unless one is under way) and close; the parser reads nothing more."""
         self.deadline = 0.0
         self.refused = True
-        if self.cycle is None or not self.cycle.response_started:
+        cycle = self.cycle  # on a keep-alive connection, the previous request's until this one's head is in
+        if cycle is None or cycle.response_complete or not cycle.response_started:
             self.transport.write(error_bytes(code, message))
         self.transport.close()
 
     def _arm(self, seconds: float, too_slow) -> None:
         self.deadline, self.too_slow = time.monotonic() + seconds, too_slow
 
-    def _sweep_every(self) -> float:
-        """Seconds between sweeps: a deadline is kept to within a quarter of the shorter timeout, 1 s at most."""
-        return min(1.0, self.head_timeout / 4, self.body_timeout / 4)
 
-    def _sweep(self) -> None:
-        """Close the connections whose deadline passed; run again while any connection is open."""
-        now = time.monotonic()
-        for conn in list(self.connections):
+def _sweep(loop, server_state, every: float) -> None:
+    """Close the connections whose deadline passed; run again in `every` s while any connection is open.
+
+    A deadline is kept to within `every`: a quarter of the shorter timeout, 1 s at most.
+    """
+    now = time.monotonic()
+    try:
+        for conn in list(server_state.connections):
             deadline = getattr(conn, "deadline", 0.0)
             if deadline and deadline <= now:
                 conn.deadline = 0.0
-                conn.too_slow()
-        state = self.server_state
-        state.deadline_sweep = self.loop.call_later(self._sweep_every(), self._sweep) if self.connections else None
+                try:
+                    conn.too_slow()
+                except Exception:  # one connection's failure must not end the deadlines of all the others
+                    log.exception("closing a connection past its deadline failed")
+    finally:
+        again = server_state.connections
+        server_state.deadline_sweep = loop.call_later(every, _sweep, loop, server_state, every) if again else None

@@ -95,7 +95,10 @@ class ServeSettings(BaseSettings):
         "several times what browsers send with cookies",
     )
     header_timeout_s: float = Field(
-        10.0, gt=0, description="time a client has to send the whole request head; then 408 and the connection closes"
+        10.0,
+        gt=0,
+        description="time a client has to send the whole request head; then 408 and the connection closes "
+        "(deadlines are checked every quarter of the shorter timeout, every second at most)",
     )
     body_timeout_s: float = Field(
         60.0,

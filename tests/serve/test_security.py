@@ -176,6 +176,19 @@ def test_a_slow_client_is_cut_off_with_408(server):
 
 
 @pytest.mark.slow
+def test_a_slow_second_request_on_a_kept_alive_connection_gets_408_too(server):
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as s:
+        s.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        first = s.recv(65536)
+        s.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n")  # and never the blank line
+        started = time.monotonic()
+        answer = s.recv(65536)
+        waited = time.monotonic() - started
+    assert first.startswith(b"HTTP/1.1 200")
+    assert answer.startswith(b"HTTP/1.1 408") and b"request_timeout" in answer and waited < 5
+
+
+@pytest.mark.slow
 def test_connections_over_the_cap_get_503_and_the_server_keeps_serving(server):
     idle = []
     try:
