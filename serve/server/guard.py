@@ -85,11 +85,11 @@ class AccessLog:
 
     def __init__(self, stream=None, flush_s: float = 0.2):
         self.stream, self.flush_s = stream, flush_s
-        self.pending: list[tuple[float, str]] = []
+        self.pending: list[tuple[float, tuple]] = []  # (time, fields)
         self.writer: threading.Thread | None = None
         self.lock = threading.Lock()  # one flush at a time (the writer's, or the last one at exit)
 
-    def write(self, *fields) -> None:
+    def write(self, *fields: object) -> None:
         """One request: (client, method, path, status, milliseconds, request ID), formatted when written."""
         if not log.isEnabledFor(logging.INFO):
             return
@@ -154,7 +154,6 @@ class RequestGuard:
         # IDs as long as a UUID's hex, without a system call per request: a random prefix and a counter
         self.id_prefix, self.ids = os.urandom(10).hex(), itertools.count()
         self.access_log = AccessLog()
-        self.route_of = functools.lru_cache(maxsize=1024)(self._route_of)  # the same few paths, again and again
         atexit.register(self.access_log.flush)  # what is still pending when the server exits
 
     async def __call__(self, scope, receive, send):
@@ -199,16 +198,12 @@ class RequestGuard:
         finally:
             status = CLIENT_CLOSED if gone and status >= 500 else status
             path = scope["path"]
-            route = self.route_of(path)
+            route = next((r for r in self.routes if path == r or path.startswith(r + "/")), None)
             if self.metrics is not None and route is not None:
                 self.metrics.observe(route, status, started)
             client = scope.get("client") or ("-", 0)
             ms = (time.perf_counter() - started) * 1000
             self.access_log.write(client[0], scope["method"], path, status, ms, request_id)
-
-    def _route_of(self, path: str) -> str | None:
-        """The prefix in `routes` that `path` falls under, or None."""
-        return next((r for r in self.routes if path == r or path.startswith(r + "/")), None)
 
     def refusal(self, path: str, headers: dict[bytes, bytes]) -> tuple[str, str, dict[str, str]] | None:
         """(code, message, headers) of a request refused before the app sees it, or None."""
