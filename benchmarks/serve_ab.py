@@ -39,7 +39,10 @@ def cpu_seconds(pid: int) -> float:
 def pin(pid: int, cpus: list[int]) -> None:
     """Every thread of process `pid` (onnxruntime's and the batcher's, started already) onto `cpus`."""
     for tid in os.listdir(f"/proc/{pid}/task"):
-        os.sched_setaffinity(int(tid), cpus)
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+        except ProcessLookupError:
+            pass  # a thread that ended meanwhile (an idle worker of the thread pool)
 
 
 def main() -> None:
@@ -74,6 +77,8 @@ def main() -> None:
             servers.append((tree, server.wait_ready()))
         if args.pin:
             cpus = sorted(os.sched_getaffinity(0))
+            if len(cpus) < 2:
+                sys.exit("serve_ab.py: --pin needs two CPUs (one for the servers, one for the load generator)")
             for _, server in servers:
                 pin(server.proc.pid, cpus[:1])
             os.sched_setaffinity(0, cpus[1:])
