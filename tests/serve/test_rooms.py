@@ -14,9 +14,7 @@ import pytest
 
 from tests.serve.process import ServerProcess
 from tests.serve.test_server import sample_png
-from tests.venvs import make_venv, vitscope_wheel
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.venvs import ROOT, make_venv, vitscope_wheel
 
 
 def imported_modules(lines: list[str]) -> set[str]:
