@@ -25,6 +25,7 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -48,7 +49,7 @@ class ShuttingDown(RuntimeError):
 @dataclass
 class _Image:
     item: Any  # (H, W, 3) uint8, or what `prepare` turns into it
-    future: Future
+    future: Future | asyncio.Future
 
 
 @dataclass
@@ -106,9 +107,14 @@ class MicroBatcher:
             self._thread.start()
         return self
 
-    def submit(self, item: Any) -> Future:
-        """Queue one (H, W, 3) uint8 image (or an item for `prepare`); the future resolves to its row of the output."""
-        return self._put(_Image(item, Future()))
+    def submit(self, item: Any, future: asyncio.Future | None = None) -> Future | asyncio.Future:
+        """Queue one (H, W, 3) uint8 image (or an item for `prepare`); the future resolves to its row of the output.
+
+        Args:
+            future: an asyncio future of the caller's event loop to resolve, rather than a new
+                `concurrent.futures.Future`: a batch then wakes the loop once, not once per request.
+        """
+        return self._put(_Image(item, Future() if future is None else future))
 
     def call(self, fn: Callable[..., Any], *args: Any) -> Future:
         """Queue `fn(*args)` to run alone on the worker thread; the future resolves to its result."""
@@ -179,29 +185,97 @@ class MicroBatcher:
             self._run_batch(batch)
 
     def _run_batch(self, batch: list[_Image]) -> None:
+        outcomes: list[tuple[Any, Any, BaseException | None]] = []  # (future, result, error), settled together
         live, images = [], []
         for b in batch:
-            if not b.future.set_running_or_notify_cancel():
+            if not _claim(b.future):
                 continue
             try:
                 images.append(b.item if self.prepare is None else self.prepare(b.item))
             except Exception as e:  # e.g. a corrupt upload: only its own request fails
-                b.future.set_exception(e)
+                outcomes.append((b.future, None, e))
                 continue
             live.append(b)
-        if not live:
-            return
+        if live:
+            try:
+                out = self.predict_batch(np.stack(images))  # (B, ...)
+            except Exception as e:  # one bad batch fails its requests, never the worker
+                log.exception("batch of %d failed", len(live))
+                outcomes += [(b.future, None, e) for b in live]
+            else:
+                if self.on_batch is not None:
+                    self.on_batch(len(live))
+                outcomes += [(b.future, row, None) for b, row in zip(live, out, strict=True)]
+        _settle(outcomes)
+
+
+def _claim(future: Future | asyncio.Future) -> bool:
+    """Whether the future still wants its result: not cancelled (the client went away) nor timed out."""
+    return future.set_running_or_notify_cancel() if isinstance(future, Future) else not future.done()
+
+
+def _settle(outcomes: list[tuple[Any, Any, BaseException | None]]) -> None:
+    """Give each future its result or error: a `concurrent.futures.Future` here, the asyncio futures of a
+    batch in one callback on their event loop (one wake-up of the loop per batch, not one per request)."""
+    on_loops: dict[asyncio.AbstractEventLoop, list] = {}
+    for future, result, error in outcomes:
+        if isinstance(future, Future):
+            _set(future, result, error)
+        else:
+            on_loops.setdefault(future.get_loop(), []).append((future, result, error))
+    for loop, group in on_loops.items():
         try:
-            out = self.predict_batch(np.stack(images))  # (B, ...)
-        except Exception as e:  # one bad batch fails its requests, never the worker
-            log.exception("batch of %d failed", len(live))
-            for b in live:
-                b.future.set_exception(e)
-            return
-        if self.on_batch is not None:
-            self.on_batch(len(live))
-        for b, row in zip(live, out, strict=True):
-            b.future.set_result(row)
+            loop.call_soon_threadsafe(_settle_on_loop, group)
+        except RuntimeError:  # the loop is closed: the server is gone and no one waits for these
+            pass
+
+
+def _settle_on_loop(group: list[tuple[asyncio.Future, Any, BaseException | None]]) -> None:
+    for future, result, error in group:
+        if not future.done():  # cancelled or timed out while its batch ran
+            _set(future, result, error)
+
+
+def _set(future: Future | asyncio.Future, result: Any, error: BaseException | None) -> None:
+    if error is None:
+        future.set_result(result)
+    else:
+        future.set_exception(error)
+
+
+class Deadlines:
+    """Fails the asyncio futures still pending `timeout_s` after `watch`, with `TimeoutError`.
+
+    One sweep a few times a second rather than a timer per request (`asyncio.wait_for` arms and cancels
+    one per call on the event loop). A deadline is kept to within a quarter of `timeout_s`, 1 s at most.
+    """
+
+    def __init__(self, timeout_s: float):
+        self.timeout_s = timeout_s
+        self.every = min(1.0, timeout_s / 4)
+        self.waiting: deque[tuple[float, asyncio.Future]] = deque()  # in deadline order: one timeout for all
+        self.sweep_loop: asyncio.AbstractEventLoop | None = None  # the loop a sweep is scheduled on
+
+    def watch(self, future: asyncio.Future) -> asyncio.Future:
+        loop = future.get_loop()
+        self.waiting.append((loop.time() + self.timeout_s, future))
+        if self.sweep_loop is not loop:
+            self.sweep_loop = loop
+            loop.call_later(self.every, self._sweep, loop)
+        return future
+
+    def _sweep(self, loop: asyncio.AbstractEventLoop) -> None:
+        if loop is not self.sweep_loop:
+            return  # superseded by a sweep on another loop (a test client's loop that came after this one)
+        now, waiting = loop.time(), self.waiting
+        while waiting and (waiting[0][1].done() or waiting[0][0] <= now):
+            _, future = waiting.popleft()
+            if not future.done() and future.get_loop() is loop:
+                future.set_exception(TimeoutError(f"no result within {self.timeout_s} s"))
+        if waiting:
+            loop.call_later(self.every, self._sweep, loop)
+        else:
+            self.sweep_loop = None
 
 
 def time_batch_sizes(
@@ -298,6 +372,7 @@ class Engine:
             on_batch=on_batch,
             prepare=None if decode is None else (lambda item: item if isinstance(item, np.ndarray) else decode(item)),
         )
+        self.deadlines = Deadlines(settings.request_timeout_s)
         self.ready = False
         self.drained = False  # set by stop(): whether the queued work finished in time
 
@@ -332,8 +407,8 @@ class Engine:
     async def infer(self, item: Any) -> np.ndarray:
         """(H, W, 3) uint8 (or an item for `decode`) -> (2, K) logits and probabilities, batched with
         concurrent requests."""
-        fut = asyncio.wrap_future(self.batcher.submit(item))
-        return await asyncio.wait_for(fut, self.settings.request_timeout_s)
+        future = self.batcher.submit(item, asyncio.get_running_loop().create_future())
+        return await self.deadlines.watch(future)
 
     async def predict(self, item: Any) -> np.ndarray:
         """(H, W, 3) uint8 (or an item for `decode`) -> (K,) probabilities, batched with concurrent requests."""

@@ -266,6 +266,22 @@ def test_full_queue_answers_503_with_retry_after(classifier):
         assert ok.status_code == 200
 
 
+def test_a_model_that_does_not_answer_in_time_gives_504_and_the_server_recovers(classifier):
+    settings = ServeSettings(request_timeout_s=0.4, examples_dir="")
+    with TestClient(build_app(classifier, settings, with_ui=False), base_url=LOCAL) as c:
+        gate = threading.Event()
+        blocker = c.app.state.engine.batcher.call(gate.wait, 10)  # the model hangs ...
+        started = time.monotonic()
+        r = c.post("/v1/classify", content=png_bytes(bright_square(1)), headers={"content-type": "image/png"})
+        waited = time.monotonic() - started
+        gate.set()  # ... and comes back
+        blocker.result(5)
+        ok = c.post("/v1/classify", content=png_bytes(bright_square(1)), headers={"content-type": "image/png"})
+    assert r.status_code == 504 and r.json()["error"]["code"] == "timeout"
+    assert 0.4 <= waited < 3, waited  # the deadline, kept to within a quarter of it (plus a busy machine)
+    assert ok.status_code == 200
+
+
 def test_with_onnxruntime_on_every_core_uploads_are_decoded_on_the_models_thread(tiny_onnx, classifier):
     two_threads = OnnxClassifier(tiny_onnx, threads=2)  # no free core: decoding moves off the event loop
     image = bright_square(2)

@@ -3,13 +3,14 @@ chooses its batch size; no server involved."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 
 import numpy as np
 import pytest
 
-from serve.server.batching import MicroBatcher, QueueFull, choose_batch_size, time_batch_sizes
+from serve.server.batching import Deadlines, MicroBatcher, QueueFull, choose_batch_size, time_batch_sizes
 
 
 def test_a_lone_request_does_not_wait_for_the_batching_delay():
@@ -82,6 +83,45 @@ def test_a_failing_batch_fails_its_requests_but_not_the_worker():
         batcher.submit(np.zeros((1, 1, 3), np.uint8)).result(5)
     assert batcher.submit(np.full((1, 1, 3), 7, np.uint8)).result(5) == 7
     batcher.close()
+
+
+def test_asyncio_futures_get_their_rows_and_a_cancelled_request_is_not_run():
+    sizes, seen = [], []
+    batcher = MicroBatcher(lambda b: (seen.extend(b[:, 0, 0, 0]), b[:, 0, 0, 0])[1], max_batch_size=8)
+    batcher.on_batch = sizes.append
+    batcher.prepare = lambda x: np.full((1, 1, 3), int(x), np.uint8)  # "bad" fails alone
+
+    async def main():
+        gate = threading.Event()
+        batcher.call(gate.wait, 5)  # hold the worker while four requests queue up
+        loop = asyncio.get_running_loop()
+        futures = [batcher.submit(x, loop.create_future()) for x in ("1", "2", "bad", "4")]
+        futures[1].cancel()  # its client went away
+        gate.set()
+        return await asyncio.gather(*futures, return_exceptions=True)
+
+    batcher.start()
+    one, two, bad, four = asyncio.run(main())
+    batcher.close()
+    assert (one, four) == (1, 4) and isinstance(two, asyncio.CancelledError) and isinstance(bad, ValueError)
+    assert sizes == [2] and seen == [1, 4]  # one batch, without the cancelled or the broken item
+
+
+def test_deadlines_fail_what_is_still_pending_and_leave_the_rest():
+    deadlines = Deadlines(0.2)
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        late, quick = deadlines.watch(loop.create_future()), deadlines.watch(loop.create_future())
+        quick.set_result("done")
+        started = time.monotonic()
+        with pytest.raises(TimeoutError, match="no result within 0.2 s"):
+            await late
+        return time.monotonic() - started, quick.result()
+
+    waited, quick = asyncio.run(main())
+    assert 0.2 <= waited < 1.0 and quick == "done"
+    assert not deadlines.waiting and deadlines.sweep_loop is None  # the sweep stops when nothing waits
 
 
 def test_batch_size_is_the_smallest_one_that_amortises_the_per_call_overhead():
