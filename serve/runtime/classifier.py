@@ -200,8 +200,9 @@ class OnnxClassifier:
 
     def top_k(self, probs: np.ndarray, k: int = 5) -> list[list[tuple[str, float]]]:
         """(B, K) probabilities -> per image, the k best (label, probability), highest first."""
-        order = np.argsort(-probs, axis=-1, kind="stable")[:, :k]
-        return [[(self.labels[j], float(p[j])) for j in row] for p, row in zip(probs, order, strict=True)]
+        order = np.argsort(-probs, axis=-1, kind="stable")[:, :k].tolist()
+        rows = probs.tolist()  # plain floats: no numpy scalar per item
+        return [[(self.labels[j], p[j]) for j in row] for p, row in zip(rows, order, strict=True)]
 
     def attentions(self, batch: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Probabilities and every block's attention maps (the explain branch, explicit softmax).

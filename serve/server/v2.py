@@ -130,7 +130,7 @@ def v2_router(classifier, engine: Engine, settings: ServeSettings) -> APIRouter:
         encoding = request.headers.get("content-encoding", "identity").lower()
         if encoding != "identity":
             raise ApiError("unsupported_media_type", f"send the request uncompressed (Content-Encoding {encoding!r})")
-        body = await read_body(request, settings.max_bytes)
+        body = await read_body(request, settings)
         # at most max_batch_size images per request, so one client cannot fill the whole queue
         header_length = request.headers.get(HEADER_LENGTH)
         req = await run_in_threadpool(
