@@ -9,6 +9,9 @@ from /proc), which a busy machine moves less than throughput.
     git worktree add /tmp/vitscope-before <commit>
     .venv/bin/python benchmarks/serve_ab.py /tmp/vitscope-before . --server-args="--preferred-batch-size 8"
 
+`--variant vit_tiny_patch16_224` serves a production-size model (random weights, built once for both
+trees) instead of the sample.
+
 Pass a fixed `--preferred-batch-size`: otherwise each server picks its batch size from a few timed calls at
 start-up, and on a busy machine that choice (1 to 8 for the sample model) moves throughput more than the code.
 """
@@ -17,15 +20,17 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from serve_bench import load, run_loop, sample_image  # noqa: E402
+from serve_bench import load, random_model_file, run_loop, sample_image  # noqa: E402
 
 from tests.serve.process import ServerProcess  # noqa: E402
 
@@ -49,6 +54,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("trees", nargs=2, type=Path, help="two source trees (the first is the baseline)")
     p.add_argument("--model", type=Path, default=Path("artifacts/sample.onnx"))
+    p.add_argument("--variant", help="instead of --model: this vit.create_model variant with random weights")
     p.add_argument("--data", type=Path, default=Path("data/digits"), help="sample images (one is posted)")
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--duration", type=float, default=3.0, help="seconds per round")
@@ -63,7 +69,15 @@ def main() -> None:
         help="each tree's server module (`python -m ...`): 'serve' before serve/ was split into rooms",
     )  # fmt: skip
     args = p.parse_args()
-    model = args.model.resolve()
+    tmp = Path(tempfile.mkdtemp(prefix="serve_ab-"))
+    try:
+        model = random_model_file(args.variant, args.data, tmp) if args.variant else args.model.resolve()
+        compare(args, model)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def compare(args: argparse.Namespace, model: Path) -> None:
     data = sample_image(args.data, (32, 32))
     logs = Path(os.environ.get("TMPDIR", "/tmp"))
     servers = []
