@@ -58,6 +58,7 @@ def main() -> None:
     p.add_argument("--data", type=Path, default=Path("data/digits"), help="sample images (one is posted)")
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--duration", type=float, default=3.0, help="seconds per round")
+    p.add_argument("--concurrency", type=int, default=16, help="connections posting back to back")
     p.add_argument("--server-args", default="", help="extra vit-serve options for both")
     p.add_argument(
         "--pin", action="store_true",
@@ -97,14 +98,16 @@ def compare(args: argparse.Namespace, model: Path) -> None:
                 pin(server.proc.pid, cpus[:1])
             os.sched_setaffinity(0, cpus[1:])
         for _, server in servers:
-            run_loop(load(server.port, data, 16, 1.0))  # warm the connection path
+            run_loop(load(server.port, data, args.concurrency, 1.0))  # warm the connection path
         rps: dict[Path, list[float]] = {tree: [] for tree, _ in servers}
         cost: dict[Path, list[float]] = {tree: [] for tree, _ in servers}
+        p99: dict[Path, list[float]] = {tree: [] for tree, _ in servers}
         for _ in range(args.rounds):
             for tree, server in servers:
                 cpu0 = cpu_seconds(server.proc.pid)
-                out = run_loop(load(server.port, data, 16, args.duration))
+                out = run_loop(load(server.port, data, args.concurrency, args.duration))
                 rps[tree].append(out["rps"])
+                p99[tree].append(out["p99"])
                 cost[tree].append((cpu_seconds(server.proc.pid) - cpu0) / max(1, out["requests"]) * 1e6)
     finally:
         for _, server in servers:
@@ -112,16 +115,16 @@ def compare(args: argparse.Namespace, model: Path) -> None:
     base = statistics.median(rps[servers[0][0]])
     pinned = ", servers pinned to one CPU" if args.pin else ""
     when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-    print(f"# serve_ab: {args.rounds} alternating rounds of {args.duration:g} s, concurrency 16, {model.name}, "
-          f"server args {args.server_args!r}{pinned}, {when}\n")  # fmt: skip
-    print("| tree | req/s median (ratio) | best | each round | server CPU per request (median) |")
-    print("|---|---:|---:|---|---:|")
+    print(f"# serve_ab: {args.rounds} alternating rounds of {args.duration:g} s, concurrency {args.concurrency}, "
+          f"{model.name}, server args {args.server_args!r}{pinned}, {when}\n")  # fmt: skip
+    print("| tree | req/s median (ratio) | best | each round | p99 latency (median) | server CPU per request |")
+    print("|---|---:|---:|---|---:|---:|")
     for tree, values in rps.items():
         med = statistics.median(values)
         rounds = ", ".join(f"{v:,.0f}" for v in values)
         print(
             f"| {tree} | {med:,.0f} ({med / base:.2f}x) | {max(values):,.0f} | {rounds} | "
-            f"{statistics.median(cost[tree]):,.0f} µs |"
+            f"{statistics.median(p99[tree]):.2f} ms | {statistics.median(cost[tree]):,.0f} µs |"
         )
 
 
