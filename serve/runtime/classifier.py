@@ -200,9 +200,12 @@ class OnnxClassifier:
 
     def top_k(self, probs: np.ndarray, k: int = 5) -> list[list[tuple[str, float]]]:
         """(B, K) probabilities -> per image, the k best (label, probability), highest first."""
-        order = np.argsort(-probs, axis=-1, kind="stable")[:, :k].tolist()
-        rows = probs.tolist()  # plain floats: no numpy scalar per item
-        return [[(self.labels[j], p[j]) for j in row] for p, row in zip(rows, order, strict=True)]
+        order = np.argsort(-probs, axis=-1, kind="stable")[:, :k]
+        best = np.take_along_axis(probs, order, axis=-1).tolist()  # plain floats: no numpy scalar per item
+        return [
+            [(self.labels[j], p) for j, p in zip(row, ps, strict=True)]
+            for row, ps in zip(order.tolist(), best, strict=True)
+        ]
 
     def attentions(self, batch: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Probabilities and every block's attention maps (the explain branch, explicit softmax).

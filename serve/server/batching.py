@@ -1,9 +1,10 @@
 """Micro-batching: one worker thread owns the ONNX session and runs concurrent requests together.
 
-Requests put (H, W, 3) uint8 images on a bounded queue and get a `concurrent.futures.Future`. The
-worker takes the first waiting image and everything already queued behind it; when that shows
-concurrency (more than one image now, or in the last batch) it may wait up to `max_delay_ms` for
-more (by default it does not), until `max_batch_size`. A lone request runs at once: under no load,
+Requests put (H, W, 3) uint8 images on a bounded queue with a future: the server's is an asyncio future
+of its event loop, settled with the rest of its batch in one callback; other callers get a
+`concurrent.futures.Future`. The worker takes the first waiting image and everything already queued
+behind it; when that shows concurrency (more than one image now, or in the last batch) it may wait up
+to `max_delay_ms` for more (by default it does not), until `max_batch_size`. A lone request runs at once: under no load,
 waiting only adds latency. Then it decodes whatever arrived still encoded (`prepare`), stacks the
 images and runs one forward pass. Decoding here rather than on the event loop (as LitServe decodes in
 its workers) never has a decode compete with onnxruntime's threads for the cores; the API does so
@@ -248,34 +249,34 @@ class Deadlines:
 
     One sweep a few times a second rather than a timer per request (`asyncio.wait_for` arms and cancels
     one per call on the event loop). A deadline is kept to within a quarter of `timeout_s`, 1 s at most.
+    Each event loop has its own queue and sweep, run on that loop.
     """
 
     def __init__(self, timeout_s: float):
         self.timeout_s = timeout_s
         self.every = min(1.0, timeout_s / 4)
-        self.waiting: deque[tuple[float, asyncio.Future]] = deque()  # in deadline order: one timeout for all
-        self.sweep_loop: asyncio.AbstractEventLoop | None = None  # the loop a sweep is scheduled on
+        # per event loop, futures in deadline order (one timeout for all); a loop's entry lives while it sweeps
+        self.waiting: dict[asyncio.AbstractEventLoop, deque[tuple[float, asyncio.Future]]] = {}
 
     def watch(self, future: asyncio.Future) -> asyncio.Future:
         loop = future.get_loop()
-        self.waiting.append((loop.time() + self.timeout_s, future))
-        if self.sweep_loop is not loop:
-            self.sweep_loop = loop
+        waiting = self.waiting.get(loop)
+        if waiting is None:
+            waiting = self.waiting[loop] = deque()
             loop.call_later(self.every, self._sweep, loop)
+        waiting.append((loop.time() + self.timeout_s, future))
         return future
 
     def _sweep(self, loop: asyncio.AbstractEventLoop) -> None:
-        if loop is not self.sweep_loop:
-            return  # superseded by a sweep on another loop (a test client's loop that came after this one)
-        now, waiting = loop.time(), self.waiting
+        now, waiting = loop.time(), self.waiting[loop]
         while waiting and (waiting[0][1].done() or waiting[0][0] <= now):
             _, future = waiting.popleft()
-            if not future.done() and future.get_loop() is loop:
+            if not future.done():
                 future.set_exception(TimeoutError(f"no result within {self.timeout_s} s"))
         if waiting:
             loop.call_later(self.every, self._sweep, loop)
         else:
-            self.sweep_loop = None
+            del self.waiting[loop]
 
 
 def time_batch_sizes(

@@ -37,7 +37,8 @@ async def read_body(request: Request, settings: ServeSettings) -> bytes:
         chunk, more = await _next_chunk(request)
         size += len(chunk)
         if size > max_bytes:
-            await _discard(request, discard_bytes - size)
+            if more:  # after the last piece, another read would wait for the client to hang up
+                await _discard(request, discard_bytes - size)
             raise ApiError("body_too_large", f"the body is over the {max_bytes:,}-byte limit; send a smaller image")
         chunks.append(chunk)
     return b"".join(chunks)
@@ -52,7 +53,10 @@ async def _next_chunk(request: Request) -> tuple[bytes, bool]:
 
 
 async def _discard(request: Request, budget: int) -> None:
-    """Read and drop the rest of the body, `budget` bytes at most (beyond that, the answer goes out anyway)."""
+    """Read and drop the rest of the body, `budget` bytes at most (beyond that, the answer goes out anyway).
+
+    Call it only while more of the body is to come: once the last piece is in, `receive` waits for a disconnect.
+    """
     more = True
     while more and budget >= 0:
         chunk, more = await _next_chunk(request)

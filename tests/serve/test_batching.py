@@ -121,7 +121,26 @@ def test_deadlines_fail_what_is_still_pending_and_leave_the_rest():
 
     waited, quick = asyncio.run(main())
     assert 0.2 <= waited < 1.0 and quick == "done"
-    assert not deadlines.waiting and deadlines.sweep_loop is None  # the sweep stops when nothing waits
+    assert not deadlines.waiting  # the sweep stops when nothing waits
+
+
+def test_deadlines_time_out_the_futures_of_each_event_loop():
+    deadlines = Deadlines(0.2)
+
+    errors = []
+
+    async def late():
+        try:
+            await deadlines.watch(asyncio.get_running_loop().create_future())
+        except TimeoutError as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=asyncio.run, args=(late(),)) for _ in range(2)]  # two loops at once
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(5)
+    assert len(errors) == 2 and not deadlines.waiting
 
 
 def test_batch_size_is_the_smallest_one_that_amortises_the_per_call_overhead():

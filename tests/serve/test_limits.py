@@ -148,6 +148,16 @@ def test_urllib_writing_a_whole_oversized_body_gets_the_413_not_a_reset(server, 
 
 
 @pytest.mark.slow
+def test_a_chunked_body_over_the_limit_in_its_last_piece_gets_the_413(server):
+    body = b"\x00" * (1024 * 1024 + 1)  # one byte over --max-bytes, no Content-Length, in one write
+    head = b"POST /v1/classify HTTP/1.1\r\nHost: 127.0.0.1\r\nTransfer-Encoding: chunked\r\n\r\n"
+    with socket.create_connection(("127.0.0.1", server.port), timeout=15) as s:
+        s.sendall(head + b"%x\r\n" % len(body) + body + b"\r\n0\r\n\r\n")
+        answer = s.recv(65536)  # the whole body is in: the server must answer now, not wait for more
+    assert answer.startswith(b"HTTP/1.1 413") and b"body_too_large" in answer
+
+
+@pytest.mark.slow
 def test_an_abandoned_upload_is_one_info_line_and_counted_as_499(server):
     with socket.create_connection(("127.0.0.1", server.port)) as s:
         s.sendall(b"POST /v1/classify HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 100000\r\n\r\n" + b"x" * 1000)
