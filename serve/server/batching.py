@@ -57,7 +57,7 @@ class _Image:
 class _Call:
     fn: Callable[..., Any]
     args: tuple
-    future: Future
+    future: Future | asyncio.Future
 
 
 class MicroBatcher:
@@ -117,9 +117,9 @@ class MicroBatcher:
         """
         return self._put(_Image(item, Future() if future is None else future))
 
-    def call(self, fn: Callable[..., Any], *args: Any) -> Future:
-        """Queue `fn(*args)` to run alone on the worker thread; the future resolves to its result."""
-        return self._put(_Call(fn, args, Future()))
+    def call(self, fn: Callable[..., Any], *args: Any, future: asyncio.Future | None = None) -> Future | asyncio.Future:
+        """Queue `fn(*args)` to run alone on the worker thread; the future (as for `submit`) resolves to its result."""
+        return self._put(_Call(fn, args, Future() if future is None else future))
 
     def _put(self, item: _Image | _Call) -> Future:
         if self._stopping.is_set():
@@ -322,12 +322,13 @@ def choose_batch_size(seconds_per_image: dict[int, float], tolerance: float = 0.
 
 
 def _run_call(item: _Call) -> None:
-    if not item.future.set_running_or_notify_cancel():
+    if not _claim(item.future):
         return
     try:
-        item.future.set_result(item.fn(*item.args))
+        result, error = item.fn(*item.args), None
     except Exception as e:
-        item.future.set_exception(e)
+        result, error = None, e
+    _settle([(item.future, result, error)])
 
 
 def logits_and_probs(classifier, batch: np.ndarray) -> np.ndarray:
@@ -417,8 +418,8 @@ class Engine:
 
     async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
         """`fn(*args)` on the worker thread (for anything else that uses the session)."""
-        fut = asyncio.wrap_future(self.batcher.call(fn, *args))
-        return await asyncio.wait_for(fut, self.settings.request_timeout_s)
+        future = self.batcher.call(fn, *args, future=asyncio.get_running_loop().create_future())
+        return await self.deadlines.watch(future)
 
     def run_sync(self, fn: Callable[..., Any], *args: Any) -> Any:
         return self.batcher.call(fn, *args).result(timeout=self.settings.request_timeout_s)
