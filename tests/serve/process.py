@@ -1,5 +1,6 @@
 """`vit-serve` in a child process, for integration tests and benchmarks: started on a free port,
 ready once `/readyz` answers 200, always stopped with SIGTERM (the graceful drain) on exit.
+`read_response` reads one whole answer from a raw socket, for tests that speak HTTP by hand.
 
     with ServerProcess("artifacts/sample.onnx", "--no-ui") as server:
         urllib.request.urlopen(server.url + "/readyz")
@@ -7,6 +8,7 @@ ready once `/readyz` answers 200, always stopped with SIGTERM (the graceful drai
 
 from __future__ import annotations
 
+import re
 import signal
 import socket
 import subprocess
@@ -16,6 +18,22 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+
+
+def read_response(s: socket.socket) -> bytes:
+    """One whole HTTP response with a Content-Length from a raw socket: its head and body may arrive in
+    separate segments, so one `recv` is not enough."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = s.recv(65536)
+        assert chunk, f"the connection closed before a whole response: {data!r}"
+        data += chunk
+    head, body = data.split(b"\r\n\r\n", 1)
+    length = int(re.search(rb"(?i)content-length: *(\d+)", head).group(1))
+    while len(body) < length and (chunk := s.recv(65536)):
+        body += chunk
+    assert len(body) == length, f"the body is not Content-Length ({length}) bytes: {body!r}"
+    return head + b"\r\n\r\n" + body
 
 
 def free_port() -> int:

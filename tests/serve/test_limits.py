@@ -17,7 +17,7 @@ import pytest
 from PIL import Image
 
 from serve.runtime.images import PixelBudget, Preprocess, load_image, load_reduced
-from tests.serve.process import ServerProcess
+from tests.serve.process import ServerProcess, read_response
 
 
 def encoded(img: Image.Image, fmt: str, **kw) -> bytes:
@@ -153,7 +153,7 @@ def test_a_chunked_body_over_the_limit_in_its_last_piece_gets_the_413(server):
     head = b"POST /v1/classify HTTP/1.1\r\nHost: 127.0.0.1\r\nTransfer-Encoding: chunked\r\n\r\n"
     with socket.create_connection(("127.0.0.1", server.port), timeout=15) as s:
         s.sendall(head + b"%x\r\n" % len(body) + body + b"\r\n0\r\n\r\n")
-        answer = s.recv(65536)  # the whole body is in: the server must answer now, not wait for more
+        answer = read_response(s)  # the whole body is in: the server must answer now, not wait for more
     assert answer.startswith(b"HTTP/1.1 413") and b"body_too_large" in answer
 
 

@@ -18,7 +18,7 @@ import pytest
 from serve.server.cli import _warn_if_exposed
 from serve.server.guard import allowed_hosts_of, host_name, key_of
 from serve.server.settings import ServeSettings
-from tests.serve.process import ServerProcess
+from tests.serve.process import ServerProcess, read_response
 
 KEY = "test-key-9f2c"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -175,26 +175,11 @@ def test_a_slow_client_is_cut_off_with_408(server):
     assert answer.startswith(b"HTTP/1.1 408") and waited < 5
 
 
-def _read_response(s: socket.socket) -> bytes:
-    """One whole response with a Content-Length: its head and body may arrive in separate segments."""
-    data = b""
-    while b"\r\n\r\n" not in data:
-        chunk = s.recv(65536)
-        assert chunk, f"the connection closed before a whole response: {data!r}"
-        data += chunk
-    head, body = data.split(b"\r\n\r\n", 1)
-    length = int(re.search(rb"(?i)content-length: *(\d+)", head).group(1))
-    while len(body) < length and (chunk := s.recv(65536)):
-        body += chunk
-    assert len(body) == length, f"the body is not Content-Length ({length}) bytes: {body!r}"
-    return head + b"\r\n\r\n" + body
-
-
 @pytest.mark.slow
 def test_a_slow_second_request_on_a_kept_alive_connection_gets_408_too(server):
     with socket.create_connection(("127.0.0.1", server.port), timeout=10) as s:
         s.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
-        first = _read_response(s)
+        first = read_response(s)
         s.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n")  # and never the blank line
         started = time.monotonic()
         answer = s.recv(65536)
