@@ -24,7 +24,7 @@ $(VENV)/.installed: pyproject.toml constraints-x86_64-linux.txt
 	$(PYTHON) -m pip install --quiet $(CONSTRAINTS) -e '.[dev]'
 	touch $@
 
-# ruff, then the import contracts between the rooms (pyproject.toml, [tool.importlinter])
+# ruff, then the import contracts between the packages (pyproject.toml, [tool.importlinter])
 lint: install
 	$(BIN)/ruff check vit train serve tests benchmarks
 	$(BIN)/ruff format --check vit train serve tests benchmarks

@@ -19,15 +19,15 @@ from fastapi import FastAPI
 from starlette.concurrency import run_in_threadpool
 
 from serve.runtime.images import PixelBudget
+from serve.server.api.openapi import describe
+from serve.server.api.v1 import v1_router
+from serve.server.api.v2 import v2_router
 from serve.server.batching import Engine
-from serve.server.errors import add_error_handlers, add_fallback_routes
-from serve.server.guard import RequestGuard, allowed_hosts_of
+from serve.server.http.errors import add_error_handlers, add_fallback_routes
+from serve.server.http.guard import RequestGuard, allowed_hosts_of
+from serve.server.http.uploads import decode_image
 from serve.server.metrics import Metrics
-from serve.server.openapi import describe
 from serve.server.settings import ServeSettings
-from serve.server.uploads import decode_image
-from serve.server.v1 import v1_router
-from serve.server.v2 import v2_router
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +81,7 @@ def build_app(
     add_fallback_routes(app, routers)
     describe(app, settings, classifier.name)
     if with_ui:
-        from serve.server.ui import mount_ui
+        from serve.server.ui.blocks import mount_ui
 
         app = mount_ui(app, classifier, engine, settings, budget)
     # outermost: it counts what the client got (the UI's 422, not Gradio's 500; 400 for a wrong Host)

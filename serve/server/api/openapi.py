@@ -14,7 +14,7 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
 from serve.runtime.rollout import HEAD_FUSIONS
-from serve.server.errors import ERROR_STATUS
+from serve.server.http.errors import ERROR_STATUS
 from serve.server.settings import ServeSettings
 
 ERROR = {"$ref": "#/components/schemas/Error"}

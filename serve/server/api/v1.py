@@ -17,11 +17,11 @@ from starlette.concurrency import run_in_threadpool
 from serve.runtime.images import PixelBudget
 from serve.runtime.rollout import HEAD_FUSIONS
 from serve.server.batching import Engine
-from serve.server.errors import ApiError, model_result
 from serve.server.explain import explain_pixels, mean_fill_of, overlay_png
+from serve.server.http.errors import ApiError, model_result
+from serve.server.http.uploads import decode_image, decode_request, open_upload
 from serve.server.metrics import Metrics
 from serve.server.settings import ServeSettings
-from serve.server.uploads import decode_image, decode_request, open_upload
 
 # A small file can still declare a huge image (a flat 40 MP PNG compresses to kilobytes): only images
 # up to 1 MP, a few milliseconds of decoding and resizing, are decoded on the loop or the model's thread.
@@ -110,7 +110,7 @@ def v1_router(
 
     # A plain Starlette route: it takes the raw Request anyway, and FastAPI's per-request dependency
     # machinery costs a few percent of a small model's throughput (BENCHMARKS.md, serving). So FastAPI
-    # does not see it; serve.server.openapi describes it.
+    # does not see it; serve.server.api.openapi describes it.
     router.add_route("/v1/classify", classify, methods=["POST"])
 
     # Plain async and no I/O: never queued behind the model. HEAD too (load balancers probe with it),

@@ -12,7 +12,7 @@ from PIL import Image
 from starlette.requests import ClientDisconnect
 
 from serve.runtime.images import PixelBudget, open_image
-from serve.server.errors import ApiError, image_errors_as_api_errors
+from serve.server.http.errors import ApiError, image_errors_as_api_errors
 from serve.server.settings import ServeSettings
 
 RAW_TYPES = ("image/", "application/octet-stream")

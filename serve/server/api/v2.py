@@ -8,7 +8,7 @@ The tensors are the ONNX file's own, as Triton serving the same file shows them:
 UINT8 [B, H, W, 3] at the model's input size (resize and crop on the client as the metadata's
 `preprocess` says, or use /v1/classify with encoded images), and the output `logits`, FP32 [B, K].
 A request may also ask for `probs` by name (softmax of the logits: what /v1/classify scores).
-JSON and binary tensors are both spoken (`serve.server.v2_tensors`), so `tritonclient.http` works
+JSON and binary tensors are both spoken (`serve.server.api.tensors`), so `tritonclient.http` works
 against this server as against Triton. Errors have the protocol's shape, {"error": "<message>"}
 (which tritonclient shows), plus the `code` every other route puts in its error object.
 """
@@ -23,17 +23,17 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
-from serve.server.batching import Engine
-from serve.server.errors import ApiError, error_response, model_result
-from serve.server.settings import ServeSettings
-from serve.server.uploads import read_body
-from serve.server.v2_tensors import (
+from serve.server.api.tensors import (
     HEADER_LENGTH,
     ONNX_DATATYPES,
     TensorSpec,
     encode_infer_response,
     parse_infer_request,
 )
+from serve.server.batching import Engine
+from serve.server.http.errors import ApiError, error_response, model_result
+from serve.server.http.uploads import read_body
+from serve.server.settings import ServeSettings
 
 INPUT, OUTPUT, PROBS = "pixels", "logits", "probs"  # the graph's input and logits output; probs is ours
 EXTENSIONS = ["binary_tensor_data"]

@@ -25,7 +25,7 @@ import sys
 import threading
 import time
 
-from serve.server.errors import ERROR_STATUS
+from serve.server.http.errors import ERROR_STATUS
 from serve.server.metrics import CLIENT_CLOSED, Metrics
 
 log = logging.getLogger("vitscope.access")

@@ -33,7 +33,7 @@ from serve.server.explain import (
     render_overlay,
     with_deletion,
 )
-from serve.server.ui_http import FailedCallsAre4xx, NoVersionInGradioOpenapi, UploadLimit
+from serve.server.ui.http import FailedCallsAre4xx, NoVersionInGradioOpenapi, UploadLimit
 
 log = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import logging
 
-from serve.server.errors import ERROR_STATUS
+from serve.server.http.errors import ERROR_STATUS
 
 log = logging.getLogger(__name__)
 
