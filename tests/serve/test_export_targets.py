@@ -16,9 +16,8 @@ from serve.export.cli import export_onnx, main
 from serve.export.targets import OLDEST_ONNXRUNTIME, OPSETS
 from serve.export.trace import DEFAULT_OPSET
 from serve.runtime.classifier import OnnxClassifier
+from tests.helpers import quadrant_images
 from tests.venvs import make_venv
-
-from .conftest import quadrant_images
 
 LOGIT_TOLERANCE = 1e-4
 MAP_TOLERANCE = 1e-4
