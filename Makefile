@@ -14,7 +14,7 @@ RUN ?= runs/sample
 HOST ?= 127.0.0.1
 PORT ?= 7860
 
-.PHONY: install test test-fast lint format docs docs-serve demo sample train export serve bench clean
+.PHONY: install test test-fast test-serve-only lint format docs docs-serve demo sample train export serve bench report clean
 
 install: $(VENV)/.installed
 
@@ -47,6 +47,8 @@ TEST_WORKERS ?= 2
 test: install lint docs
 	$(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadfile
 
+# Tiers, by marker: `slow` (servers, training runs; still run by `make test`), `browser` (Chromium), `gpu` (skipped
+# without CUDA). test-fast leaves out the slow and browser tests.
 test-fast: install
 	$(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow and not browser"
 
@@ -72,24 +74,43 @@ export: $(ONNX)
 $(ONNX): $(CKPT) $(EXPORTER)
 	$(BIN)/vit-export $(CKPT) -o $(ONNX)
 
+# The runtime and server tests again in a venv with the [serve] extra alone, as production installs it: no torch.
+# The tiny model they serve is exported first in the full venv; tests that need torch or onnx skip there.
+SERVE_ONLY := build/serve-only
+test-serve-only: $(SERVE_ONLY)/venv/.installed $(SERVE_ONLY)/tiny.onnx
+	VITSCOPE_TINY_ONNX=$(abspath $(SERVE_ONLY)/tiny.onnx) $(SERVE_ONLY)/venv/bin/python -m pytest \
+		-q -n $(TEST_WORKERS) --dist loadfile tests/serve
+
+$(SERVE_ONLY)/venv/.installed: pyproject.toml | $(VENV)/.installed
+	rm -rf $(SERVE_ONLY)/venv
+	$(PYTHON) -m tests.venvs $(SERVE_ONLY)/venv serve
+	touch $@
+
+$(SERVE_ONLY)/tiny.onnx: tests/helpers.py $(EXPORTER) | $(VENV)/.installed
+	$(PYTHON) -m tests.helpers --tiny-onnx $@
+
 demo: install $(ONNX)
 	$(BIN)/vit-serve $(ONNX) --host $(HOST) --port $(PORT)
 
 serve: demo
 
-# Every benchmark, one after another (they time the same 2 cores); outputs land in artifacts/bench/.
+# Every benchmark, one after another (they time the same 2 cores): each writes benchmarks/results/NAME.json
+# and prints its tables, kept in artifacts/bench/; `make report` renders the results as one markdown page.
 BENCH := artifacts/bench
 bench: install $(ONNX)
 	mkdir -p $(BENCH)
-	$(PYTHON) benchmarks/model_vs_timm.py | tee $(BENCH)/model_vs_timm.md
-	$(PYTHON) benchmarks/sample_accuracy.py | tee $(BENCH)/sample_accuracy.md
-	$(PYTHON) benchmarks/train_overhead.py | tee $(BENCH)/train_overhead.md
-	$(PYTHON) benchmarks/checkpoint_save.py | tee $(BENCH)/checkpoint_save.md
-	$(PYTHON) benchmarks/export_bench.py | tee $(BENCH)/export_bench.md
-	$(PYTHON) benchmarks/serve_bench.py $(ONNX) --duration 10 --soak 300 | tee $(BENCH)/serve_bench.md
-	$(PYTHON) benchmarks/serve_bench.py --variant vit_tiny_patch16_224 --duration 10 | tee $(BENCH)/serve_bench_vit_tiny.md
-	$(PYTHON) benchmarks/pointing_game.py $(ONNX) --n 300 --seed 0 | tee $(BENCH)/pointing_game.md
-	$(PYTHON) benchmarks/gpu_train.py | tee $(BENCH)/gpu_train.md
+	$(PYTHON) -m benchmarks.model_vs_timm | tee $(BENCH)/model_vs_timm.md
+	$(PYTHON) -m benchmarks.sample_accuracy | tee $(BENCH)/sample_accuracy.md
+	$(PYTHON) -m benchmarks.train_overhead | tee $(BENCH)/train_overhead.md
+	$(PYTHON) -m benchmarks.checkpoint_save | tee $(BENCH)/checkpoint_save.md
+	$(PYTHON) -m benchmarks.export_bench | tee $(BENCH)/export_bench.md
+	$(PYTHON) -m benchmarks.serve_bench $(ONNX) --duration 10 --soak 300 | tee $(BENCH)/serve_bench.md
+	$(PYTHON) -m benchmarks.serve_bench --variant vit_tiny_patch16_224 --duration 10 | tee $(BENCH)/serve_bench_vit_tiny.md
+	$(PYTHON) -m benchmarks.pointing_game $(ONNX) --n 300 --seed 0 | tee $(BENCH)/pointing_game.md
+	$(PYTHON) -m benchmarks.gpu_train | tee $(BENCH)/gpu_train.md
+
+report: install
+	$(PYTHON) -m benchmarks.report
 
 clean:
-	rm -rf runs artifacts site .pytest_cache
+	rm -rf runs artifacts site build/serve-only .pytest_cache

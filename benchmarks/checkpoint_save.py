@@ -1,6 +1,6 @@
 """What does a crash-safe checkpoint save cost? Lightning's save against vit-train's atomic one, interleaved.
 
-    .venv/bin/python benchmarks/checkpoint_save.py [--repeats 5] [--dirs /tmp /dev/shm]
+    .venv/bin/python -m benchmarks.checkpoint_save [--repeats 5] [--dirs /tmp /dev/shm]
 
 Lightning's `TorchCheckpointIO` serialises into memory, writes a temporary file in $TMPDIR and moves it
 over the target (a copy when the run directory is on another filesystem). `train.ckpt_io.AtomicCheckpointIO`
@@ -13,16 +13,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import statistics
 import tempfile
-import time
-from datetime import date
 from pathlib import Path
 
-import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
+from benchmarks.common import Result, add_results_option, interleaved, timed
 from train.ckpt_io import AtomicCheckpointIO
 from vit.model import create_model
 
@@ -33,10 +30,9 @@ def fake_checkpoint(variant: str) -> dict:
     return {"state_dict": {**state, **copies}, "epoch": 0, "global_step": 0}
 
 
-def time_save(io, ckpt: dict, path: Path) -> float:
-    start = time.perf_counter()
-    io.save_checkpoint(ckpt, path)
-    return time.perf_counter() - start
+def saver(io, ckpt: dict, path: Path):
+    """One round: seconds for `io` to save `ckpt` to `path`."""
+    return lambda _round: timed(lambda: io.save_checkpoint(ckpt, path))
 
 
 def main() -> None:
@@ -44,24 +40,27 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--dirs", nargs="+", default=["/tmp", "/dev/shm"])
     parser.add_argument("--variants", nargs="+", default=["vit_tiny_patch16_224", "vit_small_patch16_224"])
-    opts = parser.parse_args()
+    opts = add_results_option(parser).parse_args()
     tmp_dev = os.stat(tempfile.gettempdir()).st_dev
-    print(f"# checkpoint_save: {date.today()}, {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}")
-    print("| checkpoint | MB | run dir (same fs as $TMPDIR?) | Lightning s | atomic s | atomic/Lightning |")
-    print("|---|---|---|---|---|---|")
+    result = Result("checkpoint_save", {"repeats": opts.repeats}, packages=("torch", "lightning"), results=opts.results)
+    columns = ["checkpoint", "MB", "run dir (same fs as $TMPDIR?)", "Lightning s", "atomic s", "atomic/Lightning"]
+    formats = {"MB": "{:.0f}", "Lightning s": "{:.3f}", "atomic s": "{:.3f}", "atomic/Lightning": "{:.2f}"}
+    table = result.table(columns, formats=formats)
     for variant in opts.variants:
         ckpt = fake_checkpoint(variant)
         for base in opts.dirs:
             with tempfile.TemporaryDirectory(dir=base) as folder:
                 path = Path(folder) / "last.ckpt"
-                times: dict[str, list[float]] = {"lightning": [], "atomic": []}
-                for _ in range(opts.repeats):  # interleaved: the machine's drift hits both alike
-                    times["lightning"].append(time_save(TorchCheckpointIO(), ckpt, path))
-                    times["atomic"].append(time_save(AtomicCheckpointIO(), ckpt, path))
+                sides = {
+                    "lightning": saver(TorchCheckpointIO(), ckpt, path),
+                    "atomic": saver(AtomicCheckpointIO(), ckpt, path),
+                }
+                times = interleaved(opts.repeats, sides)  # the machine's drift hits both alike
                 mb = path.stat().st_size / 1e6
                 same = "same" if os.stat(folder).st_dev == tmp_dev else "other"
                 light, atomic = statistics.median(times["lightning"]), statistics.median(times["atomic"])
-                print(f"| {variant} | {mb:.0f} | {base} ({same}) | {light:.3f} | {atomic:.3f} | {atomic / light:.2f} |")
+                table.add(variant, mb, f"{base} ({same})", light, atomic, atomic / light)
+    result.finish()
 
 
 if __name__ == "__main__":

@@ -8,13 +8,12 @@ the cores, batch augmentation, the uint8 cache where it fits):
 "model" is training steps (forward, backward, AdamW) on batches already in memory; "loader" is iterating
 the training DataLoader alone. The loader is not the bottleneck when loader >= model.
 
-    .venv/bin/python benchmarks/data_pipeline.py [--fmnist data/fmnist] [--jpegs 512] [--threads 2]
+    .venv/bin/python -m benchmarks.data_pipeline [--fmnist data/fmnist] [--jpegs 512] [--threads 2]
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import tempfile
 import time
 import warnings
@@ -24,6 +23,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from benchmarks.common import Result, Table, add_results_option
 from train.data import ImageFolderDataModule
 from train.module import ViTClassifier
 from train.transforms import Augment
@@ -72,7 +72,7 @@ def write_jpegs(root: Path, n: int, classes: int = 4) -> Path:
     return root
 
 
-def case(name: str, dm: ImageFolderDataModule, module: ViTClassifier, batches: int, steps: int) -> str:
+def case(table: Table, name: str, dm: ImageFolderDataModule, module: ViTClassifier, batches: int, steps: int) -> None:
     start = time.perf_counter()
     dm.setup("fit")
     setup = time.perf_counter() - start
@@ -80,10 +80,7 @@ def case(name: str, dm: ImageFolderDataModule, module: ViTClassifier, batches: i
     x, y = next(iter(dm.train_dataloader()))
     model = model_rate(module, x, y, steps)
     verdict = "loader keeps up" if loader >= model else "LOADER IS THE BOTTLENECK"
-    return (
-        f"| {name} | {dm.batch_size} | {dm.workers} | {'yes' if dm._cached else 'no'} | {setup:.1f} | "
-        f"{loader:,.0f} | {model:,.0f} | {loader / model:.1f} x: {verdict} |"
-    )
+    table.add(name, dm.batch_size, dm.workers, dm._cached, setup, loader, model, f"{loader / model:.1f} x: {verdict}")
 
 
 def main() -> None:
@@ -91,24 +88,23 @@ def main() -> None:
     parser.add_argument("--fmnist", default="data/fmnist", help="Fashion-MNIST image folder (vit-fashion-mnist)")
     parser.add_argument("--jpegs", type=int, default=512, help="JPEGs to generate for the 224-px case")
     parser.add_argument("--threads", type=int, default=2, help="torch threads of the training process")
-    args = parser.parse_args()
+    args = add_results_option(parser).parse_args()
     warnings.filterwarnings("ignore")
     torch.set_num_threads(args.threads)
-    rows = []
+    result = Result("data_pipeline", {"torch threads": args.threads}, packages=("torch",), results=args.results)
+    columns = ["data, model", "batch", "workers", "cached", "setup s", "loader img/s", "model img/s", "loader / model"]
+    formats = {"setup s": "{:.1f}", "loader img/s": "{:,.0f}", "model img/s": "{:,.0f}"}
+    table = result.table(columns, formats=formats)
     if Path(args.fmnist).is_dir():
         dm = ImageFolderDataModule(args.fmnist, img_size=28, crop_pct=1.0, mean=(0.5,) * 3, std=(0.5,) * 3,
                                    augment=SMALL_AUG, batch_size=256, cache_images=True)  # fmt: skip
         net = ViTClassifier(10, 28, "vit_micro_patch4_32", SMALL_NET)
-        rows.append(case("Fashion-MNIST 28 px, vit_micro conv stem", dm, net, batches=100, steps=10))
+        case(table, "Fashion-MNIST 28 px, vit_micro conv stem", dm, net, batches=100, steps=10)
     with tempfile.TemporaryDirectory() as tmp:
         root = write_jpegs(Path(tmp) / "jpegs", args.jpegs)
         dm = ImageFolderDataModule(str(root), img_size=224, augment=BIG_AUG, batch_size=64, cache_images=False)
-        rows.append(case("1024x768 JPEGs -> 224 px, vit_tiny", dm, ViTClassifier(4, 224), batches=6, steps=3))
-    when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    print(f"{torch.get_num_threads()} torch thread(s), {when}\n")
-    print("| data, model | batch | workers | cached | setup s | loader img/s | model img/s | loader / model |")
-    print("|---|---|---|---|---|---|---|---|")
-    print("\n".join(rows))
+        case(table, "1024x768 JPEGs -> 224 px, vit_tiny", dm, ViTClassifier(4, 224), batches=6, steps=3)
+    result.finish()
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Is the exported model fast, and close to the hardware? One run, side by side, interleaved repeats.
 
-    .venv/bin/python benchmarks/export_bench.py [--repeats 5] [--models vit_tiny vit_small sample]
+    .venv/bin/python -m benchmarks.export_bench [--repeats 5] [--models vit_tiny vit_small sample]
 
 For ViT-Ti/16 and ViT-S/16 at 224 px (random weights, nothing downloaded) and the sample model
 (`runs/sample/checkpoints/best.ckpt`, or a same-shaped random one), at batch 1 and 32, with 1 and
@@ -25,8 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
-import platform
 import sys
 import tempfile
 import time
@@ -38,15 +36,15 @@ import onnx
 import onnxruntime as ort
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from benchmarks.common import Result, add_results_option, interleaved, mean_time
+from serve.export.merge import combine_fast_and_explain
+from serve.export.quantize import dynamic_int8
+from serve.export.trace import PixelModel, export_fast_graph, export_graph
+from serve.runtime.classifier import session_options
+from serve.runtime.images import Preprocess, load_image
+from vit import create_model
 
-from serve.export.merge import combine_fast_and_explain  # noqa: E402
-from serve.export.quantize import dynamic_int8  # noqa: E402
-from serve.export.trace import PixelModel, export_fast_graph, export_graph  # noqa: E402
-from serve.runtime.classifier import session_options  # noqa: E402
-from serve.runtime.images import Preprocess, load_image  # noqa: E402
-from vit import create_model  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 SAMPLE_CKPT = ROOT / "runs/sample/checkpoints/best.ckpt"
 MODELS = {"vit_tiny": "vit_tiny_patch16_224", "vit_small": "vit_small_patch16_224", "sample": "vit_micro_patch4_32"}
@@ -148,13 +146,6 @@ def runners(model: dict, threads: int) -> dict:
     return make
 
 
-def timed(fn, calls: int) -> float:
-    t = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    return (time.perf_counter() - t) / calls
-
-
 THREAD_ENGINES = ("torch eager", "ORT fp32", "ORT int8")  # the 2-thread comparison: the engines that matter
 
 
@@ -169,11 +160,9 @@ def bench_model(model: dict, repeats: int, batches=(1, 32)) -> list[dict]:
             for fn in fns.values():
                 fn()  # warm-up
             # calls per repeat so one repeat takes roughly 0.3 s or more
-            calls = {e: max(1, int(0.3 / max(timed(fn, 1), 1e-4))) for e, fn in fns.items()}
-            times = {e: [] for e in engines}
-            for _ in range(repeats if batch == 1 else min(repeats, 3)):  # interleaved: every engine once per round
-                for e, fn in fns.items():
-                    times[e].append(timed(fn, calls[e]))
+            calls = {e: max(1, int(0.3 / max(mean_time(fn, 1), 1e-4))) for e, fn in fns.items()}
+            sides = {e: (lambda r, fn=fn, n=calls[e]: mean_time(fn, n)) for e, fn in fns.items()}
+            times = interleaved(repeats if batch == 1 else min(repeats, 3), sides)  # every engine once per round
             # best round: on a shared machine the slow rounds measure the neighbours, not the engine
             base = min(times["torch eager"])
             for e in engines:
@@ -196,7 +185,7 @@ def matmul_peak(threads: int, n: int = 1024, repeats: int = 5) -> float:
     rng = np.random.default_rng(0)
     feed = {"a": rng.standard_normal((n, n), dtype=np.float32), "b": rng.standard_normal((n, n), dtype=np.float32)}
     s.run(None, feed)
-    best = min(timed(lambda: s.run(None, feed), 5) for _ in range(repeats))
+    best = min(mean_time(lambda: s.run(None, feed), 5) for _ in range(repeats))
     return 2 * n**3 / best / 1e9
 
 
@@ -234,13 +223,10 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--repeats", type=int, default=5, help="interleaved rounds per measurement (best reported)")
     p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
-    args = p.parse_args()
+    args = add_results_option(p).parse_args()
     logging.getLogger().setLevel(logging.ERROR)  # onnxruntime.quantization's advice to pre-process, every time
-    print(
-        f"# export_bench: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
-        f"torch {torch.__version__}, onnxruntime {ort.__version__}, "
-        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, load average {os.getloadavg()[0]:.2f} at start"
-    )
+    setting = {"repeats": args.repeats, "models": " ".join(args.models)}
+    result = Result("export_bench", setting, packages=("torch", "onnxruntime", "onnx", "timm"), results=args.results)
     t0 = time.perf_counter()
     notes, results = [], {}
     peaks: dict[int, list[float]] = {1: [], 2: []}
@@ -259,43 +245,38 @@ def main() -> None:
             sample_peak()
             print(f"  measured {name} at {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
 
-        print("\nOne intra-op thread; ms per batch (speed-up over torch eager)\n")
-        print("| model | batch | " + " | ".join(ENGINES) + " |")
-        print("|---|---|" + "---|" * len(ENGINES))
+        title = "One intra-op thread; ms per batch (speed-up over torch eager)"
+        one_thread = result.table(["model", "batch", *ENGINES], title)
         for name, (_, rows) in results.items():
             for batch in (1, 32):
                 cells = {r["engine"]: r for r in rows if r["threads"] == 1 and r["batch"] == batch}
-                vals = " | ".join(f"{cells[e]['ms']:.2f} ({cells[e]['x']:.2f}x)" for e in ENGINES)
-                print(f"| {name} | {batch} | {vals} |")
+                one_thread.add(name, batch, *(f"{cells[e]['ms']:.2f} ({cells[e]['x']:.2f}x)" for e in ENGINES))
 
-        print("\nTwo intra-op threads; ms per batch (speed-up over the same engine with one thread)\n")
-        print("| model | batch | " + " | ".join(THREAD_ENGINES) + " |")
-        print("|---|---|" + "---|" * len(THREAD_ENGINES))
+        title = "Two intra-op threads; ms per batch (speed-up over the same engine with one thread)"
+        two_threads = result.table(["model", "batch", *THREAD_ENGINES], title)
         for name, (_, rows) in results.items():
             for batch in (1, 32):
                 one = {r["engine"]: r["ms"] for r in rows if r["threads"] == 1 and r["batch"] == batch}
                 two = {r["engine"]: r["ms"] for r in rows if r["threads"] == 2 and r["batch"] == batch}
-                vals = " | ".join(f"{two[e]:.2f} ({one[e] / two[e]:.2f}x)" for e in THREAD_ENGINES)
-                print(f"| {name} | {batch} | {vals} |")
+                two_threads.add(name, batch, *(f"{two[e]:.2f} ({one[e] / two[e]:.2f}x)" for e in THREAD_ENGINES))
 
-        print("\nEach engine at its best thread count, batch 1 (targets: ORT fp32 >= 1.3x, ORT int8 >= 2.5x)\n")
-        print("| model | torch eager ms | ORT fp32 ms | fp32 speed-up | ORT int8 ms | int8 speed-up |")
-        print("|---|---|---|---|---|---|")
+        title = "Each engine at its best thread count, batch 1 (targets: ORT fp32 >= 1.3x, ORT int8 >= 2.5x)"
+        columns = ["model", "torch eager ms", "ORT fp32 ms", "fp32 speed-up", "ORT int8 ms", "int8 speed-up"]
+        formats = {c: "{:.2f}" for c in columns[1:]} | {"fp32 speed-up": "{:.2f}x", "int8 speed-up": "{:.2f}x"}
+        best_threads = result.table(columns, title, formats)
         for name, (_, rows) in results.items():
             best = {
                 e: min(r["ms"] for r in rows if r["engine"] == e and r["batch"] == 1)
                 for e in ("torch eager", "ORT fp32", "ORT int8")
             }
             eager = best["torch eager"]
-            print(
-                f"| {name} | {eager:.2f} | {best['ORT fp32']:.2f} | {eager / best['ORT fp32']:.2f}x | "
-                f"{best['ORT int8']:.2f} | {eager / best['ORT int8']:.2f}x |"
-            )
+            fp32, int8 = best["ORT fp32"], best["ORT int8"]
+            best_threads.add(name, eager, fp32, eager / fp32, int8, eager / int8)
 
         if "vit_small" in results:
             model, rows = results["vit_small"]
             flops = model["net"].flops_per_image()
-            print(f"\nViT-S/16 fp32 at batch 1: {flops / 1e9:.2f} GFLOP per image (model.flops_per_image())")
+            notes.append(f"ViT-S/16 fp32 at batch 1: {flops / 1e9:.2f} GFLOP per image (model.flops_per_image())")
             for threads in (1, 2):
                 ms = next(
                     r["ms"] for r in rows if r["engine"] == "ORT fp32" and r["batch"] == 1 and r["threads"] == threads
@@ -305,8 +286,8 @@ def main() -> None:
                 )
                 peak = max(peaks[threads])
                 achieved, achieved32 = flops / ms / 1e6, 32 * flops / ms32 / 1e6
-                print(
-                    f"  {threads} thread(s): achieved {achieved:.1f} GFLOP/s at batch 1 "
+                notes.append(
+                    f"{threads} thread(s): achieved {achieved:.1f} GFLOP/s at batch 1 "
                     f"({achieved32:.1f} at batch 32); "
                     f"MatMul peak (1024^3, best of {len(peaks[threads])} samples) {peak:.1f} GFLOP/s; "
                     f"ratio {achieved / peak:.0%} (batch 32: {achieved32 / peak:.0%})"
@@ -314,10 +295,11 @@ def main() -> None:
 
         if "sample" in results:
             line = digits_accuracy(results["sample"][0])
-            print("\n" + (line or "int8 accuracy on held-out digits: skipped (no runs/sample/checkpoints/best.ckpt)"))
-    for n in notes:
-        print(f"note: {n}")
-    print(f"\ntotal {time.perf_counter() - t0:.0f} s")
+            notes.append(line or "int8 accuracy on held-out digits: skipped (no runs/sample/checkpoints/best.ckpt)")
+    best_threads.notes += notes
+    result.data = {name: rows for name, (_, rows) in results.items()} | {"matmul_peaks": peaks}
+    result.finish()
+    print(f"total {time.perf_counter() - t0:.0f} s", file=sys.stderr)
 
 
 if __name__ == "__main__":

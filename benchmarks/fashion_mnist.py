@@ -1,8 +1,8 @@
 """Fashion-MNIST through `vit-train` (official test set as val), beside the dataset's published table.
 
     sudo apt-get install dataset-fashion-mnist && vit-fashion-mnist --out data/fmnist
-    .venv/bin/python benchmarks/fashion_mnist.py                    # trains: about 30 minutes on 2 cores
-    .venv/bin/python benchmarks/fashion_mnist.py --run-dir runs/fmnist   # reports a run already made
+    .venv/bin/python -m benchmarks.fashion_mnist                        # trains: about 30 minutes on 2 cores
+    .venv/bin/python -m benchmarks.fashion_mnist --run-dir runs/fmnist   # reports a run already made
 
 Target: >= 91.0 % test accuracy within 30 minutes of training on 2 CPU cores (stretch: HOG + SVM's 92.6 %).
 """
@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from sample_accuracy import machine  # same folder: on sys.path when run as a script
+from benchmarks.common import Result, add_results_option
 
 REPO = Path(__file__).resolve().parents[1]
 # From the dataset's README (/usr/share/doc/dataset-fashion-mnist/README.md.gz) and the issue that set the target.
@@ -44,7 +44,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data", default="data/fmnist")
     parser.add_argument("--run-dir", default=None, help="report this finished run instead of training")
-    args = parser.parse_args()
+    args = add_results_option(parser).parse_args()
     total = None
     run_dir = Path(args.run_dir or "runs/fmnist-bench")
     if args.run_dir is None:
@@ -53,15 +53,20 @@ def main() -> None:
     with open(next((run_dir / "csv").glob("version_*/metrics.csv"))) as f:
         accs = [float(r["val/acc"]) for r in csv.DictReader(f) if r.get("val/acc")]
     done = datetime.datetime.fromtimestamp((run_dir / "summary.json").stat().st_mtime, datetime.timezone.utc)
-    rows = [("vitscope, configs/small_images.yaml (this run)", f"**{100 * s['best_val_acc']:.2f} %**")]
-    print("| model | Fashion-MNIST test accuracy |\n|---|---|")
-    print("\n".join(f"| {k} | {v} |" for k, v in rows + PUBLISHED))
-    print(f"\n| run | value |\n|---|---|\n| last-epoch accuracy | {100 * accs[-1]:.2f} % |")
-    print(f"| fit time (scan, cache, training, validation) | {s['fit_seconds'] / 60:.1f} min |")
+    result = Result("fashion_mnist", {"run dir": str(run_dir)}, ("torch", "lightning"), results=args.results)
+    models = result.table(["model", "Fashion-MNIST test accuracy"])
+    models.add("vitscope, configs/small_images.yaml (this run)", f"**{100 * s['best_val_acc']:.2f} %**")
+    for row in PUBLISHED:
+        models.add(*row)
+    run = result.table(["run", "value"])
+    run.add("last-epoch accuracy", f"{100 * accs[-1]:.2f} %")
+    run.add("fit time (scan, cache, training, validation)", f"{s['fit_seconds'] / 60:.1f} min")
     if total is not None:
-        print(f"| command wall time | {total / 60:.1f} min |")
-    print(f"| epochs, steps | {s['epochs']}, {s['global_step']} |")
-    print(f"| machine | {machine()} |\n| finished | {done:%Y-%m-%d %H:%M UTC} |")
+        run.add("command wall time", f"{total / 60:.1f} min")
+    run.add("epochs, steps", f"{s['epochs']}, {s['global_step']}")
+    run.add("finished", f"{done:%Y-%m-%d %H:%M UTC}")
+    result.data = {"best_val_acc": s["best_val_acc"], "last_val_acc": accs[-1], "fit_seconds": s["fit_seconds"]}
+    result.finish()
 
 
 if __name__ == "__main__":

@@ -7,9 +7,9 @@ Two questions in one run, each answered for both models side by side:
   2. image folder: a generated JPEG folder through the real training path (`ImageFolderDataModule`
      with the vit_base.yaml augmentation, `ViTClassifier`, Lightning `Trainer`, bf16-mixed).
 
-    python benchmarks/gpu_train.py                # about 3-5 minutes on one H200
-    python benchmarks/gpu_train.py --compile      # also torch.compile both models
-    python benchmarks/gpu_train.py --dry-run      # CPU, tiny sizes: checks the script itself
+    python -m benchmarks.gpu_train                # about 3-5 minutes on one H200
+    python -m benchmarks.gpu_train --compile      # also torch.compile both models
+    python -m benchmarks.gpu_train --dry-run      # CPU, tiny sizes: checks the script itself
 
 Without CUDA (and without --dry-run) it says so and exits 0.
 """
@@ -17,7 +17,6 @@ Without CUDA (and without --dry-run) it says so and exits 0.
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import sys
 import tempfile
@@ -28,7 +27,7 @@ import numpy as np
 import torch
 from lightning.pytorch import Callback
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.common import Result, add_results_option
 
 # dense bf16 peak, FLOP/s, by device-name fragment (tensor cores, no sparsity)
 PEAK_BF16 = {
@@ -194,14 +193,14 @@ def main() -> None:
     parser.add_argument("--peak-tflops", type=float, default=None, help="dense bf16 peak, if the GPU is not known")
     parser.add_argument("--skip-folder", action="store_true")
     parser.add_argument("--dry-run", action="store_true", help="CPU, tiny sizes: exercise the script")
-    args = parser.parse_args()
+    args = add_results_option(parser).parse_args()
 
     if args.dry_run:
         args.variant, args.img_size, args.batch_size = "vit_tiny_patch16_224", 32, 8
         args.warmup, args.steps, args.folder_steps, args.folder_images, args.workers = 2, 2, 2, 64, 0
         device = torch.device("cpu")
     elif not torch.cuda.is_available():
-        print("benchmarks/gpu_train.py needs a CUDA GPU and none is visible; nothing was measured.")
+        print("benchmarks.gpu_train needs a CUDA GPU and none is visible; nothing was measured.")
         print("Run it on a GPU machine, or add --dry-run to check the script on the CPU.")
         return
     else:
@@ -221,8 +220,7 @@ def main() -> None:
     rows = []
     for kind in ("ours", "timm"):
         rate = synthetic(kind, args, device)
-        mfu = f"{100 * 3 * flops * rate / peak:.1f} %" if peak else "n/a"
-        rows.append(("synthetic tensors", kind, rate, mfu))
+        rows.append(("synthetic tensors", kind, rate, 100 * 3 * flops * rate / peak if peak else None))
     if not args.skip_folder:
         with tempfile.TemporaryDirectory() as tmp:
             root = Path(tmp) / "images"
@@ -231,21 +229,22 @@ def main() -> None:
             made = time.perf_counter() - t
             for kind in ("ours", "timm"):
                 rate = folder(kind, args, root, device, tmp)
-                mfu = f"{100 * 3 * flops * rate / peak:.1f} %" if peak else "n/a"
+                mfu = 100 * 3 * flops * rate / peak if peak else None
                 rows.append((f"image folder ({args.folder_images} JPEGs, {args.workers} workers)", kind, rate, mfu))
     total = time.perf_counter() - t0
-    print(
-        f"\n{args.variant} at {args.img_size} px, batch {args.batch_size}, bf16, channels-last, "
-        f"compile={args.compile}; {name}; torch {torch.__version__}; "
-        f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC"
+    setting = {"variant": args.variant, "img size": args.img_size, "batch": args.batch_size, "dtype": "bf16"}
+    setting |= {"channels-last": True, "compile": args.compile, "device": name}
+    result = Result("gpu_train", setting, packages=("torch", "timm", "lightning"), results=args.results)
+    table = result.table(["input", "model", "images/s", "MFU %"], formats={"images/s": "{:,.0f}", "MFU %": "{:.1f}"})
+    for row in rows:
+        table.add(*row)
+    table.notes.append(
+        f"forward GFLOPs/image {flops / 1e9:.2f}; peak {peak / 1e12:.0f} TFLOP/s" if peak else "peak unknown: no MFU"
     )
-    print(f"forward GFLOPs/image {flops / 1e9:.2f}; peak {peak / 1e12:.0f} TFLOP/s" if peak else "peak unknown")
-    print("\n| input | model | images/s | MFU |\n|---|---|---|---|")
-    for inp, kind, rate, mfu in rows:
-        print(f"| {inp} | {kind} | {rate:,.0f} | {mfu} |")
     if not args.skip_folder:
-        print(f"\n(folder generated in {made:.0f} s)")
-    print(f"total {total:.0f} s")
+        table.notes.append(f"(folder generated in {made:.0f} s)")
+    print(f"total {total:.0f} s", file=sys.stderr)
+    result.finish()
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ baseline, and the probes' latencies. Goals: +1 GB peak RSS at most, /healthz p99
   4. `--crowd` (1000) keep-alive clients sending ordinary classify requests for 10 s (not an attack: how
      long health checks wait under a full load).
 
-    .venv/bin/python benchmarks/hostile_bench.py artifacts/sample.onnx
+    .venv/bin/python -m benchmarks.hostile_bench artifacts/sample.onnx
 
 All traffic goes to 127.0.0.1, bounded in count and time.
 """
@@ -20,10 +20,7 @@ from __future__ import annotations
 
 import argparse
 import http.client
-import io
-import platform
 import socket
-import struct
 import sys
 import threading
 import time
@@ -31,31 +28,13 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
-from PIL import Image
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from tests.serve.process import ServerProcess  # noqa: E402
-
-
-def tiny_gif(width: int = 65535, height: int = 610) -> bytes:
-    """A valid GIF of a few dozen bytes: a `width` x `height` screen holding a 1 x 1 frame."""
-    screen = struct.pack("<HHBBB", width, height, 0x80, 0, 0) + b"\x00\x00\x00\xff\xff\xff"  # 2-colour palette
-    image = b"," + struct.pack("<HHHHB", 0, 0, 1, 1, 0)
-    return b"GIF89a" + screen + image + b"\x02\x02\x44\x01\x00;"
+from benchmarks.common import Result, add_results_option
+from serve.server.testing import ServerProcess, noise_png, rss_mib, tiny_gif
 
 
 def small_png() -> bytes:
-    buf = io.BytesIO()
-    Image.fromarray(np.random.default_rng(0).integers(0, 256, (48, 48, 3), dtype=np.uint8)).save(buf, "PNG")
-    return buf.getvalue()
-
-
-def rss_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return 0.0
+    return noise_png(0, (48, 48))
 
 
 class Probes:
@@ -221,7 +200,7 @@ def main() -> None:
     parser.add_argument("--slow", type=int, default=500)
     parser.add_argument("--crowd", type=int, default=1000)
     parser.add_argument("--only", default="images,headers,slow,crowd", help="which attacks, comma-separated")
-    args = parser.parse_args()
+    args = add_results_option(parser).parse_args()
     attacks = {
         "images": (
             f"{args.images} concurrent 40 MP GIFs of 35 bytes, x{args.rounds}",
@@ -233,24 +212,24 @@ def main() -> None:
         "slow": (f"{args.slow} slowloris connections", attack_slow, args.slow),
         "crowd": (f"{args.crowd} clients classifying for 10 s", attack_crowd, args.crowd),
     }
-    print(f"# hostile_bench: {platform.machine()}, {platform.python_version()}, {time.strftime('%Y-%m-%d')}\n")
-    print("| attack | outcome | RSS base -> peak (MiB) | /healthz p50 / p99 (ms) | classify p99 (ms) | probe fails |")
-    print("|---|---|---|---|---|---|")
+    setting = {k: v for k, v in vars(args).items() if k not in ("model", "results")}
+    result = Result("hostile_bench", {"model": str(args.model), **setting}, ("uvicorn",), results=args.results)
+    columns = ["attack", "outcome", "RSS base (MiB)", "RSS peak (MiB)", "/healthz p50 ms", "/healthz p99 ms"]
+    columns += ["classify p99 ms", "probe fails"]
+    table = result.table(columns, formats={c: "{:.0f}" for c in columns[2:4]} | {c: "{:.1f}" for c in columns[4:7]})
     with ServerProcess(args.model, "--examples-dir", "") as server:
         pid = server.proc.pid
         for name, attack, *params in (attacks[a] for a in args.only.split(",")):
-            time.sleep(2)
+            time.sleep(2)  # let the server settle after the last attack: part of the measurement's setting
             base = rss_mib(pid)
             with Probes(server.port, pid) as probes:
-                time.sleep(0.5)
+                time.sleep(0.5)  # the probes' baseline before the attack
                 outcome = attack(server.port, *params)
-                time.sleep(0.5)
-            print(
-                f"| {name} | {outcome} | {base:.0f} -> {probes.peak:.0f} (+{probes.peak - base:.0f}) "
-                f"| {p(probes.health, 50):.1f} / {p(probes.health, 99):.1f} | {p(probes.normal, 99):.1f} "
-                f"| {probes.failures} |",
-                flush=True,
-            )
+                time.sleep(0.5)  # and after it
+            health = p(probes.health, 50), p(probes.health, 99)
+            table.add(name, outcome, base, probes.peak, *health, p(probes.normal, 99), probes.failures)
+            print(f"{name}: {outcome}", file=sys.stderr, flush=True)
+    result.finish()
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """How much a production host installs: the size of a fresh venv per install extra.
 
-    .venv/bin/python benchmarks/install_size.py [--extras core serve all]
+    .venv/bin/python -m benchmarks.install_size [--extras core serve all]
 
 Each venv is built from this checkout with pip (which may reuse its cache), measured with `du`, then
 deleted. `core` is `pip install vitscope` (the runtime and vit-predict), `serve` adds vit-serve and the
@@ -10,7 +10,6 @@ UI, `all` is everything (training and export, torch included). Prints a Markdown
 from __future__ import annotations
 
 import argparse
-import datetime
 import platform
 import subprocess
 import sys
@@ -18,6 +17,8 @@ import tempfile
 import time
 import venv
 from pathlib import Path
+
+from benchmarks.common import Result, add_results_option
 
 ROOT = Path(__file__).resolve().parents[1]
 CONSTRAINTS = ROOT / "constraints-x86_64-linux.txt"
@@ -43,14 +44,16 @@ def venv_size(extra: str) -> tuple[int, float, bool]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--extras", nargs="+", default=["core", "serve", "all"])
-    args = parser.parse_args()
-    print(f"# install_size: {platform.machine()}, Python {sys.version.split()[0]}, {datetime.date.today()}\n")
-    print("| install | venv size | install time (pip cache warm) | torch importable |")
-    print("|---|---:|---:|---|")
+    args = add_results_option(parser).parse_args()
+    result = Result("install_size", {"extras": " ".join(args.extras)}, packages=("pip",), results=args.results)
+    columns = ["install", "venv size", "install time (pip cache warm)", "torch importable"]
+    table = result.table(columns, formats={"venv size": "{:,.0f} MB", "install time (pip cache warm)": "{:.0f} s"})
     for extra in args.extras:
         size, seconds, torch = venv_size(extra)
         name = "`pip install vitscope`" if extra == "core" else f"`pip install 'vitscope[{extra}]'`"
-        print(f"| {name} | {size / 1e6:,.0f} MB | {seconds:.0f} s | {'yes' if torch else 'no'} |", flush=True)
+        table.add(name, size / 1e6, seconds, torch)
+        print(f"{name}: {size / 1e6:,.0f} MB", file=sys.stderr, flush=True)
+    result.finish()
 
 
 if __name__ == "__main__":

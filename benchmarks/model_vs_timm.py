@@ -3,7 +3,7 @@
 Rows: inference images/s at batch 1 and 32, and a training step (forward, backward, AdamW) at
 batch 32; on CPU in fp32, and on CUDA in bf16 when a GPU is present. ratio = ours / timm.
 
-    .venv/bin/python benchmarks/model_vs_timm.py [--models vit_tiny_patch16_224 vit_small_patch16_224] [--processes 5]
+    .venv/bin/python -m benchmarks.model_vs_timm [--models vit_tiny_patch16_224 vit_small_patch16_224] [--processes 5]
 
 Each process builds the three models (ours, timm, and a second copy of timm) in a rotated order
 and times them in interleaved rounds, keeping each model's best round. Identical code timed in
@@ -15,29 +15,19 @@ the range across them.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import platform
 import statistics
 import subprocess
 import sys
-import time
 
 import timm
 import torch
 
 import vit
+from benchmarks.common import Result, add_results_option, spread, timed
 
 MODELS = ("ours", "timm", "timm again")
 TASKS = (("inference", 1), ("inference", 32), ("train step", 32))
-
-
-def timed(fn, sync) -> float:
-    sync()
-    t0 = time.perf_counter()
-    fn()
-    sync()
-    return time.perf_counter() - t0
 
 
 def measure(name: str, device: torch.device, repeats: int, first: int) -> dict[str, dict[str, float]]:
@@ -91,7 +81,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5, help="interleaved timing rounds per process; the best counts")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)  # one process: build order
-    args = parser.parse_args()
+    args = add_results_option(parser).parse_args()
     if args.processes < 1 or args.repeats < 1:
         parser.error("--processes and --repeats must be at least 1")
     device = torch.device(args.device)
@@ -100,20 +90,20 @@ def main() -> None:
         return
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    cpu = platform.processor() or platform.machine()
-    print(
-        f"# model_vs_timm: {datetime.date.today()}, {device.type} ({cpu}, {torch.get_num_threads()} threads), "
-        f"{dtype}, torch {torch.__version__}, timm {timm.__version__}, median of {args.processes} processes "
-        f"[range], each the best of {args.repeats} interleaved rounds"
-    )
+    setting = {"device": device.type, "threads": torch.get_num_threads(), "dtype": str(dtype)}
+    setting |= {"processes": args.processes, "interleaved rounds": args.repeats}
+    result = Result("model_vs_timm", setting, packages=("torch", "timm"), results=args.results)
+    columns = ["model", "task", "batch", "ours img/s", "timm img/s", "ours/timm", "timm again/timm (noise)"]
+    table = result.table(columns, formats={"ours img/s": "{:.1f}", "timm img/s": "{:.1f}"})
     # "timm again" is a second copy of timm's model timed the same way: timm/timm shows how far apart two
     # copies of the very same code land on this machine, so ours/timm can be read against that noise floor.
-    print("| model | task | batch | ours img/s | timm img/s | ours/timm | timm again/timm (noise) |")
-    print("|---|---|---|---|---|---|---|")
+    table.notes.append(
+        "img/s: the median over fresh processes, each the best of its interleaved rounds; ratios: median [range]"
+    )
     for name in args.models:
         runs = []
         for p in range(args.processes):
-            cmd = [sys.executable, __file__, "--models", name, "--repeats", str(args.repeats)]
+            cmd = [sys.executable, "-m", "benchmarks.model_vs_timm", "--models", name, "--repeats", str(args.repeats)]
             cmd += ["--device", args.device, "--worker", str(p % 3)]
             proc = subprocess.run(cmd, capture_output=True, text=True)
             if proc.returncode:
@@ -123,12 +113,9 @@ def main() -> None:
             best = [run[f"{task} {B}"] for run in runs]
             rate = {k: statistics.median(B / b[k] for b in best) for k in MODELS}
             ratio = {k: [b["timm"] / b[k] for b in best] for k in ("ours", "timm again")}
-            cells = {k: f"{statistics.median(v):.3f} [{min(v):.3f}-{max(v):.3f}]" for k, v in ratio.items()}
-            print(
-                f"| {name} | {task} | {B} | {rate['ours']:.1f} | {rate['timm']:.1f} | "
-                f"{cells['ours']} | {cells['timm again']} |",
-                flush=True,
-            )
+            table.add(name, task, B, rate["ours"], rate["timm"], spread(ratio["ours"]), spread(ratio["timm again"]))
+            print(f"{name} {task} {B}: ours/timm {spread(ratio['ours'])}", file=sys.stderr, flush=True)
+    result.finish()
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ size, among random gray strokes and dots (the clutter). Its tight box is saved. 
 the centre of its highest patch lies inside the box. Baselines: a uniformly random patch (its
 expected hit rate, computed exactly from the boxes) and always the centre patch.
 
-    .venv/bin/python benchmarks/pointing_game.py artifacts/sample.onnx [--n 300] [--out runs/pointing_game]
+    .venv/bin/python -m benchmarks.pointing_game artifacts/sample.onnx [--n 300] [--out runs/pointing_game]
 
 Canvases (PNG) and boxes (boxes.json) are written to --out, so the numbers can be checked by eye.
 """
@@ -14,17 +14,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 from PIL import Image, ImageDraw
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from serve.runtime.classifier import OnnxClassifier  # noqa: E402
+from benchmarks.common import Result, add_results_option
+from serve.runtime.classifier import OnnxClassifier
 
 
 def make_canvas(
@@ -89,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--clutter", type=int, default=10, help="random strokes and dots per canvas")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("runs/pointing_game"), help="where canvases and boxes go")
-    args = p.parse_args(argv)
+    args = add_results_option(p).parse_args(argv)
 
     files = sorted(args.data.glob("*/*.png"))
     if not files:
@@ -125,18 +122,18 @@ def main(argv: list[str] | None = None) -> int:
     (args.out / "boxes.json").write_text(json.dumps(records, indent=1))
 
     n = len(picks)
-    print(
-        f"# pointing_game: {args.model}, {n} canvases {clf.input_size[0]} x {clf.input_size[1]}, digit at "
-        f"{args.scale:g} of the side, {args.clutter} clutter marks, seed {args.seed}; "
-        f"{platform.machine()}, {time.strftime('%Y-%m-%d')}"
-    )
-    print(f"classification accuracy on the canvases: {correct / n:.1%} (the model was trained on centred digits)\n")
-    print("| map | pointing game hit rate |\n|---|---:|")
+    setting = {"model": str(args.model), "canvases": n, "canvas": f"{clf.input_size[0]} x {clf.input_size[1]}"}
+    setting |= {"digit scale": args.scale, "clutter marks": args.clutter, "seed": args.seed}
+    result = Result("pointing_game", setting, packages=("onnxruntime",), results=args.results)
+    table = result.table(["map", "pointing game hit rate"], formats={"pointing game hit rate": "{:.1%}"})
     for m, h in hits.items():
-        print(f"| {m} | {np.mean(h):.1%} |")
-    print(f"| random patch (expected) | {np.mean(random_rate):.1%} |")
-    print(f"\nCanvases and boxes: {args.out}/ (boxes.json, x0 y0 x1 y1 in pixels, end-exclusive)")
-    print(f"Reproduce: .venv/bin/python benchmarks/pointing_game.py {args.model} --n {args.n} --seed {args.seed}")
+        table.add(m, float(np.mean(h)))
+    table.add("random patch (expected)", float(np.mean(random_rate)))
+    table.notes.append(
+        f"classification accuracy on the canvases: {correct / n:.1%} (the model was trained on centred digits)"
+    )
+    table.notes.append(f"Canvases and boxes: {args.out}/ (boxes.json, x0 y0 x1 y1 in pixels, end-exclusive)")
+    result.finish()
     return 0
 
 

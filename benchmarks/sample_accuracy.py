@@ -2,7 +2,7 @@
 
 Runs the real command in a temporary run directory and prints one table:
 
-    .venv/bin/python benchmarks/sample_accuracy.py [--config configs/sample.yaml] [--data data/digits]
+    .venv/bin/python -m benchmarks.sample_accuracy [--config configs/sample.yaml] [--data data/digits]
 
 Target: >= 98.5 % top-1 on the held-out digits in <= 3 minutes of training on 2 CPU cores.
 """
@@ -11,10 +11,7 @@ from __future__ import annotations
 
 import argparse
 import csv
-import datetime
 import json
-import os
-import platform
 import shutil
 import subprocess
 import sys
@@ -22,19 +19,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks.common import Result, add_results_option
+
 REPO = Path(__file__).resolve().parents[1]
-
-
-def machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{os.cpu_count()}-core {platform.machine()} ({cpu}), {platform.system()}"
 
 
 def main() -> None:
@@ -42,7 +29,7 @@ def main() -> None:
     parser.add_argument("--config", default="configs/sample.yaml")
     parser.add_argument("--data", default="data/digits", help="the digits folder (written if missing)")
     parser.add_argument("--keep", action="store_true", help="keep the run directory")
-    args = parser.parse_args()
+    args = add_results_option(parser).parse_args()
 
     bin_dir = Path(sys.executable).parent
     data = Path(args.data)
@@ -58,22 +45,18 @@ def main() -> None:
     split = json.loads((run_dir / "split.json").read_text())
     with open(next((run_dir / "csv").glob("version_*/metrics.csv"))) as f:
         last_acc = [float(r["val/acc"]) for r in csv.DictReader(f) if r.get("val/acc")][-1]
-    rows = [
-        ("val accuracy (top-1), best.ckpt", f"{100 * s['best_val_acc']:.2f} % of {len(split['val'])} held-out digits"),
-        ("val accuracy (top-1), last epoch", f"{100 * last_acc:.2f} %"),
-        ("training wall time (fit)", f"{s['fit_seconds']:.1f} s"),
-        ("command wall time (incl. start-up, scan)", f"{total:.1f} s"),
-        ("epochs", str(s["epochs"])),
-        ("training images/s", f"{s['train_images'] * s['epochs'] / s['fit_seconds']:.0f}"),
-        ("train / val images", f"{len(split['train'])} / {len(split['val'])}"),
-        ("machine", machine()),
-        ("date", datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")),
-        ("command", "vit-train fit --config " + args.config + " --trainer.default_root_dir <tmp>"),
-    ]
-    width = max(len(k) for k, _ in rows)
-    print(f"| {'metric':<{width}} | value |\n|{'-' * (width + 2)}|-------|")
-    for k, v in rows:
-        print(f"| {k:<{width}} | {v} |")
+    result = Result("sample_accuracy", {"config": args.config}, ("torch", "lightning"), results=args.results)
+    table = result.table(["metric", "value"])
+    best, epochs, fit = s["best_val_acc"], s["epochs"], s["fit_seconds"]
+    table.add("val accuracy (top-1), best.ckpt", f"{100 * best:.2f} % of {len(split['val'])} held-out digits")
+    table.add("val accuracy (top-1), last epoch", f"{100 * last_acc:.2f} %")
+    table.add("training wall time (fit)", f"{fit:.1f} s")
+    table.add("command wall time (incl. start-up, scan)", f"{total:.1f} s")
+    table.add("epochs", epochs)
+    table.add("training images/s", f"{s['train_images'] * epochs / fit:.0f}")
+    table.add("train / val images", f"{len(split['train'])} / {len(split['val'])}")
+    result.data = {"best_val_acc": best, "last_val_acc": last_acc, "fit_seconds": fit, "command_seconds": total}
+    result.finish()
     if args.keep:
         print(f"run directory: {run_dir}")
     else:

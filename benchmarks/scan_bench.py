@@ -4,7 +4,7 @@ Writes N small PNGs (distinct 16 x 16 noise images, 100 per file template, in `-
 into a temporary folder, times `train.folder.scan_folder` on it (listing, header check in a process pool,
 split), and deletes the folder afterwards.
 
-    .venv/bin/python benchmarks/scan_bench.py [--n 1000000] [--classes 100] [--dir /tmp]
+    .venv/bin/python -m benchmarks.scan_bench [--n 1000000] [--classes 100] [--dir /tmp]
 
 Target: 1,000,000 files scanned in under 2 minutes on the 2-core reference machine.
 """
@@ -12,7 +12,6 @@ Target: 1,000,000 files scanned in under 2 minutes on the 2-core reference machi
 from __future__ import annotations
 
 import argparse
-import datetime
 import io
 import os
 import shutil
@@ -23,6 +22,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
+from benchmarks.common import Result, add_results_option
 from train.dataset import usable_cores
 from train.folder import scan_folder
 
@@ -52,7 +52,7 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=1_000_000, help="files to write")
     parser.add_argument("--classes", type=int, default=100)
     parser.add_argument("--dir", default=None, help="where to make the temporary folder (default: the temp dir)")
-    args = parser.parse_args()
+    args = add_results_option(parser).parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="scan_bench_", dir=args.dir))
     try:
         start = time.perf_counter()
@@ -63,14 +63,14 @@ def main() -> None:
         files = len(scan.train) + len(scan.val)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    print(f"{args.n:,} files written in {written:.0f} s (not timed below); {usable_cores()} usable cores; {when}\n")
-    print("| files | classes | unreadable | scan s | files/s | target |\n|---|---|---|---|---|---|")
+    setting = {"files": args.n, "classes": args.classes, "usable cores": usable_cores()}
+    result = Result("scan_bench", setting, results=args.results)
+    table = result.table(["files", "classes", "unreadable", "scan s", "files/s", "target"])
+    table.formats = {"scan s": "{:.1f}", "files/s": "{:,.0f}"}
     verdict = "met" if scan.seconds < 120 else "MISSED"
-    print(
-        f"| {files:,} | {len(scan.classes)} | {len(scan.bad)} | {scan.seconds:.1f} | {files / scan.seconds:,.0f} | "
-        f"< 120 s: {verdict} |"
-    )
+    table.add(files, len(scan.classes), len(scan.bad), scan.seconds, files / scan.seconds, f"< 120 s: {verdict}")
+    table.notes.append(f"{args.n:,} files written in {written:.0f} s (not timed)")
+    result.finish()
 
 
 if __name__ == "__main__":

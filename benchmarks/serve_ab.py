@@ -2,12 +2,12 @@
 
 Each tree (a checkout, e.g. a `git worktree` of an older commit) runs its own `vit-serve --no-ui` on the same
 model, started one after the other so that neither times its batch sizes while the other does. Rounds of
-`serve_bench.py`'s load generator (concurrency 16) then alternate between them, so both see the machine's
+`benchmarks.serve_bench`'s load generator (concurrency 16) then alternate between them, so both see the machine's
 drift alike. Per tree: the median and best requests/s, and the server's CPU time per request (user + system,
 from /proc), which a busy machine moves less than throughput.
 
     git worktree add /tmp/vitscope-before <commit>
-    .venv/bin/python benchmarks/serve_ab.py /tmp/vitscope-before . --server-args="--preferred-batch-size 8"
+    .venv/bin/python -m benchmarks.serve_ab /tmp/vitscope-before . --server-args="--preferred-batch-size 8"
 
 `--variant vit_tiny_patch16_224` serves a production-size model (random weights, built once for both
 trees) instead of the sample.
@@ -24,21 +24,11 @@ import shutil
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from serve_bench import load, random_model_file, run_loop, sample_image  # noqa: E402
-
-from tests.serve.process import ServerProcess  # noqa: E402
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of process `pid` so far."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+from benchmarks.common import Result, add_results_option, interleaved
+from benchmarks.serve_bench import load, random_model_file, run_loop, sample_image
+from serve.server.testing import ServerProcess, cpu_seconds
 
 
 def pin(pid: int, cpus: list[int]) -> None:
@@ -67,9 +57,9 @@ def main() -> None:
     )  # fmt: skip
     p.add_argument(
         "--modules", nargs=2, default=["serve.server", "serve.server"],
-        help="each tree's server module (`python -m ...`): 'serve' before serve/ was split into rooms",
+        help="each tree's server module (`python -m ...`): 'serve' before serve/ was split into sub-packages",
     )  # fmt: skip
-    args = p.parse_args()
+    args = add_results_option(p).parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="serve_ab-"))
     try:
         model = random_model_file(args.variant, args.data, tmp) if args.variant else args.model.resolve()
@@ -93,39 +83,51 @@ def compare(args: argparse.Namespace, model: Path) -> None:
         if args.pin:
             cpus = sorted(os.sched_getaffinity(0))
             if len(cpus) < 2:
-                sys.exit("serve_ab.py: --pin needs two CPUs (one for the servers, one for the load generator)")
+                sys.exit("serve_ab: --pin needs two CPUs (one for the servers, one for the load generator)")
             for _, server in servers:
                 pin(server.proc.pid, cpus[:1])
             os.sched_setaffinity(0, cpus[1:])
         for _, server in servers:
             run_loop(load(server.port, data, args.concurrency, 1.0))  # warm the connection path
-        rps: dict[Path, list[float]] = {tree: [] for tree, _ in servers}
-        cost: dict[Path, list[float]] = {tree: [] for tree, _ in servers}
-        p99: dict[Path, list[float]] = {tree: [] for tree, _ in servers}
-        for _ in range(args.rounds):
-            for tree, server in servers:
+        names = [f"{i + 1}. {tree}" for i, (tree, _) in enumerate(servers)]  # the same tree twice: the noise
+        p99: dict[str, list[float]] = {name: [] for name in names}
+        cost: dict[str, list[float]] = {name: [] for name in names}
+
+        def side(name: str, server: ServerProcess):
+            def one_round(_: int) -> float:
                 cpu0 = cpu_seconds(server.proc.pid)
                 out = run_loop(load(server.port, data, args.concurrency, args.duration))
-                rps[tree].append(out["rps"])
-                p99[tree].append(out["p99"])
-                cost[tree].append((cpu_seconds(server.proc.pid) - cpu0) / max(1, out["requests"]) * 1e6)
+                p99[name].append(out["p99"])
+                cost[name].append((cpu_seconds(server.proc.pid) - cpu0) / max(1, out["requests"]) * 1e6)
+                return out["rps"]
+
+            return one_round
+
+        rps = interleaved(
+            args.rounds, {name: side(name, server) for name, (_, server) in zip(names, servers, strict=True)}
+        )
     finally:
         for _, server in servers:
             server.stop()
-    base = statistics.median(rps[servers[0][0]])
-    pinned = ", servers pinned to one CPU" if args.pin else ""
-    when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-    print(f"# serve_ab: {args.rounds} alternating rounds of {args.duration:g} s, concurrency {args.concurrency}, "
-          f"{model.name}, server args {args.server_args!r}{pinned}, {when}\n")  # fmt: skip
-    print("| tree | req/s median (ratio) | best | each round | p99 latency (median) | server CPU per request |")
-    print("|---|---:|---:|---|---:|---:|")
-    for tree, values in rps.items():
+    setting = {
+        "rounds": args.rounds,
+        "duration s": args.duration,
+        "concurrency": args.concurrency,
+        "model": model.name,
+        "server args": args.server_args,
+        "pinned": args.pin,
+    }
+    result = Result("serve_ab", setting, packages=("onnxruntime", "uvicorn"), results=args.results)
+    columns = ["tree", "req/s median", "ratio", "best", "each round", "p99 ms (median)", "server CPU µs per request"]
+    table = result.table(columns, formats={"req/s median": "{:,.0f}", "ratio": "{:.2f}x", "best": "{:,.0f}"})
+    table.formats.update({"p99 ms (median)": "{:.2f}", "server CPU µs per request": "{:,.0f}"})
+    base = statistics.median(rps[names[0]])
+    for name, values in rps.items():
         med = statistics.median(values)
-        rounds = ", ".join(f"{v:,.0f}" for v in values)
-        print(
-            f"| {tree} | {med:,.0f} ({med / base:.2f}x) | {max(values):,.0f} | {rounds} | "
-            f"{statistics.median(p99[tree]):.2f} ms | {statistics.median(cost[tree]):,.0f} µs |"
-        )
+        each = ", ".join(f"{v:,.0f}" for v in values)
+        table.add(name, med, med / base, max(values), each, statistics.median(p99[name]), statistics.median(cost[name]))
+    result.data = {"rps": rps}
+    result.finish()
 
 
 if __name__ == "__main__":

@@ -11,8 +11,8 @@ Measures, in one run on the same machine:
 The load generator is a minimal asyncio HTTP/1.1 keep-alive client on uvloop (prebuilt requests, no
 parsing beyond the status line and Content-Length), so it costs the shared CPU as little as possible.
 
-    .venv/bin/python benchmarks/serve_bench.py artifacts/sample.onnx [--duration 10] [--soak 300]
-    .venv/bin/python benchmarks/serve_bench.py --variant vit_tiny_patch16_224   # a production-size model
+    .venv/bin/python -m benchmarks.serve_bench artifacts/sample.onnx [--duration 10] [--soak 300]
+    .venv/bin/python -m benchmarks.serve_bench --variant vit_tiny_patch16_224   # a production-size model
 
 With `--variant`, the model file is that variant with random weights and the sample's ten labels,
 exported by `vit-export`'s code: what the server costs depends on the model's size, not on its training.
@@ -23,30 +23,22 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib.util
-import io
-import platform
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
-from PIL import Image
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from serve.runtime.classifier import OnnxClassifier  # noqa: E402
-from tests.serve.process import ServerProcess  # noqa: E402
+from benchmarks import common
+from benchmarks.common import Result, add_results_option
+from serve.runtime.classifier import OnnxClassifier
+from serve.server.testing import ServerProcess, noise_png, rss_mib
 
 
 def sample_image(data_dir: Path, size: tuple[int, int]) -> bytes:
     """PNG bytes of one sample image (a digit when the sample data exists, else noise)."""
     files = sorted(data_dir.glob("*/*.png")) if data_dir.is_dir() else []
-    if files:
-        return files[0].read_bytes()
-    buf = io.BytesIO()
-    Image.fromarray(np.random.default_rng(0).integers(0, 256, (*size, 3), dtype=np.uint8)).save(buf, format="PNG")
-    return buf.getvalue()
+    return files[0].read_bytes() if files else noise_png(0, size)
 
 
 def random_model_file(variant: str, data_dir: Path, out_dir: Path) -> Path:
@@ -75,21 +67,12 @@ def random_model_file(variant: str, data_dir: Path, out_dir: Path) -> Path:
 
 def rate(clf: OnnxClassifier, batch: np.ndarray, seconds: float) -> float:
     """In-process images/s of `predict_pixels` on one prepared batch."""
-    clf.predict_pixels(batch)
-    n, t0 = 0, time.perf_counter()
-    while time.perf_counter() - t0 < seconds:
-        clf.predict_pixels(batch)
-        n += len(batch)
-    return n / (time.perf_counter() - t0)
+    return common.rate(lambda: clf.predict_pixels(batch), len(batch), seconds)
 
 
 def rate_decoded(clf: OnnxClassifier, data: bytes, bs: int, seconds: float) -> float:
     """The same, but each image decoded from `data` (PNG) first: the work the server does besides HTTP."""
-    n, t0 = 0, time.perf_counter()
-    while time.perf_counter() - t0 < seconds:
-        clf.predict_pixels(np.stack([clf.prepare(data) for _ in range(bs)]))
-        n += bs
-    return n / (time.perf_counter() - t0)
+    return common.rate(lambda: clf.predict_pixels(np.stack([clf.prepare(data) for _ in range(bs)])), bs, seconds)
 
 
 def in_process(clf: OnnxClassifier, data: bytes, seconds: float) -> dict:
@@ -195,13 +178,6 @@ def run_loop(coro):
     return uvloop.run(coro) if hasattr(uvloop, "run") else asyncio.run(coro)  # uvloop.run: 0.18 and later
 
 
-def rss_kib(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1])
-    return 0
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("model", type=Path, nargs="?", help="the .onnx file (e.g. artifacts/sample.onnx)")
@@ -212,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--soak", type=float, default=0.0, help="also soak at concurrency 8 for this many seconds")
     p.add_argument("--server-args", default="", help="extra vit-serve options, e.g. '--preferred-batch-size 8'")
-    args = p.parse_args(argv)
+    args = add_results_option(p).parse_args(argv)
     if (args.model is None) == (args.variant is None):
         p.error("give exactly one of: a model file, or --variant NAME")
     if args.rounds < 1 or args.duration <= 0:
@@ -248,59 +224,66 @@ def run(args: argparse.Namespace) -> int:
         if args.soak:
             pid = server.proc.pid
             run_loop(load(server.port, data, 8, min(30.0, args.soak / 10)))  # settle allocations first
-            rss0 = rss_kib(pid)
+            rss0 = rss_mib(pid)
             soak = run_loop(load(server.port, data, 8, args.soak))
-            soak["rss0"], soak["rss1"] = rss0, rss_kib(pid)
+            soak["rss0"], soak["rss1"] = rss0, rss_mib(pid)
     del clf
 
-    model = f"{args.variant} (random weights)" if args.variant else args.model
-    print(
-        f"# serve_bench: {model}, {threads} ORT thread(s), on {platform.machine()} ({platform.platform()}), "
-        f"{time.strftime('%Y-%m-%d')}"
-    )
     fast = [m for m in ("uvloop", "httptools") if importlib.util.find_spec(m)]
-    print(f"server HTTP stack: {'uvloop + httptools' if len(fast) == 2 else 'asyncio + h11 (pure Python)'}")
-    print("\nIn-process ONNX Runtime (predict_pixels on prepared pixels):\n")
-    print("| batch | images/s |\n|---:|---:|")
+    setting = {
+        "model": f"{args.variant} (random weights)" if args.variant else str(args.model),
+        "ORT threads": threads,
+        "server HTTP stack": "uvloop + httptools" if len(fast) == 2 else "asyncio + h11 (pure Python)",
+        "rounds": args.rounds,
+        "duration s": args.duration,
+        "concurrency": args.concurrency,
+    }
+    name = f"serve_bench_{args.variant}" if args.variant else "serve_bench"
+    result = Result(name, setting, packages=("onnxruntime", "uvicorn", "fastapi"), results=args.results)
+    sweep = result.table(["batch", "images/s"], "In-process ONNX Runtime (predict_pixels on prepared pixels):")
+    sweep.formats = {"images/s": "{:,.0f}"}
     for bs, ips in ref["throughput"].items():
-        print(f"| {bs} | {ips:,.0f} |")
+        sweep.add(bs, ips)
     lat, latd = ref["latency"], ref["latency_decode"]
-    print(
-        f"\nsingle image: p50 {lat['p50']:.2f} ms, p99 {lat['p99']:.2f} ms; "
+    sweep.notes.append(
+        f"single image: p50 {lat['p50']:.2f} ms, p99 {lat['p99']:.2f} ms; "
         f"with PNG decode + resize: p50 {latd['p50']:.2f} ms, p99 {latd['p99']:.2f} ms"
     )
     ratio = c16["rps"] / best
     bound = 1.2 * latd["p99"] + 5.0
-    print("\n| measurement | value | target | met |\n|---|---:|---:|:-:|")
+    t = result.table(["measurement", "value", "target", "met"])
     per_round = ", ".join(f"{r['rps']:,.0f}" for r in rounds)
-    print(
-        f"| server throughput, concurrency {args.concurrency} (best of {args.rounds} rounds: {per_round}) | "
-        f"{c16['rps']:,.0f} req/s ({errors} errors in {sum(r['requests'] for r in rounds):,} requests) | | |"
+    t.add(
+        f"server throughput, concurrency {args.concurrency} (best of {args.rounds} rounds: {per_round})",
+        f"{c16['rps']:,.0f} req/s ({errors} errors in {sum(r['requests'] for r in rounds):,} requests)",
+        "",
+        "",
     )
-    print(f"| load generator's own CPU (same cores) | {c16['client_us']:.0f} µs per request | | |")
-    print(f"| in-process best (batch {best_bs}, best of the sweep and the rounds) | {best:,.0f} img/s | | |")
-    ok = ratio >= 0.8 and errors == 0
-    print(f"| ratio server / in-process | {ratio:.2f}x | >= 0.8x, 0 errors | {'yes' if ok else 'no'} |")
-    print(f"| in-process best batch, each image decoded from PNG first | {with_decode:,.0f} img/s | | |")
-    print(f"| ratio server / in-process with decoding | {c16['rps'] / with_decode:.2f}x | | |")
-    print(
-        f"| server latency, concurrency 1 | p50 {c1['p50']:.2f} ms, p99 {c1['p99']:.2f} ms | "
-        f"p99 <= {bound:.2f} ms (1.2 x {latd['p99']:.2f} + 5) | {'yes' if c1['p99'] <= bound else 'no'} |"
+    t.add("load generator's own CPU (same cores)", f"{c16['client_us']:.0f} µs per request", "", "")
+    t.add(f"in-process best (batch {best_bs}, best of the sweep and the rounds)", f"{best:,.0f} img/s", "", "")
+    t.add("ratio server / in-process", f"{ratio:.2f}x", ">= 0.8x, 0 errors", ratio >= 0.8 and errors == 0)
+    t.add("in-process best batch, each image decoded from PNG first", f"{with_decode:,.0f} img/s", "", "")
+    t.add("ratio server / in-process with decoding", f"{c16['rps'] / with_decode:.2f}x", "", "")
+    t.add(
+        "server latency, concurrency 1",
+        f"p50 {c1['p50']:.2f} ms, p99 {c1['p99']:.2f} ms",
+        f"p99 <= {bound:.2f} ms (1.2 x {latd['p99']:.2f} + 5)",
+        c1["p99"] <= bound,
     )
-    print(f"| server latency, concurrency {args.concurrency} | p50 {c16['p50']:.2f} ms, p99 {c16['p99']:.2f} ms | | |")
+    t.add(
+        f"server latency, concurrency {args.concurrency}", f"p50 {c16['p50']:.2f} ms, p99 {c16['p99']:.2f} ms", "", ""
+    )
     if soak:
         growth = (soak["rss1"] - soak["rss0"]) / soak["rss0"] * 100
-        ok = soak["errors"] == 0 and growth <= 5.0
-        print(
-            f"| soak {args.soak:.0f} s, concurrency 8 | {soak['requests']:,} requests, {soak['errors']} errors, "
-            f"RSS {soak['rss0'] / 1024:.0f} -> {soak['rss1'] / 1024:.0f} MiB ({growth:+.1f}%) "
-            f"| 0 errors, <= 5% | {'yes' if ok else 'no'} |"
+        t.add(
+            f"soak {args.soak:.0f} s, concurrency 8",
+            f"{soak['requests']:,} requests, {soak['errors']} errors, "
+            f"RSS {soak['rss0']:.0f} -> {soak['rss1']:.0f} MiB ({growth:+.1f}%)",
+            "0 errors, <= 5%",
+            soak["errors"] == 0 and growth <= 5.0,
         )
-    print(
-        f"\nReproduce: .venv/bin/python benchmarks/serve_bench.py "
-        f"{'--variant ' + args.variant if args.variant else args.model} --duration {args.duration:g}"
-        + (f" --soak {args.soak:g}" if args.soak else "")
-    )
+    result.data = {"in_process": ref, "server_rounds": rounds, "concurrency_1": c1, "soak": soak}
+    result.finish()
     return 0
 
 

@@ -6,9 +6,11 @@ changes), with AdamW, a cosine schedule after half an epoch of warmup, and tests
 after each epoch. It prints the accuracy after each epoch, the CPU seconds and the training speed.
 
     sudo apt-get install dataset-fashion-mnist
-    .venv/bin/python benchmarks/small_images_ablation.py --stem-widths 16,32,64 --epochs 3
-    .venv/bin/python benchmarks/small_images_ablation.py --stem-widths none --batch 64 --lr 2e-3 --epochs 1
-    .venv/bin/python benchmarks/small_images_ablation.py --stem patch --epochs 1 --no-augment --label-smoothing 0
+    .venv/bin/python -m benchmarks.small_images_ablation --stem-widths 16,32,64 --epochs 3 --tag widths
+    .venv/bin/python -m benchmarks.small_images_ablation --stem-widths none --batch 64 --lr 2e-3 --epochs 1
+    .venv/bin/python -m benchmarks.small_images_ablation --stem patch --epochs 1 --no-augment --label-smoothing 0
+
+Each run is one row of the ablation: `--tag` names its result file (small_images_ablation_TAG.json).
 
 Accuracy after an epoch does not depend on how busy the machine is; seconds do.
 """
@@ -19,16 +21,14 @@ import argparse
 import math
 import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from train.fashion_mnist import DEBIAN_DIR, load_split  # noqa: E402
-from vit import create_model  # noqa: E402
+from benchmarks.common import Result, add_results_option
+from train.fashion_mnist import DEBIAN_DIR, load_split
+from vit import create_model
 
 
 def tensors(source: str, prefix: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -66,7 +66,8 @@ def main() -> None:
     p.add_argument("--label-smoothing", type=float, default=0.1)
     p.add_argument("--no-augment", action="store_true")
     p.add_argument("--threads", type=int, default=1)
-    args = p.parse_args()
+    p.add_argument("--tag", default="", help="names the result file: small_images_ablation_TAG.json")
+    args = add_results_option(p).parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     x_train, y_train = tensors(args.data, "train")
@@ -89,7 +90,11 @@ def main() -> None:
         return min(1.0, (step + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(step, total) / total))
 
     sched = torch.optim.lr_scheduler.LambdaLR(opt, factor)
-    print(f"# {vars(args)} -> {params:,} parameters")
+    setting = {k: v for k, v in vars(args).items() if k not in ("data", "results", "tag")} | {"parameters": params}
+    name = f"small_images_ablation_{args.tag}" if args.tag else "small_images_ablation"
+    result = Result(name, setting, packages=("torch",), results=args.results)
+    table = result.table(["epoch", "test accuracy %", "CPU s", "wall s"], formats={"test accuracy %": "{:.2f}"})
+    table.formats |= {"CPU s": "{:.0f}", "wall s": "{:.0f}"}
     cpu0, wall0 = time.process_time(), time.perf_counter()
     for epoch in range(args.epochs):
         order = torch.randperm(len(x_train))
@@ -104,8 +109,11 @@ def main() -> None:
             sched.step()
         cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
         acc = accuracy(model, x_test, y_test)
-        print(f"epoch {epoch + 1}: test accuracy {100 * acc:.2f} %, {cpu:.0f} CPU s, {wall:.0f} s", flush=True)
-    print(f"training speed: {args.epochs * per_epoch * args.batch / wall:.0f} images/s on {args.threads} thread(s)")
+        table.add(epoch + 1, 100 * acc, cpu, wall)
+        print(f"epoch {epoch + 1}: test accuracy {100 * acc:.2f} %", file=sys.stderr, flush=True)
+    speed = args.epochs * per_epoch * args.batch / wall
+    table.notes.append(f"training speed: {speed:.0f} images/s on {args.threads} thread(s)")
+    result.finish()
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """What does the portable target cost? Batch-1 latency of each export target, side by side, interleaved.
 
-    .venv/bin/python benchmarks/targets_bench.py [--model vit_tiny_patch16_224] [--rounds 5] [--threads 1]
+    .venv/bin/python -m benchmarks.targets_bench [--model vit_tiny_patch16_224] [--rounds 5] [--threads 1]
 
 One network (random weights, nothing downloaded), exported for both targets (fp32, no gradient graph):
 - onnxruntime / logits: the default file's fast path (fused contrib ops), what vit-predict and vit-serve run;
@@ -13,25 +13,20 @@ Each cell is the best round's median ms per call; rounds interleave the engines,
 from __future__ import annotations
 
 import argparse
-import datetime
-import platform
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from serve.export.parity import Sample  # noqa: E402
-from serve.export.targets import build  # noqa: E402
-from serve.runtime.classifier import session_options  # noqa: E402
-from serve.runtime.images import Preprocess  # noqa: E402
-from vit import create_model  # noqa: E402
+from benchmarks.common import Result, add_results_option, interleaved, median_time
+from serve.export.parity import Sample
+from serve.export.targets import build
+from serve.runtime.classifier import session_options
+from serve.runtime.images import Preprocess
+from vit import create_model
 
 
 def engines(model_name: str, threads: int, tmp: Path) -> dict:
@@ -69,13 +64,7 @@ def engines(model_name: str, threads: int, tmp: Path) -> dict:
 
 
 def median_ms(fn, calls: int = 20) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(calls):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return 1000 * float(np.median(times))
+    return 1000 * median_time(fn, calls)
 
 
 def main() -> None:
@@ -83,23 +72,21 @@ def main() -> None:
     p.add_argument("--model", default="vit_tiny_patch16_224")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--threads", type=int, default=1)
-    args = p.parse_args()
+    args = add_results_option(p).parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         runs = engines(args.model, args.threads, Path(tmp))
-        best = {name: float("inf") for name in runs}
-        for _ in range(args.rounds):
-            for name, fn in runs.items():
-                best[name] = min(best[name], median_ms(fn))
-    today = datetime.date.today().isoformat()
-    print(
-        f"# targets_bench: {today}, {platform.machine()}, {args.threads} thread(s), batch 1, {args.model}, "
-        f"onnxruntime {ort.__version__}, best of {args.rounds} interleaved rounds (median of 20 calls each)"
-    )
-    print("| engine | ms per call | vs onnxruntime / logits |")
-    print("|---|---|---|")
+        rounds = interleaved(args.rounds, {name: (lambda r, fn=fn: median_ms(fn)) for name, fn in runs.items()})
+        best = {name: min(ms) for name, ms in rounds.items()}
+    setting = {"threads": args.threads, "batch": 1, "model": args.model, "rounds": args.rounds}
+    result = Result("targets_bench", setting, packages=("onnxruntime", "openvino", "torch"), results=args.results)
+    table = result.table(["engine", "ms per call", "vs onnxruntime / logits"], formats={"ms per call": "{:.2f}"})
+    table.formats["vs onnxruntime / logits"] = "{:.2f}x"
+    table.notes.append("each cell: the best round's median of 20 calls")
     base = best["onnxruntime / logits"]
     for name, ms in best.items():
-        print(f"| {name} | {ms:.2f} | {ms / base:.2f}x |")
+        table.add(name, ms, ms / base)
+    result.data = {"rounds_ms": rounds}
+    result.finish()
 
 
 if __name__ == "__main__":

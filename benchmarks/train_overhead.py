@@ -21,13 +21,12 @@ timed from the end of one batch to the end of the next, so fetching the batch co
 Checkpointing, validation and the progress bar are off (1) or outside the timed steps (2): they are
 not part of a step.
 
-    .venv/bin/python benchmarks/train_overhead.py [--steps 60] [--vit-steps 30] [--rounds 3] [--threads 1]
+    .venv/bin/python -m benchmarks.train_overhead [--steps 60] [--vit-steps 30] [--rounds 3] [--threads 1]
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import statistics
 import tempfile
 import time
@@ -43,6 +42,7 @@ from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from PIL import Image
 from torch.utils.data import DataLoader, TensorDataset
 
+from benchmarks.common import Result, Table, add_results_option, interleaved
 from train.cli import build_cli
 from train.dataset import BatchCollate
 from train.fashion_mnist import CLASSES, DEBIAN_DIR, load_split
@@ -177,27 +177,14 @@ def augmented_round(root: Path, run_dir: Path, steps: int, threads: int) -> floa
     return plain_round(cli.model, batches, steps, transform=BatchTransform(dm.preprocess, dm.augment))
 
 
-def interleaved(rounds: int, *sides) -> tuple[list[float], ...]:
-    """Per-step times of `rounds` runs of each side, who goes first rotating (drift in machine speed hits all)."""
-    times: list[list[float]] = [[] for _ in sides]
-    for r in range(rounds):
-        for k in range(len(sides)):
-            i = (r + k) % len(sides)
-            times[i].append(sides[i](r))
-    return tuple(times)
-
-
-def table(rows: list[tuple[str, list[float]]], target: float) -> str:
-    lines = ["| loop | ms/step (median) | rounds (ms/step) |", "|---|---|---|"]
+def compare(table: Table, rows: list[tuple[str, list[float]]], target: float) -> None:
+    """Rows of per-step times (the plain loop first) into `table`, with the ratio against the target as its note."""
     for name, times in rows:
-        lines.append(
-            f"| {name} | {1e3 * statistics.median(times):.1f} | {', '.join(f'{1e3 * t:.1f}' for t in times)} |"
-        )
+        table.add(name, 1e3 * statistics.median(times), ", ".join(f"{1e3 * t:.1f}" for t in times))
     ratio = statistics.median(rows[1][1]) / statistics.median(rows[0][1])
-    lines.append(
-        f"\n{rows[1][0].split(' (')[0]} / plain = {ratio:.3f}  ({100 * (ratio - 1):+.1f} %; target <= +{target} %)"
+    table.notes.append(
+        f"{rows[1][0].split(' (')[0]} / plain = {ratio:.3f}  ({100 * (ratio - 1):+.1f} %; target <= +{target} %)"
     )
-    return "\n".join(lines)
 
 
 def main() -> None:
@@ -207,7 +194,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--batch-size", type=int, default=64, help="batch size, Lightning alone")
     parser.add_argument("--threads", type=int, default=1, help="torch threads, both comparisons")
-    args = parser.parse_args()
+    args = add_results_option(parser).parse_args()
     warnings.filterwarnings("ignore")
     torch.set_num_threads(args.threads)
     num_classes = 10
@@ -216,34 +203,53 @@ def main() -> None:
     data = TensorDataset(torch.randn(n, 3, 32, 32, generator=g), torch.randint(0, num_classes, (n,), generator=g))
     loader = DataLoader(data, batch_size=args.batch_size, shuffle=False)
     with tempfile.TemporaryDirectory() as tmp:
-        plain, light = interleaved(
+        lightning = interleaved(
             args.rounds,
-            lambda r: plain_round(make_module(num_classes), loader, args.steps),
-            lambda r: lightning_round(loader, args.steps, num_classes, tmp),
+            {
+                "plain": lambda r: plain_round(make_module(num_classes), loader, args.steps),
+                "lightning": lambda r: lightning_round(loader, args.steps, num_classes, tmp),
+            },
         )
         root = Path(tmp) / "images"
         batch = yaml.safe_load(Path("configs/small_images.yaml").read_text())["data"]["batch_size"]
         source = write_small_images(root, (args.vit_steps + 1) * batch, 500)  # an epoch outlasts the run
-        preloaded, augmented, vit = interleaved(  # a run directory per round
+        vit_train = interleaved(  # a run directory per round
             args.rounds,
-            lambda r: preloaded_round(root, Path(tmp) / f"plain{r}", args.vit_steps, args.threads),
-            lambda r: augmented_round(root, Path(tmp) / f"aug{r}", args.vit_steps, args.threads),
-            lambda r: vit_train_round(root, Path(tmp) / f"vit{r}", args.vit_steps, args.threads),
+            {
+                "preloaded": lambda r: preloaded_round(root, Path(tmp) / f"plain{r}", args.vit_steps, args.threads),
+                "augmented": lambda r: augmented_round(root, Path(tmp) / f"aug{r}", args.vit_steps, args.threads),
+                "vit-train": lambda r: vit_train_round(root, Path(tmp) / f"vit{r}", args.vit_steps, args.threads),
+            },
         )
-    when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    print(f"{args.threads} torch thread(s), {args.rounds} rounds, {when}\n")
-    print(f"1. Lightning alone: vit_micro_patch4_32 (32 px), batch {args.batch_size} of random tensors, "
-          f"{args.steps - WARMUP} timed steps a round\n")  # fmt: skip
-    print(table([("plain PyTorch", plain), ("Lightning (ViTClassifier + Trainer)", light)], 5))
+    setting = {"torch threads": args.threads, "rounds": args.rounds}
+    result = Result("train_overhead", setting, packages=("torch", "lightning"), results=args.results)
+    columns, formats = ["loop", "ms/step (median)", "rounds (ms/step)"], {"ms/step (median)": "{:.1f}"}
+    title = (
+        f"1. Lightning alone: vit_micro_patch4_32 (32 px), batch {args.batch_size} of random tensors, "
+        f"{args.steps - WARMUP} timed steps a round"
+    )
+    rows = [("plain PyTorch", lightning["plain"]), ("Lightning (ViTClassifier + Trainer)", lightning["lightning"])]
+    compare(result.table(columns, title, formats), rows, 5)
     images = (args.vit_steps + 1) * batch
-    print(f"\n2. vit-train: configs/small_images.yaml at 28 px, batch {batch}, {source} ({images} training images), "
-          f"{args.vit_steps - WARMUP} timed steps a round\n")  # fmt: skip
-    rows = [("plain PyTorch (pre-loaded tensors)", preloaded), ("vit-train (data module + Lightning)", vit)]
-    print(table(rows, 10))
-    print("\nThe same vit-train step against a plain loop that augments its pre-loaded batches as vit-train does:")
-    print()
-    rows = [("plain PyTorch + the same batch augmentation", augmented), ("vit-train (data module + Lightning)", vit)]
-    print(table(rows, 10))
+    title = (
+        f"2. vit-train: configs/small_images.yaml at 28 px, batch {batch}, {source} ({images} training images), "
+        f"{args.vit_steps - WARMUP} timed steps a round"
+    )
+    rows = [("plain PyTorch (pre-loaded tensors)", vit_train["preloaded"])]
+    compare(
+        result.table(columns, title, formats),
+        rows + [("vit-train (data module + Lightning)", vit_train["vit-train"])],
+        10,
+    )
+    title = "The same vit-train step against a plain loop that augments its pre-loaded batches as vit-train does:"
+    rows = [("plain PyTorch + the same batch augmentation", vit_train["augmented"])]
+    compare(
+        result.table(columns, title, formats),
+        rows + [("vit-train (data module + Lightning)", vit_train["vit-train"])],
+        10,
+    )
+    result.data = {"lightning": lightning, "vit_train": vit_train}
+    result.finish()
 
 
 if __name__ == "__main__":

@@ -1,18 +1,29 @@
-"""Shared fixtures: tiny real data and a tiny model. Markers: slow, gpu (auto-skipped), browser."""
+"""Shared fixtures: the tiny ViT's constructor arguments. Markers: slow, gpu (skipped without CUDA), browser.
+
+No torch at import time: the runtime and server tests also run in the `[serve]`-only install (`make
+test-serve-only`), where torch is absent; a test that needs it imports it or skips (`pytest.importorskip`).
+"""
 
 from __future__ import annotations
 
 import pytest
-import torch
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
 
 
 def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available():
+    gpu_items = [item for item in items if "gpu" in item.keywords]
+    if not gpu_items or _cuda_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
-    for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip_gpu)
+    for item in gpu_items:
+        item.add_marker(skip_gpu)
 
 
 TINY = dict(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2, num_classes=5)
@@ -26,6 +37,8 @@ def tiny_config() -> dict:
 
 @pytest.fixture
 def tiny_model():
+    """The tiny ViT with seeded random weights, in eval mode."""
+    torch = pytest.importorskip("torch")
     from vit import VisionTransformer
 
     torch.manual_seed(0)

@@ -2,13 +2,17 @@
 
 The venv gets no pip of its own: this environment's pip installs into it (`pip --python`), which saves
 bootstrapping pip each time. pip may reuse its cache; a test is skipped when no package index answers.
+
+    .venv/bin/python -m tests.venvs build/serve-only/venv serve   # vitscope[serve] and the test runner only
 """
 
 from __future__ import annotations
 
+import argparse
 import subprocess
 import sys
 import venv
+from importlib.metadata import version
 from pathlib import Path
 
 import pytest
@@ -36,3 +40,21 @@ def vitscope_wheel(out: Path) -> Path:
     assert done.returncode == 0, done.stderr[-2000:]
     (wheel,) = out.glob("vitscope-*.whl")
     return wheel
+
+
+# What a venv needs to run the tests, at this environment's versions
+TEST_RUNNER = ("pytest", "pytest-xdist", "httpx")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description="A venv holding this checkout's wheel with one extra, and the test runner.")
+    p.add_argument("folder", type=Path)
+    p.add_argument("extra", help="the optional dependencies to install, e.g. serve")
+    args = p.parse_args()
+    wheel = vitscope_wheel(args.folder.with_name(args.folder.name + "-wheel"))
+    make_venv(args.folder, f"{wheel}[{args.extra}]", *(f"{name}=={version(name)}" for name in TEST_RUNNER))
+    print(args.folder / "bin" / "python")
+
+
+if __name__ == "__main__":
+    main()

@@ -5,12 +5,11 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-import onnx
-import torch
-
 
 def nan_checkpoint(checkpoint: Path, folder: Path) -> Path:
     """A copy of `checkpoint` whose head bias is NaN (a diverged run), in its own run folder with the split."""
+    import torch
+
     ckpt = torch.load(checkpoint, map_location="cpu", weights_only=True)
     ckpt["state_dict"]["net.head.bias"] = torch.full_like(ckpt["state_dict"]["net.head.bias"], float("nan"))
     (folder / "checkpoints").mkdir(parents=True, exist_ok=True)
@@ -22,6 +21,8 @@ def nan_checkpoint(checkpoint: Path, folder: Path) -> Path:
 
 def with_metadata(model: Path, out: Path, **entries: str) -> Path:
     """A copy of an exported file with some `metadata_props` values replaced (as raw strings)."""
+    import onnx
+
     m = onnx.load(model)
     for p in m.metadata_props:
         if p.key in entries:

@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import base64
 import io
-import struct
 import subprocess
 import sys
 import threading
 import time
-import zlib
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -20,42 +18,9 @@ from PIL import Image
 from serve.runtime.classifier import OnnxClassifier
 from serve.server.app import build_app
 from serve.server.settings import ServeSettings
+from tests.helpers import bright_square, encoded, huge_png_header, png_bytes, read_metric, wait_until
 
 LOCAL = "http://localhost"  # the Host the server answers by default (TestClient's own, testserver, is refused)
-
-
-def png_bytes(a: np.ndarray, mode: str | None = None) -> bytes:
-    buf = io.BytesIO()
-    Image.fromarray(a, mode).save(buf, format="PNG")
-    return buf.getvalue()
-
-
-def jpeg_bytes(a: np.ndarray) -> bytes:
-    buf = io.BytesIO()
-    Image.fromarray(a).save(buf, format="JPEG")
-    return buf.getvalue()
-
-
-def tiff_bytes(a: np.ndarray) -> bytes:
-    buf = io.BytesIO()
-    Image.fromarray(a).save(buf, format="TIFF")
-    return buf.getvalue()
-
-
-def bright_square(quadrant: int) -> np.ndarray:
-    """A 32 x 32 image with a bright square in one quadrant (the tiny model's classes)."""
-    img = np.full((32, 32, 3), 30, np.uint8)
-    r, c = divmod(quadrant, 2)
-    img[16 * r + 2 : 16 * r + 14, 16 * c + 2 : 16 * c + 14] = 230
-    return img
-
-
-def huge_png_header(width: int = 100_000, height: int = 100_000) -> bytes:
-    """A valid PNG whose header claims a huge size: a decompression bomb must be refused from the header."""
-    raw = png_bytes(np.zeros((1, 1, 3), np.uint8))
-    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    chunk = b"IHDR" + ihdr
-    return raw[:8] + struct.pack(">I", 13) + chunk + struct.pack(">I", zlib.crc32(chunk)) + raw[33:]
 
 
 @pytest.fixture(scope="module")
@@ -73,12 +38,8 @@ def client(classifier):
 
 
 def counter(client, name: str, **labels) -> float:
-    """One sample of the Prometheus text exposition, 0 when absent."""
-    for line in client.get("/metrics").text.splitlines():
-        if line.startswith(name + "{") or line.startswith(name + " "):
-            if all(f'{k}="{v}"' in line for k, v in labels.items()):
-                return float(line.rsplit(" ", 1)[1])
-    return 0.0
+    """A metric from the app's /metrics now (a missing one raises)."""
+    return read_metric(client.get("/metrics").text, name, **labels)
 
 
 def test_health_and_readiness_after_warm_up(client):
@@ -113,7 +74,7 @@ def test_classify_multipart_upload_matches_the_in_process_model(client, classifi
 
 def test_classify_raw_body_honours_top_k(client):
     r = client.post(
-        "/v1/classify?top_k=2", content=jpeg_bytes(bright_square(1)), headers={"content-type": "image/jpeg"}
+        "/v1/classify?top_k=2", content=encoded(bright_square(1), "JPEG"), headers={"content-type": "image/jpeg"}
     )
     assert r.status_code == 200
     assert len(r.json()["predictions"]) == 2
@@ -149,7 +110,7 @@ def test_explain_returns_the_rollout_grid_overlay_and_deletion_score(client, cla
 BAD_INPUTS = {
     "garbage bytes": (b"\x00\x01garbage" * 10, "application/octet-stream", 415, "not_an_image"),
     "zero bytes": (b"", "image/png", 422, "empty"),
-    "truncated jpeg": (jpeg_bytes(bright_square(0))[:200], "image/jpeg", 422, "corrupt"),
+    "truncated jpeg": (encoded(bright_square(0), "JPEG")[:200], "image/jpeg", 422, "corrupt"),
     "text named png": ("file", ("notes.png", b"this is text, not a picture", "image/png"), 415, "not_an_image"),
     "huge dimensions": (huge_png_header(), "image/png", 413, "too_large"),
     "oversized body": (b"\x89PNG" + b"0" * (65 * 1024), "image/png", 413, "body_too_large"),
@@ -160,7 +121,7 @@ BAD_INPUTS = {
     "bad head fusion": (png_bytes(bright_square(0)), "image/png?explain=true&head_fusion=median", 422, "bad_request"),
     "explain not a boolean": (png_bytes(bright_square(0)), "image/png?explain=banana", 422, "bad_request"),
     "NaN pixels": (
-        tiff_bytes(np.where(np.eye(32) > 0, np.nan, 0.5).astype(np.float32)),
+        encoded(np.where(np.eye(32) > 0, np.nan, 0.5).astype(np.float32), "TIFF"),
         "image/tiff",
         422,
         "non_finite",
@@ -237,9 +198,7 @@ def test_concurrent_requests_share_batches_and_metrics_move(client):
     engine.batcher.call(gate.wait, 10)  # hold the worker so that requests are sure to overlap
     with ThreadPoolExecutor(8) as pool:
         futures = [pool.submit(post, i) for i in range(32)]
-        deadline = time.monotonic() + 10
-        while engine.batcher.depth < 8 and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_until(lambda: engine.batcher.depth >= 8, 10, "eight requests waiting in the batcher", interval=0.01)
         gate.set()
         statuses = [f.result() for f in futures]
     assert statuses == [200] * 32
@@ -255,7 +214,7 @@ def test_full_queue_answers_503_with_retry_after(classifier):
         engine = c.app.state.engine
         gate = threading.Event()
         blocker = engine.batcher.call(gate.wait, 10)  # the worker is busy ...
-        time.sleep(0.1)
+        wait_until(lambda: engine.batcher.depth == 0, 5, "the worker taking the gate call")
         queued = engine.batcher.submit(bright_square(0))  # ... and the one queue slot is taken
         r = c.post("/v1/classify", content=png_bytes(bright_square(0)), headers={"content-type": "image/png"})
         gate.set()
@@ -322,6 +281,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from serve.server.app import build_app
 from serve.runtime.classifier import OnnxClassifier
 from serve.server.settings import ServeSettings
+from tests.helpers import bright_square, encoded, huge_png_header, png_bytes, read_metric, wait_until
 
 exporter = InMemorySpanExporter()
 provider = TracerProvider()
@@ -342,6 +302,7 @@ def test_opentelemetry_spans_only_when_asked_for(tiny_onnx, flag):
 
     if "telemetry" not in inspect.signature(FastAPI).parameters:
         pytest.skip("this FastAPI has no native OpenTelemetry")
+    pytest.importorskip("opentelemetry.sdk")  # the in-memory exporter: in the dev extra
     # in a process of its own: the global tracer provider can be set once per process
     out = subprocess.run(
         [sys.executable, "-c", SPANS_SCRIPT, str(tiny_onnx), flag], capture_output=True, text=True, timeout=120

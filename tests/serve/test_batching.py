@@ -11,6 +11,12 @@ import numpy as np
 import pytest
 
 from serve.server.batching import Deadlines, MicroBatcher, QueueFull, choose_batch_size, time_batch_sizes
+from tests.helpers import wait_until
+
+
+def holding(batcher: MicroBatcher) -> None:
+    """Wait until the worker has taken the gate call off the queue and is held by it."""
+    wait_until(lambda: batcher.depth == 0, 5, "the batcher's worker taking the gate call")
 
 
 def test_a_lone_request_does_not_wait_for_the_batching_delay():
@@ -28,7 +34,7 @@ def test_batcher_groups_waiting_requests_up_to_the_batch_size():
     batcher.start()
     gate = threading.Event()
     batcher.call(gate.wait, 5)  # hold the worker while six requests queue up
-    time.sleep(0.05)
+    holding(batcher)
     futures = [batcher.submit(np.full((2, 2, 3), i, np.uint8)) for i in range(6)]
     gate.set()
     assert [f.result(5) for f in futures] == [12 * i for i in range(6)]  # each gets its own row back
@@ -46,7 +52,7 @@ def test_an_item_that_fails_to_decode_fails_alone_and_its_batch_runs():
     batcher = MicroBatcher(lambda b: b[:, 0, 0, 0], max_batch_size=4, prepare=decode, on_batch=sizes.append).start()
     gate = threading.Event()
     batcher.call(gate.wait, 5)  # hold the worker while three items queue up
-    time.sleep(0.05)
+    holding(batcher)
     futures = [batcher.submit(x) for x in ("3", "corrupt", "5")]
     gate.set()
     assert futures[0].result(5) == 3 and futures[2].result(5) == 5
@@ -60,7 +66,7 @@ def test_batcher_refuses_beyond_the_queue_and_drains_on_close():
     gate = threading.Event()
     batcher = MicroBatcher(lambda b: b[:, 0, 0, 0], max_batch_size=2, max_delay_ms=0, queue_size=2).start()
     batcher.call(gate.wait, 5)
-    time.sleep(0.05)
+    holding(batcher)
     queued = [batcher.submit(np.full((1, 1, 3), i, np.uint8)) for i in (1, 2)]
     with pytest.raises(QueueFull, match="retry"):
         batcher.submit(np.zeros((1, 1, 3), np.uint8))
@@ -147,6 +153,7 @@ def test_batch_size_is_the_smallest_one_that_amortises_the_per_call_overhead():
     assert choose_batch_size({1: 2.0, 2: 1.1, 4: 1.02, 8: 1.0, 16: 1.01}) == 4  # 1.02 is within 3% of 1.0
     assert choose_batch_size({1: 1.0, 2: 0.99, 4: 1.0}) == 1  # no overhead to amortise: batching only adds latency
 
+    # the sleeps below are the model's cost, the thing timed
     def per_image_cost(batch):  # no per-call overhead
         time.sleep(0.004 * len(batch))
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from tests.serve.process import ServerProcess
+from tests.helpers import ServerProcess
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = [
@@ -47,7 +47,8 @@ def capture_ui(url: str, image: Path, screenshot: Path, timeout_ms: int = 60_000
             label = page.locator("#label")
             label.locator("text=%").first.wait_for(state="visible", timeout=timeout_ms)
             page.locator("#faithfulness", has_text="Deletion score").wait_for(timeout=timeout_ms)
-            page.wait_for_timeout(300)  # let the last paint settle
+            two_frames = "() => new Promise(r => requestAnimationFrame(() => requestAnimationFrame(r)))"
+            page.evaluate(two_frames)  # the last paint has happened
             screenshot.parent.mkdir(parents=True, exist_ok=True)
             page.screenshot(path=str(screenshot), full_page=False)
             return label.inner_text()
@@ -60,6 +61,7 @@ def capture_ui(url: str, image: Path, screenshot: Path, timeout_ms: int = 60_000
 def test_upload_in_a_real_browser_shows_label_and_overlay(tiny_onnx, tmp_path):
     if not CHROMIUM.exists():
         pytest.skip("Debian's chromium is not installed at /usr/bin/chromium (apt-get install chromium)")
+    pytest.importorskip("playwright")
     from serve.runtime.classifier import OnnxClassifier
 
     img = np.full((32, 32, 3), 30, np.uint8)

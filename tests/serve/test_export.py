@@ -16,8 +16,7 @@ import torch
 from serve.export import parity
 from serve.export.cli import main
 from serve.runtime.classifier import OnnxClassifier
-
-from .conftest import CLASS_NAMES
+from tests.helpers import CLASS_NAMES
 
 
 def test_exported_model_predicts_the_quadrant_of_its_validation_images(tiny_onnx, tiny_run):
@@ -104,9 +103,8 @@ def test_fusion_leaves_attention_it_does_not_recognise_as_it_is(attn_score):
 
     from serve.export.trace import export_fast_graph
     from serve.runtime.images import Preprocess
+    from tests.helpers import TINY_NET
     from vit import VisionTransformer
-
-    from .conftest import TINY_NET
 
     torch.manual_seed(0)
     net = VisionTransformer(**TINY_NET, attn_score=attn_score).eval()
@@ -169,9 +167,8 @@ def test_fusion_refuses_an_attention_block_whose_output_is_not_tokens_by_width()
     from serve.export.fusion import fuse_for_cpu
     from serve.export.trace import export_fast_graph
     from serve.runtime.images import Preprocess
+    from tests.helpers import TINY_NET
     from vit import VisionTransformer
-
-    from .conftest import TINY_NET
 
     torch.manual_seed(0)
     net = VisionTransformer(**TINY_NET).eval()

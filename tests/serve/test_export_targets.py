@@ -16,9 +16,8 @@ from serve.export.cli import export_onnx, main
 from serve.export.targets import OLDEST_ONNXRUNTIME, OPSETS
 from serve.export.trace import DEFAULT_OPSET
 from serve.runtime.classifier import OnnxClassifier
+from tests.helpers import quadrant_images
 from tests.venvs import make_venv
-
-from .conftest import quadrant_images
 
 LOGIT_TOLERANCE = 1e-4
 INT8_LOGIT_TOLERANCE, INT8_MAP_TOLERANCE = 0.5, 0.1  # an int8 file across runtimes (see its test)

@@ -12,8 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.serve.process import ServerProcess
-from tests.serve.test_server import sample_png
+from tests.helpers import ServerProcess, noise_png
 from tests.venvs import ROOT, make_venv, vitscope_wheel
 
 
@@ -32,7 +31,7 @@ def test_an_api_only_server_never_imports_gradio(tiny_onnx, ui):
     env = {**os.environ, "PYTHONPROFILEIMPORTTIME": "1"}  # the child lists every module it imports
     args = ["--examples-dir", ""] + ([] if ui else ["--no-ui"])
     with ServerProcess(tiny_onnx, *args, env=env) as server:
-        r = httpx.post(server.url + "/v1/classify?explain=true", content=sample_png(), timeout=30)
+        r = httpx.post(server.url + "/v1/classify?explain=true", content=noise_png(), timeout=30)
         assert r.status_code == 200  # the explain path ran too: its lazy imports have happened
     imported = imported_modules(server.lines)
     assert "uvicorn" in imported  # the listing works
@@ -41,6 +40,7 @@ def test_an_api_only_server_never_imports_gradio(tiny_onnx, ui):
 
 
 def test_a_forbidden_import_breaks_the_contracts(tmp_path):
+    pytest.importorskip("importlinter")
     for package in ("vit", "train", "serve"):
         shutil.copytree(ROOT / package, tmp_path / package, ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(ROOT / "pyproject.toml", tmp_path)
@@ -58,6 +58,7 @@ def test_a_forbidden_import_breaks_the_contracts(tmp_path):
 @pytest.fixture(scope="module")
 def serve_only_venv(tmp_path_factory) -> Path:
     """A fresh venv with vitscope's wheel and its `[serve]` extra only (pip may reuse its cache)."""
+    pytest.importorskip("pip")  # this environment's pip installs it
     root = tmp_path_factory.mktemp("serve-venv")
     make_venv(root / "venv", f"{vitscope_wheel(root / 'wheel')}[serve]")
     return root / "venv"
@@ -70,14 +71,14 @@ def test_the_serve_extra_serves_and_predicts_without_torch(serve_only_venv, tiny
     no_torch = subprocess.run([python, "-c", "import torch"], capture_output=True, text=True, cwd=tmp_path, env=env)
     assert no_torch.returncode != 0 and "No module named 'torch'" in no_torch.stderr
     image = tmp_path / "a.png"
-    image.write_bytes(sample_png())
+    image.write_bytes(noise_png())
     predict = [str(serve_only_venv / "bin" / "vit-predict"), str(tiny_onnx), str(image), "--top-k", "2"]
     out = subprocess.run(predict, capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120)
     assert out.returncode == 0, out.stderr
     assert str(image) in out.stdout
     server = ServerProcess(tiny_onnx, "--examples-dir", "", cwd=tmp_path, env=env, python=python)
     with server:
-        r = httpx.post(server.url + "/v1/classify", content=sample_png(), timeout=30)
+        r = httpx.post(server.url + "/v1/classify", content=noise_png(), timeout=30)
         ui = httpx.get(server.url + "/", timeout=30)
     assert r.status_code == 200 and r.json()["predictions"][0]["score"] > 0
     assert ui.status_code == 200 and "gradio" in ui.text.lower()

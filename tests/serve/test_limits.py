@@ -3,9 +3,7 @@ abandoned uploads, wrong methods. Image decoding in process; the HTTP cases agai
 
 from __future__ import annotations
 
-import io
 import socket
-import struct
 import threading
 import time
 import urllib.error
@@ -17,29 +15,12 @@ import pytest
 from PIL import Image
 
 from serve.runtime.images import PixelBudget, Preprocess, load_image, load_reduced
-from tests.serve.process import ServerProcess, read_response
-
-
-def encoded(img: Image.Image, fmt: str, **kw) -> bytes:
-    buf = io.BytesIO()
-    img.save(buf, format=fmt, **kw)
-    return buf.getvalue()
-
-
-def tiny_gif(width: int = 65535, height: int = 610) -> bytes:
-    """A valid GIF of 35 bytes: a `width` x `height` screen holding a 1 x 1 frame."""
-    screen = struct.pack("<HHBBB", width, height, 0x80, 0, 0) + b"\x00\x00\x00\xff\xff\xff"
-    return b"GIF89a" + screen + b"," + struct.pack("<HHHHB", 0, 0, 1, 1, 0) + b"\x02\x02\x44\x01\x00;"
+from tests.helpers import ServerProcess, encoded, read_response, rss_mib, server_has_read, tiny_gif, wait_until
 
 
 def smooth_photo(h: int, w: int) -> np.ndarray:
     y, x = np.mgrid[0:h, 0:w]
     return np.stack([x * 255 // w, y * 255 // h, (x + y) * 127 // (w + h)], -1).astype(np.uint8)
-
-
-def rss_mib(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as f:
-        return next(int(line.split()[1]) / 1024 for line in f if line.startswith("VmRSS:"))
 
 
 def test_a_large_jpeg_is_decoded_at_reduced_scale_and_looks_the_same():
@@ -88,7 +69,7 @@ def test_the_pixel_budget_lets_only_what_fits_decode_at_once():
             with lock:
                 inside[0] += pixels
                 most[0] = max(most[0], inside[0])
-            time.sleep(0.02)
+            time.sleep(0.02)  # the decode itself: holding the budget for a while is what is under test
             with lock:
                 inside[0] -= pixels
 
@@ -115,7 +96,7 @@ def test_concurrent_tiny_files_declaring_40_mp_keep_the_server_small(server):
     def watch():
         while not done.is_set():
             peak[0] = max(peak[0], rss_mib(server.proc.pid))
-            time.sleep(0.02)
+            time.sleep(0.02)  # the sampling period of the memory watch
 
     watcher = threading.Thread(target=watch)
     watcher.start()
@@ -127,7 +108,7 @@ def test_concurrent_tiny_files_declaring_40_mp_keep_the_server_small(server):
             ]
             for t in posts:
                 t.start()
-            time.sleep(0.5)
+            wait_until(lambda: server_has_read(server.port, 16), 30, "the server reading all 16 uploads")
             assert c.get("/healthz").status_code == 200  # answered while the decodes wait for their budget
             for t in posts:
                 t.join(120)
@@ -161,12 +142,11 @@ def test_a_chunked_body_over_the_limit_in_its_last_piece_gets_the_413(server):
 def test_an_abandoned_upload_is_one_info_line_and_counted_as_499(server):
     with socket.create_connection(("127.0.0.1", server.port)) as s:
         s.sendall(b"POST /v1/classify HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 100000\r\n\r\n" + b"x" * 1000)
-        time.sleep(0.3)
-    time.sleep(0.5)
-    metrics = httpx.get(server.url + "/metrics").text
-    assert 'vitscope_requests_total{route="/v1",status="499"}' in metrics
-    assert 'status="500"' not in metrics
-    assert any("client went away" in line and " INFO " in line for line in server.lines)
+        wait_until(lambda: server_has_read(server.port), 10, "the server reading the first part of the upload")
+    went_away = lambda: any("client went away" in line and " INFO " in line for line in server.lines)
+    wait_until(went_away, 10, "an INFO line saying the client went away")
+    assert server.metric("vitscope_requests_total", route="/v1", status="499") == 1
+    assert 'status="500"' not in server.metrics()
     assert not any("Traceback" in line for line in server.lines)
 
 

@@ -7,7 +7,6 @@ loses none of them, and Ray starts a replacement.
 
 from __future__ import annotations
 
-import io
 import threading
 import time
 from collections import Counter
@@ -17,23 +16,14 @@ import httpx
 import numpy as np
 import onnxruntime as ort
 import pytest
-from PIL import Image
 
-from tests.serve.conftest import CLASS_NAMES, quadrant_images
-from tests.serve.process import ServerProcess
+from tests.helpers import CLASS_NAMES, LocalRayCluster, ServerProcess, png_bytes, quadrant_images, wait_until
 
 ray = pytest.importorskip("ray")
 tritonclient_http = pytest.importorskip("tritonclient.http")
-from tests.serve.ray_cluster import LocalRayCluster  # noqa: E402 (after the skip when ray is absent)
 
 pytestmark = pytest.mark.slow
 HEADER = "x-vitscope-replica"
-
-
-def png(img: np.ndarray) -> bytes:
-    buf = io.BytesIO()
-    Image.fromarray(img).save(buf, format="PNG")
-    return buf.getvalue()
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +56,7 @@ def classify(client: httpx.Client, url: str, data: bytes) -> httpx.Response:
 
 
 def test_requests_spread_over_the_replicas(server):
-    data = png(quadrant_images(1)[0][0])
+    data = png_bytes(quadrant_images(1)[0][0])
     served: Counter = Counter()
     deadline = time.monotonic() + 60  # Ray's router learns of the second replica within seconds
     with httpx.Client(timeout=60) as client, ThreadPoolExecutor(8) as pool:
@@ -91,9 +81,11 @@ def test_v1_v2_and_metrics_answer_through_ray(server, tiny_onnx):
         client.close()
     session = ort.InferenceSession(str(tiny_onnx), providers=["CPUExecutionProvider"])
     np.testing.assert_allclose(logits, session.run(["logits"], {"pixels": x})[0], rtol=1e-5, atol=1e-5)
-    r = httpx.post(server.url + f"/v1/classify?top_k={len(CLASS_NAMES)}", files={"file": ("x.png", png(x[0]))})
+    r = httpx.post(server.url + f"/v1/classify?top_k={len(CLASS_NAMES)}", files={"file": ("x.png", png_bytes(x[0]))})
     assert r.status_code == 200 and r.json()["predictions"][0]["label"] == CLASS_NAMES[0]
-    explained = httpx.post(server.url + "/v1/classify?explain=true", files={"file": ("x.png", png(x[0]))}, timeout=60)
+    explained = httpx.post(
+        server.url + "/v1/classify?explain=true", files={"file": ("x.png", png_bytes(x[0]))}, timeout=60
+    )
     assert explained.status_code == 200 and len(explained.json()["explanation"]["grid"]) == 4  # 32 px / patch 8
     bad = {"inputs": [{"name": "pixels", "datatype": "UINT8", "shape": [1, 32, 32, 3], "data": [True] * 3072}]}
     assert httpx.post(f"{server.url}/v2/models/{model}/infer", json=bad).status_code == 422
@@ -101,7 +93,7 @@ def test_v1_v2_and_metrics_answer_through_ray(server, tiny_onnx):
 
 
 def test_killing_a_model_replica_loses_no_request(server, driver):
-    data = png(quadrant_images(1)[0][0])
+    data = png_bytes(quadrant_images(1)[0][0])
     statuses, names, stop = Counter(), Counter(), threading.Event()
 
     def stream():
@@ -115,14 +107,13 @@ def test_killing_a_model_replica_loses_no_request(server, driver):
     for w in workers:
         w.start()
     try:
-        time.sleep(3)
+        wait_until(lambda: statuses.total() >= 20, 60, "20 answers before the kill")
         before = set(names)
         victim = max(before, key=names.get)
         driver.kill(driver.get_actor(victim, namespace="serve"), no_restart=True)
-        deadline = time.monotonic() + 120
-        while not set(names) - before and time.monotonic() < deadline:  # until the replacement answers
-            time.sleep(0.5)
-        time.sleep(2)
+        wait_until(lambda: set(names) - before, 120, "a replacement replica answering", interval=0.5)
+        answered = statuses.total()
+        wait_until(lambda: statuses.total() >= answered + 20, 60, "20 more answers after the replacement")
     finally:
         stop.set()
         for w in workers:

@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.serve.process import ServerProcess
+from tests.helpers import ServerProcess
 
 SCHEMATHESIS = Path(sys.executable).with_name("schemathesis")
 GRADIO_CHECKS = Path(__file__).with_name("schemathesis_gradio.toml")

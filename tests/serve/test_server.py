@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import io
 import signal
 import socket
 import subprocess
@@ -14,31 +13,10 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
-from PIL import Image
 
-from tests.serve.process import ServerProcess
+from tests.helpers import ServerProcess, noise_png, server_has_read, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def png_bytes(a: np.ndarray) -> bytes:
-    buf = io.BytesIO()
-    Image.fromarray(a).save(buf, format="PNG")
-    return buf.getvalue()
-
-
-def sample_png(seed: int = 0) -> bytes:
-    return png_bytes(np.random.default_rng(seed).integers(0, 256, (48, 40, 3), dtype=np.uint8))
-
-
-def metric(url: str, name: str, **labels) -> float:
-    """Sum of the samples of one metric (with these labels) from a live /metrics."""
-    total = 0.0
-    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
-        head, _, value = line.rpartition(" ")
-        if (head == name or head.startswith(name + "{")) and all(f'{k}="{v}"' in head for k, v in labels.items()):
-            total += float(value)
-    return total
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +32,7 @@ def test_the_url_is_printed_once_ready(server):
 
 @pytest.mark.slow
 def test_classify_and_v2_infer_over_http(server, tiny_onnx):
-    r = httpx.post(server.url + "/v1/classify?top_k=3", files={"file": ("a.png", sample_png(), "image/png")})
+    r = httpx.post(server.url + "/v1/classify?top_k=3", files={"file": ("a.png", noise_png(), "image/png")})
     assert r.status_code == 200 and len(r.json()["predictions"]) == 3
     name = r.json()["model"]
     meta = httpx.get(f"{server.url}/v2/models/{name}").json()
@@ -82,15 +60,15 @@ def test_bad_inputs_over_http_leave_the_server_healthy(server, body, ctype, stat
     r = httpx.post(server.url + "/v1/classify", content=body, headers={"content-type": ctype}, timeout=30)
     assert r.status_code == status and "error" in r.json()
     assert httpx.get(server.url + "/readyz").status_code == 200
-    assert httpx.post(server.url + "/v1/classify", content=sample_png(), timeout=30).status_code == 200
+    assert httpx.post(server.url + "/v1/classify", content=noise_png(), timeout=30).status_code == 200
 
 
 @pytest.mark.slow
 def test_bounded_load_has_no_errors_and_batches_requests(server):
     duration, clients = 10.0, 16
-    images_before = metric(server.url, "vitscope_batch_size_sum")
-    batches_before = metric(server.url, "vitscope_batch_size_count")
-    data = [sample_png(i) for i in range(4)]
+    images_before = server.metric("vitscope_batch_size_sum")
+    batches_before = server.metric("vitscope_batch_size_count")
+    data = [noise_png(i) for i in range(4)]
 
     def client(i: int) -> tuple[int, int]:
         ok = bad = 0
@@ -105,11 +83,11 @@ def test_bounded_load_has_no_errors_and_batches_requests(server):
         results = list(pool.map(client, range(clients)))
     ok, bad = sum(r[0] for r in results), sum(r[1] for r in results)
     assert bad == 0 and ok > clients
-    images = metric(server.url, "vitscope_batch_size_sum") - images_before
-    batches = metric(server.url, "vitscope_batch_size_count") - batches_before
+    images = server.metric("vitscope_batch_size_sum") - images_before
+    batches = server.metric("vitscope_batch_size_count") - batches_before
     assert images == ok and batches < images  # some forward passes served more than one request
-    assert metric(server.url, "vitscope_requests_total", route="/v1", status="200") >= ok
-    assert metric(server.url, "vitscope_queue_depth") >= 0
+    assert server.metric("vitscope_requests_total", route="/v1", status="200") >= ok
+    assert server.metric("vitscope_queue_depth") == 0  # every request answered: nothing left waiting
 
 
 @pytest.mark.slow
@@ -120,11 +98,14 @@ def test_sigterm_drains_requests_in_flight_then_exits(tiny_onnx):
         s.wait_ready()
         with ThreadPoolExecutor(6) as pool:
             futures = [
-                pool.submit(httpx.post, s.url + "/v1/classify", content=sample_png(i), timeout=30) for i in range(6)
+                pool.submit(httpx.post, s.url + "/v1/classify", content=noise_png(i), timeout=30) for i in range(6)
             ]
-            deadline = time.monotonic() + 10
-            while metric(s.url, "vitscope_queue_depth") < 1 and time.monotonic() < deadline:
-                time.sleep(0.05)  # wait until the requests sit inside the batcher
+
+            def inside() -> bool:  # each request answered or read by the server, and some still waiting
+                answered = sum(f.done() for f in futures)
+                return answered < 6 and server_has_read(s.port, 6 - answered)
+
+            wait_until(inside, 10, "the server holding the six requests, some of them unanswered")
             s.proc.send_signal(signal.SIGTERM)
             statuses = [f.result().status_code for f in futures]
         assert statuses == [200] * 6
@@ -142,7 +123,7 @@ def test_a_drain_that_runs_out_of_time_exits_1(tiny_onnx):
         s.wait_ready()
         with socket.create_connection(("127.0.0.1", s.port)) as upload:  # half an upload, still in flight
             upload.sendall(b"POST /v1/classify HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 1000\r\n\r\nxx")
-            time.sleep(0.3)
+            wait_until(lambda: server_has_read(s.port), 10, "the server reading the half upload")
             s.proc.send_signal(signal.SIGTERM)
             assert s.proc.wait(30) == 1
         assert "the drain did not finish" in s.output

@@ -11,8 +11,7 @@ import pytest
 
 from serve.export.cli import main
 from serve.runtime.classifier import OnnxClassifier
-
-from .conftest import CLASS_NAMES, quadrant_images
+from tests.helpers import CLASS_NAMES, quadrant_images
 
 NUMPY_DTYPES = {"TYPE_UINT8": np.uint8, "TYPE_FP32": np.float32}
 

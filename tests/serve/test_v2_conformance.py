@@ -6,17 +6,13 @@ datatypes and shapes are the graph's own, and both JSON and binary tensors are s
 
 from __future__ import annotations
 
-import io
-
 import httpx
 import numpy as np
 import onnxruntime as ort
 import pytest
-from PIL import Image
 
 from serve.runtime.classifier import softmax
-from tests.serve.conftest import CLASS_NAMES, quadrant_images
-from tests.serve.process import ServerProcess
+from tests.helpers import CLASS_NAMES, ServerProcess, png_bytes, quadrant_images
 
 tritonclient_http = pytest.importorskip("tritonclient.http")
 InferenceServerException = pytest.importorskip("tritonclient.utils").InferenceServerException
@@ -46,12 +42,6 @@ def session(tiny_onnx) -> ort.InferenceSession:
 @pytest.fixture(scope="module")
 def model(server) -> str:
     return httpx.get(server.url + "/readyz").json()["model"]
-
-
-def png(img: np.ndarray) -> bytes:
-    buf = io.BytesIO()
-    Image.fromarray(img).save(buf, format="PNG")
-    return buf.getvalue()
 
 
 def infer(client, model: str, x: np.ndarray, binary: bool, outputs: tuple[str, ...] = ()):
@@ -96,7 +86,7 @@ def test_softmax_of_v2_logits_equals_the_v1_scores(client, model, server, binary
     probs = softmax(result.as_numpy("logits"))
     np.testing.assert_allclose(result.as_numpy("probs"), probs, atol=1e-6)
     for img, row in zip(x, probs, strict=True):
-        r = httpx.post(server.url + f"/v1/classify?top_k={len(CLASS_NAMES)}", files={"file": ("x.png", png(img))})
+        r = httpx.post(server.url + f"/v1/classify?top_k={len(CLASS_NAMES)}", files={"file": ("x.png", png_bytes(img))})
         scores = {p["label"]: p["score"] for p in r.json()["predictions"]}
         np.testing.assert_allclose([scores[c] for c in CLASS_NAMES], row, atol=1e-6)
 

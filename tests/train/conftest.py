@@ -9,35 +9,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-REPO = Path(__file__).resolve().parents[2]
-CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
-
-
-def shape_image(kind: int, rng: np.random.Generator, size: int = 32) -> Image.Image:
-    """A dark shape on white paper: 0 horizontal bar, 1 vertical bar, 2 square outline; position jittered."""
-    a = np.full((size, size), 255, np.uint8)
-    c = size // 2 + int(rng.integers(-4, 5))
-    d = size // 2 + int(rng.integers(-4, 5))
-    if kind == 0:
-        a[c - 2 : c + 2, 4:-4] = 0
-    elif kind == 1:
-        a[4:-4, d - 2 : d + 2] = 0
-    else:
-        a[c - 8 : c + 8, d - 8 : d + 8] = 0
-        a[c - 6 : c + 6, d - 6 : d + 6] = 255
-    noise = rng.integers(0, 40, a.shape)
-    return Image.fromarray(np.clip(a.astype(int) + noise - 20, 0, 255).astype(np.uint8), "L").convert("RGB")
-
-
-def write_shapes(
-    root: Path, per_class: int = 30, classes: tuple[str, ...] = ("bar", "column", "square"), seed: int = 0
-):
-    rng = np.random.default_rng(seed)
-    for kind, name in enumerate(classes):
-        (root / name).mkdir(parents=True, exist_ok=True)
-        for i in range(per_class):
-            shape_image(kind % 3, rng).save(root / name / f"{i:03d}.png")
-    return root
+from tests.helpers import write_shapes
 
 
 @pytest.fixture

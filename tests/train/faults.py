@@ -54,4 +54,4 @@ class HangAfter(Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if trainer.global_step == self.step:
             (Path(trainer.default_root_dir) / "hung").touch()
-            time.sleep(3600)
+            time.sleep(3600)  # the hang itself: the test kills the process

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.train.conftest import REPO
+from tests.helpers import REPO
 from train.budget import TimeBudget
 from train.cli import build_cli
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 import yaml
 
-from tests.train.conftest import CONFIGS
+from tests.helpers import CONFIGS
 from train.cli import build_cli, main
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from serve.runtime.images import Preprocess, load_image
-from tests.train.conftest import write_shapes
+from tests.helpers import write_shapes
 from train.data import ImageFolderDataModule
 from train.folder import FolderScan, scan_folder
 from train.transforms import Augment

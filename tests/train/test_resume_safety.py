@@ -11,13 +11,12 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.train.conftest import REPO, write_shapes
+from tests.helpers import REPO, wait_until, write_shapes
 from train.checkpoint import load_checkpoint
 from train.cli import build_cli, main
 
@@ -152,10 +151,12 @@ def test_kill_9_while_a_checkpoint_is_written_leaves_the_previous_ones_loadable(
     before = _snapshot(ckpts)
     proc = _child([*fit_args(shapes, run, 3, "--ckpt_path", "last"), f"{FAULTS}SlowSave"], start_new_session=True)
     try:
-        deadline = time.monotonic() + 180
-        while _snapshot(ckpts) == before:  # the first byte of the next save lands in the checkpoint folder
-            assert proc.poll() is None and time.monotonic() < deadline, "the resumed run never saved"
-            time.sleep(0.001)
+
+        def saving() -> bool:  # the first byte of the next save lands in the checkpoint folder
+            assert proc.poll() is None, "the resumed run stopped before it saved"
+            return _snapshot(ckpts) != before
+
+        wait_until(saving, 180, "the resumed run starting a save", interval=0.001)
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.train.conftest import REPO, write_shapes
+from tests.helpers import REPO, write_shapes
 from train.cli import main
 
 SAMPLE = str(REPO / "configs" / "sample.yaml")

@@ -8,13 +8,12 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.train.conftest import REPO, write_shapes
+from tests.helpers import REPO, wait_until, write_shapes
 from tests.train.rank_weights import fingerprints
 from train.cli import build_cli, main
 from train.folder import scan_folder
@@ -154,11 +153,12 @@ def test_a_killed_streaming_run_resumes_mid_epoch_and_sees_each_sample_of_it_onc
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
-        deadline = time.monotonic() + 120
-        while not (run / "hung").exists():
+
+        def hung() -> bool:
             assert proc.poll() is None, proc.stderr.read()[-3000:]
-            assert time.monotonic() < deadline, "the run did not reach step 5"
-            time.sleep(0.2)
+            return (run / "hung").exists()
+
+        wait_until(hung, 120, "the run reaching step 5", interval=0.2)
     finally:
         os.killpg(proc.pid, signal.SIGKILL)  # no chance to save anything more
         proc.wait()

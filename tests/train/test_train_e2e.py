@@ -8,14 +8,13 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
 from serve.runtime.images import load_image
-from tests.train.conftest import REPO, write_shapes
+from tests.helpers import REPO, wait_until, write_shapes
 from train.checkpoint import load_checkpoint, load_network
 from train.cli import build_cli
 from train.shards import prepare
@@ -90,16 +89,14 @@ def test_load_network_gives_the_logits_of_the_trained_module(trained):
 
 
 def _wait_for_checkpoint(path: Path, min_epoch: int, proc: subprocess.Popen, timeout: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    def reached() -> bool:
         assert proc.poll() is None, "training stopped before it could be killed"
         try:
-            if torch.load(path, map_location="cpu", weights_only=True)["epoch"] >= min_epoch:
-                return
+            return torch.load(path, map_location="cpu", weights_only=True)["epoch"] >= min_epoch
         except Exception:  # noqa: BLE001
-            pass  # not written yet, or being written
-        time.sleep(0.2)
-    raise TimeoutError(f"{path} did not reach epoch {min_epoch}")
+            return False  # not written yet, or being written
+
+    wait_until(reached, timeout, f"{path} reaching epoch {min_epoch}", interval=0.2)
 
 
 @pytest.mark.slow
