@@ -2,7 +2,8 @@
 
 The checkpoint's network learns, in 300 plain-torch steps (about two seconds), which quadrant of a 32 x 32
 image holds a bright square, so its predictions are confident and not uniform. The run folder
-has a `split.json` pointing at real PNG files, as `vit-train` writes it.
+has a `split.json` pointing at real PNG files, as `vit-train` writes it: validation images, and a
+calibration split that `vit-export` calibrates the file on.
 """
 
 from __future__ import annotations
@@ -33,6 +34,20 @@ def quadrant_images(n: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     return images, labels
 
 
+CALIB_IMAGES = 120  # the tiny run's calibration split: sets up to coverage 120/121
+
+
+def _write_pngs(folder: Path, images: np.ndarray, labels: np.ndarray) -> list[dict]:
+    """images as folder/<class>/<i>.png; their split.json entries."""
+    entries = []
+    for i, (img, label) in enumerate(zip(images, labels, strict=True)):
+        path = folder / CLASS_NAMES[label] / f"{i:03d}.png"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(img).save(path)
+        entries.append({"path": str(path), "label": int(label)})
+    return entries
+
+
 @pytest.fixture(scope="session")
 def tiny_run(tmp_path_factory) -> Path:
     """A run folder: checkpoints/best.ckpt (the contract format), split.json and its PNG files."""
@@ -58,14 +73,9 @@ def tiny_run(tmp_path_factory) -> Path:
     torch.set_num_threads(threads)
     net.eval()
 
-    val_images, val_labels = quadrant_images(24, seed=1)
-    val = []
-    for i, (img, label) in enumerate(zip(val_images, val_labels, strict=True)):
-        path = root / "data" / CLASS_NAMES[label] / f"{i:03d}.png"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        Image.fromarray(img).save(path)
-        val.append({"path": str(path), "label": int(label)})
-    (root / "split.json").write_text(json.dumps({"train": [], "val": val}))
+    val = _write_pngs(root / "data", *quadrant_images(24, seed=1))
+    calib = _write_pngs(root / "calib", *quadrant_images(CALIB_IMAGES, seed=2))
+    (root / "split.json").write_text(json.dumps({"train": [], "val": val, "calib": calib}))
     ckpt = {
         "state_dict": {"net." + k: v for k, v in net.state_dict().items()},
         "vitscope": {
