@@ -104,6 +104,8 @@ def fit(
     """The `calibration` metadata entry (see `serve.runtime.trust`) fitted on (n, K) logits and (n,) labels."""
     if ood_kind == "mahalanobis":
         raise ValueError("the Mahalanobis score needs a features output, which this exporter does not write yet")
+    if not np.isfinite(logits).all():
+        raise ValueError("the model gives non-finite logits on calibration images: nothing can be calibrated")
     K = logits.shape[1]
     T = cal.fit_temperature(logits, labels)
     raw, probs = cal.softmax(logits), cal.softmax(logits, T)
