@@ -1,4 +1,4 @@
-"""Everything after training, one room per job (arrows point one way: server -> runtime <- export).
+"""Everything after training, one package per job (arrows point one way: server -> runtime <- export).
 
 serve/export/   checkpoint -> one self-describing ONNX file (needs torch; `vit-export`)
 serve/runtime/  the file -> predictions and explanations with onnxruntime, numpy and Pillow only (`vit-predict`)

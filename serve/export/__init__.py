@@ -1,5 +1,5 @@
 """Checkpoint -> ONNX: trace the graphs (`trace`), fuse them for onnxruntime (`fusion`), merge them into one
 file with its metadata (`merge`), quantise (`quantize`) and check against torch (`parity`); `cli` is `vit-export`.
 
-This room needs torch; it may import `vit` and `train` (to load a checkpoint). Nothing outside it imports it.
+This package needs torch; it may import `vit` and `train` (to load a checkpoint). Nothing outside it imports it.
 """

@@ -19,15 +19,15 @@ from fastapi import FastAPI
 from starlette.concurrency import run_in_threadpool
 
 from serve.runtime.images import PixelBudget
+from serve.server.api.openapi import describe
+from serve.server.api.v1 import v1_router
+from serve.server.api.v2 import v2_router
 from serve.server.batching import Engine
-from serve.server.errors import add_error_handlers, add_fallback_routes
-from serve.server.guard import RequestGuard, allowed_hosts_of
+from serve.server.http.errors import add_error_handlers, add_fallback_routes
+from serve.server.http.guard import RequestGuard, allowed_hosts_of
+from serve.server.http.uploads import decode_image
 from serve.server.metrics import Metrics
-from serve.server.openapi import describe
 from serve.server.settings import ServeSettings
-from serve.server.uploads import decode_image
-from serve.server.v1 import v1_router
-from serve.server.v2 import v2_router
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +55,9 @@ def build_app(
         classifier,
         settings,
         on_batch=metrics.batch_size.observe,
-        decode=lambda img: decode_image(img, classifier, settings),  # an opened upload, decoded on the worker
+        decode=lambda img: decode_image(
+            img, classifier, settings.max_pixels
+        ),  # an opened upload, decoded on the worker
     )
     metrics.queue_depth.set_function(lambda: engine.batcher.depth)
 
@@ -73,15 +75,16 @@ def build_app(
     off = None if settings.opentelemetry else {"tracing": False, "metrics": False, "logs": False}
     app = FastAPI(title="vitscope", version=str(classifier.version), lifespan=lifespan, telemetry=off)
     app.state.engine, app.state.metrics, app.state.settings = engine, metrics, settings
-    add_error_handlers(app, settings)
+    add_error_handlers(app, settings.retry_after_s)
+    limits = settings.request_limits()
     budget = PixelBudget(settings.decode_pixel_budget)  # shared by the API and the UI
-    routers = [v1_router(classifier, engine, metrics, settings, budget), v2_router(classifier, engine, settings)]
+    routers = [v1_router(classifier, engine, metrics, limits, budget), v2_router(classifier, engine, limits)]
     for router in routers:  # flat, as `@app.get` adds them: `include_router` costs a dispatch layer per request
         app.router.routes.extend(router.routes)
     add_fallback_routes(app, routers)
-    describe(app, settings, classifier.name)
+    describe(app, limits, classifier.name, auth=bool(settings.api_key.get_secret_value()))
     if with_ui:
-        from serve.server.ui import mount_ui
+        from serve.server.ui.blocks import mount_ui
 
         app = mount_ui(app, classifier, engine, settings, budget)
     # outermost: it counts what the client got (the UI's 422, not Gradio's 500; 400 for a wrong Host)

@@ -8,7 +8,7 @@ to `max_delay_ms` for more (by default it does not), until `max_batch_size`. A l
 waiting only adds latency. Then it decodes whatever arrived still encoded (`prepare`), stacks the
 images and runs one forward pass. Decoding here rather than on the event loop (as LitServe decodes in
 its workers) never has a decode compete with onnxruntime's threads for the cores; the API does so
-when onnxruntime uses every core (`serve.server.v1`).
+when onnxruntime uses every core (`serve.server.api.v1`).
 
 The batch size matters for throughput in a way that is easy to miss: while a batch runs, the event
 loop decodes the next requests, so smaller batches keep both busy (a pipeline), whereas a batch as

@@ -22,8 +22,8 @@ from pathlib import Path
 import uvicorn
 from pydantic import ValidationError
 
-from serve.server.guard import LOOPBACK_HOSTS
-from serve.server.protocol import LimitedHttpToolsProtocol
+from serve.server.http.guard import LOOPBACK_HOSTS
+from serve.server.http.protocol import LimitedHttpToolsProtocol
 from serve.server.settings import ENV_PREFIX, ServeSettings
 
 log = logging.getLogger("vitscope.serve")
@@ -54,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
             parser.add_argument(flag, type=kind, default=argparse.SUPPRESS, help=f"{text} (default: {field.default})")
     parser.add_argument("--no-ui", action="store_true", help="serve the API only, without the Gradio UI")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    ray = parser.add_argument_group("Ray Serve (pip install 'vitscope[ray]'; see serve.server.ray_serve)")
+    ray = parser.add_argument_group("Ray Serve (pip install 'vitscope[ray]'; see serve.server.ray.deployment)")
     ray.add_argument("--ray", action="store_true", help="serve the API from replicas on a Ray cluster (no UI)")
     ray.add_argument("--replicas", type=int, default=1, help="model replicas to start, and the fewest to keep")
     ray.add_argument("--max-replicas", type=int, help="most model replicas when autoscaling (None: --replicas)")
@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.ray:
         try:
-            from serve.server.ray_launch import run
+            from serve.server.ray.launch import run
         except ImportError as e:
             print(f"vit-serve: --ray needs Ray Serve ({e}): pip install 'vitscope[ray]'", file=sys.stderr)
             return 2
@@ -128,7 +128,7 @@ def uvicorn_config(app, settings: ServeSettings, log_level: str) -> uvicorn.Conf
         access_log=False,  # RequestGuard writes one line per request, with its ID
         server_header=False,
     )
-    config.limits = settings  # read by LimitedHttpToolsProtocol
+    config.limits = settings.connection_limits()  # read by LimitedHttpToolsProtocol
     return config
 
 

@@ -1,7 +1,7 @@
 """Prometheus metrics of one app: requests by status, latency, realised batch sizes, queue depth.
 
 Each app gets its own registry, so several apps (as in tests) never share counters. Requests are counted
-by `serve.server.guard.RequestGuard`, the layer that sees what each client got.
+by `serve.server.http.guard.RequestGuard`, the layer that sees what each client got.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from serve.server.cli import _warn_if_exposed
-from serve.server.guard import allowed_hosts_of, host_name, key_of
+from serve.server.http.guard import allowed_hosts_of, host_name, key_of
 from serve.server.settings import ServeSettings
 from tests.serve.process import ServerProcess, read_response
 

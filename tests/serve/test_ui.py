@@ -10,7 +10,7 @@ import pytest
 from PIL import Image
 
 from serve.server.explain import cls_attention, render_overlay
-from serve.server.ui import example_files
+from serve.server.ui.blocks import example_files
 from tests.serve.process import ServerProcess
 
 

@@ -8,7 +8,7 @@ The tensors are the ONNX file's own, as Triton serving the same file shows them:
 UINT8 [B, H, W, 3] at the model's input size (resize and crop on the client as the metadata's
 `preprocess` says, or use /v1/classify with encoded images), and the output `logits`, FP32 [B, K].
 A request may also ask for `probs` by name (softmax of the logits: what /v1/classify scores).
-JSON and binary tensors are both spoken (`serve.server.v2_tensors`), so `tritonclient.http` works
+JSON and binary tensors are both spoken (`serve.server.api.tensors`), so `tritonclient.http` works
 against this server as against Triton. Errors have the protocol's shape, {"error": "<message>"}
 (which tritonclient shows), plus the `code` every other route puts in its error object.
 """
@@ -23,23 +23,23 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
-from serve.server.batching import Engine
-from serve.server.errors import ApiError, error_response, model_result
-from serve.server.settings import ServeSettings
-from serve.server.uploads import read_body
-from serve.server.v2_tensors import (
+from serve.server.api.tensors import (
     HEADER_LENGTH,
     ONNX_DATATYPES,
     TensorSpec,
     encode_infer_response,
     parse_infer_request,
 )
+from serve.server.batching import Engine
+from serve.server.http.errors import ApiError, error_response, model_result
+from serve.server.http.uploads import read_body
+from serve.server.settings import RequestLimits
 
 INPUT, OUTPUT, PROBS = "pixels", "logits", "probs"  # the graph's input and logits output; probs is ours
 EXTENSIONS = ["binary_tensor_data"]
 
 
-def kserve_errors(settings: ServeSettings):
+def kserve_errors(retry_after_s: int):
     """Wraps a route so that its `ApiError`s answer as KServe v2 errors: {"error": message, "code": code}."""
 
     def wrap(route):
@@ -48,7 +48,7 @@ def kserve_errors(settings: ServeSettings):
             try:
                 return await route(*args, **kwargs)
             except ApiError as err:
-                usual = error_response(err, settings)  # its status and headers (Retry-After, Allow)
+                usual = error_response(err, retry_after_s)  # its status and headers (Retry-After, Allow)
                 headers = {k: v for k, v in usual.headers.items() if k not in ("content-length", "content-type")}
                 return JSONResponse({"error": err.message, "code": err.code}, err.status, headers=headers)
 
@@ -70,12 +70,12 @@ def tensor_specs(classifier) -> tuple[TensorSpec, TensorSpec]:
     return pixels, logits
 
 
-def v2_router(classifier, engine: Engine, settings: ServeSettings) -> APIRouter:
+def v2_router(classifier, engine: Engine, limits: RequestLimits) -> APIRouter:
     """The v2 routes for one classifier behind one engine."""
     router = APIRouter(prefix="/v2")
     pixels, logits = tensor_specs(classifier)
     version = str(classifier.version)
-    errors = kserve_errors(settings)
+    errors = kserve_errors(limits.retry_after_s)
 
     def check_model(name: str, ver: str | None = None) -> None:
         if name != classifier.name:
@@ -130,13 +130,13 @@ def v2_router(classifier, engine: Engine, settings: ServeSettings) -> APIRouter:
         encoding = request.headers.get("content-encoding", "identity").lower()
         if encoding != "identity":
             raise ApiError("unsupported_media_type", f"send the request uncompressed (Content-Encoding {encoding!r})")
-        body = await read_body(request, settings)
+        body = await read_body(request, limits)
         # at most max_batch_size images per request, so one client cannot fill the whole queue
         header_length = request.headers.get(HEADER_LENGTH)
         req = await run_in_threadpool(
-            parse_infer_request, body, header_length, pixels, [OUTPUT, PROBS], settings.max_batch_size
+            parse_infer_request, body, header_length, pixels, [OUTPUT, PROBS], limits.max_batch_size
         )
-        work = (model_result(engine.infer(p), settings) for p in req.pixels)  # each joins the batches
+        work = (model_result(engine.infer(p), limits.request_timeout_s) for p in req.pixels)  # each joins the batches
         results = await asyncio.gather(*work, return_exceptions=True)
         failed = next((r for r in results if isinstance(r, BaseException)), None)
         if failed is not None:  # every image has settled: nothing is left running or unobserved

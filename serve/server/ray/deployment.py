@@ -1,7 +1,7 @@
 """Scale-out on Ray Serve: the same ONNX runtime and API (/v1, /v2, /metrics, health) over N model replicas.
 
-    vit-serve artifacts/sample.onnx --ray --replicas 2 [--ray-address auto]   # see serve.server.ray_launch
-    serve run serve.server.ray_serve:app_builder model=artifacts/sample.onnx replicas=2
+    vit-serve artifacts/sample.onnx --ray --replicas 2 [--ray-address auto]   # see serve.server.ray.launch
+    serve run serve.server.ray.deployment:app_builder model=artifacts/sample.onnx replicas=2
 
 Two deployments behind Ray Serve's HTTP proxy:
 
@@ -38,7 +38,7 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError
 from starlette.concurrency import run_in_threadpool
 
 from serve.server.batching import Engine, choose_batch_size, logits_and_probs, time_batch_sizes
-from serve.server.errors import ApiError
+from serve.server.http.errors import ApiError
 from serve.server.settings import ServeSettings
 
 log = logging.getLogger(__name__)
@@ -241,7 +241,7 @@ def deployment(
 
 
 def app_builder(args: dict[str, str]):
-    """For `serve run serve.server.ray_serve:app_builder model=PATH [replicas=N] [max_replicas=M] [cpus=C]
+    """For `serve run serve.server.ray.deployment:app_builder model=PATH [replicas=N] [max_replicas=M] [cpus=C]
     [ingress_replicas=I]`; any other key is a `ServeSettings` field (e.g. `max_batch_size=16`)."""
     args = dict(args)
     model = args.pop("model")

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from serve.server.errors import ApiError
+from serve.server.http.errors import ApiError
 
 # Shapes: B batch, H/W image, K classes.
 

@@ -1,4 +1,4 @@
-"""The rooms hold: import contracts catch a forbidden import, an API-only server never loads gradio, and a
+"""The layering holds: import contracts catch a forbidden import, an API-only server never loads gradio, and a
 production host with only the `[serve]` extra (no torch) serves and predicts with an exported file."""
 
 from __future__ import annotations
@@ -41,8 +41,8 @@ def test_an_api_only_server_never_imports_gradio(tiny_onnx, ui):
 
 
 def test_a_forbidden_import_breaks_the_contracts(tmp_path):
-    for room in ("vit", "train", "serve"):
-        shutil.copytree(ROOT / room, tmp_path / room, ignore=shutil.ignore_patterns("__pycache__"))
+    for package in ("vit", "train", "serve"):
+        shutil.copytree(ROOT / package, tmp_path / package, ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(ROOT / "pyproject.toml", tmp_path)
     lint = [str(Path(sys.executable).with_name("lint-imports")), "--no-cache"]
     env = {**os.environ, "PYTHONPATH": str(tmp_path)}

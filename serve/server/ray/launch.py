@@ -1,4 +1,4 @@
-"""`vit-serve MODEL --ray`: deploy `serve.server.ray_serve`'s application on a Ray cluster and hold it up.
+"""`vit-serve MODEL --ray`: deploy `serve.server.ray.deployment`'s application on a Ray cluster and hold it up.
 
 Joins the cluster (or starts a single-node Ray), starts Ray Serve's HTTP proxy on the head node at
 `--host`/`--port` unless Serve runs there already, deploys, waits until every model replica runs, prints
@@ -15,7 +15,7 @@ import time
 
 from ray import serve
 
-from serve.server.ray_serve import APP_NAME, deployment
+from serve.server.ray.deployment import APP_NAME, deployment
 from serve.server.settings import ServeSettings
 
 log = logging.getLogger(__name__)
@@ -45,8 +45,9 @@ def run(
     """`vit-serve --ray`: deploy on a Ray cluster, print the URL once every replica is ready, and on
     SIGTERM or Ctrl-C take the application down again (and Serve, when it was started here).
 
+    `model`, `settings`, `replicas`, `max_replicas` and `cpus` are as for `deployment`.
+
     Args:
-        model, settings, replicas, max_replicas, cpus: as for `deployment`.
         address: the cluster to join ("auto": the one `ray start` runs on this machine); None starts
             a single-node Ray for this process, stopped on exit.
 
