@@ -110,9 +110,24 @@ def mixed_images(seed: int = 0) -> list[Image.Image]:
     return images
 
 
+CALIB_IMAGES = 120  # the tiny run's calibration split: sets up to coverage 120/121
+
+
+def _write_pngs(folder: Path, images: np.ndarray, labels: np.ndarray) -> list[dict]:
+    """images as folder/<class>/<i>.png; their split.json entries."""
+    entries = []
+    for i, (img, label) in enumerate(zip(images, labels, strict=True)):
+        path = folder / CLASS_NAMES[label] / f"{i:03d}.png"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(img).save(path)
+        entries.append({"path": str(path), "label": int(label)})
+    return entries
+
+
 def write_tiny_run(root: Path) -> Path:
     """Train the tiny network for 600 plain-torch steps (a few seconds) and write a run folder into `root`:
-    checkpoints/best.ckpt (the contract format), split.json and its validation PNGs. Returns `root`."""
+    checkpoints/best.ckpt (the contract format), split.json and its validation and calibration PNGs
+    (the split `vit-export` calibrates the file on). Returns `root`."""
     import torch
 
     from vit import VisionTransformer
@@ -135,13 +150,9 @@ def write_tiny_run(root: Path) -> Path:
     torch.set_num_threads(threads)
     net.eval()
 
-    val = []
-    for i, (img, label) in enumerate(zip(*quadrant_images(24, seed=1), strict=True)):
-        path = root / "data" / CLASS_NAMES[label] / f"{i:03d}.png"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        Image.fromarray(img).save(path)
-        val.append({"path": str(path), "label": int(label)})
-    (root / "split.json").write_text(json.dumps({"train": [], "val": val}))
+    val = _write_pngs(root / "data", *quadrant_images(24, seed=1))
+    calib = _write_pngs(root / "calib", *quadrant_images(CALIB_IMAGES, seed=2))
+    (root / "split.json").write_text(json.dumps({"train": [], "val": val, "calib": calib}))
     meta = {
         "model_config": net.config,
         "class_names": CLASS_NAMES,

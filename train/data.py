@@ -42,7 +42,10 @@ class ImageFolderDataModule(pl.LightningDataModule):
     Args:
         root: the image folder.
         val_fraction: share of each class held out for validation when the folder has no train/val split.
-        seed: seed of that split (the same seed always gives the same split).
+        calib_fraction: share of each class's training images held back as the calibration split (in
+            `split.json`): never trained on nor used to choose `best.ckpt`; `vit-export` fits the temperature,
+            prediction sets and unknown-input threshold on it. 0 holds none back (then `vit-export --calibrate`).
+        seed: seed of both splits (the same seed always gives the same split).
         img_size: side the model sees, in pixels.
         crop_pct: evaluation centre-crop fraction (1.0 keeps the whole image).
         interpolation: resize interpolation: "bicubic", "bilinear", "nearest" or "lanczos".
@@ -64,6 +67,7 @@ class ImageFolderDataModule(pl.LightningDataModule):
         self,
         root: str,
         val_fraction: float = 0.2,
+        calib_fraction: float = 0.1,
         seed: int = 42,
         img_size: int = 224,
         crop_pct: float = 0.875,
@@ -81,6 +85,7 @@ class ImageFolderDataModule(pl.LightningDataModule):
     ):
         super().__init__()
         self.root, self.val_fraction, self.seed = root, val_fraction, seed
+        self.calib_fraction = calib_fraction
         self.img_size = img_size
         self.preprocess = Preprocess((img_size, img_size), crop_pct, interpolation, mean, std)
         self.augment = augment
@@ -104,8 +109,11 @@ class ImageFolderDataModule(pl.LightningDataModule):
             elif shared is not None and shared.is_file():
                 self._scan = FolderScan.load(shared)
             else:
-                self._scan = scan_folder(self.root, self.val_fraction, self.seed, self.verify_images)
+                self._scan = self._scan_folder()
         return self._scan
+
+    def _scan_folder(self) -> FolderScan:
+        return scan_folder(self.root, self.val_fraction, self.seed, self.verify_images, self.calib_fraction)
 
     def _shared_scan_path(self) -> Path | None:
         trainer = self.trainer
@@ -118,7 +126,7 @@ class ImageFolderDataModule(pl.LightningDataModule):
         shared = self._shared_scan_path()
         if shared is not None and not is_streaming_root(self.root):
             shared.parent.mkdir(parents=True, exist_ok=True)
-            scan = scan_folder(self.root, self.val_fraction, self.seed, self.verify_images)
+            scan = self._scan_folder()
             scan.save(shared)
             self._scan = scan
 

@@ -4,6 +4,10 @@ Two layouts are recognised:
     root/<class>/*                        one pool, split into train and val here
     root/train/<class>/* + root/val/<class>/*   the split is the user's
 
+Either way, `calib_fraction` of each class's training images can be held back as a calibration split
+(`calibration_split`): used neither for gradient steps nor for choosing the best checkpoint, it is what
+`vit-export` fits the temperature, the prediction sets and the unknown-input threshold on.
+
 Classes are the sorted names of the class folders. Hidden files and folders (`.DS_Store`,
 `.ipynb_checkpoints`) and files without an image suffix are ignored; files with an image suffix
 that are empty or carry no image signature are skipped and reported as `BadFile(path, reason)`. Only
@@ -28,6 +32,9 @@ from serve.runtime.images import IMAGE_SUFFIXES
 log = logging.getLogger(__name__)
 
 PARALLEL_FROM = 5_000  # files; fewer are checked in this process (a pool costs more than it saves)
+# Below this many calibration images the temperature and thresholds rest on few images, and the finest
+# coverage a prediction set can promise is 1 - 1/(n + 1): the scan says so (one warning).
+FEW_CALIBRATION_IMAGES = 200
 
 
 @dataclass(frozen=True)
@@ -47,6 +54,7 @@ class FolderScan:
     bad: list[BadFile] = field(default_factory=list)
     layout: str = "pool"
     seconds: float = 0.0
+    calib: list[tuple[str, int]] = field(default_factory=list)  # held back from training (`calibration_split`)
 
     def to_split_dict(self) -> dict:
         """The split as plain data: what `split.json` holds in the run directory."""
@@ -56,6 +64,7 @@ class FolderScan:
             "classes": list(self.classes),
             "train": [{"path": p, "label": y} for p, y in self.train],
             "val": [{"path": p, "label": y} for p, y in self.val],
+            "calib": [{"path": p, "label": y} for p, y in self.calib],
         }
 
     def write_split(self, path: str | Path) -> None:
@@ -74,7 +83,10 @@ class FolderScan:
         d = json.loads(Path(path).read_text())
         pairs = lambda key: [(e["path"], e["label"]) for e in d[key]]
         bad = [BadFile(p, r) for p, r in d.get("bad", [])]
-        return cls(Path(d["root"]), d["classes"], pairs("train"), pairs("val"), bad, d["layout"], d.get("seconds", 0.0))
+        calib = pairs("calib") if "calib" in d else []
+        return cls(
+            Path(d["root"]), d["classes"], pairs("train"), pairs("val"), bad, d["layout"], d.get("seconds", 0.0), calib
+        )
 
 
 def _visible(p: Path) -> bool:
@@ -194,7 +206,52 @@ def stratified_split(
     return train, val
 
 
-def scan_folder(root: str | Path, val_fraction: float = 0.2, seed: int = 42, verify: bool = True) -> FolderScan:
+def calibration_split(
+    train: list[tuple[str, int]], classes: list[str], fraction: float, seed: int
+) -> tuple[list[tuple[str, int]], list[tuple[str, int]]]:
+    """Hold back `fraction` of each class's training images for calibration, stratified and seeded.
+
+    Each class gives at least 1 image and keeps at least 1 for training. The validation split is made
+    first and is untouched, so the checkpoint chosen on it does not depend on this fraction.
+
+    Returns:
+        (train, calib), each a list of (path, label).
+
+    Raises:
+        ValueError: the fraction is outside [0, 1), or a class has too few training images to give one.
+    """
+    if not 0.0 <= fraction < 1.0:
+        raise ValueError(f"calib_fraction must be in [0, 1), got {fraction}; 0 holds back no calibration images")
+    if fraction == 0.0:
+        return train, []
+    by_class: dict[int, list[str]] = {}
+    for p, y in train:
+        by_class.setdefault(y, []).append(p)
+    kept, calib = [], []
+    for y in sorted(by_class):
+        paths = sorted(by_class[y])
+        if len(paths) < 2:
+            raise ValueError(
+                f"class {classes[y]!r} has {len(paths)} training image(s), too few to hold one back for calibration: "
+                "add images, or set --data.calib_fraction 0 and calibrate at export (vit-export --calibrate DIR)"
+            )
+        random.Random(f"{seed}/calib/{classes[y]}").shuffle(paths)
+        n = min(max(1, round(len(paths) * fraction)), len(paths) - 1)
+        calib += [(p, y) for p in sorted(paths[:n])]
+        kept += [(p, y) for p in sorted(paths[n:])]
+    if len(calib) < FEW_CALIBRATION_IMAGES:
+        log.warning(
+            "only %d calibration images (calib_fraction %.2f): temperature and thresholds rest on few images, and "
+            "prediction sets can promise a coverage of at most %.3f; hold back more or calibrate at export "
+            "(vit-export --calibrate DIR)",
+            len(calib), fraction, 1 - 1 / (len(calib) + 1),
+        )  # fmt: skip
+    return kept, calib
+
+
+def scan_folder(
+    root: str | Path, val_fraction: float = 0.2, seed: int = 42, verify: bool = True, calib_fraction: float = 0.0
+) -> FolderScan:
     """Find classes and images under `root` and make (or read) the train/val split.
 
     Args:
@@ -203,13 +260,15 @@ def scan_folder(root: str | Path, val_fraction: float = 0.2, seed: int = 42, ver
         seed: seed of the split.
         verify: read every image's header now, so files that are not images are skipped and reported
             before training (files broken further in are found when decoded).
+        calib_fraction: share of each class's training images held back for calibration (`calibration_split`).
 
     Returns:
         A `FolderScan`.
 
     Raises:
         FileNotFoundError: `root` does not exist.
-        ValueError: fewer than 2 classes, or an empty class folder (the message names it).
+        ValueError: fewer than 2 classes, an empty class folder (the message names it), or a class too small
+            to give calibration images.
     """
     start = time.perf_counter()
     root = Path(root).expanduser().resolve()
@@ -222,17 +281,19 @@ def scan_folder(root: str | Path, val_fraction: float = 0.2, seed: int = 42, ver
         val_files = _scan_classes(root / "val", classes, verify, bad)
         train = [(p, y) for y, c in enumerate(classes) for p in train_files[c]]
         val = [(p, y) for y, c in enumerate(classes) for p in val_files[c]]
-        return _done(FolderScan(root, classes, train, val, bad, layout="train_val"), start)
+        train, calib = calibration_split(train, classes, calib_fraction, seed)
+        return _done(FolderScan(root, classes, train, val, bad, layout="train_val", calib=calib), start)
     files = _scan_classes(root, None, verify, bad)
     train, val = stratified_split(files, val_fraction, seed)
-    return _done(FolderScan(root, sorted(files), train, val, bad, layout="pool"), start)
+    train, calib = calibration_split(train, sorted(files), calib_fraction, seed)
+    return _done(FolderScan(root, sorted(files), train, val, bad, layout="pool", calib=calib), start)
 
 
 def _done(scan: FolderScan, start: float) -> FolderScan:
     scan.seconds = time.perf_counter() - start
     log.info(
-        "scanned %s in %.1f s: %d classes, %d train and %d val images, %d unreadable",
-        scan.root, scan.seconds, len(scan.classes), len(scan.train), len(scan.val), len(scan.bad),
+        "scanned %s in %.1f s: %d classes, %d train, %d val and %d calibration images, %d unreadable",
+        scan.root, scan.seconds, len(scan.classes), len(scan.train), len(scan.val), len(scan.calib), len(scan.bad),
     )  # fmt: skip
     return scan
 

@@ -11,7 +11,9 @@ The file holds, with no side files:
   (`Attention`, `BiasGelu`: `serve.export.fusion`). The portable target is standard ONNX ops in one
   plain graph that always outputs logits and maps, for any runtime (`serve.export.targets`);
 - `metadata_props`: class names, input size, preprocessing, patch grid, prefix tokens, depth,
-  heads, variant, the checkpoint's sha256 and the versions used (see `build_metadata`).
+  heads, variant, the checkpoint's sha256 and the versions used (see `build_metadata`), and the
+  `calibration` entry (`serve.export.calibrate`): the temperature, prediction-set scores, the unknown-input
+  threshold and the drift reference, fitted on the run's calibration split or on `--calibrate DIR`.
 
 Before the file is written, the parity gate (`serve.export.parity`) runs torch and onnxruntime on
 validation images and refuses the export when they disagree. `--triton-repo DIR` also writes a
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 import os
 import sys
@@ -31,6 +34,7 @@ from typing import Any
 
 import onnx
 
+from serve.export import calibrate as calib
 from serve.export import targets, triton
 from serve.export.merge import set_metadata
 from serve.export.metadata import build_metadata
@@ -49,6 +53,8 @@ class ExportResult:
     parity: dict[str, Any] | None = None
     quantization: dict[str, Any] | None = None
     triton: Path | None = None
+    calibration: dict[str, Any] | None = None
+    reliability_png: Path | None = None
 
 
 def export_onnx(
@@ -65,6 +71,11 @@ def export_onnx(
     target: str = "onnxruntime",
     triton_repo: str | Path | None = None,
     triton_name: str | None = None,
+    calibrate: bool | None = None,
+    calib_dir: str | Path | None = None,
+    conformal: str = calib.DEFAULT_METHOD,
+    class_conditional: bool = False,
+    ood_score: str = calib.DEFAULT_OOD_SCORE,
 ) -> ExportResult:
     """Export a checkpoint to one ONNX file, check it against torch, and write it.
 
@@ -84,6 +95,12 @@ def export_onnx(
             (standard ONNX ops, logits and maps always computed); see `serve.export.targets`.
         triton_repo: also write a Triton model repository with the logits-only graph here.
         triton_name: the model's name in that repository (default: the output file's stem).
+        calibrate: fit the `calibration` entry; None does when calibration images are found (and warns when
+            not), True requires them, False writes an uncalibrated file.
+        calib_dir: a labelled folder (DIR/<class>/<image>) to calibrate on instead of the run's calibration split.
+        conformal: the prediction-set score, "lac" or "aps".
+        class_conditional: one prediction-set threshold per class (for imbalanced folders).
+        ood_score: the unknown-input score, "energy" or "max_softmax".
 
     Returns:
         An `ExportResult`.
@@ -129,6 +146,12 @@ def export_onnx(
     metadata = build_metadata(
         net, meta, preprocess, opset, graphs.quantization, supports_gradients, graphs.fused, target=target
     )
+    calibration, png = _calibration(
+        model, checkpoint, output, meta["class_names"], preprocess, calibrate, calib_dir,
+        method=conformal, class_conditional=class_conditional, ood_kind=ood_score,
+    )  # fmt: skip
+    if calibration is not None:
+        metadata[calib.METADATA_KEY] = calibration
     set_metadata(model, metadata)
     model.doc_string = f"vitscope {metadata['variant'] or 'ViT'} classifier, {len(meta['class_names'])} classes"
     onnx.checker.check_model(model)
@@ -148,7 +171,31 @@ def export_onnx(
     folder = None
     if logits_only is not None:
         folder = triton.write_repo(logits_only, list(meta["class_names"]), triton_repo, name)
-    return ExportResult(output, metadata, report, graphs.quant_report, folder)
+    return ExportResult(output, metadata, report, graphs.quant_report, folder, calibration, png)
+
+
+def _calibration(
+    model: onnx.ModelProto, checkpoint: Path, output: Path, class_names, preprocess, calibrate, calib_dir, **options
+) -> tuple[dict[str, Any] | None, Path | None]:
+    """The calibration entry and the reliability diagram's path (None, None for an uncalibrated file)."""
+    if calibrate is False:
+        return None, None
+    run_dir = checkpoint.resolve().parent.parent
+    reports = run_dir / "reports" if (run_dir / "split.json").is_file() else None
+    png = (reports / "reliability.png") if reports is not None else output.with_suffix(".reliability.png")
+    try:
+        entry = calib.calibrate(
+            model.SerializeToString(), checkpoint, class_names, preprocess, calib_dir, png, **options
+        )
+    except ValueError as e:
+        if calibrate or calib_dir is not None:
+            raise
+        log.warning("writing an UNCALIBRATED file (raw softmax, no prediction sets, no unknown verdict): %s", e)
+        return None, None
+    if reports is not None:
+        summary = {k: v for k, v in entry.items() if k not in ("conformal", "drift")}
+        (reports / "calibration.json").write_text(json.dumps(summary, indent=1))
+    return entry, png
 
 
 def _check_writable(folder: Path) -> None:
@@ -216,6 +263,22 @@ def _parser() -> argparse.ArgumentParser:
         help="also write a Triton model repository: DIR/NAME/config.pbtxt, labels.txt, 1/model.onnx (logits only)",
     )
     p.add_argument("--triton-name", help="the model's name in the Triton repository (default: the output's stem)")
+    p.add_argument(
+        "--calibrate",
+        type=Path,
+        metavar="DIR",
+        help="calibrate on this labelled folder (DIR/<class>/<image>) instead of the run's calibration split",
+    )
+    p.add_argument(
+        "--no-calibration", action="store_true", help="write an uncalibrated file: raw softmax, no sets, no unknown"
+    )
+    p.add_argument("--conformal", choices=["lac", "aps"], default=calib.DEFAULT_METHOD, help="the prediction-set score")
+    p.add_argument(
+        "--class-conditional", action="store_true", help="one prediction-set threshold per class (imbalanced folders)"
+    )
+    p.add_argument(
+        "--ood-score", choices=["energy", "max_softmax"], default=calib.DEFAULT_OOD_SCORE, help="unknown-input score"
+    )
     return p
 
 
@@ -239,6 +302,11 @@ def main(argv: list[str] | None = None) -> int:
             target=args.target,
             triton_repo=args.triton_repo,
             triton_name=args.triton_name,
+            calibrate=False if args.no_calibration else (True if args.calibrate else None),
+            calib_dir=args.calibrate,
+            conformal=args.conformal,
+            class_conditional=args.class_conditional,
+            ood_score=args.ood_score,
         )
     except ParityError as e:
         if "images" in e.report:
@@ -254,6 +322,9 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     print(format_report(result.parity, result.quantization))
+    print(calib.format_report(result.calibration))
+    if result.reliability_png is not None:
+        print(f"wrote the reliability diagram {result.reliability_png}")
     size_mb = result.path.stat().st_size / 1e6
     print(f"wrote {result.path} ({size_mb:.1f} MB, {len(result.metadata['class_names'])} classes, {args.target})")
     if result.triton is not None:

@@ -2,7 +2,12 @@
 
     clf = OnnxClassifier("artifacts/sample.onnx")
     clf.predict(["cat.jpg", "dog.png"], top_k=3)   # [[("cat", 0.91), ...], [("dog", 0.88), ...]]
+    p = clf.predict("cat.jpg", coverage=0.95)[0]   # p.prediction_set ["cat", "lynx"], p.unknown, p.ood_score
     probs, maps = clf.rollout(clf.prepare("cat.jpg")[None])   # maps (1, Gh, Gw) in [0, 1]
+
+Probabilities are calibrated (softmax of logits / the file's temperature) when the file carries
+calibration (`serve.runtime.trust`); `logits` gives the raw logits. A file exported without it loads
+too: raw softmax, `calibrated` False, no prediction sets, `unknown` and `ood_score` None.
 
 The file describes itself (`metadata_props`, see `serve.export.cli`): class names, preprocessing,
 patch grid. Its input is (B, H, W, 3) uint8 pixels already resized and cropped by
@@ -22,6 +27,7 @@ import onnxruntime as ort
 from serve.runtime.images import ImageSource, Preprocess, load_image
 from serve.runtime.model_file import read_metadata, read_model_bytes
 from serve.runtime.rollout import attention_rollout, rollout_from_gradients
+from serve.runtime.trust import FEATURES_OUTPUT, UNCALIBRATED, Assessment, Prediction, Trust
 
 # Shapes: B batch, H/W image, K classes, nh heads, N tokens, Gh/Gw patch grid, L = Gh * Gw.
 
@@ -122,6 +128,35 @@ class OnnxClassifier:
         # the onnxruntime target picks its explain branch with an input; the portable one always outputs attns
         self.explain_feeds: dict[str, np.ndarray] = {"explain": np.array(True)} if "explain" in inputs else {}
         self._check_metadata()
+        self.trust: Trust | None = Trust.from_metadata(m, len(self.labels))
+        outputs = {o.name for o in self.session.get_outputs()}
+        self._fast_outputs = ["logits", FEATURES_OUTPUT] if FEATURES_OUTPUT in outputs else ["logits"]
+        if self.trust is not None and self.trust.needs_features and len(self._fast_outputs) == 1:
+            raise ValueError(f"{self.path} uses the Mahalanobis OOD score but has no features output; export it again")
+
+    @property
+    def calibrated(self) -> bool:
+        """Whether the file carries a temperature, prediction-set scores and an OOD threshold."""
+        return self.trust is not None
+
+    def trust_summary(self) -> dict[str, Any]:
+        """What the file knows about its reliability, for a client (or why it knows nothing)."""
+        return self.trust.summary() if self.trust is not None else dict(UNCALIBRATED)
+
+    def probabilities(self, logits: np.ndarray) -> np.ndarray:
+        """(B, K) logits -> (B, K) probabilities: calibrated by the file's temperature when it has one."""
+        return self.trust.probabilities(logits) if self.trust is not None else softmax(logits)
+
+    def check_coverage(self, coverage: float | None) -> None:
+        """Raise ValueError, with a message for the caller, unless prediction sets can be built at `coverage`."""
+        if coverage is None:
+            return
+        if self.trust is None:
+            raise ValueError(
+                f"{self.path.name} carries no calibration, so it cannot build prediction sets: export it again "
+                "with vit-export from a run with a calibration split (or with --calibrate DIR)"
+            )
+        self.trust.check_coverage(coverage)
 
     def _check_metadata(self) -> None:
         """The metadata repeats some facts for clients (input size, mean/std, grid): they must agree with
@@ -169,34 +204,85 @@ class OnnxClassifier:
             raise ValueError(f"expected (B, {H}, {W}, 3) uint8 pixels from prepare(), got {batch.shape} {batch.dtype}")
         return np.ascontiguousarray(batch)
 
+    def _run_fast(self, batch: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+        """The fast path: (logits (B, K), pre-logit features (B, D) when the graph outputs them, else None)."""
+        out = self.session.run(self._fast_outputs, {"pixels": self._check_batch(batch)})
+        return out[0], (out[1] if len(out) > 1 else None)
+
+    def logits(self, batch: np.ndarray) -> np.ndarray:
+        """The raw logits: (B, H, W, 3) uint8 -> (B, K) float32."""
+        return self._run_fast(batch)[0]
+
     def predict_pixels(self, batch: np.ndarray) -> np.ndarray:
-        """The fast, logits-only path: (B, H, W, 3) uint8 -> (B, K) float32 probabilities."""
-        (logits,) = self.session.run(["logits"], {"pixels": self._check_batch(batch)})
-        return softmax(logits)
+        """The fast path: (B, H, W, 3) uint8 -> (B, K) float32 probabilities, calibrated when the file is."""
+        return self.probabilities(self._run_fast(batch)[0])
+
+    def assess(self, batch: np.ndarray, coverage: float | None = None) -> Assessment:
+        """Probabilities, OOD scores, unknown verdicts and (with `coverage`) prediction sets of a batch.
+
+        Raises:
+            ValueError: a coverage the file cannot honour (`check_coverage`).
+        """
+        self.check_coverage(coverage)
+        logits, features = self._run_fast(batch)
+        return self.judge(logits, features, coverage)
+
+    def judge(
+        self, logits: np.ndarray, features: np.ndarray | None = None, coverage: float | None = None
+    ) -> Assessment:
+        """`assess` on logits (B, K) (and features (B, D)) already computed, e.g. by the explain branch."""
+        probs = self.probabilities(logits)
+        if self.trust is None:
+            return Assessment(probs, logits, None, None, None)
+        scores = self.trust.ood_scores(logits, probs, features)
+        sets = self.trust.prediction_sets(probs, coverage) if coverage is not None else None
+        return Assessment(probs, logits, scores, self.trust.unknown(scores), sets)
 
     def predict(
-        self, images: ImageSource | Sequence[ImageSource], top_k: int = 5, batch_size: int = 32
-    ) -> list[list[tuple[str, float]]]:
+        self,
+        images: ImageSource | Sequence[ImageSource],
+        top_k: int = 5,
+        batch_size: int = 32,
+        coverage: float | None = None,
+    ) -> list[Prediction]:
         """Classify one image or a list of images.
 
         Args:
             images: one `ImageSource` (path, bytes, PIL image, uint8 array) or a list of them.
             top_k: how many classes to return per image (at most K).
             batch_size: images per onnxruntime call.
+            coverage: also build each image's prediction set, holding the true class with this probability
+                (e.g. 0.95); None builds none.
 
         Returns:
-            Per image, [(label, probability), ...] sorted by probability, highest first.
+            Per image, a `Prediction`: [(label, probability), ...] sorted by probability, highest first, with
+            `prediction_set`, `unknown` and `ood_score`.
+
+        Raises:
+            ValueError: a coverage outside (0, 1), finer than the calibration split allows, or asked of a file
+                without calibration.
         """
         if isinstance(images, (list, tuple)):
             sources = list(images)
         else:
             sources = [images]
+        self.check_coverage(coverage)
         k = max(1, min(int(top_k), len(self.labels)))
         results = []
         for i in range(0, len(sources), batch_size):
             pixels = np.stack([self.prepare(s) for s in sources[i : i + batch_size]])
-            results.extend(self.top_k(self.predict_pixels(pixels), k))
+            results.extend(self.predictions(self.assess(pixels, coverage), k))
         return results
+
+    def predictions(self, a: Assessment, k: int) -> list[Prediction]:
+        """An `Assessment` as one `Prediction` per image (the k best classes, the set, the verdict)."""
+        out = []
+        for i, top in enumerate(self.top_k(a.probs, k)):
+            labels = None if a.sets is None else [self.labels[j] for j in a.sets[i]]
+            unknown = None if a.unknown is None else bool(a.unknown[i])
+            score = None if a.ood_scores is None else float(a.ood_scores[i])
+            out.append(Prediction(top, labels, unknown, score))
+        return out
 
     def top_k(self, probs: np.ndarray, k: int = 5) -> list[list[tuple[str, float]]]:
         """(B, K) probabilities -> per image, the k best (label, probability), highest first."""
@@ -216,7 +302,7 @@ class OnnxClassifier:
         logits, attns = self.session.run(
             ["logits", "attns"], {"pixels": self._check_batch(batch), **self.explain_feeds}
         )
-        return softmax(logits), attns
+        return self.probabilities(logits), attns
 
     def rollout(
         self,
@@ -292,7 +378,7 @@ class OnnxClassifier:
             {"pixels": batch, "explain": np.array(True), "gradients": np.array(True), "target": target},
         )
         maps = rollout_from_gradients(attns, grads, num_prefix_tokens=self.num_prefix_tokens, query=self.rollout_query)
-        return softmax(logits), maps.reshape(-1, *self.grid_size)
+        return self.probabilities(logits), maps.reshape(-1, *self.grid_size)
 
 
 def _static(shape: list | None, start: int, stop: int) -> list[int] | None:

@@ -1,10 +1,14 @@
 """`vit-predict`: classify image files and folders with an exported model, no torch needed.
 
     vit-predict artifacts/sample.onnx photo.jpg data/digits/ --top-k 3 --format csv > predictions.csv
+    vit-predict artifacts/sample.onnx data/digits/ --coverage 0.95 --format json
 
 Results go to stdout: `json` writes one JSON object per image per line (JSON Lines), `csv` one
-row per image and rank; each prediction is a `label` and its `score` (the softmax probability, as
-the HTTP API names it; `null` in JSON when the model gives no finite number). Files that cannot be
+row per image and rank; each prediction is a `label` and its `score` (the calibrated probability when
+the file carries calibration, as the HTTP API names it; `null` in JSON when the model gives no finite
+number). Each image also gets `unknown` (unlike the training images) and `ood_score` (higher: less like
+them), and with `--coverage` its `prediction_set`, the labels that hold the true one with that
+probability (`serve.runtime.trust`); CSV adds the columns `in_set`, `unknown` and `ood_score`. Files that cannot be
 read are reported on stderr, one per line, and the run goes on. Exit status: 0 when every image was
 classified; 1 when some could not be read (every other image's result is still written), so scripts
 notice; 2 for a bad model file or arguments, or when stdout cannot be written (a full disk). When
@@ -29,6 +33,7 @@ from tqdm import tqdm
 
 from serve.runtime.classifier import OnnxClassifier
 from serve.runtime.images import ImageError, is_image_file
+from serve.runtime.trust import Prediction
 
 PROGRESS_MIN_FILES = 20  # a bar for a handful of files is noise
 EXIT_BROKEN_PIPE = 128 + 13  # what a shell reports for a process ended by SIGPIPE
@@ -82,15 +87,20 @@ class _Writer:
         self.fmt, self.out = fmt, out
         if fmt == "csv":
             self.csv = csv.writer(out, lineterminator="\n")
-            self._guard(self.csv.writerow, ["path", "rank", "label", "score"])
+            self._guard(self.csv.writerow, ["path", "rank", "label", "score", "in_set", "unknown", "ood_score"])
 
-    def write(self, path: Path, top: list[tuple[str, float]]) -> None:
+    def write(self, path: Path, top: Prediction) -> None:
+        ood = None if top.ood_score is None else _score(top.ood_score)
         if self.fmt == "csv":
+            unknown = "" if top.unknown is None else str(top.unknown).lower()
             for rank, (label, prob) in enumerate(top, start=1):
-                self._guard(self.csv.writerow, [str(path), rank, label, f"{prob:.6f}"])
+                in_set = "" if top.prediction_set is None else str(label in top.prediction_set).lower()
+                row = [str(path), rank, label, f"{prob:.6f}", in_set, unknown, "" if ood is None else ood]
+                self._guard(self.csv.writerow, row)
         else:
             preds = [{"label": label, "score": _score(prob)} for label, prob in top]
-            line = json.dumps({"path": str(path), "predictions": preds}, allow_nan=False)
+            row = {"path": str(path), "predictions": preds, "prediction_set": top.prediction_set}
+            line = json.dumps({**row, "unknown": top.unknown, "ood_score": ood}, allow_nan=False)
             self._guard(self.out.write, line + "\n")
 
     def flush(self) -> None:
@@ -115,14 +125,19 @@ def run(
     threads: int | None = None,
     out: TextIO | None = None,
     errors: TextIO | None = None,
+    coverage: float | None = None,
 ) -> tuple[int, int]:
     """Classify every image under `paths`, writing results to `out` and unreadable files to `errors`.
+
+    With `coverage`, each image also gets its prediction set; a coverage the file cannot honour is a
+    ValueError before any image is read.
 
     Returns:
         (classified, failed) counts; failed also counts missing paths and folders without images.
     """
     out, errors = out or sys.stdout, errors or sys.stderr
     clf = OnnxClassifier(model, threads=threads)
+    clf.check_coverage(coverage)
     files, failed = collect_files(paths, errors)
     writer = _Writer(fmt, out)
     done = 0
@@ -137,8 +152,8 @@ def run(
                     failed += 1
                     tqdm.write(f"{f}: {e}", file=errors)  # one line per file, path first
             if pixels:
-                probs = clf.predict_pixels(np.stack(pixels))
-                for f, top in zip(ok, clf.top_k(probs, top_k), strict=True):
+                answers = clf.predictions(clf.assess(np.stack(pixels), coverage), top_k)
+                for f, top in zip(ok, answers, strict=True):
                     writer.write(f, top)
                 done += len(ok)
             writer.flush()
@@ -160,11 +175,20 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="onnxruntime intra-op threads (default: 1 for small models, every core for large ones)",
     )
+    p.add_argument(
+        "--coverage",
+        type=float,
+        default=None,
+        help="also give each image its prediction set: the labels that hold the true one with this probability, "
+        "e.g. 0.95 (needs a calibrated file)",
+    )
     args = p.parse_args(argv)
     if args.top_k < 1 or args.batch_size < 1:
         p.error("--top-k and --batch-size must be at least 1")
     try:
-        done, failed = run(args.model, args.paths, args.top_k, args.format, args.batch_size, args.threads)
+        done, failed = run(
+            args.model, args.paths, args.top_k, args.format, args.batch_size, args.threads, coverage=args.coverage
+        )
     except (ValueError, FileNotFoundError) as e:
         print(f"vit-predict: {e}", file=sys.stderr)
         return 2

@@ -60,6 +60,7 @@ def build_app(
         ),  # an opened upload, decoded on the worker
     )
     metrics.queue_depth.set_function(lambda: engine.batcher.depth)
+    metrics.trust.watch(classifier.name, classifier.trust)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

@@ -34,8 +34,6 @@ from typing import Any
 
 import numpy as np
 
-from serve.runtime.classifier import softmax
-
 log = logging.getLogger(__name__)
 
 
@@ -336,10 +334,10 @@ def logits_and_probs(classifier, batch: np.ndarray) -> np.ndarray:
 
     Both come from one pass: KServe v2 answers with the file's own `logits` (as Triton serving the file
     would), /v1 with probabilities, and a batch may mix requests of both kinds. The probabilities are
-    `softmax(logits)` exactly as `OnnxClassifier.predict_pixels` computes them.
+    calibrated exactly as `OnnxClassifier.predict_pixels` computes them (`OnnxClassifier.probabilities`).
     """
     (logits,) = classifier.session.run(["logits"], {"pixels": np.ascontiguousarray(batch)})  # (B, K)
-    return np.stack([logits, softmax(logits)], axis=1)
+    return np.stack([logits, classifier.probabilities(logits)], axis=1)
 
 
 class Engine:

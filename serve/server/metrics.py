@@ -1,4 +1,5 @@
-"""Prometheus metrics of one app: requests by status, latency, realised batch sizes, queue depth.
+"""Prometheus metrics of one app: requests by status, latency, realised batch sizes, queue depth, and
+per model what the answers say about the images (`serve.server.drift`).
 
 Each app gets its own registry, so several apps (as in tests) never share counters. Requests are counted
 by `serve.server.http.guard.RequestGuard`, the layer that sees what each client got.
@@ -9,6 +10,8 @@ from __future__ import annotations
 import time
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from serve.server.drift import TrustMetrics
 
 CLIENT_CLOSED = 499  # nginx's code for a client that went away before the answer: never sent, only counted
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -34,6 +37,7 @@ class Metrics:
             "vitscope_batch_size", "Images per ONNX Runtime call", buckets=BATCH_BUCKETS, registry=self.registry
         )
         self.queue_depth = Gauge("vitscope_queue_depth", "Requests waiting for the model", registry=self.registry)
+        self.trust = TrustMetrics(self.registry)  # calibrated confidence, OOD score, unknown, classes, drift
 
     def observe(self, route: str, status: int, started: float) -> None:
         """Count one finished request; `started` is its `time.perf_counter()` at arrival."""

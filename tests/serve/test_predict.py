@@ -63,7 +63,8 @@ def test_csv_output_has_one_row_per_image_and_rank(tiny_onnx, tmp_path, capsys):
     rows = list(csv.DictReader(io.StringIO(capsys.readouterr().out)))
     assert len(rows) == (3 + 1) * 3
     assert [r["rank"] for r in rows[:3]] == ["1", "2", "3"]
-    assert list(rows[0]) == ["path", "rank", "label", "score"]
+    assert list(rows[0]) == ["path", "rank", "label", "score", "in_set", "unknown", "ood_score"]
+    assert all(r["in_set"] == "" and r["unknown"] in ("true", "false") and float(r["ood_score"]) for r in rows)
     probs = np.array([float(r["score"]) for r in rows[:3]])
     assert np.all(np.diff(probs) <= 0) and 0 < probs.sum() <= 1.0001
 
@@ -111,6 +112,30 @@ def test_json_predictions_name_their_probability_score(tiny_onnx, tmp_path, caps
     (row,) = [_strict_json(line) for line in capsys.readouterr().out.splitlines()]
     assert [set(p) for p in row["predictions"]] == [{"label", "score"}] * 2
     assert 0.0 < row["predictions"][1]["score"] <= row["predictions"][0]["score"] <= 1.0
+
+
+def test_with_coverage_each_line_gains_its_prediction_set_unknown_verdict_and_ood_score(tiny_onnx, tmp_path, capsys):
+    folder = _folder(tmp_path, n=4)
+    assert main([str(tiny_onnx), str(folder), "--coverage", "0.95", "--format", "json"]) == 0
+    rows = [_strict_json(line) for line in capsys.readouterr().out.splitlines()]
+    for row in rows:
+        assert set(row) == {"path", "predictions", "prediction_set", "unknown", "ood_score"}
+        assert set(row["prediction_set"]) <= set(CLASS_NAMES) and isinstance(row["unknown"], bool)
+        assert isinstance(row["ood_score"], float)
+    true = [r["path"].rsplit("/", 1)[1].split("_", 1)[1].removesuffix(".png") for r in rows]
+    assert sum(t in r["prediction_set"] for t, r in zip(true, rows, strict=True)) >= 3
+    assert main([str(tiny_onnx), str(folder), "--coverage", "0.95", "--format", "csv", "--top-k", "4"]) == 0
+    csv_rows = list(csv.DictReader(io.StringIO(capsys.readouterr().out)))
+    by_path = {r["path"]: set(r["prediction_set"]) for r in rows}
+    assert all((r["in_set"] == "true") == (r["label"] in by_path[r["path"]]) for r in csv_rows)
+
+
+@pytest.mark.parametrize(("coverage", "says"), [("1.5", "between 0 and 1"), ("0.999", "finer than the 120")])
+def test_a_bad_coverage_exits_2_with_a_clear_message(tiny_onnx, tmp_path, capsys, coverage, says):
+    folder = _folder(tmp_path, n=1)
+    assert main([str(tiny_onnx), str(folder), "--coverage", coverage]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith("vit-predict: ") and says in err
 
 
 def _predict_process(model: Path, folder: Path, stdout) -> subprocess.CompletedProcess:

@@ -35,8 +35,10 @@ def test_predictions_agree_with_the_torch_model(tiny_onnx, tiny_checkpoint, tiny
     paths = sorted((tiny_run / "data").rglob("*.png"))
     pixels = np.stack([clf.prepare(p) for p in paths])
     with torch.no_grad():
-        expected = net(torch.from_numpy(meta["preprocess"].normalize(pixels))).softmax(-1).numpy()
+        logits = net(torch.from_numpy(meta["preprocess"].normalize(pixels)))
+    expected = (logits / clf.trust.temperature).softmax(-1).numpy()  # calibrated probabilities
     np.testing.assert_allclose(clf.predict_pixels(pixels), expected, atol=1e-5)
+    np.testing.assert_allclose(clf.logits(pixels), logits.numpy(), atol=1e-4)  # the raw logits stay available
     assert clf.predict_pixels(pixels).max(-1).mean() > 0.8  # a trained model, not a uniform one
 
 
@@ -70,7 +72,7 @@ def test_gradient_rollout_from_the_file_matches_torch_for_any_target(tiny_onnx, 
         probs, maps = clf.gradient_rollout(pixels, target=target)
         assert maps.shape == (len(pixels), *clf.grid_size)
         np.testing.assert_allclose(maps.reshape(len(pixels), -1), expected.numpy(), atol=1e-4)
-        np.testing.assert_allclose(probs, logits.softmax(-1).numpy(), atol=1e-5)
+        np.testing.assert_allclose(probs, (logits / clf.trust.temperature).softmax(-1).numpy(), atol=1e-5)
     with pytest.raises(ValueError, match="target classes"):
         clf.gradient_rollout(pixels, target=7)
 

@@ -101,6 +101,18 @@ def test_a_missing_data_folder_is_one_line_not_a_traceback(tmp_path: Path, capsy
     assert err.startswith("vit-train: image folder not found: ") and "root/<class>/<image>" in err
 
 
+def test_a_class_too_small_for_the_calibration_split_is_refused_in_one_line(tmp_path: Path, capsys):
+    from tests.train.conftest import write_shapes
+
+    write_shapes(tmp_path / "tv" / "train", per_class=1)
+    write_shapes(tmp_path / "tv" / "val", per_class=1, seed=1)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", "configs/sample.yaml", "--data.root", str(tmp_path / "tv"), "--data.img_size", "32"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "Traceback" not in err and err.count("\n") == 1
+    assert err.startswith("vit-train: class 'bar' has 1 training image(s)") and "--data.calib_fraction 0" in err
+
+
 @pytest.mark.slow
 def test_fit_refuses_to_replace_an_existing_run_unless_told(shapes_folder: Path, tmp_path: Path, capsys):
     run = tmp_path / "run"

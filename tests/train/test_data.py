@@ -32,7 +32,10 @@ def test_awkward_files_load_and_broken_ones_are_skipped_with_reasons(messy_folde
 
 
 def test_data_module_reports_bad_files_in_run_dir_and_yields_every_good_image(messy_folder: Path, tmp_path: Path):
-    dm = ImageFolderDataModule(str(messy_folder), val_fraction=0.25, img_size=32, batch_size=4, num_workers=0)
+    # no calibration split: its images are decoded at export, not here, and truncated.jpg could land in it
+    dm = ImageFolderDataModule(
+        str(messy_folder), val_fraction=0.25, calib_fraction=0.0, img_size=32, batch_size=4, num_workers=0
+    )
     dm.setup("fit")
     dm.write_reports(tmp_path / "run")
     with open(tmp_path / "run" / "bad_files.csv") as f:
@@ -103,7 +106,7 @@ def test_split_is_saved_as_json_with_absolute_paths(shapes_folder: Path, tmp_pat
     assert split["classes"] == ["bar", "column", "square"]
     assert {"path", "label"} == set(split["val"][0])
     assert all(Path(e["path"]).is_absolute() and Path(e["path"]).is_file() for e in split["train"] + split["val"])
-    assert len(split["train"]) + len(split["val"]) == 90
+    assert len(split["train"]) + len(split["val"]) + len(split["calib"]) == 90
 
 
 def test_train_val_layout_keeps_the_users_split(tmp_path: Path):
@@ -174,3 +177,47 @@ def test_a_ddp_rank_other_than_0_reads_class_names_from_folder_names_and_the_sca
     monkeypatch.setenv("LOCAL_RANK", "1")
     dm = ImageFolderDataModule(str(shapes_folder), img_size=16)
     assert dm.num_classes == 3 and dm._scan is None  # no scan on this rank before setup
+
+
+def test_calibration_split_is_stratified_seeded_and_apart_from_train_and_val(tmp_path: Path):
+    root = write_shapes(tmp_path / "s", per_class=20)
+    a = scan_folder(root, 0.25, seed=1, calib_fraction=0.2)
+    b = scan_folder(root, 0.25, seed=1, calib_fraction=0.2)
+    plain = scan_folder(root, 0.25, seed=1)
+    assert a.calib == b.calib and a.train == b.train
+    assert a.val == plain.val  # the validation split (and so best.ckpt) does not depend on calib_fraction
+    assert Counter(y for _, y in a.calib) == {0: 3, 1: 3, 2: 3}  # 20 % of each class's 15 training images
+    train, val, calib = ({p for p, _ in s} for s in (a.train, a.val, a.calib))
+    assert not train & calib and not val & calib
+    assert train | calib == {p for p, _ in plain.train}
+    assert scan_folder(root, 0.25, seed=2, calib_fraction=0.2).calib != a.calib
+
+
+def test_calibration_images_are_in_split_json_and_never_in_a_training_batch(shapes_folder: Path, tmp_path: Path):
+    import json
+
+    dm = ImageFolderDataModule(str(shapes_folder), img_size=32, num_workers=0, calib_fraction=0.2)
+    dm.setup("fit")
+    dm.write_reports(tmp_path / "run")
+    split = json.loads((tmp_path / "run" / "split.json").read_text())
+    calib = {e["path"] for e in split["calib"]}
+    assert len(calib) == 3 * 5  # 20 % of each class's 24 training images
+    assert not calib & {p for p, _ in dm.train_set.items} and not calib & {e["path"] for e in split["val"]}
+    assert len(split["train"]) + len(split["val"]) + len(split["calib"]) == 90
+
+
+def test_a_class_too_small_to_give_calibration_images_is_refused_in_one_line(tmp_path: Path):
+    root = tmp_path / "tv"
+    write_shapes(root / "train", per_class=1)
+    write_shapes(root / "val", per_class=1, seed=1)
+    with pytest.raises(ValueError, match=r"class 'bar' has 1 training image.*calib_fraction 0") as e:
+        scan_folder(root, calib_fraction=0.1)
+    assert "\n" not in str(e.value)
+    assert scan_folder(root, calib_fraction=0.0).calib == []
+
+
+def test_a_small_calibration_split_says_what_it_costs(shapes_folder: Path, caplog):
+    with caplog.at_level("WARNING", logger="train.folder"):
+        scan = scan_folder(shapes_folder, calib_fraction=0.1)
+    assert len(scan.calib) == 6
+    assert "only 6 calibration images" in caplog.text and "at most 0.857" in caplog.text

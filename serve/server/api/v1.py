@@ -1,6 +1,8 @@
 """The `/v1` API and the health routes: a request goes decode_request -> predict -> encode_response.
 
-POST /v1/classify          image as multipart field `file` or as the raw body; ?top_k=5&explain=true
+POST /v1/classify          image as multipart field `file` or as the raw body; ?top_k=5&explain=true&coverage=0.95
+                           (scores are calibrated probabilities; the answer says `unknown` and `ood_score`, and
+                           with `coverage` gives the `prediction_set`: see serve.runtime.trust)
 GET  /healthz, /readyz     live; ready once the model is loaded and warmed up
 GET  /metrics              Prometheus
 """
@@ -17,6 +19,7 @@ from starlette.concurrency import run_in_threadpool
 from serve.runtime.faithfulness import mean_fill
 from serve.runtime.images import PixelBudget
 from serve.runtime.rollout import HEAD_FUSIONS
+from serve.runtime.trust import Assessment
 from serve.server.batching import Engine
 from serve.server.explain import explain_pixels, overlay_png
 from serve.server.http.errors import ApiError, model_result
@@ -30,13 +33,16 @@ INLINE_DECODE_PIXELS = 1_000_000
 TRUE, FALSE = ("1", "true", "yes"), ("0", "false", "no")
 
 
-def encode_response(classifier, probs: np.ndarray, top_k: int, explanation: dict | None = None) -> dict[str, Any]:
+def encode_response(classifier, answers: Assessment, top_k: int, explanation: dict | None = None) -> dict[str, Any]:
+    """One image's answer: its calibrated top-k, prediction set (None without coverage), unknown and OOD score."""
+    (p,) = classifier.predictions(answers, max(1, top_k))
     out: dict[str, Any] = {
         "model": classifier.name,
         "version": classifier.version,
-        "predictions": [
-            {"label": label, "score": score} for label, score in classifier.top_k(probs[None], max(1, top_k))[0]
-        ],
+        "predictions": [{"label": label, "score": score} for label, score in p],
+        "prediction_set": p.prediction_set,
+        "unknown": p.unknown,
+        "ood_score": None if p.ood_score is None else round(p.ood_score, 6),
     }
     if explanation is not None:
         out["explanation"] = explanation
@@ -54,8 +60,9 @@ def parse_params(query, form: dict[str, str], default_top_k: int) -> dict[str, A
     try:
         top_k = int(params.get("top_k", default_top_k))
         discard = float(params.get("discard_ratio", 0.0))
+        coverage = None if params.get("coverage") in (None, "") else float(params["coverage"])
     except ValueError:
-        raise ApiError("bad_request", "top_k must be an integer and discard_ratio a number") from None
+        raise ApiError("bad_request", "top_k must be an integer, discard_ratio and coverage numbers") from None
     explain = str(params.get("explain", "false")).lower()
     fusion = params.get("head_fusion", "mean")
     if explain not in TRUE + FALSE:
@@ -66,7 +73,21 @@ def parse_params(query, form: dict[str, str], default_top_k: int) -> dict[str, A
         raise ApiError("bad_request", f"head_fusion must be one of {', '.join(HEAD_FUSIONS)}, got {fusion!r}")
     if not 0.0 <= discard < 1.0:
         raise ApiError("bad_request", f"discard_ratio must be in [0, 1), got {discard}")
-    return {"top_k": top_k, "explain": explain in TRUE, "head_fusion": fusion, "discard_ratio": discard}
+    return {
+        "top_k": top_k,
+        "explain": explain in TRUE,
+        "head_fusion": fusion,
+        "discard_ratio": discard,
+        "coverage": coverage,
+    }
+
+
+def check_coverage(classifier, coverage: float | None) -> None:
+    """`ApiError("bad_request")` (422) unless the file can build prediction sets at `coverage`."""
+    try:
+        classifier.check_coverage(coverage)
+    except ValueError as e:
+        raise ApiError("bad_request", str(e)) from None
 
 
 def v1_router(
@@ -85,6 +106,8 @@ def v1_router(
         """Classify one image (multipart field `file` or raw body); `explain=true` adds the rollout map."""
         data, form = await decode_request(request, limits)
         params = parse_params(request.query_params, form, limits.top_k)
+        coverage = params["coverage"]
+        check_coverage(classifier, coverage)
         img = open_upload(data, limits.max_pixels)  # the header: not an image, or too many pixels, fails here
         small = len(data) <= limits.inline_decode_bytes and img.width * img.height <= INLINE_DECODE_PIXELS
         if params["explain"]:  # the explain pass computes the probabilities too: no second forward pass
@@ -99,15 +122,23 @@ def v1_router(
                 "overlay_png": await run_in_threadpool(overlay_png, pixels, ex["grid"]),  # a few ms: off the loop
                 "deletion": ex["deletion"].to_dict(),
             }
-            return JSONResponse(encode_response(classifier, ex["probs"], params["top_k"], explanation))
+            # the unknown verdict needs the logits: one more pass of the fast path, small beside the explain one
+            rows = await model_result(engine.infer(pixels), limits.request_timeout_s)
+            answers = answer(rows, coverage)
+            return JSONResponse(encode_response(classifier, answers, params["top_k"], explanation))
         if not small:  # in a thread of its own, so that it never holds up the loop or a batch
             item = await run_in_threadpool(decode_image, img, classifier, limits.max_pixels, budget)
         elif decode_on_worker:  # on the model's thread, right before its batch runs
             item = img
         else:  # on the event loop, while the model runs on the other core
             item = decode_image(img, classifier, limits.max_pixels)
-        probs = await model_result(engine.predict(item), limits.request_timeout_s)
-        return JSONResponse(encode_response(classifier, probs, params["top_k"]))  # already plain JSON
+        rows = await model_result(engine.infer(item), limits.request_timeout_s)  # (2, K) logits, probs
+        return JSONResponse(encode_response(classifier, answer(rows, coverage), params["top_k"]))
+
+    def answer(rows: np.ndarray, coverage: float | None) -> Assessment:
+        answers = classifier.judge(rows[0][None], None, coverage)
+        metrics.trust.record(classifier.name, classifier.labels, answers)
+        return answers
 
     # A plain Starlette route: it takes the raw Request anyway, and FastAPI's per-request dependency
     # machinery costs a few percent of a small model's throughput (BENCHMARKS.md, serving). So FastAPI

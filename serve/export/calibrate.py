@@ -1,0 +1,223 @@
+"""Calibrate the exported graph on held-back labelled images: the file's `calibration` metadata entry.
+
+The images are the run's calibration split (`split.json` "calib", held back by `vit-train
+--data.calib_fraction`), or a labelled folder given as `vit-export --calibrate DIR` (DIR/<class>/<image>).
+Their logits come from the built graph through onnxruntime, so an int8 file is calibrated as it answers.
+On them the export fits, with the formulas of `serve.runtime.calibration`:
+
+- the temperature (1-D search on NLL), with ECE (15 bins) and NLL before and after, and a reliability diagram;
+- split-conformal scores of the true labels (LAC or APS), sorted, so the runtime builds a set at any coverage;
+- the OOD score's threshold at which `accept` of these in-distribution images are accepted;
+- the distributions of top-1 confidence, predicted class and OOD score, the reference for drift.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnxruntime as ort
+
+from serve.runtime import calibration as cal
+from serve.runtime.classifier import session_options
+from serve.runtime.images import ImageError, Preprocess, load_image
+from serve.runtime.trust import METADATA_KEY
+from train.folder import class_dirs, find_image_files
+
+log = logging.getLogger(__name__)
+
+# Shapes: n calibration images, H/W image, K classes.
+
+DEFAULT_METHOD = "lac"  # benchmarks/trust.py: the smallest sets at the asked coverage (docs/benchmarks/trust.md)
+DEFAULT_OOD_SCORE = "energy"  # of the scores the logits give, the better in benchmarks/trust.py
+ACCEPT = 0.95  # share of in-distribution calibration images the OOD threshold accepts
+MIN_IMAGES = 20  # below this, a coverage of 0.95 cannot be promised at all
+CONFIDENCE_EDGES = np.linspace(0.0, 1.0, 11)  # 10 equal bins of top-1 confidence, for drift
+OOD_BINS = 10  # OOD-score bins for drift: the calibration deciles, so each holds a tenth of its images
+
+
+def calibration_entries(checkpoint: Path, class_names: list[str], calib_dir: Path | None) -> tuple[list, str]:
+    """(path, label) pairs of the calibration images and where they came from.
+
+    Raises:
+        ValueError: no calibration images, or a folder whose class names the model does not know.
+    """
+    index = {name: i for i, name in enumerate(class_names)}
+    if calib_dir is not None:
+        calib_dir = Path(calib_dir)
+        if not calib_dir.is_dir():
+            raise ValueError(f"--calibrate {calib_dir}: no such folder (expected DIR/<class>/<image> files)")
+        entries = []
+        for d in class_dirs(calib_dir):
+            if d.name not in index:
+                raise ValueError(
+                    f"--calibrate {calib_dir}: folder {d.name!r} is not one of the model's classes {class_names}"
+                )
+            entries += [(Path(p), index[d.name]) for p in find_image_files(d)]
+        return entries, str(calib_dir)
+    split = Path(checkpoint).resolve().parent.parent / "split.json"
+    if split.is_file():
+        entries = [(Path(e["path"]), int(e["label"])) for e in json.loads(split.read_text()).get("calib", [])]
+        if entries:
+            return entries, f"{split} (calibration split)"
+    raise ValueError(
+        "no calibration images: the run's split.json has no calibration split (train with --data.calib_fraction "
+        "0.1, the default) and no --calibrate DIR was given; or pass --no-calibration for an uncalibrated file"
+    )
+
+
+def load_pixels(entries: list, preprocess: Preprocess) -> tuple[np.ndarray, np.ndarray]:
+    """(pixels (n, H, W, 3) uint8, labels (n,)); unreadable files are skipped with a warning."""
+    pixels, labels = [], []
+    for p, y in entries:
+        try:
+            pixels.append(preprocess.to_uint8(load_image(p)))
+            labels.append(y)
+        except (ImageError, OSError) as e:
+            log.warning("calibration: skipping %s (%s)", p, e)
+    if len(pixels) < MIN_IMAGES:
+        raise ValueError(f"{len(pixels)} readable calibration images: at least {MIN_IMAGES} are needed")
+    return np.stack(pixels), np.asarray(labels, np.int64)
+
+
+def graph_logits(model_bytes: bytes, pixels: np.ndarray, batch_size: int = 256) -> np.ndarray:
+    """The built graph's logits (n, K), through onnxruntime (its fast path, as served)."""
+    session = ort.InferenceSession(model_bytes, session_options(1), providers=["CPUExecutionProvider"])
+    starts = range(0, len(pixels), batch_size)
+    out = [session.run(["logits"], {"pixels": pixels[i : i + batch_size]})[0] for i in starts]
+    return np.concatenate(out)
+
+
+def fit(
+    logits: np.ndarray,
+    labels: np.ndarray,
+    *,
+    method: str = DEFAULT_METHOD,
+    class_conditional: bool = False,
+    ood_kind: str = DEFAULT_OOD_SCORE,
+    accept: float = ACCEPT,
+    source: str = "",
+) -> dict[str, Any]:
+    """The `calibration` metadata entry (see `serve.runtime.trust`) fitted on (n, K) logits and (n,) labels."""
+    if ood_kind == "mahalanobis":
+        raise ValueError("the Mahalanobis score needs a features output, which this exporter does not write yet")
+    if not np.isfinite(logits).all():
+        raise ValueError("the model gives non-finite logits on calibration images: nothing can be calibrated")
+    K = logits.shape[1]
+    T = cal.fit_temperature(logits, labels)
+    raw, probs = cal.softmax(logits), cal.softmax(logits, T)
+    true = cal.conformal_scores(probs, method)[np.arange(len(labels)), labels]
+    order = np.argsort(true, kind="stable")
+    ood = cal.ood_score(ood_kind, probs, logits, T)
+    ood_edges = np.quantile(ood, np.linspace(0, 1, OOD_BINS + 1))
+    n = len(labels)
+    frac = lambda counts: (counts / n).round(6).tolist()
+    return {
+        "temperature": round(T, 6),
+        "images": n,
+        "source": source,
+        "metrics": {
+            "accuracy": round(float((probs.argmax(-1) == labels).mean()), 6),
+            "ece_before": round(cal.ece(raw, labels), 6),
+            "ece_after": round(cal.ece(probs, labels), 6),
+            "nll_before": round(cal.nll(raw, labels), 6),
+            "nll_after": round(cal.nll(probs, labels), 6),
+        },
+        "conformal": {
+            "method": method,
+            "class_conditional": class_conditional,
+            "scores": true[order].round(7).tolist(),
+            "labels": labels[order].tolist(),
+        },
+        "ood": {"score": ood_kind, "threshold": float(np.quantile(ood, accept)), "accept": accept},
+        "drift": {
+            "confidence": {
+                "edges": CONFIDENCE_EDGES.tolist(),
+                "fractions": frac(cal.histogram(probs.max(-1), CONFIDENCE_EDGES)),
+            },
+            "predicted": {"fractions": frac(np.bincount(probs.argmax(-1), minlength=K))},
+            "ood_score": {"edges": ood_edges.tolist(), "fractions": frac(cal.histogram(ood, ood_edges))},
+        },
+    }
+
+
+def write_reliability_png(logits: np.ndarray, labels: np.ndarray, temperature: float, path: Path) -> None:
+    """Reliability diagram, before and after temperature scaling: accuracy against confidence per bin."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(9, 4.4), sharey=True)
+    edges = np.linspace(0, 1, cal.ECE_BINS + 1)
+    for ax, (name, t) in zip(axes, (("before", 1.0), (f"after (T = {temperature:.3f})", temperature)), strict=True):
+        probs = cal.softmax(logits, t)
+        conf, acc, count = cal.reliability(probs, labels)
+        full = count > 0
+        ax.bar(edges[:-1][full], acc[full], width=1 / cal.ECE_BINS, align="edge", edgecolor="black", label="accuracy")
+        ax.plot([0, 1], [0, 1], "--", color="grey", label="perfect calibration")
+        ax.scatter(conf[full], acc[full], color="red", s=12, zorder=3, label="mean confidence")
+        ax.set_title(f"{name}: ECE {cal.ece(probs, labels):.2%}, NLL {cal.nll(probs, labels):.3f}")
+        ax.set_xlabel("top-1 confidence")
+        ax.set_xlim(0, 1)
+        ax.set_ylim(0, 1)
+    axes[0].set_ylabel("accuracy")
+    axes[0].legend(loc="upper left", fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def calibrate(
+    model_bytes: bytes,
+    checkpoint: Path,
+    class_names: list[str],
+    preprocess: Preprocess,
+    calib_dir: Path | None,
+    report_png: Path | None,
+    **options,
+) -> dict[str, Any]:
+    """The `calibration` entry for a built graph: images found, logits run, everything fitted.
+
+    Args:
+        model_bytes: the serialised graph (metadata not yet set).
+        checkpoint: the checkpoint, whose run's split.json holds the calibration split.
+        class_names: the model's classes.
+        preprocess: the serving preprocessing.
+        calib_dir: a labelled folder to calibrate on instead of the split.
+        report_png: write the reliability diagram here (None: none).
+        options: `fit`'s keyword arguments.
+    """
+    entries, source = calibration_entries(checkpoint, class_names, calib_dir)
+    pixels, labels = load_pixels(entries, preprocess)
+    logits = graph_logits(model_bytes, pixels)
+    entry = fit(logits, labels, source=source, **options)
+    if report_png is not None:
+        write_reliability_png(logits, labels, entry["temperature"], report_png)
+    return entry
+
+
+def format_report(entry: dict[str, Any] | None) -> str:
+    """The calibration's figures as a few lines for the terminal."""
+    if entry is None:
+        return "calibration: none (--no-calibration): raw softmax scores, no prediction sets, no unknown verdict"
+    m = entry["metrics"]
+    return "\n".join(
+        [
+            f"calibration on {entry['images']} images from {entry['source']}:",
+            f"  temperature                           {entry['temperature']:.4f}",
+            f"  ECE (15 bins) before / after          {m['ece_before']:.2%} / {m['ece_after']:.2%}",
+            f"  NLL before / after                    {m['nll_before']:.4f} / {m['nll_after']:.4f}",
+            f"  prediction sets                       {entry['conformal']['method']}, any coverage up to "
+            f"{entry['images'] / (entry['images'] + 1):.4f}",
+            f"  unknown inputs                        {entry['ood']['score']} > {entry['ood']['threshold']:.4f} "
+            f"({entry['ood']['accept']:.0%} of calibration images accepted)",
+        ]
+    )
+
+
+__all__ = ["METADATA_KEY", "calibrate", "fit", "format_report"]

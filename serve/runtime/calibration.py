@@ -1,0 +1,198 @@
+"""How far a score can be trusted, in numpy alone: the one place these formulas are written.
+
+`vit-export` fits them on the calibration split (`serve.export.calibrate`); the runtime applies them
+(`serve.runtime.trust`). Both call these functions, so a formula never drifts between the two.
+
+- temperature scaling (Guo et al. 2017): probabilities softmax(logits / T), T fitted by a 1-D search on NLL;
+- expected calibration error over 15 equal-width confidence bins, and the negative log-likelihood;
+- split-conformal prediction sets (Vovk; Angelopoulos & Bates): LAC (score 1 - p_y) and APS (randomised
+  cumulative mass), with the finite-sample quantile ceil((n + 1) * coverage) / n;
+- out-of-distribution scores, higher meaning less like the training images: max-softmax, energy
+  (Liu et al. 2020) and Mahalanobis distance on pre-logit features (Lee et al. 2018; Fort et al. 2021);
+- the population stability index of observed counts against stored fractions (drift).
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+
+import numpy as np
+
+# Shapes: B batch, K classes, D pre-logit feature width, n calibration images, E bin edges.
+
+ECE_BINS = 15
+CONFORMAL_METHODS = ("lac", "aps")
+OOD_SCORES = ("max_softmax", "energy", "mahalanobis")
+PSI_FLOOR = 1e-4  # an empty bin counts as this fraction: log(0) would make one empty bin infinite drift
+
+
+def softmax(logits: np.ndarray, temperature: float = 1.0) -> np.ndarray:
+    """(B, K) logits -> (B, K) float32 probabilities of softmax(logits / temperature)."""
+    z = logits.astype(np.float64) / temperature
+    z -= z.max(axis=-1, keepdims=True)
+    e = np.exp(z)
+    return (e / e.sum(axis=-1, keepdims=True)).astype(np.float32)
+
+
+def nll(probs: np.ndarray, labels: np.ndarray) -> float:
+    """Mean negative log-likelihood of the true labels; probs (n, K), labels (n,)."""
+    p = probs[np.arange(len(labels)), labels].astype(np.float64)
+    return float(-np.log(np.clip(p, 1e-12, 1.0)).mean())
+
+
+def ece(probs: np.ndarray, labels: np.ndarray, bins: int = ECE_BINS) -> float:
+    """Expected calibration error: the mean |accuracy - confidence| of equal-width top-1 confidence bins,
+    weighted by the share of images in each bin."""
+    conf, acc, count = reliability(probs, labels, bins)
+    n = count.sum()
+    return float(np.sum(count / max(n, 1) * np.abs(acc - conf)))
+
+
+def reliability(probs: np.ndarray, labels: np.ndarray, bins: int = ECE_BINS) -> tuple[np.ndarray, ...]:
+    """Per equal-width confidence bin: (mean confidence, accuracy, image count), each (bins,); empty bins 0."""
+    top = probs.max(axis=-1).astype(np.float64)
+    right = (probs.argmax(axis=-1) == labels).astype(np.float64)
+    which = np.clip((top * bins).astype(int), 0, bins - 1)  # (1/bins)-wide bins, 1.0 in the last
+    count = np.bincount(which, minlength=bins).astype(np.float64)
+    safe = np.maximum(count, 1)
+    conf = np.bincount(which, top, minlength=bins) / safe
+    acc = np.bincount(which, right, minlength=bins) / safe
+    return conf, acc, count
+
+
+def fit_temperature(logits: np.ndarray, labels: np.ndarray, lo: float = 0.05, hi: float = 20.0) -> float:
+    """The temperature that minimises the NLL of `labels`: golden-section search on log T in [lo, hi].
+
+    The NLL of a temperature-scaled softmax is convex in 1/T, so a 1-D search finds its minimum.
+    """
+    f = lambda log_t: nll(softmax(logits, math.exp(log_t)), labels)
+    a, b = math.log(lo), math.log(hi)
+    g = (math.sqrt(5) - 1) / 2
+    c, d = b - g * (b - a), a + g * (b - a)
+    fc, fd = f(c), f(d)
+    for _ in range(60):  # the bracket shrinks by 0.618 a step: far below 1e-6 in log T
+        if fc < fd:
+            b, d, fd = d, c, fc
+            c = b - g * (b - a)
+            fc = f(c)
+        else:
+            a, c, fc = c, d, fd
+            d = a + g * (b - a)
+            fd = f(d)
+    return float(math.exp((a + b) / 2))
+
+
+def image_uniforms(probs: np.ndarray) -> np.ndarray:
+    """One number in [0, 1) per image, drawn from its own probabilities: APS's randomisation, repeatable.
+
+    The same image always gets the same set, and different images get independent-looking draws.
+    """
+    rows = np.ascontiguousarray(probs, dtype=np.float32)
+    return np.array([zlib.crc32(r.tobytes()) / 2**32 for r in rows])
+
+
+def conformal_scores(probs: np.ndarray, method: str, u: np.ndarray | None = None) -> np.ndarray:
+    """Every class's nonconformity score: (B, K), lower meaning more plausible.
+
+    Args:
+        probs: (B, K) calibrated probabilities.
+        method: "lac" (1 - p_k) or "aps" (the mass of the classes ranked above k, plus u * p_k).
+        u: (B,) APS draws in [0, 1); None takes `image_uniforms(probs)`.
+    """
+    if method == "lac":
+        return 1.0 - probs.astype(np.float64)
+    if method != "aps":
+        raise ValueError(f"conformal method must be one of {', '.join(CONFORMAL_METHODS)}, got {method!r}")
+    u = image_uniforms(probs) if u is None else u
+    order = np.argsort(-probs, axis=-1, kind="stable")  # (B, K) classes by rank
+    ranked = np.take_along_axis(probs.astype(np.float64), order, axis=-1)
+    above = np.cumsum(ranked, axis=-1) - ranked  # (B, K) mass ranked strictly above each rank
+    by_rank = above + u[:, None] * ranked
+    scores = np.empty_like(by_rank)
+    np.put_along_axis(scores, order, by_rank, axis=-1)
+    return scores
+
+
+def quantile_index(n: int, coverage: float) -> int:
+    """The 1-based rank of the sorted calibration scores that gives `coverage`: ceil((n + 1) * coverage).
+
+    Raises:
+        ValueError: coverage outside (0, 1), or finer than n calibration scores can honour.
+    """
+    if not (isinstance(coverage, (int, float)) and math.isfinite(coverage) and 0.0 < coverage < 1.0):
+        raise ValueError(f"coverage must be a number between 0 and 1 (exclusive), e.g. 0.9 or 0.95; got {coverage!r}")
+    k = math.ceil((n + 1) * coverage - 1e-9)
+    if k > n:
+        raise ValueError(
+            f"coverage {coverage} is finer than the {n} calibration images can honour: the most they allow is "
+            f"{n / (n + 1):.4f} (1 - 1/(n+1)); ask for less, or calibrate on more images"
+        )
+    return max(k, 1)
+
+
+def conformal_threshold(sorted_scores: np.ndarray, coverage: float) -> float:
+    """The split-conformal threshold on ascending calibration scores, with the finite-sample correction."""
+    return float(sorted_scores[quantile_index(len(sorted_scores), coverage) - 1])
+
+
+def energy(logits: np.ndarray, temperature: float = 1.0) -> np.ndarray:
+    """(B, K) -> (B,) energy -T * logsumexp(logits / T): high when no class stands out."""
+    z = logits.astype(np.float64) / temperature
+    m = z.max(axis=-1)
+    return -temperature * (m + np.log(np.exp(z - m[:, None]).sum(axis=-1)))
+
+
+def mahalanobis(features: np.ndarray, means: np.ndarray, precision: np.ndarray) -> np.ndarray:
+    """(B, D) features -> (B,) squared distance to the nearest class mean (K, D) under a shared precision (D, D)."""
+    f = features.astype(np.float64)
+    fp = f @ precision  # (B, D)
+    mp = means @ precision  # (K, D)
+    d = (fp * f).sum(-1)[:, None] - 2 * fp @ means.T + (mp * means).sum(-1)[None, :]  # (B, K)
+    return d.min(axis=-1)
+
+
+def fit_gaussian(features: np.ndarray, labels: np.ndarray, num_classes: int) -> tuple[np.ndarray, np.ndarray]:
+    """Class means (K, D) and the shared covariance's pseudo-inverse (D, D) of (n, D) features."""
+    f = features.astype(np.float64)
+    means = np.stack([f[labels == k].mean(axis=0) if (labels == k).any() else f.mean(0) for k in range(num_classes)])
+    centred = f - means[labels]
+    cov = centred.T @ centred / max(len(f) - 1, 1)
+    return means, np.linalg.pinv(cov, hermitian=True)
+
+
+def ood_score(kind: str, probs: np.ndarray, logits: np.ndarray, temperature: float, **gaussian) -> np.ndarray:
+    """(B,) out-of-distribution scores of one kind, higher meaning less like the training images.
+
+    Args:
+        kind: "max_softmax" (1 - the top calibrated probability), "energy" or "mahalanobis".
+        probs: (B, K) calibrated probabilities.
+        logits: (B, K) raw logits.
+        temperature: the file's temperature (energy uses it).
+        gaussian: for "mahalanobis": features (B, D), means (K, D), precision (D, D).
+    """
+    if kind == "max_softmax":
+        return 1.0 - probs.max(axis=-1).astype(np.float64)
+    if kind == "energy":
+        return energy(logits, temperature)
+    if kind == "mahalanobis":
+        return mahalanobis(gaussian["features"], gaussian["means"], gaussian["precision"])
+    raise ValueError(f"OOD score must be one of {', '.join(OOD_SCORES)}, got {kind!r}")
+
+
+def histogram(values: np.ndarray, edges: np.ndarray) -> np.ndarray:
+    """Counts of `values` in the bins between E edges (E - 1 bins); values beyond the ends go to the end bins."""
+    inner = np.asarray(edges, np.float64)[1:-1]
+    return np.bincount(np.searchsorted(inner, values, side="right"), minlength=len(edges) - 1).astype(np.float64)
+
+
+def psi(expected: np.ndarray, observed: np.ndarray) -> float:
+    """Population stability index of observed counts against expected fractions (same bins).
+
+    sum (o - e) * ln(o / e) over bins; by a common rule of thumb, under 0.1 is stable and over 0.25 a shift.
+    """
+    e = np.maximum(np.asarray(expected, np.float64), PSI_FLOOR)
+    o = np.asarray(observed, np.float64)
+    o = np.maximum(o / max(o.sum(), 1.0), PSI_FLOOR)
+    e, o = e / e.sum(), o / o.sum()
+    return float(np.sum((o - e) * np.log(o / e)))

@@ -1,0 +1,117 @@
+"""What the served answers say about the images coming in: Prometheus collectors per model, and drift.
+
+    vitscope_confidence{model}           histogram of the calibrated top-1 probability
+    vitscope_ood_score{model}            histogram of the OOD score (higher: less like the training images)
+    vitscope_unknown_total{model}        answers whose image was unlike the training images
+    vitscope_predicted_total{model, label}
+    vitscope_drift_psi{model, signal}    population stability index of the last `window` answers against the
+                                         calibration split's distribution (signal: confidence, ood_score, predicted)
+
+A PSI over 0.25 is the usual sign of a shift (`DRIFT_ALERT`; docs/guide/trust.md has an alert rule). The gauge
+reads 0 until `min_answers` answers are in the window: a PSI of a handful of answers is noise.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+
+import numpy as np
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from serve.runtime import calibration as cal
+from serve.runtime.trust import Assessment, Trust
+
+DRIFT_ALERT = 0.25  # PSI above this: the recent images no longer look like the calibration images
+DRIFT_WINDOW = 200  # answers the drift gauge compares
+DRIFT_MIN_ANSWERS = 50
+CONFIDENCE_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99, 1.0)
+SIGNALS = ("confidence", "ood_score", "predicted")
+
+
+class DriftWindow:
+    """The last `window` answers (confidence, predicted class, OOD score) and their PSI against the file's reference.
+
+    Thread-safe: the API records on the event loop and the UI from worker threads, while Prometheus reads.
+    """
+
+    def __init__(self, trust: Trust, window: int = DRIFT_WINDOW, min_answers: int = DRIFT_MIN_ANSWERS):
+        self.ref = trust.drift
+        self.num_classes = trust.num_classes
+        self.min_answers = min_answers
+        self._rows: deque[tuple[float, int, float]] = deque(maxlen=window)
+        self._lock = threading.Lock()
+
+    def add(self, confidence: np.ndarray, predicted: np.ndarray, ood: np.ndarray) -> None:
+        with self._lock:
+            self._rows.extend(zip(confidence.tolist(), predicted.tolist(), ood.tolist(), strict=True))
+
+    def psi(self, signal: str) -> float:
+        """The PSI of one signal over the window (0 until it holds `min_answers`)."""
+        with self._lock:
+            rows = np.array(self._rows, np.float64).reshape(-1, 3)
+        if len(rows) < self.min_answers:
+            return 0.0
+        if signal == "predicted":
+            counts = np.bincount(rows[:, 1].astype(int), minlength=self.num_classes)
+            return cal.psi(self.ref["predicted"]["fractions"], counts)
+        column = 0 if signal == "confidence" else 2
+        ref = self.ref[signal]
+        return cal.psi(ref["fractions"], cal.histogram(rows[:, column], np.asarray(ref["edges"])))
+
+
+class TrustMetrics:
+    """The per-model collectors above, in the app's registry."""
+
+    def __init__(self, registry: CollectorRegistry):
+        self.confidence = Histogram(
+            "vitscope_confidence",
+            "Calibrated probability of the top class, per answer",
+            ["model"],
+            buckets=CONFIDENCE_BUCKETS,
+            registry=registry,
+        )
+        self.ood = Histogram(
+            "vitscope_ood_score",
+            "OOD score per answer (higher: less like the training images)",
+            ["model"],
+            buckets=(-20, -15, -10, -8, -6, -4, -2, 0, 2, 5, 10, 100),
+            registry=registry,
+        )
+        self.unknown = Counter(
+            "vitscope_unknown", "Answers whose image was unlike the training images", ["model"], registry=registry
+        )
+        self.predicted = Counter(
+            "vitscope_predicted", "Answers by predicted class", ["model", "label"], registry=registry
+        )
+        self.drift = Gauge(
+            "vitscope_drift_psi",
+            f"PSI of the last answers against the calibration split (alert above {DRIFT_ALERT})",
+            ["model", "signal"],
+            registry=registry,
+        )
+        self.windows: dict[str, DriftWindow] = {}
+
+    def watch(self, model: str, trust: Trust | None, window: int = DRIFT_WINDOW) -> None:
+        """Start the drift gauges of one model (nothing for a file without calibration)."""
+        if trust is None or not trust.drift:
+            return
+        w = self.windows[model] = DriftWindow(trust, window)
+        for signal in SIGNALS:
+            self.drift.labels(model, signal).set_function(lambda s=signal: w.psi(s))
+
+    def record(self, model: str, labels: list[str], answers: Assessment) -> None:
+        """Count a batch of answers."""
+        top = answers.probs.max(axis=-1)
+        predicted = answers.probs.argmax(axis=-1)
+        for p, k in zip(top.tolist(), predicted.tolist(), strict=True):
+            self.confidence.labels(model).observe(p)
+            self.predicted.labels(model, labels[k]).inc()
+        if answers.ood_scores is None:
+            return
+        for s in answers.ood_scores.tolist():
+            self.ood.labels(model).observe(s)
+        if (n := int(answers.unknown.sum())) > 0:
+            self.unknown.labels(model).inc(n)
+        if model in self.windows:
+            self.windows[model].add(top, predicted, answers.ood_scores)

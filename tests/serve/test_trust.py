@@ -1,0 +1,136 @@
+"""Calibrated probabilities, prediction sets and unknown inputs: the maths, and a real exported file."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+
+from serve.runtime import calibration as cal
+from serve.runtime.classifier import OnnxClassifier
+from tests.helpers import CALIB_IMAGES, CLASS_NAMES, quadrant_images
+
+
+def _synthetic(n: int, temperature: float, seed: int = 0, K: int = 10):
+    """Logits and labels drawn from softmax(logits / temperature): the right temperature is known."""
+    rng = np.random.default_rng(seed)
+    logits = rng.normal(0, 3, (n, K))
+    probs = cal.softmax(logits, temperature).astype(np.float64)
+    labels = np.array([rng.choice(K, p=p / p.sum()) for p in probs])
+    return logits, labels
+
+
+def test_the_fitted_temperature_is_the_one_the_labels_were_drawn_with_and_lowers_ece():
+    logits, labels = _synthetic(4000, temperature=2.0)
+    T = cal.fit_temperature(logits, labels)
+    assert T == pytest.approx(2.0, rel=0.1)
+    before, after = cal.softmax(logits), cal.softmax(logits, T)
+    assert cal.ece(after, labels) < 0.03 < cal.ece(before, labels)
+    assert cal.nll(after, labels) < cal.nll(before, labels)
+
+
+@pytest.mark.parametrize("method", cal.CONFORMAL_METHODS)
+@pytest.mark.parametrize("coverage", [0.8, 0.9, 0.95])
+def test_split_conformal_sets_cover_new_exchangeable_images_as_promised(method, coverage):
+    logits, labels = _synthetic(6000, temperature=1.5, seed=1)
+    probs = cal.softmax(logits, 1.5)
+    calib, test = slice(0, 2000), slice(2000, None)
+    scores = cal.conformal_scores(probs[calib], method)[np.arange(2000), labels[calib]]
+    q = cal.conformal_threshold(np.sort(scores), coverage)
+    inside = cal.conformal_scores(probs[test], method) <= q  # (n, K)
+    covered = inside[np.arange(4000), labels[test]].mean()
+    assert coverage - 0.02 <= covered <= coverage + 0.02
+    assert 1.0 < inside.sum(1).mean() < 10  # informative: neither singletons always nor every class
+
+
+@pytest.mark.parametrize("coverage", [0.0, 1.0, -0.5, 1.5, float("nan"), "0.9"])
+def test_a_coverage_outside_the_open_unit_interval_is_refused_with_an_example(coverage):
+    with pytest.raises(ValueError, match=r"between 0 and 1 \(exclusive\), e\.g\. 0\.9"):
+        cal.quantile_index(100, coverage)
+
+
+def test_a_coverage_finer_than_the_calibration_images_allow_is_refused():
+    assert cal.quantile_index(99, 0.99) == 99  # ceil(100 * 0.99): the largest score
+    with pytest.raises(ValueError, match=r"finer than the 99 calibration images.*0\.9900"):
+        cal.quantile_index(99, 0.995)
+
+
+def test_psi_is_zero_for_the_stored_distribution_and_large_for_a_shifted_one():
+    expected = np.full(10, 0.1)
+    assert cal.psi(expected, np.full(10, 50)) == pytest.approx(0.0, abs=1e-9)
+    assert cal.psi(expected, np.array([0] * 9 + [500])) > 1.0
+
+
+def test_the_exported_file_carries_calibration_fitted_on_the_runs_calibration_split(tiny_onnx, tiny_run):
+    clf = OnnxClassifier(tiny_onnx)
+    assert clf.calibrated and clf.trust.images == CALIB_IMAGES
+    summary = clf.trust_summary()
+    assert summary["max_coverage"] == pytest.approx(CALIB_IMAGES / (CALIB_IMAGES + 1), abs=1e-6)
+    m = summary["metrics"]
+    assert m["ece_after"] <= m["ece_before"] + 1e-6 and m["nll_after"] <= m["nll_before"] + 1e-6
+    assert (tiny_run / "reports" / "reliability.png").stat().st_size > 1000
+    report = json.loads((tiny_run / "reports" / "calibration.json").read_text())
+    assert report["temperature"] == pytest.approx(clf.trust.temperature)
+
+
+def test_predict_gives_each_image_its_top_k_prediction_set_and_unknown_verdict(tiny_onnx):
+    clf = OnnxClassifier(tiny_onnx)
+    images, labels = quadrant_images(40, seed=7)
+    preds = clf.predict(list(images), top_k=2, coverage=0.95)
+    assert all(len(p) == 2 and p[0][1] >= p[1][1] for p in preds)
+    covered = [CLASS_NAMES[y] in p.prediction_set for p, y in zip(preds, labels, strict=True)]
+    assert np.mean(covered) >= 0.9
+    assert all(p.prediction_set[0] == p[0][0] for p in preds if p.prediction_set)  # most probable first
+    assert np.mean([p.unknown for p in preds]) <= 0.2 and all(math.isfinite(p.ood_score) for p in preds)
+    plain = clf.predict(list(images[:3]), top_k=1)
+    assert all(p.prediction_set is None and p.unknown is not None for p in plain)  # no coverage: no set
+
+
+def test_wider_coverage_never_gives_a_smaller_set(tiny_onnx):
+    clf = OnnxClassifier(tiny_onnx)
+    pixels = np.stack([clf.prepare(img) for img in quadrant_images(12, seed=3)[0]])
+    small, large = (clf.assess(pixels, c).sets for c in (0.5, 0.99))
+    assert all(set(a) <= set(b) for a, b in zip(small, large, strict=True))
+
+
+def test_noise_images_score_as_unknown_more_often_than_training_like_images(tiny_onnx):
+    clf = OnnxClassifier(tiny_onnx)
+    rng = np.random.default_rng(0)
+    noise = rng.integers(0, 256, (40, 32, 32, 3), dtype=np.uint8)
+    known = np.stack([clf.prepare(img) for img in quadrant_images(40, seed=5)[0]])
+    a, b = clf.assess(noise), clf.assess(known)
+    assert a.ood_scores.mean() > b.ood_scores.mean()
+    assert a.unknown.mean() > b.unknown.mean()
+
+
+def test_a_bad_coverage_is_refused_before_any_image_is_read(tiny_onnx):
+    clf = OnnxClassifier(tiny_onnx)
+    with pytest.raises(ValueError, match="between 0 and 1"):
+        clf.predict(["no-such-file.png"], coverage=1.0)
+    with pytest.raises(ValueError, match="finer than the 120 calibration images"):
+        clf.predict(["no-such-file.png"], coverage=0.999)
+
+
+def strip_calibration(path: Path, out: Path) -> Path:
+    """The file as exported before calibration existed: no `calibration` metadata entry."""
+    model = onnx.load(str(path))
+    keep = [p for p in model.metadata_props if p.key != "calibration"]
+    del model.metadata_props[:]
+    model.metadata_props.extend(keep)
+    onnx.save(model, str(out))
+    return out
+
+
+def test_a_file_without_calibration_still_loads_and_says_it_is_uncalibrated(tiny_onnx, tmp_path):
+    old = OnnxClassifier(strip_calibration(tiny_onnx, tmp_path / "old.onnx"))
+    assert not old.calibrated and "no calibration" in old.trust_summary()["note"]
+    pixels = np.stack([old.prepare(img) for img in quadrant_images(4)[0]])
+    np.testing.assert_allclose(old.predict_pixels(pixels), cal.softmax(old.logits(pixels)), atol=1e-6)
+    (p,) = old.predict(list(pixels[:1]))
+    assert p.prediction_set is None and p.unknown is None and p.ood_score is None
+    with pytest.raises(ValueError, match="carries no calibration.*export it again"):
+        old.predict(list(pixels[:1]), coverage=0.9)
