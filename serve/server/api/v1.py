@@ -21,6 +21,7 @@ from serve.server.explain import explain_pixels, mean_fill_of, overlay_png
 from serve.server.http.errors import ApiError, model_result
 from serve.server.http.uploads import decode_image, decode_request, open_upload
 from serve.server.metrics import Metrics
+from serve.server.payload_log import PayloadLog
 from serve.server.settings import ServeSettings
 
 # A small file can still declare a huge image (a flat 40 MP PNG compresses to kilobytes): only images
@@ -40,6 +41,11 @@ def encode_response(classifier, probs: np.ndarray, top_k: int, explanation: dict
     if explanation is not None:
         out["explanation"] = explanation
     return out
+
+
+def request_id_of(request: Request) -> str:
+    """The ID `serve.server.http.guard.RequestGuard` gave the request ("" without the guard)."""
+    return request.scope.get("state", {}).get("request_id", "")
 
 
 def parse_params(query, form: dict[str, str], settings: ServeSettings) -> dict[str, Any]:
@@ -69,11 +75,17 @@ def parse_params(query, form: dict[str, str], settings: ServeSettings) -> dict[s
 
 
 def v1_router(
-    classifier, engine: Engine, metrics: Metrics, settings: ServeSettings, budget: PixelBudget | None = None
+    classifier,
+    engine: Engine,
+    metrics: Metrics,
+    settings: ServeSettings,
+    budget: PixelBudget | None = None,
+    payloads: PayloadLog | None = None,
 ) -> APIRouter:
     """`/v1/classify`, `/healthz`, `/readyz` and `/metrics` for one classifier behind one engine; large
-    uploads hold `budget` while they decode."""
+    uploads hold `budget` while they decode; each answer is recorded in `payloads` (None: nowhere)."""
     router = APIRouter()
+    model = (classifier.name, str(classifier.version), classifier.labels)  # as the payload log names it
     # Decode small uploads where a core is free: on the event loop when onnxruntime runs on one thread
     # (small models: the loop has the other core), on the model's thread right before its batch when
     # onnxruntime uses every core (decoding on the loop would fight its threads; BENCHMARKS.md, serving).
@@ -98,6 +110,8 @@ def v1_router(
                 "overlay_png": await run_in_threadpool(overlay_png, pixels, ex["grid"]),  # a few ms: off the loop
                 "deletion": ex["deletion"].to_dict(),
             }
+            if payloads is not None:
+                payloads.record(request_id_of(request), "/v1/classify", model, ex["probs"][None], [data])
             return JSONResponse(encode_response(classifier, ex["probs"], params["top_k"], explanation))
         if not small:  # in a thread of its own, so that it never holds up the loop or a batch
             item = await run_in_threadpool(decode_image, img, classifier, settings, budget)
@@ -106,6 +120,8 @@ def v1_router(
         else:  # on the event loop, while the model runs on the other core
             item = decode_image(img, classifier, settings)
         probs = await model_result(engine.predict(item), settings)
+        if payloads is not None:
+            payloads.record(request_id_of(request), "/v1/classify", model, probs[None], [data])
         return JSONResponse(encode_response(classifier, probs, params["top_k"]))  # already plain JSON
 
     # A plain Starlette route: it takes the raw Request anyway, and FastAPI's per-request dependency
