@@ -6,6 +6,9 @@ and with onnxruntime running the file itself; the API key and the limits are HTT
 
 from __future__ import annotations
 
+import json
+import time
+
 import httpx
 import numpy as np
 import onnxruntime as ort
@@ -26,11 +29,11 @@ MAX_BYTES = 200_000  # 65 images of 32 x 32 x 3: an oversized message is cheap t
 
 
 @pytest.fixture(scope="module")
-def server(tiny_onnx):
-    port = free_port()
+def server(tiny_onnx, tmp_path_factory):
+    port, log = free_port(), tmp_path_factory.mktemp("grpc") / "payloads.jsonl"
     args = ("--no-ui", "--grpc-port", str(port), "--max-bytes", str(MAX_BYTES), "--api-key", KEY)
-    with ServerProcess(tiny_onnx, *args) as s:
-        s.grpc_url = f"127.0.0.1:{port}"
+    with ServerProcess(tiny_onnx, *args, "--payload-log", str(log)) as s:
+        s.grpc_url, s.payload_log = f"127.0.0.1:{port}", log
         yield s
 
 
@@ -121,3 +124,16 @@ def test_grpc_calls_are_counted_in_the_metrics(client, model, server):
     route = "/inference.GRPCInferenceService/ModelInfer"
     assert f'vitscope_requests_total{{route="{route}",status="OK"}}' in text
     assert f'vitscope_requests_total{{route="{route}",status="INVALID_ARGUMENT"}}' in text
+
+
+def test_grpc_answers_are_in_the_payload_log(client, model, server):
+    infer(client, model, np.zeros((2, 32, 32, 3), np.uint8), headers={**AUTH, "x-request-id": "grpc-logged"})
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        lines = server.payload_log.read_text().splitlines() if server.payload_log.exists() else []
+        logged = [r for r in map(json.loads, lines) if r["id"] == "grpc-logged"]
+        if logged:
+            break
+        time.sleep(0.05)
+    assert logged and logged[0]["route"] == "/inference.GRPCInferenceService/ModelInfer"
+    assert logged[0]["model"] == model and len(logged[0]["predictions"]) == 2
