@@ -56,7 +56,9 @@ def litserve_main(model: str, port: int, max_batch_size: int, batch_timeout: flo
     if ls is None:
         raise SystemExit("the LitServe peer needs LitServe: pip install 'vitscope[bench]'")
     api = ClassifierAPI(model, max_batch_size=max_batch_size, batch_timeout=batch_timeout)
-    ls.LitServer(api, accelerator="cpu", workers_per_device=1).run(host="127.0.0.1", port=port, log_level="warning")
+    ls.LitServer(api, accelerator="cpu", workers_per_device=1).run(
+        host="127.0.0.1", port=port, log_level="warning", generate_client_file=False
+    )
 
 
 def ray_main(model: str, port: int, max_batch_size: int, batch_timeout: float) -> None:
