@@ -57,7 +57,9 @@ def build_app(
         classifier,
         settings,
         on_batch=metrics.batch_size.observe,
-        decode=lambda img: decode_image(img, classifier, settings),  # an opened upload, decoded on the worker
+        decode=lambda img: decode_image(
+            img, classifier, settings.max_pixels
+        ),  # an opened upload, decoded on the worker
     )
     metrics.queue_depth.set_function(lambda: engine.batcher.depth)
     payloads = open_payload_log(settings, metrics)
@@ -83,16 +85,17 @@ def build_app(
     off = None if settings.opentelemetry else {"tracing": False, "metrics": False, "logs": False}
     app = FastAPI(title="vitscope", version=str(classifier.version), lifespan=lifespan, telemetry=off)
     app.state.engine, app.state.metrics, app.state.settings = engine, metrics, settings
-    add_error_handlers(app, settings)
+    add_error_handlers(app, settings.retry_after_s)
+    limits = settings.request_limits()
     budget = PixelBudget(settings.decode_pixel_budget)  # shared by the API and the UI
     routers = [
-        v1_router(classifier, engine, metrics, settings, budget, payloads),
-        v2_router(classifier, engine, settings, payloads),
+        v1_router(classifier, engine, metrics, limits, budget, payloads),
+        v2_router(classifier, engine, limits, payloads),
     ]
     for router in routers:  # flat, as `@app.get` adds them: `include_router` costs a dispatch layer per request
         app.router.routes.extend(router.routes)
     add_fallback_routes(app, routers)
-    describe(app, settings, classifier.name)
+    describe(app, limits, classifier.name, auth=bool(settings.api_key.get_secret_value()))
     if with_ui:
         from serve.server.ui.blocks import mount_ui
 
@@ -129,5 +132,5 @@ def grpc_server_of(classifier, engine: Engine, settings: ServeSettings, metrics:
     from serve.server.grpc.service import Service
 
     models = OneModel(ServedModel.of(classifier, engine))
-    service = Service(models, settings, settings.api_key.get_secret_value(), metrics, payloads)
+    service = Service(models, settings.request_limits(), settings.api_key.get_secret_value(), metrics, payloads)
     return GrpcServer(service, settings.host, settings.grpc_port, settings.max_bytes, settings.max_connections)

@@ -14,15 +14,16 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
+from serve.runtime.faithfulness import mean_fill
 from serve.runtime.images import PixelBudget
 from serve.runtime.rollout import HEAD_FUSIONS
 from serve.server.batching import Engine
-from serve.server.explain import explain_pixels, mean_fill_of, overlay_png
+from serve.server.explain import explain_pixels, overlay_png
 from serve.server.http.errors import ApiError, model_result
 from serve.server.http.uploads import decode_image, decode_request, open_upload
 from serve.server.metrics import Metrics
 from serve.server.payload_log import PayloadLog
-from serve.server.settings import ServeSettings
+from serve.server.settings import RequestLimits
 
 # A small file can still declare a huge image (a flat 40 MP PNG compresses to kilobytes): only images
 # up to 1 MP, a few milliseconds of decoding and resizing, are decoded on the loop or the model's thread.
@@ -48,16 +49,16 @@ def request_id_of(request: Request) -> str:
     return request.scope.get("state", {}).get("request_id", "")
 
 
-def parse_params(query, form: dict[str, str], settings: ServeSettings) -> dict[str, Any]:
+def parse_params(query, form: dict[str, str], default_top_k: int) -> dict[str, Any]:
     """The query string's and the form's parameters, checked: `ApiError("bad_request")` says what is wrong.
 
     The query string wins where both give a parameter, but a bad value is refused wherever it is.
     """
     if form:
-        parse_params(form, {}, settings)  # the form alone, as if it were the query
+        parse_params(form, {}, default_top_k)  # the form alone, as if it were the query
     params = {**form, **dict(query)}
     try:
-        top_k = int(params.get("top_k", settings.top_k))
+        top_k = int(params.get("top_k", default_top_k))
         discard = float(params.get("discard_ratio", 0.0))
     except ValueError:
         raise ApiError("bad_request", "top_k must be an integer and discard_ratio a number") from None
@@ -78,7 +79,7 @@ def v1_router(
     classifier,
     engine: Engine,
     metrics: Metrics,
-    settings: ServeSettings,
+    limits: RequestLimits,
     budget: PixelBudget | None = None,
     payloads: PayloadLog | None = None,
 ) -> APIRouter:
@@ -90,19 +91,19 @@ def v1_router(
     # (small models: the loop has the other core), on the model's thread right before its batch when
     # onnxruntime uses every core (decoding on the loop would fight its threads; BENCHMARKS.md, serving).
     decode_on_worker = classifier.threads != 1
-    fill = mean_fill_of(classifier)
+    fill = mean_fill(classifier.preprocess.mean)
 
     async def classify(request: Request):
         """Classify one image (multipart field `file` or raw body); `explain=true` adds the rollout map."""
-        data, form = await decode_request(request, settings)
-        params = parse_params(request.query_params, form, settings)
-        img = open_upload(data, settings)  # the header: not an image, or too many pixels, fails here
-        small = len(data) <= settings.inline_decode_bytes and img.width * img.height <= INLINE_DECODE_PIXELS
+        data, form = await decode_request(request, limits)
+        params = parse_params(request.query_params, form, limits.top_k)
+        img = open_upload(data, limits.max_pixels)  # the header: not an image, or too many pixels, fails here
+        small = len(data) <= limits.inline_decode_bytes and img.width * img.height <= INLINE_DECODE_PIXELS
         if params["explain"]:  # the explain pass computes the probabilities too: no second forward pass
-            pixels = await run_in_threadpool(decode_image, img, classifier, settings, budget)
+            pixels = await run_in_threadpool(decode_image, img, classifier, limits.max_pixels, budget)
             fusion, discard = params["head_fusion"], params["discard_ratio"]
-            work = engine.run(explain_pixels, classifier, pixels, fusion, discard, None, fill, settings)
-            ex = await model_result(work, settings)
+            work = engine.run(explain_pixels, classifier, pixels, fusion, discard, None, fill, limits)
+            ex = await model_result(work, limits.request_timeout_s)
             explanation = {
                 "head_fusion": fusion,
                 "discard_ratio": discard,
@@ -114,12 +115,12 @@ def v1_router(
                 payloads.record(request_id_of(request), "/v1/classify", model, ex["probs"][None], [data])
             return JSONResponse(encode_response(classifier, ex["probs"], params["top_k"], explanation))
         if not small:  # in a thread of its own, so that it never holds up the loop or a batch
-            item = await run_in_threadpool(decode_image, img, classifier, settings, budget)
+            item = await run_in_threadpool(decode_image, img, classifier, limits.max_pixels, budget)
         elif decode_on_worker:  # on the model's thread, right before its batch runs
             item = img
         else:  # on the event loop, while the model runs on the other core
-            item = decode_image(img, classifier, settings)
-        probs = await model_result(engine.predict(item), settings)
+            item = decode_image(img, classifier, limits.max_pixels)
+        probs = await model_result(engine.predict(item), limits.request_timeout_s)
         if payloads is not None:
             payloads.record(request_id_of(request), "/v1/classify", model, probs[None], [data])
         return JSONResponse(encode_response(classifier, probs, params["top_k"]))  # already plain JSON

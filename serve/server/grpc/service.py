@@ -54,7 +54,7 @@ class Service:
 
     Args:
         models: which model answers a request (`serve.server.grpc.models`).
-        limits: the request limits: an object with `max_batch_size` and `request_timeout_s` (the server's settings).
+        limits: the request limits (`max_batch_size`, `request_timeout_s`).
         api_key: the key clients must send ("": none).
         metrics: where each call is counted.
         payloads: where each answered ModelInfer is recorded (None: nowhere).
@@ -142,7 +142,9 @@ class Service:
         if not m.engine.ready:
             raise ApiError("not_ready", NOT_READY)
         pixels, wanted = parse_infer(request, m.pixels, self.limits.max_batch_size)
-        work = (model_result(m.engine.infer(p), self.limits) for p in pixels)  # each joins the batches
+        work = (
+            model_result(m.engine.infer(p), self.limits.request_timeout_s) for p in pixels
+        )  # each joins the batches
         results = await asyncio.gather(*work, return_exceptions=True)
         failed = next((r for r in results if isinstance(r, BaseException)), None)
         if failed is not None:  # every image has settled: nothing is left running or unobserved
