@@ -60,27 +60,43 @@ class Child:
         raise TimeoutError(f"{self.cmd[:4]} not ready after {timeout} s:\n{self.log.read_text()[-3000:]}")
 
     def stop(self, timeout: float = 30.0) -> None:
+        """SIGTERM to the child, then to whatever else of its session is left (Ray's actors have groups of their
+        own); SIGKILL after `timeout`."""
         if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)  # the whole group: LitServe's and Ray's workers too
+            self.proc.send_signal(signal.SIGTERM)
             try:
                 self.proc.wait(timeout)
             except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.kill()
                 self.proc.wait(10)
+        for pid in session_members(self.proc.pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def session_members(sid: int) -> list[int]:
+    """The processes of session `sid` (a child started with `start_new_session` and everything it started)."""
+    members = []
+    for entry in os.listdir("/proc"):
+        try:
+            if entry.isdigit() and int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[3]) == sid:
+                members.append(int(entry))
+        except OSError:
+            continue
+    return members
 
 
 def cpu_seconds(pid: int) -> float:
     """User + system CPU time of process `pid` and of every process in its session (workers it started)."""
     total, tick = 0.0, os.sysconf("SC_CLK_TCK")
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
+    for member in {pid, *session_members(pid)}:
         try:
-            fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+            fields = Path(f"/proc/{member}/stat").read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        if int(entry) == pid or int(fields[3]) == pid:  # fields[3]: the session ID (start_new_session)
-            total += (int(fields[11]) + int(fields[12])) / tick
+        total += (int(fields[11]) + int(fields[12])) / tick
     return total
 
 

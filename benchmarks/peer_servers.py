@@ -14,6 +14,7 @@ import argparse
 import time
 
 import numpy as np
+from fastapi import FastAPI, UploadFile  # at module level: FastAPI resolves the route's annotations here
 
 from serve.runtime.classifier import OnnxClassifier
 
@@ -63,7 +64,6 @@ def litserve_main(model: str, port: int, max_batch_size: int, batch_timeout: flo
 
 def ray_main(model: str, port: int, max_batch_size: int, batch_timeout: float) -> None:
     import ray
-    from fastapi import FastAPI, UploadFile
     from ray import serve
 
     app = FastAPI()
