@@ -6,15 +6,16 @@ Ray Serve deployment, each batching up to `--max-batch-size` uploads, as each pr
 
 Both answer what /v1/classify answers: the top 5 labels and scores of `OnnxClassifier` (decode, preprocess,
 softmax). They install from the `[bench]` extra (`pip install 'vitscope[bench]'`), never the runtime's.
+No `from __future__ import annotations` here: Ray pickles the deployment class by value, and FastAPI must
+find `UploadFile` in the route's annotation itself, not as a name to look up in the replica.
 """
 
-from __future__ import annotations
 
 import argparse
 import time
 
 import numpy as np
-from fastapi import FastAPI, UploadFile  # at module level: FastAPI resolves the route's annotations here
+from fastapi import FastAPI, UploadFile
 
 from serve.runtime.classifier import OnnxClassifier
 
