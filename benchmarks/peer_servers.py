@@ -10,7 +10,6 @@ No `from __future__ import annotations` here: Ray pickles the deployment class b
 find `UploadFile` in the route's annotation itself, not as a name to look up in the replica.
 """
 
-
 import argparse
 import time
 

@@ -86,30 +86,29 @@ def tensor_requests(clf: OnnxClassifier, png: bytes, name: str) -> tuple[bytes, 
 
 
 def start_servers(model: Path, peers: list[str], batch: int, logs: Path) -> dict:
-    """Every server, one after the other (none times its batch sizes while another loads): name -> (Child, port)."""
+    """Every server, one after the other (none times its batch sizes while another loads): name -> (Child, port...).
+    A server that fails to start stops the ones already up."""
     py = sys.executable
-    servers = {}
-    port, gport = free_port(), free_port()
-    cmd = [py, "-m", "serve.server", str(model), "--no-ui", "--host", "127.0.0.1", "--port", str(port),
-           "--grpc-port", str(gport), "--max-batch-size", str(batch), "--preferred-batch-size", str(batch),
-           "--log-level", "warning"]  # fmt: skip
-    servers["vit-serve"] = (Child(cmd, logs / "vit-serve.log").wait_ready(f"http://127.0.0.1:{port}/readyz"), port)
-    servers["vit-serve"] += (gport,)
-    ready = {"litserve": "/health", "ray": "/-/healthz"}
-    for peer in peers:
-        port = free_port()
-        cmd = [
-            py,
-            "-m",
-            "benchmarks.peer_servers",
-            peer,
-            str(model),
-            "--port",
-            str(port),
-            "--max-batch-size",
-            str(batch),
-        ]
-        servers[peer] = (Child(cmd, logs / f"{peer}.log").wait_ready(f"http://127.0.0.1:{port}{ready[peer]}"), port)
+    servers: dict = {}
+    try:
+        port, gport = free_port(), free_port()
+        cmd = [py, "-m", "serve.server", str(model), "--no-ui", "--host", "127.0.0.1", "--port", str(port),
+               "--grpc-port", str(gport), "--max-batch-size", str(batch), "--preferred-batch-size", str(batch),
+               "--log-level", "warning"]  # fmt: skip
+        vit = Child(cmd, logs / "vit-serve.log")
+        servers["vit-serve"] = (vit, port, gport)
+        vit.wait_ready(f"http://127.0.0.1:{port}/readyz")
+        ready = {"litserve": "/health", "ray": "/-/healthz"}
+        for peer in peers:
+            port = free_port()
+            cmd = [py, "-m", "benchmarks.peer_servers", peer, str(model), "--port", str(port),
+                   "--max-batch-size", str(batch)]  # fmt: skip
+            servers[peer] = (Child(cmd, logs / f"{peer}.log"), port)
+            servers[peer][0].wait_ready(f"http://127.0.0.1:{port}{ready[peer]}")
+    except BaseException:
+        for child, *_ in servers.values():
+            child.stop()
+        raise
     return servers
 
 
