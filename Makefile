@@ -14,7 +14,7 @@ RUN ?= runs/sample
 HOST ?= 127.0.0.1
 PORT ?= 7860
 
-.PHONY: install test test-fast test-serve-only lint format docs docs-serve demo sample train export serve bench report clean
+.PHONY: install test test-fast test-serve-only lint format protos docs docs-serve demo sample train export serve bench report clean
 
 install: $(VENV)/.installed
 
@@ -33,6 +33,16 @@ lint: install
 format: install
 	$(BIN)/ruff format vit train serve tests benchmarks
 	$(BIN)/ruff check --fix vit train serve tests benchmarks
+
+# The gRPC messages from their .proto. grpcio-tools 1.73 writes protobuf 6.31 code, which every protobuf from 6.31
+# on runs (tritonclient wants protobuf 6); the messages go into a descriptor pool of their own, so that a process
+# may also import tritonclient's copy of the same `inference.*` messages.
+PROTO_DIR := serve/server/grpc
+protos:
+	test -x .venv-protoc/bin/python || $(PY) -m venv .venv-protoc
+	.venv-protoc/bin/pip install --quiet grpcio-tools==1.73.1
+	.venv-protoc/bin/python -m grpc_tools.protoc -I $(PROTO_DIR) --python_out=$(PROTO_DIR) $(PROTO_DIR)/grpc_predict_v2.proto
+	sed -i 's/_descriptor_pool.Default()/_descriptor_pool.DescriptorPool()/' $(PROTO_DIR)/grpc_predict_v2_pb2.py
 
 # The docs site (mkdocs.yml): every warning is an error, broken links and anchors included
 docs: install

@@ -3,7 +3,8 @@
 It wires the pieces, each in a module of its own: the micro-batching engine (`batching`), the `/v1`
 and health routes (`v1`), KServe v2 (`v2`), the JSON error mapping (`errors`), Prometheus metrics
 (`metrics`), the OpenAPI document (`openapi`), the Host, API-key and access-log layer around it all
-(`guard`), and, unless `with_ui` is False, the Gradio UI at `/` (`ui`, the only module that imports
+(`guard`), the payload log (`payload_log`), the gRPC service on `--grpc-port` (`grpc`, started and
+stopped with the app), and, unless `with_ui` is False, the Gradio UI at `/` (`ui`, the only module that imports
 gradio: an API-only server never loads it). Connection limits live below the app, in uvicorn's protocol
 (`protocol`, set up by `cli`).
 """
@@ -27,6 +28,7 @@ from serve.server.http.errors import add_error_handlers, add_fallback_routes
 from serve.server.http.guard import RequestGuard, allowed_hosts_of
 from serve.server.http.uploads import decode_image
 from serve.server.metrics import Metrics
+from serve.server.payload_log import CloudEventsSink, FileSink, PayloadLog
 from serve.server.settings import ServeSettings
 
 log = logging.getLogger(__name__)
@@ -55,21 +57,27 @@ def build_app(
         classifier,
         settings,
         on_batch=metrics.batch_size.observe,
-        decode=lambda img: decode_image(
-            img, classifier, settings.max_pixels
-        ),  # an opened upload, decoded on the worker
+        decode=lambda img: decode_image(img, classifier, settings.max_pixels),  # an upload, on the worker
     )
     metrics.queue_depth.set_function(lambda: engine.batcher.depth)
     metrics.trust.watch(classifier.name, classifier.trust)
+    payloads = open_payload_log(settings, metrics)
+    grpc = grpc_server_of(classifier, engine, settings, metrics, payloads) if settings.grpc_port else None
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         await run_in_threadpool(engine.start)
         log.info("model %s warmed up; ready", classifier.name)
+        if grpc is not None:
+            await run_in_threadpool(grpc.start)
         try:
             yield
         finally:
+            if grpc is not None:  # first: its calls in flight still need the engine
+                await run_in_threadpool(grpc.stop, settings.graceful_timeout_s)
             await run_in_threadpool(engine.stop)
+            if payloads is not None:
+                await run_in_threadpool(payloads.close)
 
     if settings.opentelemetry and "telemetry" not in inspect.signature(FastAPI).parameters:
         log.warning("--opentelemetry needs a FastAPI with native OpenTelemetry (telemetry=); this one has none")
@@ -79,7 +87,10 @@ def build_app(
     add_error_handlers(app, settings.retry_after_s)
     limits = settings.request_limits()
     budget = PixelBudget(settings.decode_pixel_budget)  # shared by the API and the UI
-    routers = [v1_router(classifier, engine, metrics, limits, budget), v2_router(classifier, engine, limits)]
+    routers = [
+        v1_router(classifier, engine, metrics, limits, budget, payloads),
+        v2_router(classifier, engine, limits, payloads),
+    ]
     for router in routers:  # flat, as `@app.get` adds them: `include_router` costs a dispatch layer per request
         app.router.routes.extend(router.routes)
     add_fallback_routes(app, routers)
@@ -97,3 +108,28 @@ def build_app(
         routes=("/v1", "/v2", "/healthz", "/readyz", "/gradio_api"),
     )
     return app
+
+
+def open_payload_log(settings: ServeSettings, metrics: Metrics) -> PayloadLog | None:
+    """The payload log the settings ask for (`--payload-log`, `--payload-log-url`), or None."""
+    sinks = []
+    if settings.payload_log:
+        sinks.append(FileSink(settings.payload_log, settings.payload_log_max_bytes, settings.payload_log_backups))
+    if settings.payload_log_url:
+        sinks.append(CloudEventsSink(settings.payload_log_url))
+    if not sinks:
+        return None
+    on_drop = lambda sink, reason: metrics.payload_log_dropped.labels(sink, reason).inc()
+    images, size = settings.payload_log_images, settings.payload_log_queue_size
+    return PayloadLog(sinks, settings.top_k, images, size, on_drop)
+
+
+def grpc_server_of(classifier, engine: Engine, settings: ServeSettings, metrics: Metrics, payloads: PayloadLog | None):
+    """The gRPC server of this model on `settings.grpc_port` (started by the app's lifespan)."""
+    from serve.server.grpc.models import OneModel, ServedModel
+    from serve.server.grpc.server import GrpcServer
+    from serve.server.grpc.service import Service
+
+    models = OneModel(ServedModel.of(classifier, engine))
+    service = Service(models, settings.request_limits(), settings.api_key.get_secret_value(), metrics, payloads)
+    return GrpcServer(service, settings.host, settings.grpc_port, settings.max_bytes, settings.max_connections)

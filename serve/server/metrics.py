@@ -24,7 +24,10 @@ class Metrics:
     def __init__(self):
         self.registry = CollectorRegistry()
         self.requests = Counter(
-            "vitscope_requests", "HTTP requests by route and status code", ["route", "status"], registry=self.registry
+            "vitscope_requests",
+            "Requests by route (HTTP path prefix or gRPC method) and status (HTTP code or gRPC status name)",
+            ["route", "status"],
+            registry=self.registry,
         )
         self.latency = Histogram(
             "vitscope_request_latency_seconds",
@@ -38,6 +41,12 @@ class Metrics:
         )
         self.queue_depth = Gauge("vitscope_queue_depth", "Requests waiting for the model", registry=self.registry)
         self.trust = TrustMetrics(self.registry)  # calibrated confidence, OOD score, unknown, classes, drift
+        self.payload_log_dropped = Counter(
+            "vitscope_payload_log_dropped",
+            "Payload log records lost, by sink (file, url) and reason (queue_full, write_failed)",
+            ["sink", "reason"],
+            registry=self.registry,
+        )
 
     def observe(self, route: str, status: int, started: float) -> None:
         """Count one finished request; `started` is its `time.perf_counter()` at arrival."""

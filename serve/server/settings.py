@@ -10,6 +10,7 @@ over the environment, the environment over the defaults. Each field's descriptio
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -160,6 +161,39 @@ class ServeSettings(BaseSettings):
         "in this process (for example by opentelemetry-instrument). Off by default: /metrics covers the API, and "
         "checking for providers on every request costs a few percent of a small model's throughput "
         "(BENCHMARKS.md)",
+    )
+
+    grpc_port: int = Field(
+        0,
+        ge=0,
+        le=65535,
+        description="port of the Open Inference Protocol over gRPC (inference.GRPCInferenceService, what "
+        "tritonclient.grpc and KServe's InferenceGRPCClient speak), on the same host, models, limits, API key and "
+        "metrics as HTTP. 0: no gRPC (Triton's and KServe's own gRPC ports are 8001 and 8081)",
+    )
+    payload_log: str = Field(
+        "", description="file to record every inference request in, as JSON lines, rotated by size (empty: none)"
+    )
+    payload_log_url: str = Field(
+        "",
+        description="URL to send every inference request to, as CloudEvents in the format of KServe's inference "
+        "logger (empty: none)",
+    )
+    payload_log_images: Literal["none", "digest", "image"] = Field(
+        "none",
+        description="what the payload log keeps of each image besides its predictions: none, its SHA-256 "
+        "(digest) or the image itself (image: the upload's bytes, base64). Off by default: images can be personal "
+        "data, and they are the bulk of the log",
+    )
+    payload_log_max_bytes: int = Field(
+        100 * 1024 * 1024, ge=1024, description="size at which the payload log file is rotated (to FILE.1, ...)"
+    )
+    payload_log_backups: int = Field(5, ge=0, description="rotated payload log files kept")
+    payload_log_queue_size: int = Field(
+        1000,
+        ge=1,
+        description="records each payload log sink may hold while it writes; beyond that they are dropped and "
+        "counted (vitscope_payload_log_dropped_total), so that a slow or dead sink never slows a request",
     )
 
     @model_validator(mode="after")

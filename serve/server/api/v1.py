@@ -25,6 +25,7 @@ from serve.server.explain import explain_pixels, overlay_png
 from serve.server.http.errors import ApiError, model_result
 from serve.server.http.uploads import decode_image, decode_request, open_upload
 from serve.server.metrics import Metrics
+from serve.server.payload_log import PayloadLog
 from serve.server.settings import RequestLimits
 
 # A small file can still declare a huge image (a flat 40 MP PNG compresses to kilobytes): only images
@@ -47,6 +48,11 @@ def encode_response(classifier, answers: Assessment, top_k: int, explanation: di
     if explanation is not None:
         out["explanation"] = explanation
     return out
+
+
+def request_id_of(request: Request) -> str:
+    """The ID `serve.server.http.guard.RequestGuard` gave the request ("" without the guard)."""
+    return request.scope.get("state", {}).get("request_id", "")
 
 
 def parse_params(query, form: dict[str, str], default_top_k: int) -> dict[str, Any]:
@@ -91,11 +97,17 @@ def check_coverage(classifier, coverage: float | None) -> None:
 
 
 def v1_router(
-    classifier, engine: Engine, metrics: Metrics, limits: RequestLimits, budget: PixelBudget | None = None
+    classifier,
+    engine: Engine,
+    metrics: Metrics,
+    limits: RequestLimits,
+    budget: PixelBudget | None = None,
+    payloads: PayloadLog | None = None,
 ) -> APIRouter:
     """`/v1/classify`, `/healthz`, `/readyz` and `/metrics` for one classifier behind one engine; large
-    uploads hold `budget` while they decode."""
+    uploads hold `budget` while they decode; each answer is recorded in `payloads` (None: nowhere)."""
     router = APIRouter()
+    model = (classifier.name, str(classifier.version), classifier.labels)  # as the payload log names it
     # Decode small uploads where a core is free: on the event loop when onnxruntime runs on one thread
     # (small models: the loop has the other core), on the model's thread right before its batch when
     # onnxruntime uses every core (decoding on the loop would fight its threads; BENCHMARKS.md, serving).
@@ -125,6 +137,8 @@ def v1_router(
             # the unknown verdict needs the logits: one more pass of the fast path, small beside the explain one
             rows = await model_result(engine.infer(pixels), limits.request_timeout_s)
             answers = answer(rows, coverage)
+            if payloads is not None:
+                payloads.record(request_id_of(request), "/v1/classify", model, rows[1][None], [data])
             return JSONResponse(encode_response(classifier, answers, params["top_k"], explanation))
         if not small:  # in a thread of its own, so that it never holds up the loop or a batch
             item = await run_in_threadpool(decode_image, img, classifier, limits.max_pixels, budget)
@@ -133,6 +147,8 @@ def v1_router(
         else:  # on the event loop, while the model runs on the other core
             item = decode_image(img, classifier, limits.max_pixels)
         rows = await model_result(engine.infer(item), limits.request_timeout_s)  # (2, K) logits, probs
+        if payloads is not None:
+            payloads.record(request_id_of(request), "/v1/classify", model, rows[1][None], [data])
         return JSONResponse(encode_response(classifier, answer(rows, coverage), params["top_k"]))
 
     def answer(rows: np.ndarray, coverage: float | None) -> Assessment:

@@ -30,9 +30,11 @@ from serve.server.api.tensors import (
     encode_infer_response,
     parse_infer_request,
 )
+from serve.server.api.v1 import request_id_of
 from serve.server.batching import Engine
 from serve.server.http.errors import ApiError, error_response, model_result
 from serve.server.http.uploads import read_body
+from serve.server.payload_log import PayloadLog
 from serve.server.settings import RequestLimits
 
 INPUT, OUTPUT, PROBS = "pixels", "logits", "probs"  # the graph's input and logits output; probs is ours
@@ -70,8 +72,8 @@ def tensor_specs(classifier) -> tuple[TensorSpec, TensorSpec]:
     return pixels, logits
 
 
-def v2_router(classifier, engine: Engine, limits: RequestLimits) -> APIRouter:
-    """The v2 routes for one classifier behind one engine."""
+def v2_router(classifier, engine: Engine, limits: RequestLimits, payloads: PayloadLog | None = None) -> APIRouter:
+    """The v2 routes for one classifier behind one engine; each answered infer is recorded in `payloads`."""
     router = APIRouter(prefix="/v2")
     pixels, logits = tensor_specs(classifier)
     version = str(classifier.version)
@@ -147,6 +149,10 @@ def v2_router(classifier, engine: Engine, limits: RequestLimits) -> APIRouter:
         req_id = req.id or request.headers.get("x-request-id")
         if req_id:
             head["id"] = req_id
+        if payloads is not None:
+            images = [p.tobytes() for p in req.pixels] if payloads.wants_images else None
+            model = (classifier.name, version, classifier.labels)
+            payloads.record(request_id_of(request), request.url.path, model, rows[:, 1], images)
         content, headers = encode_infer_response(head, [(n, by_name[n], binary) for n, binary in req.outputs])
         return Response(content, headers=headers)
 

@@ -58,6 +58,8 @@ def run(
 
     if settings.port == 0:
         raise ValueError("--ray needs a fixed --port: it is the port of Ray Serve's HTTP proxy")
+    if settings.grpc_port:  # each replica's app would bind the same port
+        raise ValueError("--grpc-port is served without --ray only: run gRPC from a plain vit-serve")
     app = deployment(model, settings, replicas, max_replicas, cpus)  # checks the counts before Ray starts
     host = address.rsplit(":", 1)[0] if address and ":" in address else ""
     # a cluster on loopback addresses (one machine): this driver joins it there too, not on the network

@@ -1,0 +1,196 @@
+"""How does vit-serve compare with its peers? vit-serve, LitServe and a plain Ray Serve deployment of the same
+ONNX file, all up at once, on the same requests in alternating rounds.
+
+Each round gives every target `--duration` seconds of `--concurrency` clients posting back to back:
+- the three servers get the same multipart PNG upload (vit-serve's /v1/classify, LitServe's /predict, Ray's
+  /classify), each batching up to 8 images and answering the top 5 of `OnnxClassifier`;
+- vit-serve also gets the image as a KServe v2 binary tensor (HTTP) and as a gRPC ModelInfer with
+  raw_input_contents: the same pixels both ways, no decoding on the server, so these two rows compare
+  the protocols.
+Per target: the median over rounds of req/s, p50 and p99 latency, and the server's CPU time per request
+(its whole process tree, from /proc), and that CPU less what the model and decoding cost in-process
+(`beyond model`: what the server itself costs). The load generators share the cores with the servers.
+
+    .venv/bin/python -m benchmarks.serve_peers [--variant vit_micro_patch4_32] [--peers litserve,ray]
+
+The default model is the sample's architecture (vit_micro_patch4_32) with random weights: speed does not
+depend on training. LitServe and Ray Serve come from the `[bench]` and `[ray]` extras.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from benchmarks.harness import (
+    Child,
+    free_port,
+    grpc_load,
+    header,
+    http_load,
+    http_request,
+    measured,
+    multipart_request,
+    write_result,
+)
+from benchmarks.serve_bench import random_model_file, sample_image
+from serve.runtime.classifier import OnnxClassifier
+
+INFER = "/inference.GRPCInferenceService/ModelInfer"
+
+
+def in_process_cost(clf: OnnxClassifier, png: bytes, batch: int = 8, seconds: float = 2.0) -> tuple[float, float]:
+    """CPU µs per image of the model alone and of decoding plus the model, at `batch` images per call."""
+    pixels = np.repeat(clf.prepare(png)[None], batch, axis=0)
+    out = []
+    for work in (lambda: clf.predict_pixels(pixels), lambda: clf.predict_pixels(np.stack([clf.prepare(png)] * batch))):
+        n, cpu0, t0 = 0, time.process_time(), time.perf_counter()
+        while time.perf_counter() - t0 < seconds:
+            work()
+            n += batch
+        out.append((time.process_time() - cpu0) / n * 1e6)
+    return out[0], out[1]
+
+
+def tensor_requests(clf: OnnxClassifier, png: bytes, name: str) -> tuple[bytes, bytes]:
+    """One image as a KServe v2 binary-tensor HTTP request and as a serialized gRPC ModelInferRequest."""
+    from serve.server.grpc import grpc_predict_v2_pb2 as pb
+
+    raw = clf.prepare(png)[None].tobytes()  # (1, H, W, 3) uint8
+    H, W = clf.input_size
+    head = json.dumps({
+        "inputs": [{"name": "pixels", "datatype": "UINT8", "shape": [1, H, W, 3],
+                    "parameters": {"binary_data_size": len(raw)}}],
+        "outputs": [{"name": "logits", "parameters": {"binary_data": True}}],
+    }).encode()  # fmt: skip
+    v2 = http_request(
+        f"/v2/models/{name}/infer",
+        head + raw,
+        "application/octet-stream",
+        f"Inference-Header-Content-Length: {len(head)}\r\n",
+    )
+    message = pb.ModelInferRequest(
+        model_name=name, outputs=[pb.ModelInferRequest.InferRequestedOutputTensor(name="logits")]
+    )
+    message.inputs.add(name="pixels", datatype="UINT8", shape=[1, H, W, 3])
+    message.raw_input_contents.append(raw)
+    return v2, message.SerializeToString()
+
+
+def start_servers(model: Path, peers: list[str], batch: int, logs: Path) -> dict:
+    """Every server, one after the other (none times its batch sizes while another loads): name -> (Child, port...).
+    A server that fails to start stops the ones already up."""
+    py = sys.executable
+    servers: dict = {}
+    try:
+        port, gport = free_port(), free_port()
+        cmd = [py, "-m", "serve.server", str(model), "--no-ui", "--host", "127.0.0.1", "--port", str(port),
+               "--grpc-port", str(gport), "--max-batch-size", str(batch), "--preferred-batch-size", str(batch),
+               "--log-level", "warning"]  # fmt: skip
+        vit = Child(cmd, logs / "vit-serve.log")
+        servers["vit-serve"] = (vit, port, gport)
+        vit.wait_ready(f"http://127.0.0.1:{port}/readyz")
+        ready = {"litserve": "/health", "ray": "/-/healthz"}
+        for peer in peers:
+            port = free_port()
+            cmd = [py, "-m", "benchmarks.peer_servers", peer, str(model), "--port", str(port),
+                   "--max-batch-size", str(batch)]  # fmt: skip
+            servers[peer] = (Child(cmd, logs / f"{peer}.log"), port)
+            servers[peer][0].wait_ready(f"http://127.0.0.1:{port}{ready[peer]}")
+    except BaseException:
+        for child, *_ in servers.values():
+            child.stop()
+        raise
+    return servers
+
+
+def targets(servers: dict, png: bytes, v2: bytes, message: bytes, concurrency: int, seconds: float) -> dict:
+    """Name -> (a load of `seconds`, the server's pid, whether it decodes the image)."""
+    vit, port, gport = servers["vit-serve"]
+    upload = multipart_request("/v1/classify", png)
+    out = {
+        "vit-serve HTTP multipart": (lambda: http_load(port, upload, concurrency, seconds), vit, True),
+        "vit-serve HTTP v2 binary tensor": (lambda: http_load(port, v2, concurrency, seconds), vit, False),
+        "vit-serve gRPC raw tensor": (
+            lambda: grpc_load(f"127.0.0.1:{gport}", INFER, message, concurrency, seconds), vit, False),
+    }  # fmt: skip
+    paths = {"litserve": "/predict", "ray": "/classify"}
+    for peer, (child, p) in ((k, v) for k, v in servers.items() if k != "vit-serve"):
+        request = multipart_request(paths[peer], png)
+        out[f"{peer} HTTP multipart"] = (lambda r=request, p=p: http_load(p, r, concurrency, seconds), child, True)
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", type=Path, help="an exported .onnx (default: --variant with random weights)")
+    p.add_argument("--variant", default="vit_micro_patch4_32", help="vit.create_model variant to export")
+    p.add_argument("--data", type=Path, default=Path("data/digits"), help="sample images: classes and the posted PNG")
+    p.add_argument("--peers", default="litserve,ray", help="comma-separated: litserve, ray (empty: vit-serve only)")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--duration", type=float, default=4.0, help="seconds per target per round")
+    p.add_argument("--concurrency", type=int, default=16)
+    p.add_argument("--batch", type=int, default=8, help="most images per model call, on every server")
+    args = p.parse_args()
+    tmp = Path(tempfile.mkdtemp(prefix="serve_peers-"))
+    try:
+        model = args.model.resolve() if args.model else random_model_file(args.variant, args.data, tmp)
+        compare(args, model, tmp)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def compare(args: argparse.Namespace, model: Path, tmp: Path) -> None:
+    clf = OnnxClassifier(model)
+    png = sample_image(args.data, clf.input_size)
+    model_us, decode_model_us = in_process_cost(clf, png, args.batch)
+    v2, message = tensor_requests(clf, png, clf.name)
+    peers = [x for x in args.peers.split(",") if x]
+    servers = start_servers(model, peers, args.batch, tmp)
+    try:
+        loads = targets(servers, png, v2, message, args.concurrency, args.duration)
+        for load, _, _ in loads.values():  # connections, first batches, the peers' routing
+            load()
+        runs: dict[str, list[dict]] = {name: [] for name in loads}
+        for _ in range(args.rounds):
+            for name, (load, child, _) in loads.items():
+                runs[name].append(measured(load, child.proc.pid))
+    finally:
+        for child, *_ in servers.values():
+            child.stop()
+    rows = []
+    for name, results in runs.items():
+        med = {k: statistics.median(r[k] for r in results) for k in ("rps", "p50", "p99", "cpu_us")}
+        base = decode_model_us if loads[name][2] else model_us
+        each = [round(r["rps"]) for r in results]
+        errors = sum(r["errors"] for r in results)
+        rows.append(
+            {"target": name, **med, "beyond_model_us": med["cpu_us"] - base, "errors": errors, "each_round": each}
+        )
+    lit = next((r["rps"] for r in rows if r["target"] == "litserve HTTP multipart"), None)
+    for row in rows:
+        row["vs_litserve"] = f"{row['rps'] / lit:.2f}x" if lit else ""
+    head = header() | {"model": f"{model.name} ({args.variant} random weights)" if not args.model else str(model),
+                       "concurrency": args.concurrency, "rounds": args.rounds, "duration_s": args.duration,
+                       "model_us_per_image": model_us, "decode_and_model_us_per_image": decode_model_us}  # fmt: skip
+    write_result("serve_peers", head, rows, [
+        ("target", "target"), ("rps", "req/s (median)"), ("vs_litserve", "vs LitServe"), ("p50", "p50 ms"),
+        ("p99", "p99 ms"), ("cpu_us", "server CPU µs/req"), ("beyond_model_us", "beyond model µs/req"),
+        ("errors", "errors"),
+    ])  # fmt: skip
+    print(
+        f"\nin-process, batch {args.batch}: model {model_us:.0f} µs/image, "
+        f"decode + model {decode_model_us:.0f} µs/image"
+    )
+
+
+if __name__ == "__main__":
+    main()

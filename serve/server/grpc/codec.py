@@ -1,0 +1,84 @@
+"""ModelInferRequest -> checked pixels and outputs; logits and probabilities -> ModelInferResponse.
+
+The tensors are the ones the KServe v2 HTTP routes speak (`serve.server.api.v2`): the input `pixels`,
+UINT8 [B, H, W, 3], sent as `raw_input_contents` (what `tritonclient.grpc` sends) or as `uint_contents`;
+the outputs `logits` (the default) and `probs`, FP32 [B, K], always answered as `raw_output_contents`
+(which every Triton and KServe client reads). Shapes and sizes are checked by the same functions as
+over HTTP, so both answer a tensor that does not fit with the same message.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from serve.server.api.tensors import DTYPES, TensorSpec, bad, binary_tensor, check_shape
+from serve.server.api.v2 import OUTPUT, PROBS
+from serve.server.grpc import grpc_predict_v2_pb2 as pb
+
+# Shapes: B batch, H/W image, K classes.
+
+OUTPUTS = (OUTPUT, PROBS)  # what a request may ask for; the first is the default
+
+
+def parse_infer(request: pb.ModelInferRequest, pixels: TensorSpec, max_images: int) -> tuple[np.ndarray, list[str]]:
+    """The request's (B, H, W, 3) uint8 pixels and the names of the outputs it wants, or `ApiError("bad_request")`.
+
+    Args:
+        request: the decoded message.
+        pixels: the model's input (its shape's first dimension is the batch).
+        max_images: the most images in one request.
+    """
+    names = [t.name for t in request.inputs]
+    if names != [pixels.name]:
+        raise bad(f"this model takes one input, {pixels.name!r} ({pixels.datatype} {pixels.shape}), got inputs {names}")
+    tensor = request.inputs[0]
+    shape = check_shape(list(tensor.shape), pixels, max_images)
+    if tensor.datatype != pixels.datatype:
+        raise bad(f"input {pixels.name!r} must have datatype {pixels.datatype}, got {tensor.datatype!r}")
+    raw = request.raw_input_contents
+    if raw:
+        if len(raw) != 1:
+            raise bad(f"raw_input_contents must hold one entry per input (1), got {len(raw)}")
+        if tensor.HasField("contents"):
+            raise bad("send the tensor either as raw_input_contents or as contents, not both")
+        arr = binary_tensor(raw[0], shape, pixels)
+    else:
+        arr = uint_tensor(tensor.contents.uint_contents, shape, pixels)
+    wanted = [o.name for o in request.outputs] or [OUTPUTS[0]]
+    unknown = [n for n in wanted if n not in OUTPUTS]
+    if unknown:
+        raise bad(f"unknown output {unknown[0]!r}; this model's outputs are {', '.join(map(repr, OUTPUTS))}")
+    return arr, wanted
+
+
+def uint_tensor(values, shape: list[int], spec: TensorSpec) -> np.ndarray:
+    """UINT8 data sent as `uint_contents` (the protocol's repeated uint32) -> an array; values over 255 fail."""
+    count = int(np.prod(shape))
+    if len(values) != count:
+        raise bad(f"{spec.name!r} of shape {shape} needs {count} values in raw_input_contents or uint_contents, "
+                  f"got {len(values)}")  # fmt: skip
+    arr = np.asarray(values, np.uint32)
+    if arr.size and arr.max() > 255:
+        raise bad(f"{spec.name!r} is UINT8: its values must be 0..255")
+    return arr.astype(np.uint8).reshape(shape)
+
+
+def infer_response(model_name: str, version: str, request_id: str, outputs: list[tuple[str, np.ndarray]]):
+    """The ModelInferResponse of FP32 outputs, in the order given, as raw little-endian bytes."""
+    response = pb.ModelInferResponse(model_name=model_name, model_version=version, id=request_id)
+    for name, arr in outputs:
+        response.outputs.add(name=name, datatype="FP32", shape=arr.shape)
+        response.raw_output_contents.append(np.ascontiguousarray(arr, DTYPES["FP32"]).tobytes())
+    return response
+
+
+def metadata_response(name: str, version: str, pixels: TensorSpec, logits: TensorSpec):
+    """The ModelMetadataResponse: the graph's own tensors, as Triton serving the same file shows them."""
+    tensor = pb.ModelMetadataResponse.TensorMetadata
+    return pb.ModelMetadataResponse(
+        name=name,
+        versions=[version],
+        platform="onnxruntime_onnx",
+        inputs=[tensor(name=pixels.name, datatype=pixels.datatype, shape=pixels.shape)],
+        outputs=[tensor(name=logits.name, datatype=logits.datatype, shape=logits.shape)],
+    )

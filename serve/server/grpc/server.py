@@ -1,0 +1,94 @@
+"""`GrpcServer`: the gRPC service on a port of its own, on an event loop in a thread of its own.
+
+The HTTP server's event loop is uvicorn's; gRPC's asyncio server runs on a second loop in its own
+thread, so neither protocol's work waits in the other's queue, and both hand their images to the same
+`Engine` (its futures are settled on whichever loop made them). The limits are HTTP's: messages up to
+`max_bytes` (a larger one is refused by gRPC itself with RESOURCE_EXHAUSTED before it is decoded), at
+most `max_connections` calls in flight (beyond that, RESOURCE_EXHAUSTED at once), `request_timeout_s`
+for each image's result, and the client's own deadline, which gRPC enforces by cancelling the call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+
+import grpc
+
+from serve.server.grpc.service import Service
+
+log = logging.getLogger(__name__)
+
+
+class GrpcServer:
+    """Serves `service` on `host:port` once `start` is called, until `stop`.
+
+    Args:
+        service: the RPC handlers.
+        host: the interface to bind (the HTTP server's).
+        port: the TCP port (0: any free one; `port` holds the bound one after `start`).
+        max_bytes: the largest request message.
+        max_calls: the most calls in flight at once.
+    """
+
+    def __init__(self, service: Service, host: str, port: int, max_bytes: int, max_calls: int):
+        self.service, self.host, self.port = service, host, port
+        self.max_bytes, self.max_calls = max_bytes, max_calls
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.server: grpc.aio.Server | None = None
+        self.thread: threading.Thread | None = None
+
+    def start(self, timeout: float = 30.0) -> int:
+        """Bind and start serving; returns the port. Raises `OSError` when the port cannot be bound."""
+        started, failure = threading.Event(), []
+
+        def run() -> None:
+            self.loop = asyncio.new_event_loop()
+            try:
+                self.loop.run_until_complete(self._start())
+            except Exception as e:  # e.g. the port is taken: reported to start()'s caller
+                failure.append(e)
+                started.set()
+                return
+            started.set()
+            self.loop.run_until_complete(self.server.wait_for_termination())
+            self.loop.close()
+
+        self.thread = threading.Thread(target=run, name="vitscope-grpc", daemon=True)
+        self.thread.start()
+        if not started.wait(timeout):
+            raise OSError(f"the gRPC server did not start within {timeout} s")
+        if failure:
+            raise OSError(f"cannot serve gRPC on {self.host}:{self.port}: {failure[0]}") from failure[0]
+        log.info("gRPC (inference.GRPCInferenceService) listening on %s:%d", self.host, self.port)
+        return self.port
+
+    async def _start(self) -> None:
+        options = [
+            ("grpc.max_receive_message_length", self.max_bytes),
+            ("grpc.max_send_message_length", -1),  # answers are small, and never refused by their size
+            ("grpc.so_reuseport", 0),  # a port taken by another process fails here rather than sharing it
+        ]
+        self.server = grpc.aio.server(options=options, maximum_concurrent_rpcs=self.max_calls)
+        self.server.add_generic_rpc_handlers((self.service.handler(),))
+        bound = self.server.add_insecure_port(f"{_bracketed(self.host)}:{self.port}")
+        if bound == 0:
+            raise OSError(f"port {self.port} is taken or the address is not local")
+        self.port = bound
+        await self.server.start()
+
+    def stop(self, grace: float) -> None:
+        """Refuse new calls, let those in flight finish for up to `grace` seconds, then stop the thread."""
+        if self.loop is None or self.server is None or self.loop.is_closed():
+            return
+        try:
+            asyncio.run_coroutine_threadsafe(self.server.stop(grace), self.loop).result(grace + 5)
+        except Exception:  # the loop ended meanwhile: nothing left to stop
+            log.debug("gRPC server already stopped", exc_info=True)
+        if self.thread is not None:
+            self.thread.join(5)
+
+
+def _bracketed(host: str) -> str:
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host

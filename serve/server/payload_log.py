@@ -1,0 +1,214 @@
+"""Payload logs: a record of what was asked and answered, for whatever consumes the traffic downstream.
+
+For each answered inference request (/v1/classify, v2 infer over HTTP and gRPC) one record: the request
+ID, the time, the model and its version, the route it came in by, the top-k predictions of each image and, only
+when asked for (`images`), each image's SHA-256 or the image itself (the upload's bytes; over v2, the
+pixel tensor's). Two kinds of sink:
+
+- `FileSink`: JSON lines, rotated by size (logging's `RotatingFileHandler`);
+- `CloudEventsSink`: each record as two CloudEvents in HTTP binary mode, in the format of KServe's
+  inference logger (`ce-type: org.kubeflow.serving.inference.request`, then `...response`, both with the
+  request ID as `ce-id`, and its `ce-inferenceservicename`, `ce-component`, `ce-endpoint` extensions), so
+  that consumers of KServe's logger (message dumpers, drift detectors) read them unchanged.
+
+Bounded: the request path only puts a tuple on each sink's queue (`queue.Queue(maxsize)`, `put_nowait`);
+a thread per sink formats and writes. A full queue drops the record, a failed write drops it too, and
+both are counted (`on_drop(sink, reason)`), so a slow or dead sink never slows or fails a request, and one
+sink's stall never holds up another. Not logging's `QueueListener`: it would build a `LogRecord` per
+request on the request path and share one queue between the sinks.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import http.client
+import json
+import logging
+import logging.handlers
+import queue
+import threading
+import time
+import urllib.parse
+from collections.abc import Callable, Sequence
+from datetime import datetime, timezone
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+REQUEST_EVENT = "org.kubeflow.serving.inference.request"
+RESPONSE_EVENT = "org.kubeflow.serving.inference.response"
+IMAGE_MODES = ("none", "digest", "image")
+_STOP = object()
+
+
+class FileSink:
+    """JSON lines in `path`, rotated to `path.1`, `path.2`, ... once a file passes `max_bytes`."""
+
+    name = "file"
+
+    def __init__(self, path: str, max_bytes: int, backups: int):
+        self.handler = logging.handlers.RotatingFileHandler(path, maxBytes=max_bytes, backupCount=backups)
+        self.handler.setFormatter(logging.Formatter("%(message)s"))
+
+    def write(self, record: dict) -> None:
+        self.handler.emit(logging.makeLogRecord({"msg": json.dumps(record, separators=(",", ":"))}))
+        if self.handler.stream is None:  # emit() reports its errors to stderr rather than raising
+            raise OSError(f"cannot write the payload log {self.handler.baseFilename}")
+
+    def close(self) -> None:
+        self.handler.close()
+
+
+class CloudEventsSink:
+    """Each record POSTed to `url` as a request and a response CloudEvent (HTTP binary mode), on one
+    keep-alive connection that is opened again after a failure.
+
+    Args:
+        url: http:// or https:// address of the consumer.
+        timeout_s: how long one POST may take before the record is dropped.
+    """
+
+    name = "url"
+
+    def __init__(self, url: str, timeout_s: float = 2.0):
+        parts = urllib.parse.urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"--payload-log-url must be an http:// or https:// URL, got {url!r}")
+        self.parts, self.timeout_s = parts, timeout_s
+        self.path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+        self.conn: http.client.HTTPConnection | None = None
+
+    def write(self, record: dict) -> None:
+        request = {k: v for k, v in record.items() if k != "predictions"}
+        response = {k: record[k] for k in ("id", "model", "version", "predictions")}
+        for kind, data in ((REQUEST_EVENT, request), (RESPONSE_EVENT, response)):
+            self._post(kind, record, json.dumps(data, separators=(",", ":")).encode())
+
+    def _post(self, kind: str, record: dict, body: bytes) -> None:
+        headers = {
+            "Content-Type": "application/json",
+            "ce-specversion": "1.0",
+            "ce-id": record["id"],
+            "ce-type": kind,
+            "ce-source": f"/vitscope/models/{record['model']}",
+            "ce-time": record["time"],
+            "ce-inferenceservicename": record["model"],
+            "ce-component": "predictor",
+            "ce-endpoint": "default",  # KServe's predictor endpoint (default or canary); one here
+        }
+        try:
+            if self.conn is None:
+                cls = http.client.HTTPSConnection if self.parts.scheme == "https" else http.client.HTTPConnection
+                self.conn = cls(self.parts.hostname, self.parts.port, timeout=self.timeout_s)
+            self.conn.request("POST", self.path, body, headers)
+            answer = self.conn.getresponse()
+            answer.read()
+        except (OSError, http.client.HTTPException):
+            self.close()  # a fresh connection for the next record
+            raise
+        if answer.status >= 300:
+            raise OSError(f"the payload sink answered {answer.status} {answer.reason}")
+
+    def close(self) -> None:
+        if self.conn is not None:
+            self.conn.close()
+            self.conn = None
+
+
+class PayloadLog:
+    """Records requests into `sinks`, each behind a bounded queue and a writer thread of its own.
+
+    Args:
+        sinks: where records go (`FileSink`, `CloudEventsSink`).
+        top_k: predictions kept per image.
+        images: "none", "digest" (each image's SHA-256) or "image" (the image itself, base64).
+        queue_size: records each sink may hold while it writes; beyond that they are dropped.
+        on_drop: called with (sink name, "queue_full" or "write_failed") for every dropped record.
+    """
+
+    def __init__(
+        self,
+        sinks: Sequence,
+        top_k: int = 5,
+        images: str = "none",
+        queue_size: int = 1000,
+        on_drop: Callable[[str, str], None] | None = None,
+    ):
+        if images not in IMAGE_MODES:
+            raise ValueError(f"images must be one of {', '.join(IMAGE_MODES)}, got {images!r}")
+        self.top_k, self.images, self.on_drop = top_k, images, on_drop or (lambda sink, reason: None)
+        self.wants_images = images != "none"
+        self.queues = [(sink, queue.Queue(maxsize=queue_size)) for sink in sinks]
+        self.threads = [
+            threading.Thread(target=self._write, args=(sink, q), name=f"payload-log-{sink.name}", daemon=True)
+            for sink, q in self.queues
+        ]
+        for t in self.threads:
+            t.start()
+
+    def record(
+        self,
+        request_id: str,
+        route: str,
+        model: tuple[str, str, Sequence[str]],
+        probs: np.ndarray,
+        images: Sequence[bytes] | None = None,
+    ) -> None:
+        """One answered request; never blocks.
+
+        Args:
+            request_id: the request's ID, as its response and the access log carry it.
+            route: where it came in (a path, or the gRPC method).
+            model: the model's name, version and labels.
+            probs: (B, K) probabilities, one row per image.
+            images: one bytes object per image (read only when the log keeps images).
+        """
+        item = (time.time(), request_id, route, model, probs, images if self.wants_images else None)
+        for sink, q in self.queues:
+            try:
+                q.put_nowait(item)
+            except queue.Full:
+                self.on_drop(sink.name, "queue_full")
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Write what is queued (for up to `timeout` seconds), then close the sinks."""
+        deadline = time.monotonic() + timeout
+        for (_, q), t in zip(self.queues, self.threads, strict=True):
+            try:
+                q.put(_STOP, timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Full:
+                continue  # a stalled sink: its thread is a daemon and ends with the process
+            t.join(max(0.0, deadline - time.monotonic()))
+
+    def _write(self, sink, q: queue.Queue) -> None:
+        while (item := q.get()) is not _STOP:
+            try:
+                sink.write(self.format(*item))
+            except Exception as e:  # a sink that fails loses this record, never the thread
+                log.debug("payload log %s: %s", sink.name, e)
+                self.on_drop(sink.name, "write_failed")
+        sink.close()
+
+    def format(self, t: float, request_id: str, route: str, model: tuple, probs: np.ndarray, images) -> dict:
+        """The record of one request as JSON-ready data."""
+        name, version, labels = model
+        k = min(self.top_k, probs.shape[-1])
+        best = np.argsort(-probs, axis=-1)[:, :k]  # (B, k)
+        record = {
+            "id": request_id,
+            "time": datetime.fromtimestamp(t, timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z"),
+            "model": name,
+            "version": version,
+            "route": route,
+            "predictions": [
+                [{"label": labels[i], "score": float(row[i])} for i in idx]
+                for row, idx in zip(probs, best, strict=True)
+            ],
+        }
+        if images is not None and self.images == "digest":
+            record["image_sha256"] = [hashlib.sha256(img).hexdigest() for img in images]
+        elif images is not None:
+            record["image_base64"] = [base64.b64encode(img).decode("ascii") for img in images]
+        return record

@@ -1,0 +1,139 @@
+"""The Open Inference Protocol over gRPC: the real `tritonclient.grpc` client against a real `vit-serve --grpc-port`.
+
+The same server answers HTTP, so each result is compared with what /v1/classify says of the same image
+and with onnxruntime running the file itself; the API key and the limits are HTTP's.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import numpy as np
+import onnxruntime as ort
+import pytest
+
+from serve.runtime.classifier import softmax
+from tests.serve.conftest import CLASS_NAMES, quadrant_images
+from tests.serve.process import ServerProcess, free_port
+from tests.serve.test_v2_conformance import png
+
+grpcclient = pytest.importorskip("tritonclient.grpc")
+InferenceServerException = pytest.importorskip("tritonclient.utils").InferenceServerException
+
+pytestmark = pytest.mark.slow
+KEY = "grpc-test-key"
+AUTH = {"authorization": f"Bearer {KEY}"}
+MAX_BYTES = 200_000  # 65 images of 32 x 32 x 3: an oversized message is cheap to send
+
+
+@pytest.fixture(scope="module")
+def server(tiny_onnx, tmp_path_factory):
+    port, log = free_port(), tmp_path_factory.mktemp("grpc") / "payloads.jsonl"
+    args = ("--no-ui", "--grpc-port", str(port), "--max-bytes", str(MAX_BYTES), "--api-key", KEY)
+    with ServerProcess(tiny_onnx, *args, "--payload-log", str(log)) as s:
+        s.grpc_url, s.payload_log = f"127.0.0.1:{port}", log
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    c = grpcclient.InferenceServerClient(server.grpc_url)
+    yield c
+    c.close()
+
+
+@pytest.fixture(scope="module")
+def model(server) -> str:
+    return httpx.get(server.url + "/readyz").json()["model"]
+
+
+def infer(client, model: str, x: np.ndarray, outputs=("logits",), name="pixels", datatype="UINT8", **kwargs):
+    inp = grpcclient.InferInput(name, list(x.shape), datatype)
+    inp.set_data_from_numpy(x)  # raw_input_contents, as tritonclient.grpc sends it
+    wanted = [grpcclient.InferRequestedOutput(n) for n in outputs]
+    return client.infer(model, [inp], outputs=wanted, headers=kwargs.pop("headers", AUTH), **kwargs)
+
+
+def refusal(call) -> InferenceServerException:
+    with pytest.raises(InferenceServerException) as e:
+        call()
+    return e.value
+
+
+def test_live_ready_and_metadata_answer_as_triton(client, model):
+    assert client.is_server_live() and client.is_server_ready()  # health: no key needed
+    assert client.is_model_ready(model, headers=AUTH)
+    assert not client.is_model_ready("no_such_model", headers=AUTH)
+    assert "binary_tensor_data" in client.get_server_metadata(headers=AUTH).extensions
+    meta = client.get_model_metadata(model, headers=AUTH, as_json=True)
+    assert meta["platform"] == "onnxruntime_onnx"
+    assert meta["inputs"] == [{"name": "pixels", "datatype": "UINT8", "shape": ["-1", "32", "32", "3"]}]
+    assert meta["outputs"] == [{"name": "logits", "datatype": "FP32", "shape": ["-1", str(len(CLASS_NAMES))]}]
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_infer_equals_the_file_and_v1_classify(client, model, server, tiny_onnx, batch):
+    x, _ = quadrant_images(batch, seed=batch)  # (B, 32, 32, 3) uint8
+    result = infer(client, model, x, outputs=("logits", "probs"), request_id=f"req-{batch}")
+    assert result.get_response().id == f"req-{batch}"
+    logits, probs = result.as_numpy("logits"), result.as_numpy("probs")
+    assert logits.dtype == np.float32 and logits.shape == (batch, len(CLASS_NAMES))
+    session = ort.InferenceSession(str(tiny_onnx), providers=["CPUExecutionProvider"])
+    np.testing.assert_allclose(logits, session.run(["logits"], {"pixels": x})[0], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(probs, softmax(logits), atol=1e-6)
+    for img, row in zip(x, probs, strict=True):  # 32 x 32 PNGs: /v1 decodes them to the very same pixels
+        r = httpx.post(
+            server.url + f"/v1/classify?top_k={len(CLASS_NAMES)}", files={"file": ("x.png", png(img))}, headers=AUTH
+        )
+        scores = {p["label"]: p["score"] for p in r.json()["predictions"]}
+        np.testing.assert_allclose([scores[c] for c in CLASS_NAMES], row, atol=1e-6)
+
+
+def test_the_api_key_is_checked_as_over_http(client, model):
+    x, _ = quadrant_images(1)
+    assert infer(client, model, x, headers={"x-api-key": KEY}).as_numpy("logits").shape == (1, 4)
+    for headers, words in [({}, "no API key"), ({"authorization": "Bearer wrong"}, "a wrong API key")]:
+        e = refusal(lambda h=headers: infer(client, model, x, headers=h))
+        assert e.status() == "StatusCode.UNAUTHENTICATED" and words in e.message()
+
+
+def test_bad_requests_get_the_right_status_and_say_what_to_do(client, model):
+    ok = np.zeros((1, 32, 32, 3), np.uint8)
+    cases = [
+        (lambda: infer(client, model, np.zeros((1, 16, 32, 3), np.uint8)), "INVALID_ARGUMENT", "must have shape"),
+        (lambda: infer(client, model, np.zeros((33, 32, 32, 3), np.uint8)), "INVALID_ARGUMENT", "split larger"),
+        (lambda: infer(client, model, ok.astype(np.float32), datatype="FP32"), "INVALID_ARGUMENT", "datatype UINT8"),
+        (lambda: infer(client, model, ok, name="image"), "INVALID_ARGUMENT", "takes one input, 'pixels'"),
+        (lambda: infer(client, model, ok, outputs=("scores",)), "INVALID_ARGUMENT", "unknown output 'scores'"),
+        (lambda: infer(client, "no_such_model", ok), "NOT_FOUND", "unknown model 'no_such_model'"),
+        (lambda: infer(client, model, ok, model_version="99"), "NOT_FOUND", "unknown version '99'"),
+        (lambda: infer(client, model, np.zeros((70, 32, 32, 3), np.uint8)), "RESOURCE_EXHAUSTED", str(MAX_BYTES)),
+    ]
+    for call, status, words in cases:
+        e = refusal(call)
+        assert (e.status(), words in e.message()) == (f"StatusCode.{status}", True), e.message()
+    assert client.is_server_ready()  # none of it hurt the server
+
+
+def test_grpc_calls_are_counted_in_the_metrics(client, model, server):
+    infer(client, model, np.zeros((1, 32, 32, 3), np.uint8))
+    refusal(lambda: infer(client, model, np.zeros((1, 16, 32, 3), np.uint8)))
+    text = httpx.get(server.url + "/metrics", headers=AUTH).text
+    route = "/inference.GRPCInferenceService/ModelInfer"
+    assert f'vitscope_requests_total{{route="{route}",status="OK"}}' in text
+    assert f'vitscope_requests_total{{route="{route}",status="INVALID_ARGUMENT"}}' in text
+
+
+def test_grpc_answers_are_in_the_payload_log(client, model, server):
+    infer(client, model, np.zeros((2, 32, 32, 3), np.uint8), headers={**AUTH, "x-request-id": "grpc-logged"})
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        lines = server.payload_log.read_text().splitlines() if server.payload_log.exists() else []
+        logged = [r for r in map(json.loads, lines) if r["id"] == "grpc-logged"]
+        if logged:
+            break
+        time.sleep(0.05)
+    assert logged and logged[0]["route"] == "/inference.GRPCInferenceService/ModelInfer"
+    assert logged[0]["model"] == model and len(logged[0]["predictions"]) == 2

@@ -1,0 +1,169 @@
+"""Payload logs: a real `vit-serve` recording into a JSON-lines file and a real CloudEvents sink on 127.0.0.1.
+
+The sink is a tiny HTTP server in this file that records what it gets, and can be told to stall (hold every
+request until released) or die (stop listening). Whatever the sink does, every request is answered, and
+what the log lost is counted in /metrics.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import http.server
+import json
+import threading
+import time
+
+import httpx
+import numpy as np
+import pytest
+
+from serve.server.payload_log import FileSink, PayloadLog
+from tests.serve.conftest import quadrant_images
+from tests.serve.process import ServerProcess
+from tests.serve.test_v2_conformance import png
+
+pytestmark = pytest.mark.slow
+QUEUE_SIZE = 4
+
+
+class Sink(http.server.ThreadingHTTPServer):
+    """Records each POST's headers and JSON body; while `stalled` is set, holds every request until it is cleared."""
+
+    daemon_threads = True
+
+    def __init__(self):
+        super().__init__(("127.0.0.1", 0), _SinkHandler)
+        self.events: list[tuple[dict, dict]] = []
+        self.stalled, self.released, self.dead = threading.Event(), threading.Event(), threading.Event()
+        self.thread = threading.Thread(target=self.serve_forever, daemon=True)
+        self.thread.start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server_address[1]}/events"
+
+    def die(self) -> None:
+        """Stop listening, and hang up on open connections at their next request."""
+        self.dead.set()
+        self.released.set()
+        self.shutdown()
+        self.server_close()
+
+
+class _SinkHandler(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+
+    def do_POST(self):
+        body = self.rfile.read(int(self.headers["Content-Length"]))
+        if self.server.dead.is_set():
+            self.close_connection = True  # no answer: the client sees the connection drop
+            return
+        if self.server.stalled.is_set():
+            self.server.released.wait(30)
+        self.server.events.append(({k.lower(): v for k, v in self.headers.items()}, json.loads(body)))
+        self.send_response(200)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+def wait_for(condition, timeout: float = 20.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if value := condition():
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"no {what} within {timeout} s")
+
+
+def dropped(server, sink: str, reason: str) -> float:
+    for line in httpx.get(server.url + "/metrics").text.splitlines():
+        if line.startswith(f'vitscope_payload_log_dropped_total{{reason="{reason}",sink="{sink}"}}'):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+@pytest.fixture(scope="module")
+def sink():
+    s = Sink()
+    yield s
+    s.released.set()
+    s.shutdown()
+
+
+@pytest.fixture(scope="module")
+def server(tiny_onnx, sink, tmp_path_factory):
+    log = tmp_path_factory.mktemp("payloads") / "payloads.jsonl"
+    args = ("--no-ui", "--payload-log", str(log), "--payload-log-url", sink.url, "--payload-log-images", "digest")
+    with ServerProcess(tiny_onnx, *args, "--payload-log-queue-size", str(QUEUE_SIZE), "--top-k", "3") as s:
+        s.payload_log = log
+        yield s
+
+
+def classify(server, img: np.ndarray) -> httpx.Response:
+    r = httpx.post(server.url + "/v1/classify?top_k=2", files={"file": ("x.png", png(img))}, timeout=30)
+    assert r.status_code == 200, r.text
+    return r
+
+
+def records(server) -> dict[str, dict]:
+    lines = server.payload_log.read_text().splitlines() if server.payload_log.exists() else []
+    return {r["id"]: r for r in map(json.loads, lines)}
+
+
+def test_each_request_reaches_the_file_and_the_sink_as_kserve_cloudevents(server, sink):
+    images, _ = quadrant_images(3, seed=3)
+    answers = {classify(server, img).headers["x-request-id"]: img for img in images}
+    events = wait_for(lambda: len(sink.events) >= 6 and sink.events, what="6 events")
+    by_type = {(h["ce-id"], h["ce-type"]): (h, data) for h, data in events}
+    for rid, img in answers.items():
+        head, request = by_type[(rid, "org.kubeflow.serving.inference.request")]
+        _, response = by_type[(rid, "org.kubeflow.serving.inference.response")]
+        assert head["ce-specversion"] == "1.0" and head["content-type"] == "application/json"
+        assert head["ce-inferenceservicename"] == request["model"] and head["ce-time"].endswith("Z")
+        assert request["image_sha256"] == [hashlib.sha256(png(img)).hexdigest()]
+        assert len(response["predictions"][0]) == 3  # the server's --top-k, not the request's
+    logged = wait_for(lambda: (r := records(server)) and answers.keys() <= r.keys() and r, what="the file's lines")
+    for rid in answers:
+        assert logged[rid]["route"] == "/v1/classify" and logged[rid]["predictions"][0][0]["score"] > 0.25
+
+
+def test_a_stalled_sink_drops_and_counts_but_every_request_is_answered(server, sink):
+    sink.stalled.set()
+    try:
+        images, _ = quadrant_images(24, seed=4)
+        ids = [classify(server, img).headers["x-request-id"] for img in images]  # each asserts its 200
+        assert wait_for(lambda: dropped(server, "url", "queue_full"), what="queue_full drops") >= 1
+        assert wait_for(lambda: set(ids) <= records(server).keys(), what="the file's lines")  # the file is not held up
+    finally:
+        sink.released.set()
+        sink.stalled.clear()
+
+
+def test_a_dead_sink_loses_records_without_failing_requests(server, sink):
+    sink.die()
+    before = dropped(server, "url", "write_failed")
+    images, _ = quadrant_images(3, seed=5)
+    for img in images:
+        classify(server, img)
+    assert wait_for(lambda: dropped(server, "url", "write_failed") > before, what="write_failed drops")
+    assert httpx.get(server.url + "/readyz").status_code == 200
+
+
+def test_the_file_rotates_by_size(tmp_path):
+    path = tmp_path / "p.jsonl"
+    log = PayloadLog([FileSink(str(path), max_bytes=2048, backups=2)], top_k=2)
+    probs = np.array([[0.7, 0.2, 0.1]])
+    for i in range(60):
+        log.record(f"id{i}", "/v1/classify", ("m", "1", ["a", "b", "c"]), probs)
+        time.sleep(0.001)  # the queue holds 1000: nothing is dropped here
+    log.close()
+    files = [path, path.with_name("p.jsonl.1"), path.with_name("p.jsonl.2")]
+    assert all(f.exists() and f.stat().st_size <= 2048 for f in files)
+    assert not path.with_name("p.jsonl.3").exists()
+    last = [json.loads(line) for line in path.read_text().splitlines()]
+    assert last[-1]["id"] == "id59" and last[-1]["predictions"] == [
+        [{"label": "a", "score": 0.7}, {"label": "b", "score": 0.2}]
+    ]
