@@ -47,11 +47,12 @@ def capture_ui(url: str, image: Path, screenshot: Path, timeout_ms: int = 60_000
             label = page.locator("#label")
             label.locator("text=%").first.wait_for(state="visible", timeout=timeout_ms)
             page.locator("#faithfulness", has_text="Deletion score").wait_for(timeout=timeout_ms)
+            page.locator("#trust", has_text="Prediction set").wait_for(timeout=timeout_ms)
             two_frames = "() => new Promise(r => requestAnimationFrame(() => requestAnimationFrame(r)))"
             page.evaluate(two_frames)  # the last paint has happened
             screenshot.parent.mkdir(parents=True, exist_ok=True)
             page.screenshot(path=str(screenshot), full_page=False)
-            return label.inner_text()
+            return label.inner_text() + "\n" + page.locator("#trust").inner_text()
         finally:
             browser.close()
 
@@ -73,6 +74,7 @@ def test_upload_in_a_real_browser_shows_label_and_overlay(tiny_onnx, tmp_path):
     with ServerProcess(tiny_onnx, "--examples-dir", "") as server:
         text = capture_ui(server.url + "/", image, shot)
     assert expected in text
+    assert "Calibrated confidence" in text and "Prediction set at 90%" in text and "nown" in text
     assert shot.stat().st_size > 10_000 and Image.open(shot).size == (1280, 900)
 
 

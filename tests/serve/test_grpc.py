@@ -15,9 +15,8 @@ import onnxruntime as ort
 import pytest
 
 from serve.runtime.classifier import softmax
-from tests.serve.conftest import CLASS_NAMES, quadrant_images
-from tests.serve.process import ServerProcess, free_port
-from tests.serve.test_v2_conformance import png
+from serve.server.testing import free_port
+from tests.helpers import CLASS_NAMES, ServerProcess, png_bytes, quadrant_images
 
 grpcclient = pytest.importorskip("tritonclient.grpc")
 InferenceServerException = pytest.importorskip("tritonclient.utils").InferenceServerException
@@ -85,7 +84,9 @@ def test_infer_equals_the_file_and_v1_classify(client, model, server, tiny_onnx,
     np.testing.assert_allclose(probs, softmax(logits), atol=1e-6)
     for img, row in zip(x, probs, strict=True):  # 32 x 32 PNGs: /v1 decodes them to the very same pixels
         r = httpx.post(
-            server.url + f"/v1/classify?top_k={len(CLASS_NAMES)}", files={"file": ("x.png", png(img))}, headers=AUTH
+            server.url + f"/v1/classify?top_k={len(CLASS_NAMES)}",
+            files={"file": ("x.png", png_bytes(img))},
+            headers=AUTH,
         )
         scores = {p["label"]: p["score"] for p in r.json()["predictions"]}
         np.testing.assert_allclose([scores[c] for c in CLASS_NAMES], row, atol=1e-6)

@@ -18,9 +18,7 @@ import numpy as np
 import pytest
 
 from serve.server.payload_log import FileSink, PayloadLog
-from tests.serve.conftest import quadrant_images
-from tests.serve.process import ServerProcess
-from tests.serve.test_v2_conformance import png
+from tests.helpers import ServerProcess, png_bytes, quadrant_images
 
 pytestmark = pytest.mark.slow
 QUEUE_SIZE = 4
@@ -103,7 +101,7 @@ def server(tiny_onnx, sink, tmp_path_factory):
 
 
 def classify(server, img: np.ndarray) -> httpx.Response:
-    r = httpx.post(server.url + "/v1/classify?top_k=2", files={"file": ("x.png", png(img))}, timeout=30)
+    r = httpx.post(server.url + "/v1/classify?top_k=2", files={"file": ("x.png", png_bytes(img))}, timeout=30)
     assert r.status_code == 200, r.text
     return r
 
@@ -123,7 +121,7 @@ def test_each_request_reaches_the_file_and_the_sink_as_kserve_cloudevents(server
         _, response = by_type[(rid, "org.kubeflow.serving.inference.response")]
         assert head["ce-specversion"] == "1.0" and head["content-type"] == "application/json"
         assert head["ce-inferenceservicename"] == request["model"] and head["ce-time"].endswith("Z")
-        assert request["image_sha256"] == [hashlib.sha256(png(img)).hexdigest()]
+        assert request["image_sha256"] == [hashlib.sha256(png_bytes(img)).hexdigest()]
         assert len(response["predictions"][0]) == 3  # the server's --top-k, not the request's
     logged = wait_for(lambda: (r := records(server)) and answers.keys() <= r.keys() and r, what="the file's lines")
     for rid in answers:

@@ -55,3 +55,29 @@ def test_the_drift_gauge_stays_under_its_alert_for_test_images_and_passes_it_for
     assert server.metric("vitscope_unknown_total") > unknown_before
     assert server.metric("vitscope_confidence_count") >= 100 + sent
     assert sum(server.metric("vitscope_predicted_total", label=c) for c in CLASS_NAMES) >= 100 + sent
+
+
+def _v2(server, pixels: np.ndarray, outputs: list[str], parameters: dict | None = None) -> httpx.Response:
+    name = httpx.get(server.url + "/readyz").json()["model"]
+    req = {
+        "inputs": [
+            {"name": "pixels", "datatype": "UINT8", "shape": list(pixels.shape), "data": pixels.ravel().tolist()}
+        ],
+        "outputs": [{"name": n} for n in outputs],
+        **({"parameters": parameters} if parameters else {}),
+    }
+    return httpx.post(f"{server.url}/v2/models/{name}/infer", json=req)
+
+
+@pytest.mark.slow
+def test_v2_takes_coverage_as_a_request_parameter_and_returns_the_sets_as_a_tensor(server):
+    images, labels = quadrant_images(6, seed=13)
+    r = _v2(server, images, ["probs", "in_set", "unknown", "ood_score"], {"coverage": 0.9})
+    assert r.status_code == 200, r.text
+    out = {o["name"]: np.asarray(o["data"]).reshape(o["shape"]) for o in r.json()["outputs"]}
+    assert out["in_set"].shape == (6, len(CLASS_NAMES)) and set(np.unique(out["in_set"])) <= {0.0, 1.0}
+    assert out["in_set"][np.arange(6), labels].mean() >= 0.8 and out["unknown"].shape == (6,)
+    top = out["probs"].argmax(1)
+    assert all(out["in_set"][i, top[i]] == 1 for i in range(6) if out["in_set"][i].any())
+    assert _v2(server, images, ["in_set"], {"coverage": 1.5}).status_code == 422
+    assert "coverage" in _v2(server, images, ["in_set"]).text  # a set needs a coverage

@@ -57,6 +57,19 @@ PREDICTIONS = {
                 "properties": {"label": {"type": "string"}, "score": {"type": "number"}},
             },
         },
+        "prediction_set": {
+            "type": ["array", "null"],
+            "items": {"type": "string"},
+            "description": "with coverage=: the labels that hold the true one with that probability; else null",
+        },
+        "unknown": {
+            "type": ["boolean", "null"],
+            "description": "true when the image is unlike the training images; null for an uncalibrated file",
+        },
+        "ood_score": {
+            "type": ["number", "null"],
+            "description": "higher: less like the training images; null for an uncalibrated file",
+        },
         "explanation": {
             "type": "object",
             "description": "with explain=true: the rollout grid, its overlay (base64 PNG) and deletion score",

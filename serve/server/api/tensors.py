@@ -52,11 +52,13 @@ class InferRequest:
         pixels: (B, H, W, 3) uint8.
         outputs: the outputs to return, in order, each with whether it goes back as binary data.
         id: the request's id, echoed in the response (None when it has none).
+        coverage: the request parameter `coverage` (prediction sets), None when it has none.
     """
 
     pixels: np.ndarray
     outputs: list[tuple[str, bool]]
     id: str | None
+    coverage: float | None = None
 
 
 def bad(message: str) -> ApiError:
@@ -124,7 +126,10 @@ def parse_infer_request(
     else:
         raise bad('"outputs" must be a non-empty list of {"name": ...}; leave it out for the default output')
     req_id = head.get("id")
-    return InferRequest(arr, chosen, None if req_id is None else str(req_id))
+    coverage = params.get("coverage")
+    if coverage is not None and (isinstance(coverage, bool) or not isinstance(coverage, (int, float))):
+        raise bad(f'the parameter "coverage" must be a number such as 0.95, got {coverage!r}')
+    return InferRequest(arr, chosen, None if req_id is None else str(req_id), coverage)
 
 
 def check_shape(shape: Any, spec: TensorSpec, max_images: int) -> list[int]:

@@ -7,7 +7,10 @@
 The tensors are the ONNX file's own, as Triton serving the same file shows them: the input `pixels`,
 UINT8 [B, H, W, 3] at the model's input size (resize and crop on the client as the metadata's
 `preprocess` says, or use /v1/classify with encoded images), and the output `logits`, FP32 [B, K].
-A request may also ask for `probs` by name (softmax of the logits: what /v1/classify scores).
+A request may also ask for `probs` by name (the calibrated probabilities: what /v1/classify scores), and,
+from a calibrated file, `unknown` [B] (1: unlike the training images) and `ood_score` [B]; with the request
+parameter `coverage` (`"parameters": {"coverage": 0.95}`), `in_set` [B, K] (1: the class is in the image's
+prediction set). All FP32.
 JSON and binary tensors are both spoken (`serve.server.api.tensors`), so `tritonclient.http` works
 against this server as against Triton. Errors have the protocol's shape, {"error": "<message>"}
 (which tritonclient shows), plus the `code` every other route puts in its error object.
@@ -38,6 +41,7 @@ from serve.server.payload_log import PayloadLog
 from serve.server.settings import RequestLimits
 
 INPUT, OUTPUT, PROBS = "pixels", "logits", "probs"  # the graph's input and logits output; probs is ours
+TRUST_OUTPUTS = ("in_set", "unknown", "ood_score")  # ours too, from the file's calibration
 EXTENSIONS = ["binary_tensor_data"]
 
 
@@ -57,6 +61,31 @@ def kserve_errors(retry_after_s: int):
         return wrapper
 
     return wrap
+
+
+def check_trust_request(classifier, req) -> None:
+    """422 unless the file can answer the calibration outputs and the coverage the request asks for."""
+    names = {n for n, _ in req.outputs}
+    try:
+        classifier.check_coverage(req.coverage)
+    except ValueError as e:
+        raise ApiError("bad_request", str(e)) from None
+    if names & set(TRUST_OUTPUTS) and not classifier.calibrated:
+        raise ApiError("bad_request", f"{classifier.name} carries no calibration: it has no {sorted(names)} outputs")
+    if "in_set" in names and req.coverage is None:
+        raise ApiError("bad_request", 'the output "in_set" needs the request parameter "coverage", e.g. 0.95')
+
+
+def trust_outputs(classifier, logits: np.ndarray, coverage: float | None) -> dict[str, np.ndarray]:
+    """in_set (B, K), unknown (B,) and ood_score (B,) as FP32 tensors."""
+    a = classifier.judge(logits, None, coverage)
+    out = {"unknown": a.unknown.astype(np.float32), "ood_score": a.ood_scores.astype(np.float32)}
+    if a.sets is not None:
+        in_set = np.zeros(logits.shape, np.float32)
+        for i, members in enumerate(a.sets):
+            in_set[i, members] = 1.0
+        out["in_set"] = in_set
+    return out
 
 
 def tensor_specs(classifier) -> tuple[TensorSpec, TensorSpec]:
@@ -136,8 +165,9 @@ def v2_router(classifier, engine: Engine, limits: RequestLimits, payloads: Paylo
         # at most max_batch_size images per request, so one client cannot fill the whole queue
         header_length = request.headers.get(HEADER_LENGTH)
         req = await run_in_threadpool(
-            parse_infer_request, body, header_length, pixels, [OUTPUT, PROBS], limits.max_batch_size
+            parse_infer_request, body, header_length, pixels, [OUTPUT, PROBS, *TRUST_OUTPUTS], limits.max_batch_size
         )
+        check_trust_request(classifier, req)
         work = (model_result(engine.infer(p), limits.request_timeout_s) for p in req.pixels)  # each joins the batches
         results = await asyncio.gather(*work, return_exceptions=True)
         failed = next((r for r in results if isinstance(r, BaseException)), None)
@@ -145,6 +175,8 @@ def v2_router(classifier, engine: Engine, limits: RequestLimits, payloads: Paylo
             raise failed
         rows = np.stack(results)  # (B, 2, K): logits, probs
         by_name = {OUTPUT: rows[:, 0], PROBS: rows[:, 1]}
+        if any(n in TRUST_OUTPUTS for n, _ in req.outputs):
+            by_name.update(trust_outputs(classifier, rows[:, 0], req.coverage))
         head = {"model_name": classifier.name, "model_version": version}
         req_id = req.id or request.headers.get("x-request-id")
         if req_id:

@@ -7,6 +7,7 @@ server that imports gradio.
 Endpoints for `gradio_client` (``Client(url).predict(..., api_name=...)``):
 
     /classify          (image, head_fusion, discard_ratio, block_start, block_stop, opacity, colormap)
+    /trust             (image, coverage) -> markdown: calibrated confidence, prediction set, unknown verdict
                        -> (top-k label dict, rollout overlay, deletion score text, the model's input crop)
     /attention         (image, block, head, opacity, colormap) -> (CLS attention overlay, deletion score text)
     /gradient_rollout  (image, class label, opacity, colormap) -> (gradient rollout overlay, deletion score text)
@@ -119,6 +120,42 @@ class UiActions:
         label = {self.labels[i]: float(p) for i, p in enumerate(np.asarray(ex["probs"]))}
         return label, overlay, deletion_text(ex["deletion"], self.labels), seen_big, last
 
+    def trust(self, path, coverage) -> str:
+        """Calibrated confidence, the prediction set at `coverage` and the unknown verdict, each explained."""
+        if not path:
+            return ""
+        pixels = self.pixels_of(path)
+        clf = self.classifier
+        if not clf.calibrated:
+            return (
+                "**Uncalibrated model**: scores are raw softmax; export it again with vit-export for sets and verdicts."
+            )
+        try:
+            answers = self.engine.run_sync(clf.assess, pixels[None], float(coverage))
+        except ValueError as e:
+            raise gr.Error(str(e)) from None
+        (p,) = clf.predictions(answers, 1)
+        label, prob = p[0]
+        shown = ", ".join(p.prediction_set) if p.prediction_set else "(empty: no class reaches the bar)"
+        lines = [
+            f"**Calibrated confidence**: {label} {prob:.1%}. Of the images given this score, about this share are "
+            "right.",
+            f"**Prediction set at {float(coverage):.0%}**: {shown}. Sets like this one hold the true class "
+            f"{float(coverage):.0%} of the time.",
+        ]
+        if p.unknown:
+            lines.append(
+                f"**Unknown**: not one of the {len(self.labels)} classes this model knows (OOD score "
+                f"{p.ood_score:.2f}): the image looks unlike its training images, so its answer is only the least "
+                "bad of them."
+            )
+        else:
+            lines.append(
+                f"**Known**: the image looks like the training images (OOD score {p.ood_score:.2f}, under the "
+                "threshold that accepts 95 % of them)."
+            )
+        return "\n\n".join(lines)
+
     def reclassify(self, path, *controls):
         if not path:
             return [gr.update()] * 5  # a control moved before any upload: nothing to redo
@@ -198,6 +235,10 @@ def _rollout_panel(on: UiActions, settings):
         overlay = gr.Image(type="numpy", label="Attention rollout", interactive=False, elem_id="overlay", height=300)
     with gr.Row():
         label = gr.Label(num_top_classes=min(settings.top_k, len(on.labels)), label="Prediction", elem_id="label")
+        with gr.Column():
+            trust = gr.Markdown(elem_id="trust")
+            top = on.classifier.trust_summary().get("max_coverage", 0.99)
+            coverage = gr.Slider(0.5, min(0.99, top), value=min(0.9, top), step=0.01, label="Coverage of the set")
         faith = gr.Markdown(elem_id="faithfulness")
     with gr.Row():
         fusion = gr.Radio(list(HEAD_FUSIONS), value=HEAD_FUSIONS[0], label="Head fusion")
@@ -213,6 +254,9 @@ def _rollout_panel(on: UiActions, settings):
     outputs = [label, overlay, faith, seen, last_explained]
     run_btn.click(on.classify, inputs, outputs, api_name="classify")
     image.change(on.reclassify, inputs, outputs, api_name=False)
+    run_btn.click(on.trust, [image, coverage], trust, api_name="trust")
+    image.change(on.trust, [image, coverage], trust, api_name=False)
+    coverage.release(on.trust, [image, coverage], trust, api_name=False)
     for control in (opacity, cmap):
         control.change(on.restyle, [last_explained, opacity, cmap], overlay, api_name=False, show_progress="hidden")
     fusion.change(on.reclassify, inputs, outputs, api_name=False)

@@ -1,0 +1,273 @@
+"""How far can the exported file's scores, sets and unknown verdicts be trusted (issue 21's targets)?
+
+Exports each run's best.ckpt (calibrated on its calibration split), then scores it on images the
+calibration never saw:
+
+    .venv/bin/python -m benchmarks.trust --fmnist runs/fmnist --openset runs/fmnist8 --sample runs/sample
+
+- calibration: ECE (15 bins) and NLL before and after temperature scaling;
+- prediction sets: empirical coverage and mean set size at 0.90 and 0.95, LAC and APS, marginal and class-conditional;
+- unknown inputs: AUROC of max-softmax, energy and Mahalanobis (pre-logit features, torch here) against far
+  out-of-distribution images (scikit-learn's digits, uniform noise, crops of scikit-learn's sample photos) and,
+  for the open-set model (trained on 8 Fashion-MNIST classes), the 2 held-out classes.
+Fashion-MNIST is scored on its official test set (data/fmnist/val), the digits sample on its validation split.
+Writes benchmarks/results/trust.json and prints markdown tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+from sklearn.datasets import load_digits, load_sample_images
+from sklearn.metrics import roc_auc_score
+
+from serve.export.cli import export_onnx
+from serve.runtime import calibration as cal
+from serve.runtime.classifier import OnnxClassifier
+from serve.runtime.images import load_image
+from train.checkpoint import load_network
+
+REPO = Path(__file__).resolve().parents[1]
+RESULT = REPO / "benchmarks" / "results" / "trust.json"
+COVERAGES = (0.90, 0.95)
+HELD_OUT = ("ankle_boot", "bag")  # the open-set model's unseen classes (data/fmnist8 links the other 8)
+
+
+def machine() -> str:
+    cpu = platform.machine()
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            cpu = line.split(":", 1)[1].strip()
+            break
+    return f"{os.cpu_count()}-core {platform.machine()} VM ({cpu})"
+
+
+def pixels_of(clf: OnnxClassifier, paths) -> np.ndarray:
+    return np.stack([clf.prepare(load_image(p)) for p in paths])
+
+
+def folder_images(root: Path, classes: list[str]) -> tuple[list[Path], np.ndarray]:
+    paths, labels = [], []
+    for y, c in enumerate(classes):
+        found = sorted((root / c).glob("*.png"))
+        paths += found
+        labels += [y] * len(found)
+    return paths, np.asarray(labels)
+
+
+def far_ood(clf: OnnxClassifier, n: int = 600, seed: int = 0) -> dict[str, np.ndarray]:
+    """Digits scaled to the model's size, uniform noise, and crops of scikit-learn's two sample photos."""
+    rng = np.random.default_rng(seed)
+    H, W = clf.input_size
+    digits = (load_digits().images[:n] * (255 / 16)).astype(np.uint8)
+    digits = [Image.fromarray(d, "L").convert("RGB").resize((W, H), Image.BICUBIC) for d in digits]
+    noise = rng.integers(0, 256, (n, H, W, 3), dtype=np.uint8)
+    crops = []
+    for photo in load_sample_images().images:
+        for _ in range(n // 2):
+            s = int(rng.integers(48, 200))
+            y, x = int(rng.integers(0, photo.shape[0] - s)), int(rng.integers(0, photo.shape[1] - s))
+            crops.append(photo[y : y + s, x : x + s])
+    return {
+        "digits": pixels_of(clf, digits),
+        "noise": noise,
+        "photos": pixels_of(clf, [np.ascontiguousarray(c) for c in crops]),
+    }
+
+
+class Scored:
+    """One model's logits and pre-logit features (torch) for any pixels, and its Gaussian fitted on calibration."""
+
+    def __init__(self, ckpt: Path, clf: OnnxClassifier, calib_pixels: np.ndarray, calib_labels: np.ndarray):
+        self.net, meta = load_network(ckpt)
+        self.pre, self.clf = meta["preprocess"], clf
+        self.T = clf.trust.temperature
+        self.calib_logits = self.logits(calib_pixels)
+        feats = self.features(calib_pixels)
+        self.means, self.precision = cal.fit_gaussian(feats, calib_labels, len(clf.labels))
+
+    def logits(self, pixels: np.ndarray) -> np.ndarray:
+        return np.concatenate([self.clf.logits(pixels[i : i + 500]) for i in range(0, len(pixels), 500)])
+
+    @torch.no_grad()
+    def features(self, pixels: np.ndarray) -> np.ndarray:
+        out = []
+        for i in range(0, len(pixels), 500):
+            x = torch.from_numpy(self.pre.normalize(pixels[i : i + 500]))
+            out.append(self.net.forward_head(self.net.forward_features(x), pre_logits=True).numpy())
+        return np.concatenate(out)
+
+    def ood(self, pixels: np.ndarray) -> dict[str, np.ndarray]:
+        logits = self.logits(pixels)
+        probs = cal.softmax(logits, self.T)
+        g = {"features": self.features(pixels), "means": self.means, "precision": self.precision}
+        return {k: cal.ood_score(k, probs, logits, self.T, **g) for k in cal.OOD_SCORES}
+
+
+def coverage_rows(calib_logits, calib_labels, T, test_logits, test_labels) -> list[dict]:
+    """Coverage and mean set size at each target, for each method, marginal and class-conditional."""
+    cp, tp = cal.softmax(calib_logits, T), cal.softmax(test_logits, T)
+    rows = []
+    for method in cal.CONFORMAL_METHODS:
+        true = cal.conformal_scores(cp, method)[np.arange(len(calib_labels)), calib_labels]
+        test_scores = cal.conformal_scores(tp, method)
+        for cc in (False, True):
+            for target in COVERAGES:
+                if cc:
+                    try:
+                        q = np.array([cal.conformal_threshold(np.sort(true[calib_labels == k]), target) for k in
+                                      range(cp.shape[1])])  # fmt: skip
+                    except ValueError:  # too few images per class for this coverage: the file refuses it too
+                        continue
+                else:
+                    q = np.full(cp.shape[1], cal.conformal_threshold(np.sort(true), target))
+                inside = test_scores <= q[None]
+                rows.append({
+                    "method": method + (" class-cond." if cc else ""),
+                    "target": target,
+                    "coverage": round(float(inside[np.arange(len(test_labels)), test_labels].mean()), 4),
+                    "mean_set_size": round(float(inside.sum(1).mean()), 3),
+                    "empty_sets": round(float((inside.sum(1) == 0).mean()), 4),
+                })  # fmt: skip
+    return rows
+
+
+def evaluate(name: str, ckpt: Path, test_root: Path, classes: list[str], workdir: Path, ood_sets: bool) -> dict:
+    model = workdir / f"{name}.onnx"
+    export_onnx(ckpt, model, gradients=False)
+    clf = OnnxClassifier(model)
+    split = json.loads((ckpt.resolve().parent.parent / "split.json").read_text())
+    calib_pixels = pixels_of(clf, [e["path"] for e in split["calib"]])
+    calib_labels = np.array([e["label"] for e in split["calib"]])
+    if test_root is None:  # the run's own validation split
+        paths, labels = [e["path"] for e in split["val"]], np.array([e["label"] for e in split["val"]])
+    else:
+        paths, labels = folder_images(test_root, classes)
+    s = Scored(ckpt, clf, calib_pixels, calib_labels)
+    test_pixels = pixels_of(clf, paths)
+    logits = s.logits(test_pixels)
+    raw, probs = cal.softmax(logits), cal.softmax(logits, s.T)
+    out = {
+        "model": name,
+        "calibration_images": len(calib_labels),
+        "test_images": len(labels),
+        "temperature": round(s.T, 4),
+        "accuracy": round(float((probs.argmax(1) == labels).mean()), 4),
+        "ece_before": round(cal.ece(raw, labels), 4),
+        "ece_after": round(cal.ece(probs, labels), 4),
+        "nll_before": round(cal.nll(raw, labels), 4),
+        "nll_after": round(cal.nll(probs, labels), 4),
+        "sets": coverage_rows(s.calib_logits, calib_labels, s.T, logits, labels),
+    }
+    file_sets = clf.assess(test_pixels[:2000], 0.95).sets  # the file's own sets, as served
+    hits = [y in st for y, st in zip(labels[:2000], file_sets, strict=True)]
+    out["file_coverage_0.95_first_2000"] = round(float(np.mean(hits)), 4)
+    if ood_sets:
+        known = s.ood(test_pixels)
+        out["ood"] = []
+        for set_name, px in far_ood(clf).items():
+            other = s.ood(px)
+            out["ood"].append({"ood_set": set_name, "images": len(px), **auroc(known, other)})
+        out["unknown_rate_test"] = round(float(clf.assess(test_pixels[:2000]).unknown.mean()), 4)
+        out["_scores"] = known
+    return out
+
+
+def auroc(known: dict, other: dict) -> dict:
+    y = lambda k: np.r_[np.zeros(len(known[k])), np.ones(len(other[k]))]
+    return {k: round(float(roc_auc_score(y(k), np.r_[known[k], other[k]])), 4) for k in cal.OOD_SCORES}
+
+
+def open_set(ckpt: Path, fmnist_val: Path, workdir: Path) -> dict:
+    """The 8-class model: its 8 classes' test images against the 2 held-out classes' test images."""
+    split = json.loads((ckpt.resolve().parent.parent / "split.json").read_text())
+    classes = split["classes"]
+    r = evaluate("fmnist8", ckpt, fmnist_val, classes, workdir, ood_sets=False)
+    clf = OnnxClassifier(workdir / "fmnist8.onnx")
+    s = Scored(ckpt, clf, pixels_of(clf, [e["path"] for e in split["calib"]]),
+               np.array([e["label"] for e in split["calib"]]))  # fmt: skip
+    known = s.ood(pixels_of(clf, folder_images(fmnist_val, classes)[0]))
+    held = s.ood(pixels_of(clf, folder_images(fmnist_val, list(HELD_OUT))[0]))
+    r["open_set"] = {"held_out": list(HELD_OUT), "images": len(held["energy"]), **auroc(known, held)}
+    return r
+
+
+def table(results: list[dict]) -> str:
+    lines = [
+        "| model | test images | accuracy | T | ECE before | ECE after | NLL before | NLL after |",
+        "|" + "---|" * 8,
+    ]
+    for r in results:
+        lines.append(
+            f"| {r['model']} | {r['test_images']} | {r['accuracy']:.2%} | {r['temperature']} | {r['ece_before']:.2%} "
+            f"| {r['ece_after']:.2%} | {r['nll_before']:.3f} | {r['nll_after']:.3f} |"
+        )
+    lines += ["", "| model | sets | target | coverage | mean set size | empty sets |", "|" + "---|" * 6]
+    for r in results:
+        for row in r["sets"]:
+            lines.append(
+                f"| {r['model']} | {row['method']} | {row['target']:.2f} | {row['coverage']:.2%} "
+                f"| {row['mean_set_size']:.2f} | {row['empty_sets']:.2%} |"
+            )
+    lines += ["", "| model | out-of-distribution images | n | AUROC max-softmax | AUROC energy | AUROC Mahalanobis |"]
+    lines.append("|" + "---|" * 6)
+    for r in results:
+        rows = list(r.get("ood", [])) + (
+            [{"ood_set": "2 held-out classes", **r["open_set"]}] if "open_set" in r else []
+        )
+        for o in rows:
+            lines.append(
+                f"| {r['model']} | {o['ood_set']} | {o['images']} | {o['max_softmax']:.4f} | {o['energy']:.4f} "
+                f"| {o['mahalanobis']:.4f} |"
+            )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--fmnist", type=Path, help="a run trained on data/fmnist (10 classes)")
+    p.add_argument("--openset", type=Path, help="a run trained on data/fmnist8 (8 classes)")
+    p.add_argument("--sample", type=Path, help="a run trained with configs/sample.yaml")
+    p.add_argument("--fmnist-data", type=Path, default=Path("data/fmnist"))
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        if args.fmnist:
+            classes = json.loads((args.fmnist / "split.json").read_text())["classes"]
+            r = evaluate("fmnist", args.fmnist / "checkpoints" / "best.ckpt", args.fmnist_data / "val", classes, work,
+                         ood_sets=True)  # fmt: skip
+            r.pop("_scores")
+            results.append(r)
+        if args.openset:
+            results.append(open_set(args.openset / "checkpoints" / "best.ckpt", args.fmnist_data / "val", work))
+        if args.sample:
+            results.append(evaluate("digits sample", args.sample / "checkpoints" / "best.ckpt", None, [], work, False))
+    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    command = "python -m benchmarks.trust " + " ".join(sys.argv[1:])
+    for r in results:
+        r.update(date=date, command=command)
+    # each model's row is replaced by its latest run; the others stay (the models train at different times)
+    old = json.loads(RESULT.read_text())["rows"] if RESULT.is_file() else []
+    mine = {r["model"] for r in results}
+    rows = [r for r in old if r["model"] not in mine] + results
+    doc = {"date": date, "machine": machine(), "command": command, "rows": rows}
+    RESULT.parent.mkdir(parents=True, exist_ok=True)
+    RESULT.write_text(json.dumps(doc, indent=1))
+    print(f"{doc['date']}, {doc['machine']}\n`{doc['command']}`\n")
+    print(table(rows))
+
+
+if __name__ == "__main__":
+    main()
