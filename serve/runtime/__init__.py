@@ -2,7 +2,7 @@
 
 `images` is the one image loader and `Preprocess`, the transform training follows too; `model_file` reads
 and checks the file; `classifier` holds `OnnxClassifier`; `rollout` and `faithfulness` explain its answers;
-`predict` is `vit-predict`.
+`predict` is `vit-predict`, with `jobs` and `outputs` for large jobs written in resumable parts.
 
 `OnnxClassifier` is imported on first use, so that training and `vit.rollout`, which need only the loader
 and the rollout arithmetic, do not load onnxruntime.

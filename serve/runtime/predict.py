@@ -2,18 +2,24 @@
 
     vit-predict artifacts/sample.onnx photo.jpg data/digits/ --top-k 3 --format csv > predictions.csv
     vit-predict artifacts/sample.onnx data/digits/ --coverage 0.95 --format json
+    vit-predict artifacts/sample.onnx data/digits/ --out preds.parquet   # a large job; again with --resume
 
-Results go to stdout: `json` writes one JSON object per image per line (JSON Lines), `csv` one
+Without --out, results go to stdout: `json` writes one JSON object per image per line (JSON Lines), `csv` one
 row per image and rank; each prediction is a `label` and its `score` (the calibrated probability when
 the file carries calibration, as the HTTP API names it; `null` in JSON when the model gives no finite
-number). Each image also gets `unknown` (unlike the training images) and `ood_score` (higher: less like
-them), and with `--coverage` its `prediction_set`, the labels that hold the true one with that
+number). On stdout each image also gets `unknown` (unlike the training images) and `ood_score` (higher:
+less like them), and with `--coverage` its `prediction_set`, the labels that hold the true one with that
 probability (`serve.runtime.trust`); CSV adds the columns `in_set`, `unknown` and `ood_score`. Files that cannot be
 read are reported on stderr, one per line, and the run goes on. Exit status: 0 when every image was
 classified; 1 when some could not be read (every other image's result is still written), so scripts
 notice; 2 for a bad model file or arguments, or when stdout cannot be written (a full disk). When
 the reader of stdout goes away (`| head`), vit-predict stops quietly with 141, like a Unix tool
 ended by SIGPIPE.
+
+With --out (.parquet, .csv or .jsonl) the job is written in committed parts (`serve.runtime.outputs`) and a
+killed run goes on with the same command plus --resume; inputs may then also be URIs and a --from-list
+file, and decoding runs beside the model (`serve.runtime.jobs`). With --ray it runs on a Ray cluster
+(`serve.cluster`).
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from tqdm import tqdm
 
 from serve.runtime.classifier import OnnxClassifier
 from serve.runtime.images import ImageError, is_image_file
+from serve.runtime.jobs import DEFAULT_PART_SIZE, collect_sources, is_uri, score_to_file
 from serve.runtime.trust import Prediction
 
 PROGRESS_MIN_FILES = 20  # a bar for a handful of files is noise
@@ -80,6 +87,25 @@ def _score(prob: float) -> float | None:
     return round(prob, 6) if math.isfinite(prob) else None
 
 
+def result_row(path: str | Path, top: list[tuple[str, float]] | Prediction) -> dict:
+    """One image's result as vit-predict writes it: the JSON Lines object, and a row of the --out file; a
+    `Prediction` adds its prediction set, unknown verdict and OOD score."""
+    row = {"path": str(path), "predictions": [{"label": label, "score": _score(prob)} for label, prob in top]}
+    if isinstance(top, Prediction):
+        ood = None if top.ood_score is None else _score(top.ood_score)
+        row.update(prediction_set=top.prediction_set, unknown=top.unknown, ood_score=ood)
+    return row
+
+
+def rows_for(clf: OnnxClassifier, top_k: int):
+    """(paths, probs (B, K)) -> their result rows: what `jobs.score_to_file` and the Ray job write."""
+
+    def rows(paths: list[str], probs: np.ndarray) -> list[dict]:
+        return [result_row(p, top) for p, top in zip(paths, clf.top_k(probs, top_k), strict=True)]
+
+    return rows
+
+
 class _Writer:
     """Results to `out` as JSON Lines or CSV; write errors become `OutputError` (BrokenPipeError stays itself)."""
 
@@ -90,17 +116,15 @@ class _Writer:
             self._guard(self.csv.writerow, ["path", "rank", "label", "score", "in_set", "unknown", "ood_score"])
 
     def write(self, path: Path, top: Prediction) -> None:
-        ood = None if top.ood_score is None else _score(top.ood_score)
         if self.fmt == "csv":
+            ood = "" if top.ood_score is None else _score(top.ood_score)
             unknown = "" if top.unknown is None else str(top.unknown).lower()
             for rank, (label, prob) in enumerate(top, start=1):
                 in_set = "" if top.prediction_set is None else str(label in top.prediction_set).lower()
                 row = [str(path), rank, label, f"{prob:.6f}", in_set, unknown, "" if ood is None else ood]
                 self._guard(self.csv.writerow, row)
         else:
-            preds = [{"label": label, "score": _score(prob)} for label, prob in top]
-            row = {"path": str(path), "predictions": preds, "prediction_set": top.prediction_set}
-            line = json.dumps({**row, "unknown": top.unknown, "ood_score": ood}, allow_nan=False)
+            line = json.dumps(result_row(path, top), allow_nan=False)
             self._guard(self.out.write, line + "\n")
 
     def flush(self) -> None:
@@ -161,11 +185,13 @@ def run(
     return done, failed
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Command line entry point (`vit-predict`)."""
+def build_parser() -> argparse.ArgumentParser:
+    """vit-predict's arguments; `serve.cluster.cli` adds the Ray ones to the same parser."""
     p = argparse.ArgumentParser(prog="vit-predict", description=__doc__.split("\n\n")[0])
     p.add_argument("model", type=Path, help="an .onnx file written by vit-export")
-    p.add_argument("paths", type=Path, nargs="+", metavar="PATH", help="image files or folders (searched recursively)")
+    p.add_argument(
+        "paths", nargs="*", metavar="PATH", help="image files or folders (searched recursively); with --out also URIs"
+    )
     p.add_argument("--top-k", type=int, default=5, help="classes per image (default 5)")
     p.add_argument("--format", choices=["json", "csv"], default="json", help="json: one object per line; csv: rows")
     p.add_argument("--batch-size", type=int, default=32, help="images per onnxruntime call (default 32)")
@@ -180,15 +206,43 @@ def main(argv: list[str] | None = None) -> int:
         type=float,
         default=None,
         help="also give each image its prediction set: the labels that hold the true one with this probability, "
-        "e.g. 0.95 (needs a calibrated file)",
+        "e.g. 0.95 (needs a calibrated file; stdout only)",
     )
-    args = p.parse_args(argv)
-    if args.top_k < 1 or args.batch_size < 1:
-        p.error("--top-k and --batch-size must be at least 1")
+    job = p.add_argument_group("large jobs (--out)")
+    job.add_argument("--out", type=Path, help="write the results to this .parquet, .csv or .jsonl file, in parts")
+    job.add_argument("--resume", action="store_true", help="finish the --out file a killed run left")
+    job.add_argument("--from-list", type=Path, metavar="FILE", help="a text file of paths or URIs, one a line")
+    job.add_argument("--decode-threads", type=int, default=None, help="threads decoding images (default: the cores)")
+    job.add_argument(
+        "--part-size", type=int, default=DEFAULT_PART_SIZE, help=f"images per part (default {DEFAULT_PART_SIZE})"
+    )
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command line entry point (`vit-predict`)."""
+    p = build_parser()
+    return run_args(p, p.parse_args(argv))
+
+
+def run_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """Check the arguments `p` parsed, run the job (to stdout or to --out) and return the exit status."""
+    if args.top_k < 1 or args.batch_size < 1 or args.part_size < 1:
+        p.error("--top-k, --batch-size and --part-size must be at least 1")
+    if not args.paths and not args.from_list:
+        p.error("give image files or folders, or --from-list FILE")
+    if args.out is None and (args.from_list or args.resume or any(is_uri(s) for s in args.paths)):
+        p.error("--from-list, URIs and --resume need --out FILE")
+    if args.out is not None and args.coverage is not None:
+        p.error("--coverage writes prediction sets to stdout; --out files hold the top-k only")
     try:
-        done, failed = run(
-            args.model, args.paths, args.top_k, args.format, args.batch_size, args.threads, coverage=args.coverage
-        )
+        if args.out is not None:
+            done, failed = _run_to_file(args)
+        else:
+            paths = [Path(s) for s in args.paths]
+            done, failed = run(
+                args.model, paths, args.top_k, args.format, args.batch_size, args.threads, coverage=args.coverage
+            )
     except (ValueError, FileNotFoundError) as e:
         print(f"vit-predict: {e}", file=sys.stderr)
         return 2
@@ -202,6 +256,23 @@ def main(argv: list[str] | None = None) -> int:
     if failed:
         print(f"vit-predict: classified {done} images; {failed} input(s) could not be read", file=sys.stderr)
     return 1 if failed or not done else 0
+
+
+def _run_to_file(args: argparse.Namespace) -> tuple[int, int]:
+    """The --out job on this machine: (classified, failed), missing inputs counted as failed."""
+    clf = OnnxClassifier(args.model, threads=args.threads)
+    sources, missing = collect_sources(args.paths, sys.stderr, args.from_list)
+    done, failed = score_to_file(
+        clf,
+        sources,
+        args.out,
+        rows_for(clf, args.top_k),
+        batch_size=args.batch_size,
+        resume=args.resume,
+        workers=args.decode_threads,
+        part_size=args.part_size,
+    )
+    return done, failed + missing
 
 
 def _drop_stdout() -> None:

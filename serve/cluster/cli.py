@@ -1,0 +1,53 @@
+"""`vit-predict`'s entry point: the local job (`serve.runtime.predict`), or with --ray the same job on Ray."""
+
+from __future__ import annotations
+
+import sys
+
+from serve.runtime.jobs import collect_sources
+from serve.runtime.predict import build_parser, run_args
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command line entry point (`vit-predict`)."""
+    p = build_parser()
+    ray = p.add_argument_group("on a Ray cluster (--ray; needs pip install 'vitscope[ray]')")
+    ray.add_argument("--ray", action="store_true", help="run the job with Ray Data; --out names a Parquet directory")
+    ray.add_argument("--ray-address", default=None, help="a cluster to join ('auto': this machine's); default: local")
+    ray.add_argument("--workers", type=int, default=1, help="actors, each with one onnxruntime session (default 1)")
+    ray.add_argument("--cpus-per-worker", type=float, default=1, help="CPUs (and threads) per actor (default 1)")
+    args = p.parse_args(argv)
+    if not args.ray:
+        return run_args(p, args)
+    if args.out is None or args.resume:
+        p.error("--ray needs --out DIR.parquet (and runs the whole job: no --resume)")
+    if args.workers < 1 or args.cpus_per_worker <= 0:
+        p.error("--workers must be at least 1 and --cpus-per-worker above 0")
+    try:
+        from serve.cluster.ray_job import run_ray
+    except ImportError as e:
+        print(f"vit-predict: --ray needs Ray Data: pip install 'vitscope[ray]' ({e})", file=sys.stderr)
+        return 2
+    try:
+        sources, missing = collect_sources(args.paths, sys.stderr, args.from_list)
+        done, failed = run_ray(
+            args.model,
+            sources,
+            args.out,
+            args.top_k,
+            args.batch_size,
+            args.workers,
+            args.cpus_per_worker,
+            args.ray_address,
+        )
+    except (ValueError, FileNotFoundError) as e:
+        print(f"vit-predict: {e}", file=sys.stderr)
+        return 2
+    failed += missing
+    if failed:
+        print(f"vit-predict: classified {done} images; {failed} input(s) could not be read", file=sys.stderr)
+    return 1 if failed or not done else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

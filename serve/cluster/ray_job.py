@@ -1,0 +1,127 @@
+"""`vit-predict --ray`: score images on a Ray cluster with Ray Data and write a Parquet directory of parts.
+
+    vit-predict model.onnx photos/ --ray --workers 2 --cpus-per-worker 1 --out preds.parquet
+
+Ray Data holds the list of inputs in blocks and feeds them, a batch of `--batch-size` paths at a time, to
+a pool of `--workers` actors. Each actor holds one onnxruntime session with `--cpus-per-worker` intra-op
+threads, reads its images (local paths or fsspec URIs, as `serve.runtime.jobs.read_source` does), decodes
+them and classifies them. Rows are the ones the local run writes (`serve.runtime.predict.rows_for`,
+flattened by `serve.runtime.outputs.table_row`); `write_parquet` writes them as the parts of `--out`.
+
+Fault tolerance is Ray Data's: an actor that dies is restarted and its batch given again, and a batch's
+rows are kept only once it finished, so nothing is lost or written twice. The results (not the images)
+are materialised once, so that the unreadable inputs can be reported and left out of the table: a few
+hundred bytes per image, held in the object store.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import TextIO
+
+import numpy as np
+
+from serve.runtime.classifier import OnnxClassifier
+from serve.runtime.images import ImageError
+from serve.runtime.jobs import read_source
+from serve.runtime.outputs import table_row
+from serve.runtime.predict import rows_for
+
+ERROR = "error"  # the column that carries an unreadable input's reason until the table is written
+
+
+class Scorer:
+    """One actor: one onnxruntime session, fed batches of {"path": [...]} by Ray Data.
+
+    Args:
+        model: the .onnx file's bytes (shipped through the object store, so workers need no shared disk).
+        threads: onnxruntime intra-op threads (the actor's CPUs).
+        top_k: classes per image.
+    """
+
+    def __init__(self, model: bytes, threads: int, top_k: int):
+        with tempfile.NamedTemporaryFile(suffix=".onnx", delete=False) as f:
+            f.write(model)
+        try:
+            self.clf = OnnxClassifier(f.name, threads=threads)
+        finally:
+            os.unlink(f.name)
+        self.rows = rows_for(self.clf, top_k)
+        H, W = self.clf.input_size
+        probe = self.rows([""], self.clf.predict_pixels(np.zeros((1, H, W, 3), np.uint8)))[0]
+        self.columns = [*table_row(probe), ERROR]  # every batch has them all, even one of failures only
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, list]:
+        ok, pixels, rows = [], [], []
+        for source in batch["path"].tolist():
+            try:
+                pixels.append(self.clf.prepare(read_source(source)))
+                ok.append(source)
+            except (ImageError, OSError) as e:
+                rows.append({"path": source, ERROR: str(e)})
+        if pixels:
+            rows.extend({**table_row(r), ERROR: None} for r in self.rows(ok, self.clf.predict_pixels(np.stack(pixels))))
+        return {k: [r.get(k) for r in rows] for k in self.columns}
+
+
+def run_ray(
+    model: Path,
+    sources: list[str],
+    out: Path,
+    top_k: int = 5,
+    batch_size: int = 32,
+    workers: int = 1,
+    cpus_per_worker: float = 1,
+    address: str | None = None,
+    errors: TextIO | None = None,
+) -> tuple[int, int]:
+    """Classify `sources` on Ray and write `out` as a directory of Parquet parts.
+
+    Args:
+        address: a cluster to join ("auto": the one `ray start` runs here); None starts a local Ray.
+        workers: actors, each with one session; cpus_per_worker: CPUs each reserves (its threads).
+
+    Returns:
+        (classified, failed).
+
+    Raises:
+        ValueError: `out` exists, or is not named .parquet.
+    """
+    import ray
+    import ray.data
+
+    errors = errors or sys.stderr
+    if out.suffix.lower() != ".parquet":
+        raise ValueError(f"--ray writes a directory of Parquet parts: name it .parquet, not {out.name}")
+    if out.exists():
+        raise ValueError(f"{out} exists: remove it to score again (--resume is for runs on one machine)")
+    model_bytes = OnnxClassifier(model, threads=1).path.read_bytes()  # loads once here: a bad file fails early
+    started = not ray.is_initialized()
+    if started:
+        ray.init(address=address, log_to_driver=False, include_dashboard=False, logging_level="WARNING")
+    try:
+        ctx = ray.data.DataContext.get_current()
+        ctx.enable_progress_bars = True
+        blocks = max(1, min(len(sources) // batch_size, 64 * workers)) if sources else 1
+        ds = ray.data.from_items([{"path": s} for s in sources], override_num_blocks=blocks)
+        scored = ds.map_batches(
+            Scorer,
+            fn_constructor_args=(model_bytes, max(1, int(cpus_per_worker)), top_k),
+            batch_size=batch_size,
+            concurrency=workers,
+            num_cpus=cpus_per_worker,
+            max_restarts=-1,
+            max_task_retries=-1,
+        ).materialize()
+        failed = scored.filter(lambda r: r[ERROR] is not None).take_all()
+        for row in failed:
+            print(f"{row['path']}: {row[ERROR]}", file=errors)
+        good = scored.filter(lambda r: r[ERROR] is None).drop_columns([ERROR])
+        good.write_parquet(str(out.resolve()))
+        return good.count(), len(failed)
+    finally:
+        if started:
+            ray.shutdown()

@@ -1,0 +1,197 @@
+"""Result files written in parts, so that a killed `vit-predict --out` run resumes where it stopped.
+
+    store = PartStore(Path("preds.parquet"))
+    done, failed = store.committed()               # what earlier runs finished: skip those inputs
+    store.commit(rows, failures)                   # one part, atomically
+    store.finish()                                 # parts -> preds.parquet, the parts folder removed
+
+While a run is under way its parts live in `preds.parquet.parts/`. A part is two files: the rows
+(`part-00007.parquet`, in the output's own format) and its manifest (`part-00007.json`: the paths it holds
+and the inputs that could not be read, with the reason). Each is written to a temporary name, flushed to
+disk and renamed; the manifest's rename is the commit. A run killed at any instant leaves whole committed
+parts and, at most, an uncommitted one that the next run deletes: nothing is lost or written twice.
+
+Formats, chosen by the suffix of `--out`: `.parquet` (needs pyarrow: `pip install 'vitscope[batch]'`),
+`.csv` and `.jsonl`. A row is the JSON object vit-predict prints (`path`, `predictions: [{label, score}]`
+and whatever other fields the run adds); the table formats flatten it to one row per image with columns
+`path, label_1, score_1, ..., label_k, score_k` and the other fields as they are (nested values as JSON
+text in CSV). Ray's writer (`serve.cluster`) uses the same `table_row`, so both give the same columns.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+import re
+import shutil
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+FORMATS = (".parquet", ".csv", ".jsonl")
+PARTS_SUFFIX = ".parts"
+_PART = re.compile(r"part-(\d{5,})\.json$")
+
+
+def output_format(out: Path) -> str:
+    """The format named by the suffix of `out` ('.parquet', '.csv' or '.jsonl').
+
+    Raises:
+        ValueError: any other suffix.
+    """
+    suffix = out.suffix.lower()
+    if suffix not in FORMATS:
+        raise ValueError(f"--out {out}: name the file .parquet, .csv or .jsonl to choose its format")
+    if suffix == ".parquet":
+        require_pyarrow()
+    return suffix
+
+
+def require_pyarrow():
+    """pyarrow, imported on first use, or an error that says how to install it."""
+    try:
+        import pyarrow
+        import pyarrow.parquet  # noqa: F401
+    except ImportError:
+        raise ValueError(
+            "writing .parquet needs pyarrow: pip install 'vitscope[batch]' (or name the output .csv or .jsonl)"
+        ) from None
+    return pyarrow
+
+
+def table_row(row: dict[str, Any]) -> dict[str, Any]:
+    """A vit-predict row flattened for a table: `predictions` becomes label_1, score_1, label_2, ..."""
+    flat: dict[str, Any] = {}
+    for key, value in row.items():
+        if key == "predictions":
+            for rank, pred in enumerate(value, start=1):
+                flat[f"label_{rank}"] = pred["label"]
+                flat[f"score_{rank}"] = pred["score"]
+        else:
+            flat[key] = value
+    return flat
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    """Write `data` under a temporary name, flush it to disk and rename: `path` is whole or absent."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def encode_rows(rows: list[dict[str, Any]], fmt: str, header: bool = True) -> bytes:
+    """Rows in the format's bytes (one part's data file)."""
+    if fmt == ".jsonl":
+        return "".join(json.dumps(r, allow_nan=False) + "\n" for r in rows).encode()
+    flat = [table_row(r) for r in rows]
+    if fmt == ".csv":
+        text = io.StringIO()
+        writer = csv.DictWriter(text, fieldnames=list(flat[0]), lineterminator="\n")
+        if header:
+            writer.writeheader()
+        for r in flat:
+            writer.writerow({k: json.dumps(v) if isinstance(v, (list, dict)) else v for k, v in r.items()})
+        return text.getvalue().encode()
+    pa = require_pyarrow()
+    sink = pa.BufferOutputStream()
+    pa.parquet.write_table(pa.Table.from_pylist(flat), sink)
+    return sink.getvalue().to_pybytes()
+
+
+class PartStore:
+    """The parts of one output file: commit them one by one, read back what was done, merge at the end.
+
+    Args:
+        out: the final file (`preds.parquet`, `.csv` or `.jsonl`); the parts go to `out` + ".parts/".
+    """
+
+    def __init__(self, out: Path):
+        self.out = Path(out)
+        self.fmt = output_format(self.out)
+        self.dir = self.out.with_name(self.out.name + PARTS_SUFFIX)
+        self.next_index = 0
+
+    def exists(self) -> bool:
+        """True when an earlier run left the output or its parts."""
+        return self.out.exists() or self.dir.exists()
+
+    def committed(self) -> tuple[set[str], list[tuple[str, str]]]:
+        """Clear away an unfinished part, then read the committed manifests.
+
+        Returns:
+            (done, failed): the paths already classified, and (path, reason) for those that could not be read.
+        """
+        self.dir.mkdir(parents=True, exist_ok=True)
+        done: set[str] = set()
+        failed: list[tuple[str, str]] = []
+        indices = []
+        for manifest in sorted(self.dir.glob("part-*.json")):
+            found = _PART.match(manifest.name)
+            if not found:
+                continue
+            entry = json.loads(manifest.read_text())
+            done.update(entry["paths"])
+            failed.extend((p, reason) for p, reason in entry["failed"])
+            indices.append(int(found.group(1)))
+        for f in self.dir.iterdir():  # a data file without its manifest was never committed
+            stem = f.name.split(".")[0]
+            if f.name.endswith(".tmp") or (f.suffix != ".json" and not (self.dir / f"{stem}.json").exists()):
+                f.unlink()
+        self.next_index = max(indices, default=-1) + 1
+        return done, failed
+
+    def commit(self, rows: list[dict[str, Any]], failed: Iterable[tuple[str, str]]) -> None:
+        """Write one part: its rows (if any), then its manifest, whose rename commits the part."""
+        name = f"part-{self.next_index:05d}"
+        if rows:
+            _write_atomic(self.dir / f"{name}{self.fmt}", encode_rows(rows, self.fmt))
+        manifest = {"paths": [r["path"] for r in rows], "failed": [list(f) for f in failed]}
+        _write_atomic(self.dir / f"{name}.json", json.dumps(manifest).encode())
+        self.next_index += 1
+
+    def count_rows(self) -> int:
+        """The rows in the finished `out` file."""
+        if self.fmt == ".parquet":
+            return require_pyarrow().parquet.read_metadata(self.out).num_rows
+        with open(self.out, "rb") as f:
+            return sum(1 for _ in f) - (self.fmt == ".csv")
+
+    def data_files(self) -> list[Path]:
+        """The committed parts' data files, in the order they were written."""
+        return sorted(p for p in self.dir.glob(f"part-*{self.fmt}") if (self.dir / f"{p.stem}.json").exists())
+
+    def finish(self) -> None:
+        """Merge the parts into `out` (written under a temporary name, then renamed) and remove the parts."""
+        tmp = self.out.with_name(self.out.name + ".tmp")
+        parts = self.data_files()
+        if self.fmt == ".parquet":
+            _merge_parquet(parts, tmp)
+        else:
+            with open(tmp, "wb") as dst:
+                for i, part in enumerate(parts):
+                    with open(part, "rb") as src:
+                        if self.fmt == ".csv" and i > 0:
+                            src.readline()  # one header, from the first part
+                        shutil.copyfileobj(src, dst)
+                dst.flush()
+                os.fsync(dst.fileno())
+        os.replace(tmp, self.out)
+        shutil.rmtree(self.dir)
+
+
+def _merge_parquet(parts: list[Path], dest: Path) -> None:
+    """Parquet parts -> one file, part by part, under the schema they all fit (a part of nulls fits any)."""
+    pa = require_pyarrow()
+    pq = pa.parquet
+    if not parts:
+        pq.write_table(pa.table({"path": pa.array([], pa.string())}), dest)
+        return
+    schema = pa.unify_schemas([pq.read_schema(p) for p in parts], promote_options="permissive")
+    with pq.ParquetWriter(dest, schema) as writer:
+        for part in parts:
+            writer.write_table(pq.read_table(part).cast(schema))

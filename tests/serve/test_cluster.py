@@ -1,0 +1,115 @@
+"""`vit-predict --ray` on a local Ray cluster started here (a head and a worker node, one CPU each).
+
+The Parquet directory holds the local run's rows, image for image, unreadable files left out and reported
+the same way; an actor killed mid-job loses and duplicates nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+from PIL import Image
+
+from serve.runtime.predict import main as predict_local
+from tests.serve.conftest import CLASS_NAMES, quadrant_images
+
+ray = pytest.importorskip("ray.data")
+from tests.serve.ray_cluster import LocalRayCluster  # noqa: E402 (after the skip when ray is absent)
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[2]
+ACTOR_TITLE = b"MapBatches(Scorer)"  # how Ray names the actor processes of `map_batches(Scorer)`
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with LocalRayCluster(nodes=2, cpus_per_node=1) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def photos(tmp_path_factory) -> Path:
+    """240 images in two folders, and three files that cannot be read."""
+    folder = tmp_path_factory.mktemp("photos")
+    images, labels = quadrant_images(240, seed=11)
+    for i, (img, label) in enumerate(zip(images, labels, strict=True)):
+        sub = folder / ("b" if i % 2 else "a")
+        sub.mkdir(exist_ok=True)
+        Image.fromarray(img).save(sub / f"{i:04d}_{CLASS_NAMES[label]}.png")
+    good = (folder / "a" / "0000_top_left.png").read_bytes()
+    (folder / "a" / "truncated.png").write_bytes(good[: len(good) // 2])
+    (folder / "b" / "notes.jpg").write_text("not an image")
+    (folder / "b" / "empty.png").write_bytes(b"")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def local_rows(tiny_onnx, photos, tmp_path_factory) -> dict[str, dict]:
+    out = tmp_path_factory.mktemp("local") / "preds.parquet"
+    assert predict_local([str(tiny_onnx), str(photos), "--out", str(out), "--top-k", "3"]) == 1
+    return {r["path"]: r for r in pq.read_table(out).to_pylist()}
+
+
+def _ray_predict(model: Path, photos: Path, out: Path, address: str, *args: str) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "RAY_AUTH_MODE": "disabled"}
+    cmd = [sys.executable, "-m", "serve.cluster.cli", str(model), str(photos), "--ray", "--ray-address", address]
+    cmd += ["--out", str(out), "--top-k", "3", "--workers", "2", "--cpus-per-worker", "1", *args]
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _check_same_as_local(out: Path, local_rows: dict[str, dict]) -> None:
+    table = pq.read_table(out)
+    assert table.column_names == list(next(iter(local_rows.values())))  # the same columns, in the same order
+    rows = table.to_pylist()
+    assert sorted(r["path"] for r in rows) == sorted(local_rows)  # every image once, no unreadable one
+    for row in rows:
+        want = local_rows[row["path"]]
+        assert [row[f"label_{i}"] for i in (1, 2, 3)] == [want[f"label_{i}"] for i in (1, 2, 3)]
+        assert [row[f"score_{i}"] for i in (1, 2, 3)] == pytest.approx(
+            [want[f"score_{i}"] for i in (1, 2, 3)], abs=1e-6
+        )
+
+
+def test_ray_run_writes_the_local_runs_predictions_image_for_image(cluster, tiny_onnx, photos, local_rows, tmp_path):
+    out = tmp_path / "preds.parquet"
+    proc = _ray_predict(tiny_onnx, photos, out, cluster.address, "--batch-size", "16")
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 1, err  # 1: some inputs could not be read
+    assert out.is_dir() and len(list(out.glob("*.parquet"))) >= 1
+    _check_same_as_local(out, local_rows)
+    reported = sorted(line.split(":")[0].rsplit("/", 1)[1] for line in err.splitlines() if line.startswith(str(photos)))
+    assert reported == ["empty.png", "notes.jpg", "truncated.png"]
+    assert "classified 240 images; 3 input(s) could not be read" in err
+
+
+def _actor_pids() -> list[int]:
+    pids = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                if ACTOR_TITLE in f.read():
+                    pids.append(int(entry))
+        except (OSError, ValueError):
+            continue
+    return pids
+
+
+def test_an_actor_killed_mid_job_loses_and_duplicates_nothing(cluster, tiny_onnx, photos, local_rows, tmp_path):
+    out = tmp_path / "preds.parquet"
+    proc = _ray_predict(tiny_onnx, photos, out, cluster.address, "--batch-size", "2")  # many small batches
+    deadline = time.monotonic() + 240
+    while not (pids := _actor_pids()):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.05)
+    os.kill(pids[0], signal.SIGKILL)  # one of this job's actors, started by the cluster this test runs
+    assert proc.poll() is None  # killed while the job was running
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 1, err
+    _check_same_as_local(out, local_rows)

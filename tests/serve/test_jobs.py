@@ -1,0 +1,147 @@
+"""vit-predict --out: resumable parts, the output formats, inputs from lists and URIs, a run killed and resumed."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+from PIL import Image
+
+from serve.runtime.outputs import PartStore, table_row
+from serve.runtime.predict import main
+
+from .conftest import CLASS_NAMES, quadrant_images
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _images(folder: Path, n: int, seed: int = 5) -> list[Path]:
+    images, labels = quadrant_images(n, seed=seed)
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for i, (img, label) in enumerate(zip(images, labels, strict=True)):
+        paths.append(folder / f"{i:04d}_{CLASS_NAMES[label]}.png")
+        Image.fromarray(img).save(paths[-1])
+    return paths
+
+
+def _stdout_rows(model: Path, folder: Path, capsys, *args: str) -> dict[str, dict]:
+    main([str(model), str(folder), *args])
+    return {r["path"]: r for r in map(json.loads, capsys.readouterr().out.splitlines())}
+
+
+def _read(out: Path) -> list[dict]:
+    if out.suffix == ".parquet":
+        return pq.read_table(out).to_pylist()
+    if out.suffix == ".csv":
+        with open(out) as f:
+            return list(csv.DictReader(f))
+    return [table_row(json.loads(line)) for line in out.read_text().splitlines()]
+
+
+@pytest.mark.parametrize("suffix", [".parquet", ".csv", ".jsonl"])
+def test_out_file_holds_the_same_predictions_as_stdout_and_reports_broken_files(tiny_onnx, tmp_path, capsys, suffix):
+    folder = tmp_path / "photos"
+    _images(folder, 10)
+    (folder / "truncated.png").write_bytes((folder / "0000_top_left.png").read_bytes()[:40])
+    expected = _stdout_rows(tiny_onnx, folder, capsys, "--top-k", "2")
+    out = tmp_path / f"preds{suffix}"
+    args = ["--top-k", "2", "--batch-size", "3", "--part-size", "4"]
+    assert main([str(tiny_onnx), str(folder), "--out", str(out), *args]) == 1
+    err = capsys.readouterr().err
+    assert f"{folder / 'truncated.png'}: " in err and "classified 10 images; 1 input(s)" in err
+    rows = _read(out)
+    assert [r["path"] for r in rows] == list(expected)  # input order, each image once
+    for row in rows:
+        want = expected[row["path"]]["predictions"]
+        assert [row["label_1"], row["label_2"]] == [p["label"] for p in want]
+        assert float(row["score_1"]) == pytest.approx(want[0]["score"], abs=1e-6)
+    assert not out.with_name(out.name + ".parts").exists()
+
+
+def test_an_existing_output_is_refused_without_resume(tiny_onnx, tmp_path, capsys):
+    folder = tmp_path / "photos"
+    _images(folder, 2)
+    out = tmp_path / "preds.jsonl"
+    assert main([str(tiny_onnx), str(folder), "--out", str(out)]) == 0
+    assert main([str(tiny_onnx), str(folder), "--out", str(out)]) == 2
+    assert "add --resume" in capsys.readouterr().err
+    assert main([str(tiny_onnx), str(folder), "--out", str(out), "--resume"]) == 0  # complete: nothing to do
+    assert len(out.read_text().splitlines()) == 2
+
+
+def test_an_unknown_output_suffix_is_a_clear_error(tiny_onnx, tmp_path, capsys):
+    _images(tmp_path / "photos", 1)
+    assert main([str(tiny_onnx), str(tmp_path / "photos"), "--out", str(tmp_path / "preds.xlsx")]) == 2
+    assert "name the file .parquet, .csv or .jsonl" in capsys.readouterr().err
+
+
+def test_an_uncommitted_part_is_cleared_and_its_images_scored_again(tmp_path):
+    store = PartStore(tmp_path / "preds.jsonl")
+    store.committed()
+    store.commit([{"path": "a.png", "predictions": []}], [("b.png", "corrupt")])
+    (store.dir / "part-00001.jsonl").write_text('{"path": "c.png"}\n')  # data written, manifest not yet renamed
+    (store.dir / "part-00001.json.tmp").write_text('{"paths": ["c.png"')  # a manifest cut off mid-write
+    done, failed = PartStore(tmp_path / "preds.jsonl").committed()
+    assert done == {"a.png"} and failed == [("b.png", "corrupt")]
+    assert sorted(p.name for p in store.dir.iterdir()) == ["part-00000.json", "part-00000.jsonl"]
+
+
+def test_from_list_reads_paths_and_uris(tiny_onnx, tmp_path, capsys):
+    paths = _images(tmp_path / "photos", 3)
+    listing = tmp_path / "inputs.txt"
+    listing.write_text(f"# tonight's photos\n{paths[0]}\n\nfile://{paths[1]}\n{paths[0]}\n{tmp_path / 'gone.png'}\n")
+    out = tmp_path / "preds.jsonl"
+    assert main([str(tiny_onnx), str(paths[2]), "--from-list", str(listing), "--out", str(out)]) == 1
+    assert "gone.png: no such file or folder" in capsys.readouterr().err
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["path"] for r in rows] == [str(paths[2]), str(paths[0]), f"file://{paths[1]}"]
+    assert [r["predictions"][0]["label"] for r in rows] == ["bottom_left", "top_left", "top_right"]
+
+
+def _predict(*args: str, **kw) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "serve.runtime.predict", *args]
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+
+
+@pytest.mark.slow
+def test_a_run_killed_mid_job_resumes_with_every_image_exactly_once(tiny_onnx, tmp_path):
+    """SIGKILL a real run while it is blocked on one input (a FIFO that nobody writes yet), then resume."""
+    paths = _images(tmp_path / "photos", 120)
+    stuck = tmp_path / "stuck.png"
+    os.mkfifo(stuck)  # reading it blocks the run halfway, after its first parts are committed
+    sources = [str(p) for p in paths[:60]] + [f"file://{stuck}"] + [str(p) for p in paths[60:]]
+    (tmp_path / "inputs.txt").write_text("\n".join(sources) + "\n")
+    out = tmp_path / "preds.parquet"
+    args = [str(tiny_onnx), "--from-list", str(tmp_path / "inputs.txt"), "--out", str(out), "--top-k", "2"]
+    args += ["--batch-size", "4", "--part-size", "8", "--decode-threads", "2"]
+    proc = _predict(*args)
+    parts = out.with_name(out.name + ".parts")
+    deadline = time.monotonic() + 60
+    while len(list(parts.glob("part-*.json"))) < 7:  # the 56 images before the FIFO's part
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(30)
+    assert not out.exists()
+    os.unlink(stuck)
+    Image.open(paths[0]).save(stuck, format="PNG")  # now a readable image, scored by the resumed run
+
+    resumed = _predict(*args, "--resume")
+    _, err = resumed.communicate(timeout=120)
+    assert resumed.returncode == 0, err
+    rows = pq.read_table(out).to_pylist()
+    assert [r["path"] for r in rows] == sources  # every image exactly once, in input order
+    clean = tmp_path / "clean.parquet"
+    again = _predict(*args[:3], "--out", str(clean), *args[5:])
+    assert again.wait(120) == 0
+    assert rows == pq.read_table(clean).to_pylist()
