@@ -26,6 +26,8 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks.serve_bench import LoadConnection
+
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
@@ -121,45 +123,6 @@ def http_request(path: str, body: bytes, content_type: str, extra_headers: str =
     return head.encode() + body
 
 
-class _Connection(asyncio.Protocol):
-    def __init__(self, request: bytes, end: float, stats: dict, done: asyncio.Future):
-        self.request, self.end, self.stats, self.done = request, end, stats, done
-        self.buf, self.t0 = b"", 0.0
-
-    def connection_made(self, transport):
-        self.transport = transport
-        self.send()
-
-    def send(self):
-        if time.perf_counter() >= self.end:
-            self.transport.close()
-            return
-        self.buf, self.t0 = b"", time.perf_counter()
-        self.transport.write(self.request)
-
-    def data_received(self, data: bytes):
-        self.buf += data
-        head_end = self.buf.find(b"\r\n\r\n")
-        if head_end < 0:
-            return
-        head = self.buf[:head_end].lower()
-        at = head.find(b"content-length:")
-        length = int(head[at + 15 :].split(b"\r\n", 1)[0]) if at >= 0 else 0
-        if len(self.buf) - head_end - 4 < length:
-            return
-        if head.startswith(b"http/1.1 200 "):
-            self.stats["latencies"].append(time.perf_counter() - self.t0)
-        else:
-            self.stats["errors"] += 1
-        self.send()
-
-    def connection_lost(self, exc):
-        if time.perf_counter() < self.end:
-            self.stats["errors"] += 1
-        if not self.done.done():
-            self.done.set_result(None)
-
-
 async def _http_load(port: int, request: bytes, concurrency: int, seconds: float) -> dict:
     loop = asyncio.get_running_loop()
     stats: dict = {"latencies": [], "errors": 0}
@@ -167,7 +130,7 @@ async def _http_load(port: int, request: bytes, concurrency: int, seconds: float
     done = []
     for _ in range(concurrency):
         fut = loop.create_future()
-        await loop.create_connection(lambda f=fut: _Connection(request, end, stats, f), "127.0.0.1", port)
+        await loop.create_connection(lambda f=fut: LoadConnection(request, end, stats, f), "127.0.0.1", port)
         done.append(fut)
     try:
         await asyncio.wait_for(asyncio.gather(*done), seconds + 60)

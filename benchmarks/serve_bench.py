@@ -95,7 +95,7 @@ def pct(xs: list[float]) -> dict:
     return {"p50": float(np.percentile(a, 50)), "p99": float(np.percentile(a, 99)), "mean": float(a.mean())}
 
 
-class _Connection(asyncio.Protocol):
+class LoadConnection(asyncio.Protocol):
     """One keep-alive connection posting the same prebuilt request back to back until `end`."""
 
     def __init__(self, request: bytes, end: float, stats: dict, done: asyncio.Future):
@@ -152,7 +152,7 @@ async def load(port: int, body: bytes, concurrency: int, seconds: float) -> dict
     done = []
     for _ in range(concurrency):
         fut = loop.create_future()
-        await loop.create_connection(lambda f=fut: _Connection(request, end, stats, f), "127.0.0.1", port)
+        await loop.create_connection(lambda f=fut: LoadConnection(request, end, stats, f), "127.0.0.1", port)
         done.append(fut)
     try:  # a server that stops answering must not hang the benchmark
         await asyncio.wait_for(asyncio.gather(*done), seconds + 60)
