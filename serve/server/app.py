@@ -1,4 +1,4 @@
-"""The app factory: `build_app(classifier, settings)` returns the whole server.
+"""The app factory: `build_app(classifier_or_repository_folder, settings)` returns the whole server.
 
 It wires the pieces, each in a module of its own: the micro-batching engine (`batching`), the `/v1`
 and health routes (`v1`), KServe v2 (`v2`), the JSON error mapping (`errors`), Prometheus metrics
@@ -14,10 +14,12 @@ import inspect
 import logging
 from collections.abc import Callable
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 from fastapi import FastAPI
 from starlette.concurrency import run_in_threadpool
 
+from serve.runtime.classifier import OnnxClassifier
 from serve.runtime.images import PixelBudget
 from serve.server.api.openapi import describe
 from serve.server.api.v1 import v1_router
@@ -27,13 +29,15 @@ from serve.server.http.errors import add_error_handlers, add_fallback_routes
 from serve.server.http.guard import RequestGuard, allowed_hosts_of
 from serve.server.http.uploads import decode_image
 from serve.server.metrics import Metrics
+from serve.server.repository.layout import default_model_file
+from serve.server.repository.repository import ModelRepository
 from serve.server.settings import ServeSettings
 
 log = logging.getLogger(__name__)
 
 
 def build_app(
-    classifier,
+    models: OnnxClassifier | Path,
     settings: ServeSettings | None = None,
     with_ui: bool = True,
     engine_class: Callable[..., Engine] = Engine,
@@ -41,49 +45,69 @@ def build_app(
     """The server: API routes, metrics and (unless `with_ui` is False) the Gradio UI at `/`.
 
     Args:
-        classifier: a loaded `serve.runtime.OnnxClassifier`.
+        models: a loaded `serve.runtime.OnnxClassifier`, or a model repository folder
+            (`serve.server.repository.layout`).
         settings: limits and batching; defaults when None.
         with_ui: mount the Gradio Blocks at `/`.
         engine_class: builds the engine that batches requests (the Ray Serve ingress passes its `RayEngine`).
 
     Returns:
-        A FastAPI app whose lifespan starts the batcher, warms the model up and drains on shutdown.
+        A FastAPI app whose lifespan loads and warms the models up, and drains them on shutdown; its
+        `state.repository` holds the served versions.
     """
     settings = settings or ServeSettings()
     metrics = Metrics()
-    engine = engine_class(
-        classifier,
-        settings,
-        on_batch=metrics.batch_size.observe,
-        decode=lambda img: decode_image(img, classifier, settings),  # an opened upload, decoded on the worker
+
+    def make_engine(classifier, name: str, version: str) -> Engine:  # one batcher per model version
+        return engine_class(
+            classifier,
+            settings,
+            on_batch=metrics.batch_size.labels(name, version).observe,
+            decode=lambda img: decode_image(img, classifier, settings),  # an opened upload, decoded on the worker
+        )
+
+    single = models if isinstance(models, OnnxClassifier) else None
+    repository = ModelRepository(
+        make_engine,
+        metrics,
+        root=None if single is not None else Path(models),
+        single=single,
+        default_model=settings.default_model,
+        threads=settings.threads or None,
+        poll_s=settings.repository_poll_s,
+        drain_s=settings.graceful_timeout_s,
     )
-    metrics.queue_depth.set_function(lambda: engine.batcher.depth)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        await run_in_threadpool(engine.start)
-        log.info("model %s warmed up; ready", classifier.name)
+        await run_in_threadpool(repository.start)
+        log.info("models %s warmed up; ready", ", ".join(sorted(repository.serving)))
         try:
             yield
         finally:
-            await run_in_threadpool(engine.stop)
+            app.state.drained = await run_in_threadpool(repository.stop)
 
     if settings.opentelemetry and "telemetry" not in inspect.signature(FastAPI).parameters:
         log.warning("--opentelemetry needs a FastAPI with native OpenTelemetry (telemetry=); this one has none")
     off = None if settings.opentelemetry else {"tracing": False, "metrics": False, "logs": False}
-    app = FastAPI(title="vitscope", version=str(classifier.version), lifespan=lifespan, telemetry=off)
-    app.state.engine, app.state.metrics, app.state.settings = engine, metrics, settings
+    app = FastAPI(title="vitscope", lifespan=lifespan, telemetry=off)
+    app.state.repository, app.state.metrics, app.state.settings = repository, metrics, settings
     add_error_handlers(app, settings)
     budget = PixelBudget(settings.decode_pixel_budget)  # shared by the API and the UI
-    routers = [v1_router(classifier, engine, metrics, settings, budget), v2_router(classifier, engine, settings)]
+    routers = [v1_router(repository, metrics, settings, budget), v2_router(repository, settings)]
     for router in routers:  # flat, as `@app.get` adds them: `include_router` costs a dispatch layer per request
         app.router.routes.extend(router.routes)
     add_fallback_routes(app, routers)
-    describe(app, settings, classifier.name)
+    if single is not None:
+        default, layout = single.name, single
+    else:  # the UI is laid out from a version of the default model; its calls go to the one served then
+        default, path = default_model_file(Path(models), settings.default_model)
+        layout = OnnxClassifier(path, threads=1) if with_ui else None
+    describe(app, settings, default)
     if with_ui:
         from serve.server.ui.blocks import mount_ui
 
-        app = mount_ui(app, classifier, engine, settings, budget)
+        app = mount_ui(app, repository, layout, settings, budget)
     # outermost: it counts what the client got (the UI's 422, not Gradio's 500; 400 for a wrong Host)
     app.add_middleware(
         RequestGuard,

@@ -1,6 +1,7 @@
 """The `/v1` API and the health routes: a request goes decode_request -> predict -> encode_response.
 
 POST /v1/classify          image as multipart field `file` or as the raw body; ?top_k=5&explain=true
+POST /v1/models/<name>[/versions/<version>]/classify   the same, for one model (its latest version) or version
 GET  /healthz, /readyz     live; ready once the model is loaded and warmed up
 GET  /metrics              Prometheus
 """
@@ -16,11 +17,12 @@ from starlette.concurrency import run_in_threadpool
 
 from serve.runtime.images import PixelBudget
 from serve.runtime.rollout import HEAD_FUSIONS
-from serve.server.batching import Engine
-from serve.server.explain import explain_pixels, mean_fill_of, overlay_png
+from serve.server.explain import explain_pixels, overlay_png
 from serve.server.http.errors import ApiError, model_result
 from serve.server.http.uploads import decode_image, decode_request, open_upload
 from serve.server.metrics import Metrics
+from serve.server.repository.repository import ModelRepository, UnknownModel
+from serve.server.repository.version import ModelVersion
 from serve.server.settings import ServeSettings
 
 # A small file can still declare a huge image (a flat 40 MP PNG compresses to kilobytes): only images
@@ -29,17 +31,25 @@ INLINE_DECODE_PIXELS = 1_000_000
 TRUE, FALSE = ("1", "true", "yes"), ("0", "false", "no")
 
 
-def encode_response(classifier, probs: np.ndarray, top_k: int, explanation: dict | None = None) -> dict[str, Any]:
+def encode_response(served: ModelVersion, probs: np.ndarray, top_k: int, explanation: dict | None = None) -> dict:
     out: dict[str, Any] = {
-        "model": classifier.name,
-        "version": classifier.version,
+        "model": served.name,
+        "version": served.version,
         "predictions": [
-            {"label": label, "score": score} for label, score in classifier.top_k(probs[None], max(1, top_k))[0]
+            {"label": label, "score": score} for label, score in served.classifier.top_k(probs[None], max(1, top_k))[0]
         ],
     }
     if explanation is not None:
         out["explanation"] = explanation
     return out
+
+
+def resolve(repository: ModelRepository, name: str | None, version: str | None) -> ModelVersion:
+    """The version a request goes to, or the 404 that names what is served."""
+    try:
+        return repository.resolve(name, version)
+    except UnknownModel as e:
+        raise ApiError("not_found", str(e)) from None
 
 
 def parse_params(query, form: dict[str, str], settings: ServeSettings) -> dict[str, Any]:
@@ -69,19 +79,24 @@ def parse_params(query, form: dict[str, str], settings: ServeSettings) -> dict[s
 
 
 def v1_router(
-    classifier, engine: Engine, metrics: Metrics, settings: ServeSettings, budget: PixelBudget | None = None
+    repository: ModelRepository, metrics: Metrics, settings: ServeSettings, budget: PixelBudget | None = None
 ) -> APIRouter:
-    """`/v1/classify`, `/healthz`, `/readyz` and `/metrics` for one classifier behind one engine; large
-    uploads hold `budget` while they decode."""
+    """`/v1/classify` (the default model), `/v1/models/<name>[/versions/<version>]/classify`, `/healthz`,
+    `/readyz` and `/metrics` over the repository's versions; large uploads hold `budget` while they decode."""
     router = APIRouter()
-    # Decode small uploads where a core is free: on the event loop when onnxruntime runs on one thread
-    # (small models: the loop has the other core), on the model's thread right before its batch when
-    # onnxruntime uses every core (decoding on the loop would fight its threads; BENCHMARKS.md, serving).
-    decode_on_worker = classifier.threads != 1
-    fill = mean_fill_of(classifier)
 
     async def classify(request: Request):
         """Classify one image (multipart field `file` or raw body); `explain=true` adds the rollout map."""
+        path = request.path_params
+        served = resolve(repository, path.get("name"), path.get("version"))
+        served.in_flight += 1  # the version drains only once this request is done with it
+        try:
+            return await classify_with(served, request)
+        finally:
+            served.in_flight -= 1
+
+    async def classify_with(served: ModelVersion, request: Request):
+        classifier, engine = served.classifier, served.engine
         data, form = await decode_request(request, settings)
         params = parse_params(request.query_params, form, settings)
         img = open_upload(data, settings)  # the header: not an image, or too many pixels, fails here
@@ -89,7 +104,7 @@ def v1_router(
         if params["explain"]:  # the explain pass computes the probabilities too: no second forward pass
             pixels = await run_in_threadpool(decode_image, img, classifier, settings, budget)
             fusion, discard = params["head_fusion"], params["discard_ratio"]
-            work = engine.run(explain_pixels, classifier, pixels, fusion, discard, None, fill, settings)
+            work = engine.run(explain_pixels, classifier, pixels, fusion, discard, None, served.fill, settings)
             ex = await model_result(work, settings)
             explanation = {
                 "head_fusion": fusion,
@@ -98,20 +113,24 @@ def v1_router(
                 "overlay_png": await run_in_threadpool(overlay_png, pixels, ex["grid"]),  # a few ms: off the loop
                 "deletion": ex["deletion"].to_dict(),
             }
-            return JSONResponse(encode_response(classifier, ex["probs"], params["top_k"], explanation))
+            return JSONResponse(encode_response(served, ex["probs"], params["top_k"], explanation))
+        # Decode small uploads where a core is free: on the event loop when onnxruntime runs on one thread
+        # (small models: the loop has the other core), on the model's thread right before its batch when
+        # onnxruntime uses every core (decoding on the loop would fight its threads; BENCHMARKS.md, serving).
         if not small:  # in a thread of its own, so that it never holds up the loop or a batch
             item = await run_in_threadpool(decode_image, img, classifier, settings, budget)
-        elif decode_on_worker:  # on the model's thread, right before its batch runs
+        elif served.decode_on_worker:  # on the model's thread, right before its batch runs
             item = img
         else:  # on the event loop, while the model runs on the other core
             item = decode_image(img, classifier, settings)
         probs = await model_result(engine.predict(item), settings)
-        return JSONResponse(encode_response(classifier, probs, params["top_k"]))  # already plain JSON
+        return JSONResponse(encode_response(served, probs, params["top_k"]))  # already plain JSON
 
     # A plain Starlette route: it takes the raw Request anyway, and FastAPI's per-request dependency
     # machinery costs a few percent of a small model's throughput (BENCHMARKS.md, serving). So FastAPI
     # does not see it; serve.server.api.openapi describes it.
-    router.add_route("/v1/classify", classify, methods=["POST"])
+    for route in ("/v1/classify", "/v1/models/{name}/classify", "/v1/models/{name}/versions/{version}/classify"):
+        router.add_route(route, classify, methods=["POST"])
 
     # Plain async and no I/O: never queued behind the model. HEAD too (load balancers probe with it),
     # out of the OpenAPI document, where it would repeat GET under the same operation ID.
@@ -123,13 +142,14 @@ def v1_router(
     @router.get("/readyz", responses={503: {"description": "loading, warming up or stopping"}})
     @router.head("/readyz", include_in_schema=False)
     async def readyz():
-        if not engine.ready:
-            raise ApiError("not_ready", "the model is loading or warming up (or the server is stopping)")
+        if not repository.ready:
+            raise ApiError("not_ready", "a model is loading or warming up (or the server is stopping)")
+        served = repository.resolve()
         return {
             "status": "ready",
-            "model": classifier.name,
-            "version": classifier.version,
-            "batch_size": engine.batch_size,
+            "model": served.name,
+            "version": served.version,
+            "batch_size": served.engine.batch_size,
         }
 
     @router.get("/metrics")

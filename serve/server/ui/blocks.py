@@ -1,6 +1,6 @@
 """The Gradio UI: drop an image, see the class, where the transformer looked, and whether to trust it.
 
-`mount_ui(app, classifier, engine, settings)` mounts the `gr.Blocks` of `build_ui` at `/`. Every model
+`mount_ui(app, repository, classifier, settings)` mounts the `gr.Blocks` of `build_ui` at `/`. Every model
 call goes through the engine, so it runs on the batcher's thread. This is the only module of the
 server that imports gradio.
 
@@ -40,8 +40,9 @@ log = logging.getLogger(__name__)
 NO_GRADIENTS = "this model file has no gradient graph (vit-export --no-gradients); re-export it without that flag"
 
 
-def mount_ui(app: FastAPI, classifier, engine, settings, budget: PixelBudget | None = None) -> FastAPI:
-    """`app` with the UI at `/` (the API routes, added before, keep their paths).
+def mount_ui(app: FastAPI, repository, classifier, settings, budget: PixelBudget | None = None) -> FastAPI:
+    """`app` with the UI at `/` (the API routes, added before, keep their paths); its calls go to the
+    repository's default model, whose `classifier` (any version) lays the page out.
 
     `gr.mount_gradio_app` leaves the Blocks marked as never launched, and Gradio then skips its check of
     the file paths a client names in a call: any file the server can read could be copied into the cache
@@ -49,7 +50,7 @@ def mount_ui(app: FastAPI, classifier, engine, settings, budget: PixelBudget | N
     files uploaded to this server's own temp folder. Paths are never allowed beyond that, and the model
     file and the server's code are blocked outright.
     """
-    ui = build_ui(classifier, engine, settings, budget)
+    ui = build_ui(repository, classifier, settings, budget)
     ui.queue(max_size=settings.ui_queue_size, default_concurrency_limit=settings.ui_concurrency)
     blocked = [str(Path(classifier.path).resolve()), str(Path(__file__).resolve().parents[1])]  # the model, our code
     app = gr.mount_gradio_app(
@@ -85,14 +86,26 @@ def example_files(folder: str | Path, per_class: int = 1, limit: int = 6) -> lis
 
 
 class Handlers:
-    """The UI's callbacks for one classifier: each takes the widgets' values and returns theirs."""
+    """The UI's callbacks for one model: each takes the widgets' values and returns theirs.
 
-    def __init__(self, classifier, engine, settings, budget: PixelBudget | None = None):
-        self.classifier, self.engine, self.settings, self.budget = classifier, engine, settings, budget
+    Each call runs on the version the repository serves at that moment (`served`); `classifier`, one of
+    the model's versions, gives the page's layout (classes, blocks, heads).
+    """
+
+    def __init__(self, repository, classifier, settings, budget: PixelBudget | None = None):
+        self.repository, self.layout, self.settings, self.budget = repository, classifier, settings, budget
         self.labels = list(classifier.labels)
         self.depth, self.nh = classifier.depth, classifier.num_heads
         self.fill = mean_fill_of(classifier)
         self.grads = bool(getattr(classifier, "supports_gradients", False))
+
+    @property
+    def classifier(self):
+        return self.repository.resolve().classifier
+
+    @property
+    def engine(self):
+        return self.repository.resolve().engine
 
     def pixels_of(self, path: str | None) -> np.ndarray:
         if not path:
@@ -158,9 +171,9 @@ class Handlers:
         return render_overlay(pixels, ex["grid"], float(opacity), colormap), deletion_text(ex["deletion"], self.labels)
 
 
-def build_ui(classifier, engine, settings, budget: PixelBudget | None = None) -> gr.Blocks:
+def build_ui(repository, classifier, settings, budget: PixelBudget | None = None) -> gr.Blocks:
     """The Gradio Blocks of the demo (see the module docstring for its api_names)."""
-    on = Handlers(classifier, engine, settings, budget)
+    on = Handlers(repository, classifier, settings, budget)
     labels = on.labels
     # delete_cache: uploads and results older than ui_cache_s go, checked as often, and all at shutdown
     cache = (settings.ui_cache_s, settings.ui_cache_s)
@@ -225,7 +238,7 @@ def _attention_tab(on: Handlers, image, opacity, cmap) -> None:
         with gr.Row():
             blk = gr.Slider(0, on.depth - 1, value=on.depth - 1, step=1, label="Block")
             head = gr.Slider(0, on.nh - 1, value=0, step=1, label="Head")
-        query = "the CLS token's" if on.classifier.rollout_query == "cls" else "the patches' mean"
+        query = "the CLS token's" if on.layout.rollout_query == "cls" else "the patches' mean"
         attn_btn = gr.Button(f"Show {query} attention")
         with gr.Row():
             attn_img = gr.Image(type="numpy", label=f"{query.capitalize()} attention, this head", interactive=False)
