@@ -14,7 +14,7 @@ RUN ?= runs/sample
 HOST ?= 127.0.0.1
 PORT ?= 7860
 
-.PHONY: install test test-fast lint format demo sample train export serve bench clean
+.PHONY: install test test-fast lint format docs docs-serve demo sample train export serve bench clean
 
 install: $(VENV)/.installed
 
@@ -34,10 +34,17 @@ format: install
 	$(BIN)/ruff format vit train serve tests benchmarks
 	$(BIN)/ruff check --fix vit train serve tests benchmarks
 
+# The docs site (mkdocs.yml): every warning is an error, broken links and anchors included
+docs: install
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
+
+docs-serve: install
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs serve --dev-addr 127.0.0.1:8000
+
 # Two workers (pytest-xdist), each running whole files, so that a file's server or model is built once:
 # much of the suite waits on child processes, disks and sockets, not on the CPU. TEST_WORKERS=0: one process.
 TEST_WORKERS ?= 2
-test: install lint
+test: install lint docs
 	$(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 test-fast: install
@@ -85,4 +92,4 @@ bench: install $(ONNX)
 	$(PYTHON) benchmarks/gpu_train.py | tee $(BENCH)/gpu_train.md
 
 clean:
-	rm -rf runs artifacts .pytest_cache
+	rm -rf runs artifacts site .pytest_cache

@@ -23,6 +23,18 @@ from vit.pos_embed import resample_pos_embed, sincos_2d
 LayerNorm = partial(nn.LayerNorm, eps=1e-6)  # timm's ViT epsilon: weights trained with it expect it
 
 
+def check_options(global_pool: str, class_token: bool, pos_embed: str, weight_init: str) -> None:
+    """Refuse, in one line that says what to use instead, a combination `VisionTransformer` cannot build."""
+    if global_pool not in ("token", "avg"):
+        raise ValueError(f"global_pool must be 'token' or 'avg', got {global_pool!r}")
+    if global_pool == "token" and not class_token:
+        raise ValueError("global_pool='token' needs class_token=True; use global_pool='avg' without a CLS token")
+    if pos_embed not in ("learn", "sincos"):
+        raise ValueError(f"pos_embed must be 'learn' or 'sincos', got {pos_embed!r}")
+    if weight_init not in ("trunc_normal", "xavier"):
+        raise ValueError(f"weight_init must be 'trunc_normal' or 'xavier', got {weight_init!r}")
+
+
 class VisionTransformer(nn.Module):
     """Vision Transformer classifier.
 
@@ -87,15 +99,10 @@ class VisionTransformer(nn.Module):
         stem: str = "patch",
         stem_widths: list[int] | None = None,
     ):
+        """Build the network (arguments above). It reads better whole: its length is the signature, timm's
+        keyword arguments one a line, and the body builds the modules in the order `forward` runs them."""
         super().__init__()
-        if global_pool not in ("token", "avg"):
-            raise ValueError(f"global_pool must be 'token' or 'avg', got {global_pool!r}")
-        if global_pool == "token" and not class_token:
-            raise ValueError("global_pool='token' needs class_token=True; use global_pool='avg' without a CLS token")
-        if pos_embed not in ("learn", "sincos"):
-            raise ValueError(f"pos_embed must be 'learn' or 'sincos', got {pos_embed!r}")
-        if weight_init not in ("trunc_normal", "xavier"):
-            raise ValueError(f"weight_init must be 'trunc_normal' or 'xavier', got {weight_init!r}")
+        check_options(global_pool, class_token, pos_embed, weight_init)
         # the constructor's arguments, so a checkpoint can rebuild the model without any config file
         self.config = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
         self.num_classes = num_classes
@@ -122,21 +129,9 @@ class VisionTransformer(nn.Module):
         self.norm_pre = LayerNorm(embed_dim) if pre_norm else nn.Identity()
 
         dpr = torch.linspace(0, drop_path_rate, depth).tolist()  # stochastic depth grows with depth
+        block_args = (mlp_ratio, qkv_bias, qk_norm, proj_drop_rate, attn_drop_rate, init_values)
         self.blocks = nn.ModuleList(
-            Block(
-                embed_dim,
-                num_heads,
-                mlp_ratio,
-                qkv_bias,
-                qk_norm,
-                proj_drop_rate,
-                attn_drop_rate,
-                init_values,
-                dpr[i],
-                attn_score,
-                LayerNorm,
-            )
-            for i in range(depth)
+            Block(embed_dim, num_heads, *block_args, dpr[i], attn_score, LayerNorm) for i in range(depth)
         )
         self.norm = LayerNorm(embed_dim) if not use_fc_norm else nn.Identity()
         self.fc_norm = LayerNorm(embed_dim) if use_fc_norm else nn.Identity()

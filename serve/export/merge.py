@@ -57,22 +57,8 @@ def combine_fast_and_explain(
     defaults = [numpy_helper.from_array(np.array(False), EXPLAIN_INPUT)]
     then_graph = explain_graph
     if gradients is not None:
-        grad_graph = _as_branch(gradients, "grad", shared, outer)
-        names = ["select/logits", "select/attns", "select/grads"]
-        inner = helper.make_node(
-            "If", [GRADIENTS_INPUT], names, name="gradients_or_maps", then_branch=grad_graph, else_branch=explain_graph
-        )
-        then_graph = helper.make_graph(
-            [inner], "explain_select", [], [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in names]
-        )
-        inputs += [
-            helper.make_tensor_value_info(GRADIENTS_INPUT, TensorProto.BOOL, []),
-            helper.make_tensor_value_info(TARGET_INPUT, TensorProto.INT64, [None]),
-        ]
-        defaults += [
-            numpy_helper.from_array(np.array(False), GRADIENTS_INPUT),
-            numpy_helper.from_array(np.zeros(0, np.int64), TARGET_INPUT),
-        ]
+        then_graph, grad_inputs, grad_defaults = _gradients_or_maps(gradients, explain_graph, shared, outer)
+        inputs, defaults = inputs + grad_inputs, defaults + grad_defaults
     if_node = helper.make_node(
         "If",
         [EXPLAIN_INPUT],
@@ -95,6 +81,29 @@ def combine_fast_and_explain(
     model.producer_name = "vitscope"
     onnx.checker.check_model(model, full_check=False)
     return model
+
+
+def _gradients_or_maps(
+    gradients: onnx.ModelProto, explain_graph: onnx.GraphProto, shared: dict[str, onnx.TensorProto], outer: set[str]
+) -> tuple[onnx.GraphProto, list[onnx.ValueInfoProto], list[onnx.TensorProto]]:
+    """The explain branch with an inner If on `gradients`: (that branch, its extra inputs, their defaults)."""
+    grad_graph = _as_branch(gradients, "grad", shared, outer)
+    names = ["select/logits", "select/attns", "select/grads"]
+    inner = helper.make_node(
+        "If", [GRADIENTS_INPUT], names, name="gradients_or_maps", then_branch=grad_graph, else_branch=explain_graph
+    )
+    branch = helper.make_graph(
+        [inner], "explain_select", [], [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in names]
+    )
+    inputs = [
+        helper.make_tensor_value_info(GRADIENTS_INPUT, TensorProto.BOOL, []),
+        helper.make_tensor_value_info(TARGET_INPUT, TensorProto.INT64, [None]),
+    ]
+    defaults = [
+        numpy_helper.from_array(np.array(False), GRADIENTS_INPUT),
+        numpy_helper.from_array(np.zeros(0, np.int64), TARGET_INPUT),
+    ]
+    return branch, inputs, defaults
 
 
 def _pad_outputs(graph: onnx.GraphProto, prefix: str, names: list[str]) -> None:

@@ -111,6 +111,29 @@ def dynamic_int8(fast: onnx.ModelProto, portable: bool = False) -> onnx.ModelPro
         return onnx.load(dst)
 
 
+def static_int8(fast: onnx.ModelProto, calibration: np.ndarray) -> onnx.ModelProto | None:
+    """QDQ int8 with activations calibrated on `calibration` pixels; None (with a warning) if it fails."""
+    with tempfile.TemporaryDirectory() as tmp:
+        src, sta = Path(tmp, "fp32.onnx"), Path(tmp, "static.onnx")
+        onnx.save(fast, src)
+        try:
+            with _quiet_root_logger():
+                quantize_static(
+                    src,
+                    sta,
+                    _PixelReader(calibration),
+                    quant_format=QuantFormat.QDQ,
+                    op_types_to_quantize=QUANT_OPS,
+                    per_channel=True,
+                    activation_type=QuantType.QUInt8,
+                    weight_type=QuantType.QInt8,
+                )
+            return onnx.load(sta)
+        except Exception as e:  # static calibration is the optional extra: report and go on with dynamic
+            log.warning("static int8 quantisation failed, keeping dynamic: %s", e)
+            return None
+
+
 def quantize_int8(
     fast: onnx.ModelProto, sample: Any, net: VisionTransformer, preprocess: Preprocess, portable: bool = False
 ) -> tuple[onnx.ModelProto, dict[str, Any]]:
@@ -133,31 +156,13 @@ def quantize_int8(
             [net(torch.from_numpy(preprocess.normalize(pixels[i : i + 32]))).numpy() for i in range(0, len(pixels), 32)]
         ).argmax(-1)
     fp32_ms = _ms_per_image(_session(fast), pixels)
-    candidates: dict[str, onnx.ModelProto] = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        src, sta = Path(tmp, "fp32.onnx"), Path(tmp, "static.onnx")
-        onnx.save(fast, src)
-        candidates["int8-dynamic"] = dynamic_int8(fast, portable)
-        # The portable file stays `MatMulInteger`: QDQ's DequantizeLinear has no implementation before opset 19
-        # in onnx's reference evaluator, one of the runtimes that target is for, and a choice made by timing
-        # would make the file differ from one export to the next.
-        if not portable:
-            try:
-                with _quiet_root_logger():
-                    quantize_static(
-                        src,
-                        sta,
-                        _PixelReader(pixels[:64]),
-                        quant_format=QuantFormat.QDQ,
-                        op_types_to_quantize=QUANT_OPS,
-                        per_channel=True,
-                        activation_type=QuantType.QUInt8,
-                        weight_type=QuantType.QInt8,
-                    )
-                candidates["int8-static"] = onnx.load(sta)
-            except Exception as e:  # static calibration is the optional extra: report and go on with dynamic
-                log.warning("static int8 quantisation failed, keeping dynamic: %s", e)
-
+    candidates = {"int8-dynamic": dynamic_int8(fast, portable)}
+    # The portable file stays `MatMulInteger`: QDQ's DequantizeLinear has no implementation before opset 19
+    # in onnx's reference evaluator, one of the runtimes that target is for, and a choice made by timing
+    # would make the file differ from one export to the next.
+    static = None if portable else static_int8(fast, pixels[:64])
+    if static is not None:
+        candidates["int8-static"] = static
     report: dict[str, Any] = {"fp32_ms_per_image": fp32_ms, "candidates": {}}
     for name, model in candidates.items():
         session = _session(model)

@@ -63,7 +63,7 @@ def build_app(
             classifier,
             settings,
             on_batch=metrics.batch_size.labels(name, version).observe,
-            decode=lambda img: decode_image(img, classifier, settings),  # an opened upload, decoded on the worker
+            decode=lambda img: decode_image(img, classifier, settings.max_pixels),  # an upload, decoded on the worker
         )
 
     single = models if isinstance(models, OnnxClassifier) else None
@@ -92,9 +92,11 @@ def build_app(
     off = None if settings.opentelemetry else {"tracing": False, "metrics": False, "logs": False}
     app = FastAPI(title="vitscope", lifespan=lifespan, telemetry=off)
     app.state.repository, app.state.metrics, app.state.settings = repository, metrics, settings
-    add_error_handlers(app, settings)
+    app.state.engine = repository.single_engine  # None for a repository folder: each version has its own
+    add_error_handlers(app, settings.retry_after_s)
+    limits = settings.request_limits()
     budget = PixelBudget(settings.decode_pixel_budget)  # shared by the API and the UI
-    routers = [v1_router(repository, metrics, settings, budget), v2_router(repository, settings)]
+    routers = [v1_router(repository, metrics, limits, budget), v2_router(repository, limits)]
     for router in routers:  # flat, as `@app.get` adds them: `include_router` costs a dispatch layer per request
         app.router.routes.extend(router.routes)
     add_fallback_routes(app, routers)
@@ -103,7 +105,7 @@ def build_app(
     else:  # the UI is laid out from a version of the default model; its calls go to the one served then
         default, path = default_model_file(Path(models), settings.default_model)
         layout = OnnxClassifier(path, threads=1) if with_ui else None
-    describe(app, settings, default)
+    describe(app, limits, default, auth=bool(settings.api_key.get_secret_value()))
     if with_ui:
         from serve.server.ui.blocks import mount_ui
 

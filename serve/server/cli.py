@@ -146,7 +146,7 @@ def uvicorn_config(app, settings: ServeSettings, log_level: str) -> uvicorn.Conf
         access_log=False,  # RequestGuard writes one line per request, with its ID
         server_header=False,
     )
-    config.limits = settings  # read by LimitedHttpToolsProtocol
+    config.limits = settings.connection_limits()  # read by LimitedHttpToolsProtocol
     return config
 
 

@@ -12,15 +12,11 @@ import matplotlib
 import numpy as np
 from PIL import Image
 
-from serve.runtime.faithfulness import DeletionScore, deletion_score, mean_fill
+from serve.runtime.faithfulness import DeletionScore, deletion_score
+from serve.server.settings import RequestLimits
 
 COLORMAPS = ("inferno", "jet", "viridis", "magma", "turbo")
 DISPLAY_SIZE = 256  # the input crop is tiny for small models: show it large enough to see
-
-
-def mean_fill_of(classifier) -> np.ndarray:
-    """The colour of a deleted patch for this model: its normalisation mean, in 0-255."""
-    return mean_fill(classifier.preprocess.mean)
 
 
 def render_overlay(
@@ -58,7 +54,7 @@ def overlay_png(pixels: np.ndarray, grid: np.ndarray) -> str:
 
 
 def explain_pixels(
-    classifier, pixels: np.ndarray, head_fusion: str, discard_ratio: float, blocks, fill, settings
+    classifier, pixels: np.ndarray, head_fusion: str, discard_ratio: float, blocks, fill, limits: RequestLimits
 ) -> dict[str, Any]:
     """Rollout map and deletion score of one image. Runs on the batcher's thread, so it does the model's
     work only: the caller renders the overlay (`render_overlay`) in its own colours.
@@ -68,10 +64,10 @@ def explain_pixels(
     """
     probs, maps = classifier.rollout(pixels[None], head_fusion=head_fusion, discard_ratio=discard_ratio, blocks=blocks)
     grid = np.asarray(maps[0], np.float32)  # (Gh, Gw)
-    return with_deletion(classifier, pixels, probs[0], grid, fill, settings)
+    return with_deletion(classifier, pixels, probs[0], grid, fill, limits)
 
 
-def with_deletion(classifier, pixels, probs, grid, fill, settings, target=None) -> dict[str, Any]:
+def with_deletion(classifier, pixels, probs, grid, fill, limits: RequestLimits, target=None) -> dict[str, Any]:
     """`{"probs", "grid", "deletion"}`: the map with its deletion score for `target` (default: the top class)."""
     score = deletion_score(
         classifier.predict_pixels,
@@ -79,8 +75,8 @@ def with_deletion(classifier, pixels, probs, grid, fill, settings, target=None) 
         grid,
         fill,
         target=int(np.argmax(probs)) if target is None else target,
-        steps=settings.deletion_steps,
-        chunk=settings.max_batch_size,
+        steps=limits.deletion_steps,
+        chunk=limits.max_batch_size,
     )
     return {"probs": np.asarray(probs), "grid": grid, "deletion": score}
 

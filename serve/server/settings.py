@@ -9,6 +9,8 @@ over the environment, the environment over the defaults. Each field's descriptio
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -187,3 +189,37 @@ class ServeSettings(BaseSettings):
                 f"(0: measured at warm-up), got {self.preferred_batch_size}"
             )
         return self
+
+    def request_limits(self) -> RequestLimits:
+        """The limits the request path reads, and nothing else."""
+        return RequestLimits(**{name: getattr(self, name) for name in RequestLimits.__dataclass_fields__})
+
+    def connection_limits(self) -> ConnectionLimits:
+        """The limits uvicorn's protocol reads (`serve.server.http.protocol`)."""
+        return ConnectionLimits(**{name: getattr(self, name) for name in ConnectionLimits.__dataclass_fields__})
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What a request may be and how long it may take: the part of `ServeSettings` the routes, uploads and
+    error mapping read (each field is described there)."""
+
+    max_bytes: int
+    discard_bytes: int
+    max_pixels: int
+    inline_decode_bytes: int
+    top_k: int
+    max_batch_size: int
+    deletion_steps: int
+    request_timeout_s: float
+    retry_after_s: int
+
+
+@dataclass(frozen=True)
+class ConnectionLimits:
+    """What a connection may send and how slowly: the part of `ServeSettings` the protocol reads."""
+
+    max_header_bytes: int
+    header_timeout_s: float
+    body_timeout_s: float
+    max_connections: int

@@ -15,7 +15,7 @@ from fastapi.openapi.utils import get_openapi
 
 from serve.runtime.rollout import HEAD_FUSIONS
 from serve.server.http.errors import ERROR_STATUS
-from serve.server.settings import ServeSettings
+from serve.server.settings import RequestLimits
 
 ERROR = {"$ref": "#/components/schemas/Error"}
 ERROR_SCHEMA = {
@@ -79,43 +79,43 @@ WHY = {
 }
 
 
-def describe(app: FastAPI, settings: ServeSettings, model_name: str) -> None:
+def describe(app: FastAPI, limits: RequestLimits, model_name: str, auth: bool) -> None:
     """Make `app.openapi()` return the corrected document (built once, on first use)."""
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
             doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
-            app.openapi_schema = corrected(doc, settings, model_name)
+            app.openapi_schema = corrected(doc, limits, model_name, auth)
         return app.openapi_schema
 
     app.openapi = openapi
 
 
-def corrected(doc: dict[str, Any], settings: ServeSettings, model_name: str) -> dict[str, Any]:
+def corrected(doc: dict[str, Any], limits: RequestLimits, model_name: str, auth: bool) -> dict[str, Any]:
     """`doc` with /v1/classify added, /metrics as text, our error body on every error status, and the
     served model's name as the example of every `{name}`."""
     schemas = doc.setdefault("components", {}).setdefault("schemas", {})
     schemas.pop("HTTPValidationError", None)
     schemas.pop("ValidationError", None)
     schemas["Error"], schemas["KServeError"], schemas["Predictions"] = ERROR_SCHEMA, KSERVE_ERROR, PREDICTIONS
-    doc["paths"]["/v1/classify"] = {"post": classify_operation(settings)}
+    doc["paths"]["/v1/classify"] = {"post": classify_operation(limits)}
     metrics = doc["paths"]["/metrics"]["get"]["responses"]["200"]
     metrics["content"] = {"text/plain": {"schema": {"type": "string"}}}
     for path, item in doc["paths"].items():
         for method, op in item.items():
-            op["responses"] = {**op["responses"], **error_responses(path, method, op, settings)}
+            op["responses"] = {**op["responses"], **error_responses(path, method, op, auth)}
             for param in op.get("parameters", []):
                 if param["in"] == "path" and param["name"] == "name":
                     param["example"] = model_name
     return doc
 
 
-def error_responses(path: str, method: str, op: dict[str, Any], settings: ServeSettings) -> dict[str, Any]:
+def error_responses(path: str, method: str, op: dict[str, Any], auth: bool) -> dict[str, Any]:
     """The error statuses `method path` can answer, each with our error body."""
     health = path in ("/healthz", "/readyz", "/v2/health/live", "/v2/health/ready")
     statuses = {405, 408, 431, 500, 503}
     if not health:
-        statuses |= {400} | ({401} if settings.api_key.get_secret_value() else set())
+        statuses |= {400} | ({401} if auth else set())
     if "{" in path:
         statuses.add(404)
     if op.get("parameters") or op.get("requestBody"):
@@ -128,11 +128,11 @@ def error_responses(path: str, method: str, op: dict[str, Any], settings: ServeS
     }
 
 
-def classify_operation(settings: ServeSettings) -> dict[str, Any]:
+def classify_operation(limits: RequestLimits) -> dict[str, Any]:
     """POST /v1/classify: an image, as a multipart field `file` or as the raw body."""
     binary = {"type": "string", "format": "binary"}
     params = {
-        "top_k": {"type": "integer", "minimum": 1, "default": settings.top_k},
+        "top_k": {"type": "integer", "minimum": 1, "default": limits.top_k},
         "explain": {"type": "string", "enum": ["true", "false", "1", "0", "yes", "no"], "default": "false"},
         "head_fusion": {"type": "string", "enum": list(HEAD_FUSIONS), "default": HEAD_FUSIONS[0]},
         "discard_ratio": {"type": "number", "minimum": 0, "exclusiveMaximum": 1, "default": 0},
@@ -140,8 +140,8 @@ def classify_operation(settings: ServeSettings) -> dict[str, Any]:
     form = {"type": "object", "required": ["file"], "properties": {"file": binary, **params}}
     return {
         "summary": "Classify one image",
-        "description": f"JPEG, PNG, GIF, BMP, WebP or TIFF, up to {settings.max_bytes:,} bytes and "
-        f"{settings.max_pixels:,} pixels. explain=true adds the attention rollout map and its deletion score.",
+        "description": f"JPEG, PNG, GIF, BMP, WebP or TIFF, up to {limits.max_bytes:,} bytes and "
+        f"{limits.max_pixels:,} pixels. explain=true adds the attention rollout map and its deletion score.",
         "operationId": "classify",
         "parameters": [{"name": k, "in": "query", "required": False, "schema": v} for k, v in params.items()],
         "requestBody": {

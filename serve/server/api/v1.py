@@ -23,7 +23,7 @@ from serve.server.http.uploads import decode_image, decode_request, open_upload
 from serve.server.metrics import Metrics
 from serve.server.repository.repository import ModelRepository, UnknownModel
 from serve.server.repository.version import ModelVersion
-from serve.server.settings import ServeSettings
+from serve.server.settings import RequestLimits
 
 # A small file can still declare a huge image (a flat 40 MP PNG compresses to kilobytes): only images
 # up to 1 MP, a few milliseconds of decoding and resizing, are decoded on the loop or the model's thread.
@@ -52,16 +52,16 @@ def resolve(repository: ModelRepository, name: str | None, version: str | None) 
         raise ApiError("not_found", str(e)) from None
 
 
-def parse_params(query, form: dict[str, str], settings: ServeSettings) -> dict[str, Any]:
+def parse_params(query, form: dict[str, str], default_top_k: int) -> dict[str, Any]:
     """The query string's and the form's parameters, checked: `ApiError("bad_request")` says what is wrong.
 
     The query string wins where both give a parameter, but a bad value is refused wherever it is.
     """
     if form:
-        parse_params(form, {}, settings)  # the form alone, as if it were the query
+        parse_params(form, {}, default_top_k)  # the form alone, as if it were the query
     params = {**form, **dict(query)}
     try:
-        top_k = int(params.get("top_k", settings.top_k))
+        top_k = int(params.get("top_k", default_top_k))
         discard = float(params.get("discard_ratio", 0.0))
     except ValueError:
         raise ApiError("bad_request", "top_k must be an integer and discard_ratio a number") from None
@@ -79,7 +79,7 @@ def parse_params(query, form: dict[str, str], settings: ServeSettings) -> dict[s
 
 
 def v1_router(
-    repository: ModelRepository, metrics: Metrics, settings: ServeSettings, budget: PixelBudget | None = None
+    repository: ModelRepository, metrics: Metrics, limits: RequestLimits, budget: PixelBudget | None = None
 ) -> APIRouter:
     """`/v1/classify` (the default model), `/v1/models/<name>[/versions/<version>]/classify`, `/healthz`,
     `/readyz` and `/metrics` over the repository's versions; large uploads hold `budget` while they decode."""
@@ -97,15 +97,15 @@ def v1_router(
 
     async def classify_with(served: ModelVersion, request: Request):
         classifier, engine = served.classifier, served.engine
-        data, form = await decode_request(request, settings)
-        params = parse_params(request.query_params, form, settings)
-        img = open_upload(data, settings)  # the header: not an image, or too many pixels, fails here
-        small = len(data) <= settings.inline_decode_bytes and img.width * img.height <= INLINE_DECODE_PIXELS
+        data, form = await decode_request(request, limits)
+        params = parse_params(request.query_params, form, limits.top_k)
+        img = open_upload(data, limits.max_pixels)  # the header: not an image, or too many pixels, fails here
+        small = len(data) <= limits.inline_decode_bytes and img.width * img.height <= INLINE_DECODE_PIXELS
         if params["explain"]:  # the explain pass computes the probabilities too: no second forward pass
-            pixels = await run_in_threadpool(decode_image, img, classifier, settings, budget)
+            pixels = await run_in_threadpool(decode_image, img, classifier, limits.max_pixels, budget)
             fusion, discard = params["head_fusion"], params["discard_ratio"]
-            work = engine.run(explain_pixels, classifier, pixels, fusion, discard, None, served.fill, settings)
-            ex = await model_result(work, settings)
+            work = engine.run(explain_pixels, classifier, pixels, fusion, discard, None, served.fill, limits)
+            ex = await model_result(work, limits.request_timeout_s)
             explanation = {
                 "head_fusion": fusion,
                 "discard_ratio": discard,
@@ -118,12 +118,12 @@ def v1_router(
         # (small models: the loop has the other core), on the model's thread right before its batch when
         # onnxruntime uses every core (decoding on the loop would fight its threads; BENCHMARKS.md, serving).
         if not small:  # in a thread of its own, so that it never holds up the loop or a batch
-            item = await run_in_threadpool(decode_image, img, classifier, settings, budget)
+            item = await run_in_threadpool(decode_image, img, classifier, limits.max_pixels, budget)
         elif served.decode_on_worker:  # on the model's thread, right before its batch runs
             item = img
         else:  # on the event loop, while the model runs on the other core
-            item = decode_image(img, classifier, settings)
-        probs = await model_result(engine.predict(item), settings)
+            item = decode_image(img, classifier, limits.max_pixels)
+        probs = await model_result(engine.predict(item), limits.request_timeout_s)
         return JSONResponse(encode_response(served, probs, params["top_k"]))  # already plain JSON
 
     # A plain Starlette route: it takes the raw Request anyway, and FastAPI's per-request dependency

@@ -39,13 +39,13 @@ from serve.server.http.errors import ApiError, error_response, model_result
 from serve.server.http.uploads import read_body
 from serve.server.repository.repository import ModelRepository, UnknownModel
 from serve.server.repository.version import LoadFailure, ModelVersion
-from serve.server.settings import ServeSettings
+from serve.server.settings import RequestLimits
 
 INPUT, OUTPUT, PROBS = "pixels", "logits", "probs"  # the graph's input and logits output; probs is ours
 EXTENSIONS = ["binary_tensor_data"]
 
 
-def kserve_errors(settings: ServeSettings):
+def kserve_errors(retry_after_s: int):
     """Wraps a route so that its `ApiError`s answer as KServe v2 errors: {"error": message, "code": code}."""
 
     def wrap(route):
@@ -54,7 +54,7 @@ def kserve_errors(settings: ServeSettings):
             try:
                 return await route(*args, **kwargs)
             except ApiError as err:
-                usual = error_response(err, settings)  # its status and headers (Retry-After, Allow)
+                usual = error_response(err, retry_after_s)  # its status and headers (Retry-After, Allow)
                 headers = {k: v for k, v in usual.headers.items() if k not in ("content-length", "content-type")}
                 return JSONResponse({"error": err.message, "code": err.code}, err.status, headers=headers)
 
@@ -76,10 +76,10 @@ def tensor_specs(classifier) -> tuple[TensorSpec, TensorSpec]:
     return pixels, logits
 
 
-def v2_router(repository: ModelRepository, settings: ServeSettings) -> APIRouter:
+def v2_router(repository: ModelRepository, limits: RequestLimits) -> APIRouter:
     """The v2 routes, and the repository extension, over the repository's versions."""
     router = APIRouter(prefix="/v2")
-    errors = kserve_errors(settings)
+    errors = kserve_errors(limits.retry_after_s)
     specs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # version -> its (pixels, logits) specs
 
     def specs_of(served: ModelVersion) -> tuple[TensorSpec, TensorSpec]:
@@ -148,14 +148,16 @@ def v2_router(repository: ModelRepository, settings: ServeSettings) -> APIRouter
         encoding = request.headers.get("content-encoding", "identity").lower()
         if encoding != "identity":
             raise ApiError("unsupported_media_type", f"send the request uncompressed (Content-Encoding {encoding!r})")
-        body = await read_body(request, settings)
+        body = await read_body(request, limits)
         # at most max_batch_size images per request, so one client cannot fill the whole queue
         header_length = request.headers.get(HEADER_LENGTH)
         pixels, _ = specs_of(served)
         req = await run_in_threadpool(
-            parse_infer_request, body, header_length, pixels, [OUTPUT, PROBS], settings.max_batch_size
+            parse_infer_request, body, header_length, pixels, [OUTPUT, PROBS], limits.max_batch_size
         )
-        work = (model_result(served.engine.infer(p), settings) for p in req.pixels)  # each joins the batches
+        work = (
+            model_result(served.engine.infer(p), limits.request_timeout_s) for p in req.pixels
+        )  # each joins the batches
         results = await asyncio.gather(*work, return_exceptions=True)
         failed = next((r for r in results if isinstance(r, BaseException)), None)
         if failed is not None:  # every image has settled: nothing is left running or unobserved

@@ -5,20 +5,20 @@ statuses, and every error body is JSON: {"error": {"code": ..., "message": ...}}
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from collections.abc import Awaitable, Iterator
 from contextlib import contextmanager
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.routing import Match, Route
 
 from serve.runtime.images import ImageError
 from serve.server.batching import QueueFull, ShuttingDown
-from serve.server.settings import ServeSettings
 
 log = logging.getLogger(__name__)
 
@@ -63,9 +63,24 @@ class ApiError(Exception):
         return ERROR_STATUS[self.code]
 
 
-def error_response(err: ApiError, settings: ServeSettings) -> JSONResponse:
-    headers = {**err.headers, **({"Retry-After": str(settings.retry_after_s)} if err.status == 503 else {})}
-    return JSONResponse({"error": {"code": err.code, "message": err.message}}, err.status, headers=headers)
+def error_body(code: str, message: str) -> bytes:
+    """The one JSON error body, as bytes: every layer (protocol, guard, routes, UI glue) sends this."""
+    return json.dumps({"error": {"code": code, "message": message}}).encode()
+
+
+async def send_error(send, code: str, message: str, headers: dict[str, str] | None = None) -> None:
+    """Send the error answer through a raw ASGI `send` (the layers outside FastAPI: guard, UI glue)."""
+    body = error_body(code, message)
+    raw = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    raw += [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
+    await send({"type": "http.response.start", "status": ERROR_STATUS[code], "headers": raw})
+    await send({"type": "http.response.body", "body": body})
+
+
+def error_response(err: ApiError, retry_after_s: int) -> Response:
+    """The answer for `err`, with Retry-After on a 503."""
+    headers = {**err.headers, **({"Retry-After": str(retry_after_s)} if err.status == 503 else {})}
+    return Response(error_body(err.code, err.message), err.status, headers=headers, media_type="application/json")
 
 
 @contextmanager
@@ -77,7 +92,7 @@ def image_errors_as_api_errors() -> Iterator[None]:
         raise ApiError(e.kind if e.kind in ERROR_STATUS else "corrupt", str(e)) from None
 
 
-async def model_result(work: Awaitable, settings: ServeSettings):
+async def model_result(work: Awaitable, timeout_s: float):
     """Await work queued on the model's worker; its failures become the `ApiError` of their kind."""
     try:
         return await work
@@ -86,27 +101,27 @@ async def model_result(work: Awaitable, settings: ServeSettings):
     except ShuttingDown as e:
         raise ApiError("shutting_down", str(e)) from None
     except (TimeoutError, asyncio.TimeoutError):  # distinct classes before Python 3.11
-        raise ApiError("timeout", f"no result within {settings.request_timeout_s} s; retry later") from None
+        raise ApiError("timeout", f"no result within {timeout_s} s; retry later") from None
 
 
-def add_error_handlers(app: FastAPI, settings: ServeSettings) -> None:
+def add_error_handlers(app: FastAPI, retry_after_s: int) -> None:
     """Our errors, FastAPI's validation errors, Starlette's routing errors and anything unexpected, all as
     the JSON body above."""
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, err: ApiError):
-        return error_response(err, settings)
+        return error_response(err, retry_after_s)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, err: RequestValidationError):
         where = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in err.errors())
-        return error_response(ApiError("bad_request", f"invalid request: {where}"), settings)
+        return error_response(ApiError("bad_request", f"invalid request: {where}"), retry_after_s)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, err: StarletteHTTPException):
         # Starlette's own errors: its routing (404, 405) and its form parser (a malformed multipart body)
         code = {404: "not_found", 405: "method_not_allowed", 413: "body_too_large"}.get(err.status_code, "bad_request")
-        return error_response(ApiError(code, str(err.detail)), settings)
+        return error_response(ApiError(code, str(err.detail)), retry_after_s)
 
     @app.exception_handler(ClientDisconnect)
     async def _client_left(request: Request, err: ClientDisconnect):
@@ -118,7 +133,7 @@ def add_error_handlers(app: FastAPI, settings: ServeSettings) -> None:
     async def _unexpected(request: Request, err: Exception):
         log.exception("unexpected error on %s", request.url.path)
         return error_response(
-            ApiError("internal", f"internal error ({type(err).__name__}); see the server log"), settings
+            ApiError("internal", f"internal error ({type(err).__name__}); see the server log"), retry_after_s
         )
 
 

@@ -1,4 +1,4 @@
-"""The outermost ASGI layer: who may ask, and a record of every request.
+"""The outermost ASGI layer: who may ask, and a record of every request (metrics and `access_log`).
 
 Each request gets an ID (the client's `X-Request-Id` when it is sane, else a new one), echoed in the
 response, written in one access log line and counted in the Prometheus metrics under its route, with the
@@ -11,24 +11,20 @@ and orchestrators probe them by IP, and they tell nothing.
 
 from __future__ import annotations
 
-import atexit
 import base64
 import binascii
-import functools
 import hmac
 import itertools
-import json
 import logging
 import os
 import re
-import sys
-import threading
 import time
 
-from serve.server.http.errors import ERROR_STATUS
+from serve.server.http.access_log import AccessLog
+from serve.server.http.errors import send_error
 from serve.server.metrics import CLIENT_CLOSED, Metrics
 
-log = logging.getLogger("vitscope.access")
+log = logging.getLogger(__name__)
 
 HEALTH_PATHS = ("/healthz", "/readyz", "/v2/health/live", "/v2/health/ready")
 API_PREFIXES = ("/v1", "/v2", "/metrics", "/openapi.json", "/docs", "/redoc")
@@ -74,61 +70,6 @@ def key_of(headers: dict[bytes, bytes]) -> str | None:
     return None
 
 
-class AccessLog:
-    """One line per request, kept in memory and written every `flush_s` seconds by a thread of its own, as
-    nginx's `access_log ... buffer= flush=` does; in the format of the other log lines.
-
-    The event loop only appends a tuple: it never waits on a slow stderr, and no thread is woken per
-    request. (Side by side, the server ran no faster with the access log off; BENCHMARKS.md, serving.)
-    Lines are written only when `vitscope.access` logs INFO (not with `--log-level warning`).
-    """
-
-    def __init__(self, stream=None, flush_s: float = 0.2):
-        self.stream, self.flush_s = stream, flush_s
-        self.pending: list[tuple[float, tuple]] = []  # (time, fields)
-        self.writer: threading.Thread | None = None
-        self.lock = threading.Lock()  # one flush at a time (the writer's, or the last one at exit)
-
-    def write(self, *fields: object) -> None:
-        """One request: (client, method, path, status, milliseconds, request ID), formatted when written."""
-        if not log.isEnabledFor(logging.INFO):
-            return
-        self.pending.append((time.time(), fields))  # one bytecode-level append: safe beside the writer's swap
-        if self.writer is None:
-            self.writer = threading.Thread(target=self._write_now_and_then, name="access-log", daemon=True)
-            self.writer.start()
-
-    def flush(self) -> None:
-        with self.lock:
-            lines, self.pending = self.pending, []
-            if not lines:
-                return
-            text = "".join(f"{_stamp(t)} INFO vitscope.access: {_line(*fields)}\n" for t, fields in lines)
-            stream = self.stream or sys.stderr
-            stream.write(text)
-            stream.flush()
-
-    def _write_now_and_then(self) -> None:
-        while True:
-            time.sleep(self.flush_s)
-            self.flush()
-
-
-def _line(client: str, method: str, path: str, status: int, ms: float, request_id: str) -> str:
-    return f'{client} "{method} {path}" {status} {ms:.1f}ms id={request_id}'
-
-
-def _stamp(t: float) -> str:
-    """`logging`'s default time stamp: 2026-12-01 20:50:07,123."""
-    return f"{_seconds(int(t))},{int(t * 1000) % 1000:03d}"
-
-
-@functools.lru_cache(maxsize=4)
-def _seconds(t: int) -> str:
-    """The date and time to the second: formatted once for the hundreds of lines of each second."""
-    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t))
-
-
 class RequestGuard:
     """ASGI middleware: request ID, Host allow-list, API key, one access log line and metrics per request.
 
@@ -154,7 +95,6 @@ class RequestGuard:
         # IDs as long as a UUID's hex, without a system call per request: a random prefix and a counter
         self.id_prefix, self.ids = os.urandom(10).hex(), itertools.count()
         self.access_log = AccessLog()
-        atexit.register(self.access_log.flush)  # what is still pending when the server exits
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "websocket":  # none of ours; refused like any request if it breaks the rules
@@ -188,7 +128,7 @@ class RequestGuard:
             if refusal is None:
                 await self.app(scope, receive_watching, send_with_id)
             else:
-                await _send_json(send_with_id, *refusal)
+                await send_error(send_with_id, *refusal)
         except Exception:
             if not gone:
                 status = 500 if status == CLIENT_CLOSED else status
@@ -229,12 +169,3 @@ class RequestGuard:
                 )
                 return "unauthorized", message, {"WWW-Authenticate": challenge}
         return None
-
-
-async def _send_json(send, code: str, message: str, headers: dict[str, str]) -> None:
-    status = ERROR_STATUS[code]
-    body = json.dumps({"error": {"code": code, "message": message}}).encode()
-    raw = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-    raw += [(k.lower().encode(), v.encode()) for k, v in headers.items()]
-    await send({"type": "http.response.start", "status": status, "headers": raw})
-    await send({"type": "http.response.body", "body": body})

@@ -9,19 +9,25 @@ connection until the process runs out of file descriptors. Here each connection:
   head (the app then sees a client that went away); deadlines are checked a few times a second;
 - is answered 503 and closed at once when `max_connections` are open already.
 
-The limits are read from `config.limits` (a `ServeSettings`), set by `serve.server.cli`.
+The limits are read from `config.limits` (a `ConnectionLimits`), set by `serve.server.cli`.
+
+uvicorn's own `limit_concurrency` is not the connection cap: it answers 503 (in plain text) only once a
+request head has arrived, so idle connections that never send one keep their descriptors until a
+timeout, and a flood of them exhausts the process's file limit (BENCHMARKS.md, the connection cap).
+The cap refuses the connection itself, at once. The class extends uvicorn's private
+`HttpToolsProtocol`: pyproject.toml bounds uvicorn's version, and tests/serve/test_protocol_contract.py
+fails when that class changes.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import resource
 import time
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from serve.server.http.errors import ERROR_STATUS
+from serve.server.http.errors import ERROR_STATUS, error_body
 
 log = logging.getLogger(__name__)
 SPARE_FDS = 64  # descriptors left for the model file, logs, uploads and Gradio's temp files
@@ -37,8 +43,7 @@ def connection_cap(wanted: int) -> int:
 
 def error_bytes(code: str, message: str) -> bytes:
     """A complete HTTP/1.1 error answer with our JSON body, that closes the connection."""
-    status = ERROR_STATUS[code]
-    body = json.dumps({"error": {"code": code, "message": message}}).encode()
+    status, body = ERROR_STATUS[code], error_body(code, message)
     reason = {408: "Request Timeout", 431: "Request Header Fields Too Large", 503: "Service Unavailable"}[status]
     head = (
         f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"

@@ -13,20 +13,20 @@ from starlette.requests import ClientDisconnect
 
 from serve.runtime.images import PixelBudget, open_image
 from serve.server.http.errors import ApiError, image_errors_as_api_errors
-from serve.server.settings import ServeSettings
+from serve.server.settings import RequestLimits
 
 RAW_TYPES = ("image/", "application/octet-stream")
 
 
-async def read_body(request: Request, settings: ServeSettings) -> bytes:
-    """The request body, refused with 413 once it passes `settings.max_bytes`.
+async def read_body(request: Request, limits: RequestLimits) -> bytes:
+    """The request body, refused with 413 once it passes `limits.max_bytes`.
 
-    The rest of an oversized body is read and thrown away (up to `settings.discard_bytes` in all) before
+    The rest of an oversized body is read and thrown away (up to `limits.discard_bytes` in all) before
     the 413 goes out: a client that writes its whole body before reading the answer (Python's urllib
     does) would otherwise find the connection reset under it instead. Read from `request.receive` in a
     plain loop: `request.stream()`, an async generator, costs the event loop a hook call per request.
     """
-    max_bytes, discard_bytes = settings.max_bytes, settings.discard_bytes
+    max_bytes, discard_bytes = limits.max_bytes, limits.discard_bytes
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > max_bytes:
         if int(declared) <= discard_bytes:
@@ -63,9 +63,9 @@ async def _discard(request: Request, budget: int) -> None:
         budget -= len(chunk)
 
 
-async def decode_request(request: Request, settings: ServeSettings) -> tuple[bytes, dict[str, str]]:
+async def decode_request(request: Request, limits: RequestLimits) -> tuple[bytes, dict[str, str]]:
     """The image bytes and any form fields, from a multipart upload or a raw image body."""
-    body = await read_body(request, settings)
+    body = await read_body(request, limits)
     ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if ctype == "multipart/form-data":
         async with _replay(request, body).form(max_files=1) as form:  # closes spooled upload files when done
@@ -93,15 +93,13 @@ def _replay(request: Request, body: bytes) -> Request:
     return Request(request.scope, receive)
 
 
-def open_upload(data: bytes, settings: ServeSettings) -> Image.Image:
+def open_upload(data: bytes, max_pixels: int) -> Image.Image:
     """The image's header only (size checked against `max_pixels`); `decode_image` decodes it."""
     with image_errors_as_api_errors():
-        return open_image(bytes(data), max_pixels=settings.max_pixels)
+        return open_image(bytes(data), max_pixels=max_pixels)
 
 
-def decode_image(
-    img: Image.Image, classifier, settings: ServeSettings, budget: PixelBudget | None = None
-) -> np.ndarray:
+def decode_image(img: Image.Image, classifier, max_pixels: int, budget: PixelBudget | None = None) -> np.ndarray:
     """An opened image -> (H, W, 3) uint8 at the model's input size, decoded at reduced size when large.
 
     Args:
@@ -109,4 +107,4 @@ def decode_image(
             (the event loop, the model's thread).
     """
     with image_errors_as_api_errors():
-        return classifier.preprocess.load_pixels(img, settings.max_pixels, budget)
+        return classifier.preprocess.load_pixels(img, max_pixels, budget)

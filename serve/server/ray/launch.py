@@ -45,8 +45,9 @@ def run(
     """`vit-serve --ray`: deploy on a Ray cluster, print the URL once every replica is ready, and on
     SIGTERM or Ctrl-C take the application down again (and Serve, when it was started here).
 
+    `model`, `settings`, `replicas`, `max_replicas` and `cpus` are as for `deployment`.
+
     Args:
-        model, settings, replicas, max_replicas, cpus: as for `deployment`.
         address: the cluster to join ("auto": the one `ray start` runs on this machine); None starts
             a single-node Ray for this process, stopped on exit.
 

@@ -72,6 +72,8 @@ class ModelRepository:
         self._change, self._loading = threading.RLock(), threading.Lock()
         self._stop = threading.Event()
         self._poller: threading.Thread | None = None
+        # a single classifier's engine exists from the start (`single_engine`), as the app's one engine did
+        self.single_engine = None if single is None else make_engine(single, single.name, single.version)
 
     @property
     def ready(self) -> bool:
@@ -104,7 +106,7 @@ class ModelRepository:
                 return
             if self.single is not None:
                 c = self.single
-                self._add(load_ready(c, self.make_engine(c, c.name, c.version), c.name, c.version))
+                self._add(load_ready(c, self.single_engine, c.name, c.version))
                 self.expected = {c.name}
             else:
                 self.sync()

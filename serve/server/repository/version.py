@@ -19,8 +19,8 @@ from pathlib import Path
 import numpy as np
 
 from serve.runtime.classifier import OnnxClassifier
+from serve.runtime.faithfulness import mean_fill
 from serve.server.batching import Engine
-from serve.server.explain import mean_fill_of
 from serve.server.repository.layout import file_stamp
 
 READY, UNAVAILABLE, LOADING, UNLOADING = "READY", "UNAVAILABLE", "LOADING", "UNLOADING"  # Triton's state names
@@ -65,7 +65,7 @@ class ModelVersion:
     loaded_at: float = field(default_factory=time.time)
 
     def __post_init__(self):
-        self.fill = mean_fill_of(self.classifier)
+        self.fill = mean_fill(self.classifier.preprocess.mean)
         # small uploads decode on the loop when onnxruntime runs one thread, else on the model's thread
         self.decode_on_worker = self.classifier.threads != 1
 

@@ -22,6 +22,7 @@ import gradio as gr
 import numpy as np
 from fastapi import FastAPI
 
+from serve.runtime.faithfulness import mean_fill
 from serve.runtime.images import IMAGE_SUFFIXES, ImageError, PixelBudget
 from serve.runtime.rollout import HEAD_FUSIONS
 from serve.server.explain import (
@@ -29,11 +30,10 @@ from serve.server.explain import (
     cls_attention,
     deletion_text,
     explain_pixels,
-    mean_fill_of,
     render_overlay,
     with_deletion,
 )
-from serve.server.ui.http import FailedCallsAre4xx, NoVersionInGradioOpenapi, UploadLimit
+from serve.server.ui.http import NoVersionInGradioOpenapi, UiCallErrorsAsJson, UploadLimit
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +66,7 @@ def mount_ui(app: FastAPI, repository, classifier, settings, budget: PixelBudget
     ui.has_launched = True  # what launch() sets: Gradio's processing_utils._check_allowed reads it
     ui.config["version"] = ui.config["version"].split(".")[0]  # gradio_client needs the major; no more
     app.add_middleware(UploadLimit, max_bytes=settings.max_bytes)
-    app.add_middleware(FailedCallsAre4xx)
+    app.add_middleware(UiCallErrorsAsJson)
     app.add_middleware(NoVersionInGradioOpenapi)
     return app
 
@@ -85,7 +85,7 @@ def example_files(folder: str | Path, per_class: int = 1, limit: int = 6) -> lis
     return found[:limit]
 
 
-class Handlers:
+class UiActions:
     """The UI's callbacks for one model: each takes the widgets' values and returns theirs.
 
     Each call runs on the version the repository serves at that moment (`served`); `classifier`, one of
@@ -93,10 +93,11 @@ class Handlers:
     """
 
     def __init__(self, repository, classifier, settings, budget: PixelBudget | None = None):
-        self.repository, self.layout, self.settings, self.budget = repository, classifier, settings, budget
+        self.repository, self.layout, self.budget = repository, classifier, budget
+        self.limits = settings.request_limits()
         self.labels = list(classifier.labels)
         self.depth, self.nh = classifier.depth, classifier.num_heads
-        self.fill = mean_fill_of(classifier)
+        self.fill = mean_fill(classifier.preprocess.mean)
         self.grads = bool(getattr(classifier, "supports_gradients", False))
 
     @property
@@ -113,7 +114,7 @@ class Handlers:
         try:
             # the bytes, not the path: an error then says "upload", never where the server keeps files
             data = Path(path).read_bytes()
-            return self.classifier.preprocess.load_pixels(data, self.settings.max_pixels, self.budget)
+            return self.classifier.preprocess.load_pixels(data, self.limits.max_pixels, self.budget)
         except ImageError as e:
             raise gr.Error(str(e)) from None
 
@@ -123,7 +124,7 @@ class Handlers:
         if not 0 <= start < stop <= self.depth:
             raise gr.Error(f"the block range must satisfy 0 <= first < last <= {self.depth}; got {start} to {stop}")
         blocks = None if (start, stop) == (0, self.depth) else (start, stop)
-        args = (self.classifier, pixels, head_fusion, float(discard_ratio), blocks, self.fill, self.settings)
+        args = (self.classifier, pixels, head_fusion, float(discard_ratio), blocks, self.fill, self.limits)
         ex = self.engine.run_sync(explain_pixels, *args)
         overlay = render_overlay(pixels, ex["grid"], float(opacity), colormap)
         seen_big = render_overlay(pixels, ex["grid"], 0.0)  # the input crop at display size
@@ -150,7 +151,7 @@ class Handlers:
 
         def run():
             probs, grid = cls_attention(self.classifier, pixels, b, h)
-            return with_deletion(self.classifier, pixels, probs, grid, self.fill, self.settings)
+            return with_deletion(self.classifier, pixels, probs, grid, self.fill, self.limits)
 
         return self._shown(self.engine.run_sync(run), pixels, opacity, colormap)
 
@@ -163,7 +164,7 @@ class Handlers:
         def run():
             probs, maps = self.classifier.gradient_rollout(pixels[None], target=target)
             grid = np.asarray(maps[0], np.float32)
-            return with_deletion(self.classifier, pixels, probs[0], grid, self.fill, self.settings, target)
+            return with_deletion(self.classifier, pixels, probs[0], grid, self.fill, self.limits, target)
 
         return self._shown(self.engine.run_sync(run), pixels, opacity, colormap)
 
@@ -173,7 +174,7 @@ class Handlers:
 
 def build_ui(repository, classifier, settings, budget: PixelBudget | None = None) -> gr.Blocks:
     """The Gradio Blocks of the demo (see the module docstring for its api_names)."""
-    on = Handlers(repository, classifier, settings, budget)
+    on = UiActions(repository, classifier, settings, budget)
     labels = on.labels
     # delete_cache: uploads and results older than ui_cache_s go, checked as often, and all at shutdown
     cache = (settings.ui_cache_s, settings.ui_cache_s)
@@ -196,7 +197,7 @@ def build_ui(repository, classifier, settings, budget: PixelBudget | None = None
     return demo
 
 
-def _rollout_panel(on: Handlers, settings):
+def _rollout_panel(on: UiActions, settings):
     """The image, the prediction and the rollout overlay with its controls; returns the widgets the tabs share."""
     with gr.Row(equal_height=True):
         image = gr.Image(
@@ -233,7 +234,7 @@ def _rollout_panel(on: Handlers, settings):
     return image, opacity, cmap
 
 
-def _attention_tab(on: Handlers, image, opacity, cmap) -> None:
+def _attention_tab(on: UiActions, image, opacity, cmap) -> None:
     with gr.Tab("Raw attention (per block, per head)"):
         with gr.Row():
             blk = gr.Slider(0, on.depth - 1, value=on.depth - 1, step=1, label="Block")
@@ -246,7 +247,7 @@ def _attention_tab(on: Handlers, image, opacity, cmap) -> None:
         attn_btn.click(on.attention, [image, blk, head, opacity, cmap], [attn_img, attn_faith], api_name="attention")
 
 
-def _gradient_tab(on: Handlers, image, opacity, cmap) -> None:
+def _gradient_tab(on: UiActions, image, opacity, cmap) -> None:
     with gr.Tab("Gradient rollout"):
         why = "" if on.grads else f" (off: {NO_GRADIENTS})"
         target = gr.Dropdown(on.labels, value=on.labels[0], label=f"Class to explain{why}", interactive=on.grads)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import logging
 
-from serve.server.http.errors import ERROR_STATUS
+from serve.server.http.errors import send_error
 
 log = logging.getLogger(__name__)
 
@@ -18,7 +18,7 @@ CALL_ROUTES = ("/gradio_api/run/", "/gradio_api/api/", "/gradio_api/call/", "/gr
 UPLOAD_ROUTE = "/gradio_api/upload"
 
 
-class FailedCallsAre4xx:
+class UiCallErrorsAsJson:
     """ASGI middleware: Gradio answers 500 for any call it cannot make, a malformed one included: too few
     inputs or a value of the wrong type (direct calls), a missing argument, an unknown endpoint name or
     function index (queued calls, whose 500 is plain text). Our handlers raise `gr.Error` for every input
@@ -85,8 +85,8 @@ def _reason_in(body: bytes) -> str:
 async def _refuse(send, path: str, reason: str) -> None:
     if path.startswith(UPLOAD_ROUTE):
         fix = "send only files, each as a form part named `files` with a filename"
-        return await _send_error(send, "bad_upload", f"the upload failed ({reason}): {fix}")
-    await _send_error(send, "bad_request", f"the call failed: {reason}")
+        return await send_error(send, "bad_upload", f"the upload failed ({reason}): {fix}")
+    await send_error(send, "bad_request", f"the call failed: {reason}")
 
 
 class NoVersionInGradioOpenapi:
@@ -134,16 +134,8 @@ class UploadLimit:
         if scope["type"] == "http" and scope["path"].startswith("/gradio_api/upload") and scope["method"] == "POST":
             declared = dict(scope["headers"]).get(b"content-length", b"")
             if not declared.isdigit():
-                return await _send_error(send, "length_required", "uploads must declare their Content-Length")
+                return await send_error(send, "length_required", "uploads must declare their Content-Length")
             if int(declared) > self.max_bytes:
                 message = f"an upload of {int(declared):,} bytes is over the {self.max_bytes:,}-byte limit"
-                return await _send_error(send, "body_too_large", message)
+                return await send_error(send, "body_too_large", message)
         await self.app(scope, receive, send)
-
-
-async def _send_error(send, code: str, message: str) -> None:
-    status = ERROR_STATUS[code]
-    body = json.dumps({"error": {"code": code, "message": message}}).encode()
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-    await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
