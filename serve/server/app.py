@@ -29,7 +29,7 @@ from serve.server.http.errors import add_error_handlers, add_fallback_routes
 from serve.server.http.guard import RequestGuard, allowed_hosts_of
 from serve.server.http.uploads import decode_image
 from serve.server.metrics import Metrics
-from serve.server.repository.layout import default_model_file
+from serve.server.repository.layout import default_model_file, scan
 from serve.server.repository.repository import ModelRepository
 from serve.server.settings import ServeSettings
 
@@ -101,15 +101,16 @@ def build_app(
         app.router.routes.extend(router.routes)
     add_fallback_routes(app, routers)
     if single is not None:
-        default, layout = single.name, single
+        default, layout, names = single.name, single, [single.name]
     else:  # the UI is laid out from a version of the default model; its calls go to the one served then
         default, path = default_model_file(Path(models), settings.default_model)
+        names = [default, *sorted(set(scan(Path(models))) - {default})]
         layout = OnnxClassifier(path, threads=1) if with_ui else None
     describe(app, limits, default, auth=bool(settings.api_key.get_secret_value()))
     if with_ui:
         from serve.server.ui.blocks import mount_ui
 
-        app = mount_ui(app, repository, layout, settings, budget)
+        app = mount_ui(app, repository, layout, settings, budget, names)
     # outermost: it counts what the client got (the UI's 422, not Gradio's 500; 400 for a wrong Host)
     app.add_middleware(
         RequestGuard,
