@@ -1,4 +1,4 @@
-"""The app factory: `build_app(classifier, settings)` returns the whole server.
+"""The app factory: `build_app(classifier_or_repository_folder, settings)` returns the whole server.
 
 It wires the pieces, each in a module of its own: the micro-batching engine (`batching`), the `/v1`
 and health routes (`v1`), KServe v2 (`v2`), the JSON error mapping (`errors`), Prometheus metrics
@@ -15,10 +15,12 @@ import inspect
 import logging
 from collections.abc import Callable
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 from fastapi import FastAPI
 from starlette.concurrency import run_in_threadpool
 
+from serve.runtime.classifier import OnnxClassifier
 from serve.runtime.images import PixelBudget
 from serve.server.api.openapi import describe
 from serve.server.api.v1 import v1_router
@@ -29,13 +31,15 @@ from serve.server.http.guard import RequestGuard, allowed_hosts_of
 from serve.server.http.uploads import decode_image
 from serve.server.metrics import Metrics
 from serve.server.payload_log import CloudEventsSink, FileSink, PayloadLog
+from serve.server.repository.layout import default_model_file, scan
+from serve.server.repository.repository import ModelRepository
 from serve.server.settings import ServeSettings
 
 log = logging.getLogger(__name__)
 
 
 def build_app(
-    classifier,
+    models: OnnxClassifier | Path,
     settings: ServeSettings | None = None,
     with_ui: bool = True,
     engine_class: Callable[..., Engine] = Engine,
@@ -43,62 +47,82 @@ def build_app(
     """The server: API routes, metrics and (unless `with_ui` is False) the Gradio UI at `/`.
 
     Args:
-        classifier: a loaded `serve.runtime.OnnxClassifier`.
+        models: a loaded `serve.runtime.OnnxClassifier`, or a model repository folder
+            (`serve.server.repository.layout`).
         settings: limits and batching; defaults when None.
         with_ui: mount the Gradio Blocks at `/`.
         engine_class: builds the engine that batches requests (the Ray Serve ingress passes its `RayEngine`).
 
     Returns:
-        A FastAPI app whose lifespan starts the batcher, warms the model up and drains on shutdown.
+        A FastAPI app whose lifespan loads and warms the models up, and drains them on shutdown; its
+        `state.repository` holds the served versions.
     """
     settings = settings or ServeSettings()
     metrics = Metrics()
-    engine = engine_class(
-        classifier,
-        settings,
-        on_batch=metrics.batch_size.observe,
-        decode=lambda img: decode_image(img, classifier, settings.max_pixels),  # an upload, on the worker
+
+    def make_engine(classifier, name: str, version: str) -> Engine:  # one batcher per model version
+        metrics.trust.watch(name, classifier.trust)  # the drift reference of the version now loading
+        return engine_class(
+            classifier,
+            settings,
+            on_batch=metrics.batch_size.labels(name, version).observe,
+            decode=lambda img: decode_image(img, classifier, settings.max_pixels),  # an upload, on the worker
+        )
+
+    single = models if isinstance(models, OnnxClassifier) else None
+    repository = ModelRepository(
+        make_engine,
+        metrics,
+        root=None if single is not None else Path(models),
+        single=single,
+        default_model=settings.default_model,
+        threads=settings.threads or None,
+        poll_s=settings.repository_poll_s,
+        drain_s=settings.graceful_timeout_s,
     )
-    metrics.queue_depth.set_function(lambda: engine.batcher.depth)
-    metrics.trust.watch(classifier.name, classifier.trust)
+
     payloads = open_payload_log(settings, metrics)
-    grpc = grpc_server_of(classifier, engine, settings, metrics, payloads) if settings.grpc_port else None
+    grpc = grpc_server_of(repository, settings, metrics, payloads) if settings.grpc_port else None
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        await run_in_threadpool(engine.start)
-        log.info("model %s warmed up; ready", classifier.name)
+        await run_in_threadpool(repository.start)
+        log.info("models %s warmed up; ready", ", ".join(sorted(repository.serving)))
         if grpc is not None:
             await run_in_threadpool(grpc.start)
         try:
             yield
         finally:
-            if grpc is not None:  # first: its calls in flight still need the engine
+            if grpc is not None:  # first: its calls in flight still need the engines
                 await run_in_threadpool(grpc.stop, settings.graceful_timeout_s)
-            await run_in_threadpool(engine.stop)
+            app.state.drained = await run_in_threadpool(repository.stop)
             if payloads is not None:
                 await run_in_threadpool(payloads.close)
 
     if settings.opentelemetry and "telemetry" not in inspect.signature(FastAPI).parameters:
         log.warning("--opentelemetry needs a FastAPI with native OpenTelemetry (telemetry=); this one has none")
     off = None if settings.opentelemetry else {"tracing": False, "metrics": False, "logs": False}
-    app = FastAPI(title="vitscope", version=str(classifier.version), lifespan=lifespan, telemetry=off)
-    app.state.engine, app.state.metrics, app.state.settings = engine, metrics, settings
+    app = FastAPI(title="vitscope", lifespan=lifespan, telemetry=off)
+    app.state.repository, app.state.metrics, app.state.settings = repository, metrics, settings
+    app.state.engine = repository.single_engine  # None for a repository folder: each version has its own
     add_error_handlers(app, settings.retry_after_s)
     limits = settings.request_limits()
     budget = PixelBudget(settings.decode_pixel_budget)  # shared by the API and the UI
-    routers = [
-        v1_router(classifier, engine, metrics, limits, budget, payloads),
-        v2_router(classifier, engine, limits, payloads),
-    ]
+    routers = [v1_router(repository, metrics, limits, budget, payloads), v2_router(repository, limits, payloads)]
     for router in routers:  # flat, as `@app.get` adds them: `include_router` costs a dispatch layer per request
         app.router.routes.extend(router.routes)
     add_fallback_routes(app, routers)
-    describe(app, limits, classifier.name, auth=bool(settings.api_key.get_secret_value()))
+    if single is not None:
+        default, layout, names = single.name, single, [single.name]
+    else:  # the UI is laid out from a version of the default model; its calls go to the one served then
+        default, path = default_model_file(Path(models), settings.default_model)
+        names = [default, *sorted(set(scan(Path(models))) - {default})]
+        layout = OnnxClassifier(path, threads=1) if with_ui else None
+    describe(app, limits, default, auth=bool(settings.api_key.get_secret_value()))
     if with_ui:
         from serve.server.ui.blocks import mount_ui
 
-        app = mount_ui(app, classifier, engine, settings, budget)
+        app = mount_ui(app, repository, layout, settings, budget, names)
     # outermost: it counts what the client got (the UI's 422, not Gradio's 500; 400 for a wrong Host)
     app.add_middleware(
         RequestGuard,
@@ -124,12 +148,12 @@ def open_payload_log(settings: ServeSettings, metrics: Metrics) -> PayloadLog | 
     return PayloadLog(sinks, settings.top_k, images, size, on_drop)
 
 
-def grpc_server_of(classifier, engine: Engine, settings: ServeSettings, metrics: Metrics, payloads: PayloadLog | None):
-    """The gRPC server of this model on `settings.grpc_port` (started by the app's lifespan)."""
-    from serve.server.grpc.models import OneModel, ServedModel
+def grpc_server_of(repository: ModelRepository, settings: ServeSettings, metrics: Metrics, payloads: PayloadLog | None):
+    """The gRPC server of the repository's models on `settings.grpc_port` (started by the app's lifespan)."""
+    from serve.server.grpc.models import RepositoryModels
     from serve.server.grpc.server import GrpcServer
     from serve.server.grpc.service import Service
 
-    models = OneModel(ServedModel.of(classifier, engine))
+    models = RepositoryModels(repository)
     service = Service(models, settings.request_limits(), settings.api_key.get_secret_value(), metrics, payloads)
     return GrpcServer(service, settings.host, settings.grpc_port, settings.max_bytes, settings.max_connections)

@@ -1,4 +1,4 @@
-"""`vit-serve model.onnx [--host 127.0.0.1] [--port 7860] ...`: the UI and the API in one process.
+"""`vit-serve model.onnx|REPOSITORY [--host 127.0.0.1] [--port 7860] ...`: the UI and the API in one process.
 
 Every field of `ServeSettings` is an option (``--max-batch-size 16``) and an environment variable
 (``VITSCOPE_MAX_BATCH_SIZE=16``); the option wins. The URL is printed once the model is loaded, warmed
@@ -23,6 +23,7 @@ import uvicorn
 from pydantic import ValidationError
 
 from serve.server.http.guard import LOOPBACK_HOSTS
+from serve.server.http.probes import ProbeServer
 from serve.server.http.protocol import LimitedHttpToolsProtocol
 from serve.server.settings import ENV_PREFIX, ServeSettings
 
@@ -39,7 +40,12 @@ def build_parser() -> argparse.ArgumentParser:
         f"can also be set by an environment variable, {ENV_PREFIX}<OPTION> (e.g. {ENV_PREFIX}MAX_BATCH_SIZE).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    parser.add_argument("model", type=Path, help="the .onnx file written by vit-export")
+    parser.add_argument(
+        "model",
+        type=Path,
+        help="the .onnx file written by vit-export, or a model repository folder (<name>/<version>/model.onnx, "
+        "as vit-export --triton-repo writes it)",
+    )
     for name, field in ServeSettings.model_fields.items():
         flag = f"--{name.replace('_', '-')}"
         text = (field.description or "").replace("%", "%%")  # argparse formats help with %
@@ -92,9 +98,14 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     from serve.runtime.classifier import OnnxClassifier
     from serve.server.app import build_app
+    from serve.server.repository.layout import default_model_file
 
     try:
-        classifier = OnnxClassifier(args.model, threads=settings.threads or None)
+        if args.model.is_dir():
+            default_model_file(args.model, settings.default_model)  # the layout, checked before anything loads
+            models = args.model
+        else:
+            models = OnnxClassifier(args.model, threads=settings.threads or None)
     except (FileNotFoundError, ValueError) as e:
         print(f"vit-serve: cannot load {args.model}: {e}", file=sys.stderr)
         return 2
@@ -102,15 +113,22 @@ def main(argv: list[str] | None = None) -> int:
     _return_freed_memory()
     # Gradio's uploads and results go to a folder of this server's own, deleted when it exits. Gradio reads
     # GRADIO_TEMP_DIR when it is imported, so it is set before build_app imports it.
-    temp_dir = tempfile.mkdtemp(prefix="vitscope-ui-")
+    temp_dir, probes = tempfile.mkdtemp(prefix="vitscope-ui-"), None
     os.environ["GRADIO_TEMP_DIR"] = temp_dir
     try:
-        app = build_app(classifier, settings, with_ui=not args.no_ui)
+        app = build_app(models, settings, with_ui=not args.no_ui)
         server = AnnouncingServer(uvicorn_config(app, settings, args.log_level))
+        if settings.probe_port:
+            probes = ProbeServer(settings.host, settings.probe_port, lambda: app.state.repository.ready).start()
         # uvicorn re-raises SIGTERM after its graceful shutdown: exit 0 if everything drained, else 1
         signal.signal(signal.SIGTERM, lambda signum, frame: _exit_after_drain(server, app))
         server.run()
+        if not server.started:
+            print("vit-serve: the models did not load (see the log above)", file=sys.stderr)
+            return 2
     finally:
+        if probes is not None:
+            probes.stop()
         shutil.rmtree(temp_dir, ignore_errors=True)
     return 0
 
@@ -163,8 +181,7 @@ def _warn_if_exposed(settings: ServeSettings) -> None:
 
 
 def _exit_after_drain(server: AnnouncingServer, app) -> None:
-    engine = getattr(app.state, "engine", None)
-    drained = server.drained and (engine is None or engine.drained)
+    drained = server.drained and getattr(app.state, "drained", True)
     if not drained:
         log.error("the drain did not finish within graceful_timeout_s; requests in flight were cut off")
     raise SystemExit(0 if drained else 1)

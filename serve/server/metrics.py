@@ -1,5 +1,5 @@
-"""Prometheus metrics of one app: requests by status, latency, realised batch sizes, queue depth, and
-per model what the answers say about the images (`serve.server.drift`).
+"""Prometheus metrics of one app: requests by status, latency; per model version batch sizes, queue depth,
+memory; per model what the answers say about the images (`serve.server.drift`); payload-log drops.
 
 Each app gets its own registry, so several apps (as in tests) never share counters. Requests are counted
 by `serve.server.http.guard.RequestGuard`, the layer that sees what each client got.
@@ -19,7 +19,7 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 
 
 class Metrics:
-    """The server's Prometheus collectors (the queue depth is read at scrape time: `queue_depth.set_function`)."""
+    """The server's Prometheus collectors; per model version, the queue depth is read at scrape time."""
 
     def __init__(self):
         self.registry = CollectorRegistry()
@@ -36,10 +36,29 @@ class Metrics:
             buckets=LATENCY_BUCKETS,
             registry=self.registry,
         )
+        version = ["model", "version"]
         self.batch_size = Histogram(
-            "vitscope_batch_size", "Images per ONNX Runtime call", buckets=BATCH_BUCKETS, registry=self.registry
+            "vitscope_batch_size",
+            "Images per ONNX Runtime call",
+            version,
+            buckets=BATCH_BUCKETS,
+            registry=self.registry,
         )
-        self.queue_depth = Gauge("vitscope_queue_depth", "Requests waiting for the model", registry=self.registry)
+        self.queue_depth = Gauge(
+            "vitscope_queue_depth", "Requests waiting for the model version", version, registry=self.registry
+        )
+        self.model_memory = Gauge(
+            "vitscope_model_memory_bytes",
+            "Resident memory the process grew by while loading and warming up the version",
+            version,
+            registry=self.registry,
+        )
+        self.load_failures = Counter(
+            "vitscope_model_load_failures",
+            "Versions that failed their checks and took no traffic, by reason",
+            [*version, "reason"],
+            registry=self.registry,
+        )
         self.trust = TrustMetrics(self.registry)  # calibrated confidence, OOD score, unknown, classes, drift
         self.payload_log_dropped = Counter(
             "vitscope_payload_log_dropped",

@@ -155,6 +155,25 @@ class ServeSettings(BaseSettings):
     examples_dir: str = Field(
         "data/digits", description="folder of sample images offered as examples in the UI (skipped when absent)"
     )
+    repository_poll_s: float = Field(
+        0.0,
+        ge=0,
+        description="with a model repository folder: how often to scan it for new, changed and removed versions, "
+        "in seconds (0: only at start and on POST /v2/repository/models/<name>/load). A new version is loaded and "
+        "checked off to the side, then takes new requests while the old one drains",
+    )
+    default_model: str = Field(
+        "",
+        description="the model of the bare routes (/v1/classify) when a repository holds several "
+        "(empty: the first by name)",
+    )
+    probe_port: int = Field(
+        0,
+        ge=0,
+        le=65535,
+        description="also answer /healthz, /readyz and /v2/health/* on this port, from a thread of their own, so "
+        "that probes get their answer while the event loop is saturated (0: off). Point Kubernetes' probes here",
+    )
     opentelemetry: bool = Field(
         False,
         description="FastAPI's OpenTelemetry spans and metrics for every request, sent to the providers configured "

@@ -3,6 +3,7 @@
 POST /v1/classify          image as multipart field `file` or as the raw body; ?top_k=5&explain=true&coverage=0.95
                            (scores are calibrated probabilities; the answer says `unknown` and `ood_score`, and
                            with `coverage` gives the `prediction_set`: see serve.runtime.trust)
+POST /v1/models/<name>[/versions/<version>]/classify   the same, for one model (its latest version) or version
 GET  /healthz, /readyz     live; ready once the model is loaded and warmed up
 GET  /metrics              Prometheus
 """
@@ -16,16 +17,16 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
-from serve.runtime.faithfulness import mean_fill
 from serve.runtime.images import PixelBudget
 from serve.runtime.rollout import HEAD_FUSIONS
 from serve.runtime.trust import Assessment
-from serve.server.batching import Engine
 from serve.server.explain import explain_pixels, overlay_png
 from serve.server.http.errors import ApiError, model_result
 from serve.server.http.uploads import decode_image, decode_request, open_upload
 from serve.server.metrics import Metrics
 from serve.server.payload_log import PayloadLog
+from serve.server.repository.repository import ModelRepository, UnknownModel
+from serve.server.repository.version import ModelVersion
 from serve.server.settings import RequestLimits
 
 # A small file can still declare a huge image (a flat 40 MP PNG compresses to kilobytes): only images
@@ -34,12 +35,12 @@ INLINE_DECODE_PIXELS = 1_000_000
 TRUE, FALSE = ("1", "true", "yes"), ("0", "false", "no")
 
 
-def encode_response(classifier, answers: Assessment, top_k: int, explanation: dict | None = None) -> dict[str, Any]:
+def encode_response(served, answers: Assessment, top_k: int, explanation: dict | None = None) -> dict[str, Any]:
     """One image's answer: its calibrated top-k, prediction set (None without coverage), unknown and OOD score."""
-    (p,) = classifier.predictions(answers, max(1, top_k))
+    (p,) = served.classifier.predictions(answers, max(1, top_k))
     out: dict[str, Any] = {
-        "model": classifier.name,
-        "version": classifier.version,
+        "model": served.name,
+        "version": served.version,
         "predictions": [{"label": label, "score": score} for label, score in p],
         "prediction_set": p.prediction_set,
         "unknown": p.unknown,
@@ -53,6 +54,14 @@ def encode_response(classifier, answers: Assessment, top_k: int, explanation: di
 def request_id_of(request: Request) -> str:
     """The ID `serve.server.http.guard.RequestGuard` gave the request ("" without the guard)."""
     return request.scope.get("state", {}).get("request_id", "")
+
+
+def resolve(repository: ModelRepository, name: str | None, version: str | None) -> ModelVersion:
+    """The version a request goes to, or the 404 that names what is served."""
+    try:
+        return repository.resolve(name, version)
+    except UnknownModel as e:
+        raise ApiError("not_found", str(e)) from None
 
 
 def parse_params(query, form: dict[str, str], default_top_k: int) -> dict[str, Any]:
@@ -97,25 +106,30 @@ def check_coverage(classifier, coverage: float | None) -> None:
 
 
 def v1_router(
-    classifier,
-    engine: Engine,
+    repository: ModelRepository,
     metrics: Metrics,
     limits: RequestLimits,
     budget: PixelBudget | None = None,
     payloads: PayloadLog | None = None,
 ) -> APIRouter:
-    """`/v1/classify`, `/healthz`, `/readyz` and `/metrics` for one classifier behind one engine; large
-    uploads hold `budget` while they decode; each answer is recorded in `payloads` (None: nowhere)."""
+    """`/v1/classify` (the default model), `/v1/models/<name>[/versions/<version>]/classify`, `/healthz`,
+    `/readyz` and `/metrics` over the repository's versions; large uploads hold `budget` while they decode;
+    each answer is recorded in `payloads` (None: nowhere)."""
     router = APIRouter()
-    model = (classifier.name, str(classifier.version), classifier.labels)  # as the payload log names it
-    # Decode small uploads where a core is free: on the event loop when onnxruntime runs on one thread
-    # (small models: the loop has the other core), on the model's thread right before its batch when
-    # onnxruntime uses every core (decoding on the loop would fight its threads; BENCHMARKS.md, serving).
-    decode_on_worker = classifier.threads != 1
-    fill = mean_fill(classifier.preprocess.mean)
 
     async def classify(request: Request):
         """Classify one image (multipart field `file` or raw body); `explain=true` adds the rollout map."""
+        path = request.path_params
+        served = resolve(repository, path.get("name"), path.get("version"))
+        served.in_flight += 1  # the version drains only once this request is done with it
+        try:
+            return await classify_with(served, request)
+        finally:
+            served.in_flight -= 1
+
+    async def classify_with(served: ModelVersion, request: Request):
+        classifier, engine = served.classifier, served.engine
+        model = (served.name, served.version, classifier.labels)  # as the payload log names it
         data, form = await decode_request(request, limits)
         params = parse_params(request.query_params, form, limits.top_k)
         coverage = params["coverage"]
@@ -125,7 +139,7 @@ def v1_router(
         if params["explain"]:  # the explain pass computes the probabilities too: no second forward pass
             pixels = await run_in_threadpool(decode_image, img, classifier, limits.max_pixels, budget)
             fusion, discard = params["head_fusion"], params["discard_ratio"]
-            work = engine.run(explain_pixels, classifier, pixels, fusion, discard, None, fill, limits)
+            work = engine.run(explain_pixels, classifier, pixels, fusion, discard, None, served.fill, limits)
             ex = await model_result(work, limits.request_timeout_s)
             explanation = {
                 "head_fusion": fusion,
@@ -136,30 +150,34 @@ def v1_router(
             }
             # the unknown verdict needs the logits: one more pass of the fast path, small beside the explain one
             rows = await model_result(engine.infer(pixels), limits.request_timeout_s)
-            answers = answer(rows, coverage)
+            answers = answer(served, rows, coverage)
             if payloads is not None:
                 payloads.record(request_id_of(request), "/v1/classify", model, rows[1][None], [data])
-            return JSONResponse(encode_response(classifier, answers, params["top_k"], explanation))
+            return JSONResponse(encode_response(served, answers, params["top_k"], explanation))
+        # Decode small uploads where a core is free: on the event loop when onnxruntime runs on one thread
+        # (small models: the loop has the other core), on the model's thread right before its batch when
+        # onnxruntime uses every core (decoding on the loop would fight its threads; BENCHMARKS.md, serving).
         if not small:  # in a thread of its own, so that it never holds up the loop or a batch
             item = await run_in_threadpool(decode_image, img, classifier, limits.max_pixels, budget)
-        elif decode_on_worker:  # on the model's thread, right before its batch runs
+        elif served.decode_on_worker:  # on the model's thread, right before its batch runs
             item = img
         else:  # on the event loop, while the model runs on the other core
             item = decode_image(img, classifier, limits.max_pixels)
         rows = await model_result(engine.infer(item), limits.request_timeout_s)  # (2, K) logits, probs
         if payloads is not None:
             payloads.record(request_id_of(request), "/v1/classify", model, rows[1][None], [data])
-        return JSONResponse(encode_response(classifier, answer(rows, coverage), params["top_k"]))
+        return JSONResponse(encode_response(served, answer(served, rows, coverage), params["top_k"]))
 
-    def answer(rows: np.ndarray, coverage: float | None) -> Assessment:
-        answers = classifier.judge(rows[0][None], None, coverage)
-        metrics.trust.record(classifier.name, classifier.labels, answers)
+    def answer(served: ModelVersion, rows: np.ndarray, coverage: float | None) -> Assessment:
+        answers = served.classifier.judge(rows[0][None], None, coverage)
+        metrics.trust.record(served.name, served.classifier.labels, answers)
         return answers
 
     # A plain Starlette route: it takes the raw Request anyway, and FastAPI's per-request dependency
     # machinery costs a few percent of a small model's throughput (BENCHMARKS.md, serving). So FastAPI
     # does not see it; serve.server.api.openapi describes it.
-    router.add_route("/v1/classify", classify, methods=["POST"])
+    for route in ("/v1/classify", "/v1/models/{name}/classify", "/v1/models/{name}/versions/{version}/classify"):
+        router.add_route(route, classify, methods=["POST"])
 
     # Plain async and no I/O: never queued behind the model. HEAD too (load balancers probe with it),
     # out of the OpenAPI document, where it would repeat GET under the same operation ID.
@@ -171,13 +189,14 @@ def v1_router(
     @router.get("/readyz", responses={503: {"description": "loading, warming up or stopping"}})
     @router.head("/readyz", include_in_schema=False)
     async def readyz():
-        if not engine.ready:
-            raise ApiError("not_ready", "the model is loading or warming up (or the server is stopping)")
+        if not repository.ready:
+            raise ApiError("not_ready", "a model is loading or warming up (or the server is stopping)")
+        served = repository.resolve()
         return {
             "status": "ready",
-            "model": classifier.name,
-            "version": classifier.version,
-            "batch_size": engine.batch_size,
+            "model": served.name,
+            "version": served.version,
+            "batch_size": served.engine.batch_size,
         }
 
     @router.get("/metrics")

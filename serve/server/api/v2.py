@@ -3,6 +3,8 @@
     GET  /v2, /v2/health/live|ready
     GET  /v2/models/<name>[/versions/<version>], .../ready
     POST /v2/models/<name>[/versions/<version>]/infer
+    GET  /v2/models                                          the served models and versions
+    POST /v2/repository/index, /v2/repository/models/<name>/load|unload   Triton's repository extension
 
 The tensors are the ONNX file's own, as Triton serving the same file shows them: the input `pixels`,
 UINT8 [B, H, W, 3] at the model's input size (resize and crop on the client as the metadata's
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import weakref
 
 import numpy as np
 from fastapi import APIRouter, Request
@@ -32,12 +35,14 @@ from serve.server.api.tensors import (
     TensorSpec,
     encode_infer_response,
     parse_infer_request,
+    read_json,
 )
-from serve.server.api.v1 import request_id_of
-from serve.server.batching import Engine
+from serve.server.api.v1 import request_id_of, resolve
 from serve.server.http.errors import ApiError, error_response, model_result
 from serve.server.http.uploads import read_body
 from serve.server.payload_log import PayloadLog
+from serve.server.repository.repository import ModelRepository, UnknownModel
+from serve.server.repository.version import LoadFailure, ModelVersion
 from serve.server.settings import RequestLimits
 
 INPUT, OUTPUT, PROBS = "pixels", "logits", "probs"  # the graph's input and logits output; probs is ours
@@ -101,26 +106,25 @@ def tensor_specs(classifier) -> tuple[TensorSpec, TensorSpec]:
     return pixels, logits
 
 
-def v2_router(classifier, engine: Engine, limits: RequestLimits, payloads: PayloadLog | None = None) -> APIRouter:
-    """The v2 routes for one classifier behind one engine; each answered infer is recorded in `payloads`."""
+def v2_router(repository: ModelRepository, limits: RequestLimits, payloads: PayloadLog | None = None) -> APIRouter:
+    """The v2 routes, and the repository extension, over the repository's versions; each answered infer is
+    recorded in `payloads` (None: nowhere)."""
     router = APIRouter(prefix="/v2")
-    pixels, logits = tensor_specs(classifier)
-    version = str(classifier.version)
     errors = kserve_errors(limits.retry_after_s)
+    specs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # version -> its (pixels, logits) specs
 
-    def check_model(name: str, ver: str | None = None) -> None:
-        if name != classifier.name:
-            raise ApiError("not_found", f"unknown model {name!r}; this server serves {classifier.name!r}")
-        if ver is not None and ver != version:
-            raise ApiError("not_found", f"unknown version {ver!r} of {name!r}; this server serves version {version!r}")
+    def specs_of(served: ModelVersion) -> tuple[TensorSpec, TensorSpec]:
+        if served not in specs:
+            specs[served] = tensor_specs(served.classifier)
+        return specs[served]
 
     def check_ready() -> None:
-        if not engine.ready:
-            raise ApiError("not_ready", "the model is loading or warming up (or the server is stopping)")
+        if not repository.ready:
+            raise ApiError("not_ready", "a model is loading or warming up (or the server is stopping)")
 
     @router.get("")
     async def v2_server():
-        return {"name": "vitscope", "version": version, "extensions": EXTENSIONS}
+        return {"name": "vitscope", "version": repository.resolve().version, "extensions": EXTENSIONS}
 
     @router.get("/health/live")
     async def v2_live():
@@ -132,43 +136,60 @@ def v2_router(classifier, engine: Engine, limits: RequestLimits, payloads: Paylo
         check_ready()
         return {"ready": True}
 
+    @router.get("/models")
+    async def v2_models():
+        return {"models": [model_entry(name, versions) for name, versions in sorted(repository.serving.items())]}
+
     @router.get("/models/{name}/ready")
     @router.get("/models/{name}/versions/{ver}/ready")
     @errors
     async def v2_model_ready(name: str, ver: str | None = None):
-        check_model(name, ver)
-        check_ready()
+        resolve(repository, name, ver)
+        if repository.stopping:
+            raise ApiError("not_ready", "the server is stopping")
         return {"name": name, "ready": True}
 
     @router.get("/models/{name}")
     @router.get("/models/{name}/versions/{ver}")
     @errors
     async def v2_metadata(name: str, ver: str | None = None):
-        check_model(name, ver)
+        served = resolve(repository, name, ver)
+        pixels, logits = specs_of(served)
+        versions = sorted(repository.serving.get(name, {})) if ver is None else [ver]
         return {
-            "name": classifier.name,
-            "versions": [version],
-            "platform": "onnxruntime_onnx",
+            **model_entry(name, {v: served for v in versions}),
             "inputs": [pixels.to_dict()],
             "outputs": [logits.to_dict()],
-            "parameters": {"labels": list(classifier.labels), "preprocess": classifier.preprocess.to_dict()},
+            "parameters": {
+                "labels": list(served.classifier.labels),
+                "preprocess": served.classifier.preprocess.to_dict(),
+            },
         }
 
     @errors
     async def v2_infer(request: Request):
-        name, ver = request.path_params["name"], request.path_params.get("ver")
-        check_model(name, ver)
+        served = resolve(repository, request.path_params["name"], request.path_params.get("ver"))
+        served.in_flight += 1  # the version drains only once this request is done with it
+        try:
+            return await infer_with(served, request)
+        finally:
+            served.in_flight -= 1
+
+    async def infer_with(served: ModelVersion, request: Request):
         encoding = request.headers.get("content-encoding", "identity").lower()
         if encoding != "identity":
             raise ApiError("unsupported_media_type", f"send the request uncompressed (Content-Encoding {encoding!r})")
         body = await read_body(request, limits)
         # at most max_batch_size images per request, so one client cannot fill the whole queue
         header_length = request.headers.get(HEADER_LENGTH)
+        pixels, _ = specs_of(served)
         req = await run_in_threadpool(
             parse_infer_request, body, header_length, pixels, [OUTPUT, PROBS, *TRUST_OUTPUTS], limits.max_batch_size
         )
+        classifier = served.classifier
         check_trust_request(classifier, req)
-        work = (model_result(engine.infer(p), limits.request_timeout_s) for p in req.pixels)  # each joins the batches
+        timeout = limits.request_timeout_s
+        work = (model_result(served.engine.infer(p), timeout) for p in req.pixels)  # each joins the batches
         results = await asyncio.gather(*work, return_exceptions=True)
         failed = next((r for r in results if isinstance(r, BaseException)), None)
         if failed is not None:  # every image has settled: nothing is left running or unobserved
@@ -177,13 +198,13 @@ def v2_router(classifier, engine: Engine, limits: RequestLimits, payloads: Paylo
         by_name = {OUTPUT: rows[:, 0], PROBS: rows[:, 1]}
         if any(n in TRUST_OUTPUTS for n, _ in req.outputs):
             by_name.update(trust_outputs(classifier, rows[:, 0], req.coverage))
-        head = {"model_name": classifier.name, "model_version": version}
+        head = {"model_name": served.name, "model_version": served.version}
         req_id = req.id or request.headers.get("x-request-id")
         if req_id:
             head["id"] = req_id
         if payloads is not None:
             images = [p.tobytes() for p in req.pixels] if payloads.wants_images else None
-            model = (classifier.name, version, classifier.labels)
+            model = (served.name, served.version, classifier.labels)
             payloads.record(request_id_of(request), request.url.path, model, rows[:, 1], images)
         content, headers = encode_infer_response(head, [(n, by_name[n], binary) for n, binary in req.outputs])
         return Response(content, headers=headers)
@@ -191,4 +212,40 @@ def v2_router(classifier, engine: Engine, limits: RequestLimits, payloads: Paylo
     # Plain Starlette routes, like /v1/classify: the body is read raw (JSON header plus binary tensors)
     for path in ("/models/{name}/infer", "/models/{name}/versions/{ver}/infer"):
         router.add_route(router.prefix + path, v2_infer, methods=["POST"])  # add_route does not add the prefix
+    add_repository_routes(router, repository, errors)
     return router
+
+
+def model_entry(name: str, versions: dict) -> dict:
+    return {"name": name, "versions": sorted(versions), "platform": "onnxruntime_onnx"}
+
+
+def add_repository_routes(router: APIRouter, repository: ModelRepository, errors) -> None:
+    """Triton's model repository extension: the index, and loading and unloading a model (API key: as /v2)."""
+
+    @router.post("/repository/index")
+    async def v2_repository_index(request: Request):
+        body = await request.body()
+        ready_only = bool(body) and read_json(body, "request body") in ({"ready": True},)
+        rows = repository.index()
+        return [r for r in rows if r["state"] == "READY"] if ready_only else rows
+
+    @router.post("/repository/models/{name}/load")
+    @errors
+    async def v2_repository_load(name: str):
+        try:
+            await run_in_threadpool(repository.load, name)
+        except UnknownModel as e:
+            raise ApiError("not_found", str(e)) from None
+        except LoadFailure as e:
+            raise ApiError("load_failed", f"failed to load {name!r}: {e}") from None
+        return {}
+
+    @router.post("/repository/models/{name}/unload")
+    @errors
+    async def v2_repository_unload(name: str):
+        try:
+            await run_in_threadpool(repository.unload, name)
+        except UnknownModel as e:
+            raise ApiError("not_found", str(e)) from None
+        return {}

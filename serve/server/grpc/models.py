@@ -6,6 +6,7 @@ plugs in its own lookup; `OneModel` is the server of one file, as `vit-serve mod
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -13,6 +14,7 @@ from serve.server.api.tensors import TensorSpec
 from serve.server.api.v2 import tensor_specs
 from serve.server.batching import Engine
 from serve.server.http.errors import ApiError
+from serve.server.repository.repository import ModelRepository, UnknownModel
 
 
 @dataclass(frozen=True)
@@ -69,3 +71,25 @@ class OneModel:
 
     def ready(self) -> bool:
         return self.model.engine.ready
+
+
+class RepositoryModels:
+    """The `Models` of a model repository (`serve.server.repository`): each call goes to the version it
+    resolves to now, so a swap takes new gRPC calls at once, as it does HTTP ones."""
+
+    def __init__(self, repository: ModelRepository):
+        self.repository = repository
+        self._specs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # classifier -> its tensors
+
+    def get(self, name: str, version: str = "") -> ServedModel:
+        try:
+            served = self.repository.resolve(name, version or None)
+        except UnknownModel as e:
+            raise ApiError("not_found", str(e)) from None
+        if served.classifier not in self._specs:
+            self._specs[served.classifier] = tensor_specs(served.classifier)
+        pixels, logits = self._specs[served.classifier]
+        return ServedModel(served.name, served.version, served.classifier, served.engine, pixels, logits)
+
+    def ready(self) -> bool:
+        return self.repository.ready

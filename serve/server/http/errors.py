@@ -37,6 +37,7 @@ ERROR_STATUS = {
     "body_too_large": 413,  # over max_bytes
     "length_required": 411,  # a UI upload without Content-Length
     "not_found": 404,
+    "load_failed": 400,  # a model version that failed its checks on load (Triton's status for it)
     "method_not_allowed": 405,
     "request_timeout": 408,  # the request head or body did not arrive in time
     "headers_too_large": 431,  # over max_header_bytes

@@ -1,6 +1,6 @@
 """The Gradio UI: drop an image, see the class, where the transformer looked, and whether to trust it.
 
-`mount_ui(app, classifier, engine, settings)` mounts the `gr.Blocks` of `build_ui` at `/`. Every model
+`mount_ui(app, repository, classifier, settings)` mounts the `gr.Blocks` of `build_ui` at `/`. Every model
 call goes through the engine, so it runs on the batcher's thread. This is the only module of the
 server that imports gradio.
 
@@ -34,6 +34,7 @@ from serve.server.explain import (
     render_overlay,
     with_deletion,
 )
+from serve.server.repository.repository import UnknownModel
 from serve.server.ui.http import NoVersionInGradioOpenapi, UiCallErrorsAsJson, UploadLimit
 
 log = logging.getLogger(__name__)
@@ -41,8 +42,9 @@ log = logging.getLogger(__name__)
 NO_GRADIENTS = "this model file has no gradient graph (vit-export --no-gradients); re-export it without that flag"
 
 
-def mount_ui(app: FastAPI, classifier, engine, settings, budget: PixelBudget | None = None) -> FastAPI:
-    """`app` with the UI at `/` (the API routes, added before, keep their paths).
+def mount_ui(app: FastAPI, repository, classifier, settings, budget: PixelBudget | None = None, models=()) -> FastAPI:
+    """`app` with the UI at `/` (the API routes, added before, keep their paths); its calls go to the
+    repository's default model, whose `classifier` (any version) lays the page out.
 
     `gr.mount_gradio_app` leaves the Blocks marked as never launched, and Gradio then skips its check of
     the file paths a client names in a call: any file the server can read could be copied into the cache
@@ -50,7 +52,7 @@ def mount_ui(app: FastAPI, classifier, engine, settings, budget: PixelBudget | N
     files uploaded to this server's own temp folder. Paths are never allowed beyond that, and the model
     file and the server's code are blocked outright.
     """
-    ui = build_ui(classifier, engine, settings, budget)
+    ui = build_ui(repository, classifier, settings, budget, models)
     ui.queue(max_size=settings.ui_queue_size, default_concurrency_limit=settings.ui_concurrency)
     blocked = [str(Path(classifier.path).resolve()), str(Path(__file__).resolve().parents[1])]  # the model, our code
     app = gr.mount_gradio_app(
@@ -86,34 +88,46 @@ def example_files(folder: str | Path, per_class: int = 1, limit: int = 6) -> lis
 
 
 class UiActions:
-    """The UI's callbacks for one classifier: each takes the widgets' values and returns theirs."""
+    """The UI's callbacks for one model: each takes the widgets' values and returns theirs.
 
-    def __init__(self, classifier, engine, settings, budget: PixelBudget | None = None):
-        self.classifier, self.engine, self.budget = classifier, engine, budget
+    Each call runs on the version the repository serves at that moment (`served`); `classifier`, one of
+    the model's versions, gives the page's layout (classes, blocks, heads).
+    """
+
+    def __init__(self, repository, classifier, settings, budget: PixelBudget | None = None):
+        self.repository, self.layout, self.budget = repository, classifier, budget
         self.limits = settings.request_limits()
         self.labels = list(classifier.labels)
         self.depth, self.nh = classifier.depth, classifier.num_heads
         self.fill = mean_fill(classifier.preprocess.mean)
         self.grads = bool(getattr(classifier, "supports_gradients", False))
 
-    def pixels_of(self, path: str | None) -> np.ndarray:
+    def served(self, model: str | None):
+        """The version the picked model (None: the default one) serves now."""
+        try:
+            return self.repository.resolve(model or None)
+        except UnknownModel as e:
+            raise gr.Error(str(e)) from None
+
+    def pixels_of(self, path: str | None, classifier) -> np.ndarray:
         if not path:
             raise gr.Error("upload, paste or take a picture first")
         try:
             # the bytes, not the path: an error then says "upload", never where the server keeps files
             data = Path(path).read_bytes()
-            return self.classifier.preprocess.load_pixels(data, self.limits.max_pixels, self.budget)
+            return classifier.preprocess.load_pixels(data, self.limits.max_pixels, self.budget)
         except ImageError as e:
             raise gr.Error(str(e)) from None
 
-    def classify(self, path, head_fusion, discard_ratio, block_start, block_stop, opacity, colormap):
-        pixels = self.pixels_of(path)
+    def classify(self, path, head_fusion, discard_ratio, block_start, block_stop, opacity, colormap, model=None):
+        served = self.served(model)
+        pixels = self.pixels_of(path, served.classifier)
         start, stop = int(block_start), int(block_stop)
         if not 0 <= start < stop <= self.depth:
             raise gr.Error(f"the block range must satisfy 0 <= first < last <= {self.depth}; got {start} to {stop}")
         blocks = None if (start, stop) == (0, self.depth) else (start, stop)
-        args = (self.classifier, pixels, head_fusion, float(discard_ratio), blocks, self.fill, self.limits)
-        ex = self.engine.run_sync(explain_pixels, *args)
+        args = (served.classifier, pixels, head_fusion, float(discard_ratio), blocks, self.fill, self.limits)
+        ex = served.engine.run_sync(explain_pixels, *args)
         overlay = render_overlay(pixels, ex["grid"], float(opacity), colormap)
         seen_big = render_overlay(pixels, ex["grid"], 0.0)  # the input crop at display size
         last = (pixels, ex["grid"])  # kept in the page's state: restyling needs no model call
@@ -167,38 +181,41 @@ class UiActions:
         pixels, grid = last
         return render_overlay(pixels, grid, float(opacity), colormap)
 
-    def attention(self, path, block, head, opacity, colormap):
-        pixels = self.pixels_of(path)
+    def attention(self, path, block, head, opacity, colormap, model=None):
+        served = self.served(model)
+        pixels = self.pixels_of(path, served.classifier)
         b, h = int(block), int(head)
         if not (0 <= b < self.depth and 0 <= h < self.nh):
             raise gr.Error(f"block must be in 0..{self.depth - 1} and head in 0..{self.nh - 1}")
 
         def run():
-            probs, grid = cls_attention(self.classifier, pixels, b, h)
-            return with_deletion(self.classifier, pixels, probs, grid, self.fill, self.limits)
+            probs, grid = cls_attention(served.classifier, pixels, b, h)
+            return with_deletion(served.classifier, pixels, probs, grid, self.fill, self.limits)
 
-        return self._shown(self.engine.run_sync(run), pixels, opacity, colormap)
+        return self._shown(served.engine.run_sync(run), pixels, opacity, colormap)
 
-    def gradient(self, path, label, opacity, colormap):
+    def gradient(self, path, label, opacity, colormap, model=None):
+        served = self.served(model)
         if not self.grads:
             raise gr.Error(NO_GRADIENTS)
-        pixels = self.pixels_of(path)
+        pixels = self.pixels_of(path, served.classifier)
         target = self.labels.index(label) if label in self.labels else None
 
         def run():
-            probs, maps = self.classifier.gradient_rollout(pixels[None], target=target)
+            probs, maps = served.classifier.gradient_rollout(pixels[None], target=target)
             grid = np.asarray(maps[0], np.float32)
-            return with_deletion(self.classifier, pixels, probs[0], grid, self.fill, self.limits, target)
+            return with_deletion(served.classifier, pixels, probs[0], grid, self.fill, self.limits, target)
 
-        return self._shown(self.engine.run_sync(run), pixels, opacity, colormap)
+        return self._shown(served.engine.run_sync(run), pixels, opacity, colormap)
 
     def _shown(self, ex, pixels, opacity, colormap):
         return render_overlay(pixels, ex["grid"], float(opacity), colormap), deletion_text(ex["deletion"], self.labels)
 
 
-def build_ui(classifier, engine, settings, budget: PixelBudget | None = None) -> gr.Blocks:
-    """The Gradio Blocks of the demo (see the module docstring for its api_names)."""
-    on = UiActions(classifier, engine, settings, budget)
+def build_ui(repository, classifier, settings, budget: PixelBudget | None = None, models=()) -> gr.Blocks:
+    """The Gradio Blocks of the demo (see the module docstring for its api_names); `models` go in the picker
+    (the page is laid out for `classifier`, so they should share its classes and depth)."""
+    on = UiActions(repository, classifier, settings, budget)
     labels = on.labels
     # delete_cache: uploads and results older than ui_cache_s go, checked as often, and all at shutdown
     cache = (settings.ui_cache_s, settings.ui_cache_s)
@@ -209,9 +226,13 @@ def build_ui(classifier, engine, settings, budget: PixelBudget | None = None) ->
             f"{', '.join(labels[:20])}{' ...' if len(labels) > 20 else ''}. "
             f"Uploads up to {settings.max_bytes // (1024 * 1024)} MiB."
         )
-        image, opacity, cmap = _rollout_panel(on, settings)
-        _attention_tab(on, image, opacity, cmap)
-        _gradient_tab(on, image, opacity, cmap)
+        picked = gr.State(None)  # per page; a State is no input of the API: gradio_client calls get the default
+        if len(models) > 1:
+            picker = gr.Dropdown(list(models), value=models[0], label="Model")
+            picker.change(lambda name: name, picker, picked, api_name=False)
+        image, opacity, cmap = _rollout_panel(on, settings, picked)
+        _attention_tab(on, image, opacity, cmap, picked)
+        _gradient_tab(on, image, opacity, cmap, picked)
         with gr.Tab("Model"):
             meta = {k: v for k, v in dict(getattr(classifier, "metadata", {})).items() if k != "versions"}
             gr.JSON(_jsonable(meta), label="Model metadata")  # no library versions: they tell attackers what to try
@@ -221,7 +242,7 @@ def build_ui(classifier, engine, settings, budget: PixelBudget | None = None) ->
     return demo
 
 
-def _rollout_panel(on: UiActions, settings):
+def _rollout_panel(on: UiActions, settings, picked):
     """The image, the prediction and the rollout overlay with its controls; returns the widgets the tabs share."""
     with gr.Row(equal_height=True):
         image = gr.Image(
@@ -249,7 +270,7 @@ def _rollout_panel(on: UiActions, settings):
         first = gr.Slider(0, on.depth - 1, value=0, step=1, label="First block")
         last_block = gr.Slider(1, on.depth, value=on.depth, step=1, label="Last block (exclusive)")
     run_btn = gr.Button("Classify and explain", variant="primary")
-    inputs = [image, fusion, discard, first, last_block, opacity, cmap]
+    inputs = [image, fusion, discard, first, last_block, opacity, cmap, picked]
     last_explained = gr.State(None)
     outputs = [label, overlay, faith, seen, last_explained]
     run_btn.click(on.classify, inputs, outputs, api_name="classify")
@@ -265,20 +286,22 @@ def _rollout_panel(on: UiActions, settings):
     return image, opacity, cmap
 
 
-def _attention_tab(on: UiActions, image, opacity, cmap) -> None:
+def _attention_tab(on: UiActions, image, opacity, cmap, picked) -> None:
     with gr.Tab("Raw attention (per block, per head)"):
         with gr.Row():
             blk = gr.Slider(0, on.depth - 1, value=on.depth - 1, step=1, label="Block")
             head = gr.Slider(0, on.nh - 1, value=0, step=1, label="Head")
-        query = "the CLS token's" if on.classifier.rollout_query == "cls" else "the patches' mean"
+        query = "the CLS token's" if on.layout.rollout_query == "cls" else "the patches' mean"
         attn_btn = gr.Button(f"Show {query} attention")
         with gr.Row():
             attn_img = gr.Image(type="numpy", label=f"{query.capitalize()} attention, this head", interactive=False)
             attn_faith = gr.Markdown()
-        attn_btn.click(on.attention, [image, blk, head, opacity, cmap], [attn_img, attn_faith], api_name="attention")
+        attn_btn.click(
+            on.attention, [image, blk, head, opacity, cmap, picked], [attn_img, attn_faith], api_name="attention"
+        )
 
 
-def _gradient_tab(on: UiActions, image, opacity, cmap) -> None:
+def _gradient_tab(on: UiActions, image, opacity, cmap, picked) -> None:
     with gr.Tab("Gradient rollout"):
         why = "" if on.grads else f" (off: {NO_GRADIENTS})"
         target = gr.Dropdown(on.labels, value=on.labels[0], label=f"Class to explain{why}", interactive=on.grads)
@@ -286,7 +309,9 @@ def _gradient_tab(on: UiActions, image, opacity, cmap) -> None:
         with gr.Row():
             grad_img = gr.Image(type="numpy", label="Gradient rollout", interactive=False)
             grad_faith = gr.Markdown()
-        grad_btn.click(on.gradient, [image, target, opacity, cmap], [grad_img, grad_faith], api_name="gradient_rollout")
+        grad_btn.click(
+            on.gradient, [image, target, opacity, cmap, picked], [grad_img, grad_faith], api_name="gradient_rollout"
+        )
 
 
 def _jsonable(meta: Any) -> Any:

@@ -1,0 +1,142 @@
+"""One loaded model version: its classifier, its own batcher (`Engine`), and the checks it passed.
+
+A version takes traffic only after `load_version` has read the file (onnxruntime and the file's own
+metadata, which a truncated or half-copied file fails), compared the class names with the folder's
+labels.txt, started its engine (the warm-up and the batch size measurement) and run one warm-up batch whose
+outputs are all finite. Each failure is a `LoadFailure` with a short `kind` (the label counted in
+/metrics) and a message that says what to do.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from serve.runtime.classifier import OnnxClassifier
+from serve.runtime.faithfulness import mean_fill
+from serve.server.batching import Engine
+from serve.server.repository.layout import file_stamp
+
+READY, UNAVAILABLE, LOADING, UNLOADING = "READY", "UNAVAILABLE", "LOADING", "UNLOADING"  # Triton's state names
+WARM_UP_IMAGES = 2
+
+
+class LoadFailure(RuntimeError):
+    """A version that must not take traffic; `kind` is one of unreadable, labels, warm_up, non_finite."""
+
+    def __init__(self, kind: str, message: str):
+        super().__init__(message)
+        self.kind = kind
+
+
+def rss_bytes() -> int:
+    """This process's resident memory (Linux; 0 elsewhere)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+@dataclass(eq=False)
+class ModelVersion:
+    """A version being served: the routes read `classifier`, `engine`, `fill` and `decode_on_worker`.
+
+    `in_flight` counts the requests that resolved this version and have not finished: after a swap the
+    old version is stopped only once they are done, so no request meets a closed batcher.
+    """
+
+    name: str
+    version: str
+    classifier: OnnxClassifier
+    engine: Engine
+    path: Path | None = None
+    memory_bytes: int = 0
+    stamp: tuple[int, int] | None = None
+    in_flight: int = 0
+    fill: np.ndarray | None = None
+    decode_on_worker: bool = False
+    loaded_at: float = field(default_factory=time.time)
+
+    def __post_init__(self):
+        self.fill = mean_fill(self.classifier.preprocess.mean)
+        # small uploads decode on the loop when onnxruntime runs one thread, else on the model's thread
+        self.decode_on_worker = self.classifier.threads != 1
+
+    def drain(self, timeout_s: float) -> bool:
+        """Wait for the requests that hold this version (at most `timeout_s`), then stop its engine.
+
+        Returns:
+            True when every request finished in time and the batcher drained.
+        """
+        deadline = time.monotonic() + timeout_s
+        while self.in_flight > 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        self.engine.stop()
+        return self.in_flight == 0 and self.engine.drained
+
+
+def load_version(
+    name: str,
+    version: str,
+    path: Path,
+    make_engine: Callable[[OnnxClassifier, str, str], Engine],
+    threads: int | None,
+    labels: list[str] | None = None,
+    lock: threading.Lock | None = None,
+) -> ModelVersion:
+    """Load, check and warm up one version file; it may take traffic once this returns.
+
+    Args:
+        name: the model's name (its folder).
+        version: the version (its folder's number).
+        path: the model.onnx file.
+        make_engine: builds the version's engine from (classifier, name, version).
+        threads: onnxruntime's intra-op threads (None: by model size).
+        labels: the folder's labels.txt, which must match the file's class names (None: no such file).
+        lock: held while loading, so that the memory figure counts this version alone.
+
+    Raises:
+        LoadFailure: the version must not take traffic; the message says why.
+    """
+    with lock or threading.Lock():
+        before = rss_bytes()
+        stamp = _stamp(path)
+        try:
+            classifier = OnnxClassifier(path, threads=threads)
+        except (OSError, ValueError) as e:
+            raise LoadFailure("unreadable", f"{path}: {e}") from None
+        if labels is not None and labels != classifier.labels:
+            raise LoadFailure(
+                "labels", f"{path}: its class names differ from {path.parent.parent}/labels.txt; export both again"
+            )
+        engine = make_engine(classifier, name, version)
+        try:
+            engine.start()
+            H, W = classifier.input_size
+            probe = np.random.default_rng(0).integers(0, 256, (WARM_UP_IMAGES, H, W, 3), dtype=np.uint8)
+            out = engine.batcher.call(engine.forward, probe).result(60)  # (B, 2, K)
+        except Exception as e:
+            engine.stop()
+            raise LoadFailure("warm_up", f"{path}: the warm-up batch failed: {e}") from None
+        if not np.isfinite(out).all():
+            engine.stop()
+            raise LoadFailure("non_finite", f"{path}: the warm-up batch gave NaN or infinite outputs; do not serve it")
+        if stamp != _stamp(path):
+            engine.stop()
+            raise LoadFailure("unreadable", f"{path}: the file changed while it was loaded (still being copied?)")
+        memory = max(0, rss_bytes() - before)
+    return ModelVersion(name, version, classifier, engine, path, memory, stamp)
+
+
+def _stamp(path: Path) -> tuple[int, int]:
+    try:
+        return file_stamp(path)
+    except OSError as e:
+        raise LoadFailure("unreadable", f"{path}: {e}") from None

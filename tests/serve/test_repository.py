@@ -1,0 +1,228 @@
+"""vit-serve over a model repository written by `vit-export --triton-repo`: several models and versions,
+a version swapped under load with no failed request, a broken file that never takes traffic, the v2
+repository extension, and probes on a port of their own."""
+
+from __future__ import annotations
+
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from serve.export.cli import main as export_main
+from serve.server.repository.layout import VersionPolicy, parse_version_policy, scan
+from tests.serve.process import ServerProcess
+from tests.serve.test_server import png_bytes
+
+from .conftest import CLASS_NAMES, quadrant_images
+
+KEY = "repository-test-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+@pytest.fixture(scope="module")
+def exported(tiny_checkpoint, tmp_path_factory) -> Path:
+    """A repository from vit-export --triton-repo: model `alpha`, version 1."""
+    root = tmp_path_factory.mktemp("exported")
+    args = ["-o", str(root / "alpha.onnx"), "--triton-repo", str(root / "models"), "--no-gradients"]
+    assert export_main([str(tiny_checkpoint), *args]) == 0
+    return root / "models"
+
+
+def add_model(repo: Path, exported: Path, name: str, versions: list[int], policy: str = "") -> None:
+    """`repo/name` holding the exported file as each of `versions` (a model folder copied and renamed)."""
+    src = exported / "alpha"
+    folder = repo / name
+    folder.mkdir(parents=True)
+    shutil.copy(src / "labels.txt", folder)
+    config = (src / "config.pbtxt").read_text().replace('name: "alpha"', f'name: "{name}"')
+    (folder / "config.pbtxt").write_text(config + policy)
+    for v in versions:
+        drop_version(folder, v, src / "1" / "model.onnx")
+
+
+def drop_version(folder: Path, version: int, model: Path | bytes) -> None:
+    """A new version as a deployment writes one: copied beside the repository, then renamed into it."""
+    tmp = folder / f".{version}.incoming"
+    tmp.mkdir()
+    if isinstance(model, bytes):
+        (tmp / "model.onnx").write_bytes(model)
+    else:
+        shutil.copy(model, tmp / "model.onnx")
+    tmp.rename(folder / str(version))
+
+
+def classify(url: str, path: str = "/v1/classify", seed: int = 0) -> httpx.Response:
+    images, _ = quadrant_images(1, seed=seed)
+    return httpx.post(
+        url + path, files={"file": ("a.png", png_bytes(images[0]), "image/png")}, headers=AUTH, timeout=30
+    )
+
+
+def wait_for(what, timeout: float = 60.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        result = what()
+        if result:
+            return result
+        time.sleep(0.1)
+    raise TimeoutError(f"not within {timeout} s: {what}")
+
+
+def test_version_policies_read_as_tritons():
+    assert parse_version_policy('name: "m"') == VersionPolicy("latest", 1)
+    assert parse_version_policy("version_policy: { latest: { num_versions: 2 } }").select([3, 1, 2]) == [2, 3]
+    assert parse_version_policy("version_policy: { all { } }").select([2, 1]) == [1, 2]
+    assert parse_version_policy("version_policy { specific { versions: [1, 3] } }").select([1, 2, 3]) == [1, 3]
+    with pytest.raises(ValueError, match="version_policy must be"):
+        parse_version_policy("version_policy: { newest { } }")
+
+
+def test_two_models_and_two_versions_are_served_side_by_side(exported, tmp_path):
+    repo = tmp_path / "models"
+    add_model(repo, exported, "alpha", [1, 2], "version_policy: { all { } }\n")
+    add_model(repo, exported, "beta", [1])
+    assert sorted(scan(repo)) == ["alpha", "beta"]
+    with ServerProcess(repo, "--no-ui", "--preferred-batch-size", "2", env=_env()) as server:
+        url = server.url
+        models = httpx.get(url + "/v2/models", headers=AUTH).json()["models"]
+        assert [(m["name"], m["versions"]) for m in models] == [("alpha", ["1", "2"]), ("beta", ["1"])]
+        for path, model, version in [
+            ("/v1/classify", "alpha", "2"),
+            ("/v1/models/alpha/classify", "alpha", "2"),
+            ("/v1/models/alpha/versions/1/classify", "alpha", "1"),
+            ("/v1/models/beta/classify", "beta", "1"),
+        ]:
+            body = classify(url, path).json()
+            assert (body["model"], body["version"]) == (model, version)
+            assert body["predictions"][0]["label"] in CLASS_NAMES
+        images, _ = quadrant_images(2, seed=3)
+        infer = {
+            "inputs": [
+                {"name": "pixels", "datatype": "UINT8", "shape": [2, 32, 32, 3], "data": images.ravel().tolist()}
+            ]
+        }
+        r = httpx.post(url + "/v2/models/alpha/versions/1/infer", json=infer, headers=AUTH).json()
+        assert (r["model_name"], r["model_version"], r["outputs"][0]["shape"]) == ("alpha", "1", [2, len(CLASS_NAMES)])
+        assert httpx.get(url + "/v2/models/beta/versions/1/ready", headers=AUTH).status_code == 200
+        missing = classify(url, "/v1/models/gamma/classify")
+        assert missing.status_code == 404 and "alpha" in missing.json()["error"]["message"]
+        assert httpx.get(url + "/v2/models/beta/versions/7/ready", headers=AUTH).status_code == 404
+        index = httpx.post(url + "/v2/repository/index", headers=AUTH).json()
+        assert [(r["name"], r["version"], r["state"]) for r in index] == [
+            ("alpha", "1", "READY"),
+            ("alpha", "2", "READY"),
+            ("beta", "1", "READY"),
+        ]
+        assert all(r["memory_bytes"] > 0 for r in index)
+        metrics = httpx.get(url + "/metrics", headers=AUTH).text
+        assert 'vitscope_model_memory_bytes{model="beta",version="1"}' in metrics
+        assert 'vitscope_batch_size_count{model="alpha",version="1"}' in metrics
+        assert httpx.post(url + "/v2/repository/index").status_code == 401  # the extension needs the key
+
+
+def _env() -> dict:
+    import os
+
+    return {**os.environ, "VITSCOPE_API_KEY": KEY}
+
+
+class Load:
+    """`clients` threads classifying in a loop until stopped; every answer's status and version is kept."""
+
+    def __init__(self, url: str, path: str, clients: int = 8):
+        self.url, self.path, self.answers, self.stopping = url, path, [], threading.Event()
+        self.threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(clients)]
+
+    def _run(self, seed: int) -> None:
+        with httpx.Client(headers=AUTH, timeout=30) as client:
+            images, _ = quadrant_images(1, seed=seed)
+            files = {"file": ("a.png", png_bytes(images[0]), "image/png")}
+            while not self.stopping.is_set():
+                try:
+                    r = client.post(self.url + self.path, files=files)
+                    self.answers.append((r.status_code, r.json().get("version")))
+                except httpx.HTTPError as e:
+                    self.answers.append((type(e).__name__, None))
+
+    def __enter__(self) -> Load:
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stopping.set()
+        for t in self.threads:
+            t.join(30)
+
+    def saw(self, version: str) -> bool:
+        return any(v == version for _, v in self.answers[-50:])
+
+
+@pytest.mark.slow
+def test_new_versions_roll_out_under_load_without_a_failed_request_and_a_broken_one_never_serves(exported, tmp_path):
+    repo = tmp_path / "models"
+    add_model(repo, exported, "beta", [1])
+    model = exported / "alpha" / "1" / "model.onnx"
+    args = ("--no-ui", "--preferred-batch-size", "4", "--repository-poll-s", "0.2")
+    with ServerProcess(repo, *args, env=_env()) as server, Load(server.url, "/v1/models/beta/classify") as load:
+        wait_for(lambda: load.saw("1"))
+        for version in (2, 3):
+            drop_version(repo / "beta", version, model)
+            wait_for(lambda v=str(version): load.saw(v))
+        broken = model.read_bytes()[: model.stat().st_size // 2]  # a half-copied file
+        drop_version(repo / "beta", 4, broken)
+        index = wait_for(lambda: [r for r in _index(server.url) if r["version"] == "4"])
+        assert index[0]["state"] == "UNAVAILABLE" and "model.onnx" in index[0]["reason"]
+        settled = len(load.answers)
+        wait_for(lambda: len(load.answers) > settled + 50)
+    statuses = {s for s, _ in load.answers}
+    assert statuses == {200}, f"failed requests during the swaps: {[a for a in load.answers if a[0] != 200][:5]}"
+    assert "4" not in {v for _, v in load.answers}  # the broken file never took a request
+    assert {v for _, v in load.answers[settled:]} == {"3"}
+    assert "does not take traffic" in server.output
+
+
+def _index(url: str) -> list[dict]:
+    return httpx.post(url + "/v2/repository/index", headers=AUTH).json()
+
+
+def test_the_repository_extension_unloads_and_loads_a_model(exported, tmp_path):
+    repo = tmp_path / "models"
+    add_model(repo, exported, "alpha", [1])
+    add_model(repo, exported, "beta", [1])
+    with ServerProcess(repo, "--no-ui", "--preferred-batch-size", "1", env=_env()) as server:
+        url = server.url
+        assert httpx.post(url + "/v2/repository/models/beta/unload", headers=AUTH).status_code == 200
+        assert classify(url, "/v1/models/beta/classify").status_code == 404
+        assert httpx.get(url + "/v2/models/beta/ready", headers=AUTH).status_code == 404
+        assert httpx.get(url + "/readyz").status_code == 200  # an unloaded model is not expected to be ready
+        (repo / "beta" / "1" / "model.onnx").write_bytes(b"\x08\x07not a model")
+        refused = httpx.post(url + "/v2/repository/models/beta/load", headers=AUTH, timeout=60)
+        assert refused.status_code == 400 and "beta" in refused.json()["error"]
+        drop_version(repo / "beta", 2, exported / "alpha" / "1" / "model.onnx")
+        assert httpx.post(url + "/v2/repository/models/beta/load", headers=AUTH, timeout=60).status_code == 200
+        assert classify(url, "/v1/models/beta/classify").json()["version"] == "2"
+        gone = httpx.post(url + "/v2/repository/models/nope/load", headers=AUTH)
+        assert gone.status_code == 404
+        metrics = httpx.get(url + "/metrics", headers=AUTH).text
+        assert 'vitscope_model_load_failures_total{model="beta",reason="unreadable",version="1"} 1.0' in metrics
+
+
+@pytest.mark.slow
+def test_probes_on_their_own_port_answer_within_a_second_while_the_api_is_overloaded(tiny_onnx):
+    from tests.serve.process import free_port
+
+    probe_port = free_port()
+    args = ("--no-ui", "--probe-port", str(probe_port), "--queue-size", "4", "--preferred-batch-size", "1")
+    with ServerProcess(tiny_onnx, *args) as server:
+        probe = f"http://127.0.0.1:{probe_port}"
+        with Load(server.url, "/v1/classify", clients=48) as load:
+            wait_for(lambda: any(s == 503 for s, _ in load.answers))  # the API sheds load
+            for _ in range(20):
+                assert httpx.get(probe + "/healthz", timeout=1.0).json() == {"status": "live"}
+                assert httpx.get(probe + "/readyz", timeout=1.0).status_code == 200
+        assert httpx.get(probe + "/v2/health/ready", timeout=1.0).json() == {"ready": True}
