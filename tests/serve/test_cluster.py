@@ -18,10 +18,10 @@ import pytest
 from PIL import Image
 
 from serve.runtime.predict import main as predict_local
-from tests.serve.conftest import CLASS_NAMES, quadrant_images
+from tests.helpers import CLASS_NAMES, quadrant_images
 
 ray = pytest.importorskip("ray.data")
-from tests.serve.ray_cluster import LocalRayCluster  # noqa: E402 (after the skip when ray is absent)
+from serve.server.testing import LocalRayCluster  # noqa: E402 (after the skip when ray is absent)
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]

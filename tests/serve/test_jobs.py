@@ -17,8 +17,7 @@ from PIL import Image
 
 from serve.runtime.outputs import PartStore, table_row
 from serve.runtime.predict import main
-
-from .conftest import CLASS_NAMES, quadrant_images
+from tests.helpers import CLASS_NAMES, quadrant_images
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -14,10 +14,7 @@ import pytest
 
 from serve.export.cli import main as export_main
 from serve.server.repository.layout import VersionPolicy, parse_version_policy, scan
-from tests.serve.process import ServerProcess
-from tests.serve.test_server import png_bytes
-
-from .conftest import CLASS_NAMES, quadrant_images
+from tests.helpers import CLASS_NAMES, ServerProcess, png_bytes, quadrant_images
 
 KEY = "repository-test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -214,7 +211,7 @@ def test_the_repository_extension_unloads_and_loads_a_model(exported, tmp_path):
 
 @pytest.mark.slow
 def test_probes_on_their_own_port_answer_within_a_second_while_the_api_is_overloaded(tiny_onnx):
-    from tests.serve.process import free_port
+    from serve.server.testing import free_port
 
     probe_port = free_port()
     args = ("--no-ui", "--probe-port", str(probe_port), "--queue-size", "4", "--preferred-batch-size", "1")
