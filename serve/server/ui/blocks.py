@@ -134,18 +134,19 @@ class UiActions:
         label = {self.labels[i]: float(p) for i, p in enumerate(np.asarray(ex["probs"]))}
         return label, overlay, deletion_text(ex["deletion"], self.labels), seen_big, last
 
-    def trust(self, path, coverage) -> str:
+    def trust(self, path, coverage, model=None) -> str:
         """Calibrated confidence, the prediction set at `coverage` and the unknown verdict, each explained."""
         if not path:
             return ""
-        pixels = self.pixels_of(path)
-        clf = self.classifier
+        served = self.served(model)
+        clf = served.classifier
+        pixels = self.pixels_of(path, clf)
         if not clf.calibrated:
             return (
                 "**Uncalibrated model**: scores are raw softmax; export it again with vit-export for sets and verdicts."
             )
         try:
-            answers = self.engine.run_sync(clf.assess, pixels[None], float(coverage))
+            answers = served.engine.run_sync(clf.assess, pixels[None], float(coverage))
         except ValueError as e:
             raise gr.Error(str(e)) from None
         (p,) = clf.predictions(answers, 1)
@@ -258,7 +259,7 @@ def _rollout_panel(on: UiActions, settings, picked):
         label = gr.Label(num_top_classes=min(settings.top_k, len(on.labels)), label="Prediction", elem_id="label")
         with gr.Column():
             trust = gr.Markdown(elem_id="trust")
-            top = on.classifier.trust_summary().get("max_coverage", 0.99)
+            top = on.layout.trust_summary().get("max_coverage", 0.99)
             coverage = gr.Slider(0.5, min(0.99, top), value=min(0.9, top), step=0.01, label="Coverage of the set")
         faith = gr.Markdown(elem_id="faithfulness")
     with gr.Row():
@@ -275,9 +276,9 @@ def _rollout_panel(on: UiActions, settings, picked):
     outputs = [label, overlay, faith, seen, last_explained]
     run_btn.click(on.classify, inputs, outputs, api_name="classify")
     image.change(on.reclassify, inputs, outputs, api_name=False)
-    run_btn.click(on.trust, [image, coverage], trust, api_name="trust")
-    image.change(on.trust, [image, coverage], trust, api_name=False)
-    coverage.release(on.trust, [image, coverage], trust, api_name=False)
+    run_btn.click(on.trust, [image, coverage, picked], trust, api_name="trust")
+    image.change(on.trust, [image, coverage, picked], trust, api_name=False)
+    coverage.release(on.trust, [image, coverage, picked], trust, api_name=False)
     for control in (opacity, cmap):
         control.change(on.restyle, [last_explained, opacity, cmap], overlay, api_name=False, show_progress="hidden")
     fusion.change(on.reclassify, inputs, outputs, api_name=False)
