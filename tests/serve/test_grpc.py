@@ -14,7 +14,7 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
-from serve.runtime.classifier import softmax
+from serve.runtime.classifier import OnnxClassifier, softmax
 from serve.server.testing import free_port
 from tests.helpers import CLASS_NAMES, ServerProcess, png_bytes, quadrant_images
 
@@ -81,7 +81,8 @@ def test_infer_equals_the_file_and_v1_classify(client, model, server, tiny_onnx,
     assert logits.dtype == np.float32 and logits.shape == (batch, len(CLASS_NAMES))
     session = ort.InferenceSession(str(tiny_onnx), providers=["CPUExecutionProvider"])
     np.testing.assert_allclose(logits, session.run(["logits"], {"pixels": x})[0], rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(probs, softmax(logits), atol=1e-6)
+    temperature = OnnxClassifier(tiny_onnx).trust.temperature  # probs are calibrated, as /v1's scores
+    np.testing.assert_allclose(probs, softmax(logits / temperature), atol=1e-6)
     for img, row in zip(x, probs, strict=True):  # 32 x 32 PNGs: /v1 decodes them to the very same pixels
         r = httpx.post(
             server.url + f"/v1/classify?top_k={len(CLASS_NAMES)}",
@@ -108,8 +109,8 @@ def test_bad_requests_get_the_right_status_and_say_what_to_do(client, model):
         (lambda: infer(client, model, ok.astype(np.float32), datatype="FP32"), "INVALID_ARGUMENT", "datatype UINT8"),
         (lambda: infer(client, model, ok, name="image"), "INVALID_ARGUMENT", "takes one input, 'pixels'"),
         (lambda: infer(client, model, ok, outputs=("scores",)), "INVALID_ARGUMENT", "unknown output 'scores'"),
-        (lambda: infer(client, "no_such_model", ok), "NOT_FOUND", "unknown model 'no_such_model'"),
-        (lambda: infer(client, model, ok, model_version="99"), "NOT_FOUND", "unknown version '99'"),
+        (lambda: infer(client, "no_such_model", ok), "NOT_FOUND", "model 'no_such_model' is not served"),
+        (lambda: infer(client, model, ok, model_version="99"), "NOT_FOUND", "version '99' of"),
         (lambda: infer(client, model, np.zeros((70, 32, 32, 3), np.uint8)), "RESOURCE_EXHAUSTED", str(MAX_BYTES)),
     ]
     for call, status, words in cases:

@@ -191,7 +191,7 @@ def test_another_runs_checkpoint_cannot_be_fitted_into_a_run_that_holds_checkpoi
 
 def test_a_folder_with_no_validation_images_is_refused(tmp_path, capsys):
     root = write_shapes(tmp_path / "shapes", per_class=1)  # one image per class: all of it goes to training
-    err = one_line_error(args(root, tmp_path / "run"), capsys)
+    err = one_line_error(args(root, tmp_path / "run", "--data.calib_fraction", "0"), capsys)  # refused first
     assert "gives no validation images" in err and "at least 2 images" in err
     assert not (tmp_path / "run" / "checkpoints").exists()
 
@@ -200,7 +200,7 @@ def test_fewer_validation_images_than_ddp_processes_is_refused(tmp_path, capsys)
     root = write_shapes(tmp_path / "shapes", per_class=2, classes=("bar", "column"))
     (root / "column" / "001.png").unlink()  # a class of one image trains on it: 1 held out in all
     ddp = ["--trainer.strategy", "ddp", "--trainer.devices", "2", "--trainer.accelerator", "cpu"]
-    err = one_line_error(args(root, tmp_path / "run", *ddp), capsys)
+    err = one_line_error(args(root, tmp_path / "run", *ddp, "--data.calib_fraction", "0"), capsys)
     assert "1 validation image(s) for 2 DDP processes" in err and "--data.val_fraction" in err
 
 

@@ -156,6 +156,7 @@ def test_ddp_validates_each_image_once_when_a_rank_gets_less_than_a_batch(tmp_pa
     run = tmp_path / "run"
     cmd = [sys.executable, "-m", "train", *fit_args(root, run, 2, "--data.val_fraction", "0.25")]
     cmd += ["--data.batch_size", "4", "--data.eval_batch_size", "8", "--data.num_workers", "0"]
+    cmd += ["--data.calib_fraction", "0"]  # what is measured is validation: 3 images for 2 ranks
     cmd += ["--trainer.strategy", "ddp", "--trainer.devices", "2", "--trainer.accelerator", "cpu"]
     cmd += ["--trainer.callbacks+=tests.train.rank_weights.SaveRankValImages"]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
