@@ -58,7 +58,9 @@ def schemathesis(*args: str, cwd: Path) -> subprocess.CompletedProcess:
 @no_schemathesis
 def test_schemathesis_finds_no_5xx_and_no_schema_violation(server, tmp_path):
     checks = ["--checks", "all", "--exclude-checks", "positive_data_acceptance"]
-    run = schemathesis("run", server.url + "/openapi.json", *checks, cwd=tmp_path)
+    # unloading the only model makes every later request an honest 503: the repository routes have their own tests
+    keep = ["--exclude-path-regex", "^/v2/repository/models/"]
+    run = schemathesis("run", server.url + "/openapi.json", *checks, *keep, cwd=tmp_path)
     assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-2000:]
 
 

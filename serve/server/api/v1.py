@@ -33,6 +33,7 @@ from serve.server.settings import RequestLimits
 # up to 1 MP, a few milliseconds of decoding and resizing, are decoded on the loop or the model's thread.
 INLINE_DECODE_PIXELS = 1_000_000
 TRUE, FALSE = ("1", "true", "yes"), ("0", "false", "no")
+NO_DEFAULT = "the default model has no version loaded (unloaded?): load one with POST /v2/repository/models/<name>/load"
 
 
 def encode_response(served, answers: Assessment, top_k: int, explanation: dict | None = None) -> dict[str, Any]:
@@ -57,10 +58,13 @@ def request_id_of(request: Request) -> str:
 
 
 def resolve(repository: ModelRepository, name: str | None, version: str | None) -> ModelVersion:
-    """The version a request goes to, or the 404 that names what is served."""
+    """The version a request goes to; the 404 that names what is served, or a 503 while the default model
+    (asked for by no name) has no version loaded."""
     try:
         return repository.resolve(name, version)
     except UnknownModel as e:
+        if name is None:
+            raise ApiError("not_ready", NO_DEFAULT) from None
         raise ApiError("not_found", str(e)) from None
 
 
@@ -191,7 +195,7 @@ def v1_router(
     async def readyz():
         if not repository.ready:
             raise ApiError("not_ready", "a model is loading or warming up (or the server is stopping)")
-        served = repository.resolve()
+        served = resolve(repository, None, None)
         return {
             "status": "ready",
             "model": served.name,

@@ -124,7 +124,11 @@ def v2_router(repository: ModelRepository, limits: RequestLimits, payloads: Payl
 
     @router.get("")
     async def v2_server():
-        return {"name": "vitscope", "version": repository.resolve().version, "extensions": EXTENSIONS}
+        try:
+            version = repository.resolve().version
+        except UnknownModel:  # the default model is unloaded: the server still answers what it is
+            version = ""
+        return {"name": "vitscope", "version": version, "extensions": EXTENSIONS}
 
     @router.get("/health/live")
     async def v2_live():
