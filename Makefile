@@ -85,10 +85,12 @@ $(ONNX): $(CKPT) $(EXPORTER)
 	$(BIN)/vit-export $(CKPT) -o $(ONNX)
 
 # The runtime and server tests again in a venv with the [serve] extra alone, as production installs it: no torch.
-# The tiny model they serve is exported first in the full venv; tests that need torch or onnx skip there.
+# The tiny model they serve (and a repository holding it) is exported first in the full venv; tests that need
+# torch, onnx or pyarrow skip there.
 SERVE_ONLY := build/serve-only
 test-serve-only: $(SERVE_ONLY)/venv/.installed $(SERVE_ONLY)/tiny.onnx
-	VITSCOPE_TINY_ONNX=$(abspath $(SERVE_ONLY)/tiny.onnx) $(SERVE_ONLY)/venv/bin/python -m pytest \
+	VITSCOPE_TINY_ONNX=$(abspath $(SERVE_ONLY)/tiny.onnx) VITSCOPE_TINY_REPO=$(abspath $(SERVE_ONLY)/models) \
+		$(SERVE_ONLY)/venv/bin/python -m pytest \
 		-q -n $(TEST_WORKERS) --dist loadfile tests/serve
 
 $(SERVE_ONLY)/venv/.installed: pyproject.toml | $(VENV)/.installed
@@ -97,7 +99,8 @@ $(SERVE_ONLY)/venv/.installed: pyproject.toml | $(VENV)/.installed
 	touch $@
 
 $(SERVE_ONLY)/tiny.onnx: tests/helpers.py $(EXPORTER) | $(VENV)/.installed
-	$(PYTHON) -m tests.helpers --tiny-onnx $@
+	rm -rf $(SERVE_ONLY)/models
+	$(PYTHON) -m tests.helpers --tiny-onnx $@ --tiny-repo $(SERVE_ONLY)/models
 
 demo: install $(ONNX)
 	$(BIN)/vit-serve $(ONNX) --host $(HOST) --port $(PORT)

@@ -2,7 +2,7 @@
 `serve.server.testing`, which the benchmarks use too) the server process, PNG encoder, metrics reader and
 the poll under a deadline. Nothing here imports torch at import time, so the `[serve]`-only install runs it.
 
-    .venv/bin/python -m tests.helpers --tiny-onnx build/tiny.onnx   # the tiny model, for the [serve]-only venv
+    .venv/bin/python -m tests.helpers --tiny-onnx build/tiny.onnx --tiny-repo build/models  # for the [serve]-only venv
 """
 
 from __future__ import annotations
@@ -235,11 +235,18 @@ def server_has_read(port: int, connections: int = 1) -> bool:
 def main() -> None:
     p = argparse.ArgumentParser(description="Build test fixtures that need torch, for a venv without it.")
     p.add_argument("--tiny-onnx", type=Path, required=True, help="where to write the tiny model's .onnx file")
+    p.add_argument("--tiny-repo", type=Path, help="where to write a model repository holding it as `alpha`, version 1")
     args = p.parse_args()
     from serve.export.cli import export_onnx
+    from serve.export.cli import main as export_main
 
     run = write_tiny_run(args.tiny_onnx.parent / "tiny_run")
     export_onnx(run / "checkpoints" / "best.ckpt", args.tiny_onnx)
+    if args.tiny_repo:
+        out = args.tiny_repo.parent / "alpha.onnx"
+        argv = [str(run / "checkpoints" / "best.ckpt"), "-o", str(out), "--triton-repo", str(args.tiny_repo)]
+        if export_main([*argv, "--no-gradients"]) != 0:
+            raise SystemExit("vit-export --triton-repo failed for the tiny model")
 
 
 if __name__ == "__main__":

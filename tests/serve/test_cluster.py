@@ -13,7 +13,6 @@ import sys
 import time
 from pathlib import Path
 
-import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
@@ -21,6 +20,7 @@ from serve.runtime.predict import main as predict_local
 from tests.helpers import CLASS_NAMES, quadrant_images
 
 ray = pytest.importorskip("ray.data")
+pq = pytest.importorskip("pyarrow.parquet")
 from serve.server.testing import LocalRayCluster  # noqa: E402 (after the skip when ray is absent)
 
 pytestmark = pytest.mark.slow

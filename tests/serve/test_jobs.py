@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import importlib.util
 import json
 import os
 import signal
@@ -11,7 +12,6 @@ import sys
 import time
 from pathlib import Path
 
-import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
@@ -20,6 +20,9 @@ from serve.runtime.predict import main
 from tests.helpers import CLASS_NAMES, quadrant_images
 
 ROOT = Path(__file__).resolve().parents[2]
+HAS_PYARROW = importlib.util.find_spec("pyarrow") is not None  # the [batch] extra; the [serve]-only venv lacks it
+NEEDS_PYARROW = pytest.mark.skipif(not HAS_PYARROW, reason="needs pyarrow")
+OUT_SUFFIXES = [pytest.param(".parquet", marks=NEEDS_PYARROW), ".csv", ".jsonl"]
 
 
 def _images(folder: Path, n: int, seed: int = 5) -> list[Path]:
@@ -39,6 +42,8 @@ def _stdout_rows(model: Path, folder: Path, capsys, *args: str) -> dict[str, dic
 
 def _read(out: Path) -> list[dict]:
     if out.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
         return pq.read_table(out).to_pylist()
     if out.suffix == ".csv":
         with open(out) as f:
@@ -46,7 +51,7 @@ def _read(out: Path) -> list[dict]:
     return [table_row(json.loads(line)) for line in out.read_text().splitlines()]
 
 
-@pytest.mark.parametrize("suffix", [".parquet", ".csv", ".jsonl"])
+@pytest.mark.parametrize("suffix", OUT_SUFFIXES)
 def test_out_file_holds_the_same_predictions_as_stdout_and_reports_broken_files(tiny_onnx, tmp_path, capsys, suffix):
     folder = tmp_path / "photos"
     _images(folder, 10)
@@ -81,6 +86,15 @@ def test_an_unknown_output_suffix_is_a_clear_error(tiny_onnx, tmp_path, capsys):
     _images(tmp_path / "photos", 1)
     assert main([str(tiny_onnx), str(tmp_path / "photos"), "--out", str(tmp_path / "preds.xlsx")]) == 2
     assert "name the file .parquet, .csv or .jsonl" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(HAS_PYARROW, reason="the [serve]-only install, without pyarrow")
+def test_parquet_without_pyarrow_says_what_to_install_before_any_image_is_read(tiny_onnx, tmp_path, capsys):
+    _images(tmp_path / "photos", 1)
+    assert main([str(tiny_onnx), str(tmp_path / "photos"), "--out", str(tmp_path / "preds.parquet")]) == 2
+    err = capsys.readouterr().err
+    assert "pip install 'vitscope[batch]'" in err and "or name the output .csv or .jsonl" in err
+    assert not (tmp_path / "preds.parquet").exists() and not (tmp_path / "preds.parquet.parts").exists()
 
 
 def test_an_uncommitted_part_is_cleared_and_its_images_scored_again(tmp_path):
@@ -120,7 +134,7 @@ def test_a_run_killed_mid_job_resumes_with_every_image_exactly_once(tiny_onnx, t
     os.mkfifo(stuck)  # reading it blocks the run halfway, after its first parts are committed
     sources = [str(p) for p in paths[:60]] + [f"file://{stuck}"] + [str(p) for p in paths[60:]]
     (tmp_path / "inputs.txt").write_text("\n".join(sources) + "\n")
-    out = tmp_path / "preds.parquet"
+    out = tmp_path / ("preds.parquet" if HAS_PYARROW else "preds.jsonl")
     args = [str(tiny_onnx), "--from-list", str(tmp_path / "inputs.txt"), "--out", str(out), "--top-k", "2"]
     args += ["--batch-size", "4", "--part-size", "8", "--decode-threads", "2"]
     proc = _predict(*args)
@@ -138,9 +152,9 @@ def test_a_run_killed_mid_job_resumes_with_every_image_exactly_once(tiny_onnx, t
     resumed = _predict(*args, "--resume")
     _, err = resumed.communicate(timeout=120)
     assert resumed.returncode == 0, err
-    rows = pq.read_table(out).to_pylist()
+    rows = _read(out)
     assert [r["path"] for r in rows] == sources  # every image exactly once, in input order
-    clean = tmp_path / "clean.parquet"
+    clean = out.with_name("clean" + out.suffix)
     again = _predict(*args[:3], "--out", str(clean), *args[5:])
     assert again.wait(120) == 0
-    assert rows == pq.read_table(clean).to_pylist()
+    assert rows == _read(clean)

@@ -4,6 +4,7 @@ repository extension, and probes on a port of their own."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import threading
 import time
@@ -12,7 +13,6 @@ from pathlib import Path
 import httpx
 import pytest
 
-from serve.export.cli import main as export_main
 from serve.server.repository.layout import VersionPolicy, parse_version_policy, scan
 from tests.helpers import CLASS_NAMES, ServerProcess, png_bytes, quadrant_images
 
@@ -21,10 +21,18 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
 @pytest.fixture(scope="module")
-def exported(tiny_checkpoint, tmp_path_factory) -> Path:
-    """A repository from vit-export --triton-repo: model `alpha`, version 1."""
+def exported(request, tmp_path_factory) -> Path:
+    """A repository from vit-export --triton-repo: model `alpha`, version 1. In the [serve]-only venv it is the
+    one named by VITSCOPE_TINY_REPO, exported beforehand in the full venv."""
+    given = os.environ.get("VITSCOPE_TINY_REPO")
+    if given:
+        assert (Path(given) / "alpha" / "1" / "model.onnx").is_file(), f"VITSCOPE_TINY_REPO holds no alpha/1: {given}"
+        return Path(given)
+    from serve.export.cli import main as export_main
+
     root = tmp_path_factory.mktemp("exported")
     args = ["-o", str(root / "alpha.onnx"), "--triton-repo", str(root / "models"), "--no-gradients"]
+    tiny_checkpoint = request.getfixturevalue("tiny_checkpoint")
     assert export_main([str(tiny_checkpoint), *args]) == 0
     return root / "models"
 

@@ -14,7 +14,7 @@ import httpx
 import numpy as np
 import pytest
 
-from tests.helpers import ServerProcess, noise_png, server_has_read, wait_until
+from tests.helpers import ServerProcess, noise_png, read_response, server_has_read, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -92,23 +92,29 @@ def test_bounded_load_has_no_errors_and_batches_requests(server):
 
 @pytest.mark.slow
 def test_sigterm_drains_requests_in_flight_then_exits(tiny_onnx):
-    # a long batching delay keeps the requests waiting inside the server when SIGTERM arrives
-    s = ServerProcess(tiny_onnx, "--max-delay-ms", "1500", "--max-batch-size", "64", "--no-ui")
+    """Six uploads are in the server's hands, all but their last byte, when SIGTERM arrives: each is still read
+    to its end, classified (batched together, with a long batching delay) and answered 200, then it exits 0."""
+    s = ServerProcess(tiny_onnx, "--max-delay-ms", "500", "--max-batch-size", "64", "--no-ui")
     try:
         s.wait_ready()
-        with ThreadPoolExecutor(6) as pool:
-            futures = [
-                pool.submit(httpx.post, s.url + "/v1/classify", content=noise_png(i), timeout=30) for i in range(6)
-            ]
-
-            def inside() -> bool:  # each request answered or read by the server, and some still waiting
-                answered = sum(f.done() for f in futures)
-                return answered < 6 and server_has_read(s.port, 6 - answered)
-
-            wait_until(inside, 10, "the server holding the six requests, some of them unanswered")
+        uploads = []
+        for i in range(6):
+            body = noise_png(i)
+            head = "POST /v1/classify HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: image/png\r\n"
+            head += f"Content-Length: {len(body)}\r\n\r\n"
+            conn = socket.create_connection(("127.0.0.1", s.port))
+            conn.sendall(head.encode() + body[:-1])
+            uploads.append((conn, body[-1:]))
+        try:
+            wait_until(lambda: server_has_read(s.port, 6), 10, "the server reading the six uploads")
             s.proc.send_signal(signal.SIGTERM)
-            statuses = [f.result().status_code for f in futures]
-        assert statuses == [200] * 6
+            for conn, last in uploads:
+                conn.sendall(last)
+            heads = [read_response(conn).split(b"\r\n", 1)[0] for conn, _ in uploads]
+        finally:
+            for conn, _ in uploads:
+                conn.close()
+        assert heads == [b"HTTP/1.1 200 OK"] * 6
         assert s.proc.wait(30) == 0
         with pytest.raises(httpx.TransportError):
             httpx.get(s.url + "/healthz", timeout=2)
