@@ -16,7 +16,15 @@ PORT ?= 7860
 
 .PHONY: install test test-fast test-serve-only lint format protos docs docs-serve demo sample train export serve bench report clean
 
-install: $(VENV)/.installed
+# onnxruntime-web for `vit-export --web`, from npm at the version package-lock.json pins (never a CDN at run time)
+WEB_PAGE := serve/export/web_page
+ORT_WEB := $(WEB_PAGE)/node_modules/.installed
+
+install: $(VENV)/.installed $(ORT_WEB)
+
+$(ORT_WEB): $(WEB_PAGE)/package.json $(WEB_PAGE)/package-lock.json
+	npm ci --prefix $(WEB_PAGE) --no-audit --no-fund --ignore-scripts --loglevel=error
+	touch $@
 
 $(VENV)/.installed: pyproject.toml constraints-x86_64-linux.txt
 	test -x $(PYTHON) || $(PY) -m venv $(VENV)
@@ -126,4 +134,4 @@ report: install
 	$(PYTHON) -m benchmarks.report
 
 clean:
-	rm -rf runs artifacts site build/serve-only .pytest_cache
+	rm -rf runs artifacts site build/serve-only .pytest_cache $(WEB_PAGE)/node_modules

@@ -2,6 +2,8 @@
 
     vit-export runs/sample/checkpoints/best.ckpt -o artifacts/sample.onnx [--quantize int8]
         [--target onnxruntime|portable] [--opset 17..21] [--triton-repo DIR]
+    vit-export runs/sample/checkpoints/best.ckpt --web site/      # a static page running it in the browser
+    vit-export artifacts/portable.onnx --web site/               # the same page for a file exported before
 
 The file holds, with no side files:
 - the graph: (B, H, W, 3) uint8 pixels in (resized and cropped by `Preprocess.to_uint8`),
@@ -17,7 +19,8 @@ The file holds, with no side files:
 
 Before the file is written, the parity gate (`serve.export.parity`) runs torch and onnxruntime on
 validation images and refuses the export when they disagree. `--triton-repo DIR` also writes a
-Triton model repository with the logits-only graph (`serve.export.triton`).
+Triton model repository with the logits-only graph (`serve.export.triton`). `--web DIR` writes a static
+page that runs the portable target in the browser with onnxruntime-web (`serve.export.web`).
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from typing import Any
 import onnx
 
 from serve.export import calibrate as calib
-from serve.export import targets, triton
+from serve.export import targets, triton, web
 from serve.export.merge import set_metadata
 from serve.export.metadata import build_metadata
 from serve.export.trace import DEFAULT_OPSET
@@ -232,15 +235,30 @@ def _parser() -> argparse.ArgumentParser:
     opsets = targets.OPSETS
     oldest = ", ".join(f"{o}: {v}" for o, v in targets.OLDEST_ONNXRUNTIME.items())
     p = argparse.ArgumentParser(prog="vit-export", description=__doc__.split("\n\n")[0])
-    p.add_argument("checkpoint", type=Path, help="a vitscope checkpoint, e.g. runs/sample/checkpoints/best.ckpt")
-    p.add_argument("-o", "--output", type=Path, required=True, help="the .onnx file to write")
+    p.add_argument(
+        "checkpoint",
+        type=Path,
+        help="a vitscope checkpoint, e.g. runs/sample/checkpoints/best.ckpt (or, with --web alone, a portable .onnx)",
+    )
+    p.add_argument("-o", "--output", type=Path, help="the .onnx file to write (with --web: default DIR/model.onnx)")
     p.add_argument(
         "--target",
         choices=targets.TARGETS,
-        default="onnxruntime",
-        help="onnxruntime (default): fused contrib ops, fastest on onnxruntime, explain branches behind optional "
-        "inputs; portable: standard ONNX ops only (OpenVINO, onnx.reference, any runtime), logits and attention "
-        "maps always output, no gradient rollout",
+        help="onnxruntime (the default): fused contrib ops, fastest on onnxruntime, explain branches behind optional "
+        "inputs; portable (the default with --web): standard ONNX ops only (OpenVINO, onnx.reference, onnxruntime-web, "
+        "any runtime), logits and attention maps always output, no gradient rollout",
+    )
+    p.add_argument(
+        "--web",
+        type=Path,
+        metavar="DIR",
+        help="also write a static page that classifies images in the browser (onnxruntime-web): DIR/index.html, ...",
+    )
+    p.add_argument(
+        "--ort-web",
+        type=Path,
+        metavar="DIST",
+        help="onnxruntime-web's dist folder for --web (default: the one `make install` puts in serve/export/web_page)",
     )
     p.add_argument("--quantize", choices=["int8"], default=None, help="int8 weights for the logits path")
     p.add_argument(
@@ -286,20 +304,37 @@ def main(argv: list[str] | None = None) -> int:
     """Command line entry point (`vit-export`)."""
     from serve.export.parity import ParityError, format_report
 
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.web is not None and args.target == "onnxruntime":
+        parser.error("--web needs the portable target (the browser has no onnxruntime contrib ops): drop --target")
+    if args.checkpoint.suffix == ".onnx":
+        if args.web is None:
+            parser.error(f"{args.checkpoint} is an ONNX file: export a checkpoint, or package it with --web DIR")
+        return _package_web(args.checkpoint, args.web, args.ort_web)
+    if args.output is None and args.web is None:
+        parser.error("name the file to write with -o, e.g. -o artifacts/model.onnx")
+    if args.web is not None:
+        try:
+            web.find_ort_dist(args.ort_web)  # before a minute of export, not after
+        except (FileNotFoundError, ValueError) as e:
+            print(f"vit-export: {e}", file=sys.stderr)
+            return 2
+    target = args.target or ("portable" if args.web is not None else "onnxruntime")
+    output = args.output or args.web / "model.onnx"
     logging.basicConfig(level=logging.WARNING, format="%(message)s", stream=sys.stderr)
     logging.getLogger("serve").setLevel(logging.INFO)  # our progress; the exporter's own INFO chatter stays quiet
     try:
         result = export_onnx(
             args.checkpoint,
-            args.output,
+            output,
             quantize=args.quantize,
             opset=args.opset,
             img_size=tuple(args.img_size) if args.img_size else None,
             val_dir=args.val_dir,
             parity_samples=args.parity_samples,
             gradients=not args.no_gradients,
-            target=args.target,
+            target=target,
             triton_repo=args.triton_repo,
             triton_name=args.triton_name,
             calibrate=False if args.no_calibration else (True if args.calibrate else None),
@@ -326,9 +361,25 @@ def main(argv: list[str] | None = None) -> int:
     if result.reliability_png is not None:
         print(f"wrote the reliability diagram {result.reliability_png}")
     size_mb = result.path.stat().st_size / 1e6
-    print(f"wrote {result.path} ({size_mb:.1f} MB, {len(result.metadata['class_names'])} classes, {args.target})")
+    print(f"wrote {result.path} ({size_mb:.1f} MB, {len(result.metadata['class_names'])} classes, {target})")
     if result.triton is not None:
         print(f"wrote the Triton model {result.triton} (config.pbtxt, labels.txt, 1/model.onnx)")
+    return 0 if args.web is None else _package_web(result.path, args.web, args.ort_web)
+
+
+def _package_web(model: Path, folder: Path, ort_dist: Path | None) -> int:
+    try:
+        web.write_web(model, folder, ort_dist)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"vit-export: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        print(f"vit-export: could not write the page: {e.strerror or e} ({e.filename or folder})", file=sys.stderr)
+        return 2
+    print(f"wrote the web page {folder}/ (index.html, model.onnx, onnxruntime-web {web.ort_web_version()})")
+    print(
+        f"  try it: python -m http.server 8000 --bind 127.0.0.1 --directory {folder}  # then open http://127.0.0.1:8000"
+    )
     return 0
 
 

@@ -1,0 +1,159 @@
+"""`vit-export --web DIR`: the page in a real Chromium, served by a plain static file server on 127.0.0.1.
+
+The browser's logits are onnxruntime's in Python to 1e-4, its top-1 the same, its rollout map the runtime's
+(correlation >= 0.999); a dropped image shows its top-5 and overlay, a broken one an error and no stale
+answer; once loaded the page needs no network; a half-copied model file says so on the page.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from serve.runtime.classifier import OnnxClassifier
+from tests.helpers import png_bytes, quadrant_images
+from tests.web_page import CHROMIUM, StaticSite, WebBrowser, classify, classify_bytes, drop_file
+
+pytestmark = [pytest.mark.slow, pytest.mark.browser]
+
+
+@pytest.fixture(scope="module")
+def site(tiny_checkpoint, tmp_path_factory) -> Path:
+    """The folder `vit-export CKPT --web DIR` writes, with a few PNG files beside it to classify."""
+    from serve.export.cli import main as export_main
+    from serve.export.web import find_ort_dist
+
+    try:
+        find_ort_dist()
+    except FileNotFoundError as e:
+        if shutil.which("npm") is None:
+            pytest.skip(f"no npm to install onnxruntime-web with: {e}")
+        raise
+    folder = tmp_path_factory.mktemp("web") / "site"
+    assert export_main([str(tiny_checkpoint), "--web", str(folder)]) == 0
+    images, _ = quadrant_images(8, seed=3)
+    (folder / "samples").mkdir()
+    for i, img in enumerate(images):
+        Image.fromarray(img).save(folder / "samples" / f"{i}.png")
+        # the same picture at another size and aspect: the page resizes and crops it as Preprocess does
+        Image.fromarray(img).resize((50, 40), Image.Resampling.BICUBIC).save(folder / "samples" / f"{i}_50x40.png")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def browser():
+    if not CHROMIUM.exists():
+        pytest.skip("Debian's chromium is not installed at /usr/bin/chromium (apt-get install chromium)")
+    pytest.importorskip("playwright")
+    with WebBrowser() as b:
+        yield b
+    assert not b.blocked, f"the page reached beyond 127.0.0.1: {b.blocked}"
+
+
+def test_the_browser_gives_onnxruntimes_logits_top1_and_rollout(site, browser):
+    clf = OnnxClassifier(site / "model.onnx")
+    with StaticSite(site) as server:
+        page = browser.open(server.url)
+        for i in range(8):
+            got = classify(page, f"samples/{i}.png")
+            pixels = clf.prepare(site / "samples" / f"{i}.png")[None]
+            logits = clf.logits(pixels)[0]
+            np.testing.assert_allclose(got["logits"], logits, atol=1e-4, rtol=0)
+            assert got["labels"] == clf.labels
+            assert got["top"][0]["label"] == clf.labels[int(logits.argmax())]
+            np.testing.assert_allclose(
+                [t["score"] for t in got["top"]], sorted(clf.predict_pixels(pixels)[0])[::-1], atol=1e-5
+            )
+            _, maps = clf.rollout(pixels)
+            assert got["rollout"]["grid"] == list(clf.grid_size)
+            assert np.corrcoef(got["rollout"]["values"], maps[0].ravel())[0, 1] >= 0.999
+
+            resized = classify(page, f"samples/{i}_50x40.png")  # the browser's resampling, not Pillow's
+            expected = clf.predict(site / "samples" / f"{i}_50x40.png", top_k=1)[0][0][0]
+            assert resized["top"][0]["label"] == expected
+    assert not browser.errors, browser.errors
+
+
+def test_a_dropped_image_shows_its_top5_and_overlay_and_a_broken_one_an_error_not_the_last_answer(site, browser):
+    clf = OnnxClassifier(site / "model.onnx")
+    good = (site / "samples" / "2.png").read_bytes()
+    expected = clf.predict(site / "samples" / "2.png", top_k=1)[0][0][0]
+    with StaticSite(site) as server:
+        page = browser.open(server.url)
+        page.locator("#status", has_text="Ready: 4 classes").wait_for()
+        drop_file(page, "two.png", good)
+        page.locator("#result").wait_for(state="visible")
+        assert page.locator("#answer").inner_text().startswith(expected)
+        assert page.locator("#top li").count() == 4  # the top-5 of a 4-class model
+        assert page.locator("#error").is_hidden()
+        # the overlay is drawn: the canvas is the image blended with the map, not one flat colour
+        spread = page.evaluate(
+            """() => {
+              const c = document.getElementById('view');
+              const red = c.getContext('2d').getImageData(0, 0, c.width, c.height).data.filter((_, i) => i % 4 === 0);
+              return Math.max(...red) - Math.min(...red);
+            }"""
+        )
+        assert spread > 50
+
+        drop_file(page, "broken.png", good[: len(good) // 3])
+        page.locator("#error").wait_for(state="visible")
+        assert "not an image this browser can decode" in page.locator("#error").inner_text()
+        assert page.locator("#result").is_hidden() and page.locator("#top li").count() == 0
+        assert "broken.png: failed" in page.locator("#status").inner_text()
+
+        with pytest.raises(Exception, match="is empty"):
+            classify_bytes(page, b"")
+        drop_file(page, "two.png", good)  # a good image after the error: the error goes, the answer comes
+        page.locator("#result").wait_for(state="visible")
+        assert page.locator("#error").is_hidden()
+
+
+def test_once_loaded_the_page_classifies_with_the_network_cut(site, browser):
+    data = png_bytes(quadrant_images(1, seed=9)[0][0])
+    with StaticSite(site) as server:
+        page = browser.open(server.url)
+        browser.offline = True  # every request from now on is aborted
+        try:
+            got = classify_bytes(page, data)
+            page.locator("#file").set_input_files(files=[{"name": "a.png", "mimeType": "image/png", "buffer": data}])
+            page.locator("#result").wait_for(state="visible")
+        finally:
+            browser.offline = False
+    assert len(got["logits"]) == 4 and got["top"][0]["score"] > 0.5
+    browser.blocked.clear()  # what was cut on purpose
+
+
+def test_a_half_copied_model_file_says_so_on_the_page(site, browser, tmp_path):
+    broken = tmp_path / "site"
+    shutil.copytree(site, broken)
+    data = (site / "model.onnx").read_bytes()
+    (broken / "model.onnx").write_bytes(data[: len(data) // 2])
+    with StaticSite(broken) as server:
+        page = browser.open(server.url, wait_ready=False)
+        page.locator("#error").wait_for(state="visible")
+        assert "model.onnx is truncated: copy the whole file again" in page.locator("#error").inner_text()
+        assert page.locator("#status").inner_text() == "The model did not load."
+
+
+def test_web_export_refuses_what_the_browser_cannot_run_with_what_to_do(tiny_onnx, tmp_path, capsys):
+    pytest.importorskip("onnx")  # the exporter's; the [serve]-only venv has none
+    from serve.export.cli import main as export_main
+
+    # the default (onnxruntime) target has contrib ops and no attention output on its fast path
+    assert export_main([str(tiny_onnx), "--web", str(tmp_path / "a")]) == 2
+    assert "the browser needs --target portable" in capsys.readouterr().err
+    corrupt = tmp_path / "half.onnx"
+    corrupt.write_bytes(tiny_onnx.read_bytes()[:1000])
+    assert export_main([str(corrupt), "--web", str(tmp_path / "b")]) == 2
+    assert "is not a readable ONNX file" in capsys.readouterr().err
+    assert export_main([str(tiny_onnx), "--web", str(tmp_path / "c"), "--ort-web", str(tmp_path / "nowhere")]) == 2
+    assert "npm ci --prefix" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        export_main([str(tiny_onnx), "-o", str(tmp_path / "x.onnx")])
+    assert e.value.code == 2 and "package it with --web DIR" in capsys.readouterr().err
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
