@@ -14,7 +14,7 @@ RUN ?= runs/sample
 HOST ?= 127.0.0.1
 PORT ?= 7860
 
-.PHONY: install test test-fast test-serve-only lint format protos docs docs-serve demo sample train export serve bench report clean
+.PHONY: install test test-fast test-serve-only lint format protos docs docs-serve demo sample train export serve web bench report clean
 
 # onnxruntime-web for `vit-export --web`, from npm at the version package-lock.json pins (never a CDN at run time)
 WEB_PAGE := serve/export/web_page
@@ -37,6 +37,7 @@ lint: install
 	$(BIN)/ruff check vit train serve tests benchmarks
 	$(BIN)/ruff format --check vit train serve tests benchmarks
 	$(BIN)/lint-imports
+	if command -v node >/dev/null; then for f in $(WEB_PAGE)/*.js; do node --input-type=module --check < $$f; done; fi
 
 format: install
 	$(BIN)/ruff format vit train serve tests benchmarks
@@ -114,6 +115,15 @@ demo: install $(ONNX)
 	$(BIN)/vit-serve $(ONNX) --host $(HOST) --port $(PORT)
 
 serve: demo
+
+# The sample model in the browser: a static folder (vit-export --web), served by Python's static file server
+WEB := artifacts/web
+web: install $(WEB)/model.onnx
+	@echo "open http://$(HOST):8000/ (Ctrl-C stops the server; any static host serves $(WEB)/)"
+	$(PYTHON) -m http.server 8000 --bind $(HOST) --directory $(WEB)
+
+$(WEB)/model.onnx: $(CKPT) $(EXPORTER) $(wildcard $(WEB_PAGE)/*.js $(WEB_PAGE)/*.html $(WEB_PAGE)/*.css) | $(ORT_WEB)
+	$(BIN)/vit-export $(CKPT) --web $(WEB)
 
 # Every benchmark, one after another (they time the same 2 cores): each writes benchmarks/results/NAME.json
 # and prints its tables, kept in artifacts/bench/; `make report` renders the results as one markdown page.

@@ -41,8 +41,8 @@ def sample_image(data_dir: Path, size: tuple[int, int]) -> bytes:
     return files[0].read_bytes() if files else noise_png(0, size)
 
 
-def random_model_file(variant: str, data_dir: Path, out_dir: Path) -> Path:
-    """A vitscope .onnx of `variant` with random weights and one class per folder of `data_dir`."""
+def random_model_file(variant: str, data_dir: Path, out_dir: Path, target: str = "onnxruntime") -> Path:
+    """A vitscope .onnx of `variant` (for `target`) with random weights and one class per folder of `data_dir`."""
     import torch
 
     import vit
@@ -62,7 +62,8 @@ def random_model_file(variant: str, data_dir: Path, out_dir: Path) -> Path:
     }
     ckpt = out_dir / f"{variant}.ckpt"
     torch.save({"state_dict": {f"net.{k}": v for k, v in net.state_dict().items()}, META_KEY: meta}, ckpt)
-    return export_onnx(ckpt, out_dir / f"{variant}.onnx", val_dir=data_dir, parity_samples=32, gradients=False).path
+    out = out_dir / (f"{variant}.onnx" if target == "onnxruntime" else f"{variant}.{target}.onnx")
+    return export_onnx(ckpt, out, val_dir=data_dir, parity_samples=32, gradients=False, target=target).path
 
 
 def rate(clf: OnnxClassifier, batch: np.ndarray, seconds: float) -> float:

@@ -2,7 +2,7 @@
 //
 //   await window.vitscope.ready                  // resolves with the model's metadata once it is loaded
 //   await window.vitscope.classify(urlOrBlob)    // {labels, logits, probs, top: [{label, score}],
-//                                                //  rollout: {grid: [Gh, Gw], values}, pixels: {width, height}}
+//                                                //  rollout: {grid: [Gh, Gw], values}, timings, pixels}
 //
 // Everything the page needs is read from model.onnx itself: its class names, input size and
 // preprocessing come from the file's metadata_props (the same entries OnnxClassifier reads), so another
@@ -84,10 +84,123 @@ export function readMetadata(bytes) {
   return metadata;
 }
 
-// --- preprocessing: Preprocess.resize_crop's geometry; the browser's own resampling -----------------------
+// --- preprocessing: Preprocess.to_uint8, with Pillow's own resampling ------------------------------------
+//
+// A canvas resizes with the browser's filter, which gives other pixels than Pillow's, and so other logits.
+// The resampling here is Pillow's (ImagingResample, libImaging/Resample.c) step for step: separable, the
+// horizontal pass first, the filter widened by the scale when shrinking, coefficients in 22-bit fixed
+// point, each pass rounded and clipped to 8 bits. With it the page feeds the graph the very pixels that
+// OnnxClassifier.prepare does, for any size of image (the image is resampled at full resolution, as
+// `prepare` does; the server and vit-predict first reduce very large ones, `load_reduced`).
+
+const FILTERS = {
+  bicubic: [2, (x) => {
+    const a = -0.5;
+    x = Math.abs(x);
+    if (x < 1) return ((a + 2) * x - (a + 3)) * x * x + 1;
+    if (x < 2) return (((x - 5) * x + 8) * x - 4) * a;
+    return 0;
+  }],
+  bilinear: [1, (x) => Math.max(0, 1 - Math.abs(x))],
+  lanczos: [3, (x) => (x >= -3 && x < 3 ? sinc(x) * sinc(x / 3) : 0)],
+};
+const PRECISION_BITS = 22;
+
+function sinc(x) {
+  if (x === 0) return 1;
+  x *= Math.PI;
+  return Math.sin(x) / x;
+}
+
+function coefficients(inSize, outSize, [support0, filter]) {
+  // for each output index: the first input index, how many, and their fixed-point weights
+  const scale = inSize / outSize;
+  const filterscale = Math.max(scale, 1);
+  const support = support0 * filterscale;
+  const ksize = Math.ceil(support) * 2 + 1;
+  const bounds = new Int32Array(outSize * 2);
+  const kk = new Int32Array(outSize * ksize);
+  const w = new Float64Array(ksize);
+  for (let xx = 0; xx < outSize; xx++) {
+    const center = (xx + 0.5) * scale;
+    const xmin = Math.max(0, Math.trunc(center - support + 0.5));
+    const n = Math.min(inSize, Math.trunc(center + support + 0.5)) - xmin;
+    let ww = 0;
+    for (let x = 0; x < n; x++) {
+      w[x] = filter((x + xmin - center + 0.5) / filterscale);
+      ww += w[x];
+    }
+    for (let x = 0; x < n; x++) {
+      const k = ww !== 0 ? w[x] / ww : w[x];
+      kk[xx * ksize + x] = Math.trunc(k < 0 ? -0.5 + k * 2 ** PRECISION_BITS : 0.5 + k * 2 ** PRECISION_BITS);
+    }
+    bounds[xx * 2] = xmin;
+    bounds[xx * 2 + 1] = n;
+  }
+  return { bounds, kk, ksize };
+}
+
+function clip8(ss) {
+  return Math.min(255, Math.max(0, Math.floor(ss / 2 ** PRECISION_BITS)));
+}
+
+function resamplePass(src, w, h, outSize, filter, horizontal) {
+  // one pass over an RGB image (3 bytes a pixel): along x (horizontal) or along y
+  const { bounds, kk, ksize } = coefficients(horizontal ? w : h, outSize, filter);
+  const [ow, oh] = horizontal ? [outSize, h] : [w, outSize];
+  const out = new Uint8Array(ow * oh * 3);
+  const half = 2 ** (PRECISION_BITS - 1);
+  for (let y = 0; y < oh; y++) {
+    for (let x = 0; x < ow; x++) {
+      const i = horizontal ? x : y;
+      const start = bounds[i * 2];
+      const n = bounds[i * 2 + 1];
+      let s0 = half, s1 = half, s2 = half;
+      for (let t = 0; t < n; t++) {
+        const k = kk[i * ksize + t];
+        const p = horizontal ? (y * w + start + t) * 3 : ((start + t) * w + x) * 3;
+        s0 += src[p] * k;
+        s1 += src[p + 1] * k;
+        s2 += src[p + 2] * k;
+      }
+      const o = (y * ow + x) * 3;
+      out[o] = clip8(s0);
+      out[o + 1] = clip8(s1);
+      out[o + 2] = clip8(s2);
+    }
+  }
+  return out;
+}
+
+function nearest(src, w, h, newW, newH) {
+  // Pillow's NEAREST resize is an affine scale (ImagingScaleAffine): the source position of each output
+  // pixel's centre, stepped by the scale, truncated
+  const out = new Uint8Array(newW * newH * 3);
+  const ax = w / newW;
+  const ay = h / newH;
+  const xin = new Int32Array(newW);
+  for (let x = 0, xo = ax * 0.5; x < newW; x++, xo += ax) xin[x] = Math.min(w - 1, Math.trunc(xo));
+  for (let y = 0, yo = ay * 0.5; y < newH; y++, yo += ay) {
+    const sy = Math.min(h - 1, Math.trunc(yo));
+    for (let x = 0; x < newW; x++) out.set(src.subarray((sy * w + xin[x]) * 3, (sy * w + xin[x]) * 3 + 3), (y * newW + x) * 3);
+  }
+  return out;
+}
+
+export function resize(src, w, h, newW, newH, interpolation = "bicubic") {
+  // Image.resize((newW, newH), interpolation) of an RGB image held as (h, w, 3) bytes
+  if (newW === w && newH === h) return src;
+  if (interpolation === "nearest") return nearest(src, w, h, newW, newH);
+  const filter = FILTERS[interpolation];
+  if (!filter) throw new Error(`the model's preprocessing asks for ${interpolation} resampling, which this page lacks`);
+  let out = src;
+  if (newW !== w) out = resamplePass(out, w, h, newW, filter, true);
+  if (newH !== h) out = resamplePass(out, newW, h, newH, filter, false);
+  return out;
+}
 
 export function resizeCrop(w, h, preprocess) {
-  // the size the image is resized to (aspect kept, covering img_size / crop_pct) and the centred crop
+  // Preprocess.resize_crop's geometry: the size that covers img_size / crop_pct (aspect kept), a centred crop
   const [H, W] = preprocess.img_size;
   const crop = preprocess.crop_pct;
   const scale = Math.max(H / crop / h, W / crop / w);
@@ -121,24 +234,42 @@ async function decode(source) {
   return bitmap;
 }
 
-export function toPixels(bitmap, preprocess) {
-  // (H, W, 3) uint8 as the graph takes it, and the RGBA crop (for drawing what the model saw)
-  const g = resizeCrop(bitmap.width, bitmap.height, preprocess);
-  const canvas = new OffscreenCanvas(g.W, g.H);
+function rgbOf(bitmap) {
+  // the decoded pixels as (h, w, 3) bytes; transparency composited onto white, as the runtime does
+  const { width, height } = bitmap;
+  const canvas = new OffscreenCanvas(width, height);
   const ctx = canvas.getContext("2d", { willReadFrequently: true });
-  ctx.fillStyle = "#fff"; // transparent images are composited onto white, as the runtime does
-  ctx.fillRect(0, 0, g.W, g.H);
-  ctx.imageSmoothingEnabled = true;
-  ctx.imageSmoothingQuality = "high";
-  ctx.drawImage(bitmap, -g.left, -g.top, g.newW, g.newH);
-  const rgba = ctx.getImageData(0, 0, g.W, g.H);
-  const rgb = new Uint8Array(g.W * g.H * 3);
-  for (let i = 0, j = 0; i < rgba.data.length; i += 4, j += 3) {
-    rgb[j] = rgba.data[i];
-    rgb[j + 1] = rgba.data[i + 1];
-    rgb[j + 2] = rgba.data[i + 2];
+  ctx.fillStyle = "#fff";
+  ctx.fillRect(0, 0, width, height);
+  ctx.drawImage(bitmap, 0, 0); // 1:1, no resampling
+  const rgba = ctx.getImageData(0, 0, width, height).data;
+  const rgb = new Uint8Array(width * height * 3);
+  for (let i = 0, j = 0; i < rgba.length; i += 4, j += 3) {
+    rgb[j] = rgba[i];
+    rgb[j + 1] = rgba[i + 1];
+    rgb[j + 2] = rgba[i + 2];
   }
-  return { rgb, rgba, width: g.W, height: g.H };
+  return rgb;
+}
+
+export function toPixels(bitmap, preprocess) {
+  // (H, W, 3) uint8 as the graph takes it, and the same crop as RGBA ImageData (for drawing what the model saw)
+  const rgb = rgbOf(bitmap);
+  const w = bitmap.width;
+  const h = bitmap.height;
+  const g = resizeCrop(w, h, preprocess);
+  const resized = resize(rgb, w, h, g.newW, g.newH, preprocess.interpolation);
+  const out = new Uint8Array(g.W * g.H * 3);
+  const rgba = new ImageData(g.W, g.H);
+  for (let y = 0; y < g.H; y++) {
+    for (let x = 0; x < g.W; x++) {
+      const p = ((y + g.top) * g.newW + x + g.left) * 3;
+      const o = y * g.W + x;
+      out.set(resized.subarray(p, p + 3), o * 3);
+      rgba.data.set([resized[p], resized[p + 1], resized[p + 2], 255], o * 4);
+    }
+  }
+  return { rgb: out, rgba, width: g.W, height: g.H };
 }
 
 // --- the numbers: calibrated probabilities and attention rollout (serve.runtime.rollout) ------------------
@@ -152,45 +283,38 @@ export function softmax(logits, temperature = 1) {
 }
 
 export function attentionRollout(attns, dims, numPrefixTokens, query = "cls") {
-  // attns (depth, 1, nh, N, N), mean over heads: R <- ((A + I) / 2, rows normalised) R, from R = I;
-  // read out the CLS row (query "cls") or the mean patch row ("mean") over the patch columns, max 1
+  // attns (depth, 1, nh, N, N). The runtime rolls the maps out as R = A_depth ... A_1, each A the heads'
+  // mean with the residual added and rows normalised, then reads one row of R: the CLS token's ("cls") or
+  // the patch rows' mean ("mean"). That row is r^T A_depth ... A_1, so it is computed here as a vector
+  // times each block's matrix, last block first: depth N^2 steps, not the depth N^3 of forming R.
   const [depth, , nh, N] = dims;
   const n = numPrefixTokens;
-  let R = new Float64Array(N * N);
-  for (let i = 0; i < N; i++) R[i * N + i] = 1;
+  const L = N - n;
+  let v = new Float64Array(N);
+  if (query === "cls") v[0] = 1;
+  else for (let i = n; i < N; i++) v[i] = 1 / L;
   const A = new Float64Array(N * N);
-  for (let d = 0; d < depth; d++) {
+  for (let d = depth - 1; d >= 0; d--) {
     A.fill(0);
     const base = d * nh * N * N;
     for (let h = 0; h < nh; h++) {
       const off = base + h * N * N;
-      for (let k = 0; k < N * N; k++) A[k] += attns[off + k] / nh;
+      for (let k = 0; k < N * N; k++) A[k] += attns[off + k];
     }
+    const next = new Float64Array(N);
     for (let i = 0; i < N; i++) {
-      A[i * N + i] += 1;
+      if (v[i] === 0) continue;
+      A[i * N + i] += nh; // the residual path: (mean + I) / 2, and the halving cancels in the normalisation
       let sum = 0;
       for (let j = 0; j < N; j++) sum += A[i * N + j];
-      for (let j = 0; j < N; j++) A[i * N + j] /= sum; // (A + I) / 2 normalised: the halving cancels
+      const w = v[i] / sum;
+      for (let j = 0; j < N; j++) next[j] += w * A[i * N + j];
     }
-    const next = new Float64Array(N * N);
-    for (let i = 0; i < N; i++) {
-      for (let k = 0; k < N; k++) {
-        const a = A[i * N + k];
-        if (a === 0) continue;
-        for (let j = 0; j < N; j++) next[i * N + j] += a * R[k * N + j];
-      }
-    }
-    R = next;
+    v = next;
   }
-  const L = N - n;
-  const out = new Array(L).fill(0);
-  if (query === "cls") {
-    for (let j = 0; j < L; j++) out[j] = R[n + j];
-  } else {
-    for (let i = n; i < N; i++) for (let j = 0; j < L; j++) out[j] += R[i * N + n + j] / L;
-  }
+  const out = Array.from(v.subarray(n));
   const peak = Math.max(...out, Number.MIN_VALUE);
-  return out.map((v) => v / peak);
+  return out.map((x) => x / peak);
 }
 
 // --- loading and classifying ----------------------------------------------------------------------------
@@ -217,6 +341,7 @@ let queue = Promise.resolve(); // one run at a time: a WASM session is not re-en
 
 async function classifyNow(source) {
   const { session, metadata } = await loading;
+  const t0 = performance.now();
   const bitmap = await decode(source);
   let pixels;
   try {
@@ -225,7 +350,9 @@ async function classifyNow(source) {
     bitmap.close();
   }
   const input = new ort.Tensor("uint8", pixels.rgb, [1, pixels.height, pixels.width, 3]);
+  const t1 = performance.now();
   const out = await session.run({ pixels: input });
+  const t2 = performance.now();
   const logits = Array.from(out.logits.data);
   const temperature = metadata.calibration ? metadata.calibration.temperature : 1;
   const probs = softmax(logits, temperature);
@@ -236,7 +363,9 @@ async function classifyNow(source) {
     .slice(0, 5);
   const values = attentionRollout(out.attns.data, out.attns.dims, metadata.num_prefix_tokens, metadata.rollout_query || "cls");
   for (const t of Object.values(out)) t.dispose?.();
+  const t3 = performance.now();
   return {
+    timings: { decode_ms: t1 - t0, model_ms: t2 - t1, rollout_ms: t3 - t2 },
     labels,
     logits,
     probs,
