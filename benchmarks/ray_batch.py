@@ -7,9 +7,10 @@ weights (speed does not depend on training), starts one local Ray (`--cpus`, def
 side by side in one run:
   1. in-process `OnnxClassifier.predict(paths)` with one intra-op thread: what one actor's work costs
      without Ray (decoding, then the model);
-  2. `serve.cluster.ray_job.run_ray` (what `vit-predict --ray` runs) with 1 and then 2 actors of one CPU
-     each, from its call to the Parquet directory written: Ray Data's planning, the actors' start-up and
-     the writes included.
+  2. `serve.cluster.ray_job.run_ray` (what `vit-predict --ray` runs) on one batch of 32 images: the fixed
+     cost of a job (Ray Data's planning, an actor's start-up and model load, the write);
+  3. `run_ray` with 1 and then 2 actors of one CPU each, from its call to the Parquet directory written,
+     and the same less the fixed cost: the per-actor rate a long job settles at, against (1).
 Writes benchmarks/results/ray_batch.json and prints a markdown table.
 """
 
@@ -65,15 +66,21 @@ def main() -> None:
         table.add("OnnxClassifier.predict, one process, 1 thread", 0, alone, args.n / alone, args.n / alone, 1.0)
         ray.init(num_cpus=args.cpus, log_to_driver=False, include_dashboard=False, logging_level="WARNING")
         try:
+            few = [str(f) for f in files[:32]]  # one batch: what a job costs beyond its images
+            t0 = time.perf_counter()
+            run_ray(model, few, tmp / "few.parquet", workers=1)
+            fixed = time.perf_counter() - t0
+            table.add("run_ray on 32 images (one batch: the fixed cost)", 1, fixed, 32 / fixed, None, None)
             for workers in (1, 2):
                 t0 = time.perf_counter()
                 out = tmp / f"preds-{workers}.parquet"
                 done, failed = run_ray(model, [str(f) for f in files], out, workers=workers)
                 seconds = time.perf_counter() - t0
                 assert (done, failed) == (args.n, 0), (done, failed)
-                per_actor = args.n / seconds / workers
-                table.add("run_ray (vit-predict --ray)", workers, seconds, args.n / seconds, per_actor,
-                          per_actor / (args.n / alone))  # fmt: skip
+                table.add("run_ray (vit-predict --ray)", workers, seconds, args.n / seconds, None, None)
+                marginal = (args.n - 32) / max(seconds - fixed, 1e-9) / workers  # the images beyond the fixed cost
+                table.add("  the same, beyond the fixed cost", workers, seconds - fixed, marginal * workers, marginal,
+                          marginal / (args.n / alone))  # fmt: skip
         finally:
             ray.shutdown()
     result.finish()

@@ -39,6 +39,7 @@ def main(argv: list[str] | None = None) -> int:
             args.workers,
             args.cpus_per_worker,
             args.ray_address,
+            coverage=args.coverage,
         )
     except (ValueError, FileNotFoundError) as e:
         print(f"vit-predict: {e}", file=sys.stderr)

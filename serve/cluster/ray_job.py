@@ -40,18 +40,19 @@ class Scorer:
         model: the .onnx file's bytes (shipped through the object store, so workers need no shared disk).
         threads: onnxruntime intra-op threads (the actor's CPUs).
         top_k: classes per image.
+        coverage: also each image's prediction set at this coverage, its unknown verdict and OOD score.
     """
 
-    def __init__(self, model: bytes, threads: int, top_k: int):
+    def __init__(self, model: bytes, threads: int, top_k: int, coverage: float | None = None):
         with tempfile.NamedTemporaryFile(suffix=".onnx", delete=False) as f:
             f.write(model)
         try:
             self.clf = OnnxClassifier(f.name, threads=threads)
         finally:
             os.unlink(f.name)
-        self.rows = rows_for(self.clf, top_k)
+        self.rows = rows_for(self.clf, top_k, coverage)
         H, W = self.clf.input_size
-        probe = self.rows([""], self.clf.predict_pixels(np.zeros((1, H, W, 3), np.uint8)))[0]
+        probe = self.rows([""], np.zeros((1, H, W, 3), np.uint8))[0]
         self.columns = [*table_row(probe), ERROR]  # every batch has them all, even one of failures only
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, list]:
@@ -63,7 +64,7 @@ class Scorer:
             except (ImageError, OSError) as e:
                 rows.append({"path": source, ERROR: str(e)})
         if pixels:
-            rows.extend({**table_row(r), ERROR: None} for r in self.rows(ok, self.clf.predict_pixels(np.stack(pixels))))
+            rows.extend({**table_row(r), ERROR: None} for r in self.rows(ok, np.stack(pixels)))
         return {k: [r.get(k) for r in rows] for k in self.columns}
 
 
@@ -77,12 +78,14 @@ def run_ray(
     cpus_per_worker: float = 1,
     address: str | None = None,
     errors: TextIO | None = None,
+    coverage: float | None = None,
 ) -> tuple[int, int]:
     """Classify `sources` on Ray and write `out` as a directory of Parquet parts.
 
     Args:
         address: a cluster to join ("auto": the one `ray start` runs here); None starts a local Ray.
         workers: actors, each with one session; cpus_per_worker: CPUs each reserves (its threads).
+        coverage: add each image's prediction set, unknown verdict and OOD score (as the local run does).
 
     Returns:
         (classified, failed).
@@ -98,7 +101,9 @@ def run_ray(
         raise ValueError(f"--ray writes a directory of Parquet parts: name it .parquet, not {out.name}")
     if out.exists():
         raise ValueError(f"{out} exists: remove it to score again (--resume is for runs on one machine)")
-    model_bytes = OnnxClassifier(model, threads=1).path.read_bytes()  # loads once here: a bad file fails early
+    clf = OnnxClassifier(model, threads=1)  # loads once here: a bad file or coverage fails early
+    clf.check_coverage(coverage)
+    model_bytes = clf.path.read_bytes()
     started = not ray.is_initialized()
     if started:
         ray.init(address=address, log_to_driver=False, include_dashboard=False, logging_level="WARNING")
@@ -109,9 +114,9 @@ def run_ray(
         ds = ray.data.from_items([{"path": s} for s in sources], override_num_blocks=blocks)
         scored = ds.map_batches(
             Scorer,
-            fn_constructor_args=(model_bytes, max(1, int(cpus_per_worker)), top_k),
+            fn_constructor_args=(model_bytes, max(1, int(cpus_per_worker)), top_k, coverage),
             batch_size=batch_size,
-            concurrency=workers,
+            compute=ray.data.ActorPoolStrategy(size=workers),
             num_cpus=cpus_per_worker,
             max_restarts=-1,
             max_task_retries=-1,

@@ -29,7 +29,7 @@ from serve.runtime.outputs import PartStore
 PROGRESS_MIN_FILES = 20  # a bar for a handful of files is noise
 DEFAULT_PART_SIZE = 4096  # images per committed part: a killed run redoes at most this many
 Source = str  # a local path as given, or a URI
-RowsFor = Callable[[list[str], np.ndarray], list[dict[str, Any]]]  # (paths, (B, K) probs) -> rows
+RowsFor = Callable[[list[str], np.ndarray], list[dict[str, Any]]]  # (paths, (B, H, W, 3) pixels) -> rows
 
 
 def is_uri(source: str) -> bool:
@@ -148,8 +148,9 @@ def score_to_file(
     """Classify `sources` into `out` in committed parts; with `resume`, only those no earlier run finished.
 
     Args:
-        clf: an `OnnxClassifier` (anything with `prepare` and `predict_pixels`).
-        rows_for: (paths, probs (B, K)) -> one output row per path, as vit-predict prints them.
+        clf: an `OnnxClassifier` (anything with `prepare`).
+        rows_for: (paths, pixels (B, H, W, 3)) -> one output row per path, as vit-predict prints them (it runs
+            the model: `serve.runtime.predict.rows_for`).
         resume: continue the parts an earlier run left; without it, an existing output is an error.
         workers: decoding threads (None: `default_decode_workers`).
         part_size: images per part.
@@ -181,7 +182,7 @@ def score_to_file(
             for source, reason in bad:
                 tqdm.write(f"{source}: {reason}", file=errors)  # one line per file, path first
             if pixels is not None:
-                rows.extend(rows_for(ok, clf.predict_pixels(pixels)))
+                rows.extend(rows_for(ok, pixels))
             part_failed.extend(bad)
             if len(rows) + len(part_failed) >= part_size:
                 store.commit(rows, part_failed)

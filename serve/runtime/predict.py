@@ -18,7 +18,8 @@ ended by SIGPIPE.
 
 With --out (.parquet, .csv or .jsonl) the job is written in committed parts (`serve.runtime.outputs`) and a
 killed run goes on with the same command plus --resume; inputs may then also be URIs and a --from-list
-file, and decoding runs beside the model (`serve.runtime.jobs`). With --ray it runs on a Ray cluster
+file, and decoding runs beside the model (`serve.runtime.jobs`). With --coverage the file also has the columns
+`prediction_set` (a list; JSON text in CSV), `unknown` and `ood_score`. With --ray it runs on a Ray cluster
 (`serve.cluster`).
 """
 
@@ -97,11 +98,17 @@ def result_row(path: str | Path, top: list[tuple[str, float]] | Prediction) -> d
     return row
 
 
-def rows_for(clf: OnnxClassifier, top_k: int):
-    """(paths, probs (B, K)) -> their result rows: what `jobs.score_to_file` and the Ray job write."""
+def rows_for(clf: OnnxClassifier, top_k: int, coverage: float | None = None):
+    """(paths, pixels (B, H, W, 3)) -> their result rows: what `jobs.score_to_file` and the Ray job write. With
+    `coverage`, each row also holds its prediction set, unknown verdict and OOD score (`result_row`)."""
+    clf.check_coverage(coverage)
 
-    def rows(paths: list[str], probs: np.ndarray) -> list[dict]:
-        return [result_row(p, top) for p, top in zip(paths, clf.top_k(probs, top_k), strict=True)]
+    def rows(paths: list[str], pixels: np.ndarray) -> list[dict]:
+        if coverage is None:
+            tops = clf.top_k(clf.predict_pixels(pixels), top_k)
+        else:
+            tops = clf.predictions(clf.assess(pixels, coverage), top_k)
+        return [result_row(p, top) for p, top in zip(paths, tops, strict=True)]
 
     return rows
 
@@ -206,7 +213,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=None,
         help="also give each image its prediction set: the labels that hold the true one with this probability, "
-        "e.g. 0.95 (needs a calibrated file; stdout only)",
+        "e.g. 0.95 (needs a calibrated file; with --out adds the columns prediction_set, unknown, ood_score)",
     )
     job = p.add_argument_group("large jobs (--out)")
     job.add_argument("--out", type=Path, help="write the results to this .parquet, .csv or .jsonl file, in parts")
@@ -233,8 +240,6 @@ def run_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         p.error("give image files or folders, or --from-list FILE")
     if args.out is None and (args.from_list or args.resume or any(is_uri(s) for s in args.paths)):
         p.error("--from-list, URIs and --resume need --out FILE")
-    if args.out is not None and args.coverage is not None:
-        p.error("--coverage writes prediction sets to stdout; --out files hold the top-k only")
     try:
         if args.out is not None:
             done, failed = _run_to_file(args)
@@ -266,7 +271,7 @@ def _run_to_file(args: argparse.Namespace) -> tuple[int, int]:
         clf,
         sources,
         args.out,
-        rows_for(clf, args.top_k),
+        rows_for(clf, args.top_k, args.coverage),
         batch_size=args.batch_size,
         resume=args.resume,
         workers=args.decode_threads,

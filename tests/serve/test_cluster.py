@@ -25,6 +25,7 @@ from serve.server.testing import LocalRayCluster  # noqa: E402 (after the skip w
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
+COVERAGE = "0.9"  # every run here also writes prediction sets, unknown verdicts and OOD scores
 ACTOR_TITLE = b"MapBatches(Scorer)"  # how Ray names the actor processes of `map_batches(Scorer)`
 
 
@@ -53,14 +54,16 @@ def photos(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def local_rows(tiny_onnx, photos, tmp_path_factory) -> dict[str, dict]:
     out = tmp_path_factory.mktemp("local") / "preds.parquet"
-    assert predict_local([str(tiny_onnx), str(photos), "--out", str(out), "--top-k", "3"]) == 1
+    args = [str(tiny_onnx), str(photos), "--out", str(out), "--top-k", "3", "--coverage", COVERAGE]
+    assert predict_local(args) == 1
     return {r["path"]: r for r in pq.read_table(out).to_pylist()}
 
 
 def _ray_predict(model: Path, photos: Path, out: Path, address: str, *args: str) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "RAY_AUTH_MODE": "disabled"}
     cmd = [sys.executable, "-m", "serve.cluster.cli", str(model), str(photos), "--ray", "--ray-address", address]
-    cmd += ["--out", str(out), "--top-k", "3", "--workers", "2", "--cpus-per-worker", "1", *args]
+    cmd += ["--out", str(out), "--top-k", "3", "--coverage", COVERAGE]
+    cmd += ["--workers", "2", "--cpus-per-worker", "1", *args]
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -75,6 +78,8 @@ def _check_same_as_local(out: Path, local_rows: dict[str, dict]) -> None:
         assert [row[f"score_{i}"] for i in (1, 2, 3)] == pytest.approx(
             [want[f"score_{i}"] for i in (1, 2, 3)], abs=1e-6
         )
+        assert row["prediction_set"] == want["prediction_set"] and row["unknown"] == want["unknown"]
+        assert row["ood_score"] == pytest.approx(want["ood_score"], abs=1e-6)
 
 
 def test_ray_run_writes_the_local_runs_predictions_image_for_image(cluster, tiny_onnx, photos, local_rows, tmp_path):

@@ -71,6 +71,31 @@ def test_out_file_holds_the_same_predictions_as_stdout_and_reports_broken_files(
     assert not out.with_name(out.name + ".parts").exists()
 
 
+@pytest.mark.parametrize("suffix", OUT_SUFFIXES)
+def test_coverage_adds_prediction_sets_and_unknown_verdicts_to_the_out_file(tiny_onnx, tmp_path, capsys, suffix):
+    folder = tmp_path / "photos"
+    _images(folder, 6)
+    expected = _stdout_rows(tiny_onnx, folder, capsys, "--coverage", "0.9", "--top-k", "2")
+    out = tmp_path / f"preds{suffix}"
+    assert main([str(tiny_onnx), str(folder), "--out", str(out), "--coverage", "0.9", "--top-k", "2"]) == 0
+    rows = _read(out)
+    assert [r["path"] for r in rows] == list(expected)
+    for row in rows:
+        want = expected[row["path"]]
+        got_set = json.loads(row["prediction_set"]) if suffix == ".csv" else row["prediction_set"]
+        assert got_set == want["prediction_set"] and len(got_set) >= 1
+        assert str(row["unknown"]).lower() == str(want["unknown"]).lower()
+        assert float(row["ood_score"]) == pytest.approx(want["ood_score"], abs=1e-6)
+
+
+def test_a_coverage_the_file_cannot_honour_is_refused_before_anything_is_written(tiny_onnx, tmp_path, capsys):
+    _images(tmp_path / "photos", 2)
+    out = tmp_path / "preds.jsonl"
+    assert main([str(tiny_onnx), str(tmp_path / "photos"), "--out", str(out), "--coverage", "0.999"]) == 2
+    assert "finer than the 120 calibration images" in capsys.readouterr().err
+    assert not out.exists() and not out.with_name(out.name + ".parts").exists()
+
+
 def test_an_existing_output_is_refused_without_resume(tiny_onnx, tmp_path, capsys):
     folder = tmp_path / "photos"
     _images(folder, 2)
