@@ -117,9 +117,7 @@ def run_ray(
             fn_constructor_args=(model_bytes, max(1, int(cpus_per_worker)), top_k, coverage),
             batch_size=batch_size,
             compute=ray.data.ActorPoolStrategy(size=workers),
-            num_cpus=cpus_per_worker,
-            max_restarts=-1,
-            max_task_retries=-1,
+            num_cpus=cpus_per_worker,  # Ray Data's actors restart and retry their batch without end by default
         ).materialize()
         failed = scored.filter(lambda r: r[ERROR] is not None).take_all()
         for row in failed:
