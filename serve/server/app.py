@@ -11,6 +11,7 @@ gradio: an API-only server never loads it). Connection limits live below the app
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import logging
 from collections.abc import Callable
@@ -86,6 +87,7 @@ def build_app(
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        app.state.loop = asyncio.get_running_loop()  # the probe port's liveness watches it turn
         await run_in_threadpool(repository.start)
         log.info("models %s warmed up; ready", ", ".join(sorted(repository.serving)))
         if grpc is not None:

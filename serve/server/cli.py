@@ -119,7 +119,8 @@ def main(argv: list[str] | None = None) -> int:
         app = build_app(models, settings, with_ui=not args.no_ui)
         server = AnnouncingServer(uvicorn_config(app, settings, args.log_level))
         if settings.probe_port:
-            probes = ProbeServer(settings.host, settings.probe_port, lambda: app.state.repository.ready).start()
+            ready, loop = (lambda: app.state.repository.ready), (lambda: getattr(app.state, "loop", None))
+            probes = ProbeServer(settings.host, settings.probe_port, ready, loop).start()
         # uvicorn re-raises SIGTERM after its graceful shutdown: exit 0 if everything drained, else 1
         signal.signal(signal.SIGTERM, lambda signum, frame: _exit_after_drain(server, app))
         server.run()

@@ -1,0 +1,86 @@
+"""The probe port's own process: readiness follows the server, liveness fails while the event loop is wedged
+and comes back when it turns again, the process goes when the server is killed, a taken port is an error."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+
+from serve.server.http.probes import ProbeServer
+from serve.server.testing import free_port, wait_until
+
+
+def status(port: int, path: str) -> int:
+    return httpx.get(f"http://127.0.0.1:{port}{path}", timeout=2).status_code
+
+
+@pytest.fixture
+def loop():
+    """An event loop turning in a thread, as uvicorn's does."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    yield loop
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(5)
+    loop.close()
+
+
+def test_readiness_follows_the_server_and_liveness_fails_while_its_loop_is_wedged(loop):
+    ready = threading.Event()
+    probes = ProbeServer("127.0.0.1", 0, ready.is_set, loop=lambda: loop, stale_s=1.0).start()
+    try:
+        assert status(probes.port, "/healthz") == 200
+        assert status(probes.port, "/readyz") == 503
+        ready.set()
+        wait_until(lambda: status(probes.port, "/v2/health/ready") == 200, 5, "readiness after the server is ready")
+        loop.call_soon_threadsafe(time.sleep, 4)  # a callback that blocks the loop, as a wedged server would
+        wait_until(lambda: status(probes.port, "/healthz") == 503, 4, "liveness failing on the wedged loop")
+        assert status(probes.port, "/readyz") == 503  # not live, so not ready either
+        wait_until(lambda: status(probes.port, "/healthz") == 200, 8, "liveness once the loop turns again")
+        assert httpx.get(f"http://127.0.0.1:{probes.port}/nowhere", timeout=2).status_code == 404
+    finally:
+        probes.stop()
+    assert probes.proc.poll() is not None and not os.path.exists(probes.state_path)
+
+
+def test_the_probe_process_goes_when_the_server_is_killed():
+    code = (
+        "import sys, time\n"
+        "from serve.server.http.probes import ProbeServer\n"
+        "p = ProbeServer('127.0.0.1', 0, lambda: True).start()\n"
+        "print(p.port, p.proc.pid, flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    server = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    port, child = map(int, server.stdout.readline().split())
+    assert status(port, "/healthz") == 200
+    server.send_signal(signal.SIGKILL)  # no chance to stop its probe process
+    server.wait(10)
+
+    def gone() -> bool:  # exited: no process, or a zombie that nobody has reaped yet
+        try:
+            with open(f"/proc/{child}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+        except FileNotFoundError:
+            return True
+
+    wait_until(gone, 10, "the probe process exiting after its server")
+
+
+def test_a_probe_port_in_use_is_a_clear_error():
+    port = free_port()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", port))
+        taken.listen()
+        with pytest.raises(RuntimeError, match=f"probe port 127.0.0.1:{port} did not open: .*in use"):
+            ProbeServer("127.0.0.1", port, lambda: True).start()
