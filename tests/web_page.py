@@ -4,6 +4,10 @@
         page = browser.open(site.url)            # waits for window.vitscope.ready
         result = classify(page, "samples/a.png")  # {labels, logits, probs, top, rollout}
 
+The browser guide's screenshot:
+
+    .venv/bin/python -m tests.web_page artifacts/web data/digits/3/0003.png docs/web.png
+
 Chromium is Debian's (`/usr/bin/chromium`), driven by Playwright; every request that is not for 127.0.0.1
 is aborted and recorded in `WebBrowser.blocked`, so a page that reached for a CDN fails its test.
 """
@@ -156,3 +160,18 @@ def drop_file(page: Any, name: str, data: bytes, mime: str = "image/png") -> Non
         }""",
         [name, base64.b64encode(data).decode(), mime],
     )
+
+
+def screenshot(folder: Path, image: Path, out: Path) -> str:
+    """Serve `folder`, drop `image` on the page, save a 900 x 640 screenshot to `out`; return the answer shown."""
+    with StaticSite(folder) as site, WebBrowser() as browser:
+        page = browser.open(site.url)
+        page.set_viewport_size({"width": 900, "height": 640})
+        drop_file(page, image.name, image.read_bytes())
+        page.locator("#result").wait_for(state="visible")
+        page.screenshot(path=str(out))
+        return page.locator("#answer").inner_text()
+
+
+if __name__ == "__main__":
+    print(screenshot(*map(Path, sys.argv[1:4])))

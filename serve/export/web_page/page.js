@@ -42,7 +42,7 @@ function draw(result) {
   const map = new ImageData(gw, gh);
   result.rollout.values.forEach((v, i) => {
     const [r, g, b] = heat(v);
-    map.data.set([r, g, b, 150], i * 4);
+    map.data.set([r, g, b, Math.round(40 + 150 * v)], i * 4); // the image shows through where the map is low
   });
   const overlay = new OffscreenCanvas(gw, gh);
   overlay.getContext("2d").putImageData(map, 0, 0);
