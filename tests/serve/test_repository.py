@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from serve.server.repository.layout import VersionPolicy, parse_version_policy, scan
-from tests.helpers import CLASS_NAMES, ServerProcess, png_bytes, quadrant_images
+from tests.helpers import CLASS_NAMES, ServerProcess, free_port, png_bytes, quadrant_images
 
 KEY = "repository-test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -167,27 +167,58 @@ class Load:
         return any(v == version for _, v in self.answers[-50:])
 
 
+class GrpcLoad(Load):
+    """The same, over gRPC with tritonclient (model `beta`, whichever version serves it now)."""
+
+    def _run(self, seed: int) -> None:
+        import tritonclient.grpc as grpcclient
+        from tritonclient.utils import InferenceServerException
+
+        client = grpcclient.InferenceServerClient(self.url)
+        pixels = quadrant_images(1, seed=seed)[0][:1]  # (1, 32, 32, 3) uint8
+        inp = grpcclient.InferInput("pixels", list(pixels.shape), "UINT8")
+        inp.set_data_from_numpy(pixels)
+        try:
+            while not self.stopping.is_set():
+                try:
+                    r = client.infer("beta", [inp], headers={"authorization": f"Bearer {KEY}"}, client_timeout=30)
+                    self.answers.append((200, r.get_response().model_version))
+                except InferenceServerException as e:
+                    self.answers.append((e.status(), None))
+        finally:
+            client.close()
+
+
 @pytest.mark.slow
 def test_new_versions_roll_out_under_load_without_a_failed_request_and_a_broken_one_never_serves(exported, tmp_path):
+    """HTTP and gRPC clients classify while versions 2 and 3 are dropped in, then a half-copied 4."""
+    pytest.importorskip("tritonclient.grpc")
     repo = tmp_path / "models"
     add_model(repo, exported, "beta", [1])
     model = exported / "alpha" / "1" / "model.onnx"
-    args = ("--no-ui", "--preferred-batch-size", "4", "--repository-poll-s", "0.2")
-    with ServerProcess(repo, *args, env=_env()) as server, Load(server.url, "/v1/models/beta/classify") as load:
-        wait_for(lambda: load.saw("1"))
+    grpc_port = free_port()
+    args = ("--no-ui", "--preferred-batch-size", "4", "--repository-poll-s", "0.2", "--grpc-port", str(grpc_port))
+    with (
+        ServerProcess(repo, *args, env=_env()) as server,
+        Load(server.url, "/v1/models/beta/classify", clients=6) as load,
+        GrpcLoad(f"127.0.0.1:{grpc_port}", "", clients=2) as grpc_load,
+    ):
+        wait_for(lambda: load.saw("1") and grpc_load.saw("1"))
         for version in (2, 3):
             drop_version(repo / "beta", version, model)
-            wait_for(lambda v=str(version): load.saw(v))
+            wait_for(lambda v=str(version): load.saw(v) and grpc_load.saw(v))
         broken = model.read_bytes()[: model.stat().st_size // 2]  # a half-copied file
         drop_version(repo / "beta", 4, broken)
         index = wait_for(lambda: [r for r in _index(server.url) if r["version"] == "4"])
         assert index[0]["state"] == "UNAVAILABLE" and "model.onnx" in index[0]["reason"]
-        settled = len(load.answers)
-        wait_for(lambda: len(load.answers) > settled + 50)
-    statuses = {s for s, _ in load.answers}
-    assert statuses == {200}, f"failed requests during the swaps: {[a for a in load.answers if a[0] != 200][:5]}"
-    assert "4" not in {v for _, v in load.answers}  # the broken file never took a request
-    assert {v for _, v in load.answers[settled:]} == {"3"}
+        settled, grpc_settled = len(load.answers), len(grpc_load.answers)
+        wait_for(lambda: len(load.answers) > settled + 50 and len(grpc_load.answers) > grpc_settled + 20)
+    for answers in (load.answers, grpc_load.answers):
+        failed = [a for a in answers if a[0] != 200]
+        assert not failed, f"failed requests during the swaps: {failed[:5]}"
+        assert "4" not in {v for _, v in answers}  # the broken file never took a request
+    assert {v for _, v in load.answers[settled:]} == {"3"} and {v for _, v in grpc_load.answers[grpc_settled:]} == {"3"}
+    assert {"1", "2", "3"} <= {v for _, v in grpc_load.answers}  # gRPC calls went through every swap
     assert "does not take traffic" in server.output
 
 
@@ -219,8 +250,6 @@ def test_the_repository_extension_unloads_and_loads_a_model(exported, tmp_path):
 
 @pytest.mark.slow
 def test_probes_on_their_own_port_answer_within_a_second_while_the_api_is_overloaded(tiny_onnx):
-    from serve.server.testing import free_port
-
     probe_port = free_port()
     args = ("--no-ui", "--probe-port", str(probe_port), "--queue-size", "4", "--preferred-batch-size", "1")
     with ServerProcess(tiny_onnx, *args) as server:

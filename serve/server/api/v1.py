@@ -125,11 +125,8 @@ def v1_router(
         """Classify one image (multipart field `file` or raw body); `explain=true` adds the rollout map."""
         path = request.path_params
         served = resolve(repository, path.get("name"), path.get("version"))
-        served.in_flight += 1  # the version drains only once this request is done with it
-        try:
+        with served.held():  # the version drains only once this request is done with it
             return await classify_with(served, request)
-        finally:
-            served.in_flight -= 1
 
     async def classify_with(served: ModelVersion, request: Request):
         classifier, engine = served.classifier, served.engine

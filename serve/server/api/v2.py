@@ -173,11 +173,8 @@ def v2_router(repository: ModelRepository, limits: RequestLimits, payloads: Payl
     @errors
     async def v2_infer(request: Request):
         served = resolve(repository, request.path_params["name"], request.path_params.get("ver"))
-        served.in_flight += 1  # the version drains only once this request is done with it
-        try:
+        with served.held():  # the version drains only once this request is done with it
             return await infer_with(served, request)
-        finally:
-            served.in_flight -= 1
 
     async def infer_with(served: ModelVersion, request: Request):
         encoding = request.headers.get("content-encoding", "identity").lower()

@@ -7,6 +7,8 @@ plugs in its own lookup; `OneModel` is the server of one file, as `vit-serve mod
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -28,6 +30,8 @@ class ServedModel:
         engine: its batching `Engine` (`engine.ready` says whether it takes requests).
         pixels: the graph's input, UINT8 [-1, H, W, 3].
         logits: the graph's output, FP32 [-1, K].
+        held: a context in which a call counts as in flight on this version (a repository drains a swapped-out
+            version only once its calls are done).
     """
 
     name: str
@@ -36,6 +40,7 @@ class ServedModel:
     engine: Engine
     pixels: TensorSpec
     logits: TensorSpec
+    held: Callable[[], AbstractContextManager] = nullcontext
 
     @classmethod
     def of(cls, classifier, engine: Engine) -> ServedModel:
@@ -89,7 +94,7 @@ class RepositoryModels:
         if served.classifier not in self._specs:
             self._specs[served.classifier] = tensor_specs(served.classifier)
         pixels, logits = self._specs[served.classifier]
-        return ServedModel(served.name, served.version, served.classifier, served.engine, pixels, logits)
+        return ServedModel(served.name, served.version, served.classifier, served.engine, pixels, logits, served.held)
 
     def ready(self) -> bool:
         return self.repository.ready

@@ -23,7 +23,7 @@ import numpy as np
 
 from serve.server.grpc import grpc_predict_v2_pb2 as pb
 from serve.server.grpc.codec import infer_response, metadata_response, parse_infer
-from serve.server.grpc.models import Models
+from serve.server.grpc.models import Models, ServedModel
 from serve.server.http.errors import ApiError, model_result
 from serve.server.http.guard import SANE_REQUEST_ID, key_of
 from serve.server.metrics import Metrics
@@ -139,6 +139,10 @@ class Service:
 
     async def model_infer(self, request: pb.ModelInferRequest, context):
         m = self.models.get(request.model_name, request.model_version)
+        with m.held():  # a swapped-out version drains only once this call is done with it
+            return await self.infer_with(m, request, context)
+
+    async def infer_with(self, m: ServedModel, request: pb.ModelInferRequest, context):
         if not m.engine.ready:
             raise ApiError("not_ready", NOT_READY)
         pixels, wanted = parse_infer(request, m.pixels, self.limits.max_batch_size)

@@ -12,7 +12,8 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -48,8 +49,9 @@ def rss_bytes() -> int:
 class ModelVersion:
     """A version being served: the routes read `classifier`, `engine`, `fill` and `decode_on_worker`.
 
-    `in_flight` counts the requests that resolved this version and have not finished: after a swap the
-    old version is stopped only once they are done, so no request meets a closed batcher.
+    `in_flight` counts the requests that resolved this version and have not finished (`held`): after a swap
+    the old version is stopped only once they are done, so no request meets a closed batcher. HTTP and gRPC
+    requests count on their own event loops, so the count takes a lock.
     """
 
     name: str
@@ -63,11 +65,23 @@ class ModelVersion:
     fill: np.ndarray | None = None
     decode_on_worker: bool = False
     loaded_at: float = field(default_factory=time.time)
+    _count_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def __post_init__(self):
         self.fill = mean_fill(self.classifier.preprocess.mean)
         # small uploads decode on the loop when onnxruntime runs one thread, else on the model's thread
         self.decode_on_worker = self.classifier.threads != 1
+
+    @contextmanager
+    def held(self) -> Iterator[ModelVersion]:
+        """Count a request on this version while the block runs: `drain` waits for it."""
+        with self._count_lock:
+            self.in_flight += 1
+        try:
+            yield self
+        finally:
+            with self._count_lock:
+                self.in_flight -= 1
 
     def drain(self, timeout_s: float) -> bool:
         """Wait for the requests that hold this version (at most `timeout_s`), then stop its engine.
