@@ -31,7 +31,12 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
     with open(path, "rb") as f:
         head = f.read(4)
     if head[:2] != b"PK" and head[:1] != b"\x80":  # a zip (torch.save) or a legacy pickle
-        onnx = " (it is an ONNX model: export takes the .ckpt it came from)" if path.suffix == ".onnx" else ""
+        onnx = (
+            " (it is an ONNX model: export takes the .ckpt it came from; vit-export MODEL.onnx --web DIR packages a"
+            " portable file for the browser)"
+            if path.suffix == ".onnx"
+            else ""
+        )
         raise ValueError(
             f"{path} is not a PyTorch checkpoint{onnx}; give the .ckpt file vit-train wrote, "
             "e.g. runs/<run>/checkpoints/best.ckpt"

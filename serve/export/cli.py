@@ -308,10 +308,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.web is not None and args.target == "onnxruntime":
         parser.error("--web needs the portable target (the browser has no onnxruntime contrib ops): drop --target")
-    if args.checkpoint.suffix == ".onnx":
-        if args.web is None:
-            parser.error(f"{args.checkpoint} is an ONNX file: export a checkpoint, or package it with --web DIR")
-        return _package_web(args.checkpoint, args.web, args.ort_web)
+    if args.checkpoint.suffix == ".onnx" and args.web is not None:
+        return _package_web(args.checkpoint, args.web, args.ort_web)  # a file exported before, for the browser
     if args.output is None and args.web is None:
         parser.error("name the file to write with -o, e.g. -o artifacts/model.onnx")
     if args.web is not None:
