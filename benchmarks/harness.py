@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.serve_bench import LoadConnection
+from serve.server.testing import terminate
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -64,13 +65,7 @@ class Child:
     def stop(self, timeout: float = 30.0) -> None:
         """SIGTERM to the child, then to whatever else of its session is left (Ray's actors have groups of their
         own); SIGKILL after `timeout`."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        terminate(self.proc, timeout)
         for pid in session_members(self.proc.pid):
             try:
                 os.kill(pid, signal.SIGKILL)

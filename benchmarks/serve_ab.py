@@ -89,7 +89,8 @@ def compare(args: argparse.Namespace, model: Path) -> None:
             os.sched_setaffinity(0, cpus[1:])
         for _, server in servers:
             run_loop(load(server.port, data, args.concurrency, 1.0))  # warm the connection path
-        names = [f"{i + 1}. {tree}" for i, (tree, _) in enumerate(servers)]  # the same tree twice: the noise
+        # named as given on the command line (the same tree twice: the noise), not by this machine's absolute paths
+        names = [f"{i + 1}. {given}" for i, given in enumerate(args.trees)]
         p99: dict[str, list[float]] = {name: [] for name in names}
         cost: dict[str, list[float]] = {name: [] for name in names}
 

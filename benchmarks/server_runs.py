@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import platform
-import signal
 import socket
 import subprocess
 import sys
@@ -20,6 +19,8 @@ import urllib.request
 from pathlib import Path
 
 import numpy as np
+
+from serve.server.testing import terminate
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -77,11 +78,7 @@ class Server:
         raise TimeoutError("vit-serve was not ready within 300 s")
 
     def __exit__(self, *exc) -> None:
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
+        terminate(self.proc, 60)
 
 
 def write_result(name: str, rows: list[dict], **extra) -> Path:

@@ -106,6 +106,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def terminate(proc: subprocess.Popen, timeout: float = 30.0) -> int:
+    """SIGTERM `proc` unless it has exited, wait up to `timeout` for it (SIGKILL after); returns its exit code."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+    return proc.returncode
+
+
 class ServerProcess:
     """`python -m serve.server MODEL --port <free>` with its output collected; a context manager that always stops it.
 
@@ -187,13 +199,7 @@ class ServerProcess:
 
     def stop(self, timeout: float = 30.0) -> int:
         """SIGTERM, wait for the drain (kill after `timeout`); returns the exit code."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        terminate(self.proc, timeout)
         if self._reader.is_alive():
             self._reader.join(5)
         return self.proc.returncode
