@@ -103,7 +103,7 @@ def export_onnx(
         calib_dir: a labelled folder (DIR/<class>/<image>) to calibrate on instead of the run's calibration split.
         conformal: the prediction-set score, "lac" or "aps".
         class_conditional: one prediction-set threshold per class (for imbalanced folders).
-        ood_score: the unknown-input score, "energy" or "max_softmax".
+        ood_score: the unknown-input score, "mahalanobis" (pre-logit features), "energy" or "max_softmax".
 
     Returns:
         An `ExportResult`.
@@ -161,7 +161,10 @@ def export_onnx(
     int8 = quantize == "int8"
     logits_only = graphs.logits_only
     if logits_only is not None:  # checked before anything is written
-        only = {"outputs": "logits (B, K)", "supports_gradients": False, "explain_precision": "none"}
+        if calibration is not None:
+            triton.add_probabilities(logits_only, calibration["temperature"])
+        outputs = "logits (B, K), features (B, D)" + (", probs (B, K): softmax(logits / T)" if calibration else "")
+        only = {"outputs": outputs, "supports_gradients": False, "explain_precision": "none"}
         set_metadata(logits_only, {**metadata, **only, "quantization": graphs.logits_only_quantization})
         if check_parity:
             parity.check_logits_only(net, logits_only.SerializeToString(), sample, preprocess, int8)
@@ -197,6 +200,7 @@ def _calibration(
         return None, None
     if reports is not None:
         summary = {k: v for k, v in entry.items() if k not in ("conformal", "drift")}
+        summary["ood"] = {k: v for k, v in entry["ood"].items() if k not in ("means", "precision")}
         (reports / "calibration.json").write_text(json.dumps(summary, indent=1))
     return entry, png
 
@@ -295,7 +299,10 @@ def _parser() -> argparse.ArgumentParser:
         "--class-conditional", action="store_true", help="one prediction-set threshold per class (imbalanced folders)"
     )
     p.add_argument(
-        "--ood-score", choices=["energy", "max_softmax"], default=calib.DEFAULT_OOD_SCORE, help="unknown-input score"
+        "--ood-score",
+        choices=["mahalanobis", "energy", "max_softmax"],
+        default=calib.DEFAULT_OOD_SCORE,
+        help="unknown-input score: the pre-logit features' distance to the nearest class (default), or from the logits",
     )
     return p
 

@@ -7,13 +7,14 @@ branches can read them (ONNX outer-scope references). `explain` is also an initi
 False, so it is an optional input: a client that only sends `pixels` gets the fast branch and
 never pays for the attention maps.
 
-    pixels (B, H, W, 3) uint8 --+--> If(explain) --else--> fast graph -> logits (B, K); attns, grads empty
-    explain () bool [False] ----+                 --then--> If(gradients) --else--> explain graph -> logits, attns
-    gradients () bool [False] --+                             --then--> gradient graph -> logits, attns, grads
+    pixels (B, H, W, 3) uint8 --+--> If(explain) --else--> fast graph -> logits, features; attns, grads empty
+    explain () bool [False] ----+                 --then--> If(gradients) --else--> explain graph -> + attns
+    gradients () bool [False] --+                             --then--> gradient graph -> + attns, grads
     target (B,) int64 [empty] --+
 
-attns and grads are (depth, B, nh, N, N). The gradient graph (optional) holds the backward pass
-of the target logit down to every attention map, traced to plain ONNX ops at export time.
+logits are (B, K), features (B, D) (every branch computes them), attns and grads (depth, B, nh, N, N).
+The gradient graph (optional) holds the backward pass of the target logit down to every attention map,
+traced to plain ONNX ops at export time.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from onnx import TensorProto, helper, numpy_helper
 EXPLAIN_INPUT = "explain"
 GRADIENTS_INPUT = "gradients"
 TARGET_INPUT = "target"
+OUTPUTS = ["logits", "attns", "grads", "features"]  # of the combined model, and of every branch, in this order
 
 
 def combine_fast_and_explain(
@@ -37,15 +39,14 @@ def combine_fast_and_explain(
     """One model whose `explain` (and `gradients`) inputs pick the fast, explain or gradient graph.
 
     Args:
-        fast: a model with one input `pixels` and one output `logits`.
-        explain: a model with input `pixels` and outputs `logits`, `attns`.
+        fast: a model with one input `pixels` and outputs `logits`, `features`.
+        explain: a model with input `pixels` and outputs `logits`, `attns`, `features`.
         gradients: optional, a model with inputs `pixels`, `target` and outputs `logits`, `attns`,
-            `grads` (the gradient of each image's target logit with respect to every attention map).
+            `grads` (the gradient of each image's target logit with respect to every attention map), `features`.
 
     Returns:
         A model with inputs `pixels`, optional `explain` (and, with a gradient graph, optional
-        `gradients` and `target`), and outputs `logits`, `attns`, `grads`; outputs a branch does
-        not compute are empty.
+        `gradients` and `target`), and `OUTPUTS`; maps a branch does not compute are empty.
     """
     shared: dict[str, onnx.TensorProto] = {}
     outer = {"pixels", TARGET_INPUT}
@@ -53,6 +54,8 @@ def combine_fast_and_explain(
     _pad_outputs(explain_graph, "explain", ["grads"])
     fast_graph = _as_branch(fast, "fast", shared, outer)
     _pad_outputs(fast_graph, "fast", ["attns", "grads"])
+    for g, prefix in ((explain_graph, "explain"), (fast_graph, "fast")):
+        _order_outputs(g, prefix)
     inputs = [fast.graph.input[0], helper.make_tensor_value_info(EXPLAIN_INPUT, TensorProto.BOOL, [])]
     defaults = [numpy_helper.from_array(np.array(False), EXPLAIN_INPUT)]
     then_graph = explain_graph
@@ -62,19 +65,19 @@ def combine_fast_and_explain(
     if_node = helper.make_node(
         "If",
         [EXPLAIN_INPUT],
-        ["logits", "attns", "grads"],
+        OUTPUTS,
         name="explain_or_fast",
         then_branch=then_graph,
         else_branch=fast_graph,
     )
-    logits_type = explain.graph.output[0].type
+    types = {o.name: o.type for o in fast.graph.output}
     # attns and grads: rank 5 with unknown sizes, since a branch that skips them outputs (0, 0, 0, 0, 0)
     maps = [helper.make_tensor_value_info(n, TensorProto.FLOAT, [None] * 5) for n in ("attns", "grads")]
     graph = helper.make_graph(
         [if_node],
         "vitscope",
         inputs,
-        [_value_info("logits", logits_type), *maps],
+        [_value_info("logits", types["logits"]), *maps, _value_info("features", types["features"])],
         initializer=[*defaults, *shared.values()],
     )
     model = helper.make_model(graph, opset_imports=list(fast.opset_import), ir_version=fast.ir_version)
@@ -88,7 +91,7 @@ def _gradients_or_maps(
 ) -> tuple[onnx.GraphProto, list[onnx.ValueInfoProto], list[onnx.TensorProto]]:
     """The explain branch with an inner If on `gradients`: (that branch, its extra inputs, their defaults)."""
     grad_graph = _as_branch(gradients, "grad", shared, outer)
-    names = ["select/logits", "select/attns", "select/grads"]
+    names = [f"select/{n}" for n in OUTPUTS]
     inner = helper.make_node(
         "If", [GRADIENTS_INPUT], names, name="gradients_or_maps", then_branch=grad_graph, else_branch=explain_graph
     )
@@ -113,6 +116,16 @@ def _pad_outputs(graph: onnx.GraphProto, prefix: str, names: list[str]) -> None:
         value = helper.make_tensor("v", TensorProto.FLOAT, [1], [0.0])
         graph.node.append(helper.make_node("ConstantOfShape", [shape], [f"{prefix}/{name}"], value=value))
         graph.output.append(helper.make_tensor_value_info(f"{prefix}/{name}", TensorProto.FLOAT, None))
+
+
+def _order_outputs(graph: onnx.GraphProto, prefix: str) -> None:
+    """Put a branch's outputs (named `prefix/<name>`) in the order of `OUTPUTS`: an If matches them by position."""
+    by_name = {o.name.removeprefix(f"{prefix}/"): o for o in graph.output}
+    if sorted(by_name) != sorted(OUTPUTS):
+        raise ValueError(f"the {prefix} graph outputs {sorted(by_name)}, expected {OUTPUTS}")
+    ordered = [by_name[n] for n in OUTPUTS]
+    del graph.output[:]
+    graph.output.extend(ordered)
 
 
 def _value_info(name: str, type_proto: onnx.TypeProto) -> onnx.ValueInfoProto:

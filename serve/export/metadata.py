@@ -54,10 +54,14 @@ def build_metadata(
     P = net.patch_embed.patch_size[0]
     outputs = (
         "logits (B, K); attns (depth, B, nh, N, N) when explain=True; grads (same shape) when also "
-        "gradients=True, d(logit of target[b])/d(attns); outputs not asked for are empty"
+        "gradients=True, d(logit of target[b])/d(attns); outputs not asked for are empty; features (B, D), the "
+        "pooled pre-logits"
     )
     if target == "portable":
-        outputs = "logits (B, K) and attns (depth, B, nh, N, N), both always computed; no explain or gradients input"
+        outputs = (
+            "logits (B, K), attns (depth, B, nh, N, N) and features (B, D), all always computed; "
+            "no explain or gradients input"
+        )
     return {
         FORMAT_KEY: FORMAT_VERSION,
         "class_names": list(meta["class_names"]),

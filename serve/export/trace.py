@@ -1,11 +1,13 @@
 """The network as ONNX graphs: uint8 pixels in, normalisation inside, with a dynamic batch axis.
 
 Three graphs of one network, combined into one file by `serve.export.merge`:
-- the fast graph (`PixelModel`, `export_fast_graph`): fused attention, logits only, its attention
-  blocks and GELUs then fused into onnxruntime contrib ops (`serve.export.fusion`);
-- the explain graph (`PixelModel(explain=True)`): the explicit softmax path, logits and maps;
+- the fast graph (`PixelModel`, `export_fast_graph`): fused attention, logits and features, its
+  attention blocks and GELUs then fused into onnxruntime contrib ops (`serve.export.fusion`);
+- the explain graph (`PixelModel(explain=True)`): the explicit softmax path, logits, maps and features;
 - the gradient graph (`GradientModel`): also the gradient of a target logit with respect to
   every map, its backward pass traced to plain aten ops by `make_fx` before export.
+Every graph also outputs `features` (B, D), the pooled, normalised pre-logits the head reads: the
+Mahalanobis unknown-input score (`serve.runtime.trust`) measures distances there.
 The portable target (`serve.export.targets`) ships the explain graph alone instead, and, for a
 Triton repository, the fast graph unfused (`export_fast_graph(fuse=False)`): standard ONNX ops only.
 """
@@ -24,7 +26,11 @@ from serve.export.fusion import fuse_for_cpu
 from serve.runtime.images import Preprocess
 from vit.model import VisionTransformer
 
-# Shapes: B batch, H/W image, K classes, nh heads, N tokens, depth blocks.
+# Shapes: B batch, H/W image, K classes, D features, nh heads, N tokens, depth blocks.
+
+FAST_OUTPUTS = ["logits", "features"]
+EXPLAIN_OUTPUTS = ["logits", "attns", "features"]
+GRADIENT_OUTPUTS = ["logits", "attns", "grads", "features"]
 
 DEFAULT_OPSET = 18
 
@@ -42,6 +48,8 @@ class PixelModel(nn.Module):
         mean: per-channel mean, RGB.
         std: per-channel standard deviation, RGB.
         explain: also return the stacked attention maps (the explicit softmax path).
+
+    Returns `FAST_OUTPUTS` (or `EXPLAIN_OUTPUTS`) in that order.
     """
 
     def __init__(self, net: VisionTransformer, mean: tuple[float, ...], std: tuple[float, ...], explain: bool = False):
@@ -56,12 +64,14 @@ class PixelModel(nn.Module):
         x = pixels.permute(0, 3, 1, 2).to(torch.float32) / 255.0  # (B, 3, H, W)
         return (x - self.mean) / self.std
 
-    def forward(self, pixels: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, pixels: torch.Tensor) -> tuple[torch.Tensor, ...]:
         x = self.normalize(pixels)  # (B, 3, H, W)
         if not self.explain:
-            return self.net(x)  # (B, K)
-        logits, attns = self.net(x, return_attn=True)
-        return logits, torch.stack(attns)  # (B, K), (depth, B, nh, N, N)
+            features = self.net.forward_head(self.net.forward_features(x, num_out_tokens=self.net._head_tokens), True)
+            return self.net.head(features), features  # (B, K), (B, D)
+        tokens, attns = self.net.forward_features(x, return_attn=True)
+        features = self.net.forward_head(tokens, pre_logits=True)  # (B, D)
+        return self.net.head(features), torch.stack(attns), features  # (B, K), (depth, B, nh, N, N), (B, D)
 
 
 class GradientModel(nn.Module):
@@ -75,13 +85,18 @@ class GradientModel(nn.Module):
         super().__init__()
         self.pixels = PixelModel(net, mean, std, explain=True)
 
-    def forward(self, pixels: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def forward(self, pixels: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """`GRADIENT_OUTPUTS`: logits (B, K), attns and grads (depth, B, nh, N, N), features (B, D)."""
         x = self.pixels.normalize(pixels)  # (B, 3, H, W)
+        net = self.pixels.net
         with torch.enable_grad():
-            logits, attns = self.pixels.net(x, return_attn=True)  # (B, K), depth x (B, nh, N, N)
+            tokens, attns = net.forward_features(x, return_attn=True)  # (B, N, D), depth x (B, nh, N, N)
+            features = net.forward_head(tokens, pre_logits=True)  # (B, D)
+            logits = net.head(features)  # (B, K)
             score = logits.gather(1, target[:, None]).sum()  # images are independent: one backward for all
             grads = torch.autograd.grad(score, attns)
-        return logits.detach(), torch.stack([a.detach() for a in attns]), torch.stack(grads)
+        attns = torch.stack([a.detach() for a in attns])
+        return logits.detach(), attns, torch.stack(grads), features.detach()
 
 
 def export_gradient_graph(
@@ -110,7 +125,7 @@ def export_gradient_graph(
                 traced,
                 (pixels, target),
                 input_names=["pixels", "target"],
-                output_names=["logits", "attns", "grads"],
+                output_names=GRADIENT_OUTPUTS,
                 dynamic_shapes=({0: batch}, {0: batch}),
                 opset_version=opset,
                 dynamo=True,
@@ -127,7 +142,7 @@ def export_graph(module: nn.Module, img_size: tuple[int, int], opset: int = DEFA
     """Export a `PixelModel` with the dynamo exporter and a dynamic batch axis."""
     H, W = img_size
     sample = torch.randint(0, 256, (2, H, W, 3), dtype=torch.uint8)
-    names = ["logits", "attns"] if getattr(module, "explain", False) else ["logits"]
+    names = EXPLAIN_OUTPUTS if getattr(module, "explain", False) else FAST_OUTPUTS
     with warnings.catch_warnings(), redirect_stdout(io.StringIO()), torch.no_grad():
         warnings.simplefilter("ignore")
         program = torch.onnx.export(
@@ -147,7 +162,7 @@ def export_graph(module: nn.Module, img_size: tuple[int, int], opset: int = DEFA
 def export_fast_graph(
     net: VisionTransformer, preprocess: Preprocess, opset: int = DEFAULT_OPSET, fuse: bool = True
 ) -> tuple[onnx.ModelProto, dict[str, int]]:
-    """The logits-only graph, with its attention blocks and GELUs fused for onnxruntime (`serve.export.fusion`).
+    """The logits and features graph, its attention blocks and GELUs fused for onnxruntime (`serve.export.fusion`).
 
     Returns:
         (the graph, the count of each fused contrib op; all zero when `fuse` is False).

@@ -2,9 +2,12 @@
 
     DIR/<name>/config.pbtxt     platform onnxruntime_onnx, inputs and outputs spelled out, dynamic batching
     DIR/<name>/labels.txt       the class names, one per line, in logit order
-    DIR/<name>/1/model.onnx     pixels (B, H, W, 3) uint8 -> logits (B, K) float32
+    DIR/<name>/1/model.onnx     pixels (B, H, W, 3) uint8 -> logits (B, K), features (B, D) float32,
+                                and probs (B, K) when the file is calibrated
 
-Triton gets the logits path alone: its auto-complete misreads the explain outputs (rank 5, batch on
+`probs` is softmax(logits / T) with the calibration's temperature folded into the graph, so a Triton
+client reads calibrated probabilities without knowing T; `logits` stay the raw ones. Triton gets the logits
+path alone: its auto-complete misreads the explain outputs (rank 5, batch on
 the second axis), and a server answers classification requests. The config is written out in full
 from the graph itself (names, datatypes, dims without the batch axis), so Triton needs no guessing.
 """
@@ -15,8 +18,9 @@ import re
 from pathlib import Path
 
 import onnx
+from onnx import TensorProto, helper
 
-# Shapes: B batch, H/W image, K classes.
+# Shapes: B batch, H/W image, K classes, D features.
 
 TRITON_DTYPES = {
     onnx.TensorProto.UINT8: "TYPE_UINT8",
@@ -60,7 +64,7 @@ def config_pbtxt(model: onnx.ModelProto, name: str, max_batch_size: int = DEFAUL
     inits = {i.name for i in g.initializer}
     inputs = [i for i in g.input if i.name not in inits]
     inputs_text = ",\n".join(_tensor(i) for i in inputs)
-    outputs_text = ",\n".join(_tensor(o, label_file=o.name == "logits") for o in g.output)
+    outputs_text = ",\n".join(_tensor(o, label_file=o.name in ("logits", "probs")) for o in g.output)
     return (
         f'name: "{name}"\n'
         'platform: "onnxruntime_onnx"\n'
@@ -69,6 +73,21 @@ def config_pbtxt(model: onnx.ModelProto, name: str, max_batch_size: int = DEFAUL
         f"output [\n{outputs_text}\n]\n"
         f"dynamic_batching {{\n  max_queue_delay_microseconds: {MAX_QUEUE_DELAY_US}\n}}\n"
     )
+
+
+def add_probabilities(model: onnx.ModelProto, temperature: float) -> None:
+    """Append the output `probs` (B, K) = softmax(logits / temperature) to a logits-only model, in place."""
+    g = model.graph
+    g.initializer.append(helper.make_tensor("probs/temperature", TensorProto.FLOAT, [], [temperature]))
+    g.node.extend([
+        helper.make_node("Div", ["logits", "probs/temperature"], ["probs/scaled"], name="probs/div"),
+        helper.make_node("Softmax", ["probs/scaled"], ["probs"], name="probs/softmax", axis=-1),
+    ])  # fmt: skip
+    logits = next(o for o in g.output if o.name == "logits")
+    probs = onnx.ValueInfoProto()
+    probs.CopyFrom(logits)
+    probs.name = "probs"
+    g.output.append(probs)
 
 
 def write_repo(
@@ -81,14 +100,16 @@ def write_repo(
     """Write `repo/<name>/` (config, labels, version 1 of the model) and return that folder.
 
     Args:
-        model: the logits-only model, input `pixels` (B, H, W, 3) uint8, output `logits` (B, K).
+        model: the logits-only model, input `pixels` (B, H, W, 3) uint8, outputs `logits` (B, K) first, then
+            `features` (B, D) and, when calibrated, `probs` (B, K).
         class_names: K names, in logit order.
         repo: the model repository (created if missing; other models in it are left alone).
         name: the model's name in Triton.
         max_batch_size: the largest batch Triton may form.
     """
-    if [o.name for o in model.graph.output] != ["logits"]:
-        raise ValueError("the Triton model must be the logits-only graph (one output, logits)")
+    outputs = [o.name for o in model.graph.output]
+    if outputs[:1] != ["logits"] or not set(outputs) <= {"logits", "features", "probs"}:
+        raise ValueError(f"the Triton model must be the logits-only graph (logits, features, probs), not {outputs}")
     if any("\n" in c for c in class_names):
         raise ValueError("class names with line breaks cannot be written to labels.txt")
     folder = Path(repo) / name

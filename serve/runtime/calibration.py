@@ -153,12 +153,23 @@ def mahalanobis(features: np.ndarray, means: np.ndarray, precision: np.ndarray) 
 
 
 def fit_gaussian(features: np.ndarray, labels: np.ndarray, num_classes: int) -> tuple[np.ndarray, np.ndarray]:
-    """Class means (K, D) and the shared covariance's pseudo-inverse (D, D) of (n, D) features."""
+    """Class means (K, D) and the precision (D, D) of the shared covariance of (n, D) features.
+
+    The covariance is shrunk towards a multiple of the identity by the Ledoit-Wolf formula, so that a few
+    hundred images in a wide feature space still give a well-conditioned precision (a plain inverse would
+    weigh directions the images never varied in without bound).
+    """
     f = features.astype(np.float64)
     means = np.stack([f[labels == k].mean(axis=0) if (labels == k).any() else f.mean(0) for k in range(num_classes)])
-    centred = f - means[labels]
-    cov = centred.T @ centred / max(len(f) - 1, 1)
-    return means, np.linalg.pinv(cov, hermitian=True)
+    x = f - means[labels]  # (n, D) centred on each image's class mean
+    n, D = x.shape
+    cov = x.T @ x / n
+    mu = np.trace(cov) / D
+    d2 = np.sum((cov - mu * np.eye(D)) ** 2)  # how far the covariance is from mu * I
+    b2 = (np.sum(np.sum(x**2, axis=1) ** 2) / n - np.sum(cov**2)) / n  # how noisy its estimate is
+    shrink = min(b2, d2) / d2 if d2 > 0 else 1.0
+    cov = shrink * mu * np.eye(D) + (1 - shrink) * cov
+    return means, np.linalg.inv(cov + 1e-12 * max(mu, 1e-12) * np.eye(D))
 
 
 def ood_score(kind: str, probs: np.ndarray, logits: np.ndarray, temperature: float, **gaussian) -> np.ndarray:

@@ -204,18 +204,24 @@ class OnnxClassifier:
             raise ValueError(f"expected (B, {H}, {W}, 3) uint8 pixels from prepare(), got {batch.shape} {batch.dtype}")
         return np.ascontiguousarray(batch)
 
-    def _run_fast(self, batch: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
-        """The fast path: (logits (B, K), pre-logit features (B, D) when the graph outputs them, else None)."""
-        out = self.session.run(self._fast_outputs, {"pixels": self._check_batch(batch)})
+    @property
+    def needs_features(self) -> bool:
+        """Whether `judge` needs the pre-logit features (the file's OOD score is Mahalanobis)."""
+        return self.trust is not None and self.trust.needs_features
+
+    def run_fast(self, batch: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+        """The fast path: (logits (B, K), pre-logit features (B, D) when `judge` needs them, else None)."""
+        names = self._fast_outputs if self.needs_features else ["logits"]
+        out = self.session.run(names, {"pixels": self._check_batch(batch)})
         return out[0], (out[1] if len(out) > 1 else None)
 
     def logits(self, batch: np.ndarray) -> np.ndarray:
         """The raw logits: (B, H, W, 3) uint8 -> (B, K) float32."""
-        return self._run_fast(batch)[0]
+        return self.session.run(["logits"], {"pixels": self._check_batch(batch)})[0]
 
     def predict_pixels(self, batch: np.ndarray) -> np.ndarray:
         """The fast path: (B, H, W, 3) uint8 -> (B, K) float32 probabilities, calibrated when the file is."""
-        return self.probabilities(self._run_fast(batch)[0])
+        return self.probabilities(self.logits(batch))
 
     def assess(self, batch: np.ndarray, coverage: float | None = None) -> Assessment:
         """Probabilities, OOD scores, unknown verdicts and (with `coverage`) prediction sets of a batch.
@@ -224,13 +230,16 @@ class OnnxClassifier:
             ValueError: a coverage the file cannot honour (`check_coverage`).
         """
         self.check_coverage(coverage)
-        logits, features = self._run_fast(batch)
+        logits, features = self.run_fast(batch)
         return self.judge(logits, features, coverage)
 
     def judge(
         self, logits: np.ndarray, features: np.ndarray | None = None, coverage: float | None = None
     ) -> Assessment:
-        """`assess` on logits (B, K) (and features (B, D)) already computed, e.g. by the explain branch."""
+        """`assess` on logits (B, K) (and features (B, D); (B, 0) counts as None) already computed, e.g. by a
+        server's batched pass."""
+        if features is not None and features.shape[-1] == 0:
+            features = None
         probs = self.probabilities(logits)
         if self.trust is None:
             return Assessment(probs, logits, None, None, None)

@@ -110,7 +110,10 @@ def build_app(
     add_error_handlers(app, settings.retry_after_s)
     limits = settings.request_limits()
     budget = PixelBudget(settings.decode_pixel_budget)  # shared by the API and the UI
-    routers = [v1_router(repository, metrics, limits, budget, payloads), v2_router(repository, limits, payloads)]
+    routers = [
+        v1_router(repository, metrics, limits, budget, payloads),
+        v2_router(repository, limits, metrics, payloads),
+    ]
     for router in routers:  # flat, as `@app.get` adds them: `include_router` costs a dispatch layer per request
         app.router.routes.extend(router.routes)
     add_fallback_routes(app, routers)

@@ -329,15 +329,23 @@ def _run_call(item: _Call) -> None:
     _settle([(item.future, result, error)])
 
 
-def logits_and_probs(classifier, batch: np.ndarray) -> np.ndarray:
-    """The batched forward pass: (B, H, W, 3) uint8 -> (B, 2, K), each image's logits and probabilities.
+def forward_rows(classifier, batch: np.ndarray) -> np.ndarray:
+    """The batched forward pass: (B, H, W, 3) uint8 -> (B,) records, each image's `logits` (K,), `probs` (K,)
+    and `features` (D,) (D is 0 unless the file's OOD score needs the pre-logit features).
 
-    Both come from one pass: KServe v2 answers with the file's own `logits` (as Triton serving the file
+    All come from one pass: KServe v2 answers with the file's own `logits` (as Triton serving the file
     would), /v1 with probabilities, and a batch may mix requests of both kinds. The probabilities are
-    calibrated exactly as `OnnxClassifier.predict_pixels` computes them (`OnnxClassifier.probabilities`).
+    calibrated exactly as `OnnxClassifier.predict_pixels` computes them (`OnnxClassifier.probabilities`);
+    `classifier.judge(rows["logits"], rows["features"], coverage)` gives the unknown verdicts and sets.
+    A record indexes like the batch: `rows[i]["probs"]` is one image's, `np.stack` of records a batch again.
     """
-    (logits,) = classifier.session.run(["logits"], {"pixels": np.ascontiguousarray(batch)})  # (B, K)
-    return np.stack([logits, classifier.probabilities(logits)], axis=1)
+    logits, features = classifier.run_fast(np.ascontiguousarray(batch))  # (B, K), (B, D) or None
+    (B, K), D = logits.shape, (0 if features is None else features.shape[1])
+    rows = np.empty(B, [("logits", np.float32, (K,)), ("probs", np.float32, (K,)), ("features", np.float32, (D,))])
+    rows["logits"], rows["probs"] = logits, classifier.probabilities(logits)
+    if D:
+        rows["features"] = features
+    return rows
 
 
 class Engine:
@@ -363,7 +371,7 @@ class Engine:
         decode: Callable[[Any], np.ndarray] | None = None,
     ):
         self.classifier, self.settings = classifier, settings
-        self.forward = lambda batch: logits_and_probs(classifier, batch)  # (B, H, W, 3) -> (B, 2, K)
+        self.forward = lambda batch: forward_rows(classifier, batch)  # (B, H, W, 3) -> (B,) records
         self.batcher = MicroBatcher(
             self.forward,
             max_batch_size=settings.max_batch_size,
@@ -405,14 +413,14 @@ class Engine:
         self.drained = self.batcher.close(timeout=self.settings.graceful_timeout_s)
 
     async def infer(self, item: Any) -> np.ndarray:
-        """(H, W, 3) uint8 (or an item for `decode`) -> (2, K) logits and probabilities, batched with
-        concurrent requests."""
+        """(H, W, 3) uint8 (or an item for `decode`) -> its record of `forward_rows` (logits, probs, features),
+        batched with concurrent requests."""
         future = self.batcher.submit(item, asyncio.get_running_loop().create_future())
         return await self.deadlines.watch(future)
 
     async def predict(self, item: Any) -> np.ndarray:
         """(H, W, 3) uint8 (or an item for `decode`) -> (K,) probabilities, batched with concurrent requests."""
-        return (await self.infer(item))[1]
+        return (await self.infer(item))["probs"]
 
     async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
         """`fn(*args)` on the worker thread (for anything else that uses the session)."""

@@ -75,7 +75,7 @@ class TrustMetrics:
             "vitscope_ood_score",
             "OOD score per answer (higher: less like the training images)",
             ["model"],
-            buckets=(-20, -15, -10, -8, -6, -4, -2, 0, 2, 5, 10, 100),
+            buckets=(-20, -10, -5, -2, 0, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 10000),  # energy or Mahalanobis
             registry=registry,
         )
         self.unknown = Counter(

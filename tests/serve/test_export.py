@@ -53,11 +53,13 @@ def test_the_graph_takes_uint8_pixels_and_explain_is_optional(tiny_onnx):
     pixels = session.get_inputs()[0]
     assert pixels.name == "pixels" and pixels.type == "tensor(uint8)" and pixels.shape[1:] == [32, 32, 3]
     x = np.random.default_rng(0).integers(0, 256, (3, 32, 32, 3), dtype=np.uint8)
-    logits, attns, grads = session.run(None, {"pixels": x})  # no explain input: the fast branch
-    assert logits.shape == (3, 4) and attns.size == 0 and grads.size == 0
-    logits2, attns2, grads2 = session.run(None, {"pixels": x, "explain": np.array(True)})
+    assert [o.name for o in session.get_outputs()] == ["logits", "attns", "grads", "features"]
+    logits, attns, grads, features = session.run(None, {"pixels": x})  # no explain input: the fast branch
+    assert logits.shape == (3, 4) and attns.size == 0 and grads.size == 0 and features.shape == (3, 32)
+    logits2, attns2, grads2, features2 = session.run(None, {"pixels": x, "explain": np.array(True)})
     assert grads2.size == 0
     np.testing.assert_allclose(logits2, logits, atol=1e-5)
+    np.testing.assert_allclose(features2, features, atol=1e-5)  # every branch gives the same pre-logits
     assert attns2.shape == (2, 3, 2, 17, 17)
     np.testing.assert_allclose(attns2.sum(-1), 1.0, atol=1e-5)  # softmax rows
 

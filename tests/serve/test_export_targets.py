@@ -64,7 +64,7 @@ def test_the_portable_file_is_standard_onnx_in_one_plain_graph(portable_onnx):
     inits = {i.name for i in model.graph.initializer}
     assert [i.name for i in model.graph.input if i.name not in inits] == ["pixels"]
     assert not inits & {"explain", "gradients", "target"}  # no optional inputs for a runtime to freeze
-    assert [o.name for o in model.graph.output] == ["logits", "attns"]
+    assert [o.name for o in model.graph.output] == ["logits", "attns", "features"]
 
 
 def _reference_maps(path: Path, pixels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -146,7 +146,8 @@ def test_the_portable_int8_file_uses_standard_quantised_ops_and_runs_everywhere(
         np.testing.assert_allclose(other_logits, logits, atol=INT8_LOGIT_TOLERANCE, err_msg=name)
         np.testing.assert_allclose(_maps_from(other_attns, out), maps, atol=INT8_MAP_TOLERANCE, err_msg=name)
     triton = onnx.load(int8_files["portable-int8-triton"])
-    assert {domain for domain, _ in _ops(triton)} == {""} and [o.name for o in triton.graph.output] == ["logits"]
+    assert {domain for domain, _ in _ops(triton)} == {""}
+    assert [o.name for o in triton.graph.output] == ["logits", "features", "probs"]
     assert {p.key: p.value for p in triton.metadata_props}["quantization"].startswith("int8-")
 
 

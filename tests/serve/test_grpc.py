@@ -15,7 +15,7 @@ import onnxruntime as ort
 import pytest
 
 from serve.runtime.classifier import OnnxClassifier, softmax
-from serve.server.testing import free_port
+from serve.server.testing import free_port, read_metric
 from tests.helpers import CLASS_NAMES, ServerProcess, png_bytes, quadrant_images
 
 grpcclient = pytest.importorskip("tritonclient.grpc")
@@ -120,7 +120,10 @@ def test_bad_requests_get_the_right_status_and_say_what_to_do(client, model):
 
 
 def test_grpc_calls_are_counted_in_the_metrics(client, model, server):
-    infer(client, model, np.zeros((1, 32, 32, 3), np.uint8))
+    answers = lambda: read_metric(server.metrics(AUTH), "vitscope_confidence_count", default=0.0)  # trust metrics
+    before = answers()
+    infer(client, model, np.zeros((2, 32, 32, 3), np.uint8))
+    assert answers() == before + 2  # gRPC answers feed the drift gauges as HTTP ones do
     refusal(lambda: infer(client, model, np.zeros((1, 16, 32, 3), np.uint8)))
     text = httpx.get(server.url + "/metrics", headers=AUTH).text
     route = "/inference.GRPCInferenceService/ModelInfer"

@@ -56,31 +56,39 @@ def test_the_config_parses_as_tritons_model_config_and_matches_the_graph(repo):
     config = _config(folder)
     assert config.name == "tiny_vit" and config.platform == "onnxruntime_onnx"
     assert config.max_batch_size >= 1 and config.HasField("dynamic_batching")
-    (pixels,), (logits,) = config.input, config.output
+    (pixels,), (logits, features, probs) = config.input, config.output
     pb2 = _pb2()
+    K = len(CLASS_NAMES)
     assert (pixels.name, pixels.data_type, list(pixels.dims)) == ("pixels", pb2.TYPE_UINT8, [32, 32, 3])
-    assert (logits.name, logits.data_type, list(logits.dims)) == ("logits", pb2.TYPE_FP32, [len(CLASS_NAMES)])
-    assert logits.label_filename == "labels.txt"
+    assert (logits.name, logits.data_type, list(logits.dims)) == ("logits", pb2.TYPE_FP32, [K])
+    assert (probs.name, probs.data_type, list(probs.dims)) == ("probs", pb2.TYPE_FP32, [K])
+    assert features.name == "features" and len(features.dims) == 1
+    assert logits.label_filename == probs.label_filename == "labels.txt"
     graph = onnx.load(folder / "1" / "model.onnx").graph
     inits = {i.name for i in graph.initializer}
     assert [i.name for i in graph.input if i.name not in inits] == ["pixels"]
-    assert [o.name for o in graph.output] == ["logits"]  # the logits path alone
+    assert [o.name for o in graph.output] == ["logits", "features", "probs"]  # the logits path alone, no maps
 
 
 def test_the_model_runs_in_onnxruntime_as_the_config_describes_it(repo):
     models, main_file = repo
     folder = models / "tiny_vit"
     config = _config(folder)
-    (inp,), (out,) = config.input, config.output
+    (inp,), outs = config.input, config.output
     dtype = NUMPY_DTYPES[_pb2().DataType.Name(inp.data_type)]
     images, _ = quadrant_images(5, seed=7)
     batch = images.astype(dtype).reshape(len(images), *inp.dims)  # (B, *dims): Triton adds the batch axis
     session = ort.InferenceSession(str(folder / "1" / "model.onnx"), providers=["CPUExecutionProvider"])
-    (logits,) = session.run([out.name], {inp.name: batch})
-    assert logits.dtype == NUMPY_DTYPES[_pb2().DataType.Name(out.data_type)]
-    assert logits.shape == (len(images), *out.dims)
+    got = dict(zip([o.name for o in outs], session.run([o.name for o in outs], {inp.name: batch}), strict=True))
+    for out in outs:
+        assert got[out.name].dtype == NUMPY_DTYPES[_pb2().DataType.Name(out.data_type)]
+        assert got[out.name].shape == (len(images), *out.dims)
     clf = OnnxClassifier(main_file)
+    logits = got["logits"]
     np.testing.assert_allclose(logits, clf.session.run(["logits"], {"pixels": images})[0], atol=1e-5)
+    # the temperature is folded into the graph: a Triton client reads the calibrated probabilities as served
+    assert clf.calibrated and clf.trust.temperature != pytest.approx(1.0)
+    np.testing.assert_allclose(got["probs"], clf.predict_pixels(images), atol=1e-5)
     labels = (folder / "labels.txt").read_text().splitlines()
     assert [labels[i] for i in logits.argmax(-1)] == [top[0][0] for top in clf.top_k(clf.predict_pixels(images), 1)]
 
@@ -90,5 +98,6 @@ def test_the_portable_target_gives_triton_standard_ops(tiny_checkpoint, tmp_path
     out = tmp_path / "tiny-portable.onnx"
     assert main([str(tiny_checkpoint), "-o", str(out), "--target", "portable", "--triton-repo", str(tmp_path)]) == 0
     model = onnx.load(tmp_path / "tiny-portable" / "1" / "model.onnx")  # named after the output's stem
-    assert {n.domain for n in model.graph.node} == {""} and [o.name for o in model.graph.output] == ["logits"]
+    assert {n.domain for n in model.graph.node} == {""}
+    assert [o.name for o in model.graph.output] == ["logits", "features", "probs"]
     assert _config(tmp_path / "tiny-portable").name == "tiny-portable"

@@ -64,6 +64,32 @@ def test_psi_is_zero_for_the_stored_distribution_and_large_for_a_shifted_one():
     assert cal.psi(expected, np.array([0] * 9 + [500])) > 1.0
 
 
+def test_the_shrunk_gaussian_scores_new_images_like_the_fitted_ones_even_with_few_images_for_the_width():
+    rng = np.random.default_rng(0)
+    D, K, n = 64, 4, 48  # fewer images than feature dimensions: the plain covariance is singular
+    centres = rng.normal(0, 3, (K, D))
+    draw = lambda m: (lambda y: (centres[y] + rng.normal(0, 1, (m, D)), y))(rng.integers(0, K, m))
+    (fitted, y), (new, _) = draw(n), draw(400)
+    means, precision = cal.fit_gaussian(fitted, y, K)
+    assert np.isfinite(precision).all() and np.linalg.cond(precision) < 1e3
+    inside, outside = (
+        cal.mahalanobis(new, means, precision),
+        cal.mahalanobis(rng.normal(0, 3, (400, D)), means, precision),
+    )
+    assert np.quantile(inside, 0.95) < 3 * np.quantile(cal.mahalanobis(fitted, means, precision), 0.95)
+    assert (outside > np.quantile(inside, 0.95)).mean() > 0.99  # far images: past the 95 % threshold
+
+
+def test_the_files_unknown_score_is_the_mahalanobis_distance_of_its_features_output(tiny_onnx):
+    clf = OnnxClassifier(tiny_onnx)
+    assert clf.trust.ood_kind == "mahalanobis" and clf.needs_features
+    pixels = np.random.default_rng(1).integers(0, 256, (5, 32, 32, 3), dtype=np.uint8)
+    logits, features = clf.session.run(["logits", "features"], {"pixels": pixels})
+    g = clf.trust.gaussian
+    np.testing.assert_allclose(clf.assess(pixels).ood_scores, cal.mahalanobis(features, g["means"], g["precision"]))
+    assert g["means"].shape == (len(CLASS_NAMES), features.shape[1])
+
+
 def test_the_exported_file_carries_calibration_fitted_on_the_runs_calibration_split(tiny_onnx, tiny_run):
     clf = OnnxClassifier(tiny_onnx)
     assert clf.calibrated and clf.trust.images == CALIB_IMAGES

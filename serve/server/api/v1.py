@@ -153,7 +153,7 @@ def v1_router(
             rows = await model_result(engine.infer(pixels), limits.request_timeout_s)
             answers = answer(served, rows, coverage)
             if payloads is not None:
-                payloads.record(request_id_of(request), "/v1/classify", model, rows[1][None], [data])
+                payloads.record(request_id_of(request), "/v1/classify", model, rows["probs"][None], [data])
             return JSONResponse(encode_response(served, answers, params["top_k"], explanation))
         # Decode small uploads where a core is free: on the event loop when onnxruntime runs on one thread
         # (small models: the loop has the other core), on the model's thread right before its batch when
@@ -164,13 +164,13 @@ def v1_router(
             item = img
         else:  # on the event loop, while the model runs on the other core
             item = decode_image(img, classifier, limits.max_pixels)
-        rows = await model_result(engine.infer(item), limits.request_timeout_s)  # (2, K) logits, probs
+        rows = await model_result(engine.infer(item), limits.request_timeout_s)  # logits, probs, features
         if payloads is not None:
-            payloads.record(request_id_of(request), "/v1/classify", model, rows[1][None], [data])
+            payloads.record(request_id_of(request), "/v1/classify", model, rows["probs"][None], [data])
         return JSONResponse(encode_response(served, answer(served, rows, coverage), params["top_k"]))
 
     def answer(served: ModelVersion, rows: np.ndarray, coverage: float | None) -> Assessment:
-        answers = served.classifier.judge(rows[0][None], None, coverage)
+        answers = served.classifier.judge(rows["logits"][None], rows["features"][None], coverage)
         metrics.trust.record(served.name, served.classifier.labels, answers)
         return answers
 

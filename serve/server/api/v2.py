@@ -29,6 +29,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
+from serve.runtime.trust import Assessment
 from serve.server.api.tensors import (
     HEADER_LENGTH,
     ONNX_DATATYPES,
@@ -40,6 +41,7 @@ from serve.server.api.tensors import (
 from serve.server.api.v1 import request_id_of, resolve
 from serve.server.http.errors import ApiError, error_response, model_result
 from serve.server.http.uploads import read_body
+from serve.server.metrics import Metrics
 from serve.server.payload_log import PayloadLog
 from serve.server.repository.repository import ModelRepository, UnknownModel
 from serve.server.repository.version import LoadFailure, ModelVersion
@@ -81,12 +83,11 @@ def check_trust_request(classifier, req) -> None:
         raise ApiError("bad_request", 'the output "in_set" needs the request parameter "coverage", e.g. 0.95')
 
 
-def trust_outputs(classifier, logits: np.ndarray, coverage: float | None) -> dict[str, np.ndarray]:
-    """in_set (B, K), unknown (B,) and ood_score (B,) as FP32 tensors."""
-    a = classifier.judge(logits, None, coverage)
+def trust_outputs(a: Assessment) -> dict[str, np.ndarray]:
+    """in_set (B, K), unknown (B,) and ood_score (B,) of a judged batch, as FP32 tensors."""
     out = {"unknown": a.unknown.astype(np.float32), "ood_score": a.ood_scores.astype(np.float32)}
     if a.sets is not None:
-        in_set = np.zeros(logits.shape, np.float32)
+        in_set = np.zeros(a.logits.shape, np.float32)
         for i, members in enumerate(a.sets):
             in_set[i, members] = 1.0
         out["in_set"] = in_set
@@ -106,7 +107,9 @@ def tensor_specs(classifier) -> tuple[TensorSpec, TensorSpec]:
     return pixels, logits
 
 
-def v2_router(repository: ModelRepository, limits: RequestLimits, payloads: PayloadLog | None = None) -> APIRouter:
+def v2_router(
+    repository: ModelRepository, limits: RequestLimits, metrics: Metrics, payloads: PayloadLog | None = None
+) -> APIRouter:
     """The v2 routes, and the repository extension, over the repository's versions; each answered infer is
     recorded in `payloads` (None: nowhere)."""
     router = APIRouter(prefix="/v2")
@@ -195,10 +198,12 @@ def v2_router(repository: ModelRepository, limits: RequestLimits, payloads: Payl
         failed = next((r for r in results if isinstance(r, BaseException)), None)
         if failed is not None:  # every image has settled: nothing is left running or unobserved
             raise failed
-        rows = np.stack(results)  # (B, 2, K): logits, probs
-        by_name = {OUTPUT: rows[:, 0], PROBS: rows[:, 1]}
+        rows = np.stack(results)  # (B,) records: logits, probs, features
+        by_name = {OUTPUT: rows["logits"], PROBS: rows["probs"]}
+        answers = classifier.judge(rows["logits"], rows["features"], req.coverage)
+        metrics.trust.record(served.name, classifier.labels, answers)  # every answer feeds the drift gauges
         if any(n in TRUST_OUTPUTS for n, _ in req.outputs):
-            by_name.update(trust_outputs(classifier, rows[:, 0], req.coverage))
+            by_name.update(trust_outputs(answers))
         head = {"model_name": served.name, "model_version": served.version}
         req_id = req.id or request.headers.get("x-request-id")
         if req_id:
@@ -206,7 +211,7 @@ def v2_router(repository: ModelRepository, limits: RequestLimits, payloads: Payl
         if payloads is not None:
             images = [p.tobytes() for p in req.pixels] if payloads.wants_images else None
             model = (served.name, served.version, classifier.labels)
-            payloads.record(request_id_of(request), request.url.path, model, rows[:, 1], images)
+            payloads.record(request_id_of(request), request.url.path, model, rows["probs"], images)
         content, headers = encode_infer_response(head, [(n, by_name[n], binary) for n, binary in req.outputs])
         return Response(content, headers=headers)
 

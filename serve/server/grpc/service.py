@@ -153,12 +153,14 @@ class Service:
         failed = next((r for r in results if isinstance(r, BaseException)), None)
         if failed is not None:  # every image has settled: nothing is left running or unobserved
             raise failed
-        rows = np.stack(results)  # (B, 2, K): logits, probs
-        by_name = {"logits": rows[:, 0], "probs": rows[:, 1]}
+        rows = np.stack(results)  # (B,) records: logits, probs, features
+        by_name = {"logits": rows["logits"], "probs": rows["probs"]}
+        answers = m.classifier.judge(rows["logits"], rows["features"])
+        self.metrics.trust.record(m.name, m.classifier.labels, answers)  # every answer feeds the drift gauges
         if self.payloads is not None:
             images = [p.tobytes() for p in pixels] if self.payloads.wants_images else None
             model = (m.name, m.version, m.classifier.labels)
-            self.payloads.record(self.request_id(context, request.id), INFER_ROUTE, model, rows[:, 1], images)
+            self.payloads.record(self.request_id(context, request.id), INFER_ROUTE, model, rows["probs"], images)
         return infer_response(m.name, m.version, request.id, [(n, by_name[n]) for n in wanted])
 
     def request_id(self, context, given: str) -> str:

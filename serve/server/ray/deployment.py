@@ -37,7 +37,7 @@ from ray import serve
 from ray.exceptions import ActorDiedError, ActorUnavailableError
 from starlette.concurrency import run_in_threadpool
 
-from serve.server.batching import Engine, choose_batch_size, logits_and_probs, time_batch_sizes
+from serve.server.batching import Engine, choose_batch_size, forward_rows, time_batch_sizes
 from serve.server.http.errors import ApiError
 from serve.server.settings import ServeSettings
 
@@ -78,7 +78,7 @@ class ModelReplica:
         self.thread = ThreadPoolExecutor(1, thread_name_prefix="vitscope-onnx")  # the session's one thread
         self.name = replica_name()
         H, W = self.classifier.input_size
-        forward = functools.partial(logits_and_probs, self.classifier)
+        forward = functools.partial(forward_rows, self.classifier)
         size = self.settings.preferred_batch_size
         if not size:  # measured as vit-serve measures it (serve.server.batching.choose_batch_size)
             size = choose_batch_size(time_batch_sizes(forward, (H, W, 3), self.settings.max_batch_size))
@@ -87,9 +87,9 @@ class ModelReplica:
 
     @serve.batch(max_batch_size=32, batch_wait_timeout_s=0.0)
     async def forward(self, images: list[np.ndarray]) -> list[tuple[np.ndarray, str]]:
-        """Images (H, W, 3) uint8 -> per image, (its (2, K) logits and probabilities, this replica's name)."""
+        """Images (H, W, 3) uint8 -> per image, (its record of `forward_rows`, this replica's name)."""
         loop = asyncio.get_running_loop()
-        out = await loop.run_in_executor(self.thread, logits_and_probs, self.classifier, np.stack(images))
+        out = await loop.run_in_executor(self.thread, forward_rows, self.classifier, np.stack(images))
         return [(row, self.name) for row in out]
 
     async def check_health(self) -> None:
@@ -118,7 +118,7 @@ class RayEngine(Engine):
         self.ready = True
 
     async def infer(self, item: Any) -> np.ndarray:
-        """(H, W, 3) uint8 (or an opened upload) -> (2, K) logits and probabilities from a model replica."""
+        """(H, W, 3) uint8 (or an opened upload) -> its record of `forward_rows` from a model replica."""
         image = item if isinstance(item, np.ndarray) else await run_in_threadpool(self.batcher.prepare, item)
         for attempt in range(1, ATTEMPTS + 1):
             try:

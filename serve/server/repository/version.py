@@ -135,11 +135,11 @@ def load_version(
             engine.start()
             H, W = classifier.input_size
             probe = np.random.default_rng(0).integers(0, 256, (WARM_UP_IMAGES, H, W, 3), dtype=np.uint8)
-            out = engine.batcher.call(engine.forward, probe).result(60)  # (B, 2, K)
+            out = engine.batcher.call(engine.forward, probe).result(60)  # (B,) records: logits, probs, features
         except Exception as e:
             engine.stop()
             raise LoadFailure("warm_up", f"{path}: the warm-up batch failed: {e}") from None
-        if not np.isfinite(out).all():
+        if not all(np.isfinite(out[field]).all() for field in out.dtype.names):
             engine.stop()
             raise LoadFailure("non_finite", f"{path}: the warm-up batch gave NaN or infinite outputs; do not serve it")
         if stamp != _stamp(path):
