@@ -7,9 +7,10 @@ calibration never saw:
 
 - calibration: ECE (15 bins) and NLL before and after temperature scaling;
 - prediction sets: empirical coverage and mean set size at 0.90 and 0.95, LAC and APS, marginal and class-conditional;
-- unknown inputs: AUROC of max-softmax, energy and Mahalanobis (pre-logit features, torch here) against far
-  out-of-distribution images (scikit-learn's digits, uniform noise, crops of scikit-learn's sample photos) and,
-  for the open-set model (trained on 8 Fashion-MNIST classes), the 2 held-out classes.
+- unknown inputs: AUROC of max-softmax, energy and Mahalanobis (the file's `features` output, class means and
+  precision) against far out-of-distribution images (scikit-learn's digits, uniform noise, crops of
+  scikit-learn's sample photos) and, for the open-set model (trained on 8 Fashion-MNIST classes), the 2
+  held-out classes; and the share the file's own verdict calls unknown at its threshold.
 Fashion-MNIST is scored on its official test set (data/fmnist/val), the digits sample on its validation split.
 Writes benchmarks/results/trust.json and prints markdown tables.
 """
@@ -26,7 +27,6 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
-import torch
 from PIL import Image
 from sklearn.datasets import load_digits, load_sample_images
 from sklearn.metrics import roc_auc_score
@@ -35,7 +35,6 @@ from serve.export.cli import export_onnx
 from serve.runtime import calibration as cal
 from serve.runtime.classifier import OnnxClassifier
 from serve.runtime.images import load_image
-from train.checkpoint import load_network
 
 REPO = Path(__file__).resolve().parents[1]
 RESULT = REPO / "benchmarks" / "results" / "trust.json"
@@ -86,37 +85,34 @@ def far_ood(clf: OnnxClassifier, n: int = 600, seed: int = 0) -> dict[str, np.nd
 
 
 class Scored:
-    """One model's logits and pre-logit features (torch) for any pixels, and its Gaussian fitted on calibration."""
+    """One exported file's logits and features for any pixels, and the three OOD scores it can give."""
 
-    def __init__(self, ckpt: Path, clf: OnnxClassifier, calib_pixels: np.ndarray, calib_labels: np.ndarray):
-        self.net, meta = load_network(ckpt)
-        self.pre, self.clf = meta["preprocess"], clf
-        self.T = clf.trust.temperature
-        self.calib_logits = self.logits(calib_pixels)
-        feats = self.features(calib_pixels)
-        self.means, self.precision = cal.fit_gaussian(feats, calib_labels, len(clf.labels))
+    def __init__(self, clf: OnnxClassifier):
+        self.clf, self.T = clf, clf.trust.temperature
+
+    def outputs(self, pixels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        out = [self.clf.session.run(["logits", "features"], {"pixels": pixels[i : i + 500]}) for i in
+               range(0, len(pixels), 500)]  # fmt: skip
+        return np.concatenate([o[0] for o in out]), np.concatenate([o[1] for o in out])
 
     def logits(self, pixels: np.ndarray) -> np.ndarray:
-        return np.concatenate([self.clf.logits(pixels[i : i + 500]) for i in range(0, len(pixels), 500)])
-
-    @torch.no_grad()
-    def features(self, pixels: np.ndarray) -> np.ndarray:
-        out = []
-        for i in range(0, len(pixels), 500):
-            x = torch.from_numpy(self.pre.normalize(pixels[i : i + 500]))
-            out.append(self.net.forward_head(self.net.forward_features(x), pre_logits=True).numpy())
-        return np.concatenate(out)
+        return self.outputs(pixels)[0]
 
     def ood(self, pixels: np.ndarray) -> dict[str, np.ndarray]:
-        logits = self.logits(pixels)
-        probs = cal.softmax(logits, self.T)
-        g = {"features": self.features(pixels), "means": self.means, "precision": self.precision}
-        return {k: cal.ood_score(k, probs, logits, self.T, **g) for k in cal.OOD_SCORES}
+        """Each score's (n,) values, and "verdict": the file's own unknown verdict (its score and threshold)."""
+        logits, features = self.outputs(pixels)
+        probs = self.clf.probabilities(logits)
+        g = self.clf.trust.gaussian
+        if not g:  # a file that scores with energy or max-softmax: fit the Gaussian here, on its calibration split
+            raise ValueError("export with --ood-score mahalanobis (the default) to compare the three scores")
+        scores = {k: cal.ood_score(k, probs, logits, self.T, features=features, **g) for k in cal.OOD_SCORES}
+        scores["verdict"] = self.clf.judge(logits, features).unknown
+        return scores
 
 
-def coverage_rows(calib_logits, calib_labels, T, test_logits, test_labels) -> list[dict]:
+def coverage_rows(calib_logits, calib_labels, calibrate, test_logits, test_labels) -> list[dict]:
     """Coverage and mean set size at each target, for each method, marginal and class-conditional."""
-    cp, tp = cal.softmax(calib_logits, T), cal.softmax(test_logits, T)
+    cp, tp = calibrate(calib_logits), calibrate(test_logits)
     rows = []
     for method in cal.CONFORMAL_METHODS:
         true = cal.conformal_scores(cp, method)[np.arange(len(calib_labels)), calib_labels]
@@ -153,10 +149,10 @@ def evaluate(name: str, ckpt: Path, test_root: Path, classes: list[str], workdir
         paths, labels = [e["path"] for e in split["val"]], np.array([e["label"] for e in split["val"]])
     else:
         paths, labels = folder_images(test_root, classes)
-    s = Scored(ckpt, clf, calib_pixels, calib_labels)
+    s = Scored(clf)
     test_pixels = pixels_of(clf, paths)
     logits = s.logits(test_pixels)
-    raw, probs = cal.softmax(logits), cal.softmax(logits, s.T)
+    raw, probs = cal.softmax(logits), clf.probabilities(logits)
     out = {
         "model": name,
         "calibration_images": len(calib_labels),
@@ -167,25 +163,55 @@ def evaluate(name: str, ckpt: Path, test_root: Path, classes: list[str], workdir
         "ece_after": round(cal.ece(probs, labels), 4),
         "nll_before": round(cal.nll(raw, labels), 4),
         "nll_after": round(cal.nll(probs, labels), 4),
-        "sets": coverage_rows(s.calib_logits, calib_labels, s.T, logits, labels),
+        "ood_score": clf.trust.ood_kind,
+        "confidence_map": clf.trust.confidence_map is not None,
+        "ece_temperature_only": round(cal.ece(cal.softmax(logits, s.T), labels), 4),
+        "sets": coverage_rows(s.logits(calib_pixels), calib_labels, clf.probabilities, logits, labels),
+        "resplit_coverage": resplit_coverage(s.logits(calib_pixels), calib_labels, logits, labels, clf.probabilities),
     }
     file_sets = clf.assess(test_pixels[:2000], 0.95).sets  # the file's own sets, as served
     hits = [y in st for y, st in zip(labels[:2000], file_sets, strict=True)]
     out["file_coverage_0.95_first_2000"] = round(float(np.mean(hits)), 4)
+    known = s.ood(test_pixels)
+    out["unknown_rate_test"] = round(float(known["verdict"].mean()), 4)
     if ood_sets:
-        known = s.ood(test_pixels)
         out["ood"] = []
         for set_name, px in far_ood(clf).items():
             other = s.ood(px)
             out["ood"].append({"ood_set": set_name, "images": len(px), **auroc(known, other)})
-        out["unknown_rate_test"] = round(float(clf.assess(test_pixels[:2000]).unknown.mean()), 4)
-        out["_scores"] = known
     return out
 
 
 def auroc(known: dict, other: dict) -> dict:
+    """AUROC of each score, and the share of the other images the file's verdict calls unknown."""
     y = lambda k: np.r_[np.zeros(len(known[k])), np.ones(len(other[k]))]
-    return {k: round(float(roc_auc_score(y(k), np.r_[known[k], other[k]])), 4) for k in cal.OOD_SCORES}
+    out = {k: round(float(roc_auc_score(y(k), np.r_[known[k], other[k]])), 4) for k in cal.OOD_SCORES}
+    return {**out, "called_unknown": round(float(other["verdict"].mean()), 4)}
+
+
+def resplit_coverage(calib_logits, calib_labels, test_logits, test_labels, calibrate, trials=100) -> list[dict]:
+    """The guarantee is over calibration sets: pool calibration and test images, re-split them at random into
+    sets of the same sizes `trials` times, and report the mean coverage of LAC sets (the file's method)."""
+    logits, labels = np.concatenate([calib_logits, test_logits]), np.concatenate([calib_labels, test_labels])
+    scores = cal.conformal_scores(calibrate(logits), "lac")
+    n, rng, rows = len(calib_labels), np.random.default_rng(0), []
+    for target in COVERAGES:
+        cover, size = [], []
+        for _ in range(trials):
+            order = rng.permutation(len(labels))
+            c, t = order[:n], order[n:]
+            q = cal.conformal_threshold(np.sort(scores[c, labels[c]]), target)
+            inside = scores[t] <= q
+            cover.append(inside[np.arange(len(t)), labels[t]].mean())
+            size.append(inside.sum(1).mean())
+        rows.append({
+            "target": target,
+            "trials": trials,
+            "coverage": round(float(np.mean(cover)), 4),
+            "coverage_sd": round(float(np.std(cover)), 4),
+            "mean_set_size": round(float(np.mean(size)), 3),
+        })  # fmt: skip
+    return rows
 
 
 def open_set(ckpt: Path, fmnist_val: Path, workdir: Path) -> dict:
@@ -194,8 +220,7 @@ def open_set(ckpt: Path, fmnist_val: Path, workdir: Path) -> dict:
     classes = split["classes"]
     r = evaluate("fmnist8", ckpt, fmnist_val, classes, workdir, ood_sets=False)
     clf = OnnxClassifier(workdir / "fmnist8.onnx")
-    s = Scored(ckpt, clf, pixels_of(clf, [e["path"] for e in split["calib"]]),
-               np.array([e["label"] for e in split["calib"]]))  # fmt: skip
+    s = Scored(clf)
     known = s.ood(pixels_of(clf, folder_images(fmnist_val, classes)[0]))
     held = s.ood(pixels_of(clf, folder_images(fmnist_val, list(HELD_OUT))[0]))
     r["open_set"] = {"held_out": list(HELD_OUT), "images": len(held["energy"]), **auroc(known, held)}
@@ -204,13 +229,15 @@ def open_set(ckpt: Path, fmnist_val: Path, workdir: Path) -> dict:
 
 def table(results: list[dict]) -> str:
     lines = [
-        "| model | test images | accuracy | T | ECE before | ECE after | NLL before | NLL after |",
-        "|" + "---|" * 8,
+        "| model | test images | accuracy | T | ECE before | ECE, temperature alone | ECE after | NLL before "
+        "| NLL after |",
+        "|" + "---|" * 9,
     ]
     for r in results:
         lines.append(
             f"| {r['model']} | {r['test_images']} | {r['accuracy']:.2%} | {r['temperature']} | {r['ece_before']:.2%} "
-            f"| {r['ece_after']:.2%} | {r['nll_before']:.3f} | {r['nll_after']:.3f} |"
+            f"| {r.get('ece_temperature_only', r['ece_after']):.2%} | {r['ece_after']:.2%} | {r['nll_before']:.3f} "
+            f"| {r['nll_after']:.3f} |"
         )
     lines += ["", "| model | sets | target | coverage | mean set size | empty sets |", "|" + "---|" * 6]
     for r in results:
@@ -219,8 +246,24 @@ def table(results: list[dict]) -> str:
                 f"| {r['model']} | {row['method']} | {row['target']:.2f} | {row['coverage']:.2%} "
                 f"| {row['mean_set_size']:.2f} | {row['empty_sets']:.2%} |"
             )
-    lines += ["", "| model | out-of-distribution images | n | AUROC max-softmax | AUROC energy | AUROC Mahalanobis |"]
-    lines.append("|" + "---|" * 6)
+    lines += ["", "| model | sets | target | trials | mean coverage | sd | mean set size |", "|" + "---|" * 7]
+    for r in results:
+        for row in r.get("resplit_coverage", []):
+            lines.append(
+                f"| {r['model']} | lac, calibration and test re-split | {row['target']:.2f} | {row['trials']} "
+                f"| {row['coverage']:.2%} | {row['coverage_sd']:.2%} | {row['mean_set_size']:.2f} |"
+            )
+    lines += [
+        "",
+        "| model | out-of-distribution images | n | AUROC max-softmax | AUROC energy | AUROC Mahalanobis "
+        "| called unknown by the file |",
+        "|" + "---|" * 7,
+    ]
+    for r in results:
+        if "unknown_rate_test" in r:
+            lines.append(
+                f"| {r['model']} | (its own test images) | {r['test_images']} | | | | {r['unknown_rate_test']:.2%} |"
+            )
     for r in results:
         rows = list(r.get("ood", [])) + (
             [{"ood_set": "2 held-out classes", **r["open_set"]}] if "open_set" in r else []
@@ -228,7 +271,7 @@ def table(results: list[dict]) -> str:
         for o in rows:
             lines.append(
                 f"| {r['model']} | {o['ood_set']} | {o['images']} | {o['max_softmax']:.4f} | {o['energy']:.4f} "
-                f"| {o['mahalanobis']:.4f} |"
+                f"| {o['mahalanobis']:.4f} | {o.get('called_unknown', float('nan')):.2%} |"
             )
     return "\n".join(lines)
 
@@ -240,7 +283,6 @@ def main() -> None:
     p.add_argument("--sample", type=Path, help="a run trained with configs/sample.yaml")
     p.add_argument("--fmnist-data", type=Path, default=Path("data/fmnist"))
     args = p.parse_args()
-    torch.set_num_threads(1)
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
@@ -248,7 +290,6 @@ def main() -> None:
             classes = json.loads((args.fmnist / "split.json").read_text())["classes"]
             r = evaluate("fmnist", args.fmnist / "checkpoints" / "best.ckpt", args.fmnist_data / "val", classes, work,
                          ood_sets=True)  # fmt: skip
-            r.pop("_scores")
             results.append(r)
         if args.openset:
             results.append(open_set(args.openset / "checkpoints" / "best.ckpt", args.fmnist_data / "val", work))

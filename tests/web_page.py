@@ -28,7 +28,8 @@ CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run"
 # the numbers classify returns, without the RGBA crop the page draws (which does not cross to Python)
 CLASSIFY_JS = """async (source) => {
   const r = await window.vitscope.classify(source);
-  return {labels: r.labels, logits: r.logits, probs: r.probs, top: r.top, rollout: r.rollout};
+  return {labels: r.labels, logits: r.logits, probs: r.probs, top: r.top, rollout: r.rollout, unknown: r.unknown,
+          ood_score: r.ood_score};
 }"""
 BLOB_JS = """async ([b64, type]) => {
   const bytes = Uint8Array.from(atob(b64), (c) => c.charCodeAt(0));

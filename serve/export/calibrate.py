@@ -5,7 +5,9 @@ The images are the run's calibration split (`split.json` "calib", held back by `
 Their logits come from the built graph through onnxruntime, so an int8 file is calibrated as it answers.
 On them the export fits, with the formulas of `serve.runtime.calibration`:
 
-- the temperature (1-D search on NLL), with ECE (15 bins) and NLL before and after, and a reliability diagram;
+- the temperature (1-D search on NLL) and, on at least `calibration.MAP_MIN_IMAGES` images, the confidence
+  map (isotonic; `serve.runtime.calibration.calibrated_softmax`), with ECE (15 bins) and NLL before and
+  after, and a reliability diagram;
 - split-conformal scores of the true labels (LAC or APS), sorted, so the runtime builds a set at any coverage;
 - the OOD score's threshold at which `accept` of these in-distribution images are accepted; for the
   Mahalanobis score (the default), the class means and shared precision of the graph's `features` output,
@@ -27,7 +29,7 @@ import onnxruntime as ort
 from serve.runtime import calibration as cal
 from serve.runtime.classifier import session_options
 from serve.runtime.images import ImageError, Preprocess, load_image
-from serve.runtime.trust import FEATURES_OUTPUT, METADATA_KEY
+from serve.runtime.trust import FEATURES_OUTPUT, METADATA_KEY, Trust
 from train.folder import class_dirs, find_image_files
 
 log = logging.getLogger(__name__)
@@ -134,6 +136,10 @@ def fit(
     K = logits.shape[1]
     T = cal.fit_temperature(logits, labels)
     raw, probs = cal.softmax(logits), cal.softmax(logits, T)
+    knots = None
+    if len(labels) >= cal.MAP_MIN_IMAGES:
+        knots = cal.fit_confidence_map(probs.max(-1), probs.argmax(-1) == labels, K)
+        probs = cal.calibrated_softmax(logits, T, knots)
     true = cal.conformal_scores(probs, method)[np.arange(len(labels)), labels]
     order = np.argsort(true, kind="stable")
     ood_entry: dict[str, Any] = {"score": ood_kind}
@@ -157,11 +163,17 @@ def fit(
             "ece_after": round(cal.ece(probs, labels), 6),
             "nll_before": round(cal.nll(raw, labels), 6),
             "nll_after": round(cal.nll(probs, labels), 6),
+            "ece_temperature_only": round(cal.ece(cal.softmax(logits, T), labels), 6),
         },
+        **(
+            {}
+            if knots is None
+            else {"confidence_map": {"confidence": knots[0].tolist(), "accuracy": knots[1].tolist()}}
+        ),
         "conformal": {
             "method": method,
             "class_conditional": class_conditional,
-            "scores": true[order].round(7).tolist(),
+            "scores": [float(f"{v:.7g}") for v in true[order].tolist()],  # 7 digits: 1e-12 stays 1e-12
             "labels": labels[order].tolist(),
         },
         "ood": ood_entry,
@@ -176,8 +188,8 @@ def fit(
     }
 
 
-def write_reliability_png(logits: np.ndarray, labels: np.ndarray, temperature: float, path: Path) -> None:
-    """Reliability diagram, before and after temperature scaling: accuracy against confidence per bin."""
+def write_reliability_png(logits: np.ndarray, labels: np.ndarray, entry: dict[str, Any], path: Path) -> None:
+    """Reliability diagram, before and after calibration (`entry`): accuracy against confidence per bin."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -185,8 +197,11 @@ def write_reliability_png(logits: np.ndarray, labels: np.ndarray, temperature: f
 
     fig, axes = plt.subplots(1, 2, figsize=(9, 4.4), sharey=True)
     edges = np.linspace(0, 1, cal.ECE_BINS + 1)
-    for ax, (name, t) in zip(axes, (("before", 1.0), (f"after (T = {temperature:.3f})", temperature)), strict=True):
-        probs = cal.softmax(logits, t)
+    trust = Trust.from_metadata({METADATA_KEY: entry}, logits.shape[1])
+    after = f"after (T = {trust.temperature:.3f}" + (", confidence map)" if trust.confidence_map is not None else ")")
+    for ax, (name, probs) in zip(
+        axes, (("before", cal.softmax(logits)), (after, trust.probabilities(logits))), strict=True
+    ):
         conf, acc, count = cal.reliability(probs, labels)
         full = count > 0
         ax.bar(edges[:-1][full], acc[full], width=1 / cal.ECE_BINS, align="edge", edgecolor="black", label="accuracy")
@@ -231,7 +246,7 @@ def calibrate(
         options["ood_kind"] = "energy"  # a graph without features (built elsewhere): the best score the logits give
     entry = fit(logits, labels, features, source=source, **options)
     if report_png is not None:
-        write_reliability_png(logits, labels, entry["temperature"], report_png)
+        write_reliability_png(logits, labels, entry, report_png)
     return entry
 
 
@@ -243,7 +258,8 @@ def format_report(entry: dict[str, Any] | None) -> str:
     return "\n".join(
         [
             f"calibration on {entry['images']} images from {entry['source']}:",
-            f"  temperature                           {entry['temperature']:.4f}",
+            f"  temperature                           {entry['temperature']:.4f}"
+            + (" and a confidence map" if "confidence_map" in entry else ""),
             f"  ECE (15 bins) before / after          {m['ece_before']:.2%} / {m['ece_after']:.2%}",
             f"  NLL before / after                    {m['nll_before']:.4f} / {m['nll_after']:.4f}",
             f"  prediction sets                       {entry['conformal']['method']}, any coverage up to "

@@ -35,6 +35,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import onnx
 
 from serve.export import calibrate as calib
@@ -162,8 +163,10 @@ def export_onnx(
     logits_only = graphs.logits_only
     if logits_only is not None:  # checked before anything is written
         if calibration is not None:
-            triton.add_probabilities(logits_only, calibration["temperature"])
-        outputs = "logits (B, K), features (B, D)" + (", probs (B, K): softmax(logits / T)" if calibration else "")
+            cmap = calibration.get("confidence_map")
+            knots = None if cmap is None else np.array([cmap["confidence"], cmap["accuracy"]])
+            triton.add_probabilities(logits_only, calibration["temperature"], knots)
+        outputs = "logits (B, K), features (B, D)" + (", probs (B, K): calibrated probabilities" if calibration else "")
         only = {"outputs": outputs, "supports_gradients": False, "explain_precision": "none"}
         set_metadata(logits_only, {**metadata, **only, "quantization": graphs.logits_only_quantization})
         if check_parity:

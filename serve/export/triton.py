@@ -5,10 +5,10 @@
     DIR/<name>/1/model.onnx     pixels (B, H, W, 3) uint8 -> logits (B, K), features (B, D) float32,
                                 and probs (B, K) when the file is calibrated
 
-`probs` is softmax(logits / T) with the calibration's temperature folded into the graph, so a Triton
-client reads calibrated probabilities without knowing T; `logits` stay the raw ones. Triton gets the logits
-path alone: its auto-complete misreads the explain outputs (rank 5, batch on
-the second axis), and a server answers classification requests. The config is written out in full
+`probs` are the calibrated probabilities (the temperature and confidence map folded into the graph), so a
+Triton client reads them as vit-serve answers them, without knowing the calibration; `logits` stay raw.
+Triton gets the logits path alone: its auto-complete misreads the explain outputs (rank 5, batch on the
+second axis), and a server answers classification requests. The config is written out in full
 from the graph itself (names, datatypes, dims without the batch axis), so Triton needs no guessing.
 """
 
@@ -17,8 +17,11 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import numpy as np
 import onnx
-from onnx import TensorProto, helper
+from onnx import helper, numpy_helper
+
+from serve.runtime import calibration as cal
 
 # Shapes: B batch, H/W image, K classes, D features.
 
@@ -75,14 +78,64 @@ def config_pbtxt(model: onnx.ModelProto, name: str, max_batch_size: int = DEFAUL
     )
 
 
-def add_probabilities(model: onnx.ModelProto, temperature: float) -> None:
-    """Append the output `probs` (B, K) = softmax(logits / temperature) to a logits-only model, in place."""
+def add_probabilities(model: onnx.ModelProto, temperature: float, knots: np.ndarray | None = None) -> None:
+    """Append the output `probs` (B, K), the calibrated probabilities, to a logits-only model, in place.
+
+    softmax(logits / temperature), or with a confidence map `knots` (2, M) the per-image temperature of
+    `serve.runtime.calibration.calibrated_softmax`, its Newton steps unrolled (sums as MatMuls with ones and
+    the top logit from TopK, which every opset we export reads alike).
+    """
     g = model.graph
-    g.initializer.append(helper.make_tensor("probs/temperature", TensorProto.FLOAT, [], [temperature]))
-    g.node.extend([
-        helper.make_node("Div", ["logits", "probs/temperature"], ["probs/scaled"], name="probs/div"),
-        helper.make_node("Softmax", ["probs/scaled"], ["probs"], name="probs/softmax", axis=-1),
-    ])  # fmt: skip
+    K = next(o for o in g.output if o.name == "logits").type.tensor_type.shape.dim[-1].dim_value
+    consts: dict[str, np.ndarray] = {}
+
+    def const(name: str, value) -> str:
+        consts[f"probs/{name}"] = np.asarray(value, np.float32)
+        return f"probs/{name}"
+
+    nodes: list[onnx.NodeProto] = []
+
+    def op(kind: str, inputs: list[str], name: str, **attrs) -> str:
+        nodes.append(helper.make_node(kind, inputs, [f"probs/{name}"], name=f"probs/{name}", **attrs))
+        return f"probs/{name}"
+
+    if knots is None:
+        op("Softmax", [op("Div", ["logits", const("temperature", temperature)], "scaled")], "out", axis=-1)
+    else:
+        x, y = np.asarray(knots[0], np.float64), np.asarray(knots[1], np.float64)
+        ones = const("ones", np.ones((K, 1)))
+        consts["probs/k"] = np.array([1], np.int64)
+        nodes.append(helper.make_node("TopK", ["logits", "probs/k"], ["probs/top", "probs/top_index"], axis=-1))
+        d = op("Sub", ["probs/top", "logits"], "gaps")  # (B, K) >= 0
+        u = const("u0", np.full((1, 1), 1.0 / temperature))
+        p0 = op(
+            "Reciprocal",
+            [op("MatMul", [op("Exp", [op("Neg", [op("Mul", [d, u], "du0")], "ndu0")], "e0"), ones], "s0")],
+            "p0",
+        )
+        w = np.maximum(np.diff(x), 1e-12)
+        run = op("Min", [op("Relu", [op("Sub", [p0, const("x", x[:-1])], "dx")], "rdx"), const("w", w)], "seg")
+        want = op(
+            "Add",
+            [op("MatMul", [run, const("slopes", (np.diff(y) / w)[:, None])], "rise"), const("y0", [[y[0]]])],
+            "want",
+        )
+        log_want = op("Log", [want], "log_want")
+        for i in range(cal.NEWTON_STEPS):
+            e = op("Exp", [op("Neg", [op("Mul", [d, u], f"du{i + 1}")], f"ndu{i + 1}")], f"e{i + 1}")
+            S = op("MatMul", [e, ones], f"S{i}")
+            slope = op(
+                "Neg",
+                [op("Div", [op("MatMul", [op("Mul", [d, e], f"de{i}"), ones], f"sde{i}"), S], f"q{i}")],
+                f"slope{i}",
+            )
+            slope = op("Min", [slope, const("floor", [[-1e-12]])], f"slope_floor{i}")
+            step = op("Div", [op("Add", [op("Log", [S], f"logS{i}"), log_want], f"f{i}"), slope], f"step{i}")
+            u = op("Sub", [u, step], f"u{i + 1}")
+        op("Softmax", [op("Mul", ["logits", u], "scaled")], "out", axis=-1)
+    nodes[-1].output[0] = "probs"
+    g.node.extend(nodes)
+    g.initializer.extend(numpy_helper.from_array(v, k) for k, v in consts.items())
     logits = next(o for o in g.output if o.name == "logits")
     probs = onnx.ValueInfoProto()
     probs.CopyFrom(logits)

@@ -234,13 +234,17 @@ class OnnxClassifier:
         return self.judge(logits, features, coverage)
 
     def judge(
-        self, logits: np.ndarray, features: np.ndarray | None = None, coverage: float | None = None
+        self,
+        logits: np.ndarray,
+        features: np.ndarray | None = None,
+        coverage: float | None = None,
+        probs: np.ndarray | None = None,
     ) -> Assessment:
         """`assess` on logits (B, K) (and features (B, D); (B, 0) counts as None) already computed, e.g. by a
-        server's batched pass."""
+        server's batched pass, which may hand in its calibrated `probs` (B, K) too."""
         if features is not None and features.shape[-1] == 0:
             features = None
-        probs = self.probabilities(logits)
+        probs = self.probabilities(logits) if probs is None else probs
         if self.trust is None:
             return Assessment(probs, logits, None, None, None)
         scores = self.trust.ood_scores(logits, probs, features)

@@ -3,6 +3,7 @@
 `vit-export` stores it under the `calibration` metadata key (`serve.export.calibrate`):
 
     {"temperature": T, "images": n, "source": "...", "metrics": {"ece_before", "ece_after", "nll_before", ...},
+     "confidence_map": {"confidence": [M], "accuracy": [M]},   # absent: temperature scaling alone
      "conformal": {"method": "lac" | "aps", "class_conditional": bool, "scores": [n ascending], "labels": [n]},
      "ood": {"score": "energy" | "max_softmax" | "mahalanobis", "threshold": t, "accept": 0.95,
              "means": [[K x D]], "precision": [[D x D]]},   # the last two for "mahalanobis" only
@@ -32,7 +33,9 @@ class Trust:
     """The file's temperature, conformal scores, OOD threshold and drift reference.
 
     Args:
-        temperature: softmax(logits / temperature) are the calibrated probabilities.
+        temperature: softmax(logits / temperature) are the temperature-scaled probabilities.
+        confidence_map: (2, M) knots mapping their top-1 probability to the calibrated one, or None
+            (`calibration.calibrated_softmax`).
         method: the conformal score, "lac" or "aps".
         scores: (n,) ascending calibration scores of the true labels.
         score_labels: (n,) the true label of each score (class-conditional sets use them).
@@ -46,6 +49,7 @@ class Trust:
     """
 
     temperature: float
+    confidence_map: np.ndarray | None
     method: str
     scores: np.ndarray
     score_labels: np.ndarray
@@ -70,8 +74,11 @@ class Trust:
         try:
             conformal, ood = entry["conformal"], entry["ood"]
             gaussian = {k: np.asarray(ood[k], np.float64) for k in ("means", "precision") if k in ood}
+            cmap = entry.get("confidence_map")
+            knots = None if cmap is None else np.asarray([cmap["confidence"], cmap["accuracy"]], np.float64)
             trust = cls(
                 float(entry["temperature"]),
+                knots,
                 str(conformal["method"]),
                 np.asarray(conformal["scores"], np.float64),
                 np.asarray(conformal["labels"], np.int64),
@@ -102,7 +109,7 @@ class Trust:
 
     def probabilities(self, logits: np.ndarray) -> np.ndarray:
         """(B, K) logits -> (B, K) calibrated probabilities."""
-        return cal.softmax(logits, self.temperature)
+        return cal.calibrated_softmax(logits, self.temperature, self.confidence_map)
 
     def thresholds(self, coverage: float) -> np.ndarray:
         """(K,) the score threshold of each class for `coverage` (all equal unless class-conditional).
@@ -150,6 +157,7 @@ class Trust:
         return {
             "calibrated": True,
             "temperature": self.temperature,
+            "confidence_map": self.confidence_map is not None,
             "conformal_method": self.method,
             "class_conditional": self.class_conditional,
             "calibration_images": self.images,

@@ -64,6 +64,42 @@ def test_psi_is_zero_for_the_stored_distribution_and_large_for_a_shifted_one():
     assert cal.psi(expected, np.array([0] * 9 + [500])) > 1.0
 
 
+def test_the_confidence_map_gives_each_image_the_mapped_top_probability_and_keeps_its_class_order():
+    logits, labels = _synthetic(3000, temperature=1.0)
+    squashed = np.tanh(logits / 6) * 6  # confident images squashed together, as label smoothing does
+    T = cal.fit_temperature(squashed, labels)
+    scaled = cal.softmax(squashed, T)
+    knots = cal.fit_confidence_map(scaled.max(1), scaled.argmax(1) == labels, 10)
+    assert (np.diff(knots[0]) > 0).all() and (np.diff(knots[1]) > 0).all()  # strictly increasing: no ties
+    probs = cal.calibrated_softmax(squashed, T, knots)
+    np.testing.assert_allclose(probs.max(1), np.interp(scaled.max(1), *knots), atol=1e-5)
+    np.testing.assert_allclose(probs.sum(1), 1.0, atol=1e-5)
+    assert (np.argsort(probs, 1) == np.argsort(squashed, 1)).all()  # the same class order in every image
+    assert cal.ece(probs, labels) < cal.ece(scaled, labels)
+
+
+def test_tritons_probs_output_computes_the_calibrated_probabilities_in_the_graph():
+    onnx = pytest.importorskip("onnx")
+    ort = pytest.importorskip("onnxruntime")
+    from serve.export.triton import add_probabilities
+
+    logits, labels = _synthetic(2000, temperature=1.0, seed=3)
+    T = 0.8
+    scaled = cal.softmax(logits, T)
+    knots = cal.fit_confidence_map(scaled.max(1), scaled.argmax(1) == labels, 10)
+    vi = onnx.helper.make_tensor_value_info("logits", onnx.TensorProto.FLOAT, [None, 10])
+    for opset in (17, 21):
+        for k in (None, knots):
+            graph = onnx.helper.make_graph([], "g", [vi], [vi])
+            model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", opset)])
+            model.ir_version = 8
+            add_probabilities(model, T, k)
+            session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+            x = logits[:64].astype(np.float32)
+            (probs,) = session.run(["probs"], {"logits": x})
+            np.testing.assert_allclose(probs, cal.calibrated_softmax(x, T, k), atol=2e-5)
+
+
 def test_the_shrunk_gaussian_scores_new_images_like_the_fitted_ones_even_with_few_images_for_the_width():
     rng = np.random.default_rng(0)
     D, K, n = 64, 4, 48  # fewer images than feature dimensions: the plain covariance is singular

@@ -71,6 +71,9 @@ def test_the_browser_gives_onnxruntimes_logits_top1_and_rollout(site, browser):
             np.testing.assert_allclose(
                 [t["score"] for t in got["top"]], sorted(clf.predict_pixels(pixels)[0])[::-1], atol=1e-5
             )
+            verdict = clf.assess(pixels)  # the file's Mahalanobis score and threshold, computed in the page too
+            assert got["ood_score"] == pytest.approx(float(verdict.ood_scores[0]), rel=1e-4, abs=1e-3)
+            assert got["unknown"] == bool(verdict.unknown[0])
             _, maps = clf.rollout(pixels)
             assert got["rollout"]["grid"] == list(clf.grid_size)
             assert np.corrcoef(got["rollout"]["values"], maps[0].ravel())[0, 1] >= 0.999
@@ -79,6 +82,27 @@ def test_the_browser_gives_onnxruntimes_logits_top1_and_rollout(site, browser):
             logits = clf.logits(clf.prepare(site / "samples" / f"{i}_50x40.png")[None])[0]
             np.testing.assert_allclose(resized["logits"], logits, atol=1e-4, rtol=0)
     assert not browser.errors, browser.errors
+
+
+def test_the_pages_confidence_map_gives_the_runtimes_calibrated_probabilities(site, browser):
+    from serve.runtime import calibration as cal
+
+    rng = np.random.default_rng(0)
+    logits = rng.normal(0, 4, (50, 10))
+    scaled = cal.softmax(logits, 0.7)
+    knots = cal.fit_confidence_map(scaled.max(1), rng.random(50) < scaled.max(1) ** 2, 10)
+    calibration = {
+        "temperature": 0.7,
+        "confidence_map": {"confidence": knots[0].tolist(), "accuracy": knots[1].tolist()},
+    }
+    with StaticSite(site) as server:
+        page = browser.open(server.url)
+        got = page.evaluate(
+            "async ([logits, c]) => { const m = await import('./vitscope.js');"
+            " return logits.map((l) => m.calibratedSoftmax(l, c)); }",
+            [logits.tolist(), calibration],
+        )
+    np.testing.assert_allclose(got, cal.calibrated_softmax(logits, 0.7, knots), atol=1e-6)
 
 
 @pytest.mark.parametrize("interpolation", ["bicubic", "bilinear", "lanczos", "nearest"])

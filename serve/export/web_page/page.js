@@ -17,6 +17,7 @@ function clearAnswer() {
   $("result").hidden = true;
   $("top").replaceChildren();
   $("answer").textContent = "";
+  $("unknown-note").textContent = "";
 }
 
 function heat(v) {
@@ -65,8 +66,12 @@ function show(result) {
     }),
   );
   $("scores-note").textContent = result.calibrated
-    ? "Calibrated probabilities (the file's temperature)."
+    ? "Calibrated probabilities: of the images given a score, about that share are right."
     : "Softmax scores: this file carries no calibration.";
+  $("unknown-note").textContent = result.unknown
+    ? `Unknown: this image looks unlike the training images, so it is not one of the ${result.labels.length} ` +
+      "classes this model knows; the top class is only the least bad."
+    : "";
   draw(result);
   $("result").hidden = false;
 }

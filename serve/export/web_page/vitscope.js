@@ -282,6 +282,56 @@ export function softmax(logits, temperature = 1) {
   return e.map((v) => v / s);
 }
 
+// serve.runtime.calibration.calibrated_softmax: the temperature, then (with a confidence map) the per-image
+// temperature whose top-1 probability is the mapped one, by the same Newton steps on u = 1/t.
+const NEWTON_STEPS = 8;
+
+function interp(x, xs, ys) {
+  if (x <= xs[0]) return ys[0];
+  if (x >= xs[xs.length - 1]) return ys[ys.length - 1];
+  let i = 1;
+  while (xs[i] < x) i++;
+  return ys[i - 1] + ((ys[i] - ys[i - 1]) * (x - xs[i - 1])) / (xs[i] - xs[i - 1]);
+}
+
+export function calibratedSoftmax(logits, calibration) {
+  if (!calibration) return softmax(logits);
+  const map = calibration.confidence_map;
+  if (!map) return softmax(logits, calibration.temperature);
+  const m = Math.max(...logits);
+  const d = Array.from(logits, (v) => m - v);
+  const sum = (f) => d.reduce((a, di) => a + f(di), 0);
+  let u = 1 / calibration.temperature;
+  const top = 1 / sum((di) => Math.exp(-di * u));
+  const want = Math.log(interp(top, map.confidence, map.accuracy));
+  for (let i = 0; i < NEWTON_STEPS; i++) {
+    const S = sum((di) => Math.exp(-di * u));
+    const slope = Math.min(-sum((di) => di * Math.exp(-di * u)) / S, -1e-12);
+    u -= (Math.log(S) + want) / slope;
+  }
+  return softmax(Array.from(logits, (v) => v * u));
+}
+
+// The Mahalanobis unknown-input score (serve.runtime.calibration.mahalanobis): the squared distance of the
+// pre-logit features to the nearest class mean under the shared precision; null for other scores.
+export function oodScore(features, calibration) {
+  const ood = calibration && calibration.ood;
+  if (!ood || ood.score !== "mahalanobis" || !features) return null;
+  const P = ood.precision;
+  let best = Infinity;
+  for (const mean of ood.means) {
+    const x = Array.from(features, (f, j) => f - mean[j]);
+    let dist = 0;
+    for (let i = 0; i < x.length; i++) {
+      let row = 0;
+      for (let j = 0; j < x.length; j++) row += P[i][j] * x[j];
+      dist += x[i] * row;
+    }
+    best = Math.min(best, dist);
+  }
+  return best;
+}
+
 export function attentionRollout(attns, dims, numPrefixTokens, query = "cls") {
   // attns (depth, 1, nh, N, N). The runtime rolls the maps out as R = A_depth ... A_1, each A the heads'
   // mean with the residual added and rows normalised, then reads one row of R: the CLS token's ("cls") or
@@ -354,8 +404,9 @@ async function classifyNow(source) {
   const out = await session.run({ pixels: input });
   const t2 = performance.now();
   const logits = Array.from(out.logits.data);
-  const temperature = metadata.calibration ? metadata.calibration.temperature : 1;
-  const probs = softmax(logits, temperature);
+  const probs = calibratedSoftmax(logits, metadata.calibration);
+  const ood_score = out.features ? oodScore(out.features.data, metadata.calibration) : null;
+  const unknown = ood_score === null ? null : ood_score > metadata.calibration.ood.threshold;
   const labels = metadata.class_names;
   const top = probs
     .map((score, i) => ({ label: labels[i], score }))
@@ -370,6 +421,8 @@ async function classifyNow(source) {
     logits,
     probs,
     calibrated: Boolean(metadata.calibration),
+    unknown,
+    ood_score,
     top,
     rollout: { grid: metadata.grid_size, values },
     pixels: { width: pixels.width, height: pixels.height, rgba: pixels.rgba },

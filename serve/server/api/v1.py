@@ -170,7 +170,7 @@ def v1_router(
         return JSONResponse(encode_response(served, answer(served, rows, coverage), params["top_k"]))
 
     def answer(served: ModelVersion, rows: np.ndarray, coverage: float | None) -> Assessment:
-        answers = served.classifier.judge(rows["logits"][None], rows["features"][None], coverage)
+        answers = served.classifier.judge(rows["logits"][None], rows["features"][None], coverage, rows["probs"][None])
         metrics.trust.record(served.name, served.classifier.labels, answers)
         return answers
 

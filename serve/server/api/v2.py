@@ -200,7 +200,7 @@ def v2_router(
             raise failed
         rows = np.stack(results)  # (B,) records: logits, probs, features
         by_name = {OUTPUT: rows["logits"], PROBS: rows["probs"]}
-        answers = classifier.judge(rows["logits"], rows["features"], req.coverage)
+        answers = classifier.judge(rows["logits"], rows["features"], req.coverage, rows["probs"])
         metrics.trust.record(served.name, classifier.labels, answers)  # every answer feeds the drift gauges
         if any(n in TRUST_OUTPUTS for n, _ in req.outputs):
             by_name.update(trust_outputs(answers))

@@ -155,7 +155,7 @@ class Service:
             raise failed
         rows = np.stack(results)  # (B,) records: logits, probs, features
         by_name = {"logits": rows["logits"], "probs": rows["probs"]}
-        answers = m.classifier.judge(rows["logits"], rows["features"])
+        answers = m.classifier.judge(rows["logits"], rows["features"], probs=rows["probs"])
         self.metrics.trust.record(m.name, m.classifier.labels, answers)  # every answer feeds the drift gauges
         if self.payloads is not None:
             images = [p.tobytes() for p in pixels] if self.payloads.wants_images else None
