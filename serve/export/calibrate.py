@@ -260,7 +260,7 @@ def format_report(entry: dict[str, Any] | None) -> str:
             f"calibration on {entry['images']} images from {entry['source']}:",
             f"  temperature                           {entry['temperature']:.4f}"
             + (" and a confidence map" if "confidence_map" in entry else ""),
-            f"  ECE (15 bins) before / after          {m['ece_before']:.2%} / {m['ece_after']:.2%}",
+            f"  ECE (15 bins, these images) before / after {m['ece_before']:.2%} / {m['ece_after']:.2%}",
             f"  NLL before / after                    {m['nll_before']:.4f} / {m['nll_after']:.4f}",
             f"  prediction sets                       {entry['conformal']['method']}, any coverage up to "
             f"{entry['images'] / (entry['images'] + 1):.4f}",
