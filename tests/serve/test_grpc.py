@@ -142,3 +142,18 @@ def test_grpc_answers_are_in_the_payload_log(client, model, server):
         time.sleep(0.05)
     assert logged and logged[0]["route"] == "/inference.GRPCInferenceService/ModelInfer"
     assert logged[0]["model"] == model and len(logged[0]["predictions"]) == 2
+
+
+def test_grpc_calls_get_an_access_log_line_with_their_status_and_request_id(client, model, server):
+    infer(client, model, np.zeros((1, 32, 32, 3), np.uint8), headers={**AUTH, "x-request-id": "grpc-access"})
+    refusal(
+        lambda: infer(client, model, np.zeros((1, 16, 32, 3), np.uint8), headers={**AUTH, "x-request-id": "grpc-bad"})
+    )
+    route = "/inference.GRPCInferenceService/ModelInfer"
+    wanted = [f'"gRPC {route}" OK', f'"gRPC {route}" INVALID_ARGUMENT']
+    deadline = time.monotonic() + 20  # the access log is written by a thread of its own
+    while time.monotonic() < deadline and not all(i in server.output for i in ("id=grpc-access", "id=grpc-bad")):
+        time.sleep(0.05)
+    lines = [line for line in server.output.splitlines() if "vitscope.access: 127.0.0.1" in line]
+    assert sum(wanted[0] in line and line.endswith("id=grpc-access") for line in lines) == 1  # once, not twice
+    assert sum(wanted[1] in line and line.endswith("id=grpc-bad") for line in lines) == 1, server.output[-2000:]

@@ -80,12 +80,15 @@ def test_coverage_adds_prediction_sets_and_unknown_verdicts_to_the_out_file(tiny
     assert main([str(tiny_onnx), str(folder), "--out", str(out), "--coverage", "0.9", "--top-k", "2"]) == 0
     rows = _read(out)
     assert [r["path"] for r in rows] == list(expected)
+    sizes = []
     for row in rows:
         want = expected[row["path"]]
         got_set = json.loads(row["prediction_set"]) if suffix == ".csv" else row["prediction_set"]
-        assert got_set == want["prediction_set"] and len(got_set) >= 1
+        assert got_set == want["prediction_set"]  # a set may be empty: no class reaches the bar for that image
+        sizes.append(len(got_set))
         assert str(row["unknown"]).lower() == str(want["unknown"]).lower()
         assert float(row["ood_score"]) == pytest.approx(want["ood_score"], abs=1e-6)
+    assert sum(sizes) >= 1
 
 
 def test_a_coverage_the_file_cannot_honour_is_refused_before_anything_is_written(tiny_onnx, tmp_path, capsys):

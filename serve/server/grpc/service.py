@@ -10,6 +10,7 @@ call in the server's Prometheus metrics under its method path, with the status's
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import functools
 import hmac
 import itertools
@@ -24,12 +25,14 @@ import numpy as np
 from serve.server.grpc import grpc_predict_v2_pb2 as pb
 from serve.server.grpc.codec import infer_response, metadata_response, parse_infer
 from serve.server.grpc.models import Models, ServedModel
+from serve.server.http.access_log import ACCESS_LOG
 from serve.server.http.errors import ApiError, model_result
 from serve.server.http.guard import SANE_REQUEST_ID, key_of
 from serve.server.metrics import Metrics
 from serve.server.payload_log import PayloadLog
 
 log = logging.getLogger(__name__)
+REQUEST_ID: contextvars.ContextVar[str] = contextvars.ContextVar("grpc_request_id", default="-")
 
 SERVICE = "inference.GRPCInferenceService"
 SERVER_NAME, EXTENSIONS = "vitscope", ["binary_tensor_data"]
@@ -64,6 +67,7 @@ class Service:
         self.models, self.limits, self.metrics, self.payloads = models, limits, metrics, payloads
         self.api_key = api_key.encode("utf-8")
         self.id_prefix, self.ids = os.urandom(10).hex(), itertools.count()
+        self.access_log = ACCESS_LOG  # one line per call, as HTTP requests get
 
     def handler(self) -> grpc.GenericRpcHandler:
         """The service's method handlers, for `grpc.aio.Server.add_generic_rpc_handlers`."""
@@ -89,6 +93,9 @@ class Service:
 
         async def call(request, context: grpc.aio.ServicerContext):
             started, code = time.perf_counter(), Code.OK
+            given = getattr(request, "id", "")
+            rid = self.request_id(context, given if isinstance(given, str) else "")
+            REQUEST_ID.set(rid)  # the payload log records the call under the same ID as its access-log line
             try:
                 if not public and self.api_key:
                     self.check_key(context.invocation_metadata())
@@ -105,8 +112,17 @@ class Service:
                 await context.abort(code, f"internal error ({type(e).__name__}); see the server log")
             finally:
                 self.metrics.observe(route, code.name, started)
+                ms = (time.perf_counter() - started) * 1000
+                self.access_log.write(client_of(context), "gRPC", route, code.name, ms, rid)
 
         return call
+
+    def request_id(self, context, given: str) -> str:
+        """The client's `x-request-id` metadata or the request's own id when sane, else a new one."""
+        for k, v in context.invocation_metadata() or ():
+            if k == "x-request-id" and SANE_REQUEST_ID.fullmatch(v):
+                return v
+        return given if SANE_REQUEST_ID.fullmatch(given) else f"{self.id_prefix}{next(self.ids):012x}"
 
     def check_key(self, metadata) -> None:
         headers = {k.encode("latin-1"): v.encode("latin-1") for k, v in metadata or () if isinstance(v, str)}
@@ -160,15 +176,8 @@ class Service:
         if self.payloads is not None:
             images = [p.tobytes() for p in pixels] if self.payloads.wants_images else None
             model = (m.name, m.version, m.classifier.labels)
-            self.payloads.record(self.request_id(context, request.id), INFER_ROUTE, model, rows["probs"], images)
+            self.payloads.record(REQUEST_ID.get(), INFER_ROUTE, model, rows["probs"], images)
         return infer_response(m.name, m.version, request.id, [(n, by_name[n]) for n in wanted])
-
-    def request_id(self, context, given: str) -> str:
-        """The client's `x-request-id` metadata or the request's own id when sane, else a new one."""
-        for k, v in context.invocation_metadata() or ():
-            if k == "x-request-id" and SANE_REQUEST_ID.fullmatch(v):
-                return v
-        return given if SANE_REQUEST_ID.fullmatch(given) else f"{self.id_prefix}{next(self.ids):012x}"
 
 
 def _serialize(message) -> bytes:
@@ -183,3 +192,12 @@ def _version() -> str:
         return version("vitscope")
     except PackageNotFoundError:
         return "unknown"
+
+
+def client_of(context) -> str:
+    """The caller's address from gRPC's peer string (`ipv4:127.0.0.1:5000`, `ipv6:[::1]:5000`)."""
+    peer = context.peer() or "-"
+    kind, _, rest = peer.partition(":")
+    if kind in ("ipv4", "ipv6"):
+        return rest.rsplit(":", 1)[0].strip("[]")
+    return peer

@@ -2,7 +2,8 @@
 
 The event loop only puts the record on a queue (`logging.handlers.QueueHandler`); a `QueueListener`
 thread formats it and writes it with the root logger's handlers, so a slow stderr never holds up a
-request. Lines are written only while `vitscope.access` logs INFO (not with `--log-level warning`).
+request. Lines are written only while `vitscope.access` logs INFO (not with `--log-level warning`). HTTP
+and gRPC share `ACCESS_LOG`: a second instance would add a second handler, and every line would be written twice.
 """
 
 from __future__ import annotations
@@ -24,19 +25,20 @@ class _DeferredQueueHandler(QueueHandler):
 
 
 class AccessLog:
-    """Writes `client "METHOD path" status 1.2ms id=...` lines through a queue and a listener thread."""
+    """Writes `client "METHOD path" status 1.2ms id=...` lines through a queue and a listener thread (gRPC calls:
+    `client "gRPC /inference.GRPCInferenceService/ModelInfer" OK 1.2ms id=...`)."""
 
     def __init__(self):
         self.queue: queue.SimpleQueue = queue.SimpleQueue()
         self.listener: QueueListener | None = None
 
-    def write(self, client: str, method: str, path: str, status: int, ms: float, request_id: str) -> None:
+    def write(self, client: str, method: str, path: str, status: int | str, ms: float, request_id: str) -> None:
         """One request's line; the listener thread starts with the first one (after logging is configured)."""
         if not log.isEnabledFor(logging.INFO):
             return
         if self.listener is None:
             self._start()
-        log.info('%s "%s %s" %d %.1fms id=%s', client, method, path, status, ms, request_id)
+        log.info('%s "%s %s" %s %.1fms id=%s', client, method, path, status, ms, request_id)
 
     def _start(self) -> None:
         # the listener writes with whatever handlers the root logger has (vit-serve's basicConfig: stderr)
@@ -51,3 +53,6 @@ class AccessLog:
         if self.listener is not None:
             self.listener.stop()
             self.listener = None
+
+
+ACCESS_LOG = AccessLog()  # the process's one: HTTP requests and gRPC calls write through the same queue and thread

@@ -20,7 +20,7 @@ import os
 import re
 import time
 
-from serve.server.http.access_log import AccessLog
+from serve.server.http.access_log import ACCESS_LOG
 from serve.server.http.errors import send_error
 from serve.server.metrics import CLIENT_CLOSED, Metrics
 
@@ -94,7 +94,7 @@ class RequestGuard:
         self.api_key = api_key.encode("utf-8")
         # IDs as long as a UUID's hex, without a system call per request: a random prefix and a counter
         self.id_prefix, self.ids = os.urandom(10).hex(), itertools.count()
-        self.access_log = AccessLog()
+        self.access_log = ACCESS_LOG
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "websocket":  # none of ours; refused like any request if it breaks the rules
