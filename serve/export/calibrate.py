@@ -136,55 +136,58 @@ def fit(
     K = logits.shape[1]
     T = cal.fit_temperature(logits, labels)
     raw, probs = cal.softmax(logits), cal.softmax(logits, T)
-    knots = None
+    entry: dict[str, Any] = {"temperature": round(T, 6), "images": len(labels), "source": source}
     if len(labels) >= cal.MAP_MIN_IMAGES:
         knots = cal.fit_confidence_map(probs.max(-1), probs.argmax(-1) == labels, K)
         probs = cal.calibrated_softmax(logits, T, knots)
+        entry["confidence_map"] = {"confidence": knots[0].tolist(), "accuracy": knots[1].tolist()}
+    entry["metrics"] = {
+        "accuracy": round(float((probs.argmax(-1) == labels).mean()), 6),
+        "ece_before": round(cal.ece(raw, labels), 6),
+        "ece_after": round(cal.ece(probs, labels), 6),
+        "nll_before": round(cal.nll(raw, labels), 6),
+        "nll_after": round(cal.nll(probs, labels), 6),
+        "ece_temperature_only": round(cal.ece(cal.softmax(logits, T), labels), 6),
+    }
     true = cal.conformal_scores(probs, method)[np.arange(len(labels)), labels]
     order = np.argsort(true, kind="stable")
-    ood_entry: dict[str, Any] = {"score": ood_kind}
-    if ood_kind == "mahalanobis":
+    entry["conformal"] = {
+        "method": method,
+        "class_conditional": class_conditional,
+        "scores": [float(f"{v:.7g}") for v in true[order].tolist()],  # 7 digits: 1e-12 stays 1e-12
+        "labels": labels[order].tolist(),
+    }
+    entry["ood"], ood = _ood_entry(ood_kind, logits, probs, T, features, labels, accept)
+    entry["drift"] = _drift_reference(probs, ood)
+    return entry
+
+
+def _ood_entry(kind, logits, probs, T, features, labels, accept) -> tuple[dict[str, Any], np.ndarray]:
+    """The `ood` entry (score, threshold, and the Gaussian for Mahalanobis) and the (n,) scores it rests on."""
+    entry: dict[str, Any] = {"score": kind}
+    if kind == "mahalanobis":
+        K = logits.shape[1]
         means, precision = cal.fit_gaussian(features, labels, K)
-        ood_entry.update(means=means.astype(np.float32).tolist(), precision=precision.astype(np.float32).tolist())
+        entry.update(means=means.astype(np.float32).tolist(), precision=precision.astype(np.float32).tolist())
         ood = crossfit_mahalanobis(features, labels, K)
     else:
-        ood = cal.ood_score(ood_kind, probs, logits, T)
-    ood_entry.update(threshold=float(np.quantile(ood, accept)), accept=accept)
-    ood_edges = np.quantile(ood, np.linspace(0, 1, OOD_BINS + 1))
-    n = len(labels)
+        ood = cal.ood_score(kind, probs, logits, T)
+    entry.update(threshold=float(np.quantile(ood, accept)), accept=accept)
+    return entry, ood
+
+
+def _drift_reference(probs: np.ndarray, ood: np.ndarray) -> dict[str, Any]:
+    """The calibration split's distributions of top-1 confidence, predicted class and OOD score."""
+    n, K = probs.shape
     frac = lambda counts: (counts / n).round(6).tolist()
+    ood_edges = np.quantile(ood, np.linspace(0, 1, OOD_BINS + 1))
     return {
-        "temperature": round(T, 6),
-        "images": n,
-        "source": source,
-        "metrics": {
-            "accuracy": round(float((probs.argmax(-1) == labels).mean()), 6),
-            "ece_before": round(cal.ece(raw, labels), 6),
-            "ece_after": round(cal.ece(probs, labels), 6),
-            "nll_before": round(cal.nll(raw, labels), 6),
-            "nll_after": round(cal.nll(probs, labels), 6),
-            "ece_temperature_only": round(cal.ece(cal.softmax(logits, T), labels), 6),
+        "confidence": {
+            "edges": CONFIDENCE_EDGES.tolist(),
+            "fractions": frac(cal.histogram(probs.max(-1), CONFIDENCE_EDGES)),
         },
-        **(
-            {}
-            if knots is None
-            else {"confidence_map": {"confidence": knots[0].tolist(), "accuracy": knots[1].tolist()}}
-        ),
-        "conformal": {
-            "method": method,
-            "class_conditional": class_conditional,
-            "scores": [float(f"{v:.7g}") for v in true[order].tolist()],  # 7 digits: 1e-12 stays 1e-12
-            "labels": labels[order].tolist(),
-        },
-        "ood": ood_entry,
-        "drift": {
-            "confidence": {
-                "edges": CONFIDENCE_EDGES.tolist(),
-                "fractions": frac(cal.histogram(probs.max(-1), CONFIDENCE_EDGES)),
-            },
-            "predicted": {"fractions": frac(np.bincount(probs.argmax(-1), minlength=K))},
-            "ood_score": {"edges": ood_edges.tolist(), "fractions": frac(cal.histogram(ood, ood_edges))},
-        },
+        "predicted": {"fractions": frac(np.bincount(probs.argmax(-1), minlength=K))},
+        "ood_score": {"edges": ood_edges.tolist(), "fractions": frac(cal.histogram(ood, ood_edges))},
     }
 
 

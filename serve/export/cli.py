@@ -83,6 +83,9 @@ def export_onnx(
 ) -> ExportResult:
     """Export a checkpoint to one ONNX file, check it against torch, and write it.
 
+    Long because its options are documented here once (the CLI and the benchmarks call it); each step is a
+    helper of this module or of `targets`, `calib`, `parity` and `triton`.
+
     Args:
         checkpoint: a vitscope checkpoint (`best.ckpt`).
         output: the .onnx file to write.
@@ -126,12 +129,7 @@ def export_onnx(
     _check_writable(output.parent)
     if triton_repo is not None:
         _check_writable(Path(triton_repo))
-    preprocess = meta["preprocess"]
-    if img_size is not None:
-        P = net.patch_embed.patch_size[0]
-        if img_size[0] % P or img_size[1] % P:
-            raise ValueError(f"--img-size {img_size} must be multiples of the patch size {P}")
-        preprocess = dataclasses.replace(preprocess, img_size=tuple(img_size))
+    preprocess = _serving_preprocess(net, meta["preprocess"], img_size)
 
     log.info("exporting %s at %s for %s, opset %d", checkpoint, preprocess.img_size, target, opset)
     sample = parity.validation_sample(checkpoint, meta["class_names"], preprocess, val_dir, parity_samples)
@@ -162,13 +160,7 @@ def export_onnx(
     int8 = quantize == "int8"
     logits_only = graphs.logits_only
     if logits_only is not None:  # checked before anything is written
-        if calibration is not None:
-            cmap = calibration.get("confidence_map")
-            knots = None if cmap is None else np.array([cmap["confidence"], cmap["accuracy"]])
-            triton.add_probabilities(logits_only, calibration["temperature"], knots)
-        outputs = "logits (B, K), features (B, D)" + (", probs (B, K): calibrated probabilities" if calibration else "")
-        only = {"outputs": outputs, "supports_gradients": False, "explain_precision": "none"}
-        set_metadata(logits_only, {**metadata, **only, "quantization": graphs.logits_only_quantization})
+        _finish_triton_model(logits_only, metadata, calibration, graphs.logits_only_quantization)
         if check_parity:
             parity.check_logits_only(net, logits_only.SerializeToString(), sample, preprocess, int8)
 
@@ -181,6 +173,27 @@ def export_onnx(
     if logits_only is not None:
         folder = triton.write_repo(logits_only, list(meta["class_names"]), triton_repo, name)
     return ExportResult(output, metadata, report, graphs.quant_report, folder, calibration, png)
+
+
+def _serving_preprocess(net, preprocess, img_size):
+    """The training preprocessing, at `img_size` when given (multiples of the patch size)."""
+    if img_size is None:
+        return preprocess
+    P = net.patch_embed.patch_size[0]
+    if img_size[0] % P or img_size[1] % P:
+        raise ValueError(f"--img-size {img_size} must be multiples of the patch size {P}")
+    return dataclasses.replace(preprocess, img_size=tuple(img_size))
+
+
+def _finish_triton_model(model: onnx.ModelProto, metadata: dict, calibration: dict | None, quantization: str) -> None:
+    """The Triton model's calibrated `probs` output and its own metadata (no maps, no gradients)."""
+    if calibration is not None:
+        cmap = calibration.get("confidence_map")
+        knots = None if cmap is None else np.array([cmap["confidence"], cmap["accuracy"]])
+        triton.add_probabilities(model, calibration["temperature"], knots)
+    outputs = "logits (B, K), features (B, D)" + (", probs (B, K): calibrated probabilities" if calibration else "")
+    only = {"outputs": outputs, "supports_gradients": False, "explain_precision": "none"}
+    set_metadata(model, {**metadata, **only, "quantization": quantization})
 
 
 def _calibration(

@@ -78,6 +78,22 @@ def config_pbtxt(model: onnx.ModelProto, name: str, max_batch_size: int = DEFAUL
     )
 
 
+class _Builder:
+    """Nodes and constants appended to a graph, every name under `probs/`."""
+
+    def __init__(self):
+        self.nodes: list[onnx.NodeProto] = []
+        self.consts: dict[str, np.ndarray] = {}
+
+    def const(self, name: str, value, dtype=np.float32) -> str:
+        self.consts[f"probs/{name}"] = np.asarray(value, dtype)
+        return f"probs/{name}"
+
+    def op(self, kind: str, inputs: list[str], name: str, **attrs) -> str:
+        self.nodes.append(helper.make_node(kind, inputs, [f"probs/{name}"], name=f"probs/{name}", **attrs))
+        return f"probs/{name}"
+
+
 def add_probabilities(model: onnx.ModelProto, temperature: float, knots: np.ndarray | None = None) -> None:
     """Append the output `probs` (B, K), the calibrated probabilities, to a logits-only model, in place.
 
@@ -86,61 +102,45 @@ def add_probabilities(model: onnx.ModelProto, temperature: float, knots: np.ndar
     the top logit from TopK, which every opset we export reads alike).
     """
     g = model.graph
-    K = next(o for o in g.output if o.name == "logits").type.tensor_type.shape.dim[-1].dim_value
-    consts: dict[str, np.ndarray] = {}
-
-    def const(name: str, value) -> str:
-        consts[f"probs/{name}"] = np.asarray(value, np.float32)
-        return f"probs/{name}"
-
-    nodes: list[onnx.NodeProto] = []
-
-    def op(kind: str, inputs: list[str], name: str, **attrs) -> str:
-        nodes.append(helper.make_node(kind, inputs, [f"probs/{name}"], name=f"probs/{name}", **attrs))
-        return f"probs/{name}"
-
+    b = _Builder()
     if knots is None:
-        op("Softmax", [op("Div", ["logits", const("temperature", temperature)], "scaled")], "out", axis=-1)
+        scale = b.op("Div", ["logits", b.const("temperature", temperature)], "scaled")
     else:
-        x, y = np.asarray(knots[0], np.float64), np.asarray(knots[1], np.float64)
-        ones = const("ones", np.ones((K, 1)))
-        consts["probs/k"] = np.array([1], np.int64)
-        nodes.append(helper.make_node("TopK", ["logits", "probs/k"], ["probs/top", "probs/top_index"], axis=-1))
-        d = op("Sub", ["probs/top", "logits"], "gaps")  # (B, K) >= 0
-        u = const("u0", np.full((1, 1), 1.0 / temperature))
-        p0 = op(
-            "Reciprocal",
-            [op("MatMul", [op("Exp", [op("Neg", [op("Mul", [d, u], "du0")], "ndu0")], "e0"), ones], "s0")],
-            "p0",
-        )
-        w = np.maximum(np.diff(x), 1e-12)
-        run = op("Min", [op("Relu", [op("Sub", [p0, const("x", x[:-1])], "dx")], "rdx"), const("w", w)], "seg")
-        want = op(
-            "Add",
-            [op("MatMul", [run, const("slopes", (np.diff(y) / w)[:, None])], "rise"), const("y0", [[y[0]]])],
-            "want",
-        )
-        log_want = op("Log", [want], "log_want")
-        for i in range(cal.NEWTON_STEPS):
-            e = op("Exp", [op("Neg", [op("Mul", [d, u], f"du{i + 1}")], f"ndu{i + 1}")], f"e{i + 1}")
-            S = op("MatMul", [e, ones], f"S{i}")
-            slope = op(
-                "Neg",
-                [op("Div", [op("MatMul", [op("Mul", [d, e], f"de{i}"), ones], f"sde{i}"), S], f"q{i}")],
-                f"slope{i}",
-            )
-            slope = op("Min", [slope, const("floor", [[-1e-12]])], f"slope_floor{i}")
-            step = op("Div", [op("Add", [op("Log", [S], f"logS{i}"), log_want], f"f{i}"), slope], f"step{i}")
-            u = op("Sub", [u, step], f"u{i + 1}")
-        op("Softmax", [op("Mul", ["logits", u], "scaled")], "out", axis=-1)
-    nodes[-1].output[0] = "probs"
-    g.node.extend(nodes)
-    g.initializer.extend(numpy_helper.from_array(v, k) for k, v in consts.items())
-    logits = next(o for o in g.output if o.name == "logits")
+        K = next(o for o in g.output if o.name == "logits").type.tensor_type.shape.dim[-1].dim_value
+        scale = b.op("Mul", ["logits", _per_image_inverse_temperature(b, K, temperature, knots)], "scaled")
+    b.nodes.append(helper.make_node("Softmax", [scale], ["probs"], name="probs/softmax", axis=-1))
+    g.node.extend(b.nodes)
+    g.initializer.extend(numpy_helper.from_array(v, k) for k, v in b.consts.items())
     probs = onnx.ValueInfoProto()
-    probs.CopyFrom(logits)
+    probs.CopyFrom(next(o for o in g.output if o.name == "logits"))
     probs.name = "probs"
     g.output.append(probs)
+
+
+def _per_image_inverse_temperature(b: _Builder, K: int, temperature: float, knots: np.ndarray) -> str:
+    """Nodes computing u = 1/t (B, 1) of `calibrated_softmax`: the mapped top-1 probability, then Newton's steps."""
+    x, y = np.asarray(knots[0], np.float64), np.asarray(knots[1], np.float64)
+    ones = b.const("ones", np.ones((K, 1)))
+    total = lambda t, name: b.op("MatMul", [t, ones], name)  # (B, K) -> (B, 1) row sums
+    b.nodes.append(
+        helper.make_node("TopK", ["logits", b.const("k", [1], np.int64)], ["probs/top", "probs/top_index"], axis=-1)
+    )
+    d = b.op("Sub", ["probs/top", "logits"], "gaps")  # (B, K) >= 0
+    u = b.const("u0", np.full((1, 1), 1.0 / temperature))
+    p0 = b.op("Reciprocal", [total(b.op("Exp", [b.op("Neg", [b.op("Mul", [d, u], "du")], "ndu")], "e"), "s")], "p0")
+    # np.interp as a sum of clipped ramps: y0 + sum_i slope_i * min(relu(p0 - x_i), x_{i+1} - x_i)
+    w = np.maximum(np.diff(x), 1e-12)
+    ramp = b.op("Min", [b.op("Relu", [b.op("Sub", [p0, b.const("x", x[:-1])], "dx")], "rdx"), b.const("w", w)], "ramp")
+    rise = b.op("MatMul", [ramp, b.const("slopes", (np.diff(y) / w)[:, None])], "rise")
+    log_want = b.op("Log", [b.op("Add", [rise, b.const("y0", [[y[0]]])], "want")], "log_want")
+    floor = b.const("floor", [[-1e-12]])
+    for i in range(cal.NEWTON_STEPS):
+        e = b.op("Exp", [b.op("Neg", [b.op("Mul", [d, u], f"du{i}")], f"ndu{i}")], f"e{i}")
+        S = total(e, f"S{i}")
+        slope = b.op("Neg", [b.op("Div", [total(b.op("Mul", [d, e], f"de{i}"), f"sde{i}"), S], f"q{i}")], f"slope{i}")
+        f = b.op("Add", [b.op("Log", [S], f"logS{i}"), log_want], f"f{i}")
+        u = b.op("Sub", [u, b.op("Div", [f, b.op("Min", [slope, floor], f"clamped{i}")], f"step{i}")], f"u{i + 1}")
+    return u
 
 
 def write_repo(

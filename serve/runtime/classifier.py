@@ -16,7 +16,6 @@ patch grid. Its input is (B, H, W, 3) uint8 pixels already resized and cropped b
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -25,7 +24,7 @@ import numpy as np
 import onnxruntime as ort
 
 from serve.runtime.images import ImageSource, Preprocess, load_image
-from serve.runtime.model_file import read_metadata, read_model_bytes
+from serve.runtime.model_file import class_names_of, parse_metadata, read_metadata, read_model_bytes, static_dims
 from serve.runtime.rollout import attention_rollout, rollout_from_gradients
 from serve.runtime.trust import FEATURES_OUTPUT, UNCALIBRATED, Assessment, Prediction, Trust
 
@@ -111,9 +110,9 @@ class OnnxClassifier:
                 f"{self.path} has no vitscope metadata (class names, preprocessing); "
                 "export the checkpoint with vit-export to get a self-describing model"
             )
-        self.metadata: dict[str, Any] = {k: _parse(v) for k, v in raw.items()}
+        self.metadata: dict[str, Any] = parse_metadata(raw)
         m = self.metadata
-        self.labels: list[str] = _class_names(m.get("class_names"), self.path)
+        self.labels: list[str] = class_names_of(m.get("class_names"), self.path)
         self.preprocess = Preprocess.from_dict(m["preprocess"])
         self.input_size: tuple[int, int] = tuple(m["input_size"])
         self.grid_size: tuple[int, int] = tuple(m["grid_size"])
@@ -171,8 +170,8 @@ class OnnxClassifier:
             ("mean", [float(x) for x in m.get("mean", pre.mean)], "preprocess mean", list(pre.mean)),
             ("std", [float(x) for x in m.get("std", pre.std)], "preprocess std", list(pre.std)),
             ("grid_size", list(self.grid_size), "input_size / patch_size", [H // P, W // P] if P else None),
-            ("input_size", [H, W], "the graph's pixels input (H, W)", _static(graph_in, 1, 3)),
-            ("the number of class_names", [len(self.labels)], "the graph's logits width", _static(graph_out, 1, 2)),
+            ("input_size", [H, W], "the graph's pixels input (H, W)", static_dims(graph_in, 1, 3)),
+            ("the number of class_names", [len(self.labels)], "the graph's logits width", static_dims(graph_out, 1, 2)),
         ]
         for name, value, other, expected in checks:
             if expected is not None and value != expected:
@@ -392,27 +391,3 @@ class OnnxClassifier:
         )
         maps = rollout_from_gradients(attns, grads, num_prefix_tokens=self.num_prefix_tokens, query=self.rollout_query)
         return self.probabilities(logits), maps.reshape(-1, *self.grid_size)
-
-
-def _static(shape: list | None, start: int, stop: int) -> list[int] | None:
-    """shape[start:stop] when those dimensions are fixed numbers (None when the graph leaves any open)."""
-    dims = list(shape or [])[start:stop]
-    return dims if len(dims) == stop - start and all(isinstance(d, int) for d in dims) else None
-
-
-def _class_names(value: Any, path: Path) -> list[str]:
-    """The metadata's class names: a JSON list of strings, never a bare string read one label per character."""
-    if not isinstance(value, list) or not value or not all(isinstance(c, (str, int)) for c in value):
-        shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
-        raise ValueError(
-            f"{path} has invalid class_names metadata {shown}: expected a JSON list of names, "
-            'e.g. ["cat", "dog"]; export the checkpoint again with vit-export'
-        )
-    return [str(c) for c in value]
-
-
-def _parse(value: str) -> Any:
-    try:
-        return json.loads(value)
-    except ValueError:
-        return value

@@ -3,12 +3,14 @@
 An ONNX file is a protobuf message. We walk its wire format just far enough to find tensors that
 point at external data files (a model that would read other files from disk when loaded) and to
 say clearly when the file is truncated or not an ONNX model at all, instead of a protobuf traceback.
-Nothing is unpickled: protobuf is plain data.
+Nothing is unpickled: protobuf is plain data. The metadata helpers at the end read what onnxruntime found.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Any
 
 # Field numbers from onnx.proto (stable since IR version 3).
 _MODEL_GRAPH, _MODEL_METADATA, _MODEL_FUNCTIONS = 7, 14, 25
@@ -173,3 +175,32 @@ def _check_node(data: memoryview) -> None:
                 _check_graph(av)
             elif af in (_ATTR_SPARSE, _ATTR_SPARSES):
                 _check_sparse(av)
+
+
+def static_dims(shape: list | None, start: int, stop: int) -> list[int] | None:
+    """shape[start:stop] when those dimensions are fixed numbers (None when the graph leaves any open)."""
+    dims = list(shape or [])[start:stop]
+    return dims if len(dims) == stop - start and all(isinstance(d, int) for d in dims) else None
+
+
+def class_names_of(value: Any, path: Path) -> list[str]:
+    """The metadata's class names: a JSON list of strings, never a bare string read one label per character."""
+    if not isinstance(value, list) or not value or not all(isinstance(c, (str, int)) for c in value):
+        shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
+        raise ValueError(
+            f"{path} has invalid class_names metadata {shown}: expected a JSON list of names, "
+            'e.g. ["cat", "dog"]; export the checkpoint again with vit-export'
+        )
+    return [str(c) for c in value]
+
+
+def parse_metadata(raw: dict[str, str]) -> dict[str, Any]:
+    """`metadata_props` as written by `vit-export`: JSON values parsed, plain strings kept as they are."""
+
+    def parse(value: str) -> Any:
+        try:
+            return json.loads(value)
+        except ValueError:
+            return value
+
+    return {k: parse(v) for k, v in raw.items()}
