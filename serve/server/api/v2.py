@@ -114,12 +114,6 @@ def v2_router(
     recorded in `payloads` (None: nowhere)."""
     router = APIRouter(prefix="/v2")
     errors = kserve_errors(limits.retry_after_s)
-    specs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # version -> its (pixels, logits) specs
-
-    def specs_of(served: ModelVersion) -> tuple[TensorSpec, TensorSpec]:
-        if served not in specs:
-            specs[served] = tensor_specs(served.classifier)
-        return specs[served]
 
     def check_ready() -> None:
         if not repository.ready:
@@ -143,35 +137,26 @@ def v2_router(
         check_ready()
         return {"ready": True}
 
-    @router.get("/models")
-    async def v2_models():
-        return {"models": [model_entry(name, versions) for name, versions in sorted(repository.serving.items())]}
+    add_model_routes(router, repository, errors)
+    add_infer_routes(router, repository, limits, metrics, payloads, errors)
+    add_repository_routes(router, repository, errors)
+    return router
 
-    @router.get("/models/{name}/ready")
-    @router.get("/models/{name}/versions/{ver}/ready")
-    @errors
-    async def v2_model_ready(name: str, ver: str | None = None):
-        resolve(repository, name, ver)
-        if repository.stopping:
-            raise ApiError("not_ready", "the server is stopping")
-        return {"name": name, "ready": True}
 
-    @router.get("/models/{name}")
-    @router.get("/models/{name}/versions/{ver}")
-    @errors
-    async def v2_metadata(name: str, ver: str | None = None):
-        served = resolve(repository, name, ver)
-        pixels, logits = specs_of(served)
-        versions = sorted(repository.serving.get(name, {})) if ver is None else [ver]
-        return {
-            **model_entry(name, {v: served for v in versions}),
-            "inputs": [pixels.to_dict()],
-            "outputs": [logits.to_dict()],
-            "parameters": {
-                "labels": list(served.classifier.labels),
-                "preprocess": served.classifier.preprocess.to_dict(),
-            },
-        }
+_SPECS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # version -> its (pixels, logits) specs
+
+
+def specs_of(served: ModelVersion) -> tuple[TensorSpec, TensorSpec]:
+    """A served version's (pixels, logits) tensor specs, read from its session once."""
+    if served not in _SPECS:
+        _SPECS[served] = tensor_specs(served.classifier)
+    return _SPECS[served]
+
+
+def add_infer_routes(
+    router: APIRouter, repository: ModelRepository, limits: RequestLimits, metrics: Metrics, payloads, errors
+) -> None:
+    """`POST /v2/models/{name}[/versions/{ver}]/infer`: binary or JSON tensors in, the asked outputs back."""
 
     @errors
     async def v2_infer(request: Request):
@@ -218,8 +203,40 @@ def v2_router(
     # Plain Starlette routes, like /v1/classify: the body is read raw (JSON header plus binary tensors)
     for path in ("/models/{name}/infer", "/models/{name}/versions/{ver}/infer"):
         router.add_route(router.prefix + path, v2_infer, methods=["POST"])  # add_route does not add the prefix
-    add_repository_routes(router, repository, errors)
-    return router
+
+
+def add_model_routes(router: APIRouter, repository: ModelRepository, errors) -> None:
+    """The model index, each model's readiness and its metadata (inputs, outputs, labels, preprocessing)."""
+
+    @router.get("/models")
+    async def v2_models():
+        return {"models": [model_entry(name, versions) for name, versions in sorted(repository.serving.items())]}
+
+    @router.get("/models/{name}/ready")
+    @router.get("/models/{name}/versions/{ver}/ready")
+    @errors
+    async def v2_model_ready(name: str, ver: str | None = None):
+        resolve(repository, name, ver)
+        if repository.stopping:
+            raise ApiError("not_ready", "the server is stopping")
+        return {"name": name, "ready": True}
+
+    @router.get("/models/{name}")
+    @router.get("/models/{name}/versions/{ver}")
+    @errors
+    async def v2_metadata(name: str, ver: str | None = None):
+        served = resolve(repository, name, ver)
+        pixels, logits = specs_of(served)
+        versions = sorted(repository.serving.get(name, {})) if ver is None else [ver]
+        return {
+            **model_entry(name, {v: served for v in versions}),
+            "inputs": [pixels.to_dict()],
+            "outputs": [logits.to_dict()],
+            "parameters": {
+                "labels": list(served.classifier.labels),
+                "preprocess": served.classifier.preprocess.to_dict(),
+            },
+        }
 
 
 def model_entry(name: str, versions: dict) -> dict:
