@@ -138,20 +138,7 @@ def v1_router(
         img = open_upload(data, limits.max_pixels)  # the header: not an image, or too many pixels, fails here
         small = len(data) <= limits.inline_decode_bytes and img.width * img.height <= INLINE_DECODE_PIXELS
         if params["explain"]:  # the explain pass computes the probabilities too: no second forward pass
-            pixels = await run_in_threadpool(decode_image, img, classifier, limits.max_pixels, budget)
-            fusion, discard = params["head_fusion"], params["discard_ratio"]
-            work = engine.run(explain_pixels, classifier, pixels, fusion, discard, None, served.fill, limits)
-            ex = await model_result(work, limits.request_timeout_s)
-            explanation = {
-                "head_fusion": fusion,
-                "discard_ratio": discard,
-                "grid": ex["grid"].round(5).tolist(),
-                "overlay_png": await run_in_threadpool(overlay_png, pixels, ex["grid"]),  # a few ms: off the loop
-                "deletion": ex["deletion"].to_dict(),
-            }
-            # the unknown verdict needs the logits: one more pass of the fast path, small beside the explain one
-            rows = await model_result(engine.infer(pixels), limits.request_timeout_s)
-            answers = answer(served, rows, coverage)
+            answers, explanation, rows = await explained(served, img, params, coverage, limits, budget, answer)
             if payloads is not None:
                 payloads.record(request_id_of(request), "/v1/classify", model, rows["probs"][None], [data])
             return JSONResponse(encode_response(served, answers, params["top_k"], explanation))
@@ -180,6 +167,32 @@ def v1_router(
     for route in ("/v1/classify", "/v1/models/{name}/classify", "/v1/models/{name}/versions/{version}/classify"):
         router.add_route(route, classify, methods=["POST"])
 
+    add_status_routes(router, repository, metrics)
+    return router
+
+
+async def explained(served: ModelVersion, img, params: dict, coverage, limits: RequestLimits, budget, answer):
+    """/v1/classify?explain=true: (the answers, the explanation's JSON, the fast path's record)."""
+    classifier, engine = served.classifier, served.engine
+    pixels = await run_in_threadpool(decode_image, img, classifier, limits.max_pixels, budget)
+    fusion, discard = params["head_fusion"], params["discard_ratio"]
+    work = engine.run(explain_pixels, classifier, pixels, fusion, discard, None, served.fill, limits)
+    ex = await model_result(work, limits.request_timeout_s)
+    explanation = {
+        "head_fusion": fusion,
+        "discard_ratio": discard,
+        "grid": ex["grid"].round(5).tolist(),
+        "overlay_png": await run_in_threadpool(overlay_png, pixels, ex["grid"]),  # a few ms: off the loop
+        "deletion": ex["deletion"].to_dict(),
+    }
+    # the unknown verdict needs the logits: one more pass of the fast path, small beside the explain one
+    rows = await model_result(engine.infer(pixels), limits.request_timeout_s)
+    return answer(served, rows, coverage), explanation, rows
+
+
+def add_status_routes(router: APIRouter, repository: ModelRepository, metrics: Metrics) -> None:
+    """`/healthz`, `/readyz` and `/metrics`."""
+
     # Plain async and no I/O: never queued behind the model. HEAD too (load balancers probe with it),
     # out of the OpenAPI document, where it would repeat GET under the same operation ID.
     @router.get("/healthz")
@@ -204,5 +217,3 @@ def v1_router(
     async def prometheus():
         body, ctype = metrics.render()
         return Response(body, media_type=ctype)
-
-    return router
