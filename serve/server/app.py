@@ -61,45 +61,12 @@ def build_app(
     settings = settings or ServeSettings()
     metrics = Metrics()
 
-    def make_engine(classifier, name: str, version: str) -> Engine:  # one batcher per model version
-        metrics.trust.watch(name, classifier.trust)  # the drift reference of the version now loading
-        return engine_class(
-            classifier,
-            settings,
-            on_batch=metrics.batch_size.labels(name, version).observe,
-            decode=lambda img: decode_image(img, classifier, settings.max_pixels),  # an upload, on the worker
-        )
-
     single = models if isinstance(models, OnnxClassifier) else None
-    repository = ModelRepository(
-        make_engine,
-        metrics,
-        root=None if single is not None else Path(models),
-        single=single,
-        default_model=settings.default_model,
-        threads=settings.threads or None,
-        poll_s=settings.repository_poll_s,
-        drain_s=settings.graceful_timeout_s,
-    )
-
+    repository = repository_of(models, single, settings, metrics, engine_class)
     payloads = open_payload_log(settings, metrics)
     grpc = grpc_server_of(repository, settings, metrics, payloads) if settings.grpc_port else None
 
-    @asynccontextmanager
-    async def lifespan(app: FastAPI):
-        app.state.loop = asyncio.get_running_loop()  # the probe port's liveness watches it turn
-        await run_in_threadpool(repository.start)
-        log.info("models %s warmed up; ready", ", ".join(sorted(repository.serving)))
-        if grpc is not None:
-            await run_in_threadpool(grpc.start)
-        try:
-            yield
-        finally:
-            if grpc is not None:  # first: its calls in flight still need the engines
-                await run_in_threadpool(grpc.stop, settings.graceful_timeout_s)
-            app.state.drained = await run_in_threadpool(repository.stop)
-            if payloads is not None:
-                await run_in_threadpool(payloads.close)
+    lifespan = lifespan_of(repository, grpc, payloads, settings.graceful_timeout_s)
 
     if settings.opentelemetry and "telemetry" not in inspect.signature(FastAPI).parameters:
         log.warning("--opentelemetry needs a FastAPI with native OpenTelemetry (telemetry=); this one has none")
@@ -117,12 +84,7 @@ def build_app(
     for router in routers:  # flat, as `@app.get` adds them: `include_router` costs a dispatch layer per request
         app.router.routes.extend(router.routes)
     add_fallback_routes(app, routers)
-    if single is not None:
-        default, layout, names = single.name, single, [single.name]
-    else:  # the UI is laid out from a version of the default model; its calls go to the one served then
-        default, path = default_model_file(Path(models), settings.default_model)
-        names = [default, *sorted(set(scan(Path(models))) - {default})]
-        layout = OnnxClassifier(path, threads=1) if with_ui else None
+    default, layout, names = ui_layout(models, single, settings.default_model, with_ui)
     describe(app, limits, default, auth=bool(settings.api_key.get_secret_value()))
     if with_ui:
         from serve.server.ui.blocks import mount_ui
@@ -137,6 +99,62 @@ def build_app(
         routes=("/v1", "/v2", "/healthz", "/readyz", "/gradio_api"),
     )
     return app
+
+
+def repository_of(models, single, settings: ServeSettings, metrics: Metrics, engine_class) -> ModelRepository:
+    """The served models: one file (`single`) or a repository folder, each version with its own engine."""
+
+    def make_engine(classifier, name: str, version: str) -> Engine:  # one batcher per model version
+        metrics.trust.watch(name, classifier.trust)  # the drift reference of the version now loading
+        return engine_class(
+            classifier,
+            settings,
+            on_batch=metrics.batch_size.labels(name, version).observe,
+            decode=lambda img: decode_image(img, classifier, settings.max_pixels),  # an upload, on the worker
+        )
+
+    return ModelRepository(
+        make_engine,
+        metrics,
+        root=None if single is not None else Path(models),
+        single=single,
+        default_model=settings.default_model,
+        threads=settings.threads or None,
+        poll_s=settings.repository_poll_s,
+        drain_s=settings.graceful_timeout_s,
+    )
+
+
+def lifespan_of(repository: ModelRepository, grpc, payloads, graceful_timeout_s: float):
+    """Load and warm the models up (then start gRPC); on shutdown stop gRPC, drain the models, close the log."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        app.state.loop = asyncio.get_running_loop()  # the probe port's liveness watches it turn
+        await run_in_threadpool(repository.start)
+        log.info("models %s warmed up; ready", ", ".join(sorted(repository.serving)))
+        if grpc is not None:
+            await run_in_threadpool(grpc.start)
+        try:
+            yield
+        finally:
+            if grpc is not None:  # first: its calls in flight still need the engines
+                await run_in_threadpool(grpc.stop, graceful_timeout_s)
+            app.state.drained = await run_in_threadpool(repository.stop)
+            if payloads is not None:
+                await run_in_threadpool(payloads.close)
+
+    return lifespan
+
+
+def ui_layout(models, single, default_model: str | None, with_ui: bool):
+    """(the default model's name, the classifier the UI is laid out from, the model names it offers)."""
+    if single is not None:
+        return single.name, single, [single.name]
+    # the UI is laid out from a version of the default model; its calls go to the one served then
+    default, path = default_model_file(Path(models), default_model)
+    names = [default, *sorted(set(scan(Path(models))) - {default})]
+    return default, (OnnxClassifier(path, threads=1) if with_ui else None), names
 
 
 def open_payload_log(settings: ServeSettings, metrics: Metrics) -> PayloadLog | None:
