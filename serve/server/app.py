@@ -26,7 +26,7 @@ from serve.runtime.images import PixelBudget
 from serve.server.api.openapi import describe
 from serve.server.api.v1 import v1_router
 from serve.server.api.v2 import v2_router
-from serve.server.batching import Engine
+from serve.server.engine import Engine
 from serve.server.http.errors import add_error_handlers, add_fallback_routes
 from serve.server.http.guard import RequestGuard, allowed_hosts_of
 from serve.server.http.uploads import decode_image

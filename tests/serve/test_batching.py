@@ -10,7 +10,8 @@ import time
 import numpy as np
 import pytest
 
-from serve.server.batching import Deadlines, MicroBatcher, QueueFull, choose_batch_size, time_batch_sizes
+from serve.server.batching import Deadlines, MicroBatcher, QueueFull
+from serve.server.engine import choose_batch_size, time_batch_sizes
 from tests.helpers import wait_until
 
 

@@ -14,7 +14,7 @@ from typing import Protocol
 
 from serve.server.api.tensors import TensorSpec
 from serve.server.api.v2 import tensor_specs
-from serve.server.batching import Engine
+from serve.server.engine import Engine
 from serve.server.http.errors import ApiError
 from serve.server.repository.repository import ModelRepository, UnknownModel
 

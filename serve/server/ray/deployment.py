@@ -37,7 +37,7 @@ from ray import serve
 from ray.exceptions import ActorDiedError, ActorUnavailableError
 from starlette.concurrency import run_in_threadpool
 
-from serve.server.batching import Engine, choose_batch_size, forward_rows, time_batch_sizes
+from serve.server.engine import Engine, choose_batch_size, forward_rows, time_batch_sizes
 from serve.server.http.errors import ApiError
 from serve.server.settings import ServeSettings
 
@@ -80,7 +80,7 @@ class ModelReplica:
         H, W = self.classifier.input_size
         forward = functools.partial(forward_rows, self.classifier)
         size = self.settings.preferred_batch_size
-        if not size:  # measured as vit-serve measures it (serve.server.batching.choose_batch_size)
+        if not size:  # measured as vit-serve measures it (serve.server.engine.choose_batch_size)
             size = choose_batch_size(time_batch_sizes(forward, (H, W, 3), self.settings.max_batch_size))
         self.forward.set_max_batch_size(size)
         self.forward.set_batch_wait_timeout_s(self.settings.max_delay_ms / 1000.0)

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from serve.runtime.classifier import OnnxClassifier
-from serve.server.batching import Engine
+from serve.server.engine import Engine
 from serve.server.metrics import Metrics
 from serve.server.repository.layout import file_stamp, scan
 from serve.server.repository.version import READY, UNAVAILABLE, LoadFailure, ModelVersion, load_version, rss_bytes

@@ -21,7 +21,7 @@ import numpy as np
 
 from serve.runtime.classifier import OnnxClassifier
 from serve.runtime.faithfulness import mean_fill
-from serve.server.batching import Engine
+from serve.server.engine import Engine
 from serve.server.repository.layout import file_stamp
 
 READY, UNAVAILABLE, LOADING, UNLOADING = "READY", "UNAVAILABLE", "LOADING", "UNLOADING"  # Triton's state names
