@@ -253,6 +253,35 @@ def calibrate(
     return entry
 
 
+def for_export(
+    model, checkpoint: Path, output: Path, class_names, preprocess, wanted, calib_dir, **options
+) -> tuple[dict[str, Any] | None, Path | None]:
+    """`vit-export`'s calibration: the entry and the reliability diagram's path (None, None for an uncalibrated
+    file); the run's reports/ gain calibration.json and reliability.png.
+
+    Args:
+        wanted: False writes an uncalibrated file; True requires calibration images; None calibrates when it
+            finds them and warns when not.
+    """
+    if wanted is False:
+        return None, None
+    run_dir = checkpoint.resolve().parent.parent
+    reports = run_dir / "reports" if (run_dir / "split.json").is_file() else None
+    png = (reports / "reliability.png") if reports is not None else output.with_suffix(".reliability.png")
+    try:
+        entry = calibrate(model.SerializeToString(), checkpoint, class_names, preprocess, calib_dir, png, **options)
+    except ValueError as e:
+        if wanted or calib_dir is not None:
+            raise
+        log.warning("writing an UNCALIBRATED file (raw softmax, no prediction sets, no unknown verdict): %s", e)
+        return None, None
+    if reports is not None:
+        summary = {k: v for k, v in entry.items() if k not in ("conformal", "drift")}
+        summary["ood"] = {k: v for k, v in entry["ood"].items() if k not in ("means", "precision")}
+        (reports / "calibration.json").write_text(json.dumps(summary, indent=1))
+    return entry, png
+
+
 def format_report(entry: dict[str, Any] | None) -> str:
     """The calibration's figures as a few lines for the terminal."""
     if entry is None:
@@ -273,4 +302,4 @@ def format_report(entry: dict[str, Any] | None) -> str:
     )
 
 
-__all__ = ["METADATA_KEY", "calibrate", "fit", "format_report"]
+__all__ = ["METADATA_KEY", "calibrate", "fit", "for_export", "format_report"]

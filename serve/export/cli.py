@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import logging
 import os
 import sys
@@ -35,7 +34,6 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import onnx
 
 from serve.export import calibrate as calib
@@ -148,7 +146,7 @@ def export_onnx(
     metadata = build_metadata(
         net, meta, preprocess, opset, graphs.quantization, supports_gradients, graphs.fused, target=target
     )
-    calibration, png = _calibration(
+    calibration, png = calib.for_export(
         model, checkpoint, output, meta["class_names"], preprocess, calibrate, calib_dir,
         method=conformal, class_conditional=class_conditional, ood_kind=ood_score,
     )  # fmt: skip
@@ -160,7 +158,7 @@ def export_onnx(
     int8 = quantize == "int8"
     logits_only = graphs.logits_only
     if logits_only is not None:  # checked before anything is written
-        _finish_triton_model(logits_only, metadata, calibration, graphs.logits_only_quantization)
+        triton.finish_model(logits_only, metadata, calibration, graphs.logits_only_quantization)
         if check_parity:
             parity.check_logits_only(net, logits_only.SerializeToString(), sample, preprocess, int8)
 
@@ -183,42 +181,6 @@ def _serving_preprocess(net, preprocess, img_size):
     if img_size[0] % P or img_size[1] % P:
         raise ValueError(f"--img-size {img_size} must be multiples of the patch size {P}")
     return dataclasses.replace(preprocess, img_size=tuple(img_size))
-
-
-def _finish_triton_model(model: onnx.ModelProto, metadata: dict, calibration: dict | None, quantization: str) -> None:
-    """The Triton model's calibrated `probs` output and its own metadata (no maps, no gradients)."""
-    if calibration is not None:
-        cmap = calibration.get("confidence_map")
-        knots = None if cmap is None else np.array([cmap["confidence"], cmap["accuracy"]])
-        triton.add_probabilities(model, calibration["temperature"], knots)
-    outputs = "logits (B, K), features (B, D)" + (", probs (B, K): calibrated probabilities" if calibration else "")
-    only = {"outputs": outputs, "supports_gradients": False, "explain_precision": "none"}
-    set_metadata(model, {**metadata, **only, "quantization": quantization})
-
-
-def _calibration(
-    model: onnx.ModelProto, checkpoint: Path, output: Path, class_names, preprocess, calibrate, calib_dir, **options
-) -> tuple[dict[str, Any] | None, Path | None]:
-    """The calibration entry and the reliability diagram's path (None, None for an uncalibrated file)."""
-    if calibrate is False:
-        return None, None
-    run_dir = checkpoint.resolve().parent.parent
-    reports = run_dir / "reports" if (run_dir / "split.json").is_file() else None
-    png = (reports / "reliability.png") if reports is not None else output.with_suffix(".reliability.png")
-    try:
-        entry = calib.calibrate(
-            model.SerializeToString(), checkpoint, class_names, preprocess, calib_dir, png, **options
-        )
-    except ValueError as e:
-        if calibrate or calib_dir is not None:
-            raise
-        log.warning("writing an UNCALIBRATED file (raw softmax, no prediction sets, no unknown verdict): %s", e)
-        return None, None
-    if reports is not None:
-        summary = {k: v for k, v in entry.items() if k not in ("conformal", "drift")}
-        summary["ood"] = {k: v for k, v in entry["ood"].items() if k not in ("means", "precision")}
-        (reports / "calibration.json").write_text(json.dumps(summary, indent=1))
-    return entry, png
 
 
 def _check_writable(folder: Path) -> None:
@@ -301,6 +263,11 @@ def _parser() -> argparse.ArgumentParser:
         help="also write a Triton model repository: DIR/NAME/config.pbtxt, labels.txt, 1/model.onnx (logits only)",
     )
     p.add_argument("--triton-name", help="the model's name in the Triton repository (default: the output's stem)")
+    _add_calibration_args(p)
+    return p
+
+
+def _add_calibration_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--calibrate",
         type=Path,
@@ -320,7 +287,6 @@ def _parser() -> argparse.ArgumentParser:
         default=calib.DEFAULT_OOD_SCORE,
         help="unknown-input score: the pre-logit features' distance to the nearest class (default), or from the logits",
     )
-    return p
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -377,6 +343,11 @@ def main(argv: list[str] | None = None) -> int:
             f"vit-export: could not write the model: {e.strerror or e} ({e.filename or args.output})", file=sys.stderr
         )
         return 2
+    _print_result(result, target, format_report)
+    return 0 if args.web is None else _package_web(result.path, args.web, args.ort_web)
+
+
+def _print_result(result: ExportResult, target: str, format_report) -> None:
     print(format_report(result.parity, result.quantization))
     print(calib.format_report(result.calibration))
     if result.reliability_png is not None:
@@ -385,7 +356,6 @@ def main(argv: list[str] | None = None) -> int:
     print(f"wrote {result.path} ({size_mb:.1f} MB, {len(result.metadata['class_names'])} classes, {target})")
     if result.triton is not None:
         print(f"wrote the Triton model {result.triton} (config.pbtxt, labels.txt, 1/model.onnx)")
-    return 0 if args.web is None else _package_web(result.path, args.web, args.ort_web)
 
 
 def _package_web(model: Path, folder: Path, ort_dist: Path | None) -> int:

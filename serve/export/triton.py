@@ -21,6 +21,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from serve.export.merge import set_metadata
 from serve.runtime import calibration as cal
 
 # Shapes: B batch, H/W image, K classes, D features.
@@ -141,6 +142,17 @@ def _per_image_inverse_temperature(b: _Builder, K: int, temperature: float, knot
         f = b.op("Add", [b.op("Log", [S], f"logS{i}"), log_want], f"f{i}")
         u = b.op("Sub", [u, b.op("Div", [f, b.op("Min", [slope, floor], f"clamped{i}")], f"step{i}")], f"u{i + 1}")
     return u
+
+
+def finish_model(model: onnx.ModelProto, metadata: dict, calibration: dict | None, quantization: str) -> None:
+    """The Triton model's calibrated `probs` output and its own metadata (no maps, no gradients)."""
+    if calibration is not None:
+        cmap = calibration.get("confidence_map")
+        knots = None if cmap is None else np.array([cmap["confidence"], cmap["accuracy"]])
+        add_probabilities(model, calibration["temperature"], knots)
+    outputs = "logits (B, K), features (B, D)" + (", probs (B, K): calibrated probabilities" if calibration else "")
+    only = {"outputs": outputs, "supports_gradients": False, "explain_precision": "none"}
+    set_metadata(model, {**metadata, **only, "quantization": quantization})
 
 
 def write_repo(
