@@ -157,14 +157,7 @@ def check(
     """
     clf = OnnxClassifier(path, providers=["CPUExecutionProvider"], threads=2)
     t_fast, t_explicit, t_maps = torch_reference(net, sample.pixels, preprocess, batch_size)
-    o_fast, o_explain, o_maps = [], [], []
-    for i in range(0, len(sample.pixels), batch_size):
-        batch = sample.pixels[i : i + batch_size]
-        o_fast.append(clf.session.run(["logits"], {"pixels": batch})[0])
-        logits, attns = clf.session.run(["logits", "attns"], {"pixels": batch, **clf.explain_feeds})
-        o_explain.append(logits)
-        o_maps.append(clf.rollout_from_attns(attns).reshape(len(batch), -1))
-    o_fast, o_explain, o_maps = np.concatenate(o_fast), np.concatenate(o_explain), np.concatenate(o_maps)
+    o_fast, o_explain, o_maps = _onnx_outputs(clf, sample.pixels, batch_size)
     grad_corr = (
         gradient_rollout_correlation(net, clf, sample.pixels, preprocess, batch_size)
         if clf.supports_gradients
@@ -189,6 +182,29 @@ def check(
         report["onnx_accuracy"] = float((o_fast.argmax(-1) == labels)[known].mean())
         report["chance_accuracy"] = 1.0 / t_fast.shape[-1]
     failures = _not_finite(t_fast=t_fast, o_fast=o_fast, o_explain=o_explain, o_maps=o_maps)
+    explain_agreement = float((t_explicit.argmax(-1) == o_explain.argmax(-1)).mean())
+    failures += _missed(report, int8, int8_maps, explain_agreement)
+    report["passed"] = not failures
+    if failures:
+        raise ParityError("; ".join(failures), report)
+    return report
+
+
+def _onnx_outputs(clf: OnnxClassifier, pixels: np.ndarray, batch_size: int) -> tuple[np.ndarray, ...]:
+    """The file's fast-path logits, explain-branch logits and rollout maps (n, N) for `pixels`."""
+    o_fast, o_explain, o_maps = [], [], []
+    for i in range(0, len(pixels), batch_size):
+        batch = pixels[i : i + batch_size]
+        o_fast.append(clf.session.run(["logits"], {"pixels": batch})[0])
+        logits, attns = clf.session.run(["logits", "attns"], {"pixels": batch, **clf.explain_feeds})
+        o_explain.append(logits)
+        o_maps.append(clf.rollout_from_attns(attns).reshape(len(batch), -1))
+    return np.concatenate(o_fast), np.concatenate(o_explain), np.concatenate(o_maps)
+
+
+def _missed(report: dict[str, Any], int8: bool, int8_maps: bool, explain_agreement: float) -> list[str]:
+    """The thresholds the report misses, each said in one line."""
+    failures = []
     if int8:
         if report["top1_agreement"] < MIN_INT8_AGREEMENT:
             failures.append(f"int8 top-1 agreement {report['top1_agreement']:.2%} < {MIN_INT8_AGREEMENT:.0%}")
@@ -197,7 +213,6 @@ def check(
             failures.append(f"top-1 agreement {report['top1_agreement']:.2%} < 100%")
         if report["max_logit_delta"] > MAX_LOGIT_DELTA:
             failures.append(f"max |delta logit| {report['max_logit_delta']:.2e} > {MAX_LOGIT_DELTA:.0e}")
-    explain_agreement = float((t_explicit.argmax(-1) == o_explain.argmax(-1)).mean())
     if int8_maps and explain_agreement < MIN_INT8_AGREEMENT:
         failures.append(f"int8 explain top-1 agreement {explain_agreement:.2%} < {MIN_INT8_AGREEMENT:.0%}")
     if not int8_maps and report["explain_max_logit_delta"] > MAX_LOGIT_DELTA:
@@ -207,12 +222,10 @@ def check(
     min_corr = MIN_INT8_ROLLOUT_CORR if int8_maps else MIN_ROLLOUT_CORR
     if report["min_rollout_corr"] < min_corr:
         failures.append(f"rollout correlation {report['min_rollout_corr']:.5f} < {min_corr}")
+    grad_corr = report.get("min_gradient_rollout_corr")
     if grad_corr is not None and not grad_corr >= MIN_ROLLOUT_CORR:  # NaN fails too
         failures.append(f"gradient rollout correlation {grad_corr:.5f} < {MIN_ROLLOUT_CORR}")
-    report["passed"] = not failures
-    if failures:
-        raise ParityError("; ".join(failures), report)
-    return report
+    return failures
 
 
 def check_logits_only(
