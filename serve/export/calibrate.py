@@ -139,6 +139,7 @@ def fit(
     entry: dict[str, Any] = {"temperature": round(T, 6), "images": len(labels), "source": source}
     if len(labels) >= cal.MAP_MIN_IMAGES:
         knots = cal.fit_confidence_map(probs.max(-1), probs.argmax(-1) == labels, K)
+    if len(labels) >= cal.MAP_MIN_IMAGES and knots.shape[1] >= 2:  # one knot would give every image one score
         probs = cal.calibrated_softmax(logits, T, knots)
         entry["confidence_map"] = {"confidence": knots[0].tolist(), "accuracy": knots[1].tolist()}
     entry["metrics"] = {

@@ -99,7 +99,7 @@ def add_probabilities(model: onnx.ModelProto, temperature: float, knots: np.ndar
     """Append the output `probs` (B, K), the calibrated probabilities, to a logits-only model, in place.
 
     softmax(logits / temperature), or with a confidence map `knots` (2, M) the per-image temperature of
-    `serve.runtime.calibration.calibrated_softmax`, its Newton steps unrolled (sums as MatMuls with ones and
+    `serve.runtime.calibration.calibrated_softmax`, its bisection steps unrolled (sums as MatMuls with ones and
     the top logit from TopK, which every opset we export reads alike).
     """
     g = model.graph
@@ -119,29 +119,35 @@ def add_probabilities(model: onnx.ModelProto, temperature: float, knots: np.ndar
 
 
 def _per_image_inverse_temperature(b: _Builder, K: int, temperature: float, knots: np.ndarray) -> str:
-    """Nodes computing u = 1/t (B, 1) of `calibrated_softmax`: the mapped top-1 probability, then Newton's steps."""
+    """Nodes computing u = 1/t (B, 1) of `calibrated_softmax`: the mapped top-1 probability, then the bisection."""
     x, y = np.asarray(knots[0], np.float64), np.asarray(knots[1], np.float64)
     ones = b.const("ones", np.ones((K, 1)))
-    total = lambda t, name: b.op("MatMul", [t, ones], name)  # (B, K) -> (B, 1) row sums
     b.nodes.append(
         helper.make_node("TopK", ["logits", b.const("k", [1], np.int64)], ["probs/top", "probs/top_index"], axis=-1)
     )
     d = b.op("Sub", ["probs/top", "logits"], "gaps")  # (B, K) >= 0
-    u = b.const("u0", np.full((1, 1), 1.0 / temperature))
-    p0 = b.op("Reciprocal", [total(b.op("Exp", [b.op("Neg", [b.op("Mul", [d, u], "du")], "ndu")], "e"), "s")], "p0")
+
+    def top(log_u: str, name: str) -> str:  # (B, 1) the top-1 probability of softmax(logits * exp(log_u))
+        e = b.op(
+            "Exp",
+            [b.op("Neg", [b.op("Mul", [d, b.op("Exp", [log_u], f"u_{name}")], f"du_{name}")], f"n_{name}")],
+            f"e_{name}",
+        )
+        return b.op("Reciprocal", [b.op("MatMul", [e, ones], f"s_{name}")], f"p_{name}")
+
+    base = -np.log(temperature)
+    p0 = top(b.const("base", [[base]]), "base")
     # np.interp as a sum of clipped ramps: y0 + sum_i slope_i * min(relu(p0 - x_i), x_{i+1} - x_i)
     w = np.maximum(np.diff(x), 1e-12)
     ramp = b.op("Min", [b.op("Relu", [b.op("Sub", [p0, b.const("x", x[:-1])], "dx")], "rdx"), b.const("w", w)], "ramp")
     rise = b.op("MatMul", [ramp, b.const("slopes", (np.diff(y) / w)[:, None])], "rise")
-    log_want = b.op("Log", [b.op("Add", [rise, b.const("y0", [[y[0]]])], "want")], "log_want")
-    floor = b.const("floor", [[-1e-12]])
-    for i in range(cal.NEWTON_STEPS):
-        e = b.op("Exp", [b.op("Neg", [b.op("Mul", [d, u], f"du{i}")], f"ndu{i}")], f"e{i}")
-        S = total(e, f"S{i}")
-        slope = b.op("Neg", [b.op("Div", [total(b.op("Mul", [d, e], f"de{i}"), f"sde{i}"), S], f"q{i}")], f"slope{i}")
-        f = b.op("Add", [b.op("Log", [S], f"logS{i}"), log_want], f"f{i}")
-        u = b.op("Sub", [u, b.op("Div", [f, b.op("Min", [slope, floor], f"clamped{i}")], f"step{i}")], f"u{i + 1}")
-    return u
+    want = b.op("Add", [rise, b.const("y0", [[y[0]]])], "want")
+    lo, hi, half = b.const("lo0", [[base - cal.BRACKET]]), b.const("hi0", [[base + cal.BRACKET]]), b.const("half", 0.5)
+    for i in range(cal.BISECTION_STEPS):
+        mid = b.op("Mul", [b.op("Add", [lo, hi], f"sum{i}"), half], f"mid{i}")
+        below = b.op("Less", [top(mid, str(i)), want], f"below{i}")
+        lo, hi = b.op("Where", [below, mid, lo], f"lo{i + 1}"), b.op("Where", [below, hi, mid], f"hi{i + 1}")
+    return b.op("Exp", [b.op("Mul", [b.op("Add", [lo, hi], "sum"), half], "log_u")], "u")
 
 
 def finish_model(model: onnx.ModelProto, metadata: dict, calibration: dict | None, quantization: str) -> None:

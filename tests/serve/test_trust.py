@@ -76,6 +76,11 @@ def test_the_confidence_map_gives_each_image_the_mapped_top_probability_and_keep
     np.testing.assert_allclose(probs.sum(1), 1.0, atol=1e-5)
     assert (np.argsort(probs, 1) == np.argsort(squashed, 1)).all()  # the same class order in every image
     assert cal.ece(probs, labels) < cal.ece(scaled, labels)
+    # beyond the last knot (a confident image), a tie and a flat row: finite, and the map's end value
+    extreme = np.array([[15.0] + [0.0] * 9, [40.0] + [0.0] * 9, [3.0, 3.0] + [0.0] * 8, [0.0] * 10])
+    out = cal.calibrated_softmax(extreme, T, knots)
+    assert np.isfinite(out).all() and out[0].max() == pytest.approx(knots[1, -1], abs=1e-5)
+    np.testing.assert_allclose(out[3], 0.1, atol=1e-6)
 
 
 def test_tritons_probs_output_computes_the_calibrated_probabilities_in_the_graph():
@@ -95,7 +100,7 @@ def test_tritons_probs_output_computes_the_calibrated_probabilities_in_the_graph
             model.ir_version = 8
             add_probabilities(model, T, k)
             session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
-            x = logits[:64].astype(np.float32)
+            x = np.concatenate([logits[:60], [[15.0] + [0.0] * 9, [40.0] + [0.0] * 9, [0.0] * 10]]).astype(np.float32)
             (probs,) = session.run(["probs"], {"logits": x})
             np.testing.assert_allclose(probs, cal.calibrated_softmax(x, T, k), atol=2e-5)
 

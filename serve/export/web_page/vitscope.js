@@ -283,8 +283,9 @@ export function softmax(logits, temperature = 1) {
 }
 
 // serve.runtime.calibration.calibrated_softmax: the temperature, then (with a confidence map) the per-image
-// temperature whose top-1 probability is the mapped one, by the same Newton steps on u = 1/t.
-const NEWTON_STEPS = 8;
+// temperature whose top-1 probability is the mapped one, by the same bisection on log(1/t).
+const BISECTION_STEPS = 32;
+const BRACKET = 7;
 
 function interp(x, xs, ys) {
   if (x <= xs[0]) return ys[0];
@@ -297,18 +298,20 @@ function interp(x, xs, ys) {
 export function calibratedSoftmax(logits, calibration) {
   if (!calibration) return softmax(logits);
   const map = calibration.confidence_map;
-  if (!map) return softmax(logits, calibration.temperature);
+  if (!map || map.confidence.length < 2) return softmax(logits, calibration.temperature);
   const m = Math.max(...logits);
   const d = Array.from(logits, (v) => m - v);
-  const sum = (f) => d.reduce((a, di) => a + f(di), 0);
-  let u = 1 / calibration.temperature;
-  const top = 1 / sum((di) => Math.exp(-di * u));
-  const want = Math.log(interp(top, map.confidence, map.accuracy));
-  for (let i = 0; i < NEWTON_STEPS; i++) {
-    const S = sum((di) => Math.exp(-di * u));
-    const slope = Math.min(-sum((di) => di * Math.exp(-di * u)) / S, -1e-12);
-    u -= (Math.log(S) + want) / slope;
+  const top = (logU) => 1 / d.reduce((a, di) => a + Math.exp(-di * Math.exp(logU)), 0);
+  const base = -Math.log(calibration.temperature);
+  const want = interp(top(base), map.confidence, map.accuracy);
+  let lo = base - BRACKET;
+  let hi = base + BRACKET;
+  for (let i = 0; i < BISECTION_STEPS; i++) {
+    const mid = (lo + hi) / 2;
+    if (top(mid) < want) lo = mid;
+    else hi = mid;
   }
+  const u = Math.exp((lo + hi) / 2);
   return softmax(Array.from(logits, (v) => v * u));
 }
 
