@@ -11,6 +11,7 @@ from __future__ import annotations
 import atexit
 import logging
 import queue
+import threading
 from logging.handlers import QueueHandler, QueueListener
 
 log = logging.getLogger("vitscope.access")
@@ -31,20 +32,25 @@ class AccessLog:
     def __init__(self):
         self.queue: queue.SimpleQueue = queue.SimpleQueue()
         self.listener: QueueListener | None = None
+        self.lock = threading.Lock()  # HTTP and gRPC write from two threads: one listener, one handler
+        self.handler: QueueHandler | None = None
 
     def write(self, client: str, method: str, path: str, status: int | str, ms: float, request_id: str) -> None:
         """One request's line; the listener thread starts with the first one (after logging is configured)."""
         if not log.isEnabledFor(logging.INFO):
             return
         if self.listener is None:
-            self._start()
+            with self.lock:
+                if self.listener is None:
+                    self._start()
         log.info('%s "%s %s" %s %.1fms id=%s', client, method, path, status, ms, request_id)
 
     def _start(self) -> None:
         # the listener writes with whatever handlers the root logger has (vit-serve's basicConfig: stderr)
         self.listener = QueueListener(self.queue, *logging.getLogger().handlers, respect_handler_level=True)
         self.listener.start()
-        log.addHandler(_DeferredQueueHandler(self.queue))
+        self.handler = _DeferredQueueHandler(self.queue)
+        log.addHandler(self.handler)
         log.propagate = False  # written once, by the listener, not a second time on the loop
         atexit.register(self.stop)
 
@@ -53,6 +59,7 @@ class AccessLog:
         if self.listener is not None:
             self.listener.stop()
             self.listener = None
+            log.removeHandler(self.handler)  # a restart in the same process adds its own again
 
 
 ACCESS_LOG = AccessLog()  # the process's one: HTTP requests and gRPC calls write through the same queue and thread
