@@ -238,15 +238,16 @@ class OnnxClassifier:
         features: np.ndarray | None = None,
         coverage: float | None = None,
         probs: np.ndarray | None = None,
+        ood_scores: np.ndarray | None = None,
     ) -> Assessment:
         """`assess` on logits (B, K) (and features (B, D); (B, 0) counts as None) already computed, e.g. by a
-        server's batched pass, which may hand in its calibrated `probs` (B, K) too."""
+        server's batched pass, which may hand in its calibrated `probs` (B, K) and `ood_scores` (B,) too."""
         if features is not None and features.shape[-1] == 0:
             features = None
         probs = self.probabilities(logits) if probs is None else probs
         if self.trust is None:
             return Assessment(probs, logits, None, None, None)
-        scores = self.trust.ood_scores(logits, probs, features)
+        scores = self.trust.ood_scores(logits, probs, features) if ood_scores is None else ood_scores
         sets = self.trust.prediction_sets(probs, coverage) if coverage is not None else None
         return Assessment(probs, logits, scores, self.trust.unknown(scores), sets)
 

@@ -26,7 +26,7 @@ from serve.runtime.images import PixelBudget
 from serve.server.api.openapi import describe
 from serve.server.api.v1 import v1_router
 from serve.server.api.v2 import v2_router
-from serve.server.engine import Engine
+from serve.server.engine import Engine, judge_rows
 from serve.server.http.errors import add_error_handlers, add_fallback_routes
 from serve.server.http.guard import RequestGuard, allowed_hosts_of
 from serve.server.http.uploads import decode_image
@@ -111,6 +111,7 @@ def repository_of(models, single, settings: ServeSettings, metrics: Metrics, eng
             settings,
             on_batch=metrics.batch_size.labels(name, version).observe,
             decode=lambda img: decode_image(img, classifier, settings.max_pixels),  # an upload, on the worker
+            on_answers=lambda rows: metrics.trust.record(name, classifier.labels, judge_rows(classifier, rows)),
         )
 
     return ModelRepository(

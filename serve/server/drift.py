@@ -32,7 +32,7 @@ SIGNALS = ("confidence", "ood_score", "predicted")
 class DriftWindow:
     """The last `window` answers (confidence, predicted class, OOD score) and their PSI against the file's reference.
 
-    Thread-safe: the API records on the event loop and the UI from worker threads, while Prometheus reads.
+    Thread-safe: the batchers record from their threads while Prometheus reads on the event loop.
     """
 
     def __init__(self, trust: Trust, window: int = DRIFT_WINDOW, min_answers: int = DRIFT_MIN_ANSWERS):
@@ -101,16 +101,20 @@ class TrustMetrics:
             self.drift.labels(model, signal).set_function(lambda s=signal: w.psi(s))
 
     def record(self, model: str, labels: list[str], answers: Assessment) -> None:
-        """Count a batch of answers."""
+        """Count a batch of answers (once per batch, on the batcher's thread: a label lookup per image cost
+        the event loop's share of the core)."""
         top = answers.probs.max(axis=-1)
         predicted = answers.probs.argmax(axis=-1)
-        for p, k in zip(top.tolist(), predicted.tolist(), strict=True):
-            self.confidence.labels(model).observe(p)
-            self.predicted.labels(model, labels[k]).inc()
+        confidence = self.confidence.labels(model)
+        for p in top.tolist():
+            confidence.observe(p)
+        for k, n in zip(*np.unique(predicted, return_counts=True), strict=True):
+            self.predicted.labels(model, labels[k]).inc(int(n))
         if answers.ood_scores is None:
             return
+        ood = self.ood.labels(model)
         for s in answers.ood_scores.tolist():
-            self.ood.labels(model).observe(s)
+            ood.observe(s)
         if (n := int(answers.unknown.sum())) > 0:
             self.unknown.labels(model).inc(n)
         if model in self.windows:

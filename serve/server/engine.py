@@ -65,22 +65,33 @@ def choose_batch_size(seconds_per_image: dict[int, float], tolerance: float = 0.
 
 
 def forward_rows(classifier, batch: np.ndarray) -> np.ndarray:
-    """The batched forward pass: (B, H, W, 3) uint8 -> (B,) records, each image's `logits` (K,), `probs` (K,)
-    and `features` (D,) (D is 0 unless the file's OOD score needs the pre-logit features).
+    """The batched forward pass: (B, H, W, 3) uint8 -> (B,) records, each image's `logits` (K,), `probs` (K,),
+    `features` (D,) (D is 0 unless the file's OOD score needs the pre-logit features) and `ood` (its OOD score;
+    NaN for a file without calibration).
 
     All come from one pass: KServe v2 answers with the file's own `logits` (as Triton serving the file
     would), /v1 with probabilities, and a batch may mix requests of both kinds. The probabilities are
-    calibrated exactly as `OnnxClassifier.predict_pixels` computes them (`OnnxClassifier.probabilities`);
-    `classifier.judge(rows["logits"], rows["features"], coverage)` gives the unknown verdicts and sets.
-    A record indexes like the batch: `rows[i]["probs"]` is one image's, `np.stack` of records a batch again.
+    calibrated exactly as `OnnxClassifier.predict_pixels` computes them (`OnnxClassifier.probabilities`), and
+    the OOD scores are those of `OnnxClassifier.assess`, computed once per batch here rather than once per
+    request on the event loop; `judge_rows` gives the unknown verdicts and sets. A record indexes like the batch:
+    `rows[i]["probs"]` is one image's, `np.stack` of records a batch again.
     """
     logits, features = classifier.run_fast(np.ascontiguousarray(batch))  # (B, K), (B, D) or None
     (B, K), D = logits.shape, (0 if features is None else features.shape[1])
-    rows = np.empty(B, [("logits", np.float32, (K,)), ("probs", np.float32, (K,)), ("features", np.float32, (D,))])
+    fields = [("logits", np.float32, (K,)), ("probs", np.float32, (K,)), ("features", np.float32, (D,))]
+    rows = np.empty(B, [*fields, ("ood", np.float64)])
     rows["logits"], rows["probs"] = logits, classifier.probabilities(logits)
     if D:
         rows["features"] = features
+    trust = classifier.trust
+    rows["ood"] = np.nan if trust is None else trust.ood_scores(logits, rows["probs"], features)
     return rows
+
+
+def judge_rows(classifier, rows: np.ndarray, coverage: float | None = None):
+    """The `Assessment` (probabilities, unknown verdicts, OOD scores, sets at `coverage`) of (B,) records of
+    `forward_rows`: nothing is computed again but the sets."""
+    return classifier.judge(rows["logits"], coverage=coverage, probs=rows["probs"], ood_scores=rows["ood"])
 
 
 class Engine:
@@ -94,6 +105,8 @@ class Engine:
         classifier: a `serve.runtime.classifier.OnnxClassifier`.
         settings: a `serve.server.settings.ServeSettings`.
         on_batch: called with each realised batch size.
+        on_answers: called with the records of each batch the batcher ran for requests (`forward_rows`; not
+            the warm-up calls), on the batcher's thread, before the requests get them (the trust metrics).
         decode: turns a submitted item that is not an array yet (an opened upload) into its
             (H, W, 3) uint8 image, on the worker thread (see `MicroBatcher`'s `prepare`).
     """
@@ -104,11 +117,13 @@ class Engine:
         settings,
         on_batch: Callable[[int], None] | None = None,
         decode: Callable[[Any], np.ndarray] | None = None,
+        on_answers: Callable[[np.ndarray], None] | None = None,
     ):
         self.classifier, self.settings = classifier, settings
         self.forward = lambda batch: forward_rows(classifier, batch)  # (B, H, W, 3) -> (B,) records
+        self.on_answers = on_answers
         self.batcher = MicroBatcher(
-            self.forward,
+            self._answer,
             max_batch_size=settings.max_batch_size,
             max_delay_ms=settings.max_delay_ms,
             queue_size=settings.queue_size,
@@ -118,6 +133,12 @@ class Engine:
         self.deadlines = Deadlines(settings.request_timeout_s)
         self.ready = False
         self.drained = False  # set by stop(): whether the queued work finished in time
+
+    def _answer(self, batch: np.ndarray) -> np.ndarray:
+        rows = self.forward(batch)
+        if self.on_answers is not None:
+            self.on_answers(rows)
+        return rows
 
     @property
     def batch_size(self) -> int:
@@ -148,8 +169,8 @@ class Engine:
         self.drained = self.batcher.close(timeout=self.settings.graceful_timeout_s)
 
     async def infer(self, item: Any) -> np.ndarray:
-        """(H, W, 3) uint8 (or an item for `decode`) -> its record of `forward_rows` (logits, probs, features),
-        batched with concurrent requests."""
+        """(H, W, 3) uint8 (or an item for `decode`) -> its record of `forward_rows` (logits, probs, features,
+        ood), batched with concurrent requests."""
         future = self.batcher.submit(item, asyncio.get_running_loop().create_future())
         return await self.deadlines.watch(future)
 

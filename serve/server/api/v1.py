@@ -20,6 +20,7 @@ from starlette.concurrency import run_in_threadpool
 from serve.runtime.images import PixelBudget
 from serve.runtime.rollout import HEAD_FUSIONS
 from serve.runtime.trust import Assessment
+from serve.server.engine import judge_rows
 from serve.server.explain import explain_pixels, overlay_png
 from serve.server.http.errors import ApiError, model_result
 from serve.server.http.uploads import decode_image, decode_request, open_upload
@@ -157,9 +158,8 @@ def v1_router(
         return JSONResponse(encode_response(served, answer(served, rows, coverage), params["top_k"]))
 
     def answer(served: ModelVersion, rows: np.ndarray, coverage: float | None) -> Assessment:
-        answers = served.classifier.judge(rows["logits"][None], rows["features"][None], coverage, rows["probs"][None])
-        metrics.trust.record(served.name, served.classifier.labels, answers)
-        return answers
+        # the trust metrics counted this answer on the batcher's thread (serve.server.app's `on_answers`)
+        return judge_rows(served.classifier, rows[None], coverage)
 
     # A plain Starlette route: it takes the raw Request anyway, and FastAPI's per-request dependency
     # machinery costs a few percent of a small model's throughput (BENCHMARKS.md, serving). So FastAPI

@@ -39,6 +39,7 @@ from serve.server.api.tensors import (
     read_json,
 )
 from serve.server.api.v1 import request_id_of, resolve
+from serve.server.engine import judge_rows
 from serve.server.http.errors import ApiError, error_response, model_result
 from serve.server.http.uploads import read_body
 from serve.server.metrics import Metrics
@@ -185,8 +186,8 @@ def add_infer_routes(
             raise failed
         rows = np.stack(results)  # (B,) records: logits, probs, features
         by_name = {OUTPUT: rows["logits"], PROBS: rows["probs"]}
-        answers = classifier.judge(rows["logits"], rows["features"], req.coverage, rows["probs"])
-        metrics.trust.record(served.name, classifier.labels, answers)  # every answer feeds the drift gauges
+        # the trust metrics (drift gauges) counted these answers on the batcher's thread
+        answers = judge_rows(classifier, rows, req.coverage)
         if any(n in TRUST_OUTPUTS for n, _ in req.outputs):
             by_name.update(trust_outputs(answers))
         head = {"model_name": served.name, "model_version": served.version}

@@ -171,8 +171,6 @@ class Service:
             raise failed
         rows = np.stack(results)  # (B,) records: logits, probs, features
         by_name = {"logits": rows["logits"], "probs": rows["probs"]}
-        answers = m.classifier.judge(rows["logits"], rows["features"], probs=rows["probs"])
-        self.metrics.trust.record(m.name, m.classifier.labels, answers)  # every answer feeds the drift gauges
         if self.payloads is not None:
             images = [p.tobytes() for p in pixels] if self.payloads.wants_images else None
             model = (m.name, m.version, m.classifier.labels)
