@@ -51,7 +51,7 @@ def in_process_cost(clf: OnnxClassifier, png: bytes, batch: int = 8, seconds: fl
     """CPU µs per image of the model alone and of decoding plus the model, at `batch` images per call."""
     pixels = np.repeat(clf.prepare(png)[None], batch, axis=0)
     out = []
-    for work in (lambda: clf.predict_pixels(pixels), lambda: clf.predict_pixels(np.stack([clf.prepare(png)] * batch))):
+    for work in (lambda: clf.predict_pixels(pixels), lambda: clf.predict_pixels(np.stack([clf.prepare(png) for _ in range(batch)]))):
         n, cpu0, t0 = 0, time.process_time(), time.perf_counter()
         while time.perf_counter() - t0 < seconds:
             work()

@@ -300,7 +300,7 @@ class OnnxClassifier:
     def top_k(self, probs: np.ndarray, k: int = 5) -> list[list[tuple[str, float]]]:
         """(B, K) probabilities -> per image, the k best (label, probability), highest first."""
         order = np.argsort(-probs, axis=-1, kind="stable")[:, :k]
-        best = np.take_along_axis(probs, order, axis=-1).tolist()  # plain floats: no numpy scalar per item
+        best = probs[np.arange(len(probs))[:, None], order].tolist()  # plain floats: no numpy scalar per item
         return [
             [(self.labels[j], p) for j, p in zip(row, ps, strict=True)]
             for row, ps in zip(order.tolist(), best, strict=True)

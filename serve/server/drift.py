@@ -91,6 +91,7 @@ class TrustMetrics:
             registry=registry,
         )
         self.windows: dict[str, DriftWindow] = {}
+        self._cache: dict[tuple, tuple] = {}
 
     def watch(self, model: str, trust: Trust | None, window: int = DRIFT_WINDOW) -> None:
         """Start the drift gauges of one model (nothing for a file without calibration)."""
@@ -101,21 +102,31 @@ class TrustMetrics:
             self.drift.labels(model, signal).set_function(lambda s=signal: w.psi(s))
 
     def record(self, model: str, labels: list[str], answers: Assessment) -> None:
-        """Count a batch of answers (once per batch, on the batcher's thread: a label lookup per image cost
-        the event loop's share of the core)."""
+        """Count a batch of answers (on the batcher's thread, once per batch)."""
         top = answers.probs.max(axis=-1)
         predicted = answers.probs.argmax(axis=-1)
-        confidence = self.confidence.labels(model)
-        for p in top.tolist():
+        confidence, ood, unknown, by_class = self._children(model, labels)
+        for p, k in zip(top.tolist(), predicted.tolist(), strict=True):
             confidence.observe(p)
-        for k, n in zip(*np.unique(predicted, return_counts=True), strict=True):
-            self.predicted.labels(model, labels[k]).inc(int(n))
+            by_class[k].inc()
         if answers.ood_scores is None:
             return
-        ood = self.ood.labels(model)
         for s in answers.ood_scores.tolist():
             ood.observe(s)
         if (n := int(answers.unknown.sum())) > 0:
-            self.unknown.labels(model).inc(n)
+            unknown.inc(n)
         if model in self.windows:
             self.windows[model].add(top, predicted, answers.ood_scores)
+
+    def _children(self, model: str, labels: list[str]) -> tuple:
+        """One model's collectors, looked up once (`labels()` takes a lock and builds a key each time)."""
+        key = (model, tuple(labels))
+        if key not in self._cache:
+            by_class = [self.predicted.labels(model, label) for label in labels]
+            self._cache[key] = (
+                self.confidence.labels(model),
+                self.ood.labels(model),
+                self.unknown.labels(model),
+                by_class,
+            )
+        return self._cache[key]

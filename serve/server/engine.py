@@ -10,6 +10,7 @@ measures the model and batches only as many images as it takes to amortise the p
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -64,6 +65,13 @@ def choose_batch_size(seconds_per_image: dict[int, float], tolerance: float = 0.
     return min(bs for bs, t in seconds_per_image.items() if t <= best * (1 + tolerance))
 
 
+@functools.cache
+def record_dtype(K: int, D: int) -> np.dtype:
+    """The records of `forward_rows` (built once: parsing a structured dtype costs more than filling it)."""
+    fields = [("logits", np.float32, (K,)), ("probs", np.float32, (K,)), ("features", np.float32, (D,))]
+    return np.dtype([*fields, ("ood", np.float64)])
+
+
 def forward_rows(classifier, batch: np.ndarray) -> np.ndarray:
     """The batched forward pass: (B, H, W, 3) uint8 -> (B,) records, each image's `logits` (K,), `probs` (K,),
     `features` (D,) (D is 0 unless the file's OOD score needs the pre-logit features) and `ood` (its OOD score;
@@ -78,8 +86,7 @@ def forward_rows(classifier, batch: np.ndarray) -> np.ndarray:
     """
     logits, features = classifier.run_fast(np.ascontiguousarray(batch))  # (B, K), (B, D) or None
     (B, K), D = logits.shape, (0 if features is None else features.shape[1])
-    fields = [("logits", np.float32, (K,)), ("probs", np.float32, (K,)), ("features", np.float32, (D,))]
-    rows = np.empty(B, [*fields, ("ood", np.float64)])
+    rows = np.empty(B, record_dtype(K, D))
     rows["logits"], rows["probs"] = logits, classifier.probabilities(logits)
     if D:
         rows["features"] = features

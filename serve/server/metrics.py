@@ -59,6 +59,7 @@ class Metrics:
             [*version, "reason"],
             registry=self.registry,
         )
+        self._children: dict[tuple, tuple] = {}
         self.trust = TrustMetrics(self.registry)  # calibrated confidence, OOD score, unknown, classes, drift
         self.payload_log_dropped = Counter(
             "vitscope_payload_log_dropped",
@@ -67,10 +68,14 @@ class Metrics:
             registry=self.registry,
         )
 
-    def observe(self, route: str, status: int, started: float) -> None:
+    def observe(self, route: str, status: int | str, started: float) -> None:
         """Count one finished request; `started` is its `time.perf_counter()` at arrival."""
-        self.requests.labels(route, str(status)).inc()
-        self.latency.labels(route).observe(time.perf_counter() - started)
+        key = (route, status)
+        children = self._children.get(key)
+        if children is None:  # `labels()` takes a lock and builds its key on every call: once per route and status
+            children = self._children[key] = (self.requests.labels(route, str(status)), self.latency.labels(route))
+        children[0].inc()
+        children[1].observe(time.perf_counter() - started)
 
     def render(self) -> tuple[bytes, str]:
         """The text exposition format and its content type."""

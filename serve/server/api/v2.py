@@ -20,7 +20,6 @@ against this server as against Triton. Errors have the protocol's shape, {"error
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import weakref
 
@@ -40,7 +39,7 @@ from serve.server.api.tensors import (
 )
 from serve.server.api.v1 import request_id_of, resolve
 from serve.server.engine import judge_rows
-from serve.server.http.errors import ApiError, error_response, model_result
+from serve.server.http.errors import ApiError, batch_results, error_response
 from serve.server.http.uploads import read_body
 from serve.server.metrics import Metrics
 from serve.server.payload_log import PayloadLog
@@ -179,12 +178,7 @@ def add_infer_routes(
         classifier = served.classifier
         check_trust_request(classifier, req)
         timeout = limits.request_timeout_s
-        work = (model_result(served.engine.infer(p), timeout) for p in req.pixels)  # each joins the batches
-        results = await asyncio.gather(*work, return_exceptions=True)
-        failed = next((r for r in results if isinstance(r, BaseException)), None)
-        if failed is not None:  # every image has settled: nothing is left running or unobserved
-            raise failed
-        rows = np.stack(results)  # (B,) records: logits, probs, features
+        rows = await batch_results(served.engine, req.pixels, timeout)  # (B,) records: logits, probs, features, ood
         by_name = {OUTPUT: rows["logits"], PROBS: rows["probs"]}
         # the trust metrics (drift gauges) counted these answers on the batcher's thread
         answers = judge_rows(classifier, rows, req.coverage)

@@ -20,13 +20,12 @@ import time
 from collections.abc import Awaitable, Callable
 
 import grpc
-import numpy as np
 
 from serve.server.grpc import grpc_predict_v2_pb2 as pb
 from serve.server.grpc.codec import infer_response, metadata_response, parse_infer
 from serve.server.grpc.models import Models, ServedModel
 from serve.server.http.access_log import ACCESS_LOG
-from serve.server.http.errors import ApiError, model_result
+from serve.server.http.errors import ApiError, batch_results
 from serve.server.http.guard import SANE_REQUEST_ID, key_of
 from serve.server.metrics import Metrics
 from serve.server.payload_log import PayloadLog
@@ -162,14 +161,7 @@ class Service:
         if not m.engine.ready:
             raise ApiError("not_ready", NOT_READY)
         pixels, wanted = parse_infer(request, m.pixels, self.limits.max_batch_size)
-        work = (
-            model_result(m.engine.infer(p), self.limits.request_timeout_s) for p in pixels
-        )  # each joins the batches
-        results = await asyncio.gather(*work, return_exceptions=True)
-        failed = next((r for r in results if isinstance(r, BaseException)), None)
-        if failed is not None:  # every image has settled: nothing is left running or unobserved
-            raise failed
-        rows = np.stack(results)  # (B,) records: logits, probs, features
+        rows = await batch_results(m.engine, pixels, self.limits.request_timeout_s)  # (B,) records
         by_name = {"logits": rows["logits"], "probs": rows["probs"]}
         if self.payloads is not None:
             images = [p.tobytes() for p in pixels] if self.payloads.wants_images else None

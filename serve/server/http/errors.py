@@ -10,6 +10,7 @@ import logging
 from collections.abc import Awaitable, Iterator
 from contextlib import contextmanager
 
+import numpy as np
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
@@ -102,6 +103,20 @@ async def model_result(work: Awaitable, timeout_s: float):
         raise ApiError("shutting_down", str(e)) from None
     except (TimeoutError, asyncio.TimeoutError):  # distinct classes before Python 3.11
         raise ApiError("timeout", f"no result within {timeout_s} s; retry later") from None
+
+
+async def batch_results(engine, images, timeout_s: float) -> np.ndarray:
+    """The (B,) records of `engine.infer` for a request's B images, each joining the batches; the first
+    failure is raised once every image has settled (nothing is left running or unobserved). One image, the
+    common case, is awaited directly: a task per image costs more than the whole answer of a small model."""
+    if len(images) == 1:
+        return (await model_result(engine.infer(images[0]), timeout_s))[None]
+    work = (model_result(engine.infer(image), timeout_s) for image in images)
+    results = await asyncio.gather(*work, return_exceptions=True)
+    failed = next((r for r in results if isinstance(r, BaseException)), None)
+    if failed is not None:
+        raise failed
+    return np.stack(results)
 
 
 def add_error_handlers(app: FastAPI, retry_after_s: int) -> None:
