@@ -3,7 +3,7 @@
     .venv/bin/python -m benchmarks.checkpoint_save [--repeats 5] [--dirs /tmp /dev/shm]
 
 Lightning's `TorchCheckpointIO` serialises into memory, writes a temporary file in $TMPDIR and moves it
-over the target (a copy when the run directory is on another filesystem). `train.ckpt_io.AtomicCheckpointIO`
+over the target (a copy when the run directory is on another filesystem). `train.checkpoint_io.AtomicCheckpointIO`
 writes a temporary file beside the target, fsyncs it, renames it and fsyncs the folder. The checkpoints are
 shaped like vit-train's for ViT-Ti/16 and ViT-S/16 (weights, EMA copy and two AdamW moments: 4 float32
 copies of the parameters). Each cell is the median of the interleaved rounds, in seconds per save.
@@ -20,7 +20,7 @@ from pathlib import Path
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
 from benchmarks.common import Result, add_results_option, interleaved, timed
-from train.ckpt_io import AtomicCheckpointIO
+from train.checkpoint_io import AtomicCheckpointIO
 from vit.model import create_model
 
 

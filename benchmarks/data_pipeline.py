@@ -24,7 +24,7 @@ import torch
 from PIL import Image
 
 from benchmarks.common import Result, Table, add_results_option
-from train.data import ImageFolderDataModule
+from train.datamodule import ImageFolderDataModule
 from train.module import ViTClassifier
 from train.transforms import Augment
 

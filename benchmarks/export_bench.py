@@ -93,7 +93,7 @@ def build(name: str, tmp: Path) -> dict:
     """The torch net and every ONNX variant of one model."""
     note = ""
     if name == "sample" and SAMPLE_CKPT.is_file():
-        from train.checkpoint import load_network
+        from train.checkpoint_format import load_network
 
         net, meta = load_network(SAMPLE_CKPT)
         pre = meta["preprocess"]

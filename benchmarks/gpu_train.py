@@ -137,7 +137,7 @@ def folder(kind: str, args, root: Path, device: torch.device, log_dir: str) -> f
     """Images/s of the real training path on the generated folder."""
     from lightning.pytorch import Trainer
 
-    from train.data import ImageFolderDataModule
+    from train.datamodule import ImageFolderDataModule
     from train.module import ViTClassifier
     from train.transforms import Augment
 

@@ -1,7 +1,7 @@
 """How long does the folder scan take on a million small images?
 
 Writes N small PNGs (distinct 16 x 16 noise images, 100 per file template, in `--classes` class folders)
-into a temporary folder, times `train.folder.scan_folder` on it (listing, header check in a process pool,
+into a temporary folder, times `train.folder_scan.scan_folder` on it (listing, header check in a process pool,
 split), and deletes the folder afterwards.
 
     .venv/bin/python -m benchmarks.scan_bench [--n 1000000] [--classes 100] [--dir /tmp]
@@ -24,7 +24,7 @@ from PIL import Image
 
 from benchmarks.common import Result, add_results_option
 from train.dataset import usable_cores
-from train.folder import scan_folder
+from train.folder_scan import scan_folder
 
 
 def write_folder(root: Path, n: int, classes: int) -> None:

@@ -48,7 +48,7 @@ def random_model_file(variant: str, data_dir: Path, out_dir: Path, target: str =
     import vit
     from serve.export.cli import export_onnx
     from serve.runtime.images import Preprocess
-    from train.checkpoint import META_KEY
+    from train.checkpoint_format import META_KEY
 
     classes = sorted(p.name for p in data_dir.iterdir() if p.is_dir())
     torch.manual_seed(0)

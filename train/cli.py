@@ -27,11 +27,11 @@ from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.plugins import CheckpointIO
 
 from train.callbacks import KeepBestScore
-from train.ckpt_io import AtomicCheckpointIO, load_error, remove_partial_saves
-from train.data import ImageFolderDataModule
+from train.checkpoint_io import AtomicCheckpointIO, load_error, remove_partial_saves
+from train.datamodule import ImageFolderDataModule
 from train.module import ViTClassifier
 from train.recipe import auto_recipe_args
-from train.safety import (
+from train.run_dir import (
     CKPT_DIR,
     SetupError,
     TrainingError,

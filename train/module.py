@@ -23,9 +23,9 @@ from torch import nn
 from torchmetrics.classification import MulticlassAccuracy, MulticlassConfusionMatrix
 
 from serve.runtime.images import Preprocess
-from train.checkpoint import META_KEY
+from train.checkpoint_format import META_KEY
 from train.reports import write_confusion_csv, write_confusion_png
-from train.safety import (
+from train.run_dir import (
     RNG_KEY,
     check_class_names,
     check_finite_loss,
@@ -260,7 +260,7 @@ class ViTClassifier(pl.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Add the plain-data entry that `train.checkpoint.load_network` rebuilds the network from, and the RNG states.
+        """Add the RNG states, and the plain-data entry `train.checkpoint_format.load_network` rebuilds the net from.
 
         Raises:
             TrainingError: a weight is NaN or infinite; such a model is never saved.

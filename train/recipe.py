@@ -20,7 +20,7 @@ import yaml
 
 from serve.runtime.images import ImageError, open_image
 from train.dataset import usable_cores
-from train.folder import class_dirs, find_image_files
+from train.folder_scan import class_dirs, find_image_files
 
 log = logging.getLogger(__name__)
 

@@ -28,7 +28,7 @@ from jsonargparse import ArgumentParser
 
 from serve.runtime.images import ImageError, load_image
 from train.dataset import usable_cores
-from train.folder import BadFile, FolderScan, scan_folder
+from train.folder_scan import BadFile, FolderScan, scan_folder
 
 log = logging.getLogger(__name__)
 

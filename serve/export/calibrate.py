@@ -30,7 +30,7 @@ from serve.runtime import calibration as cal
 from serve.runtime.classifier import session_options
 from serve.runtime.images import ImageError, Preprocess, load_image
 from serve.runtime.trust import FEATURES_OUTPUT, METADATA_KEY, Trust
-from train.folder import class_dirs, find_image_files
+from train.folder_scan import class_dirs, find_image_files
 
 log = logging.getLogger(__name__)
 

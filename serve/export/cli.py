@@ -41,7 +41,7 @@ from serve.export import targets, triton, web
 from serve.export.merge import set_metadata
 from serve.export.metadata import build_metadata
 from serve.export.trace import DEFAULT_OPSET
-from train.checkpoint import load_network
+from train.checkpoint_format import load_network
 
 log = logging.getLogger(__name__)
 

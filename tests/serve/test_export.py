@@ -28,7 +28,7 @@ def test_exported_model_predicts_the_quadrant_of_its_validation_images(tiny_onnx
 
 
 def test_metadata_round_trips_from_the_checkpoint_to_the_file(tiny_onnx, tiny_checkpoint):
-    from train.checkpoint import load_network
+    from train.checkpoint_format import load_network
 
     net, meta = load_network(tiny_checkpoint)
     clf = OnnxClassifier(tiny_onnx)
@@ -65,7 +65,7 @@ def test_the_graph_takes_uint8_pixels_and_explain_is_optional(tiny_onnx):
 
 
 def test_the_fast_and_explain_branches_share_one_copy_of_the_weights(tiny_checkpoint, tmp_path):
-    from train.checkpoint import load_network
+    from train.checkpoint_format import load_network
 
     net, _ = load_network(tiny_checkpoint)
     n_params = sum(p.numel() for p in net.parameters())
@@ -86,7 +86,7 @@ def _logits(model: onnx.ModelProto, pixels: np.ndarray) -> np.ndarray:
 
 def test_the_fused_fast_graph_matches_the_graph_as_exported(tiny_checkpoint):
     from serve.export.trace import export_fast_graph
-    from train.checkpoint import load_network
+    from train.checkpoint_format import load_network
 
     net, meta = load_network(tiny_checkpoint)
     fused, counts = export_fast_graph(net, meta["preprocess"])
@@ -131,7 +131,7 @@ def test_the_parity_gate_fails_loudly_and_writes_nothing(tiny_checkpoint, tmp_pa
 def test_the_gate_catches_a_model_that_differs_from_the_checkpoint(tiny_onnx, tiny_checkpoint):
     import torch
 
-    from train.checkpoint import load_network
+    from train.checkpoint_format import load_network
 
     net, meta = load_network(tiny_checkpoint)
     with torch.no_grad():

@@ -15,7 +15,7 @@ torch = pytest.importorskip("torch")
 
 
 def test_preprocessing_equals_the_training_evaluation_transform(tiny_onnx, tiny_checkpoint):
-    from train.checkpoint import load_network
+    from train.checkpoint_format import load_network
     from train.transforms import EvalTransform
 
     clf = OnnxClassifier(tiny_onnx)
@@ -28,7 +28,7 @@ def test_preprocessing_equals_the_training_evaluation_transform(tiny_onnx, tiny_
 
 
 def test_predictions_agree_with_the_torch_model(tiny_onnx, tiny_checkpoint, tiny_run):
-    from train.checkpoint import load_network
+    from train.checkpoint_format import load_network
 
     net, meta = load_network(tiny_checkpoint)
     clf = OnnxClassifier(tiny_onnx)
@@ -43,7 +43,7 @@ def test_predictions_agree_with_the_torch_model(tiny_onnx, tiny_checkpoint, tiny
 
 
 def test_rollout_maps_match_torch_rollout_of_the_same_model(tiny_onnx, tiny_checkpoint):
-    from train.checkpoint import load_network
+    from train.checkpoint_format import load_network
     from vit import attention_rollout as torch_rollout
 
     net, meta = load_network(tiny_checkpoint)
@@ -59,7 +59,7 @@ def test_rollout_maps_match_torch_rollout_of_the_same_model(tiny_onnx, tiny_chec
 
 
 def test_gradient_rollout_from_the_file_matches_torch_for_any_target(tiny_onnx, tiny_checkpoint):
-    from train.checkpoint import load_network
+    from train.checkpoint_format import load_network
     from vit import gradient_rollout as torch_gradient_rollout
 
     net, meta = load_network(tiny_checkpoint)

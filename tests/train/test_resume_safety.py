@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from tests.helpers import REPO, wait_until, write_shapes
-from train.checkpoint import load_checkpoint
+from train.checkpoint_format import load_checkpoint
 from train.cli import build_cli, main
 
 SAMPLE = str(REPO / "configs" / "sample.yaml")

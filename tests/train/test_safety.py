@@ -207,7 +207,7 @@ def test_fewer_validation_images_than_ddp_processes_is_refused(tmp_path, capsys)
 WRITE_REPORTS = """
 import sys
 from pathlib import Path
-from train.data import ImageFolderDataModule
+from train.datamodule import ImageFolderDataModule
 ImageFolderDataModule(sys.argv[1]).write_reports(Path(sys.argv[2]))
 """
 

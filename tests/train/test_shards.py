@@ -16,7 +16,7 @@ import torch
 from tests.helpers import REPO, wait_until, write_shapes
 from tests.train.rank_weights import fingerprints
 from train.cli import build_cli, main
-from train.folder import scan_folder
+from train.folder_scan import scan_folder
 from train.shards import is_streaming_root, prepare, read_meta
 
 
@@ -88,7 +88,7 @@ def test_fit_streams_a_prepared_dataset_and_reports_its_bad_files(shapes_folder:
 
 @pytest.mark.parametrize("batch_augment", [True, False])
 def test_a_prepared_dataset_gives_the_same_batches_shape_as_the_folder(shapes_folder, tmp_path, batch_augment):
-    from train.data import ImageFolderDataModule
+    from train.datamodule import ImageFolderDataModule
     from train.transforms import Augment
 
     prepare(str(shapes_folder), str(tmp_path / "shards"), workers=1)

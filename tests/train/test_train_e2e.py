@@ -15,7 +15,7 @@ import torch
 
 from serve.runtime.images import load_image
 from tests.helpers import REPO, wait_until, write_shapes
-from train.checkpoint import load_checkpoint, load_network
+from train.checkpoint_format import load_checkpoint, load_network
 from train.cli import build_cli
 from train.shards import prepare
 

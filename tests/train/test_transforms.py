@@ -10,7 +10,7 @@ import torch
 from PIL import Image
 
 from serve.runtime.images import Preprocess
-from train.data import auto_workers
+from train.datamodule import auto_workers
 from train.dataset import decode
 from train.transforms import Augment, BatchTransform
 

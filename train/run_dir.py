@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from train.checkpoint import META_KEY
+from train.checkpoint_format import META_KEY
 
 CKPT_DIR = "checkpoints"
 RNG_KEY = "rng_states"

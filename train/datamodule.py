@@ -26,7 +26,7 @@ from torch.utils.data import DataLoader, Dataset, RandomSampler
 
 from serve.runtime.images import Preprocess
 from train.dataset import BatchCollate, ImageListDataset, fill_cache, usable_cores
-from train.folder import BadFile, FolderScan, folder_classes, scan_folder
+from train.folder_scan import BadFile, FolderScan, folder_classes, scan_folder
 from train.shards import is_streaming_root, read_meta, streaming_dataset, streaming_loader, streaming_scan
 from train.transforms import Augment, BatchTransform, EvalTransform, build_train_transform
 
