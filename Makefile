@@ -88,7 +88,7 @@ $(CKPT): $(SAMPLE)/.complete configs/sample.yaml | $(VENV)/.installed
 
 # The exporter's own code is a prerequisite too: a new graph rewrite or metadata field reaches the
 # model file after a `git pull`, without retraining.
-EXPORTER := $(wildcard vit/*.py serve/export/*.py serve/runtime/*.py) train/checkpoint_format.py
+EXPORTER := $(wildcard vit/*.py serve/export/*.py serve/runtime/*.py) train/checkpoint_format.py train/errors.py
 export: $(ONNX)
 $(ONNX): $(CKPT) $(EXPORTER)
 	$(BIN)/vit-export $(CKPT) -o $(ONNX)

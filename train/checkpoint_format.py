@@ -1,26 +1,31 @@
 """What a vitscope checkpoint carries beyond weights, and how to rebuild the network from it.
 
-Lightning writes the checkpoint; `ViTClassifier.on_save_checkpoint` adds a plain-data
-``"vitscope"`` entry (no pickled objects), so `load_network` needs neither the YAML nor
-Lightning, and loads with ``weights_only=True``:
+Lightning writes the checkpoint; `ViTClassifier.on_save_checkpoint` adds two plain-data entries (no
+pickled objects), so everything loads with ``weights_only=True``:
 
-    {"model_config": VisionTransformer kwargs, "class_names": [...], "preprocess": Preprocess.to_dict(),
-     "weights_prefix": "net." or "ema.module.", "variant": str, "versions": {...}}
+    "vitscope"    {"model_config": VisionTransformer kwargs, "class_names": [...], "preprocess": Preprocess.to_dict(),
+                   "weights_prefix": "net." or "ema.module.", "variant": str, "best_val_acc": float, "versions": {...}}:
+                  `load_network` rebuilds the network from it with neither the YAML nor Lightning
+    "rng_states"  the random states (`rng_states`), so a resumed run draws the numbers the uninterrupted run drew
 """
 
 from __future__ import annotations
 
 import hashlib
 import pickle
+import random
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from serve.runtime.images import Preprocess
+from train.errors import SetupError, first_line
 from vit.model import VisionTransformer
 
 META_KEY = "vitscope"
+RNG_KEY = "rng_states"
 
 
 def load_checkpoint(path: str | Path) -> dict[str, Any]:
@@ -44,13 +49,12 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # say what is wrong in one line, not a traceback
-        first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
         if isinstance(e, pickle.UnpicklingError):  # objects beyond tensors and plain data: never loaded
             raise ValueError(
-                f"{path} holds Python objects that a weights-only load refuses ({first}); vitscope checkpoints "
-                "hold tensors and plain data only: give a .ckpt file written by vit-train"
+                f"{path} holds Python objects that a weights-only load refuses ({first_line(e)}); vitscope "
+                "checkpoints hold tensors and plain data only: give a .ckpt file written by vit-train"
             ) from None
-        raise ValueError(f"{path} is damaged or truncated ({first}); train or copy it again") from None
+        raise ValueError(f"{path} is damaged or truncated ({first_line(e)}); train or copy it again") from None
     if not isinstance(ckpt, dict) or META_KEY not in ckpt or "state_dict" not in ckpt:
         raise ValueError(f"{path} is not a vitscope checkpoint (no '{META_KEY}' entry); train it with vit-train")
     return ckpt
@@ -80,3 +84,50 @@ def file_sha256(path: str | Path) -> str:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             h.update(chunk)
     return h.hexdigest()
+
+
+def check_class_names(meta: dict[str, Any] | None, data_classes: list[str] | None) -> list[str]:
+    """The class names a checkpoint's "vitscope" entry holds, refused when they differ from the folder's.
+
+    Raises:
+        SetupError: not a vitscope checkpoint, or other classes (its outputs would be labelled wrongly).
+    """
+    if meta is None or "class_names" not in meta:
+        raise SetupError(f"not a vitscope checkpoint (no '{META_KEY}' entry with class names): train it with vit-train")
+    saved = list(meta["class_names"])
+    if data_classes is not None and saved != list(data_classes):
+        raise SetupError(
+            f"the checkpoint was trained on {len(saved)} classes {saved}, but the image folder has "
+            f"{len(data_classes)} classes {list(data_classes)}; its outputs would be labelled wrongly. Use the "
+            "folder it was trained on (the same class folders), or train a new run without --ckpt_path"
+        )
+    return saved
+
+
+def rng_states() -> dict[str, Any]:
+    """The random states that decide shuffling, augmentation and dropout, as weights-only-loadable data.
+
+    These are the main process's. DataLoader workers need none saved: they seed each batch from the run's
+    seed and the batch's indices (`train.dataset.ImageListDataset.__getitems__`), and the indices come
+    from the main process's stream.
+    """
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    states: dict[str, Any] = {
+        "python": random.getstate(),
+        "numpy": (str(kind), torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(gauss)),
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states["cuda"] = torch.cuda.get_rng_state_all()
+    return states
+
+
+def set_rng_states(states: dict[str, Any]) -> None:
+    """Restore what `rng_states` saved, so a resumed run draws the numbers the uninterrupted run drew."""
+    version, internal, gauss = states["python"]
+    random.setstate((version, tuple(internal), gauss))
+    kind, keys, pos, has_gauss, cached = states["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(states["torch"])
+    if "cuda" in states and torch.cuda.is_available() and len(states["cuda"]) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(states["cuda"])

@@ -26,7 +26,8 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.fabric.utilities.cloud_io import get_filesystem
 
 from train.checkpoint_format import META_KEY
-from train.run_dir import SetupError, TrainingError, first_line, is_remote, usable_checkpoints
+from train.errors import SetupError, TrainingError, first_line
+from train.run_dir import is_remote, usable_checkpoints
 
 log = logging.getLogger(__name__)
 

@@ -29,18 +29,10 @@ from lightning.pytorch.plugins import CheckpointIO
 from train.callbacks import KeepBestScore
 from train.checkpoint_io import AtomicCheckpointIO, load_error, remove_partial_saves
 from train.datamodule import ImageFolderDataModule
+from train.errors import SetupError, TrainingError
 from train.module import ViTClassifier
 from train.recipe import auto_recipe_args
-from train.run_dir import (
-    CKPT_DIR,
-    SetupError,
-    TrainingError,
-    check_ckpt_owner,
-    check_data_settings,
-    check_writable,
-    is_remote,
-    resolve_ckpt_path,
-)
+from train.run_dir import CKPT_DIR, check_ckpt_owner, check_writable, is_remote, resolve_ckpt_path
 from train.shards import PREPARE_HELP, prepare_parser
 from train.shards import main as prepare_main
 
@@ -268,6 +260,17 @@ class VitCLI(LightningCLI):
                 f"    vit-export {best} -o model.onnx",
             ]
         log.info("\n".join(lines))
+
+
+def check_data_settings(config: Any) -> None:
+    """Refuse data settings that would fail deep inside training (an empty batch, negative workers)."""
+    for key in ("data.batch_size", "data.eval_batch_size"):
+        value = config.get(key)
+        if value is not None and value < 1:
+            raise SetupError(f"--{key} must be at least 1, got {value}")
+    workers = config.get("data.num_workers")
+    if workers is not None and workers < 0:
+        raise SetupError(f"--data.num_workers must be 0 or more, got {workers}")
 
 
 def _with_atomic_checkpoint_io(plugins: Any) -> list[Any]:

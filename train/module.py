@@ -23,17 +23,10 @@ from torch import nn
 from torchmetrics.classification import MulticlassAccuracy, MulticlassConfusionMatrix
 
 from serve.runtime.images import Preprocess
-from train.checkpoint_format import META_KEY
+from train.checkpoint_format import META_KEY, RNG_KEY, check_class_names, rng_states, set_rng_states
+from train.errors import first_line
+from train.finite_checks import check_finite_loss, check_finite_weights
 from train.reports import write_confusion_csv, write_confusion_png
-from train.run_dir import (
-    RNG_KEY,
-    check_class_names,
-    check_finite_loss,
-    check_finite_weights,
-    first_line,
-    rng_states,
-    set_rng_states,
-)
 from vit.model import VisionTransformer, create_model
 from vit.timm_compat import from_timm
 

@@ -1,11 +1,9 @@
-"""Rules that keep a run directory safe: which checkpoint a command may load, and the one-line errors.
+"""The run directory's rules: which checkpoint `--ckpt_path` may name, whose run a fit may continue.
 
-    SetupError      a run that cannot start as asked (exit 2): a bad setting, a missing or damaged
-                    checkpoint, another run's checkpoint in the way
-    TrainingError   a run that stopped because going on would be wrong (exit 1): a non-finite loss,
-                    a checkpoint that could not be written
+Each refusal is one `SetupError` line that names what can be used instead. The checkpoints live in
+`<run_dir>/checkpoints` (`CKPT_DIR`), and `check_writable` fails a read-only run directory before any work.
 
-`--ckpt_path` rules (`resolve_ckpt_path`, `check_ckpt_owner`):
+`--ckpt_path` (`resolve_ckpt_path`, `check_ckpt_owner`):
     last / best      this run's `checkpoints/last.ckpt` / `best.ckpt`; refused when missing, with the
                      files that are there
     a local file     refused when missing or damaged (its zip directory cannot be read), naming the
@@ -18,32 +16,12 @@ unless --overwrite true.
 from __future__ import annotations
 
 import os
-import random
 import zipfile
 from pathlib import Path
-from typing import Any
 
-import numpy as np
-import torch
-
-from train.checkpoint_format import META_KEY
+from train.errors import SetupError, first_line
 
 CKPT_DIR = "checkpoints"
-RNG_KEY = "rng_states"
-
-
-class SetupError(Exception):
-    """A run that cannot start as asked: a missing folder, a bad setting, an existing run in the way."""
-
-
-class TrainingError(Exception):
-    """A run that had to stop: continuing (or saving) would have produced a wrong model."""
-
-
-def first_line(e: BaseException) -> str:
-    """The first line of an exception's message (its type name when it has none), at most 200 characters."""
-    text = str(e).strip()
-    return text.splitlines()[0][:200] if text else type(e).__name__
 
 
 def is_remote(path: str | os.PathLike) -> bool:
@@ -130,98 +108,3 @@ def check_writable(run_dir: Path) -> None:
             f"cannot write into the run directory {run_dir} ({first_line(e)}); "
             "choose a writable --trainer.default_root_dir"
         ) from None
-
-
-def check_data_settings(config: Any) -> None:
-    """Refuse data settings that would fail deep inside training (an empty batch, negative workers)."""
-    for key in ("data.batch_size", "data.eval_batch_size"):
-        value = config.get(key)
-        if value is not None and value < 1:
-            raise SetupError(f"--{key} must be at least 1, got {value}")
-    workers = config.get("data.num_workers")
-    if workers is not None and workers < 0:
-        raise SetupError(f"--data.num_workers must be 0 or more, got {workers}")
-
-
-def _lr_hint(lr: float) -> str:
-    return (
-        f"lower --model.lr (now {lr}) in a new run (a resumed run keeps its checkpoint's learning rate), or check "
-        "the images; checkpoints/last.ckpt, if there is one, holds the last finished epoch"
-    )
-
-
-def check_finite_loss(loss: torch.Tensor, trainer: Any, lr: float) -> None:
-    """Stop on a NaN or infinite training loss; under DDP every rank stops together (no rank left waiting).
-
-    Raises:
-        TrainingError: the loss is not finite on some rank.
-    """
-    finite = bool(torch.isfinite(loss))
-    if trainer.strategy.reduce_boolean_decision(finite, all=True):
-        return
-    value = loss.item() if not finite else "not finite on another process"
-    raise TrainingError(
-        f"the training loss is {value} at epoch {trainer.current_epoch}, step {trainer.global_step}; training "
-        f"stopped and nothing was saved from it: {_lr_hint(lr)}"
-    )
-
-
-def check_finite_weights(module: torch.nn.Module, lr: float) -> None:
-    """Refuse to save a model with a NaN or infinite weight.
-
-    Raises:
-        TrainingError: naming the first such weight.
-    """
-    bad = [name for name, p in module.named_parameters() if not torch.isfinite(p).all()]
-    if bad:
-        raise TrainingError(
-            f"{len(bad)} weight tensor(s) are NaN or infinite (first: {bad[0]}); the checkpoint was not written: "
-            f"{_lr_hint(lr)}"
-        )
-
-
-def check_class_names(meta: dict[str, Any] | None, data_classes: list[str] | None) -> list[str]:
-    """The class names a checkpoint's "vitscope" entry holds, refused when they differ from the folder's.
-
-    Raises:
-        SetupError: not a vitscope checkpoint, or other classes (its outputs would be labelled wrongly).
-    """
-    if meta is None or "class_names" not in meta:
-        raise SetupError(f"not a vitscope checkpoint (no '{META_KEY}' entry with class names): train it with vit-train")
-    saved = list(meta["class_names"])
-    if data_classes is not None and saved != list(data_classes):
-        raise SetupError(
-            f"the checkpoint was trained on {len(saved)} classes {saved}, but the image folder has "
-            f"{len(data_classes)} classes {list(data_classes)}; its outputs would be labelled wrongly. Use the "
-            "folder it was trained on (the same class folders), or train a new run without --ckpt_path"
-        )
-    return saved
-
-
-def rng_states() -> dict[str, Any]:
-    """The random states that decide shuffling, augmentation and dropout, as weights-only-loadable data.
-
-    These are the main process's. DataLoader workers need none saved: they seed each batch from the run's
-    seed and the batch's indices (`train.dataset.ImageListDataset.__getitems__`), and the indices come
-    from the main process's stream.
-    """
-    kind, keys, pos, has_gauss, gauss = np.random.get_state()
-    states: dict[str, Any] = {
-        "python": random.getstate(),
-        "numpy": (str(kind), torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(gauss)),
-        "torch": torch.get_rng_state(),
-    }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        states["cuda"] = torch.cuda.get_rng_state_all()
-    return states
-
-
-def set_rng_states(states: dict[str, Any]) -> None:
-    """Restore what `rng_states` saved, so a resumed run draws the numbers the uninterrupted run drew."""
-    version, internal, gauss = states["python"]
-    random.setstate((version, tuple(internal), gauss))
-    kind, keys, pos, has_gauss, cached = states["numpy"]
-    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
-    torch.set_rng_state(states["torch"])
-    if "cuda" in states and torch.cuda.is_available() and len(states["cuda"]) == torch.cuda.device_count():
-        torch.cuda.set_rng_state_all(states["cuda"])
