@@ -10,30 +10,27 @@ Generates `--n` PNG images (64 x 64, noise with a bright square) in a temporary 
   3. `vit-predict MODEL DIR --out preds.parquet` as a process, wall time from start to exit.
 With `--kill-at F`, run 3 is killed with SIGKILL once a fraction F of the parts is committed and run again
 with `--resume`; the output is checked to hold every image exactly once. Writes
-benchmarks/results/batch_bench.json and prints a markdown table.
+benchmarks/results/batch_bench.json (batch_bench_resume.json with `--kill-at`) and prints a markdown table.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import signal
 import subprocess
 import sys
 import tempfile
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 import numpy as np
 from PIL import Image
 
-from benchmarks.serve_bench import random_model_file
+from benchmarks.common import Result, add_results_option
+from benchmarks.servers import random_model_file
 from serve.runtime.classifier import OnnxClassifier
 
-RESULTS = Path(__file__).with_name("results")  # batch_bench.json, and batch_bench_resume.json with --kill-at
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -86,12 +83,13 @@ def kill_and_resume(model: Path, folder: Path, out: Path, n: int, part_size: int
         "rows": len(paths),
         "distinct_paths": len(set(paths)),
         "exactly_once": len(paths) == len(set(paths)) == n,
-        "resume_s": round(resume_s, 1),
+        "resume_s": resume_s,
     }
 
 
-def speed_rows(clf: OnnxClassifier, model: Path, files: list[Path], folder: Path, out: Path) -> list[dict]:
-    """The three runs of the module docstring, one after another on the same images."""
+def speed_rows(clf: OnnxClassifier, model: Path, files: list[Path], folder: Path, out: Path) -> list[tuple]:
+    """The three runs of the module docstring, one after another on the same images: (name, seconds, images/s,
+    the model alone's time over this one's)."""
     pixels = np.stack([clf.prepare(f) for f in files])
     t0 = time.perf_counter()
     for i in range(0, len(pixels), 32):
@@ -106,11 +104,7 @@ def speed_rows(clf: OnnxClassifier, model: Path, files: list[Path], folder: Path
         ("OnnxClassifier.predict(paths): decode, then the model", serial_s),
         ("vit-predict DIR --out preds.parquet (process, start to exit)", cli_s),
     ]
-    n = len(files)
-    return [
-        {"run": name, "seconds": round(s, 2), "images_per_s": round(n / s, 1), "vs_model_alone": round(model_s / s, 3)}
-        for name, s in runs
-    ]
+    return [(name, s, len(files) / s, model_s / s) for name, s in runs]
 
 
 def main() -> None:
@@ -120,38 +114,27 @@ def main() -> None:
     p.add_argument("--kill-at", type=float, default=None, help="kill the run at this fraction, then --resume")
     p.add_argument("--part-size", type=int, default=4096)
     p.add_argument("--data", type=Path, default=ROOT / "data" / "digits", help="class folders (for the labels)")
-    args = p.parse_args()
+    args = add_results_option(p).parse_args()
     with tempfile.TemporaryDirectory(prefix="batch_bench") as tmp:
         tmp = Path(tmp)
         model = random_model_file(args.variant, args.data, tmp)
         files = make_images(tmp / "images", args.n)
         clf = OnnxClassifier(model)
-        rows, result = [], {}
+        setting = {"variant": args.variant, "images": args.n, "threads": clf.threads}
         if args.kill_at is not None:
-            result["resume"] = kill_and_resume(
-                model, tmp / "images", tmp / "resumed.parquet", args.n, args.part_size, args.kill_at
-            )
+            setting |= {"part size": args.part_size, "kill at": args.kill_at}
+            result = Result("batch_bench_resume", setting, ("onnxruntime", "pyarrow"), results=args.results)
+            columns = ["images", "committed when killed", "rows in preds.parquet", "distinct paths", "exactly once"]
+            table = result.table([*columns, "resume s"], formats={"resume s": "{:.1f}"})
+            table.add(*kill_and_resume(model, tmp / "images", tmp / "resumed.parquet", args.n, args.part_size,
+                                       args.kill_at).values())  # fmt: skip
         else:
-            rows = speed_rows(clf, model, files, tmp / "images", tmp / "preds.parquet")
-    result.update(
-        {
-            "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "machine": f"{os.cpu_count()}-core {platform.machine()} ({platform.platform()})",
-            "command": "python -m benchmarks.batch_bench " + " ".join(sys.argv[1:]),
-            "variant": args.variant,
-            "threads": clf.threads,
-            "rows": rows,
-        }
-    )
-    RESULTS.mkdir(exist_ok=True)
-    name = "batch_bench_resume.json" if args.kill_at is not None else "batch_bench.json"
-    (RESULTS / name).write_text(json.dumps(result, indent=2) + "\n")
-    print(f"# {result['command']}\n# {result['date']}, {result['machine']}, {args.variant}, {args.n} images\n")
-    print("| run | s | images/s | vs the model alone |\n|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['run']} | {r['seconds']} | {r['images_per_s']} | {r['vs_model_alone']} |")
-    if "resume" in result:
-        print(f"\nkilled and resumed: {json.dumps(result['resume'])}")
+            result = Result("batch_bench", setting, ("onnxruntime", "pyarrow"), results=args.results)
+            formats = {"s": "{:.2f}", "images/s": "{:,.1f}", "vs the model alone": "{:.3f}"}
+            table = result.table(["run", "s", "images/s", "vs the model alone"], formats=formats)
+            for row in speed_rows(clf, model, files, tmp / "images", tmp / "preds.parquet"):
+                table.add(*row)
+    result.finish()
 
 
 if __name__ == "__main__":

@@ -136,6 +136,17 @@ def add_results_option(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
 # --- the result -----------------------------------------------------------------------------------------
 
 
+def question(doc: str) -> str:
+    """The first paragraph of a module docstring, on one line: the question its benchmark answers."""
+    return " ".join(doc.strip().split("\n\n")[0].split())
+
+
+def previous(name: str, folder: Path = RESULTS) -> dict | None:
+    """The result NAME.json in `folder` as the last run wrote it, or None (for a benchmark that adds to it)."""
+    path = Path(folder) / f"{name}.json"
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
 def cell(value: Any, fmt: str | None = None) -> str:
     """One table cell as text: `fmt` (a str.format pattern) when given, thousands separated ints, 4 digits."""
     if value is None:
@@ -173,7 +184,8 @@ class Table:
     def markdown(self) -> str:
         lines = [f"{self.title}\n" if self.title else ""]
         lines.append("| " + " | ".join(self.columns) + " |")
-        numeric = [all(_is_number(r[i]) for r in self.rows) for i in range(len(self.columns))]
+        given = [[r[i] for r in self.rows if r[i] is not None] for i in range(len(self.columns))]
+        numeric = [bool(values) and all(map(_is_number, values)) for values in given]  # right-aligned
         lines.append("|" + "".join("---:|" if right else "---|" for right in numeric))
         for row in self.rows:
             lines.append(
@@ -195,8 +207,9 @@ class Result:
         name: the benchmark's name, and of its file `NAME.json`.
         setting: the knobs of this run (rounds, durations, model), shown in the header line.
         packages: the packages whose versions matter to the figures (Python's is always recorded).
-        question: the one line the benchmark answers (default: the first line of its module docstring).
+        question: what the benchmark answers (default: the first paragraph of its module docstring).
         results: the folder for NAME.json.
+        notes: paragraphs after the tables: what the figures mean, where a target stands.
     """
 
     name: str
@@ -204,14 +217,14 @@ class Result:
     packages: Sequence[str] = ()
     question: str = ""
     results: Path = RESULTS
+    notes: list[str] = field(default_factory=list)
     tables: list[Table] = field(default_factory=list)
     header: dict[str, Any] = field(default_factory=dict)
     data: dict[str, Any] = field(default_factory=dict)  # raw figures beyond the tables (rounds, samples)
 
     def __post_init__(self):
         if not self.question:
-            doc = sys.modules["__main__"].__doc__ or ""
-            self.question = doc.strip().splitlines()[0] if doc.strip() else ""
+            self.question = question(sys.modules["__main__"].__doc__ or "")
         self.header = {
             "benchmark": self.name,
             "question": self.question,
@@ -238,11 +251,12 @@ class Result:
         )
 
     def markdown(self) -> str:
-        return "\n\n".join([self.header_line(), *(t.markdown() for t in self.tables)])
+        return "\n\n".join([self.header_line(), *(t.markdown() for t in self.tables), *self.notes])
 
     def to_dict(self) -> dict:
         tables = [vars(t) for t in self.tables]
-        return {**self.header, "tables": tables, **({"data": self.data} if self.data else {})}
+        extra = {"notes": self.notes} if self.notes else {}
+        return {**self.header, "tables": tables, **extra, **({"data": self.data} if self.data else {})}
 
     def finish(self, path: Path | None = None) -> Path:
         """Print the header line and the tables, and write the JSON result (to `path` or results/NAME.json)."""

@@ -4,19 +4,21 @@ Starts the same tiny ASGI app twice, side by side: under uvicorn's stock protoco
 `limit_concurrency=CAP`, and under `LimitedHttpToolsProtocol` with `max_connections=CAP`. Opens CAP + EXTRA
 idle connections to each (a client that connects and sends nothing, as a connection flood does), then
 reports how many of the extra ones were answered within a second, and how many descriptors the server
-holds. Run: `python -m benchmarks.connection_cap`.
+holds.
+
+    .venv/bin/python -m benchmarks.connection_cap [--cap 100] [--extra 100]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
+
+from benchmarks.common import Result, add_results_option
 
 SERVER = r"""
 import sys, uvicorn
@@ -49,7 +51,8 @@ def fds(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
 
 
-def measure(mode: str, cap: int, extra: int) -> dict:
+def measure(mode: str, cap: int, extra: int) -> tuple[int, int, str]:
+    """The extra connections answered within a second, the descriptors held, and the next request's status line."""
     proc = subprocess.Popen([sys.executable, "-c", SERVER, mode, str(cap)], stdout=subprocess.PIPE, text=True)
     try:
         port = int(proc.stdout.readline())
@@ -73,33 +76,28 @@ def measure(mode: str, cap: int, extra: int) -> dict:
                 status = "no answer in 2 s"
         for s in idle:
             s.close()
-        return {"mode": mode, "extra_answered_within_1s": answered, "descriptors_held": held, "next_request": status}
+        return answered, held, status
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+PROTOCOLS = {"uvicorn": "uvicorn, limit_concurrency", "vitscope": "LimitedHttpToolsProtocol, max_connections"}
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--cap", type=int, default=100)
     p.add_argument("--extra", type=int, default=100)
-    p.add_argument("--out", default="benchmarks/results/connection_cap.json")
-    args = p.parse_args()
-    rows = [measure(mode, args.cap, args.extra) for mode in ("uvicorn", "vitscope")]
-    when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-    header = f"connection_cap: cap {args.cap}, {args.extra} idle connections beyond it, {when}"
-    print(header + "\n\n| protocol | extra connections answered within 1 s | descriptors held | next request |")
-    print("|---|---:|---:|---|")
-    names = {"uvicorn": "uvicorn, limit_concurrency", "vitscope": "LimitedHttpToolsProtocol, max_connections"}
-    for r in rows:
-        print(
-            f"| {names[r['mode']]} | {r['extra_answered_within_1s']} of {args.extra} "
-            f"| {r['descriptors_held']} | {r['next_request']} |"
-        )
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(
-        json.dumps({"header": header, "command": "python -m benchmarks.connection_cap", "rows": rows}, indent=1)
-    )
+    args = add_results_option(p).parse_args()
+    result = Result("connection_cap", {"cap": args.cap, "extra idle connections": args.extra}, ("uvicorn",),
+                    results=args.results)  # fmt: skip
+    answered = "extra connections answered within 1 s"
+    columns = ["protocol", answered, "descriptors held", "next request"]
+    table = result.table(columns, formats={answered: f"{{}} of {args.extra}"})
+    for mode, name in PROTOCOLS.items():
+        table.add(name, *measure(mode, args.cap, args.extra))
+    result.finish()
 
 
 if __name__ == "__main__":

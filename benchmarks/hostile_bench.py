@@ -22,67 +22,17 @@ import argparse
 import http.client
 import socket
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import numpy as np
-
 from benchmarks.common import Result, add_results_option
+from benchmarks.servers import PeakRss, Prober, crowd, http_request, percentiles
 from serve.server.testing import ServerProcess, noise_png, rss_mib, tiny_gif
 
 
 def small_png() -> bytes:
     return noise_png(0, (48, 48))
-
-
-class Probes:
-    """Background threads: peak RSS of `pid`, /healthz latency, normal request latency."""
-
-    def __init__(self, port: int, pid: int):
-        self.port, self.pid = port, pid
-        self.stop = threading.Event()
-        self.peak = rss_mib(pid)
-        self.health: list[float] = []
-        self.normal: list[float] = []
-        self.failures = 0
-        png = small_png()
-        self.threads = [
-            threading.Thread(target=self._rss, daemon=True),
-            threading.Thread(target=self._probe, args=("GET", "/healthz", None, self.health, 0.05), daemon=True),
-            threading.Thread(target=self._probe, args=("POST", "/v1/classify", png, self.normal, 0.1), daemon=True),
-        ]
-
-    def __enter__(self) -> Probes:
-        for t in self.threads:
-            t.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop.set()
-        for t in self.threads:
-            t.join(10)
-
-    def _rss(self) -> None:
-        while not self.stop.is_set():
-            self.peak = max(self.peak, rss_mib(self.pid))
-            time.sleep(0.02)
-
-    def _probe(self, method: str, path: str, body: bytes | None, into: list[float], every: float) -> None:
-        headers = {"content-type": "image/png"} if body else {}
-        while not self.stop.is_set():
-            started = time.perf_counter()
-            try:
-                conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
-                conn.request(method, path, body=body, headers=headers)
-                ok = conn.getresponse().status == 200
-                conn.close()
-            except OSError:
-                ok = False
-            into.append(time.perf_counter() - started)
-            self.failures += not ok
-            time.sleep(every)
 
 
 def attack_images(port: int, n: int, rounds: int) -> str:
@@ -149,46 +99,7 @@ def attack_slow(port: int, n: int, seconds: float = 15.0) -> str:
 
 def attack_crowd(port: int, n: int, seconds: float = 10.0) -> str:
     """`n` keep-alive clients sending ordinary classify requests as fast as they are answered."""
-    import asyncio
-
-    png = small_png()
-    request = (
-        f"POST /v1/classify HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: image/png\r\n"
-        f"Content-Length: {len(png)}\r\n\r\n"
-    ).encode() + png
-    counts = {"ok": 0, "other": 0, "failed": 0}
-
-    async def client(end: float) -> None:
-        try:
-            reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        except OSError:
-            counts["failed"] += 1
-            return
-        try:
-            while time.monotonic() < end:
-                writer.write(request)
-                status = (await reader.readline()).split(b" ")[1:2]
-                length = 0
-                while (line := await reader.readline()) not in (b"\r\n", b""):
-                    if line.lower().startswith(b"content-length:"):
-                        length = int(line.split(b":")[1])
-                await reader.readexactly(length)
-                counts["ok" if status == [b"200"] else "other"] += 1
-        except (OSError, asyncio.IncompleteReadError, IndexError):
-            counts["failed"] += 1
-        finally:
-            writer.close()
-
-    async def crowd() -> None:
-        end = time.monotonic() + seconds
-        await asyncio.gather(*(client(end) for _ in range(n)))
-
-    asyncio.run(crowd())
-    return f"{counts['ok']} answered 200, {counts['other']} other, {counts['failed']} clients failed"
-
-
-def p(values: list[float], q: float) -> float:
-    return float(np.percentile(values, q) * 1000) if values else float("nan")
+    return crowd(port, http_request("/v1/classify", small_png()), n, seconds)
 
 
 def main() -> None:
@@ -222,12 +133,15 @@ def main() -> None:
         for name, attack, *params in (attacks[a] for a in args.only.split(",")):
             time.sleep(2)  # let the server settle after the last attack: part of the measurement's setting
             base = rss_mib(pid)
-            with Probes(server.port, pid) as probes:
+            health = Prober(server.port, "GET", "/healthz", every=0.05)
+            normal = Prober(server.port, "POST", "/v1/classify", small_png(), every=0.1)
+            with PeakRss(pid) as rss, health, normal:
                 time.sleep(0.5)  # the probes' baseline before the attack
                 outcome = attack(server.port, *params)
                 time.sleep(0.5)  # and after it
-            health = p(probes.health, 50), p(probes.health, 99)
-            table.add(name, outcome, base, probes.peak, *health, p(probes.normal, 99), probes.failures)
+            ms, classify = percentiles(health.latencies), percentiles(normal.latencies)
+            fails = health.failed + normal.failed
+            table.add(name, outcome, base, rss.peak, ms["p50"], ms["p99"], classify["p99"], fails)
             print(f"{name}: {outcome}", file=sys.stderr, flush=True)
     result.finish()
 

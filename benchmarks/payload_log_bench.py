@@ -15,14 +15,13 @@ import argparse
 import shutil
 import socket
 import statistics
-import sys
 import tempfile
 import threading
-import urllib.request
 from pathlib import Path
 
-from benchmarks.harness import Child, free_port, header, http_load, measured, multipart_request, write_result
-from benchmarks.serve_bench import random_model_file, sample_image
+from benchmarks.common import Result, add_results_option
+from benchmarks.servers import http_load, measured, multipart_request, random_model_file, sample_image
+from serve.server.testing import ServerProcess
 
 
 class StalledSink:
@@ -43,12 +42,6 @@ class StalledSink:
             self.held.append(conn)
 
 
-def dropped(port: int) -> float:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    lines = [line for line in text.splitlines() if line.startswith("vitscope_payload_log_dropped_total{")]
-    return sum(float(line.rsplit(" ", 1)[1]) for line in lines)
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--variant", default="vit_micro_patch4_32", help="vit.create_model variant (random weights)")
@@ -56,7 +49,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--duration", type=float, default=4.0)
     p.add_argument("--concurrency", type=int, default=16)
-    args = p.parse_args()
+    args = add_results_option(p).parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="payload_log_bench-"))
     sink = StalledSink()
     configs = {
@@ -65,44 +58,43 @@ def main() -> None:
         # a small queue, so that it is full within the first round and every later record is dropped
         "stalled CloudEvents sink": ["--payload-log-url", sink.url, "--payload-log-queue-size", "64"],
     }
-    servers: dict[str, tuple[Child, int]] = {}
+    servers: dict[str, ServerProcess] = {}
     try:
         model = random_model_file(args.variant, args.data, tmp)
-        png = sample_image(args.data, (32, 32))
-        request = multipart_request("/v1/classify", png)
+        request = multipart_request("/v1/classify", sample_image(args.data, (32, 32)))
         for name, extra in configs.items():
-            port = free_port()
-            cmd = [sys.executable, "-m", "serve.server", str(model), "--no-ui", "--port", str(port),
-                   "--preferred-batch-size", "8", "--log-level", "warning", *extra]  # fmt: skip
             log = tmp / f"{len(servers)}.log"
-            servers[name] = (Child(cmd, log).wait_ready(f"http://127.0.0.1:{port}/readyz"), port)
-        for _, port in servers.values():
-            http_load(port, request, args.concurrency, 1.0)  # warm-up
+            server = ServerProcess(model, "--no-ui", "--preferred-batch-size", "8", "--log-level", "warning", *extra,
+                                   log_file=log)  # fmt: skip
+            servers[name] = server.wait_ready()
+        for server in servers.values():
+            http_load(server.port, request, args.concurrency, 1.0)  # warm-up
         runs: dict[str, list[dict]] = {name: [] for name in servers}
         for _ in range(args.rounds):
-            for name, (child, port) in servers.items():
-                runs[name].append(measured(lambda p=port: http_load(p, request, args.concurrency, args.duration),
-                                           child.proc.pid))  # fmt: skip
-        drops = {name: dropped(port) for name, (_, port) in servers.items()}
+            for name, server in servers.items():
+                load = lambda s=server: http_load(s.port, request, args.concurrency, args.duration)  # noqa: E731
+                runs[name].append(measured(load, server.proc.pid))
+        drops = {name: s.metric("vitscope_payload_log_dropped_total", default=0.0) for name, s in servers.items()}
     finally:
-        for child, _ in servers.values():
-            child.stop()
+        for server in servers.values():
+            server.stop()
         shutil.rmtree(tmp, ignore_errors=True)
+    setting = {"model": f"{args.variant} (random weights)", "concurrency": args.concurrency, "rounds": args.rounds}
+    result = Result("payload_log_bench", setting | {"duration s": args.duration}, ("onnxruntime", "uvicorn"),
+                    results=args.results)  # fmt: skip
+    table = result.table(
+        ["server", "req/s (median)", "vs no log", "p99 ms", "server CPU µs/req", "records dropped", "errors",
+         "req/s each round"],
+        formats={"req/s (median)": "{:,.1f}", "vs no log": "{:.2f}x", "p99 ms": "{:,.0f}",
+                 "server CPU µs/req": "{:,.0f}"},
+    )  # fmt: skip
     base = statistics.median(r["rps"] for r in runs["no payload log"])
-    rows = []
-    for name, results in runs.items():
-        med = {k: statistics.median(r[k] for r in results) for k in ("rps", "p99", "cpu_us")}
-        each, errors = [round(r["rps"]) for r in results], sum(r["errors"] for r in results)
-        ratio = f"{med['rps'] / base:.2f}x"
-        rows.append(
-            {"server": name, **med, "ratio": ratio, "dropped": int(drops[name]), "errors": errors, "each_round": each}
-        )
-    head = header() | {"model": f"{args.variant} (random weights)", "concurrency": args.concurrency,
-                       "rounds": args.rounds, "duration_s": args.duration}  # fmt: skip
-    write_result("payload_log_bench", head, rows, [
-        ("server", "server"), ("rps", "req/s (median)"), ("ratio", "vs no log"), ("p99", "p99 ms"),
-        ("cpu_us", "server CPU µs/req"), ("dropped", "records dropped"), ("errors", "errors"),
-    ])  # fmt: skip
+    for name, rounds in runs.items():
+        rps, p99, cpu = (statistics.median(r[k] for r in rounds) for k in ("rps", "p99", "cpu_us"))
+        each = ", ".join(f"{r['rps']:.0f}" for r in rounds)
+        table.add(name, rps, rps / base, p99, cpu, int(drops[name]), sum(r["errors"] for r in rounds), each)
+    result.data = {"rounds": runs}
+    result.finish()
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from benchmarks import common
 from benchmarks.batch_bench import make_images
-from benchmarks.serve_bench import random_model_file
+from benchmarks.servers import random_model_file
 from serve.runtime.classifier import OnnxClassifier
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -1,11 +1,11 @@
 """What Ray Serve costs and buys on one machine: plain `vit-serve` against `vit-serve --ray` with 1 and 2
-model replicas, side by side in one run, with the same load generator as `benchmarks.serve_bench`.
+model replicas, side by side in one run.
 
 A throwaway local Ray cluster (`serve.server.testing.LocalRayCluster`: a head and a worker node, one CPU
 each, as the Ray tests use) serves both Ray configurations; plain `vit-serve` is measured first and again
 last, so that the machine's drift over the run shows. Each configuration gets a warm-up and `--rounds`
-rounds of `--duration` seconds at `--concurrency` keep-alive connections posting one PNG to /v1/classify;
-the table has the best round.
+rounds of `--duration` seconds at `--concurrency` keep-alive connections posting one PNG to /v1/classify
+(serve_bench's load generator, `benchmarks.servers.http_load`); the table has the best round.
 
     .venv/bin/python -m benchmarks.ray_bench artifacts/sample.onnx [--duration 5] [--rounds 2]
 """
@@ -17,18 +17,18 @@ import sys
 from pathlib import Path
 
 from benchmarks.common import Result, add_results_option
-from benchmarks.serve_bench import load, run_loop, sample_image
+from benchmarks.servers import http_load, http_request, sample_image
 from serve.runtime.classifier import OnnxClassifier
 from serve.server.testing import LocalRayCluster, ServerProcess
 
 
-def measure(model: Path, args: list[str], data: bytes, opts: argparse.Namespace) -> list[dict]:
+def measure(model: Path, args: list[str], request: bytes, opts: argparse.Namespace) -> list[dict]:
     """Start `vit-serve model *args`, warm it up, and return one `load` result per round."""
     server = ServerProcess(model, "--no-ui", *args)
     try:
         server.wait_ready(300)  # a Ray deployment takes tens of seconds
-        run_loop(load(server.port, data, opts.concurrency, 2.0))  # connections, first batches, Ray's routing
-        return [run_loop(load(server.port, data, opts.concurrency, opts.duration)) for _ in range(opts.rounds)]
+        http_load(server.port, request, opts.concurrency, 2.0)  # connections, first batches, Ray's routing
+        return [http_load(server.port, request, opts.concurrency, opts.duration) for _ in range(opts.rounds)]
     finally:
         server.stop(60)
 
@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=2, help="rounds per configuration (the best is reported)")
     p.add_argument("--concurrency", type=int, default=16)
     opts = add_results_option(p).parse_args(argv)
-    data = sample_image(opts.data, OnnxClassifier(opts.model).input_size)
+    request = http_request("/v1/classify", sample_image(opts.data, OnnxClassifier(opts.model).input_size))
     rows = []
     with LocalRayCluster(nodes=2, cpus_per_node=1) as cluster:
         ray = ["--ray", "--ray-address", cluster.address]
@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
             ("vit-serve (one process), again", []),
         ]
         for name, args in configs:
-            rounds = measure(opts.model, args, data, opts)
+            rounds = measure(opts.model, args, request, opts)
             rows.append((name, rounds))
             each = ", ".join(f"{r['rps']:,.0f}" for r in rounds)
             print(f"{name}: {each} req/s", file=sys.stderr, flush=True)

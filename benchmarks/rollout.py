@@ -21,20 +21,12 @@ import time
 from pathlib import Path
 
 import numpy as np
-from PIL import Image
 
-from benchmarks.server_runs import Server, ms, write_result
+from benchmarks.common import Result, add_results_option
+from benchmarks.servers import http_request, percentiles
+from serve.server.testing import ServerProcess, noise_png
 
 MODEL_NAME = "sample"
-
-
-def sample_png(size: tuple[int, int]) -> bytes:
-    import io
-
-    rng = np.random.default_rng(0)
-    buf = io.BytesIO()
-    Image.fromarray(rng.integers(0, 256, (*size, 3), dtype=np.uint8)).save(buf, format="PNG")
-    return buf.getvalue()
 
 
 class Load:
@@ -42,9 +34,7 @@ class Load:
 
     def __init__(self, port: int, path: str, body: bytes, clients: int):
         self.port, self.clients = port, clients
-        self.request = (
-            f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: image/png\r\nContent-Length: {len(body)}\r\n\r\n"
-        ).encode() + body
+        self.request = http_request(path, body)
         self.answers: list[tuple[float, float, int, str | None]] = []
         self.running = True
 
@@ -87,7 +77,7 @@ def drop_version(folder: Path, version: int, model: Path) -> None:
 
 
 async def measure(port: int, folder: Path, model: Path, args) -> dict:
-    load = Load(port, f"/v1/models/{MODEL_NAME}/classify", sample_png((64, 64)), args.concurrency)
+    load = Load(port, f"/v1/models/{MODEL_NAME}/classify", noise_png(0, (64, 64)), args.concurrency)
     tasks = [asyncio.create_task(load.client()) for _ in range(args.concurrency)]
     await asyncio.sleep(args.steady)
     steady_end = len(load.answers)
@@ -117,33 +107,29 @@ def main() -> None:
     p.add_argument("--between", type=float, default=1.0, help="seconds between a version's first answer and the next")
     p.add_argument("--poll-s", type=float, default=0.2, help="the server's --repository-poll-s")
     p.add_argument("--server-args", default="--preferred-batch-size 8")
-    args = p.parse_args()
+    args = add_results_option(p).parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) / "models" / MODEL_NAME
         folder.mkdir(parents=True)
         (folder / "config.pbtxt").write_text(f'name: "{MODEL_NAME}"\nplatform: "onnxruntime_onnx"\n')
         drop_version(folder, 1, args.model)
         server_args = ["--no-ui", "--repository-poll-s", str(args.poll_s), *args.server_args.split()]
-        with Server(folder.parent, *server_args, log=Path(tmp) / "server.log") as server:
+        with ServerProcess(folder.parent, *server_args, log_file=Path(tmp) / "server.log") as server:
             got = asyncio.run(measure(server.port, folder, args.model, args))
-    rows = []
+    setting = {"concurrency": args.concurrency, "poll s": args.poll_s, "swaps": args.swaps, "steady s": args.steady}
+    result = Result("rollout", setting, ("uvicorn",), results=args.results)
+    columns = ["phase", "requests", "failed", "req/s", "p50 ms", "p99 ms", "file to first answer, median / max (s)"]
+    table = result.table(columns, formats={"req/s": "{:,.0f}", "p50 ms": "{:.2f}", "p99 ms": "{:.2f}"})
+    delays = got["delays"]
     for phase in ("steady", "swaps"):
         answers = got[phase]
         seconds = answers[-1][0] - answers[0][0] if answers else 0
-        rows.append(
-            {
-                "phase": phase if phase == "steady" else f"{args.swaps} swaps",
-                "requests": len(answers),
-                "failed": sum(a[2] != 200 for a in answers),
-                "req/s": round(len(answers) / max(seconds, 1e-9)),
-                "p50 ms": ms([a[1] for a in answers], 50),
-                "p99 ms": ms([a[1] for a in answers], 99),
-                "file to first answer, median / max (s)": "-"
-                if phase == "steady"
-                else f"{np.median(got['delays']):.2f} / {max(got['delays']):.2f}",
-            }
-        )
-    write_result("rollout", rows, concurrency=args.concurrency, poll_s=args.poll_s)
+        ms = percentiles([a[1] for a in answers])
+        first = "-" if phase == "steady" else f"{np.median(delays):.2f} / {max(delays):.2f}"
+        name = phase if phase == "steady" else f"{args.swaps} swaps"
+        failed = sum(a[2] != 200 for a in answers)
+        table.add(name, len(answers), failed, len(answers) / max(seconds, 1e-9), ms["p50"], ms["p99"], first)
+    result.finish()
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 
 Each tree (a checkout, e.g. a `git worktree` of an older commit) runs its own `vit-serve --no-ui` on the same
 model, started one after the other so that neither times its batch sizes while the other does. Rounds of
-`benchmarks.serve_bench`'s load generator (concurrency 16) then alternate between them, so both see the machine's
+`benchmarks.servers`' load generator (concurrency 16) then alternate between them, so both see the machine's
 drift alike. Per tree: the median and best requests/s, and the server's CPU time per request (user + system,
 from /proc), which a busy machine moves less than throughput.
 
@@ -27,8 +27,8 @@ import tempfile
 from pathlib import Path
 
 from benchmarks.common import Result, add_results_option, interleaved
-from benchmarks.serve_bench import load, random_model_file, run_loop, sample_image
-from serve.server.testing import ServerProcess, cpu_seconds
+from benchmarks.servers import http_load, http_request, measured, random_model_file, sample_image
+from serve.server.testing import ServerProcess
 
 
 def pin(pid: int, cpus: list[int]) -> None:
@@ -69,7 +69,7 @@ def main() -> None:
 
 
 def compare(args: argparse.Namespace, model: Path) -> None:
-    data = sample_image(args.data, (32, 32))
+    request = http_request("/v1/classify", sample_image(args.data, (32, 32)))
     logs = Path(os.environ.get("TMPDIR", "/tmp"))
     servers = []
     try:
@@ -88,7 +88,7 @@ def compare(args: argparse.Namespace, model: Path) -> None:
                 pin(server.proc.pid, cpus[:1])
             os.sched_setaffinity(0, cpus[1:])
         for _, server in servers:
-            run_loop(load(server.port, data, args.concurrency, 1.0))  # warm the connection path
+            http_load(server.port, request, args.concurrency, 1.0)  # warm the connection path
         # named as given on the command line (the same tree twice: the noise), not by this machine's absolute paths
         names = [f"{i + 1}. {given}" for i, given in enumerate(args.trees)]
         p99: dict[str, list[float]] = {name: [] for name in names}
@@ -96,10 +96,11 @@ def compare(args: argparse.Namespace, model: Path) -> None:
 
         def side(name: str, server: ServerProcess):
             def one_round(_: int) -> float:
-                cpu0 = cpu_seconds(server.proc.pid)
-                out = run_loop(load(server.port, data, args.concurrency, args.duration))
+                out = measured(
+                    lambda: http_load(server.port, request, args.concurrency, args.duration), server.proc.pid
+                )
                 p99[name].append(out["p99"])
-                cost[name].append((cpu_seconds(server.proc.pid) - cpu0) / max(1, out["requests"]) * 1e6)
+                cost[name].append(out["cpu_us"])
                 return out["rps"]
 
             return one_round
@@ -118,7 +119,8 @@ def compare(args: argparse.Namespace, model: Path) -> None:
         "server args": args.server_args,
         "pinned": args.pin,
     }
-    result = Result("serve_ab", setting, packages=("onnxruntime", "uvicorn"), results=args.results)
+    result_name = f"serve_ab_{args.variant}" if args.variant else "serve_ab"  # one result per model
+    result = Result(result_name, setting, packages=("onnxruntime", "uvicorn"), results=args.results)
     columns = ["tree", "req/s median", "ratio", "best", "each round", "p99 ms (median)", "server CPU µs per request"]
     table = result.table(columns, formats={"req/s median": "{:,.0f}", "ratio": "{:.2f}x", "best": "{:,.0f}"})
     table.formats.update({"p99 ms (median)": "{:.2f}", "server CPU µs per request": "{:,.0f}"})

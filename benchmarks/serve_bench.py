@@ -8,8 +8,9 @@ Measures, in one run on the same machine:
   3. the server's latency at concurrency 1 (target: p99 <= 1.2x in-process single-image p99 + 5 ms);
   4. optionally a soak at concurrency 8 (`--soak 300`): 0 errors and resident memory growth <= 5%.
 
-The load generator is a minimal asyncio HTTP/1.1 keep-alive client on uvloop (prebuilt requests, no
-parsing beyond the status line and Content-Length), so it costs the shared CPU as little as possible.
+The load generator (`benchmarks.servers.http_load`) is a minimal asyncio HTTP/1.1 keep-alive client on uvloop
+(prebuilt requests, no parsing beyond the status line and Content-Length), so it costs the shared CPU as little
+as possible.
 
     .venv/bin/python -m benchmarks.serve_bench artifacts/sample.onnx [--duration 10] [--soak 300]
     .venv/bin/python -m benchmarks.serve_bench --variant vit_tiny_patch16_224   # a production-size model
@@ -21,7 +22,6 @@ exported by `vit-export`'s code: what the server costs depends on the model's si
 from __future__ import annotations
 
 import argparse
-import asyncio
 import importlib.util
 import tempfile
 import time
@@ -31,39 +31,9 @@ import numpy as np
 
 from benchmarks import common
 from benchmarks.common import Result, add_results_option
+from benchmarks.servers import http_load, http_request, percentiles, random_model_file, sample_image
 from serve.runtime.classifier import OnnxClassifier
-from serve.server.testing import ServerProcess, noise_png, rss_mib
-
-
-def sample_image(data_dir: Path, size: tuple[int, int]) -> bytes:
-    """PNG bytes of one sample image (a digit when the sample data exists, else noise)."""
-    files = sorted(data_dir.glob("*/*.png")) if data_dir.is_dir() else []
-    return files[0].read_bytes() if files else noise_png(0, size)
-
-
-def random_model_file(variant: str, data_dir: Path, out_dir: Path, target: str = "onnxruntime") -> Path:
-    """A vitscope .onnx of `variant` (for `target`) with random weights and one class per folder of `data_dir`."""
-    import torch
-
-    import vit
-    from serve.export.cli import export_onnx
-    from serve.runtime.images import Preprocess
-    from train.checkpoint_format import META_KEY
-
-    classes = sorted(p.name for p in data_dir.iterdir() if p.is_dir())
-    torch.manual_seed(0)
-    net = vit.create_model(variant, num_classes=len(classes))
-    meta = {
-        "model_config": dict(net.config),
-        "class_names": classes,
-        "preprocess": Preprocess(tuple(net.patch_embed.img_size)).to_dict(),
-        "weights_prefix": "net.",
-        "variant": variant,
-    }
-    ckpt = out_dir / f"{variant}.ckpt"
-    torch.save({"state_dict": {f"net.{k}": v for k, v in net.state_dict().items()}, META_KEY: meta}, ckpt)
-    out = out_dir / (f"{variant}.onnx" if target == "onnxruntime" else f"{variant}.{target}.onnx")
-    return export_onnx(ckpt, out, val_dir=data_dir, parity_samples=32, gradients=False, target=target).path
+from serve.server.testing import ServerProcess, rss_mib
 
 
 def rate(clf: OnnxClassifier, batch: np.ndarray, seconds: float) -> float:
@@ -88,95 +58,7 @@ def in_process(clf: OnnxClassifier, data: bytes, seconds: float) -> dict:
         clf.predict_pixels(clf.prepare(data)[None])
         lat.append(t1 - t0)
         lat_decode.append(time.perf_counter() - t1)
-    return {"throughput": rows, "latency": pct(lat), "latency_decode": pct(lat_decode)}
-
-
-def pct(xs: list[float]) -> dict:
-    a = np.asarray(xs) * 1000.0
-    return {"p50": float(np.percentile(a, 50)), "p99": float(np.percentile(a, 99)), "mean": float(a.mean())}
-
-
-class LoadConnection(asyncio.Protocol):
-    """One keep-alive connection posting the same prebuilt request back to back until `end`."""
-
-    def __init__(self, request: bytes, end: float, stats: dict, done: asyncio.Future):
-        self.request, self.end, self.stats, self.done = request, end, stats, done
-        self.buf, self.t0 = b"", 0.0
-
-    def connection_made(self, transport):
-        self.transport = transport
-        self.send()
-
-    def send(self):
-        if time.perf_counter() >= self.end:
-            self.transport.close()
-            return
-        self.buf, self.t0 = b"", time.perf_counter()
-        self.transport.write(self.request)
-
-    def data_received(self, data: bytes):
-        self.buf += data
-        head_end = self.buf.find(b"\r\n\r\n")
-        if head_end < 0:
-            return
-        head = self.buf[:head_end].lower()
-        at = head.find(b"content-length:")
-        length = int(head[at + 15 :].split(b"\r\n", 1)[0]) if at >= 0 else 0
-        if len(self.buf) - head_end - 4 < length:
-            return  # the body is still coming
-        if head.startswith(b"http/1.1 200 "):
-            self.stats["latencies"].append(time.perf_counter() - self.t0)
-        else:
-            self.stats["errors"] += 1
-        self.send()
-
-    def connection_lost(self, exc):
-        if time.perf_counter() < self.end:  # the server hung up mid-run: that is an error too
-            self.stats["errors"] += 1
-        if not self.done.done():
-            self.done.set_result(None)
-
-
-async def load(port: int, body: bytes, concurrency: int, seconds: float) -> dict:
-    """`concurrency` keep-alive connections posting `body` back to back for `seconds`.
-
-    Also reports the load generator's own CPU time per request: it shares the cores with the server.
-    """
-    request = (
-        f"POST /v1/classify HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: image/png\r\n"
-        f"Content-Length: {len(body)}\r\n\r\n"
-    ).encode() + body
-    loop = asyncio.get_running_loop()
-    stats: dict = {"latencies": [], "errors": 0}
-    end = time.perf_counter() + seconds
-    cpu0, t0 = time.process_time(), time.perf_counter()
-    done = []
-    for _ in range(concurrency):
-        fut = loop.create_future()
-        await loop.create_connection(lambda f=fut: LoadConnection(request, end, stats, f), "127.0.0.1", port)
-        done.append(fut)
-    try:  # a server that stops answering must not hang the benchmark
-        await asyncio.wait_for(asyncio.gather(*done), seconds + 60)
-    except asyncio.TimeoutError:
-        stats["errors"] += sum(not f.done() for f in done)  # each stalled connection counts as an error
-    wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
-    n = len(stats["latencies"])
-    return {
-        "requests": n,
-        "errors": stats["errors"],
-        "rps": n / wall,
-        "client_us": cpu / max(n, 1) * 1e6,
-        **pct(stats["latencies"]),
-    }
-
-
-def run_loop(coro):
-    """Run the load generator on uvloop where installed (uvicorn's fast loop): less client CPU."""
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.run(coro)
-    return uvloop.run(coro) if hasattr(uvloop, "run") else asyncio.run(coro)  # uvloop.run: 0.18 and later
+    return {"throughput": rows, "latency": percentiles(lat), "latency_decode": percentiles(lat_decode)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -208,25 +90,26 @@ def run(args: argparse.Namespace) -> int:
     batch = np.repeat(clf.prepare(data)[None], best_bs, axis=0)
     threads = clf.threads or "every core's"
 
+    request = http_request("/v1/classify", data)
     log = Path(tempfile.mkdtemp(prefix="serve_bench-")) / "vit-serve.log"  # its access log: not read during the run
     with ServerProcess(args.model, "--no-ui", *args.server_args.split(), log_file=log) as server:
-        run_loop(load(server.port, data, args.concurrency, 2.0))  # warm the connection path
+        http_load(server.port, request, args.concurrency, 2.0)  # warm the connection path
         # Alternate the in-process and server measurements: this machine's speed drifts by tens of percent
         # over minutes, and alternating rounds (best of each) lets both sides see the same drift.
         best, with_decode, rounds = ref["throughput"][best_bs], 0.0, []
         for _ in range(args.rounds):
             best = max(best, rate(clf, batch, 2.0))
             with_decode = max(with_decode, rate_decoded(clf, data, best_bs, 2.0))
-            rounds.append(run_loop(load(server.port, data, args.concurrency, args.duration)))
+            rounds.append(http_load(server.port, request, args.concurrency, args.duration))
         c16 = max(rounds, key=lambda r: r["rps"])
         errors = sum(r["errors"] for r in rounds)
-        c1 = run_loop(load(server.port, data, 1, args.duration))
+        c1 = http_load(server.port, request, 1, args.duration)
         soak = None
         if args.soak:
             pid = server.proc.pid
-            run_loop(load(server.port, data, 8, min(30.0, args.soak / 10)))  # settle allocations first
+            http_load(server.port, request, 8, min(30.0, args.soak / 10))  # settle allocations first
             rss0 = rss_mib(pid)
-            soak = run_loop(load(server.port, data, 8, args.soak))
+            soak = http_load(server.port, request, 8, args.soak)
             soak["rss0"], soak["rss1"] = rss0, rss_mib(pid)
     del clf
 

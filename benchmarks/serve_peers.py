@@ -30,19 +30,19 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.harness import (
+from benchmarks.common import Result, add_results_option
+from benchmarks.servers import (
     Child,
-    free_port,
     grpc_load,
-    header,
     http_load,
     http_request,
     measured,
     multipart_request,
-    write_result,
+    random_model_file,
+    sample_image,
 )
-from benchmarks.serve_bench import random_model_file, sample_image
 from serve.runtime.classifier import OnnxClassifier
+from serve.server.testing import ServerProcess, free_port
 
 INFER = "/inference.GRPCInferenceService/ModelInfer"
 
@@ -50,8 +50,9 @@ INFER = "/inference.GRPCInferenceService/ModelInfer"
 def in_process_cost(clf: OnnxClassifier, png: bytes, batch: int = 8, seconds: float = 2.0) -> tuple[float, float]:
     """CPU µs per image of the model alone and of decoding plus the model, at `batch` images per call."""
     pixels = np.repeat(clf.prepare(png)[None], batch, axis=0)
+    decoded = lambda: np.stack([clf.prepare(png) for _ in range(batch)])  # noqa: E731
     out = []
-    for work in (lambda: clf.predict_pixels(pixels), lambda: clf.predict_pixels(np.stack([clf.prepare(png) for _ in range(batch)]))):
+    for work in (lambda: clf.predict_pixels(pixels), lambda: clf.predict_pixels(decoded())):
         n, cpu0, t0 = 0, time.process_time(), time.perf_counter()
         while time.perf_counter() - t0 < seconds:
             work()
@@ -86,22 +87,20 @@ def tensor_requests(clf: OnnxClassifier, png: bytes, name: str) -> tuple[bytes, 
 
 
 def start_servers(model: Path, peers: list[str], batch: int, logs: Path) -> dict:
-    """Every server, one after the other (none times its batch sizes while another loads): name -> (Child, port...).
+    """Every server, one after the other (none times its batch sizes while another loads): name -> (server, port...).
     A server that fails to start stops the ones already up."""
-    py = sys.executable
     servers: dict = {}
     try:
-        port, gport = free_port(), free_port()
-        cmd = [py, "-m", "serve.server", str(model), "--no-ui", "--host", "127.0.0.1", "--port", str(port),
-               "--grpc-port", str(gport), "--max-batch-size", str(batch), "--preferred-batch-size", str(batch),
-               "--log-level", "warning"]  # fmt: skip
-        vit = Child(cmd, logs / "vit-serve.log")
-        servers["vit-serve"] = (vit, port, gport)
-        vit.wait_ready(f"http://127.0.0.1:{port}/readyz")
+        gport = free_port()
+        sizes = ["--max-batch-size", str(batch), "--preferred-batch-size", str(batch)]
+        vit = ServerProcess(model, "--no-ui", "--grpc-port", str(gport), *sizes, "--log-level", "warning",
+                            log_file=logs / "vit-serve.log")  # fmt: skip
+        servers["vit-serve"] = (vit, vit.port, gport)
+        vit.wait_ready()
         ready = {"litserve": "/health", "ray": "/-/healthz"}
         for peer in peers:
             port = free_port()
-            cmd = [py, "-m", "benchmarks.peer_servers", peer, str(model), "--port", str(port),
+            cmd = [sys.executable, "-m", "benchmarks.peer_servers", peer, str(model), "--port", str(port),
                    "--max-batch-size", str(batch)]  # fmt: skip
             servers[peer] = (Child(cmd, logs / f"{peer}.log"), port)
             servers[peer][0].wait_ready(f"http://127.0.0.1:{port}{ready[peer]}")
@@ -139,7 +138,7 @@ def main() -> None:
     p.add_argument("--duration", type=float, default=4.0, help="seconds per target per round")
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--batch", type=int, default=8, help="most images per model call, on every server")
-    args = p.parse_args()
+    args = add_results_option(p).parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="serve_peers-"))
     try:
         model = args.model.resolve() if args.model else random_model_file(args.variant, args.data, tmp)
@@ -166,30 +165,29 @@ def compare(args: argparse.Namespace, model: Path, tmp: Path) -> None:
     finally:
         for child, *_ in servers.values():
             child.stop()
-    rows = []
-    for name, results in runs.items():
-        med = {k: statistics.median(r[k] for r in results) for k in ("rps", "p50", "p99", "cpu_us")}
+    described = str(model) if args.model else f"{model.name} ({args.variant} random weights)"
+    setting = {"model": described, "concurrency": args.concurrency, "rounds": args.rounds}
+    setting |= {"duration s": args.duration, "batch": args.batch}
+    result = Result("serve_peers", setting, ("onnxruntime", "uvicorn", "litserve", "ray"), results=args.results)
+    columns = ["target", "req/s (median)", "vs LitServe", "p50 ms", "p99 ms", "server CPU µs/req",
+               "beyond model µs/req", "errors", "req/s each round"]  # fmt: skip
+    formats = {"req/s (median)": "{:,.0f}", "vs LitServe": "{:.2f}x", "p50 ms": "{:.1f}", "p99 ms": "{:.1f}"}
+    table = result.table(columns, formats=formats | {c: "{:,.0f}" for c in columns[5:7]})
+    medians = {name: {k: statistics.median(r[k] for r in rounds) for k in ("rps", "p50", "p99", "cpu_us")}
+               for name, rounds in runs.items()}  # fmt: skip
+    lit = medians.get("litserve HTTP multipart", {}).get("rps")
+    for name, rounds in runs.items():
+        med = medians[name]
         base = decode_model_us if loads[name][2] else model_us
-        each = [round(r["rps"]) for r in results]
-        errors = sum(r["errors"] for r in results)
-        rows.append(
-            {"target": name, **med, "beyond_model_us": med["cpu_us"] - base, "errors": errors, "each_round": each}
-        )
-    lit = next((r["rps"] for r in rows if r["target"] == "litserve HTTP multipart"), None)
-    for row in rows:
-        row["vs_litserve"] = f"{row['rps'] / lit:.2f}x" if lit else ""
-    head = header() | {"model": f"{model.name} ({args.variant} random weights)" if not args.model else str(model),
-                       "concurrency": args.concurrency, "rounds": args.rounds, "duration_s": args.duration,
-                       "model_us_per_image": model_us, "decode_and_model_us_per_image": decode_model_us}  # fmt: skip
-    write_result("serve_peers", head, rows, [
-        ("target", "target"), ("rps", "req/s (median)"), ("vs_litserve", "vs LitServe"), ("p50", "p50 ms"),
-        ("p99", "p99 ms"), ("cpu_us", "server CPU µs/req"), ("beyond_model_us", "beyond model µs/req"),
-        ("errors", "errors"),
-    ])  # fmt: skip
-    print(
-        f"\nin-process, batch {args.batch}: model {model_us:.0f} µs/image, "
-        f"decode + model {decode_model_us:.0f} µs/image"
+        vs = med["rps"] / lit if lit else None
+        each = ", ".join(f"{r['rps']:.0f}" for r in rounds)
+        errors = sum(r["errors"] for r in rounds)
+        table.add(name, med["rps"], vs, med["p50"], med["p99"], med["cpu_us"], med["cpu_us"] - base, errors, each)
+    table.notes.append(
+        f"in-process, batch {args.batch}: model {model_us:.0f} µs/image, decode + model {decode_model_us:.0f} µs/image"
     )
+    result.data = {"model_us_per_image": model_us, "decode_and_model_us_per_image": decode_model_us, "rounds": runs}
+    result.finish()
 
 
 if __name__ == "__main__":

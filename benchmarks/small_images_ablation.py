@@ -6,11 +6,12 @@ changes), with AdamW, a cosine schedule after half an epoch of warmup, and tests
 after each epoch. It prints the accuracy after each epoch, the CPU seconds and the training speed.
 
     sudo apt-get install dataset-fashion-mnist
-    .venv/bin/python -m benchmarks.small_images_ablation --stem-widths 16,32,64 --epochs 3 --tag widths
-    .venv/bin/python -m benchmarks.small_images_ablation --stem-widths none --batch 64 --lr 2e-3 --epochs 1
+    .venv/bin/python -m benchmarks.small_images_ablation --stem-widths 16,32,64 --epochs 3 --tag "16, 32, 64 wide"
     .venv/bin/python -m benchmarks.small_images_ablation --stem patch --epochs 1 --no-augment --label-smoothing 0
 
-Each run is one row of the ablation: `--tag` names its result file (small_images_ablation_TAG.json).
+Each run is one row of the ablation's table (`--tag` names it): the result, small_images_ablation.json, keeps
+the rows of other options from earlier runs and replaces the row of these options, so that the table compares
+the choices however many runs it took.
 
 Accuracy after an epoch does not depend on how busy the machine is; seconds do.
 """
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import shlex
 import sys
 import time
 
@@ -26,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from benchmarks.common import Result, add_results_option
+from benchmarks.common import Result, add_results_option, previous
 from train.fashion_mnist import DEBIAN_DIR, load_split
 from vit import create_model
 
@@ -66,7 +68,7 @@ def main() -> None:
     p.add_argument("--label-smoothing", type=float, default=0.1)
     p.add_argument("--no-augment", action="store_true")
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--tag", default="", help="names the result file: small_images_ablation_TAG.json")
+    p.add_argument("--tag", default="", help="what the row tests, in words (default: its options)")
     args = add_results_option(p).parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -90,12 +92,8 @@ def main() -> None:
         return min(1.0, (step + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(step, total) / total))
 
     sched = torch.optim.lr_scheduler.LambdaLR(opt, factor)
-    setting = {k: v for k, v in vars(args).items() if k not in ("data", "results", "tag")} | {"parameters": params}
-    name = f"small_images_ablation_{args.tag}" if args.tag else "small_images_ablation"
-    result = Result(name, setting, packages=("torch",), results=args.results)
-    table = result.table(["epoch", "test accuracy %", "CPU s", "wall s"], formats={"test accuracy %": "{:.2f}"})
-    table.formats |= {"CPU s": "{:.0f}", "wall s": "{:.0f}"}
-    cpu0, wall0 = time.process_time(), time.perf_counter()
+    result = Result("small_images_ablation", {"threads": args.threads}, packages=("torch",), results=args.results)
+    cpu0, wall0, accs = time.process_time(), time.perf_counter(), []
     for epoch in range(args.epochs):
         order = torch.randperm(len(x_train))
         for i in range(per_epoch):
@@ -109,10 +107,36 @@ def main() -> None:
             sched.step()
         cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
         acc = accuracy(model, x_test, y_test)
-        table.add(epoch + 1, 100 * acc, cpu, wall)
+        accs.append(100 * acc)
         print(f"epoch {epoch + 1}: test accuracy {100 * acc:.2f} %", file=sys.stderr, flush=True)
-    speed = args.epochs * per_epoch * args.batch / wall
-    table.notes.append(f"training speed: {speed:.0f} images/s on {args.threads} thread(s)")
+    options = shlex.join(options_of(sys.argv[1:]))
+    row = [args.tag or options, options, params, ", ".join(f"{a:.2f}" for a in accs), cpu, result.header["date"]]
+    images = args.epochs * per_epoch * args.batch
+    result.data = {"last run": {"options": options, "images/s": images / wall, "wall s": wall, "accuracy %": accs}}
+    record(result, row, args.results)
+
+
+COLUMNS = ["run", "options", "parameters", "test accuracy % after each epoch", "CPU s", "measured"]
+
+
+def options_of(argv: list[str]) -> list[str]:
+    """The command-line options that choose what is tested: without --tag, --data, --results and their values."""
+    out, args = [], iter(argv)
+    for arg in args:
+        if arg.split("=", 1)[0] in ("--tag", "--data", "--results"):
+            if "=" not in arg:
+                next(args, None)
+            continue
+        out.append(arg)
+    return out
+
+
+def record(result: Result, row: list, folder) -> None:
+    """The table of every run so far with this run's row in it (replacing the last run of the same options)."""
+    earlier = previous(result.name, folder)
+    rows = earlier["tables"][0]["rows"] if earlier else []
+    table = result.table(COLUMNS, formats={"CPU s": "{:.0f}"})
+    table.rows = [r for r in rows if r[1] != row[1]] + [row]
     result.finish()
 
 

@@ -18,11 +18,7 @@ Writes benchmarks/results/trust.json and prints markdown tables.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
-import platform
-import sys
 import tempfile
 from pathlib import Path
 
@@ -31,24 +27,14 @@ from PIL import Image
 from sklearn.datasets import load_digits, load_sample_images
 from sklearn.metrics import roc_auc_score
 
+from benchmarks.common import Result, add_results_option, previous
 from serve.export.cli import export_onnx
 from serve.runtime import calibration as cal
 from serve.runtime.classifier import OnnxClassifier
 from serve.runtime.images import load_image
 
-REPO = Path(__file__).resolve().parents[1]
-RESULT = REPO / "benchmarks" / "results" / "trust.json"
 COVERAGES = (0.90, 0.95)
 HELD_OUT = ("ankle_boot", "bag")  # the open-set model's unseen classes (data/fmnist8 links the other 8)
-
-
-def machine() -> str:
-    cpu = platform.machine()
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            cpu = line.split(":", 1)[1].strip()
-            break
-    return f"{os.cpu_count()}-core {platform.machine()} VM ({cpu})"
 
 
 def pixels_of(clf: OnnxClassifier, paths) -> np.ndarray:
@@ -227,53 +213,121 @@ def open_set(ckpt: Path, fmnist_val: Path, workdir: Path) -> dict:
     return r
 
 
-def table(results: list[dict]) -> str:
-    lines = [
-        "| model | test images | accuracy | T | ECE before | ECE, temperature alone | ECE after | NLL before "
-        "| NLL after |",
-        "|" + "---|" * 9,
-    ]
-    for r in results:
-        lines.append(
-            f"| {r['model']} | {r['test_images']} | {r['accuracy']:.2%} | {r['temperature']} | {r['ece_before']:.2%} "
-            f"| {r.get('ece_temperature_only', r['ece_after']):.2%} | {r['ece_after']:.2%} | {r['nll_before']:.3f} "
-            f"| {r['nll_after']:.3f} |"
+def tables(result: Result, rows: list[dict]) -> None:
+    """The rows of every model as the result's tables: calibration, sets, re-split sets, unknown inputs, targets."""
+    pct = "{:.2%}"
+    t = result.table(
+        [
+            "model",
+            "test images",
+            "accuracy",
+            "T",
+            "ECE before",
+            "ECE, temperature alone",
+            "ECE after",
+            "NLL before",
+            "NLL after",
+        ],
+        formats={c: pct for c in ("accuracy", "ECE before", "ECE, temperature alone", "ECE after")},
+    )
+    t.formats |= {"NLL before": "{:.3f}", "NLL after": "{:.3f}"}
+    for r in rows:
+        t.add(
+            r["model"],
+            r["test_images"],
+            r["accuracy"],
+            r["temperature"],
+            r["ece_before"],
+            r.get("ece_temperature_only", r["ece_after"]),
+            r["ece_after"],
+            r["nll_before"],
+            r["nll_after"],
         )
-    lines += ["", "| model | sets | target | coverage | mean set size | empty sets |", "|" + "---|" * 6]
-    for r in results:
-        for row in r["sets"]:
-            lines.append(
-                f"| {r['model']} | {row['method']} | {row['target']:.2f} | {row['coverage']:.2%} "
-                f"| {row['mean_set_size']:.2f} | {row['empty_sets']:.2%} |"
+    sets = {"target": "{:.2f}", "mean set size": "{:.2f}"}
+    t = result.table(
+        ["model", "sets", "target", "coverage", "mean set size", "empty sets"],
+        formats=sets | {"coverage": pct, "empty sets": pct},
+    )
+    for r in rows:
+        for s in r["sets"]:
+            t.add(r["model"], s["method"], s["target"], s["coverage"], s["mean_set_size"], s["empty_sets"])
+    t = result.table(
+        ["model", "sets", "target", "trials", "mean coverage", "sd", "mean set size"],
+        formats=sets | {"mean coverage": pct, "sd": pct},
+    )
+    for r in rows:
+        for s in r.get("resplit_coverage", []):
+            t.add(
+                r["model"],
+                "lac, calibration and test re-split",
+                s["target"],
+                s["trials"],
+                s["coverage"],
+                s["coverage_sd"],
+                s["mean_set_size"],
             )
-    lines += ["", "| model | sets | target | trials | mean coverage | sd | mean set size |", "|" + "---|" * 7]
-    for r in results:
-        for row in r.get("resplit_coverage", []):
-            lines.append(
-                f"| {r['model']} | lac, calibration and test re-split | {row['target']:.2f} | {row['trials']} "
-                f"| {row['coverage']:.2%} | {row['coverage_sd']:.2%} | {row['mean_set_size']:.2f} |"
+    auroc = ["AUROC max-softmax", "AUROC energy", "AUROC Mahalanobis"]
+    t = result.table(
+        ["model", "out-of-distribution images", "n", *auroc, "called unknown by the file"],
+        formats={c: "{:.4f}" for c in auroc} | {"called unknown by the file": pct},
+    )
+    for r in rows:
+        t.add(r["model"], "(its own test images)", r["test_images"], None, None, None, r["unknown_rate_test"])
+    for r in rows:
+        held = [{"ood_set": "2 held-out classes", **r["open_set"]}] if "open_set" in r else []
+        for o in r.get("ood", []) + held:
+            t.add(
+                r["model"],
+                o["ood_set"],
+                o["images"],
+                o["max_softmax"],
+                o["energy"],
+                o["mahalanobis"],
+                o["called_unknown"],
             )
-    lines += [
-        "",
-        "| model | out-of-distribution images | n | AUROC max-softmax | AUROC energy | AUROC Mahalanobis "
-        "| called unknown by the file |",
-        "|" + "---|" * 7,
-    ]
-    for r in results:
-        if "unknown_rate_test" in r:
-            lines.append(
-                f"| {r['model']} | (its own test images) | {r['test_images']} | | | | {r['unknown_rate_test']:.2%} |"
-            )
-    for r in results:
-        rows = list(r.get("ood", [])) + (
-            [{"ood_set": "2 held-out classes", **r["open_set"]}] if "open_set" in r else []
+    t = result.table(["model", "measured", "command"], "Where each model's rows come from")
+    for r in rows:
+        t.add(r["model"], r["date"], f"`{r['command']}`")
+    targets(result, {r["model"]: r for r in rows})
+
+
+def targets(result: Result, by_model: dict[str, dict]) -> None:
+    """Issue 21's targets against the rows of the models they name (those measured)."""
+    t = result.table(["target", "measured", "met"], "Targets")
+    if f := by_model.get("fmnist"):
+        t.add(
+            "ECE after <= 1.5 % and below before (Fashion-MNIST)",
+            f"{f['ece_after']:.2%} after, {f['ece_before']:.2%} before "
+            f"({f['ece_temperature_only']:.2%} with the temperature alone)",
+            f["ece_after"] <= 0.015 and f["ece_after"] < f["ece_before"],
         )
-        for o in rows:
-            lines.append(
-                f"| {r['model']} | {o['ood_set']} | {o['images']} | {o['max_softmax']:.4f} | {o['energy']:.4f} "
-                f"| {o['mahalanobis']:.4f} | {o.get('called_unknown', float('nan')):.2%} |"
-            )
-    return "\n".join(lines)
+        lac = [s for s in f["sets"] if s["method"] == "lac"]
+        resplit = " / ".join(f"{s['coverage']:.2%}" for s in f["resplit_coverage"])
+        t.add(
+            "coverage at 0.90 / 0.95 within [-1.0, +2.5] points",
+            " / ".join(f"{s['coverage']:.2%}" for s in lac)
+            + f" (LAC; re-split {resplit}), mean set size "
+            + " / ".join(f"{s['mean_set_size']:.2f}" for s in lac),
+            all(-0.01 <= s["coverage"] - s["target"] <= 0.025 for s in lac),
+        )
+        far = {o["ood_set"]: o["mahalanobis"] for o in f["ood"]}
+        t.add(
+            "far-OOD AUROC >= 0.95, the exported score",
+            "Mahalanobis " + " / ".join(f"{v:.3f}" for v in far.values()) + f" ({' / '.join(far)})",
+            all(v >= 0.95 for v in far.values()),
+        )
+    if o := by_model.get("fmnist8", {}).get("open_set"):
+        t.add(
+            "open set: chosen score beats max-softmax",
+            f"{o['mahalanobis']:.3f} > {o['max_softmax']:.3f}",
+            o["mahalanobis"] > o["max_softmax"],
+        )
+    if d := by_model.get("digits sample"):
+        lac = " / ".join(f"{s['coverage']:.2%}" for s in d["sets"] if s["method"] == "lac")
+        resplit = " / ".join(f"{s['coverage']:.2%}" for s in d["resplit_coverage"])
+        t.add("digits sample: ECE, coverage",
+              f"ECE {d['ece_before']:.2%} -> {d['ece_after']:.2%}; LAC {lac} (re-split {resplit})",
+              d["ece_after"] < d["ece_before"])  # fmt: skip
 
 
 def main() -> None:
@@ -282,32 +336,29 @@ def main() -> None:
     p.add_argument("--openset", type=Path, help="a run trained on data/fmnist8 (8 classes)")
     p.add_argument("--sample", type=Path, help="a run trained with configs/sample.yaml")
     p.add_argument("--fmnist-data", type=Path, default=Path("data/fmnist"))
-    args = p.parse_args()
-    results = []
+    args = add_results_option(p).parse_args()
+    result = Result("trust", packages=("onnxruntime", "scikit-learn"), results=args.results)
+    measured = []
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         if args.fmnist:
             classes = json.loads((args.fmnist / "split.json").read_text())["classes"]
             r = evaluate("fmnist", args.fmnist / "checkpoints" / "best.ckpt", args.fmnist_data / "val", classes, work,
                          ood_sets=True)  # fmt: skip
-            results.append(r)
+            measured.append(r)
         if args.openset:
-            results.append(open_set(args.openset / "checkpoints" / "best.ckpt", args.fmnist_data / "val", work))
+            measured.append(open_set(args.openset / "checkpoints" / "best.ckpt", args.fmnist_data / "val", work))
         if args.sample:
-            results.append(evaluate("digits sample", args.sample / "checkpoints" / "best.ckpt", None, [], work, False))
-    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    command = "python -m benchmarks.trust " + " ".join(sys.argv[1:])
-    for r in results:
-        r.update(date=date, command=command)
-    # each model's row is replaced by its latest run; the others stay (the models train at different times)
-    old = json.loads(RESULT.read_text())["rows"] if RESULT.is_file() else []
-    mine = {r["model"] for r in results}
-    rows = [r for r in old if r["model"] not in mine] + results
-    doc = {"date": date, "machine": machine(), "command": command, "rows": rows}
-    RESULT.parent.mkdir(parents=True, exist_ok=True)
-    RESULT.write_text(json.dumps(doc, indent=1))
-    print(f"{doc['date']}, {doc['machine']}\n`{doc['command']}`\n")
-    print(table(rows))
+            measured.append(evaluate("digits sample", args.sample / "checkpoints" / "best.ckpt", None, [], work, False))
+    for r in measured:
+        r.update(date=result.header["date"], command=result.header["command"])
+    # each model's rows are replaced by its latest run; the others stay (the models train at different times)
+    old = (previous("trust", args.results) or {}).get("data", {}).get("rows", [])
+    mine = {r["model"] for r in measured}
+    rows = [r for r in old if r["model"] not in mine] + measured
+    tables(result, rows)
+    result.data = {"rows": rows}
+    result.finish()
 
 
 if __name__ == "__main__":

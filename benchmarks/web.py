@@ -31,11 +31,11 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks import common
-from benchmarks.serve_bench import random_model_file, sample_image
+from benchmarks.browser import StaticSite, WebBrowser, classify_bytes
+from benchmarks.servers import random_model_file, sample_image
 from serve.export.web import ort_web_version, write_web
 from serve.runtime.classifier import OnnxClassifier
 from serve.server.testing import noise_png
-from tests.web_page import StaticSite, WebBrowser, classify_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMED_JS = """async ([b64, n]) => {

@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from benchmarks.browser import CHROMIUM, StaticSite, WebBrowser, classify, classify_bytes, drop_file
 from serve.runtime.classifier import OnnxClassifier
 from tests.helpers import png_bytes, quadrant_images
-from tests.web_page import CHROMIUM, StaticSite, WebBrowser, classify, classify_bytes, drop_file
 
 pytestmark = [pytest.mark.slow, pytest.mark.browser]
 RESAMPLING = {k: getattr(Image.Resampling, k.upper()) for k in ("bicubic", "bilinear", "lanczos", "nearest")}
