@@ -19,8 +19,8 @@ like a dropped connection. The explain path runs on the ingress's own copy of th
 Every response names the model replica(s) that computed it in the `X-Vitscope-Replica` header (their Ray
 actor names). `/metrics` is the answering ingress's own; Ray's metrics (`serve_batch_size`,
 `serve_batch_queue_length`, per replica) cover the model replicas. The model path must exist on every
-node. This module and `ray_launch` are the only ones that import ray, an optional extra:
-`pip install 'vitscope[ray]'`.
+node. A model repository folder has deployments of its own (`serve.server.ray.repository`). The modules
+of `serve.server.ray` are the only ones that import ray, an optional extra: `pip install 'vitscope[ray]'`.
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ from serve.server.settings import ServeSettings
 log = logging.getLogger(__name__)
 
 APP_NAME = "vitscope"
+INGRESS_NAME = "VitscopeIngress"
 REPLICA_HEADER = "X-Vitscope-Replica"
 # Ray Serve adds model replicas when each has more images in flight than this: a replica batches them
 # (4 to 8 images per batch on the sample model), so a few batches' worth in flight means it is busy.
@@ -106,11 +107,17 @@ class ModelReplica:
 
 class RayEngine(Engine):
     """The ingress's engine: each image goes to a model replica through a Ray Serve handle, and to
-    another one if that replica dies first. `run` and `run_sync` (the explain path) stay local."""
+    another one if that replica dies first. `run` and `run_sync` (the explain path) stay local.
 
-    def __init__(self, classifier, settings, *, handle, **kwargs):
+    Args:
+        handle: the handle of the model replicas' deployment.
+        version: the version to ask them for (a repository's `ModelVersions` hold several); None for a
+            `ModelReplica`, which holds one file.
+    """
+
+    def __init__(self, classifier, settings, *, handle, version: str | None = None, **kwargs):
         super().__init__(classifier, settings, **kwargs)
-        self.handle = handle
+        self.handle, self.version = handle, version
 
     def start(self) -> None:
         """No local warm-up: the model replicas measure their own batch size when they start."""
@@ -122,7 +129,8 @@ class RayEngine(Engine):
         image = item if isinstance(item, np.ndarray) else await run_in_threadpool(self.batcher.prepare, item)
         for attempt in range(1, ATTEMPTS + 1):
             try:
-                call = self.handle.forward.remote(image)
+                forward = self.handle.forward
+                call = forward.remote(image) if self.version is None else forward.remote(image, self.version)
                 row, name = await asyncio.wait_for(call, self.settings.request_timeout_s)
             except (ActorDiedError, ActorUnavailableError) as e:  # died with the image in flight: send it again
                 log.warning("model replica lost with an image in flight (attempt %d of %d): %s", attempt, ATTEMPTS, e)
@@ -195,6 +203,42 @@ class VitscopeIngress:
             raise RuntimeError("the app has not started, or its worker thread has stopped")
 
 
+def model_options(settings: ServeSettings, replicas: int, max_replicas: int | None, cpus: float) -> dict[str, Any]:
+    """The Ray Serve options of a model replicas' deployment (`ModelReplica`, or a repository's `ModelVersions`).
+
+    Raises:
+        ValueError: `replicas` below 1 or above `max_replicas`.
+    """
+    high = replicas if max_replicas is None else max_replicas
+    if not 1 <= replicas <= high:
+        raise ValueError(f"replicas must be at least 1 and at most max_replicas, got {replicas} and {high}")
+    return {
+        "autoscaling_config": {
+            "min_replicas": replicas,
+            "initial_replicas": replicas,
+            "max_replicas": high,
+            "target_ongoing_requests": TARGET_ONGOING_REQUESTS,
+        },
+        "max_ongoing_requests": 4 * settings.max_batch_size,  # room for a few batches; beyond, the ingress waits
+        "ray_actor_options": {"num_cpus": cpus},
+        "logging_config": QUIET,
+        "health_check_period_s": 5.0,
+        "graceful_shutdown_timeout_s": settings.graceful_timeout_s,
+    }
+
+
+def ingress_options(settings: ServeSettings, replicas: int = 1) -> dict[str, Any]:
+    """The Ray Serve options of the ingress: it reserves no CPU, as it mostly waits on the model replicas."""
+    return {
+        "name": INGRESS_NAME,
+        "num_replicas": replicas,
+        "max_ongoing_requests": settings.queue_size,  # as many requests as vit-serve's queue holds
+        "ray_actor_options": {"num_cpus": 0},
+        "logging_config": QUIET,
+        "graceful_shutdown_timeout_s": settings.graceful_timeout_s,
+    }
+
+
 def deployment(
     model: str,
     settings: ServeSettings,
@@ -213,31 +257,9 @@ def deployment(
         cpus: CPUs Ray reserves for each model replica (its onnxruntime threads should fit in them).
         ingress_replicas: replicas of the ingress (it reserves no CPU: it mostly waits on the model).
     """
-    high = replicas if max_replicas is None else max_replicas
-    if not 1 <= replicas <= high:
-        raise ValueError(f"replicas must be at least 1 and at most max_replicas, got {replicas} and {high}")
-    models = serve.deployment(ModelReplica).options(
-        name="ModelReplica",
-        autoscaling_config={
-            "min_replicas": replicas,
-            "initial_replicas": replicas,
-            "max_replicas": high,
-            "target_ongoing_requests": TARGET_ONGOING_REQUESTS,
-        },
-        max_ongoing_requests=4 * settings.max_batch_size,  # room for a few batches; beyond, the ingress waits
-        ray_actor_options={"num_cpus": cpus},
-        logging_config=QUIET,
-        health_check_period_s=5.0,
-        graceful_shutdown_timeout_s=settings.graceful_timeout_s,
-    )
-    ingress = serve.deployment(VitscopeIngress).options(
-        name="VitscopeIngress",
-        num_replicas=ingress_replicas,
-        max_ongoing_requests=settings.queue_size,  # as many requests as vit-serve's queue holds
-        ray_actor_options={"num_cpus": 0},
-        logging_config=QUIET,
-        graceful_shutdown_timeout_s=settings.graceful_timeout_s,
-    )
+    options = model_options(settings, replicas, max_replicas, cpus)
+    models = serve.deployment(ModelReplica).options(name="ModelReplica", **options)
+    ingress = serve.deployment(VitscopeIngress).options(**ingress_options(settings, ingress_replicas))
     dump = settings.model_dump()
     return ingress.bind(models.bind(str(model), dump), str(model), dump)
 
