@@ -62,10 +62,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     ray = parser.add_argument_group("Ray Serve (pip install 'vitscope[ray]'; see serve.server.ray.deployment)")
     ray.add_argument("--ray", action="store_true", help="serve the API from replicas on a Ray cluster (no UI)")
-    ray.add_argument("--replicas", type=int, default=1, help="model replicas to start, and the fewest to keep")
+    ray.add_argument(
+        "--replicas", type=int, default=1, help="model replicas to start (of each model of a folder), the fewest kept"
+    )
     ray.add_argument("--max-replicas", type=int, help="most model replicas when autoscaling (None: --replicas)")
     ray.add_argument("--replica-cpus", type=float, default=1.0, help="CPUs Ray reserves for each model replica")
     ray.add_argument("--ray-address", help="cluster to join ('auto': the one ray start runs here; None: a new one)")
+    ray.add_argument("--models", help="with a repository folder: the models to deploy, comma-separated (None: all)")
     return parser
 
 
@@ -92,7 +95,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"vit-serve: --ray needs Ray Serve ({e}): pip install 'vitscope[ray]'", file=sys.stderr)
             return 2
         try:
-            return run(str(args.model), settings, args.replicas, args.max_replicas, args.replica_cpus, args.ray_address)
+            models = [m for m in args.models.split(",") if m] if args.models else None
+            return run(
+                str(args.model), settings, args.replicas, args.max_replicas, args.replica_cpus, args.ray_address, models
+            )
         except ValueError as e:
             print(f"vit-serve: {e}", file=sys.stderr)
             return 2

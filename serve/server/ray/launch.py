@@ -1,9 +1,13 @@
-"""`vit-serve MODEL --ray`: deploy `serve.server.ray.deployment`'s application on a Ray cluster and hold it up.
+"""`vit-serve MODEL --ray` and `vit-serve DIR --ray`: deploy on a Ray cluster and hold the deployment up.
 
 Joins the cluster (or starts a single-node Ray), starts Ray Serve's HTTP proxy on the head node at
 `--host`/`--port` unless Serve runs there already, deploys, waits until every model replica runs, prints
-the URL, and on SIGTERM or Ctrl-C deletes the application again; Serve itself is shut down only when it
+the URL, and on SIGTERM or Ctrl-C deletes the applications again; Serve itself is shut down only when it
 was started here, so a shared cluster is left as it was found.
+
+A model file is one application (`serve.server.ray.deployment`). A model repository folder is one
+application per model and an ingress (`serve.server.ray.repository`), kept in step with the folder every
+`--repository-poll-s` seconds by rolling updates (`serve.server.ray.rollout`).
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import logging
 import signal
 import threading
 import time
+from pathlib import Path
 
 from ray import serve
 
@@ -34,6 +39,27 @@ def wait_for_replicas(count: int, timeout_s: float = 300.0) -> None:
         time.sleep(0.5)
 
 
+class OneModel:
+    """One .onnx file as one application (`serve.server.ray.deployment`); arguments as for `deployment`."""
+
+    def __init__(self, model: str, settings: ServeSettings, replicas: int, max_replicas: int | None, cpus: float):
+        self.app = deployment(model, settings, replicas, max_replicas, cpus)  # checks the counts before Ray starts
+        self.replicas = replicas
+
+    def deploy(self) -> None:
+        serve.run(self.app, name=APP_NAME, route_prefix="/")
+        wait_for_replicas(self.replicas)
+
+    def describe(self) -> str:
+        return f"{self.replicas} model replicas"
+
+    def sync(self) -> None:
+        """A file is deployed once: nothing to follow."""
+
+    def delete(self) -> None:
+        serve.delete(APP_NAME)
+
+
 def run(
     model: str,
     settings: ServeSettings,
@@ -41,18 +67,22 @@ def run(
     max_replicas: int | None,
     cpus: float,
     address: str | None,
+    models: list[str] | None = None,
 ) -> int:
-    """`vit-serve --ray`: deploy on a Ray cluster, print the URL once every replica is ready, and on
-    SIGTERM or Ctrl-C take the application down again (and Serve, when it was started here).
+    """`vit-serve --ray`: deploy on a Ray cluster, print the URL once every replica is ready, follow a
+    repository folder every `settings.repository_poll_s` seconds, and on SIGTERM or Ctrl-C take the
+    applications down again (and Serve, when it was started here).
 
-    `model`, `settings`, `replicas`, `max_replicas` and `cpus` are as for `deployment`.
+    `model` (a file or a repository folder), `settings`, `replicas`, `max_replicas` and `cpus` are as for
+    `deployment` and `RepositoryRollout`.
 
     Args:
         address: the cluster to join ("auto": the one `ray start` runs on this machine); None starts
             a single-node Ray for this process, stopped on exit.
+        models: with a repository folder, the models to serve (None: all of them).
 
     Returns:
-        The exit code: 0 once the application is deleted.
+        The exit code: 0 once the applications are deleted.
     """
     import ray
 
@@ -60,7 +90,7 @@ def run(
         raise ValueError("--ray needs a fixed --port: it is the port of Ray Serve's HTTP proxy")
     if settings.grpc_port:  # each replica's app would bind the same port
         raise ValueError("--grpc-port is served without --ray only: run gRPC from a plain vit-serve")
-    app = deployment(model, settings, replicas, max_replicas, cpus)  # checks the counts before Ray starts
+    target = target_of(model, settings, replicas, max_replicas, cpus, models)  # checked before Ray starts
     host = address.rsplit(":", 1)[0] if address and ":" in address else ""
     # a cluster on loopback addresses (one machine): this driver joins it there too, not on the network
     on_loopback = {"_node_ip_address": host} if host.startswith("127.") else {}
@@ -77,20 +107,40 @@ def run(
         port = ray.get(serve_controller().get_http_config.remote()).port
         if port != settings.port:
             raise ValueError(f"Ray Serve on this cluster listens on port {port} already: pass --port {port}")
-        serve.run(app, name=APP_NAME, route_prefix="/")
-        wait_for_replicas(replicas)
+        target.deploy()
         host = "127.0.0.1" if settings.host in ("0.0.0.0", "") else settings.host
-        print(f"vitscope is ready: http://{host}:{port}/ (Ray Serve, {replicas} model replicas)", flush=True)
-        stop.wait()
-        log.info("stopping: deleting the %s application", APP_NAME)
-        serve.delete(APP_NAME)
+        print(f"vitscope is ready: http://{host}:{port}/ (Ray Serve, {target.describe()})", flush=True)
+        follow(target, stop, settings.repository_poll_s)
+        log.info("stopping: deleting the applications")
+        target.delete()
     finally:
         if controller is None:  # Serve was started here: leave the cluster as it was found
             serve.shutdown()
         elif not stop.is_set():  # failed on a cluster whose Serve runs other applications too
-            serve.delete(APP_NAME)
+            target.delete()
         ray.shutdown()
     return 0
+
+
+def target_of(model: str, settings: ServeSettings, replicas: int, max_replicas: int | None, cpus: float, models):
+    """What `run` deploys: a `RepositoryRollout` for a folder, else `OneModel`."""
+    if Path(model).is_dir():
+        from serve.server.ray.rollout import RepositoryRollout
+
+        return RepositoryRollout(Path(model), settings, models, replicas, max_replicas, cpus)
+    if models:
+        raise ValueError("--models picks models of a repository folder; a .onnx file is one model")
+    return OneModel(model, settings, replicas, max_replicas, cpus)
+
+
+def follow(target, stop: threading.Event, poll_s: float) -> None:
+    """Until `stop` is set, `target.sync()` every `poll_s` seconds (0: never); a failed poll is logged, and the
+    next one tries again."""
+    while not stop.wait(poll_s or None):
+        try:
+            target.sync()
+        except Exception:
+            log.exception("the repository poll failed; what was deployed keeps serving")
 
 
 def serve_controller():

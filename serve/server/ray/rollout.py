@@ -1,0 +1,196 @@
+"""`vit-serve DIR --ray`: keep a model repository's Ray Serve applications in step with its folder.
+
+Each model of `DIR` (or of `--models`) is an application of its own, and one ingress answers every route
+(`serve.server.ray.repository`). At start, and then every `--repository-poll-s` seconds, the launcher
+reads the folder as `vit-serve DIR` does (`scan`, the version policies), checks each new version file once
+(`load_version`: one that fails is logged, never deployed, and tried again when its file changes) and
+takes each changed model to its wanted versions in three steps:
+
+1. widen: its application is redeployed holding the versions the ingress sends requests to and the wanted
+   ones (`serve.run`: Ray Serve's rolling update, each new replica up and healthy before an old one stops);
+2. switch: every ingress replica loads the wanted versions, sends new requests to them, and waits for the
+   requests on the others to finish (`RepositoryIngress.route`, by `DeploymentHandle.broadcast`);
+3. narrow: the application is redeployed with the wanted versions only (a second rolling update).
+
+So every replica holds every version the ingress may send it an image for, at every moment of both
+rolling updates, and no request fails for a rollout. A model whose folder goes leaves the ingress first;
+then its application is deleted. An unchanged model's application is left alone.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from ray import serve
+
+from serve.server.engine import Engine
+from serve.server.ray.deployment import APP_NAME, INGRESS_NAME, model_options
+from serve.server.ray.repository import (
+    BROADCAST_TIMEOUT_S,
+    MODEL_APP_PREFIX,
+    by_number,
+    ingress_app,
+    model_app,
+    model_app_name,
+)
+from serve.server.repository.layout import file_stamp, scan
+from serve.server.repository.version import LoadFailure, load_version
+from serve.server.settings import ServeSettings
+
+log = logging.getLogger(__name__)
+
+Versions = dict[str, str]  # version -> path of its model.onnx
+
+
+class RepositoryRollout:
+    """The launcher's side of a repository on Ray Serve: what each model's replicas hold and what the
+    ingress routes to, moved to what the folder wants by `deploy` (at start) and `sync` (each poll).
+
+    Args:
+        root: the repository folder (the same path on every node).
+        settings: the server's settings.
+        models: the models to serve (None: every model in the folder, and those added later).
+        replicas: the fewest replicas of each model, started at once.
+        max_replicas: the most replicas of each model when autoscaling (None: `replicas`).
+        cpus: CPUs Ray reserves for each model replica; a rolling update needs twice a model's share.
+
+    Raises:
+        ValueError: no model in the folder, a model in `models` or `--default-model` that it lacks, or
+            replica counts that do not fit.
+    """
+
+    def __init__(
+        self,
+        root: Path,
+        settings: ServeSettings,
+        models: list[str] | None = None,
+        replicas: int = 1,
+        max_replicas: int | None = None,
+        cpus: float = 1.0,
+    ):
+        folders = scan(root)
+        missing = sorted(set(models or ()) - set(folders))
+        if missing:
+            raise ValueError(f"--models names {', '.join(missing)}, not in {root}; it holds {', '.join(folders)}")
+        chosen = models or sorted(folders)
+        if settings.default_model and settings.default_model not in chosen:
+            raise ValueError(f"--default-model {settings.default_model!r} is not among the models served: {chosen}")
+        model_options(settings, replicas, max_replicas, cpus)  # the counts, checked before Ray starts
+        self.root, self.settings, self.models = root, settings, models
+        self.replicas, self.max_replicas, self.cpus = replicas, max_replicas, cpus
+        self.held: dict[str, Versions] = {}  # model -> the versions every replica of its application holds
+        self.routed: dict[str, Versions] = {}  # model -> the versions an ingress replica may send requests to
+        self.failures: dict[tuple[str, str], tuple[tuple[int, int], str]] = {}  # -> (file stamp, reason)
+        self.check_settings = settings.model_copy(update={"preferred_batch_size": 1})  # a check, not a measurement
+
+    def describe(self) -> str:
+        """The ready line's summary."""
+        return f"models {', '.join(sorted(self.held))}, {self.replicas} replicas each"
+
+    def deploy(self) -> None:
+        """Deploy each model's application, then the ingress, which finds them.
+
+        Raises:
+            ValueError: a model has no version that passes its checks (the message gives each reason).
+        """
+        wanted = self.wanted()
+        empty = sorted(m for m, (versions, _) in wanted.items() if not versions)
+        if empty:
+            reasons = "; ".join(r for (m, _), (_, r) in self.failures.items() if m in empty) or "no version file"
+            raise ValueError(f"no servable version of {', '.join(empty)}: {reasons}")
+        for app in serve.status().applications:  # left by an earlier run on this cluster
+            if app.startswith(MODEL_APP_PREFIX) and app.removeprefix(MODEL_APP_PREFIX) not in wanted:
+                serve.delete(app)
+        for model, (versions, labels) in wanted.items():
+            self.deploy_model(model, versions, labels)
+        serve.run(ingress_app(self.settings), name=APP_NAME, route_prefix="/")
+        self.routed = {model: dict(versions) for model, versions in self.held.items()}
+
+    def sync(self) -> None:
+        """One poll: roll each changed model out, add the new ones, remove the ones whose folder went."""
+        wanted = self.wanted()
+        for model, (versions, labels) in wanted.items():
+            if versions:  # none passes its checks: what serves keeps serving, as with vit-serve DIR
+                self.roll(model, versions, labels)
+        gone = sorted(set(self.held) - set(wanted))
+        if gone and len(gone) == len(self.held):
+            log.warning("no model to serve is left in %s; still serving %s", self.root, ", ".join(gone))
+            return
+        for model in gone:
+            self.route(model, {})
+            serve.delete(model_app_name(model))
+            del self.held[model]
+            self.routed.pop(model, None)
+            log.info("%s: removed from the repository, its application deleted", model)
+
+    def roll(self, model: str, versions: Versions, labels: list[str] | None) -> None:
+        """Take one model to `versions`: widen, switch, narrow (the module's docstring); each step only if needed."""
+        held, routed = self.held.get(model, {}), self.routed.get(model, {})
+        if not versions.keys() <= held.keys():
+            self.deploy_model(model, {**routed, **versions}, labels)
+        if versions.keys() != routed.keys():
+            self.route(model, versions)
+        keep = {v: path for v, path in self.held[model].items() if v in versions or v in self.routed.get(model, {})}
+        if keep.keys() != self.held[model].keys():
+            self.deploy_model(model, keep, labels)
+
+    def deploy_model(self, model: str, versions: Versions, labels: list[str] | None) -> None:
+        """Deploy `model`'s application holding `versions`; returns once every old replica has stopped."""
+        log.info("%s: rolling out replicas with versions %s", model, by_number(versions))
+        app = model_app(model, versions, labels, self.settings, self.replicas, self.max_replicas, self.cpus)
+        serve.run(app, name=model_app_name(model), route_prefix=None)
+        self.held[model] = dict(versions)
+        log.info("%s: every replica holds versions %s", model, by_number(versions))
+
+    def route(self, model: str, versions: Versions) -> None:
+        """Have every ingress replica serve `versions` of `model`, and learn what they serve now."""
+        ingress = serve.get_deployment_handle(INGRESS_NAME, APP_NAME)
+        served = ingress.broadcast("route", model, versions).results(timeout_s=BROADCAST_TIMEOUT_S)
+        now = set().union(*served)
+        if now != versions.keys():
+            wanted = by_number(versions)
+            log.warning("%s: the ingress serves versions %s, not %s (its log says why)", model, by_number(now), wanted)
+        self.routed[model] = {v: self.held[model][v] for v in now}
+        log.info("%s: the ingress sends requests to versions %s", model, by_number(now))
+
+    def delete(self) -> None:
+        """Delete the ingress, then each model's application."""
+        serve.delete(APP_NAME)
+        for model in sorted(self.held):
+            serve.delete(model_app_name(model))
+
+    def wanted(self) -> dict[str, tuple[Versions, list[str] | None]]:
+        """Per model to serve: the versions its policy wants that pass their checks, and its labels."""
+        folders = scan(self.root)
+        out = {}
+        for model in self.models or sorted(folders):
+            folder = folders.get(model)
+            if folder is None:
+                continue
+            labels = folder.labels()
+            files = {str(v): path for v, path in folder.wanted().items()}
+            out[model] = ({v: str(path) for v, path in files.items() if self.passes(model, v, path, labels)}, labels)
+        return out
+
+    def passes(self, model: str, version: str, path: Path, labels: list[str] | None) -> bool:
+        """Whether a version file passes the checks of `vit-serve DIR` (`load_version`), run once per file."""
+        if version in self.held.get(model, {}):
+            return True  # checked when it was deployed
+        try:
+            stamp = file_stamp(path)
+        except OSError:
+            return False  # gone again
+        failed = self.failures.get((model, version))
+        if failed is not None and failed[0] == stamp:
+            return False  # the same file failed before: try again when it changes
+        make_engine = lambda classifier, _model, _version: Engine(classifier, self.check_settings)  # noqa: E731
+        try:
+            checked = load_version(model, version, path, make_engine, 1, labels)
+        except LoadFailure as e:
+            self.failures[(model, version)] = (stamp, str(e))
+            log.error("version %s of %s does not take traffic: %s", version, model, e)
+            return False
+        checked.engine.stop()
+        self.failures.pop((model, version), None)
+        return True
