@@ -1,22 +1,30 @@
 """`vit-serve --ray` on a local Ray cluster started here (a head and a worker node, one CPU each).
 
-The same API answers through Ray Serve's proxy; requests spread over the model replicas (each reply
-names its replica in `X-Vitscope-Replica`); killing a model replica under a steady stream of requests
+A model file: the same API answers through Ray Serve's proxy; requests spread over the model replicas (each
+reply names its replica in `X-Vitscope-Replica`); killing a model replica under a steady stream of requests
 loses none of them, and Ray starts a replacement.
+
+A model repository (`vit-serve DIR --ray`): each model's application answers its routes and versions with
+the results of its own file, and a new version dropped into the folder rolls out, through Ray Serve's
+rolling updates, under a client loop that sees no failed request and then only the new version's answers.
 """
 
 from __future__ import annotations
 
+import shutil
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import numpy as np
 import onnxruntime as ort
 import pytest
 
+from serve.runtime.classifier import OnnxClassifier
 from tests.helpers import CLASS_NAMES, LocalRayCluster, ServerProcess, png_bytes, quadrant_images, wait_until
 
 ray = pytest.importorskip("ray")
@@ -32,15 +40,46 @@ def cluster():
         yield c
 
 
-@pytest.fixture(scope="module")
-def server(cluster, tiny_onnx):
-    args = ["--ray", "--replicas", "2", "--ray-address", cluster.address, "--preferred-batch-size", "4"]
-    proc = ServerProcess(tiny_onnx, *args)
-    try:
-        yield proc.wait_ready(timeout=300)
-    finally:
+class OneServer:
+    """The module's `vit-serve --ray`, one at a time: a cluster has one Ray Serve proxy, and one application at
+    `/`. A test that needs the other kind (a file, a repository) stops the running one first."""
+
+    def __init__(self):
+        self.kind: str | None = None
+        self.proc: ServerProcess | None = None
+
+    def get(self, kind: str, start: Callable[[], ServerProcess]) -> ServerProcess:
+        if kind != self.kind:
+            self.stop()
+            proc = start()
+            try:
+                self.proc, self.kind = proc.wait_ready(timeout=300), kind
+            except BaseException:
+                proc.stop(timeout=60)
+                raise
+        return self.proc
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        proc, self.proc, self.kind = self.proc, None, None
         code = proc.stop(timeout=60)
         assert code == 0, f"vit-serve --ray did not stop cleanly ({code}):\n{proc.output[-3000:]}"
+
+
+@pytest.fixture(scope="module")
+def servers(cluster):
+    one = OneServer()
+    try:
+        yield one
+    finally:
+        one.stop()
+
+
+@pytest.fixture
+def server(servers, cluster, tiny_onnx):
+    args = ["--ray", "--replicas", "2", "--ray-address", cluster.address, "--preferred-batch-size", "4"]
+    return servers.get("file", lambda: ServerProcess(tiny_onnx, *args))
 
 
 @pytest.fixture(scope="module")
@@ -120,3 +159,143 @@ def test_killing_a_model_replica_loses_no_request(server, driver):
             w.join(60)
     assert set(statuses) == {200}, statuses  # no retries in the client: none was needed
     assert set(names) - before, f"no replacement replica answered within 120 s: {names}"
+
+
+def reweighted(model: Path, out: Path) -> Path:
+    """A copy of the file with its classifier head negated: the same metadata, other answers (another version)."""
+    onnx = pytest.importorskip("onnx")
+    numpy_helper = onnx.numpy_helper
+    graph = onnx.load(model)
+    for weights in graph.graph.initializer:
+        if weights.name.startswith("net.head."):
+            weights.CopyFrom(numpy_helper.from_array(-numpy_helper.to_array(weights), weights.name))
+    onnx.save(graph, out)
+    return out
+
+
+def put_version(folder: Path, version: int, model: Path) -> None:
+    """A version as a deployment writes one: copied beside the model's folder, then renamed into it."""
+    incoming = folder / f".{version}.incoming"
+    incoming.mkdir(parents=True)
+    shutil.copy(model, incoming / "model.onnx")
+    incoming.rename(folder / str(version))
+
+
+@pytest.fixture(scope="module")
+def repository(tmp_path_factory, tiny_onnx) -> Path:
+    """`alpha` with versions 1 and 2 (other answers), both served (`all`); `beta` with version 1."""
+    root = tmp_path_factory.mktemp("ray_repository") / "models"
+    other = reweighted(tiny_onnx, root.parent / "other.onnx")
+    put_version(root / "alpha", 1, tiny_onnx)
+    put_version(root / "alpha", 2, other)
+    (root / "alpha" / "config.pbtxt").write_text('name: "alpha"\nversion_policy: { all { } }\n')
+    put_version(root / "beta", 1, tiny_onnx)
+    return root
+
+
+@pytest.fixture
+def repository_server(servers, cluster, repository):
+    # 0.5 CPU per model replica: both models and the extra replica of a rolling update fit the 2 CPUs
+    args = ["--ray", "--ray-address", cluster.address, "--replica-cpus", "0.5", "--preferred-batch-size", "4"]
+    return servers.get("repository", lambda: ServerProcess(repository, *args, "--repository-poll-s", "0.5"))
+
+
+def expected(repository: Path, model: str, version: str, image: np.ndarray) -> list[dict]:
+    """`/v1`'s predictions for `image` from the version's own file, in process."""
+    classifier = OnnxClassifier(repository / model / version / "model.onnx", threads=1)
+    (top,) = classifier.predict(png_bytes(image), len(CLASS_NAMES))
+    return [{"label": label, "score": score} for label, score in top]
+
+
+def test_each_model_and_version_of_a_repository_answers_with_its_own_file(repository_server, repository):
+    url, image = repository_server.url, quadrant_images(1, seed=3)[0][0]
+    models = httpx.get(url + "/v2/models").json()["models"]
+    assert [m["name"] for m in models] == ["alpha", "beta"] and models[0]["versions"] == ["1", "2"]
+    for path, model, version in [
+        ("/v1/classify", "alpha", "2"),  # the default model (the first by name), its newest version
+        ("/v1/models/alpha/classify", "alpha", "2"),
+        ("/v1/models/alpha/versions/1/classify", "alpha", "1"),
+        ("/v1/models/beta/classify", "beta", None),  # 1, or 2 once the rollout test has run
+    ]:
+        r = httpx.post(f"{url}{path}?top_k={len(CLASS_NAMES)}", files={"file": ("x.png", png_bytes(image))})
+        body = r.json()
+        assert r.status_code == 200 and body["model"] == model and body["version"] == (version or body["version"])
+        assert r.headers[HEADER].startswith(f"SERVE_REPLICA::vitscope-model-{model}#ModelVersions#")
+        want = expected(repository, model, body["version"], image)
+        assert [p["label"] for p in body["predictions"]] == [p["label"] for p in want]
+        np.testing.assert_allclose([p["score"] for p in body["predictions"]], [p["score"] for p in want], atol=1e-6)
+    x, _ = quadrant_images(2, seed=5)
+    infer = {"inputs": [{"name": "pixels", "datatype": "UINT8", "shape": list(x.shape), "data": x.ravel().tolist()}]}
+    for version in ("1", "2"):
+        r = httpx.post(f"{url}/v2/models/alpha/versions/{version}/infer", json=infer, timeout=60).json()
+        assert (r["model_name"], r["model_version"]) == ("alpha", version)
+        logits = np.array(r["outputs"][0]["data"], np.float32).reshape(r["outputs"][0]["shape"])
+        own = OnnxClassifier(repository / "alpha" / version / "model.onnx", threads=1).logits(x)
+        np.testing.assert_allclose(logits, own, rtol=1e-5, atol=1e-5)
+    assert httpx.get(url + "/v2/models/alpha/versions/1").json()["name"] == "alpha"
+    assert httpx.get(url + "/v2/models/beta/ready").status_code == 200
+    assert httpx.get(url + "/v2/models/beta/versions/9/ready").status_code == 404
+    assert httpx.post(url + "/v1/models/gamma/classify", files={"file": ("x.png", png_bytes(image))}).status_code == 404
+    assert httpx.get(url + "/readyz").status_code == 200 and httpx.get(url + "/healthz").status_code == 200
+    assert httpx.get(url + "/v2/health/ready").json() == {"ready": True}
+
+
+class ClassifyLoop:
+    """`clients` threads posting one image to `path` until stopped; each answer's status, version, top label
+    and replica is kept (an exception as its class name), with no retries."""
+
+    def __init__(self, url: str, path: str, image: np.ndarray, clients: int = 4):
+        self.url, self.path, self.data = url, path, png_bytes(image)
+        self.answers: list[tuple[int | str, str | None, str | None, str | None]] = []
+        self.stopping = threading.Event()
+        self.threads = [threading.Thread(target=self._run, daemon=True) for _ in range(clients)]
+
+    def _run(self) -> None:
+        with httpx.Client(timeout=60) as client:
+            while not self.stopping.is_set():
+                try:
+                    r = client.post(self.url + self.path, files={"file": ("x.png", self.data)})
+                    body = r.json()
+                    top = body["predictions"][0]["label"] if r.status_code == 200 else None
+                    self.answers.append((r.status_code, body.get("version"), top, r.headers.get(HEADER)))
+                except httpx.HTTPError as e:
+                    self.answers.append((type(e).__name__, None, None, None))
+
+    def __enter__(self) -> ClassifyLoop:
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stopping.set()
+        for t in self.threads:
+            t.join(60)
+
+    def answered(self, version: str, since: int = 0) -> int:
+        return sum(1 for a in self.answers[since:] if a[1] == version)
+
+
+def test_a_new_version_rolls_out_through_ray_serve_with_no_failed_request(repository_server, repository):
+    url, image = repository_server.url, quadrant_images(1, seed=3)[0][0]
+    old = expected(repository, "beta", "1", image)[0]["label"]
+    new = expected(repository, "alpha", "2", image)[0]["label"]  # the file that becomes beta's version 2
+    assert old != new  # the new version's answer tells it apart
+    with ClassifyLoop(url, "/v1/models/beta/classify", image) as loop:
+        wait_until(lambda: loop.answered("1") >= 20, 60, "20 answers from version 1")
+        put_version(repository / "beta", 2, repository / "alpha" / "2" / "model.onnx")
+        rolled = "beta: every replica holds versions ['2']"  # the last of its two rolling updates
+        wait_until(lambda: rolled in repository_server.output, 300, "the rollout of version 2", interval=0.5)
+        settled = len(loop.answers)
+        wait_until(lambda: loop.answered("2", settled) >= 20, 60, "20 more answers after the rollout")
+    failed = [a for a in loop.answers if a[0] != 200]
+    assert not failed, f"{len(failed)} failed requests during the rollout, e.g. {failed[:3]}"
+    assert {a[1] for a in loop.answers[settled:]} == {"2"}
+    assert {(a[1], a[2]) for a in loop.answers} == {("1", old), ("2", new)}  # each version answers as its file
+    before = {a[3] for a in loop.answers if a[1] == "1"}
+    after = {a[3] for a in loop.answers[settled:]}
+    assert not before & after  # new replicas answer: the rollout replaced them
+    assert httpx.get(url + "/v2/models").json()["models"][1] == {
+        "name": "beta",
+        "versions": ["2"],
+        "platform": "onnxruntime_onnx",
+    }
