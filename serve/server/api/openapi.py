@@ -1,9 +1,9 @@
 """The OpenAPI document, made to tell the truth: every body the server sends and every error it can answer.
 
 FastAPI's generated document knows neither our error body (it documents 422 as `{"detail": ...}`) nor
-the errors raised outside its validation (404, 405, 413, ...), thinks `/metrics` is JSON, and cannot
-see `/v1/classify`, a plain Starlette route. `describe(app, settings)` replaces `app.openapi` with the
-generated document corrected on each of those points.
+the errors raised outside its validation (404, 405, 413, ...), and thinks `/metrics` is JSON.
+`describe(app, ...)` replaces `app.openapi` with the generated document corrected on each of those points,
+with the server's upload limits in the classify routes' descriptions.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
-from serve.runtime.rollout import HEAD_FUSIONS
 from serve.server.http.errors import ERROR_STATUS
 from serve.server.settings import RequestLimits
 
@@ -43,39 +42,6 @@ KSERVE_ERROR = {
 }
 # /v2 routes answer in the protocol's shape; what stops a request before them (Host, key, limits) in ours
 V2_ERROR = {"anyOf": [ERROR, {"$ref": "#/components/schemas/KServeError"}]}
-PREDICTIONS = {
-    "type": "object",
-    "required": ["model", "version", "predictions"],
-    "properties": {
-        "model": {"type": "string"},
-        "version": {"type": "string"},
-        "predictions": {
-            "type": "array",
-            "items": {
-                "type": "object",
-                "required": ["label", "score"],
-                "properties": {"label": {"type": "string"}, "score": {"type": "number"}},
-            },
-        },
-        "prediction_set": {
-            "type": ["array", "null"],
-            "items": {"type": "string"},
-            "description": "with coverage=: the labels that hold the true one with that probability; else null",
-        },
-        "unknown": {
-            "type": ["boolean", "null"],
-            "description": "true when the image is unlike the training images; null for an uncalibrated file",
-        },
-        "ood_score": {
-            "type": ["number", "null"],
-            "description": "higher: less like the training images; null for an uncalibrated file",
-        },
-        "explanation": {
-            "type": "object",
-            "description": "with explain=true: the rollout grid, its overlay (base64 PNG) and deletion score",
-        },
-    },
-}
 WHY = {
     400: "the Host header is not served here (--allowed-hosts)",
     401: "no API key, or a wrong one",
@@ -105,16 +71,18 @@ def describe(app: FastAPI, limits: RequestLimits, model_name: str, auth: bool) -
 
 
 def corrected(doc: dict[str, Any], limits: RequestLimits, model_name: str, auth: bool) -> dict[str, Any]:
-    """`doc` with /v1/classify added, /metrics as text, our error body on every error status, and the
+    """`doc` with /metrics as text, our error body on every error status, and the
     served model's name as the example of every `{name}`."""
     schemas = doc.setdefault("components", {}).setdefault("schemas", {})
     schemas.pop("HTTPValidationError", None)
     schemas.pop("ValidationError", None)
-    schemas["Error"], schemas["KServeError"], schemas["Predictions"] = ERROR_SCHEMA, KSERVE_ERROR, PREDICTIONS
-    doc["paths"]["/v1/classify"] = {"post": classify_operation(limits)}
+    schemas["Error"], schemas["KServeError"] = ERROR_SCHEMA, KSERVE_ERROR
     metrics = doc["paths"]["/metrics"]["get"]["responses"]["200"]
     metrics["content"] = {"text/plain": {"schema": {"type": "string"}}}
     for path, item in doc["paths"].items():
+        if path.endswith("/classify"):
+            limit = f" Up to {limits.max_bytes:,} bytes and {limits.max_pixels:,} pixels."
+            item["post"]["description"] = item["post"].get("description", "") + limit
         for method, op in item.items():
             op["responses"] = {**op["responses"], **error_responses(path, method, op, auth)}
             for param in op.get("parameters", []):
@@ -138,37 +106,4 @@ def error_responses(path: str, method: str, op: dict[str, Any], auth: bool) -> d
     schema = V2_ERROR if path.startswith("/v2/") else ERROR
     return {
         str(s): {"description": WHY[s], "content": {"application/json": {"schema": schema}}} for s in sorted(statuses)
-    }
-
-
-def classify_operation(limits: RequestLimits) -> dict[str, Any]:
-    """POST /v1/classify: an image, as a multipart field `file` or as the raw body."""
-    binary = {"type": "string", "format": "binary"}
-    params = {
-        "top_k": {"type": "integer", "minimum": 1, "default": limits.top_k},
-        "explain": {"type": "string", "enum": ["true", "false", "1", "0", "yes", "no"], "default": "false"},
-        "head_fusion": {"type": "string", "enum": list(HEAD_FUSIONS), "default": HEAD_FUSIONS[0]},
-        "discard_ratio": {"type": "number", "minimum": 0, "exclusiveMaximum": 1, "default": 0},
-    }
-    form = {"type": "object", "required": ["file"], "properties": {"file": binary, **params}}
-    return {
-        "summary": "Classify one image",
-        "description": f"JPEG, PNG, GIF, BMP, WebP or TIFF, up to {limits.max_bytes:,} bytes and "
-        f"{limits.max_pixels:,} pixels. explain=true adds the attention rollout map and its deletion score.",
-        "operationId": "classify",
-        "parameters": [{"name": k, "in": "query", "required": False, "schema": v} for k, v in params.items()],
-        "requestBody": {
-            "required": True,
-            "content": {
-                "multipart/form-data": {"schema": form},
-                "image/*": {"schema": binary},
-                "application/octet-stream": {"schema": binary},
-            },
-        },
-        "responses": {
-            "200": {
-                "description": "the top classes, best first",
-                "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Predictions"}}},
-            }
-        },
     }

@@ -10,11 +10,13 @@ GET  /metrics              Prometheus
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+from collections.abc import Mapping
+from typing import Any, Literal
 
-import numpy as np
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.concurrency import run_in_threadpool
 
 from serve.runtime.images import PixelBudget
@@ -33,7 +35,15 @@ from serve.server.settings import RequestLimits
 # A small file can still declare a huge image (a flat 40 MP PNG compresses to kilobytes): only images
 # up to 1 MP, a few milliseconds of decoding and resizing, are decoded on the loop or the model's thread.
 INLINE_DECODE_PIXELS = 1_000_000
-TRUE, FALSE = ("1", "true", "yes"), ("0", "false", "no")
+BINARY = {"type": "string", "format": "binary"}
+IMAGE_BODY = {  # read by the route itself: FastAPI cannot say "a multipart field or the raw body"
+    "required": True,
+    "content": {
+        "multipart/form-data": {"schema": {"type": "object", "required": ["file"], "properties": {"file": BINARY}}},
+        "image/*": {"schema": BINARY},
+        "application/octet-stream": {"schema": BINARY},
+    },
+}
 NO_DEFAULT = "the default model has no version loaded (unloaded?): load one with POST /v2/repository/models/<name>/load"
 
 
@@ -69,37 +79,75 @@ def resolve(repository: ModelRepository, name: str | None, version: str | None) 
         raise ApiError("not_found", str(e)) from None
 
 
-def parse_params(query, form: dict[str, str], default_top_k: int) -> dict[str, Any]:
-    """The query string's and the form's parameters, checked: `ApiError("bad_request")` says what is wrong.
+class ClassifyParams(BaseModel):
+    """The parameters of a classify request, from the query string or from the multipart form's text fields
+    (the query string wins where both give one; a bad value is refused wherever it is)."""
 
-    The query string wins where both give a parameter, but a bad value is refused wherever it is.
+    model_config = ConfigDict(extra="ignore")  # other form fields (a client's own) are no business of ours
+
+    top_k: int | None = Field(None, ge=1, description="how many classes to answer (default: the server's --top-k)")
+    explain: bool = Field(False, description="add the attention rollout map, its overlay and its deletion score")
+    head_fusion: Literal[HEAD_FUSIONS] = Field(HEAD_FUSIONS[0], description="how the rollout fuses the heads")
+    discard_ratio: float = Field(0.0, ge=0.0, lt=1.0, description="the share of weakest attention the rollout drops")
+    coverage: float | None = Field(  # its range is the runtime's to check (`check_coverage`), with its message
+        None, description="in (0, 1): answer the prediction set that holds the true label with this probability"
+    )
+
+
+class Prediction(BaseModel):
+    label: str
+    score: float = Field(description="the calibrated probability")
+
+
+class Predictions(BaseModel):
+    """One image's answer."""
+
+    model: str
+    version: str
+    predictions: list[Prediction] = Field(description="the top classes, best first")
+    prediction_set: list[str] | None = Field(
+        description="with coverage: the labels that hold the true one with that probability; else null"
+    )
+    unknown: bool | None = Field(
+        description="true when the image is unlike the training images; null for an uncalibrated file"
+    )
+    ood_score: float | None = Field(description="higher: less like the training images; null for an uncalibrated file")
+    explanation: dict[str, Any] | None = Field(
+        None, description="with explain=true: the rollout grid, its overlay (base64 PNG) and deletion score"
+    )
+
+
+DEFAULT_PARAMS = ClassifyParams()
+
+
+def classify_params(query: Mapping[str, str], form: dict[str, str]) -> ClassifyParams:
+    """The request's parameters, checked: `ApiError("bad_request")` says what is wrong and where.
+
+    The route validates them itself rather than declaring them to FastAPI: FastAPI's validation of declared
+    query parameters costs more CPU than the rest of the route's own work (`benchmarks.serve_overhead`).
     """
+    if not query and not form:  # the common case: every default
+        return DEFAULT_PARAMS
     if form:
-        parse_params(form, {}, default_top_k)  # the form alone, as if it were the query
-    params = {**form, **dict(query)}
+        validated(form, "form field")  # a bad form value is refused even where the query string overrides it
+    return validated({**form, **query}, "query")
+
+
+def validated(given: Mapping[str, str], where: str) -> ClassifyParams:
     try:
-        top_k = int(params.get("top_k", default_top_k))
-        discard = float(params.get("discard_ratio", 0.0))
-        coverage = None if params.get("coverage") in (None, "") else float(params["coverage"])
-    except ValueError:
-        raise ApiError("bad_request", "top_k must be an integer, discard_ratio and coverage numbers") from None
-    explain = str(params.get("explain", "false")).lower()
-    fusion = params.get("head_fusion", "mean")
-    if explain not in TRUE + FALSE:
-        raise ApiError("bad_request", f"explain must be true or false, got {explain!r}")
-    if top_k < 1:
-        raise ApiError("bad_request", f"top_k must be at least 1, got {top_k}")
-    if fusion not in HEAD_FUSIONS:
-        raise ApiError("bad_request", f"head_fusion must be one of {', '.join(HEAD_FUSIONS)}, got {fusion!r}")
-    if not 0.0 <= discard < 1.0:
-        raise ApiError("bad_request", f"discard_ratio must be in [0, 1), got {discard}")
-    return {
-        "top_k": top_k,
-        "explain": explain in TRUE,
-        "head_fusion": fusion,
-        "discard_ratio": discard,
-        "coverage": coverage,
-    }
+        return ClassifyParams.model_validate(given)
+    except ValidationError as e:
+        what = "; ".join(f"{where} {'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors())
+        raise ApiError("bad_request", f"invalid request: {what}") from None
+
+
+def query_parameters() -> list[dict[str, Any]]:
+    """`ClassifyParams` as the OpenAPI document's query parameters, from its own JSON schema."""
+    fields = ClassifyParams.model_json_schema()["properties"]
+    return [
+        {"name": k, "in": "query", "required": False, "schema": v, "description": v.get("description", "")}
+        for k, v in fields.items()
+    ]
 
 
 def check_coverage(classifier, coverage: float | None) -> None:
@@ -121,61 +169,62 @@ def v1_router(
     `/readyz` and `/metrics` over the repository's versions; large uploads hold `budget` while they decode;
     each answer is recorded in `payloads` (None: nowhere)."""
     router = APIRouter()
+    answers = {200: {"description": "the top classes, best first"}}
+    extra = {"parameters": query_parameters(), "requestBody": IMAGE_BODY}  # what the route reads itself
+    route = functools.partial(router.post, response_model=Predictions, responses=answers, openapi_extra=extra)
 
+    @route("/v1/classify", summary="Classify one image with the default model", operation_id="classify")
     async def classify(request: Request):
-        """Classify one image (multipart field `file` or raw body); `explain=true` adds the rollout map."""
-        path = request.path_params
-        served = resolve(repository, path.get("name"), path.get("version"))
-        with served.held():  # the version drains only once this request is done with it
-            return await classify_with(served, request)
+        """An image (JPEG, PNG, GIF, BMP, WebP or TIFF) as the multipart field `file` or as the raw body."""
+        return await classify_with(resolve(repository, None, None), request)
+
+    @route("/v1/models/{name}/classify", summary="Classify one image with a model's latest version")
+    async def classify_model(name: str, request: Request):
+        return await classify_with(resolve(repository, name, None), request)
+
+    @route("/v1/models/{name}/versions/{version}/classify", summary="Classify one image with one version")
+    async def classify_version(name: str, version: str, request: Request):
+        return await classify_with(resolve(repository, name, version), request)
 
     async def classify_with(served: ModelVersion, request: Request):
-        classifier, engine = served.classifier, served.engine
-        model = (served.name, served.version, classifier.labels)  # as the payload log names it
-        data, form = await decode_request(request, limits)
-        params = parse_params(request.query_params, form, limits.top_k)
-        coverage = params["coverage"]
-        check_coverage(classifier, coverage)
-        img = open_upload(data, limits.max_pixels)  # the header: not an image, or too many pixels, fails here
-        small = len(data) <= limits.inline_decode_bytes and img.width * img.height <= INLINE_DECODE_PIXELS
-        if params["explain"]:  # the explain pass computes the probabilities too: no second forward pass
-            answers, explanation, rows = await explained(served, img, params, coverage, limits, budget, answer)
+        with served.held():  # the version drains only once this request is done with it
+            classifier, engine = served.classifier, served.engine
+            model = (served.name, served.version, classifier.labels)  # as the payload log names it
+            data, form = await decode_request(request, limits)
+            params = classify_params(request.query_params, form)
+            top_k, coverage = params.top_k or limits.top_k, params.coverage
+            check_coverage(classifier, coverage)
+            img = open_upload(data, limits.max_pixels)  # the header: not an image, or too many pixels, fails here
+            if params.explain:  # the explain pass computes the probabilities too: no second forward pass
+                answers, explanation, rows = await explained(served, img, params, limits, budget)
+            else:
+                item = await decoded(served, img, len(data))
+                rows = await model_result(engine.infer(item), limits.request_timeout_s)  # logits, probs, features
+                answers, explanation = judge_rows(classifier, rows[None], coverage), None
             if payloads is not None:
                 payloads.record(request_id_of(request), "/v1/classify", model, rows["probs"][None], [data])
-            return JSONResponse(encode_response(served, answers, params["top_k"], explanation))
-        # Decode small uploads where a core is free: on the event loop when onnxruntime runs on one thread
-        # (small models: the loop has the other core), on the model's thread right before its batch when
-        # onnxruntime uses every core (decoding on the loop would fight its threads; BENCHMARKS.md, serving).
+            return JSONResponse(encode_response(served, answers, top_k, explanation))
+
+    async def decoded(served: ModelVersion, img, size: int):
+        """Decode small uploads where a core is free: on the event loop when onnxruntime runs on one thread
+        (small models: the loop has the other core), on the model's thread right before its batch when
+        onnxruntime uses every core (decoding on the loop would fight its threads)."""
+        small = size <= limits.inline_decode_bytes and img.width * img.height <= INLINE_DECODE_PIXELS
         if not small:  # in a thread of its own, so that it never holds up the loop or a batch
-            item = await run_in_threadpool(decode_image, img, classifier, limits.max_pixels, budget)
-        elif served.decode_on_worker:  # on the model's thread, right before its batch runs
-            item = img
-        else:  # on the event loop, while the model runs on the other core
-            item = decode_image(img, classifier, limits.max_pixels)
-        rows = await model_result(engine.infer(item), limits.request_timeout_s)  # logits, probs, features
-        if payloads is not None:
-            payloads.record(request_id_of(request), "/v1/classify", model, rows["probs"][None], [data])
-        return JSONResponse(encode_response(served, answer(served, rows, coverage), params["top_k"]))
-
-    def answer(served: ModelVersion, rows: np.ndarray, coverage: float | None) -> Assessment:
-        # the trust metrics counted this answer on the batcher's thread (serve.server.app's `on_answers`)
-        return judge_rows(served.classifier, rows[None], coverage)
-
-    # A plain Starlette route: it takes the raw Request anyway, and FastAPI's per-request dependency
-    # machinery costs a few percent of a small model's throughput (BENCHMARKS.md, serving). So FastAPI
-    # does not see it; serve.server.api.openapi describes it.
-    for route in ("/v1/classify", "/v1/models/{name}/classify", "/v1/models/{name}/versions/{version}/classify"):
-        router.add_route(route, classify, methods=["POST"])
+            return await run_in_threadpool(decode_image, img, served.classifier, limits.max_pixels, budget)
+        if served.decode_on_worker:  # on the model's thread, right before its batch runs
+            return img
+        return decode_image(img, served.classifier, limits.max_pixels)  # on the loop, the model on the other core
 
     add_status_routes(router, repository, metrics)
     return router
 
 
-async def explained(served: ModelVersion, img, params: dict, coverage, limits: RequestLimits, budget, answer):
+async def explained(served: ModelVersion, img, params: ClassifyParams, limits: RequestLimits, budget):
     """/v1/classify?explain=true: (the answers, the explanation's JSON, the fast path's record)."""
     classifier, engine = served.classifier, served.engine
     pixels = await run_in_threadpool(decode_image, img, classifier, limits.max_pixels, budget)
-    fusion, discard = params["head_fusion"], params["discard_ratio"]
+    fusion, discard = params.head_fusion, params.discard_ratio
     work = engine.run(explain_pixels, classifier, pixels, fusion, discard, None, served.fill, limits)
     ex = await model_result(work, limits.request_timeout_s)
     explanation = {
@@ -187,7 +236,7 @@ async def explained(served: ModelVersion, img, params: dict, coverage, limits: R
     }
     # the unknown verdict needs the logits: one more pass of the fast path, small beside the explain one
     rows = await model_result(engine.infer(pixels), limits.request_timeout_s)
-    return answer(served, rows, coverage), explanation, rows
+    return judge_rows(classifier, rows[None], params.coverage), explanation, rows
 
 
 def add_status_routes(router: APIRouter, repository: ModelRepository, metrics: Metrics) -> None:
