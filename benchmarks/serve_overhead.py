@@ -28,7 +28,7 @@ from fastapi.responses import JSONResponse
 from starlette.requests import Request as StarletteRequest
 
 from benchmarks.common import Result, add_results_option, interleaved
-from benchmarks.serve_bench import sample_image
+from benchmarks.servers import sample_image
 from serve.server.api.v1 import ClassifyParams, classify_params
 from serve.server.http.uploads import parse_multipart
 
