@@ -52,6 +52,19 @@ TRUST_OUTPUTS = ("in_set", "unknown", "ood_score")  # ours too, from the file's 
 EXTENSIONS = ["binary_tensor_data"]
 
 
+INFER_BODY = {
+    "required": True,
+    "content": {
+        "application/json": {"schema": {"type": "object", "description": "an inference request: inputs, outputs"}},
+        "application/octet-stream": {
+            "schema": {"type": "string", "format": "binary"},
+            "description": "the binary tensor extension: a JSON inference request of Inference-Header-Content-Length "
+            "bytes, then the tensors' bytes",
+        },
+    },
+}
+
+
 def kserve_errors(retry_after_s: int):
     """Wraps a route so that its `ApiError`s answer as KServe v2 errors: {"error": message, "code": code}."""
 
@@ -158,9 +171,14 @@ def add_infer_routes(
 ) -> None:
     """`POST /v2/models/{name}[/versions/{ver}]/infer`: binary or JSON tensors in, the asked outputs back."""
 
+    extra = {"requestBody": INFER_BODY}  # read by the route itself, JSON or binary tensors
+    infer_route = functools.partial(router.post, summary="Run the model on tensors", openapi_extra=extra)
+
+    @infer_route("/models/{name}/infer")
+    @infer_route("/models/{name}/versions/{ver}/infer")
     @errors
-    async def v2_infer(request: Request):
-        served = resolve(repository, request.path_params["name"], request.path_params.get("ver"))
+    async def v2_infer(request: Request, name: str, ver: str | None = None):
+        served = resolve(repository, name, ver)
         with served.held():  # the version drains only once this request is done with it
             return await infer_with(served, request)
 
@@ -194,10 +212,6 @@ def add_infer_routes(
             payloads.record(request_id_of(request), request.url.path, model, rows["probs"], images)
         content, headers = encode_infer_response(head, [(n, by_name[n], binary) for n, binary in req.outputs])
         return Response(content, headers=headers)
-
-    # Plain Starlette routes, like /v1/classify: the body is read raw (JSON header plus binary tensors)
-    for path in ("/models/{name}/infer", "/models/{name}/versions/{ver}/infer"):
-        router.add_route(router.prefix + path, v2_infer, methods=["POST"])  # add_route does not add the prefix
 
 
 def add_model_routes(router: APIRouter, repository: ModelRepository, errors) -> None:
