@@ -197,7 +197,9 @@ def repository(tmp_path_factory, tiny_onnx) -> Path:
 def repository_server(servers, cluster, repository):
     # 0.5 CPU per model replica: both models and the extra replica of a rolling update fit the 2 CPUs
     args = ["--ray", "--ray-address", cluster.address, "--replica-cpus", "0.5", "--preferred-batch-size", "4"]
-    return servers.get("repository", lambda: ServerProcess(repository, *args, "--repository-poll-s", "0.5"))
+    args += ["--repository-poll-s", "0.5"]
+    # a relative path, as the guide gives it: the replicas do not run in the launcher's working directory
+    return servers.get("repository", lambda: ServerProcess(repository.name, *args, cwd=repository.parent))
 
 
 def expected(repository: Path, model: str, version: str, image: np.ndarray) -> list[dict]:

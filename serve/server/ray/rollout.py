@@ -69,6 +69,7 @@ class RepositoryRollout:
         max_replicas: int | None = None,
         cpus: float = 1.0,
     ):
+        root = root.absolute()  # the replicas' working directory is not this one
         folders = scan(root)
         missing = sorted(set(models or ()) - set(folders))
         if missing:
@@ -86,7 +87,7 @@ class RepositoryRollout:
 
     def describe(self) -> str:
         """The ready line's summary."""
-        return f"models {', '.join(sorted(self.held))}, {self.replicas} replicas each"
+        return f"models {', '.join(sorted(self.held))}, {self.replicas} replica{'s' * (self.replicas > 1)} each"
 
     def deploy(self) -> None:
         """Deploy each model's application, then the ingress, which finds them.
