@@ -125,8 +125,8 @@ web: install $(WEB)/model.onnx
 $(WEB)/model.onnx: $(CKPT) $(EXPORTER) $(wildcard $(WEB_PAGE)/*.js $(WEB_PAGE)/*.html $(WEB_PAGE)/*.css) | $(ORT_WEB)
 	$(BIN)/vit-export $(CKPT) --web $(WEB)
 
-# Every benchmark, one after another (they time the same 2 cores): each writes benchmarks/results/NAME.json
-# and prints its tables, kept in artifacts/bench/; `make report` renders the results as one markdown page.
+# The main benchmarks, one after another (they time the same 2 cores): each writes benchmarks/results/NAME.json
+# and prints its tables, kept in artifacts/bench/; `make report` then rewrites the pages from the results.
 BENCH := artifacts/bench
 bench: install $(ONNX)
 	mkdir -p $(BENCH)
@@ -140,8 +140,10 @@ bench: install $(ONNX)
 	$(PYTHON) -m benchmarks.pointing_game $(ONNX) --n 300 --seed 0 | tee $(BENCH)/pointing_game.md
 	$(PYTHON) -m benchmarks.gpu_train | tee $(BENCH)/gpu_train.md
 
+# BENCHMARKS.md and the docs site's benchmark pages, from benchmarks/results/*.json and benchmarks/pages.py
+# (tests/benchmarks/test_report.py fails when they differ from what this writes)
 report: install
-	$(PYTHON) -m benchmarks.report
+	$(PYTHON) -m benchmarks.report --out BENCHMARKS.md --docs docs/benchmarks
 
 clean:
 	rm -rf runs artifacts site build/serve-only .pytest_cache $(WEB_PAGE)/node_modules

@@ -7,7 +7,7 @@ Two questions in one run, each answered for both models side by side:
   2. image folder: a generated JPEG folder through the real training path (`ImageFolderDataModule`
      with the vit_base.yaml augmentation, `ViTClassifier`, Lightning `Trainer`, bf16-mixed).
 
-    python -m benchmarks.gpu_train                # about 3-5 minutes on one H200
+    python -m benchmarks.gpu_train                # ViT-B/16, ours and timm's, on the first GPU
     python -m benchmarks.gpu_train --compile      # also torch.compile both models
     python -m benchmarks.gpu_train --dry-run      # CPU, tiny sizes: checks the script itself
 

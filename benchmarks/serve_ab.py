@@ -13,7 +13,7 @@ from /proc), which a busy machine moves less than throughput.
 trees) instead of the sample.
 
 Pass a fixed `--preferred-batch-size`: otherwise each server picks its batch size from a few timed calls at
-start-up, and on a busy machine that choice (1 to 8 for the sample model) moves throughput more than the code.
+start-up, and on a busy machine that choice moves throughput more than the code does.
 """
 
 from __future__ import annotations

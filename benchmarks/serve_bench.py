@@ -121,6 +121,7 @@ def run(args: argparse.Namespace) -> int:
         "rounds": args.rounds,
         "duration s": args.duration,
         "concurrency": args.concurrency,
+        "server args": args.server_args,
     }
     name = f"serve_bench_{args.variant}" if args.variant else "serve_bench"
     result = Result(name, setting, packages=("onnxruntime", "uvicorn", "fastapi"), results=args.results)

@@ -31,3 +31,21 @@ def test_a_result_is_written_as_json_and_renders_back_to_its_tables(tmp_path, ca
     assert "| ours | 1.23 | yes |" in printed and "|---|---:|---|" in printed
     page = render(tmp_path)
     assert page.startswith("## demo\n\nIs it fast?") and table.markdown() in page and saved["command"] in page
+
+
+def test_a_benchmark_that_adds_rows_replaces_the_row_of_the_same_options(tmp_path, capsys):
+    from benchmarks.small_images_ablation import options_of, record
+
+    def run(argv: list[str], accuracy: str) -> list[list]:
+        options = " ".join(options_of(argv))
+        result = Result("small_images_ablation", question="?", results=tmp_path)
+        record(result, [argv[-1], options, 1, accuracy, 9.0, result.header["date"]], tmp_path)
+        return json.loads((tmp_path / "small_images_ablation.json").read_text())["tables"][0]["rows"]
+
+    assert options_of(["--lr", "5e-3", "--tag", "a b", "--results=x", "--data", "d", "--epochs", "1"]) == [
+        "--lr", "5e-3", "--epochs", "1"
+    ]  # fmt: skip
+    run(["--epochs", "3"], "80.0")
+    run(["--epochs", "1"], "70.0")
+    rows = run(["--epochs", "3"], "81.0")
+    assert [(r[1], r[3]) for r in rows] == [("--epochs 1", "70.0"), ("--epochs 3", "81.0")]
