@@ -1,1 +1,2 @@
-"""Ray Serve: the deployment that wraps the same app, and the launcher behind `vit-serve --ray`."""
+"""Ray Serve: the deployments that wrap the same app (for one file, or per model of a repository), the
+rollout of a repository's new versions, and the launcher behind `vit-serve --ray`."""
