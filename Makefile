@@ -140,7 +140,7 @@ bench: install $(ONNX)
 	$(PYTHON) -m benchmarks.pointing_game $(ONNX) --n 300 --seed 0 | tee $(BENCH)/pointing_game.md
 	$(PYTHON) -m benchmarks.gpu_train | tee $(BENCH)/gpu_train.md
 
-# BENCHMARKS.md and the docs site's benchmark pages, from benchmarks/results/*.json and benchmarks/pages.py
+# BENCHMARKS.md and the docs site's benchmark pages, from benchmarks/results/*.json and benchmarks/pages/
 # (tests/benchmarks/test_report.py fails when they differ from what this writes)
 report: install
 	$(PYTHON) -m benchmarks.report --out BENCHMARKS.md --docs docs/benchmarks

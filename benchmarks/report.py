@@ -1,5 +1,5 @@
 """The benchmark pages from the results: BENCHMARKS.md and the docs site's pages, rendered from
-`benchmarks/results/*.json` and the sections of `benchmarks/pages.py`. `make report` writes both; a test fails
+`benchmarks/results/*.json` and the sections of `benchmarks/pages/`. `make report` writes both; a test fails
 when either differs from what this renders, so neither is edited by hand.
 
     .venv/bin/python -m benchmarks.report                                   # BENCHMARKS.md's text, to stdout

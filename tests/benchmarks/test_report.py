@@ -34,7 +34,7 @@ def test_the_docs_benchmark_pages_are_what_the_results_render():
 def test_every_result_is_on_a_page_and_every_page_in_the_docs_navigation():
     shown = [part.result for s in SECTIONS for part in s.parts]
     assert len(shown) == len(set(shown)), "a result shown twice"
-    assert {p.stem for p in RESULTS.glob("*.json")} <= set(shown), "a result in no section of benchmarks/pages.py"
+    assert {p.stem for p in RESULTS.glob("*.json")} <= set(shown), "a result in no section of benchmarks/pages/"
     assert {s.page for s in SECTIONS} == set(PAGES)
     nav = next(item for item in yaml.safe_load((ROOT / "mkdocs.yml").read_text())["nav"] if "Benchmarks" in item)
     listed = [next(iter(e.values())) if isinstance(e, dict) else e for e in nav["Benchmarks"]]
