@@ -94,7 +94,7 @@ def choose(s: Survey) -> tuple[dict[str, Any], dict[str, str]]:
     if small:
         variant, net = "vit_micro_patch4_32", {"stem": "conv", "pos_embed": "sincos", "global_pool": "avg"}
         net |= {"class_token": False, "patch_size": patch}
-        if patch == 4:  # a full-resolution conv first: a 4-px patch holds few pixels (BENCHMARKS.md, ablation)
+        if patch == 4:  # a full-resolution conv first: a 4-px patch holds few pixels (benchmarks.small_images_ablation)
             net["stem_widths"] = [16, 32, 64]
         why["model.variant"] = "small images: 64-wide, 4-block ViT with a conv stem (learns fast from few pixels)"
     else:

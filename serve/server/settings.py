@@ -87,9 +87,9 @@ class ServeSettings(BaseSettings):
         description="pixels, summed over all requests, that may be decoding at once (an image over the budget "
         "waits for it alone). A small file can declare a huge image, and decoding costs bytes per declared "
         "pixel: 40 MP is one of the largest images at a time, about 200 MB at worst, and keeps a core free "
-        "for the event loop (with twice that, /healthz p99 went from 18 to 250 ms under 32 such uploads on "
-        "2 cores; BENCHMARKS.md). Ordinary photos decode many at once: large JPEGs are decoded at a reduced "
-        "scale and count as such",
+        "for the event loop (with twice that, /healthz slowed by an order of magnitude under 32 such uploads "
+        "on 2 cores: benchmarks.hostile_bench). Ordinary photos decode many at once: large JPEGs are decoded "
+        "at a reduced scale and count as such",
     )
     max_header_bytes: int = Field(
         64 * 1024,
@@ -178,8 +178,8 @@ class ServeSettings(BaseSettings):
         False,
         description="FastAPI's OpenTelemetry spans and metrics for every request, sent to the providers configured "
         "in this process (for example by opentelemetry-instrument). Off by default: /metrics covers the API, and "
-        "checking for providers on every request costs a few percent of a small model's throughput "
-        "(BENCHMARKS.md)",
+        "checking for providers on every request costs a small model throughput "
+        "(benchmarks.serve_ab)",
     )
 
     grpc_port: int = Field(

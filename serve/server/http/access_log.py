@@ -4,8 +4,8 @@ The event loop only puts the line's fields on a queue; a `logging.handlers.Queue
 log record, formats it and writes it with the root logger's handlers, so a slow stderr never holds up a
 request, and the listener drains the queue in bursts (`FLUSH_S`) rather than waking once a request. Both
 halves of the work count on 2 cores: the stock `Logger.info` + `QueueHandler` on the loop and a wake-up per
-line cost the sample model 25 % of its requests per second (BENCHMARKS.md, serving). Lines are written only
-while `vitscope.access` logs INFO (not with `--log-level warning`). HTTP and gRPC share `ACCESS_LOG`: a second
+line cost the sample model a measurable share of its requests per second (`benchmarks.serve_ab`). Lines are
+written only while `vitscope.access` logs INFO (not with `--log-level warning`). HTTP and gRPC share `ACCESS_LOG`: a second
 instance would add a second listener, and every line would be written twice.
 """
 

@@ -2,7 +2,7 @@
 saturated, and liveness fails when the server's event loop stops turning.
 
 Under a thousand busy clients the event loop that serves the API has hundreds of callbacks ready at each
-turn, and a probe on the API port waits its turn behind them (BENCHMARKS.md, hostile clients). A thread in
+turn, and a probe on the API port waits its turn behind them (`benchmarks.probes`). A thread in
 the server process does better but still needs the interpreter lock, which the loop and the batcher hold
 most of the time: its p99 was 270 ms under that load on 2 cores (docs/benchmarks/model-server.md). So the
 probes are answered by a process that does nothing else (`python -m serve.server.http.probes`, the standard
