@@ -14,7 +14,7 @@ RUN ?= runs/sample
 HOST ?= 127.0.0.1
 PORT ?= 7860
 
-.PHONY: install test test-fast test-serve-only lint format protos docs docs-serve demo sample train export serve web bench report clean
+.PHONY: install test test-fast test-serve-only lint format protos docs docs-serve doc-commands demo sample train export serve web bench report clean
 
 # onnxruntime-web for `vit-export --web`, from npm at the version package-lock.json pins (never a CDN at run time)
 WEB_PAGE := serve/export/web_page
@@ -59,6 +59,13 @@ docs: install
 
 docs-serve: install
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs serve --dev-addr 127.0.0.1:8000
+
+# Every command of README.md and the docs, run as written in a fresh clone of HEAD (tests/doc_commands.py; about an
+# hour on 2 cores); `make test` checks only that each is run or listed. ARGS="--only README.md --keep" passes options;
+# DOC_COMMANDS_VENV= has the clone build its own venv with `make install` instead of reusing this one.
+DOC_COMMANDS_VENV ?= --venv $(VENV)
+doc-commands: install
+	$(PYTHON) -m tests.doc_commands $(DOC_COMMANDS_VENV) $(ARGS)
 
 # Two workers (pytest-xdist), each running whole files, so that a file's server or model is built once:
 # much of the suite waits on child processes, disks and sockets, not on the CPU. TEST_WORKERS=0: one process.
