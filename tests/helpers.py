@@ -13,6 +13,7 @@ import json
 import re
 import socket
 import struct
+import threading
 import zlib
 from pathlib import Path
 
@@ -193,6 +194,31 @@ def write_shapes(
         for i in range(per_class):
             shape_image(kind % 3, rng).save(root / name / f"{i:03d}.png")
     return root
+
+
+class ClientLoop:
+    """`clients` threads, each running `run(i)` (a loop until `stopping` is set), started on entering the block
+    and joined on leaving it; what they record goes into `answers`."""
+
+    join_s = 60.0
+
+    def __init__(self, clients: int):
+        self.answers: list[tuple] = []
+        self.stopping = threading.Event()
+        self.threads = [threading.Thread(target=self.run, args=(i,), daemon=True) for i in range(clients)]
+
+    def run(self, i: int) -> None:
+        raise NotImplementedError
+
+    def __enter__(self):
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stopping.set()
+        for t in self.threads:
+            t.join(self.join_s)
 
 
 def read_response(s: socket.socket) -> bytes:

@@ -25,7 +25,15 @@ import onnxruntime as ort
 import pytest
 
 from serve.runtime.classifier import OnnxClassifier
-from tests.helpers import CLASS_NAMES, LocalRayCluster, ServerProcess, png_bytes, quadrant_images, wait_until
+from tests.helpers import (
+    CLASS_NAMES,
+    ClientLoop,
+    LocalRayCluster,
+    ServerProcess,
+    png_bytes,
+    quadrant_images,
+    wait_until,
+)
 
 ray = pytest.importorskip("ray")
 tritonclient_http = pytest.importorskip("tritonclient.http")
@@ -242,17 +250,15 @@ def test_each_model_and_version_of_a_repository_answers_with_its_own_file(reposi
     assert httpx.get(url + "/v2/health/ready").json() == {"ready": True}
 
 
-class ClassifyLoop:
+class ClassifyLoop(ClientLoop):
     """`clients` threads posting one image to `path` until stopped; each answer's status, version, top label
     and replica is kept (an exception as its class name), with no retries."""
 
     def __init__(self, url: str, path: str, image: np.ndarray, clients: int = 4):
+        super().__init__(clients)
         self.url, self.path, self.data = url, path, png_bytes(image)
-        self.answers: list[tuple[int | str, str | None, str | None, str | None]] = []
-        self.stopping = threading.Event()
-        self.threads = [threading.Thread(target=self._run, daemon=True) for _ in range(clients)]
 
-    def _run(self) -> None:
+    def run(self, i: int) -> None:
         with httpx.Client(timeout=60) as client:
             while not self.stopping.is_set():
                 try:
@@ -262,16 +268,6 @@ class ClassifyLoop:
                     self.answers.append((r.status_code, body.get("version"), top, r.headers.get(HEADER)))
                 except httpx.HTTPError as e:
                     self.answers.append((type(e).__name__, None, None, None))
-
-    def __enter__(self) -> ClassifyLoop:
-        for t in self.threads:
-            t.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stopping.set()
-        for t in self.threads:
-            t.join(60)
 
     def answered(self, version: str, since: int = 0) -> int:
         return sum(1 for a in self.answers[since:] if a[1] == version)

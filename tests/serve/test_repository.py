@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import threading
 import time
 from pathlib import Path
 
@@ -14,7 +13,7 @@ import httpx
 import pytest
 
 from serve.server.repository.layout import VersionPolicy, parse_version_policy, scan
-from tests.helpers import CLASS_NAMES, ServerProcess, free_port, png_bytes, quadrant_images
+from tests.helpers import CLASS_NAMES, ClientLoop, ServerProcess, free_port, png_bytes, quadrant_images
 
 KEY = "repository-test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -135,14 +134,14 @@ def _env() -> dict:
     return {**os.environ, "VITSCOPE_API_KEY": KEY}
 
 
-class Load:
+class Load(ClientLoop):
     """`clients` threads classifying in a loop until stopped; every answer's status and version is kept."""
 
     def __init__(self, url: str, path: str, clients: int = 8):
-        self.url, self.path, self.answers, self.stopping = url, path, [], threading.Event()
-        self.threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(clients)]
+        super().__init__(clients)
+        self.url, self.path = url, path
 
-    def _run(self, seed: int) -> None:
+    def run(self, seed: int) -> None:
         with httpx.Client(headers=AUTH, timeout=30) as client:
             images, _ = quadrant_images(1, seed=seed)
             files = {"file": ("a.png", png_bytes(images[0]), "image/png")}
@@ -153,16 +152,6 @@ class Load:
                 except httpx.HTTPError as e:
                     self.answers.append((type(e).__name__, None))
 
-    def __enter__(self) -> Load:
-        for t in self.threads:
-            t.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stopping.set()
-        for t in self.threads:
-            t.join(30)
-
     def saw(self, version: str) -> bool:
         return any(v == version for _, v in self.answers[-50:])
 
@@ -170,7 +159,7 @@ class Load:
 class GrpcLoad(Load):
     """The same, over gRPC with tritonclient (model `beta`, whichever version serves it now)."""
 
-    def _run(self, seed: int) -> None:
+    def run(self, seed: int) -> None:
         import tritonclient.grpc as grpcclient
         from tritonclient.utils import InferenceServerException
 
