@@ -40,6 +40,26 @@ def softmax(logits: np.ndarray, temperature: float = 1.0) -> np.ndarray:
     return (e / e.sum(axis=-1, keepdims=True)).astype(np.float32)
 
 
+SMALL_RANKING = 64  # classes up to which `ranked` sorts in Python
+
+
+def ranked(probs: np.ndarray, k: int | None = None) -> list[list[int]]:
+    """(B, K) -> per image, its classes most probable first (the first k), ties in class order and NaN last:
+    the order of `np.argsort(-probs, kind="stable")`.
+
+    Up to `SMALL_RANKING` classes the rows are sorted in Python: numpy's sort lets go of the interpreter lock
+    even for ten values, and a server thread that lets go of it waits for the model's thread to hand it
+    back, which costs more than the sort (`benchmarks.serve_overhead`).
+    """
+    if probs.shape[-1] > SMALL_RANKING:
+        return np.argsort(-probs, axis=-1, kind="stable")[:, :k].tolist()
+    out = []
+    for row in probs.tolist():
+        key = [-p if p == p else math.inf for p in row]  # p != p: NaN, ranked last
+        out.append(sorted(range(len(row)), key=key.__getitem__)[:k])
+    return out
+
+
 BISECTION_STEPS = 32  # for the per-image temperature: log u in a bracket of width 14, to 3e-9 of it
 BRACKET = 7.0  # the per-image 1/t lies within e^-7 .. e^7 times 1/T (clamped there when the target is beyond)
 MAP_MIN_IMAGES = 1000  # a confidence map rests on at least this many calibration images (else temperature only)

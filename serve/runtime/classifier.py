@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
+from serve.runtime.calibration import ranked
 from serve.runtime.images import ImageSource, Preprocess, load_image
 from serve.runtime.model_file import class_names_of, parse_metadata, read_metadata, read_model_bytes, static_dims
 from serve.runtime.rollout import attention_rollout, rollout_from_gradients
@@ -299,12 +300,8 @@ class OnnxClassifier:
 
     def top_k(self, probs: np.ndarray, k: int = 5) -> list[list[tuple[str, float]]]:
         """(B, K) probabilities -> per image, the k best (label, probability), highest first."""
-        order = np.argsort(-probs, axis=-1, kind="stable")[:, :k]
-        best = probs[np.arange(len(probs))[:, None], order].tolist()  # plain floats: no numpy scalar per item
-        return [
-            [(self.labels[j], p) for j, p in zip(row, ps, strict=True)]
-            for row, ps in zip(order.tolist(), best, strict=True)
-        ]
+        rows = probs.tolist()  # plain floats: no numpy scalar per item
+        return [[(self.labels[j], row[j]) for j in order] for order, row in zip(ranked(probs, k), rows, strict=True)]
 
     def attentions(self, batch: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Probabilities and every block's attention maps (the explain branch, explicit softmax).

@@ -139,8 +139,7 @@ class Trust:
         """
         scores = cal.conformal_scores(probs, self.method)  # (B, K)
         inside = scores <= self.thresholds(coverage)[None, :]
-        order = np.argsort(-probs, axis=-1, kind="stable")
-        return [[int(j) for j in row if ok[j]] for row, ok in zip(order, inside, strict=True)]
+        return [[j for j in row if ok[j]] for row, ok in zip(cal.ranked(probs), inside.tolist(), strict=True)]
 
     def ood_scores(self, logits: np.ndarray, probs: np.ndarray, features: np.ndarray | None) -> np.ndarray:
         """(B,) OOD scores, higher meaning less like the training images."""
