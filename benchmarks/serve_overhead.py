@@ -1,6 +1,7 @@
 """What do the layers of a /v1/classify request cost on the event loop? Each layer in-process, side by side.
 
-Two questions, each timed as interleaved rounds of CPU time per call in this one process (no sockets, no model):
+Three questions, each timed as interleaved rounds in this one process (no sockets, no model), CPU time per call
+but for the last:
 - routing: a request with two query parameters through a plain Starlette route that checks them by hand (what
   /v1/classify was), a FastAPI route that takes the `Request` and validates them with `ClassifyParams` itself
   (what it is: FastAPI documents it), and a FastAPI route that declares `ClassifyParams` as its query
@@ -8,6 +9,8 @@ Two questions, each timed as interleaved rounds of CPU time per call in this one
 - the multipart body: Starlette's form parser (a spooled temporary file per upload, read back through awaitables)
   against `serve.server.http.uploads.parse_multipart` (python-multipart's parser over the bytes already read),
   on the sample's PNG upload.
+- ranking one image's classes for its top-k, while a second thread runs Python: numpy's sort against
+  `serve.runtime.calibration.ranked`, in wall time (a call that lets go of the interpreter lock waits for it).
 
     .venv/bin/python -m benchmarks.serve_overhead [--rounds 7] [--calls 2000]
 
@@ -19,16 +22,19 @@ from __future__ import annotations
 import argparse
 import asyncio
 import statistics
+import threading
 import time
 from pathlib import Path
 from typing import Annotated
 
+import numpy as np
 from fastapi import FastAPI, Query, Request
 from fastapi.responses import JSONResponse
 from starlette.requests import Request as StarletteRequest
 
 from benchmarks.common import Result, add_results_option, interleaved
 from benchmarks.servers import sample_image
+from serve.runtime.calibration import ranked
 from serve.server.api.v1 import ClassifyParams, classify_params
 from serve.server.http.uploads import parse_multipart
 
@@ -115,6 +121,28 @@ def ours(body: bytes, ctype: str, calls: int) -> float:
     return (time.process_time() - start) / calls * 1e6
 
 
+def ranking(rank, calls: int) -> float:
+    """Wall µs per ranking of one image's 10 probabilities while a second thread runs Python (as the batcher's
+    thread does between its model calls): a call that lets go of the interpreter lock waits to get it back."""
+    probs = np.random.default_rng(0).random((1, 10)).astype(np.float32)
+    stop = threading.Event()
+
+    def busy() -> None:
+        while not stop.is_set():
+            sum(range(200))
+
+    other = threading.Thread(target=busy, daemon=True)
+    other.start()
+    try:
+        start = time.perf_counter()
+        for _ in range(calls):
+            rank(probs)
+        return (time.perf_counter() - start) / calls * 1e6
+    finally:
+        stop.set()
+        other.join()
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=7)
@@ -135,18 +163,28 @@ def main() -> None:
         "Starlette's form parser": lambda _: starlette_form(body, ctype, n),
         "parse_multipart (python-multipart over the bytes)": lambda _: ours(body, ctype, n),
     })  # fmt: skip
+    numpy_sort = lambda p: np.argsort(-p, axis=-1, kind="stable")[:, :5].tolist()  # noqa: E731
+    ranks = interleaved(args.rounds, {
+        "np.argsort (lets go of the lock)": lambda _: ranking(numpy_sort, n // 10),
+        "calibration.ranked (sorts in Python)": lambda _: ranking(lambda p: ranked(p, 5), n // 10),
+    })  # fmt: skip
     setting = {"rounds": args.rounds, "calls": n, "upload bytes": len(body)}
     result = Result(
         "serve_overhead", setting, packages=("fastapi", "starlette", "python-multipart"), results=args.results
     )
-    for title, figures in (("routing", routing), ("the multipart body", parsing)):
-        table = result.table(["layer", "CPU µs per call (median)", "range over rounds", "ratio"], title)
-        table.formats.update({"CPU µs per call (median)": "{:.1f}", "ratio": "{:.2f}x"})
+    tables = (
+        ("routing, CPU time", routing),
+        ("the multipart body, CPU time", parsing),
+        ("ranking 10 classes, wall time", ranks),
+    )
+    for title, figures in tables:
+        table = result.table(["layer", "µs per call (median)", "range over rounds", "ratio"], title)
+        table.formats.update({"µs per call (median)": "{:.1f}", "ratio": "{:.2f}x"})
         base = statistics.median(next(iter(figures.values())))
         for name, values in figures.items():
             med = statistics.median(values)
             table.add(name, med, f"{min(values):.1f}-{max(values):.1f}", med / base)
-    result.data = {"routing": routing, "parsing": parsing}
+    result.data = {"routing": routing, "parsing": parsing, "ranking": ranks}
     result.finish()
 
 
