@@ -5,8 +5,8 @@ log record, formats it and writes it with the root logger's handlers, so a slow 
 request, and the listener drains the queue in bursts (`FLUSH_S`) rather than waking once a request. Both
 halves of the work count on 2 cores: the stock `Logger.info` + `QueueHandler` on the loop and a wake-up per
 line cost the sample model a measurable share of its requests per second (`benchmarks.serve_ab`). Lines are
-written only while `vitscope.access` logs INFO (not with `--log-level warning`). HTTP and gRPC share `ACCESS_LOG`: a second
-instance would add a second listener, and every line would be written twice.
+written only while `vitscope.access` logs INFO (not with `--log-level warning`). HTTP and gRPC share
+`ACCESS_LOG`: a second instance would add a second listener, and every line would be written twice.
 """
 
 from __future__ import annotations
