@@ -12,12 +12,14 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -59,47 +61,55 @@ def tail(log: Path, n: int = 3) -> str:
     return " / ".join(lines[-n:])[-400:]
 
 
-def kill_group(proc: subprocess.Popen, grace_s: float = 60.0) -> None:
-    """SIGTERM to the process group `proc` leads (it was started in a session of its own), then SIGKILL."""
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(grace_s)
-    except ProcessLookupError:
-        return
-    except subprocess.TimeoutExpired:
-        pass
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait(10)
+def wait_for(condition: Callable[[], bool], timeout_s: float) -> bool:
+    """Poll `condition` until it holds (True) or `timeout_s` has passed (False)."""
+    deadline = time.monotonic() + timeout_s
+    while not (held := condition()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return held
 
 
-def sweep(marker: str, grace_s: float = 20.0) -> None:
-    """Stop every process whose environment holds MARKER=`marker`: what a page started and left running
-    (`ray start` daemons, a server's children), each by its id."""
+# how a reader stops a server (Ctrl-C sends SIGINT to the terminal's foreground group), then firmer
+CTRL_C = ((signal.SIGINT, 30.0), (signal.SIGTERM, 30.0))
 
-    def pids() -> list[int]:
-        found = []
-        for entry in Path("/proc").iterdir():
-            try:
-                if entry.name.isdigit() and f"{MARKER}={marker}".encode() in (entry / "environ").read_bytes().split(
-                    b"\0"
-                ):
-                    found.append(int(entry.name))
-            except OSError:
-                continue
-        return found
 
-    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
-        for pid in pids():
+def kill_group(proc: subprocess.Popen, steps: tuple = ((signal.SIGTERM, 10.0),)) -> None:
+    """Each signal of `steps` in turn to the process group `proc` leads (it was started in a session of its
+    own), waiting up to its seconds for `proc` to end; then SIGKILL."""
+    for sig, wait_s in (*steps, (signal.SIGKILL, 10.0)):
+        try:
+            os.killpg(proc.pid, sig)
+            proc.wait(wait_s)
+            return
+        except ProcessLookupError:
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def marked(marker: str) -> list[int]:
+    """The ids of the processes whose environment holds MARKER=`marker`."""
+    found = []
+    tag = f"{MARKER}={marker}".encode()
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and tag in (entry / "environ").read_bytes().split(b"\0"):
+                found.append(int(entry.name))
+        except OSError:
+            continue  # gone, or not ours to read
+    return found
+
+
+def sweep(marker: str) -> None:
+    """Stop what a page started and left running (`ray start` daemons, a server's children), each by its id."""
+    for sig, wait_s in ((signal.SIGTERM, 20.0), (signal.SIGKILL, 5.0)):
+        for pid in marked(marker):
             try:
                 os.kill(pid, sig)
             except ProcessLookupError:
                 pass
-        deadline = time.monotonic() + wait
-        while pids() and time.monotonic() < deadline:
-            time.sleep(0.2)
+        if wait_for(lambda: not marked(marker), wait_s):
+            return
 
 
 class Scratch:
@@ -157,26 +167,27 @@ def run(script: str, cwd: Path, env: dict, log: Path, timeout_s: float, shown: s
         try:
             rc = proc.wait(timeout_s)
         except subprocess.TimeoutExpired:
-            kill_group(proc, 10)
+            kill_group(proc)
             return f"failed: still running after {timeout_s:.0f} s, stopped: {tail(log)}"
     took = time.monotonic() - start
     return f"ran: exit 0 in {took:.0f} s" if rc == 0 else f"failed: exit {rc} in {took:.0f} s: {tail(log)}"
 
 
 def port_taken(port: int) -> bool:
-    import socket
-
     with socket.socket() as s:
         s.settimeout(1)
         return s.connect_ex(("127.0.0.1", port)) == 0
 
 
-def answers(url: str) -> bool:
+def probe(url: str) -> str:
+    """What GET `url` answers: its status code, or why there is none."""
     try:
         with urllib.request.urlopen(url, timeout=5) as r:
-            return r.status == 200
-    except (urllib.error.URLError, OSError):
-        return False
+            return str(r.status)
+    except urllib.error.HTTPError as e:
+        return str(e.code)
+    except (urllib.error.URLError, OSError) as e:
+        return type(getattr(e, "reason", e)).__name__
 
 
 @dataclass
@@ -191,30 +202,32 @@ def start_server(command: Command, cwd: Path, env: dict, log: Path) -> tuple[sub
     """Start a server in the background and wait for its URL to answer 200, under its deadline."""
     server = server_of(command.text)
     assert server is not None
-    for port in () if server.on_ray else server.ports:
-        deadline = time.monotonic() + 30  # a server this page just stopped may still hold it
-        while port_taken(port) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        if port_taken(port):
+    for port in () if server.on_ray else server.ports:  # a server this page just stopped may still hold it
+        if not wait_for(lambda port=port: not port_taken(port), 30):
             return None, f"failed: port {port} is held by another process"
+    if probe(server.url) == "200" and not wait_for(lambda: probe(server.url) != "200", 60):
+        return None, f"failed: {server.url} answered 200 before the server started: a server of an earlier command"
     start = time.monotonic()
-    out = open(log, "ab")
-    out.write(f"$ {command.text}\n".encode())
-    out.flush()
-    proc = subprocess.Popen(
-        ["bash", "-c", f'source "$DOC_STATE"\n{command.text}\n'], cwd=cwd, env=env, stdin=subprocess.DEVNULL,
-        stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-    )  # fmt: skip
-    out.close()
+    with open(log, "ab") as out:
+        out.write(f"$ {command.text}\n".encode())
+        out.flush()
+        proc = subprocess.Popen(
+            ["bash", "-c", f'source "$DOC_STATE"\n{command.text}\n'], cwd=cwd, env=env, stdin=subprocess.DEVNULL,
+            stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+    answer = ""
     while time.monotonic() - start < server.deadline_s:
-        if answers(server.url):
+        if answer != (answer := probe(server.url)):
+            with open(log, "a") as out:  # each new answer, for a reader of the log
+                print(f"[doc_commands {time.monotonic() - start:.0f} s] GET {server.url}: {answer}", file=out)
+        if answer == "200":
             return proc, f"ran: {server.url} answered 200 in {time.monotonic() - start:.0f} s"
         try:
             rc = proc.wait(0.5)
             return None, f"failed: exited with code {rc} before {server.url} answered: {tail(log)}"
         except subprocess.TimeoutExpired:
             continue
-    kill_group(proc)
+    kill_group(proc, CTRL_C)
     return None, f"failed: {server.url} did not answer 200 within {server.deadline_s:.0f} s: {tail(log)}"
 
 
@@ -225,7 +238,7 @@ def stop_server(running: Running, commands: list[Command]) -> None:
         running.row.result = f"failed: {running.row.result[5:]}, then exited with code {rc} while in use: "
         running.row.result += tail(running.log)
         return
-    kill_group(running.proc)
+    kill_group(running.proc, CTRL_C)
     running.row.result += f"; stopped after line {commands[running.stop_after].line}"
 
 
