@@ -7,8 +7,8 @@ behind it; when that shows concurrency (more than one image now, or in the last 
 to `max_delay_ms` for more (by default it does not), until `max_batch_size`. A lone request runs at once: under no load,
 waiting only adds latency. Then it decodes whatever arrived still encoded (`prepare`), stacks the
 images and runs one forward pass. Decoding here rather than on the event loop (as LitServe decodes in
-its workers) keeps the loop, the server's busiest thread, for the requests, and never has a decode compete
-with onnxruntime's threads for the cores (`serve.server.api.v1`).
+its workers) never has a decode compete with onnxruntime's threads for the cores; the API does so
+when onnxruntime uses every core (`serve.server.api.v1`).
 
 Other work that needs the session (rollout maps, deletion curves) is queued as a plain call and runs
 alone, on the same thread, so the session is never used from two threads or from the event loop. The

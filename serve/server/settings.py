@@ -69,9 +69,9 @@ class ServeSettings(BaseSettings):
     inline_decode_bytes: int = Field(
         64 * 1024,
         ge=0,
-        description="uploads up to this size (and 1 MP) are decoded on the model's thread right before their "
-        "batch, which keeps the event loop free; larger ones are decoded in a thread of their own so that they "
-        "never hold anything up",
+        description="uploads up to this size (and 1 MP) are decoded where a core is free: on the event loop when "
+        "onnxruntime runs on one thread, else on the model's thread right before their batch; larger ones are "
+        "decoded in a thread of their own so that they never hold anything up",
     )
     max_pixels: int = Field(
         40_000_000,

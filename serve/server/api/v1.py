@@ -33,7 +33,7 @@ from serve.server.repository.version import ModelVersion
 from serve.server.settings import RequestLimits
 
 # A small file can still declare a huge image (a flat 40 MP PNG compresses to kilobytes): only images
-# up to 1 MP, a few milliseconds of decoding and resizing, are decoded on the model's thread.
+# up to 1 MP, a few milliseconds of decoding and resizing, are decoded on the loop or the model's thread.
 INLINE_DECODE_PIXELS = 1_000_000
 BINARY = {"type": "string", "format": "binary"}
 IMAGE_BODY = {  # read by the route itself: FastAPI cannot say "a multipart field or the raw body"
@@ -206,14 +206,15 @@ def v1_router(
             return JSONResponse(encode_response(served, answers, top_k, explanation))
 
     async def decoded(served: ModelVersion, img, size: int):
-        """A small upload is decoded on the model's thread, right before its batch runs: the event loop is the
-        server's busiest thread (parsing, routing, answering every request), and a decode there also lets go of
-        the interpreter lock, which the loop then waits to get back (`benchmarks.serve_ab`). A large one is
-        decoded in a thread of its own, so that it never holds up the loop or a batch."""
+        """Decode small uploads where a core is free: on the event loop when onnxruntime runs on one thread
+        (small models: the loop has the other core), on the model's thread right before its batch when
+        onnxruntime uses every core (decoding on the loop would fight its threads)."""
         small = size <= limits.inline_decode_bytes and img.width * img.height <= INLINE_DECODE_PIXELS
-        if small:
+        if not small:  # in a thread of its own, so that it never holds up the loop or a batch
+            return await run_in_threadpool(decode_image, img, served.classifier, limits.max_pixels, budget)
+        if served.decode_on_worker:  # on the model's thread, right before its batch runs
             return img
-        return await run_in_threadpool(decode_image, img, served.classifier, limits.max_pixels, budget)
+        return decode_image(img, served.classifier, limits.max_pixels)  # on the loop, the model on the other core
 
     add_status_routes(router, repository, metrics)
     return router

@@ -47,7 +47,7 @@ def rss_bytes() -> int:
 
 @dataclass(eq=False)
 class ModelVersion:
-    """A version being served: the routes read `classifier`, `engine` and `fill`.
+    """A version being served: the routes read `classifier`, `engine`, `fill` and `decode_on_worker`.
 
     `in_flight` counts the requests that resolved this version and have not finished (`held`): after a swap
     the old version is stopped only once they are done, so no request meets a closed batcher. HTTP and gRPC
@@ -63,11 +63,14 @@ class ModelVersion:
     stamp: tuple[int, int] | None = None
     in_flight: int = 0
     fill: np.ndarray | None = None
+    decode_on_worker: bool = False
     loaded_at: float = field(default_factory=time.time)
     _count_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def __post_init__(self):
         self.fill = mean_fill(self.classifier.preprocess.mean)
+        # small uploads decode on the loop when onnxruntime runs one thread, else on the model's thread
+        self.decode_on_worker = self.classifier.threads != 1
 
     @contextmanager
     def held(self) -> Iterator[ModelVersion]:
