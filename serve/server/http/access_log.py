@@ -1,8 +1,9 @@
 """The access log: one line per request on the `vitscope.access` logger, written by a thread of logging's own.
 
 The event loop only puts the line's fields on a queue; a `logging.handlers.QueueListener` thread makes the
-log record, formats it and writes it with the root logger's handlers, so a slow stderr never holds up a
-request, and the listener drains the queue in bursts (`FLUSH_S`) rather than waking once a request. Both
+log record, formats it and writes it with the root logger's handlers (each burst of lines in one write, see
+`_BurstHandler`), so a slow stderr never holds up a request, and the listener drains the queue in bursts
+(`FLUSH_S`) rather than waking once a request. Both
 halves of the work count on 2 cores: the stock `Logger.info` + `QueueHandler` on the loop and a wake-up per
 line cost the sample model a measurable share of its requests per second (`benchmarks.serve_ab`). Lines are
 written only while `vitscope.access` logs INFO (not with `--log-level warning`). HTTP and gRPC share
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 import queue
 import threading
 import time
@@ -24,7 +26,8 @@ FLUSH_S = 0.1  # once the queue is empty, the listener sleeps this long: lines r
 
 
 class _Listener(QueueListener):
-    """Turns the queued (time, fields) into `vitscope.access` records and hands them to the handlers."""
+    """Turns the queued (time, fields) into `vitscope.access` records and hands them to the handlers, which
+    write each burst of lines with one flush (`burst_writer`)."""
 
     def prepare(self, item: tuple[float, tuple]) -> logging.LogRecord:
         created, args = item
@@ -36,8 +39,51 @@ class _Listener(QueueListener):
         try:
             return self.queue.get_nowait()
         except queue.Empty:  # drained: a busy server's lines wait a little and go out as one burst
+            self.flush()
             time.sleep(FLUSH_S)
             return self.queue.get(block)
+
+    def flush(self) -> None:
+        for handler in self.handlers:
+            handler.flush()
+
+    def stop(self) -> None:
+        super().stop()
+        self.flush()
+
+
+class _BurstHandler(logging.StreamHandler):
+    """A root handler's format and stream, written once per burst rather than once per line.
+
+    `StreamHandler` flushes after every record, and stderr is line-buffered: each access-log line was a write
+    of its own, each letting go of the interpreter lock, which the event loop then waited to get back (the
+    sample's server answered about a tenth fewer requests per second with the access log on; `benchmarks.serve_ab`
+    with and without `--log-level warning`). This one writes into a block buffer over the same file and flushes
+    when the listener has drained the queue.
+    """
+
+    def __init__(self, like: logging.StreamHandler):
+        stream = like.stream
+        buffered = open(os.dup(stream.fileno()), "w", buffering=1 << 16, encoding=getattr(stream, "encoding", None))
+        super().__init__(buffered)
+        self.setFormatter(like.formatter)
+        self.setLevel(like.level)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self.stream.write(self.format(record) + self.terminator)  # no flush: the listener's, per burst
+        except Exception:
+            self.handleError(record)
+
+
+def burst_writer(handler: logging.Handler) -> logging.Handler:
+    """`handler` as a `_BurstHandler` when it writes to a file descriptor (stderr, a log file), else as it is."""
+    if not isinstance(handler, logging.StreamHandler):
+        return handler
+    try:
+        return _BurstHandler(handler)
+    except (AttributeError, OSError, ValueError):  # no file descriptor behind it (a test's capture, a closed file)
+        return handler
 
 
 class AccessLog:
@@ -61,7 +107,8 @@ class AccessLog:
 
     def _start(self) -> None:
         # the listener writes with whatever handlers the root logger has (vit-serve's basicConfig: stderr)
-        self.listener = _Listener(self.queue, *logging.getLogger().handlers, respect_handler_level=True)
+        handlers = [burst_writer(h) for h in logging.getLogger().handlers]
+        self.listener = _Listener(self.queue, *handlers, respect_handler_level=True)
         self.listener.start()
         atexit.register(self.stop)
 
