@@ -8,8 +8,9 @@
 The commands are those of the ```bash, ```sh, ```shell and ```console fences (in console fences, the lines after
 `$ `), in order, one per line or per `\\`-continued run of lines; `#` comments are dropped. Each page runs in a
 copy of the clone of its own: README.md from the bare clone (its `make demo` builds the sample), every other
-page from the clone with the sample trained and exported (`make export`), as README leaves it. A page's commands
-run in order, so a later one reads what an earlier one wrote. Every fenced block starts from the environment
+page from the clone with the sample trained and exported (`make export`), as README leaves it, plus what it
+takes from another page (PREREQUISITES). A page's commands run in order, so a later one reads what an earlier one
+wrote. Every fenced block starts from the environment
 `source .venv/bin/activate` leaves (the venv's bin first on PATH); what a block exports holds for the rest of
 that block. `curl` runs with `--fail-with-body` (a .curlrc in a scratch CURL_HOME), so an HTTP error fails its
 command. With `--venv PATH` the clone's `.venv` is a folder of links into PATH with a marker of its own (so
@@ -18,9 +19,12 @@ clone's code, not its own. Ray's temporary folder (RAY_TMPDIR) is the run's own,
 `--ray-address auto` never meet another user's cluster, and every process a page started is stopped by its id
 when the page ends.
 
-A command either runs (in the foreground, or as a server: SERVERS) or is listed in NOT_RUN with the reason; one
-that is neither, or a NOT_RUN entry the docs no longer hold, fails the run before anything starts
-(tests/test_doc_commands.py checks the same on every `make test`). Placeholders a reader replaces are made real
+A command either runs or is listed in NOT_RUN with the reason; one naming a program outside PROGRAMS that is not
+listed, or a NOT_RUN entry the docs no longer hold, fails the run before anything starts (tests/test_doc_commands.py
+checks the same on every `make test`). A server (`server_of`: vit-serve, make demo, make web, python -m
+http.server, serve run) starts in the background and must answer its URL with 200 within its deadline; it is
+stopped as a reader stops it, Ctrl-C first, after the last later command that names its port or writes to the
+repository it watches. Placeholders a reader replaces are made real
 in the page's copy before its first command that names them (PLACEHOLDERS). The result is a markdown table on
 stdout: page, command, result; the exit status is 1 when a command failed.
 """
