@@ -152,8 +152,39 @@ def pin_versions(model: onnx.ModelProto, opset: int) -> onnx.ModelProto:
                 f"--opset {opset}: the graph cannot be written at this opset ({first}); "
                 f"choose {OPSETS[0]} to {OPSETS[-1]}"
             ) from None
+        if opset < 18:
+            _drop_opset18_reduce_attribute(model)
     model.ir_version = helper.find_min_ir_version_for(list(model.opset_import), ignore_unknown=True)
     return model
+
+
+# Reductions whose `axes` became an input at opset 18, with the `noop_with_empty_axes` attribute beside it
+_AXES_INPUT_AT_18 = {
+    f"Reduce{op}" for op in ("L1", "L2", "LogSum", "LogSumExp", "Max", "Mean", "Min", "Prod", "SumSquare")
+}
+
+
+def _drop_opset18_reduce_attribute(model: onnx.ModelProto) -> None:
+    """Remove `noop_with_empty_axes` that onnx's 18 -> 17 converter leaves on reductions.
+
+    The converter turns the `axes` input back into an attribute but keeps the opset-18 attribute,
+    which opset 17 does not know: the checker refuses the file (seen on the pooled ViT's ReduceMean).
+    At its default (0) the attribute changes nothing; set, it has no opset-17 spelling.
+    """
+    graphs = [model.graph, *(f for f in model.functions)]
+    while graphs:
+        g = graphs.pop()
+        for n in g.node:
+            graphs.extend(a.g for a in n.attribute if a.type == onnx.AttributeProto.GRAPH)
+            graphs.extend(sub for a in n.attribute if a.type == onnx.AttributeProto.GRAPHS for sub in a.graphs)
+            if n.op_type not in _AXES_INPUT_AT_18 or n.domain not in ("", "ai.onnx"):
+                continue
+            for i, a in enumerate(n.attribute):
+                if a.name == "noop_with_empty_axes":
+                    if a.i:
+                        raise ValueError(f"--opset 17: {n.op_type} {n.name!r} needs noop_with_empty_axes (opset 18)")
+                    del n.attribute[i]
+                    break
 
 
 def portable(explain: onnx.ModelProto) -> onnx.ModelProto:

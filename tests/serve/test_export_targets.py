@@ -248,3 +248,25 @@ def test_the_newest_opset_runs_in_the_oldest_onnxruntime_it_declares(tiny_checkp
     np.testing.assert_allclose(old["onnxruntime"], old["portable"], atol=1e-5)
     np.testing.assert_allclose(old["onnxruntime:attns"], old["portable:attns"], atol=1e-5)
     assert old["onnxruntime:grads"].shape == (2, 6, 2, 17, 17)
+
+
+def test_a_reduction_converted_down_to_opset_17_loads_and_keeps_its_values():
+    # onnx's 18 -> 17 converter moves ReduceMean's axes back into an attribute but left the opset-18
+    # `noop_with_empty_axes` beside it, and the checker refused the file (avg-pooled models at --opset 17)
+    from onnx import TensorProto, helper
+
+    from serve.export.targets import pin_versions
+
+    axes = helper.make_node("Constant", [], ["axes"], value=helper.make_tensor("a", TensorProto.INT64, [1], [1]))
+    mean = helper.make_node("ReduceMean", ["x", "axes"], ["y"], keepdims=0, noop_with_empty_axes=0)
+    graph = helper.make_graph(
+        [axes, mean],
+        "pooled",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 4])],
+    )
+    model = pin_versions(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]), 17)
+    onnx.checker.check_model(model, full_check=True)
+    x = np.arange(24, dtype=np.float32).reshape(2, 3, 4)
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    np.testing.assert_allclose(session.run(None, {"x": x})[0], x.mean(axis=1))
