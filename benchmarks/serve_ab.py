@@ -22,22 +22,12 @@ import argparse
 import os
 import shutil
 import statistics
-import sys
 import tempfile
 from pathlib import Path
 
 from benchmarks.common import Result, add_results_option, interleaved
-from benchmarks.servers import http_load, http_request, measured, random_model_file, sample_image
+from benchmarks.servers import http_load, http_request, measured, pin_apart, random_model_file, sample_image
 from serve.server.testing import ServerProcess
-
-
-def pin(pid: int, cpus: list[int]) -> None:
-    """Every thread of process `pid` (onnxruntime's and the batcher's, started already) onto `cpus`."""
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            os.sched_setaffinity(int(tid), cpus)
-        except ProcessLookupError:
-            pass  # a thread that ended meanwhile (an idle worker of the thread pool)
 
 
 def main() -> None:
@@ -81,12 +71,7 @@ def compare(args: argparse.Namespace, model: Path) -> None:
             server = ServerProcess(model, "--no-ui", *extra, cwd=tree, env=env, log_file=log, module=args.modules[i])
             servers.append((tree, server.wait_ready()))
         if args.pin:
-            cpus = sorted(os.sched_getaffinity(0))
-            if len(cpus) < 2:
-                sys.exit("serve_ab: --pin needs two CPUs (one for the servers, one for the load generator)")
-            for _, server in servers:
-                pin(server.proc.pid, cpus[:1])
-            os.sched_setaffinity(0, cpus[1:])
+            pin_apart([server.proc.pid for _, server in servers])
         for _, server in servers:
             http_load(server.port, request, args.concurrency, 1.0)  # warm the connection path
         # named as given on the command line (the same tree twice: the noise), not by this machine's absolute paths

@@ -38,6 +38,7 @@ from benchmarks.servers import (
     http_request,
     measured,
     multipart_request,
+    pin_apart,
     random_model_file,
     sample_image,
 )
@@ -138,6 +139,11 @@ def main() -> None:
     p.add_argument("--duration", type=float, default=4.0, help="seconds per target per round")
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--batch", type=int, default=8, help="most images per model call, on every server")
+    p.add_argument(
+        "--pin", action="store_true",
+        help="every server (all its processes and threads) on the first CPU, the load generators on the others: "
+        "each server gets the same core, and no server's throughput pays for its clients' CPU",
+    )  # fmt: skip
     args = add_results_option(p).parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="serve_peers-"))
     try:
@@ -155,6 +161,8 @@ def compare(args: argparse.Namespace, model: Path, tmp: Path) -> None:
     peers = [x for x in args.peers.split(",") if x]
     servers = start_servers(model, peers, args.batch, tmp)
     try:
+        if args.pin:
+            pin_apart([child.proc.pid for child, *_ in servers.values()])
         loads = targets(servers, png, v2, message, args.concurrency, args.duration)
         for load, _, _ in loads.values():  # connections, first batches, the peers' routing
             load()
@@ -167,8 +175,9 @@ def compare(args: argparse.Namespace, model: Path, tmp: Path) -> None:
             child.stop()
     described = str(model) if args.model else f"{model.name} ({args.variant} random weights)"
     setting = {"model": described, "concurrency": args.concurrency, "rounds": args.rounds}
-    setting |= {"duration s": args.duration, "batch": args.batch}
-    result = Result("serve_peers", setting, ("onnxruntime", "uvicorn", "litserve", "ray"), results=args.results)
+    setting |= {"duration s": args.duration, "batch": args.batch, "pinned": args.pin}
+    name = "serve_peers_pinned" if args.pin else "serve_peers"  # one result per setting
+    result = Result(name, setting, ("onnxruntime", "uvicorn", "litserve", "ray"), results=args.results)
     columns = ["target", "req/s (median)", "vs LitServe", "p50 ms", "p99 ms", "server CPU µs/req",
                "beyond model µs/req", "errors", "req/s each round"]  # fmt: skip
     formats = {"req/s (median)": "{:,.0f}", "vs LitServe": "{:.2f}x", "p50 ms": "{:.1f}", "p99 ms": "{:.1f}"}

@@ -24,6 +24,7 @@ import http.client
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -116,6 +117,30 @@ def session_members(sid: int) -> list[int]:
         except OSError:
             continue
     return members
+
+
+def pin_apart(pids: list[int]) -> None:
+    """Every thread of each process in `pids` and of the processes they started, onto the first CPU; this process
+    (the load generators) onto the others. Throughput then follows each server's CPU per request, not how the
+    scheduler shares the cores between a server and its clients. Threads started later inherit the CPU.
+
+    Raises:
+        SystemExit: fewer than two CPUs.
+    """
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        sys.exit("--pin needs two CPUs (one for the servers, one for the load generator)")
+    for member in {m for pid in pids for m in (pid, *session_members(pid))}:
+        try:
+            tids = os.listdir(f"/proc/{member}/task")
+        except OSError:
+            continue  # it ended meanwhile
+        for tid in tids:
+            try:
+                os.sched_setaffinity(int(tid), cpus[:1])
+            except OSError:
+                pass  # a thread that ended meanwhile (an idle worker of a thread pool)
+    os.sched_setaffinity(0, cpus[1:])
 
 
 def tree_cpu_seconds(pid: int) -> float:

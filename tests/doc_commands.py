@@ -75,7 +75,8 @@ NOT_RUN: dict[str, str] = {
     "nvcr.io/nvidia/tritonserver:24.08-py3 tritonserver --model-repository=/models":
         "Docker: no container engine runs here",
     # docs/benchmarks: how each figure was taken, on a quiet machine; `make bench` reruns the benchmarks
-    "git archive 480eaec | tar -x -C /tmp/vitscope-480eaec": "a benchmark's old tree, unpacked outside the clone",
+    "mkdir -p /tmp/vitscope-480eaec && git archive 480eaec | tar -x -C /tmp/vitscope-480eaec": "a benchmark's "
+        "old tree, unpacked outside the clone",
     "sudo apt-get install dataset-fashion-mnist && vit-fashion-mnist --out data/fmnist": "installs a system "
         "package as root: this script changes nothing outside its scratch folder",
     "vit-train fit --config configs/small_images.yaml --data.root data/fmnist --data.img_size 28 "

@@ -85,16 +85,27 @@ at once, rounds alternating, 16 keep-alive clients, batches of up to 8 on every 
 model" is that CPU less what the model and decoding cost in-process (the gRPC and v2 tensor rows send pixels, so
 only the model is subtracted there). Ray Serve's CPU counts every process of its local cluster (GCS, raylet,
 dashboard agent, proxy and replica). LitServe and Ray Serve install with `pip install 'vitscope[bench]'`.""",
-        (Part("serve_peers"),),
+        (
+            Part("serve_peers", "The load generators beside the servers, on both cores"),
+            Part(
+                "serve_peers_pinned",
+                "Pinned: every server on one core, the load generators on the other (`--pin`)",
+                "Each server gets the same single core and none pays for its clients' CPU, so throughput follows "
+                "the server's own CPU per request. A server's CPU per request is higher here than unpinned: all "
+                "its threads (and LitServe's processes) take turns on one core.",
+            ),
+        ),
     ),
     Section(
         "gRPC against HTTP v2 binary tensors",
         "peers",
         """\
 Target: gRPC at least as fast as HTTP v2. The `vit-serve HTTP v2 binary tensor` and `vit-serve gRPC raw tensor`
-rows of the peers table above: the same pixels of the same image (batch 1), the same server, alternating rounds.
-The gRPC load generator (grpc.aio, one channel) costs its process more CPU per call than the raw-socket HTTP one,
-and it shares the two cores with the server.""",
+rows of the peers tables above: the same pixels of the same image (batch 1), the same server, alternating rounds.
+The gRPC load generator (grpc.aio, one channel) costs its process more CPU per call than the raw-socket HTTP one:
+sharing the two cores with the server, it takes CPU the server would use, and the two rows come out level; with
+the server on a core of its own (`--pin`), gRPC answers more requests per second than HTTP v2, as its lower
+server CPU per call says it should.""",
     ),
     Section(
         "Payload logs",
@@ -131,7 +142,7 @@ from a process of its own.""",
         "model-server",
         """\
 ```bash
-git archive 480eaec | tar -x -C /tmp/vitscope-480eaec
+mkdir -p /tmp/vitscope-480eaec && git archive 480eaec | tar -x -C /tmp/vitscope-480eaec
 ```
 
 Two source trees, each running its own `vit-serve`, in alternating rounds of serve_bench's load generator; the
