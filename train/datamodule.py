@@ -149,6 +149,13 @@ class ImageFolderDataModule(pl.LightningDataModule):
         return len(self.scan.val)
 
     @property
+    def train_images(self) -> int:
+        """How many training images there are, over all ranks."""
+        if self.scan.layout == "litdata":
+            return int(read_meta(self.root)["train"])
+        return len(self.scan.train)
+
+    @property
     def _world_size(self) -> int:
         return 1 if self.trainer is None else self.trainer.world_size
 
@@ -227,7 +234,11 @@ class ImageFolderDataModule(pl.LightningDataModule):
         world = self._world_size
         if self.scan.layout == "litdata":  # the dataset shuffles and splits chunks across ranks; position resumes
             batch = self.batch_size if train else self.eval_batch_size
-            if not train and world > 1:
+            if train:
+                # the training set drops its last partial batch on each rank: one smaller than a batch per rank
+                # would train on nothing at all, and the run would end "done" with its initial weights
+                batch = max(1, min(batch, self.train_images // world))
+            elif world > 1:
                 # LitData deals out whole batches, the same number to each rank, and the rest to the last one:
                 # with fewer than `world` batches, every rank but the last would have none, and fail.
                 batch = max(1, min(batch, self.val_images // world))

@@ -16,6 +16,7 @@ import lightning.pytorch as pl
 import numpy as np
 import torch
 from timm.data import Mixup
+from timm.data.mixup import mixup_target
 from timm.loss import SoftTargetCrossEntropy
 from timm.optim import param_groups_layer_decay, param_groups_weight_decay
 from timm.utils import ModelEmaV3
@@ -162,12 +163,23 @@ class ViTClassifier(pl.LightningModule):
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch  # (B, 3, H, W), (B,)
         if self.mixup is not None:
-            x, y = self.mixup(x, y)  # y becomes (B, K) soft targets
+            x, y = self._mix(x, y)  # y becomes (B, K) soft targets
         logits = (self._compiled or self.net)(self._inputs(x))  # (B, K)
         loss = self.train_loss(logits, y)
         check_finite_loss(loss, self.trainer, self.hparams.lr)  # before backward: the weights stay finite
         self.log("train/loss", loss, prog_bar=True)
         return loss
+
+    def _mix(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """timm's mixup/cutmix, which pairs images and so refuses an odd batch: an odd one (a training set smaller
+        than one batch, or its last batch) mixes all but its last image, which keeps its own smoothed label."""
+        if len(x) % 2 == 0:
+            return self.mixup(x, y)
+        last = mixup_target(y[-1:], self.mixup.num_classes, 1.0, self.mixup.label_smoothing)  # (1, K)
+        if len(x) == 1:
+            return x, last
+        mixed, soft = self.mixup(x[:-1], y[:-1])
+        return torch.cat([mixed, x[-1:]]), torch.cat([soft, last])
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         if self.ema is not None:

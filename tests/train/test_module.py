@@ -1,0 +1,26 @@
+"""The Lightning module's training step: mixup and cutmix on batches of any size."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from train.module import ViTClassifier
+
+NET = dict(img_size=16, patch_size=8, embed_dim=16, depth=1, num_heads=2)
+
+
+@pytest.mark.parametrize("batch", [1, 3, 4])
+def test_mixup_takes_a_batch_of_any_size(batch):
+    # timm's Mixup pairs images and refuses an odd batch: a training set smaller than one batch (or its last
+    # batch) must still train
+    torch.manual_seed(0)
+    mix = dict(mixup_alpha=0.8, cutmix_alpha=1.0)
+    module = ViTClassifier(num_classes=5, img_size=16, variant="vit_tiny_patch16_224", net_args=NET, **mix)
+    x, y = torch.rand(batch, 3, 16, 16), torch.arange(batch) % 5
+    mixed, soft = module._mix(x.clone(), y)
+    assert mixed.shape == x.shape and soft.shape == (batch, 5)
+    torch.testing.assert_close(soft.sum(1), torch.ones(batch))
+    if batch % 2:  # the unpaired image keeps its pixels and its own (smoothed) label
+        torch.testing.assert_close(mixed[-1], x[-1])
+        assert soft[-1].argmax() == y[-1] and soft[-1].max() == pytest.approx(0.9 + 0.1 / 5)
