@@ -67,9 +67,11 @@ DOC_COMMANDS_VENV ?= --venv $(VENV)
 doc-commands: install
 	$(PYTHON) -m tests.doc_commands $(DOC_COMMANDS_VENV) $(ARGS)
 
-# Two workers (pytest-xdist), each running whole files, so that a file's server or model is built once:
-# much of the suite waits on child processes, disks and sockets, not on the CPU. TEST_WORKERS=0: one process.
-TEST_WORKERS ?= 2
+# Three workers (pytest-xdist) on two cores, each running whole files, so that a file's server or model is built
+# once: much of the suite waits on child processes, disks and sockets, not on the CPU (on the 2-core VM two workers
+# kept the cores 63% busy, three 78%, four lost more to contention than they gained; the same run varies by a
+# minute or more with the host's load). TEST_WORKERS=0: one process.
+TEST_WORKERS ?= 3
 test: install lint docs
 	$(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadfile
 

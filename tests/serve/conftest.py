@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -23,11 +25,30 @@ EXPORTER_TESTS = ["test_export.py", "test_export_targets.py", "test_triton_repo.
 collect_ignore = [] if importlib.util.find_spec("torch") else EXPORTER_TESTS
 
 
+def built_once(tmp_path_factory, name: str, build: Callable[[Path], object]) -> Path:
+    """The folder `name`, filled by `build(folder)` once per test run: pytest-xdist's workers share it (each
+    would otherwise train and export the same tiny model again: about 25 s of CPU a worker). Tests only read it."""
+    if os.environ.get("PYTEST_XDIST_WORKER") is None:  # one process: a folder of its own, as ever
+        folder = tmp_path_factory.mktemp(name)
+        build(folder)
+        return folder
+    from filelock import FileLock  # torch's dependency: the fixtures that build need torch anyway
+
+    folder = tmp_path_factory.getbasetemp().parent / name  # the run's folder, above each worker's own
+    with FileLock(f"{folder}.lock"):
+        if not (folder / ".built").is_file():
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir()
+            build(folder)
+            (folder / ".built").touch()
+    return folder
+
+
 @pytest.fixture(scope="session")
 def tiny_run(tmp_path_factory) -> Path:
     """A run folder: checkpoints/best.ckpt (the contract format), split.json and its PNG files."""
     pytest.importorskip("torch")
-    return write_tiny_run(tmp_path_factory.mktemp("tiny_run"))
+    return built_once(tmp_path_factory, "tiny_run", write_tiny_run)
 
 
 @pytest.fixture(scope="session")
@@ -46,6 +67,5 @@ def tiny_onnx(request, tmp_path_factory) -> Path:
     checkpoint = request.getfixturevalue("tiny_checkpoint")  # skips without torch
     from serve.export.cli import export_onnx
 
-    out = tmp_path_factory.mktemp("tiny_onnx") / "tiny.onnx"
-    export_onnx(checkpoint, out)
-    return out
+    folder = built_once(tmp_path_factory, "tiny_onnx", lambda f: export_onnx(checkpoint, f / "tiny.onnx"))
+    return folder / "tiny.onnx"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -134,15 +135,18 @@ def test_the_files_unknown_score_is_the_mahalanobis_distance_of_its_features_out
 def test_the_exported_file_carries_calibration_fitted_on_the_runs_calibration_split(tiny_run, tmp_path):
     from serve.export.cli import export_onnx
 
-    export_onnx(tiny_run / "checkpoints" / "best.ckpt", tmp_path / "t.onnx", gradients=False)  # its reports now
+    run = tmp_path / "run"  # a copy: the export writes the run's reports, and other workers export the shared run
+    shutil.copytree(tiny_run / "checkpoints", run / "checkpoints")
+    shutil.copy(tiny_run / "split.json", run)
+    export_onnx(run / "checkpoints" / "best.ckpt", tmp_path / "t.onnx", gradients=False)
     clf = OnnxClassifier(tmp_path / "t.onnx")
     assert clf.calibrated and clf.trust.images == CALIB_IMAGES
     summary = clf.trust_summary()
     assert summary["max_coverage"] == pytest.approx(CALIB_IMAGES / (CALIB_IMAGES + 1), abs=1e-6)
     m = summary["metrics"]
     assert m["ece_after"] <= m["ece_before"] + 1e-6 and m["nll_after"] <= m["nll_before"] + 1e-6
-    assert (tiny_run / "reports" / "reliability.png").stat().st_size > 1000
-    report = json.loads((tiny_run / "reports" / "calibration.json").read_text())
+    assert (run / "reports" / "reliability.png").stat().st_size > 1000
+    report = json.loads((run / "reports" / "calibration.json").read_text())
     assert report["temperature"] == pytest.approx(clf.trust.temperature)
 
 
