@@ -2,10 +2,11 @@
 
     .venv/bin/python -m benchmarks.test_suite [--commit HEAD]
 
-Clones the commit into a temporary folder, runs `CI=true bash .ci/run` there as CI does (install, lint, docs,
-`make test`'s tests, then the runtime and server tests again in the `[serve]`-only venv), reads each pytest run's
-summary line, and deletes the clone. It takes as long as CI and keeps both cores busy: run it on a machine with
-nothing else running.
+Clones the commit into a temporary folder and runs there what `.ci/run` runs, each step timed: `make test`
+(install, lint, docs and the tests), then `make test-serve-only` (the runtime and server tests again in the
+`[serve]`-only venv); reads each pytest run's summary line, and deletes the clone. It takes as long as CI and keeps
+both cores busy: run it on a machine with nothing else running (`.ci/run` also installs Debian's chromium when it
+is missing: have it installed first).
 """
 
 from __future__ import annotations
@@ -43,24 +44,33 @@ def main() -> None:
     try:
         subprocess.run(["git", "clone", "--quiet", str(ROOT), str(tmp / "fresh")], check=True)
         subprocess.run(["git", "-C", str(tmp / "fresh"), "checkout", "--quiet", commit], check=True)
-        user0, t0 = resource.getrusage(resource.RUSAGE_CHILDREN).ru_utime, time.perf_counter()
-        run = subprocess.run(["bash", ".ci/run"], cwd=tmp / "fresh", env={**os.environ, "CI": "true"},
-                             capture_output=True, text=True)  # fmt: skip
-        wall = time.perf_counter() - t0
+        walls, stdout = [], ""
+        user0 = resource.getrusage(resource.RUSAGE_CHILDREN).ru_utime
+        for target in ("test", "test-serve-only"):
+            t0 = time.perf_counter()
+            run = subprocess.run(["make", target], cwd=tmp / "fresh", env={**os.environ, "CI": "true"},
+                                 capture_output=True, text=True)  # fmt: skip
+            walls.append(time.perf_counter() - t0)
+            stdout += run.stdout
+            if run.returncode:
+                raise SystemExit(
+                    f"make {target} exited with {run.returncode}:\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}"
+                )
         user = resource.getrusage(resource.RUSAGE_CHILDREN).ru_utime - user0
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    suites = [m.groups() for line in run.stdout.splitlines() if (m := SUMMARY.match(line))]
-    if run.returncode or len(suites) != 2:
-        raise SystemExit(f".ci/run exited with {run.returncode}:\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}")
+    suites = [m.groups() for line in stdout.splitlines() if (m := SUMMARY.match(line))]
+    if len(suites) != 2:
+        raise SystemExit(f"expected two pytest summaries, found {len(suites)}:\n{stdout[-3000:]}")
     (tests, tests_s), (serve_only, serve_only_s) = suites
     result = Result("test_suite", {"commit": commit, "fresh clone": True}, results=args.results)
     table = result.table(["step", "time"])
-    table.add(f"`make test`'s tests: `pytest -q -n 2 --dist loadfile`, {tests}", minutes(float(tests_s)))
-    table.add(f"`make test-serve-only`'s tests (the `[serve]`-only venv): {serve_only}", minutes(float(serve_only_s)))
-    steps = "install, lint, docs, both suites"
-    table.add(f"`.ci/run` in all: {steps} (real {minutes(wall)}, user {minutes(user)})", minutes(wall))
-    result.data = {"seconds": {"tests": float(tests_s), "serve-only tests": float(serve_only_s), "ci": wall}}
+    table.add(f"`make test` in all: install, lint, docs and the tests ({tests})", minutes(walls[0]))
+    table.add("of which the tests (`pytest -n 3 --dist loadfile`)", minutes(float(tests_s)))
+    table.add(f"`make test-serve-only`: the `[serve]`-only venv and its tests ({serve_only})", minutes(walls[1]))
+    table.add(f"both, as `.ci/run` runs them (CPU: user {minutes(user)})", minutes(sum(walls)))
+    result.data = {"seconds": {"make test": walls[0], "tests": float(tests_s), "make test-serve-only": walls[1],
+                               "serve-only tests": float(serve_only_s), "ci": sum(walls)}}  # fmt: skip
     result.finish()
 
 
