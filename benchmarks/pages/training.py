@@ -183,12 +183,12 @@ predicts with an exported file from it.""",
         "The test suite (`make test`)",
         "tests",
         """\
-Target (#12): the tests in `make test` take under 10 minutes on the reference machine; the whole `make test` from a
-fresh clone stays under 15.
+Target: `make test` from a fresh clone, install included, in under 10 minutes on a 2-core VM.
 
-Two pytest-xdist workers, each taking whole files (so that a file's server or model is built once), overlap the
-waits on child processes (`vit-train`, servers, a Ray cluster, DDP ranks, Chromium) that each spend seconds
-importing torch, Lightning or gradio. `.ci/run` is what CI runs: `make test` (install, lint, docs, the tests), then
+Three pytest-xdist workers on the two cores, each taking whole files (so that a file's server or model is built
+once), overlap the waits on child processes (`vit-train`, servers, a Ray cluster, DDP ranks, Chromium) that each
+spend seconds importing torch, Lightning or gradio; the tiny trained model most serving tests use is built once per
+run and shared by the workers. `.ci/run` is what CI runs: `make test` (install, lint, docs, the tests), then
 `make test-serve-only` (the runtime and server tests again in a venv with the `[serve]` extra alone).""",
         (Part("test_suite"),),
     ),
