@@ -44,6 +44,7 @@ def main() -> None:
     try:
         subprocess.run(["git", "clone", "--quiet", str(ROOT), str(tmp / "fresh")], check=True)
         subprocess.run(["git", "-C", str(tmp / "fresh"), "checkout", "--quiet", commit], check=True)
+        makefile = (tmp / "fresh" / "Makefile").read_text()  # the commit's own, for its number of test workers
         walls, stdout = [], ""
         user0 = resource.getrusage(resource.RUSAGE_CHILDREN).ru_utime
         for target in ("test", "test-serve-only"):
@@ -66,7 +67,8 @@ def main() -> None:
     result = Result("test_suite", {"commit": commit, "fresh clone": True}, results=args.results)
     table = result.table(["step", "time"])
     table.add(f"`make test` in all: install, lint, docs and the tests ({tests})", minutes(walls[0]))
-    table.add("of which the tests (`pytest -n 3 --dist loadfile`)", minutes(float(tests_s)))
+    workers = re.search(r"^TEST_WORKERS \?= (\d+)$", makefile, re.M).group(1)
+    table.add(f"of which the tests (`pytest -n {workers} --dist loadfile`)", minutes(float(tests_s)))
     table.add(f"`make test-serve-only`: the `[serve]`-only venv and its tests ({serve_only})", minutes(walls[1]))
     table.add(f"both, as `.ci/run` runs them (CPU: user {minutes(user)})", minutes(sum(walls)))
     result.data = {"seconds": {"make test": walls[0], "tests": float(tests_s), "make test-serve-only": walls[1],

@@ -16,6 +16,7 @@ version than its own even when nothing in the file needs it.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
 from typing import Any
 
 import onnx
@@ -171,20 +172,25 @@ def _drop_opset18_reduce_attribute(model: onnx.ModelProto) -> None:
     which opset 17 does not know: the checker refuses the file (seen on the pooled ViT's ReduceMean).
     At its default (0) the attribute changes nothing; set, it has no opset-17 spelling.
     """
-    graphs = [model.graph, *(f for f in model.functions)]
-    while graphs:
-        g = graphs.pop()
-        for n in g.node:
-            graphs.extend(a.g for a in n.attribute if a.type == onnx.AttributeProto.GRAPH)
-            graphs.extend(sub for a in n.attribute if a.type == onnx.AttributeProto.GRAPHS for sub in a.graphs)
-            if n.op_type not in _AXES_INPUT_AT_18 or n.domain not in ("", "ai.onnx"):
-                continue
-            for i, a in enumerate(n.attribute):
-                if a.name == "noop_with_empty_axes":
-                    if a.i:
-                        raise ValueError(f"--opset 17: {n.op_type} {n.name!r} needs noop_with_empty_axes (opset 18)")
-                    del n.attribute[i]
-                    break
+    for n in all_nodes([model.graph, *model.functions]):
+        if n.op_type not in _AXES_INPUT_AT_18 or n.domain not in ("", "ai.onnx"):
+            continue
+        for i, a in enumerate(n.attribute):
+            if a.name == "noop_with_empty_axes":
+                if a.i:
+                    raise ValueError(f"--opset 17: {n.op_type} {n.name!r} needs noop_with_empty_axes (opset 18)")
+                del n.attribute[i]
+                break
+
+
+def all_nodes(graphs: list) -> Iterator[onnx.NodeProto]:
+    """Every node of `graphs` (graphs or functions) and of the subgraphs inside them (If, Loop, Scan bodies)."""
+    stack = list(graphs)
+    while stack:
+        for n in stack.pop().node:
+            yield n
+            stack.extend(a.g for a in n.attribute if a.type == onnx.AttributeProto.GRAPH)
+            stack.extend(sub for a in n.attribute if a.type == onnx.AttributeProto.GRAPHS for sub in a.graphs)
 
 
 def portable(explain: onnx.ModelProto) -> onnx.ModelProto:
@@ -209,14 +215,7 @@ def portable(explain: onnx.ModelProto) -> onnx.ModelProto:
 def check_standard_ops(model: onnx.ModelProto) -> None:
     """Raise ValueError if any node (in any subgraph) or opset import is outside the standard ONNX domain."""
     domains = {o.domain for o in model.opset_import} - {"", "ai.onnx"}
-    stack = [model.graph]
-    while stack:
-        g = stack.pop()
-        for n in g.node:
-            if n.domain not in ("", "ai.onnx"):
-                domains.add(n.domain)
-            stack.extend(a.g for a in n.attribute if a.type == onnx.AttributeProto.GRAPH)
-            stack.extend(sub for a in n.attribute if a.type == onnx.AttributeProto.GRAPHS for sub in a.graphs)
+    domains |= {n.domain for n in all_nodes([model.graph])} - {"", "ai.onnx"}
     if domains:
         raise ValueError(f"the portable target must use standard ONNX ops only, found domains {sorted(domains)}")
 
