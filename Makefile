@@ -26,10 +26,12 @@ $(ORT_WEB): $(WEB_PAGE)/package.json $(WEB_PAGE)/package-lock.json
 	npm ci --prefix $(WEB_PAGE) --no-audit --no-fund --ignore-scripts --loglevel=error
 	touch $@
 
+# --no-compile: Python compiles a module when it is first imported instead of pip compiling all 21,000 of them up
+# front (the install took 84 s instead of 180 s in a new venv on the 2-core VM, 2026-12-03).
 $(VENV)/.installed: pyproject.toml constraints-x86_64-linux.txt
 	test -x $(PYTHON) || $(PY) -m venv $(VENV)
 	$(PYTHON) -m pip install --quiet --upgrade pip
-	$(PYTHON) -m pip install --quiet $(CONSTRAINTS) -e '.[dev]'
+	$(PYTHON) -m pip install --quiet --no-compile $(CONSTRAINTS) -e '.[dev]'
 	touch $@
 
 # ruff, then the import contracts between the packages (pyproject.toml, [tool.importlinter])
