@@ -26,15 +26,12 @@ $(ORT_WEB): $(WEB_PAGE)/package.json $(WEB_PAGE)/package-lock.json
 	npm ci --prefix $(WEB_PAGE) --no-audit --no-fund --ignore-scripts --loglevel=error
 	touch $@
 
-# pip compiles the 21,000 modules of the dev venv one by one (96 s of a 180 s install in a new venv on the 2-core
-# VM, 2026-12-03); compileall does it on every core (39 s). Not left to the first imports: with
-# PYTHONDONTWRITEBYTECODE set, every process of the tests would compile torch again. Its status is not checked:
-# a few files are for newer Pythons (pip skips them as well).
+# --no-compile: pip compiled the 21,000 modules of the dev venv one by one (96 s of a 180 s install in a new venv
+# on the 2-core VM, 2026-12-03); Python compiles a module when it is first imported instead.
 $(VENV)/.installed: pyproject.toml constraints-x86_64-linux.txt
 	test -x $(PYTHON) || $(PY) -m venv $(VENV)
 	$(PYTHON) -m pip install --quiet --upgrade pip
 	$(PYTHON) -m pip install --quiet --no-compile $(CONSTRAINTS) -e '.[dev]'
-	$(PYTHON) -m compileall -qq -j 0 $(VENV)/lib || true
 	touch $@
 
 # ruff, then the import contracts between the packages (pyproject.toml, [tool.importlinter])
@@ -77,13 +74,17 @@ doc-commands: install
 # kept the cores 63% busy, three 78%, four lost more to contention than they gained; the same run varies by a
 # minute or more with the host's load). TEST_WORKERS=0: one process.
 TEST_WORKERS ?= 3
+# The tests' hundred-odd Python processes (workers, servers, training runs, Ray workers) read the bytecode that the
+# first import of each module writes; where PYTHONDONTWRITEBYTECODE is set (CI images often set it), each compiled torch and the
+# rest again (the tests took 12 min 42 s instead of about 8 on the 2-core VM).
+WRITE_BYTECODE := PYTHONDONTWRITEBYTECODE=
 test: install lint docs
-	$(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadfile
+	$(WRITE_BYTECODE) $(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 # Tiers, by marker: `slow` (servers, training runs; still run by `make test`), `browser` (Chromium), `gpu` (skipped
 # without CUDA). test-fast leaves out the slow and browser tests.
 test-fast: install
-	$(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow and not browser"
+	$(WRITE_BYTECODE) $(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow and not browser"
 
 # The main job on the embedded sample: data -> training -> ONNX -> server. Each step is a file
 # target, so a second `make demo` reuses whatever is already up to date.
@@ -112,7 +113,7 @@ $(ONNX): $(CKPT) $(EXPORTER)
 # torch, onnx or pyarrow skip there.
 SERVE_ONLY := build/serve-only
 test-serve-only: $(SERVE_ONLY)/venv/.installed $(SERVE_ONLY)/tiny.onnx
-	VITSCOPE_TINY_ONNX=$(abspath $(SERVE_ONLY)/tiny.onnx) VITSCOPE_TINY_REPO=$(abspath $(SERVE_ONLY)/models) \
+	$(WRITE_BYTECODE) VITSCOPE_TINY_ONNX=$(abspath $(SERVE_ONLY)/tiny.onnx) VITSCOPE_TINY_REPO=$(abspath $(SERVE_ONLY)/models) \
 		$(SERVE_ONLY)/venv/bin/python -m pytest \
 		-q -n $(TEST_WORKERS) --dist loadfile tests/serve
 
