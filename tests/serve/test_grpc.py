@@ -157,3 +157,18 @@ def test_grpc_calls_get_an_access_log_line_with_their_status_and_request_id(clie
     lines = [line for line in server.output.splitlines() if "vitscope.access: 127.0.0.1" in line]
     assert sum(wanted[0] in line and line.endswith("id=grpc-access") for line in lines) == 1  # once, not twice
     assert sum(wanted[1] in line and line.endswith("id=grpc-bad") for line in lines) == 1, server.output[-2000:]
+
+
+def test_sigterm_stops_a_grpc_server_at_once_when_no_call_is_in_flight(tiny_onnx):
+    # the gRPC loop used to end with its server and close under the stop call, which then waited out the
+    # whole drain (graceful_timeout_s, 20 s) plus 5 s: a pod with Kubernetes' 30 s grace period was nearly killed
+    port = free_port()
+    with ServerProcess(tiny_onnx, "--no-ui", "--grpc-port", str(port)) as server:
+        client = grpcclient.InferenceServerClient(f"127.0.0.1:{port}")
+        assert client.is_server_live()
+        client.close()
+        started = time.monotonic()
+        assert server.stop() == 0
+        took = time.monotonic() - started
+    assert took < 10, f"the server took {took:.1f} s to stop with nothing in flight:\n{server.output[-2000:]}"
+    assert "Task was destroyed" not in server.output

@@ -53,7 +53,7 @@ class GrpcServer:
                 started.set()
                 return
             started.set()
-            self.loop.run_until_complete(self.server.wait_for_termination())
+            self.loop.run_forever()  # until `stop` has stopped the server, then this loop
             self.loop.close()
 
         self.thread = threading.Thread(target=run, name="vitscope-grpc", daemon=True)
@@ -83,8 +83,11 @@ class GrpcServer:
         """Refuse new calls, let those in flight finish for up to `grace` seconds, then stop the thread."""
         if self.loop is None or self.server is None or self.loop.is_closed():
             return
+        # The loop runs until the server has stopped: had it ended with the server's termination, it would close
+        # under this very call, whose result then never came (each stop waited out grace + 5 s).
         try:
             asyncio.run_coroutine_threadsafe(self.server.stop(grace), self.loop).result(grace + 5)
+            self.loop.call_soon_threadsafe(self.loop.stop)
         except Exception:  # the loop ended meanwhile: nothing left to stop
             log.debug("gRPC server already stopped", exc_info=True)
         if self.thread is not None:
