@@ -173,6 +173,17 @@ def v1_router(
     extra = {"parameters": query_parameters(), "requestBody": IMAGE_BODY}  # what the route reads itself
     route = functools.partial(router.post, response_model=Predictions, responses=answers, openapi_extra=extra)
 
+    # Requests reach plain Starlette routes, added first so that they match first: FastAPI's route machinery
+    # (dependency solving, its exit stacks, the response merge) cost the sample 1.17x the server CPU per request
+    # and as many fewer requests per second (`benchmarks.serve_ab`; BENCHMARKS.md, serving). FastAPI's routes
+    # below describe the same paths in the OpenAPI document, and answer alike where they are reached.
+    async def classify_any(request: Request):
+        path = request.path_params
+        return await classify_with(resolve(repository, path.get("name"), path.get("version")), request)
+
+    for path in ("/v1/classify", "/v1/models/{name}/classify", "/v1/models/{name}/versions/{version}/classify"):
+        router.add_route(path, classify_any, methods=["POST"], include_in_schema=False)
+
     @route("/v1/classify", summary="Classify one image with the default model", operation_id="classify")
     async def classify(request: Request):
         """An image (JPEG, PNG, GIF, BMP, WebP or TIFF) as the multipart field `file` or as the raw body."""
