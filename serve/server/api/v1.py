@@ -158,6 +158,23 @@ def check_coverage(classifier, coverage: float | None) -> None:
         raise ApiError("bad_request", str(e)) from None
 
 
+def add_plain_routes(router: APIRouter, classify) -> None:
+    """The /v1 classify paths as plain Starlette routes, to be added before FastAPI's routes of the same paths so that
+    requests match them first; `classify(request, name, version)` answers (None: the default model, its latest).
+
+    FastAPI's route machinery (dependency solving, its exit stacks, the response merge) cost the sample 1.12x-1.17x
+    the server CPU per request, and as many fewer requests per second (`benchmarks.serve_ab`; BENCHMARKS.md,
+    serving). FastAPI's routes describe the same paths in the OpenAPI document, and answer alike where reached.
+    """
+
+    async def classify_any(request: Request):
+        path = request.path_params
+        return await classify(request, path.get("name"), path.get("version"))
+
+    for path in ("/v1/classify", "/v1/models/{name}/classify", "/v1/models/{name}/versions/{version}/classify"):
+        router.add_route(path, classify_any, methods=["POST"], include_in_schema=False)
+
+
 def v1_router(
     repository: ModelRepository,
     metrics: Metrics,
@@ -173,16 +190,8 @@ def v1_router(
     extra = {"parameters": query_parameters(), "requestBody": IMAGE_BODY}  # what the route reads itself
     route = functools.partial(router.post, response_model=Predictions, responses=answers, openapi_extra=extra)
 
-    # Requests reach plain Starlette routes, added first so that they match first: FastAPI's route machinery
-    # (dependency solving, its exit stacks, the response merge) cost the sample 1.17x the server CPU per request
-    # and as many fewer requests per second (`benchmarks.serve_ab`; BENCHMARKS.md, serving). FastAPI's routes
-    # below describe the same paths in the OpenAPI document, and answer alike where they are reached.
-    async def classify_any(request: Request):
-        path = request.path_params
-        return await classify_with(resolve(repository, path.get("name"), path.get("version")), request)
-
-    for path in ("/v1/classify", "/v1/models/{name}/classify", "/v1/models/{name}/versions/{version}/classify"):
-        router.add_route(path, classify_any, methods=["POST"], include_in_schema=False)
+    # first: requests match these plain routes; FastAPI's below document the same paths (see add_plain_routes)
+    add_plain_routes(router, lambda request, name, version: classify_with(resolve(repository, name, version), request))
 
     @route("/v1/classify", summary="Classify one image with the default model", operation_id="classify")
     async def classify(request: Request):
@@ -209,26 +218,27 @@ def v1_router(
             if params.explain:  # the explain pass computes the probabilities too: no second forward pass
                 answers, explanation, rows = await explained(served, img, params, limits, budget)
             else:
-                item = await decoded(served, img, len(data))
+                item = await decoded(served, img, len(data), limits, budget)
                 rows = await model_result(engine.infer(item), limits.request_timeout_s)  # logits, probs, features
                 answers, explanation = judge_rows(classifier, rows[None], coverage), None
             if payloads is not None:
                 payloads.record(request_id_of(request), "/v1/classify", model, rows["probs"][None], [data])
             return JSONResponse(encode_response(served, answers, top_k, explanation))
 
-    async def decoded(served: ModelVersion, img, size: int):
-        """Decode small uploads where a core is free: on the event loop when onnxruntime runs on one thread
-        (small models: the loop has the other core), on the model's thread right before its batch when
-        onnxruntime uses every core (decoding on the loop would fight its threads)."""
-        small = size <= limits.inline_decode_bytes and img.width * img.height <= INLINE_DECODE_PIXELS
-        if not small:  # in a thread of its own, so that it never holds up the loop or a batch
-            return await run_in_threadpool(decode_image, img, served.classifier, limits.max_pixels, budget)
-        if served.decode_on_worker:  # on the model's thread, right before its batch runs
-            return img
-        return decode_image(img, served.classifier, limits.max_pixels)  # on the loop, the model on the other core
-
     add_status_routes(router, repository, metrics)
     return router
+
+
+async def decoded(served: ModelVersion, img, size: int, limits: RequestLimits, budget: PixelBudget | None):
+    """Decode small uploads where a core is free: on the event loop when onnxruntime runs on one thread
+    (small models: the loop has the other core), on the model's thread right before its batch when
+    onnxruntime uses every core (decoding on the loop would fight its threads)."""
+    small = size <= limits.inline_decode_bytes and img.width * img.height <= INLINE_DECODE_PIXELS
+    if not small:  # in a thread of its own, so that it never holds up the loop or a batch
+        return await run_in_threadpool(decode_image, img, served.classifier, limits.max_pixels, budget)
+    if served.decode_on_worker:  # on the model's thread, right before its batch runs
+        return img
+    return decode_image(img, served.classifier, limits.max_pixels)  # on the loop, the model on the other core
 
 
 async def explained(served: ModelVersion, img, params: ClassifyParams, limits: RequestLimits, budget):
