@@ -33,7 +33,7 @@ model server page).""",
         """\
 What each layer of a `/v1/classify` request costs the event loop, in-process and side by side (no sockets, no
 model), in CPU time per call over interleaved rounds: the routing (a plain Starlette route checking its parameters
-by hand, a FastAPI route that validates `ClassifyParams` itself, as `/v1/classify` does, and one that declares them
+by hand, as `/v1/classify` does, a FastAPI route that validates `ClassifyParams` itself, and one that declares them
 as its query parameters) and the multipart body (Starlette's form parser against
 `serve.server.http.uploads.parse_multipart`).""",
         (Part("serve_overhead"),),

@@ -188,8 +188,11 @@ Target: `make test` from a fresh clone, install included, in under 10 minutes on
 Three pytest-xdist workers on the two cores, each taking whole files (so that a file's server or model is built
 once), overlap the waits on child processes (`vit-train`, servers, a Ray cluster, DDP ranks, Chromium) that each
 spend seconds importing torch, Lightning or gradio; the tiny trained model most serving tests use is built once per
-run and shared by the workers. `.ci/run` is what CI runs: `make test` (install, lint, docs, the tests), then
-`make test-serve-only` (the runtime and server tests again in a venv with the `[serve]` extra alone).""",
+run and shared by the workers. pip installs without compiling (`--no-compile`: compiling the venv's 21,000
+modules one by one was half of the install), and the tests write bytecode even where `PYTHONDONTWRITEBYTECODE` is
+set, so that each module the suite imports is compiled once for all of its processes. `.ci/run` is what CI runs:
+`make test` (install, lint, docs, the tests), then `make test-serve-only` (the runtime and server tests again in a
+venv with the `[serve]` extra alone).""",
         (Part("test_suite"),),
     ),
 )
