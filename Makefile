@@ -75,8 +75,8 @@ doc-commands: install
 # minute or more with the host's load). TEST_WORKERS=0: one process.
 TEST_WORKERS ?= 3
 # The tests' hundred-odd Python processes (workers, servers, training runs, Ray workers) read the bytecode that the
-# first import of each module writes; where PYTHONDONTWRITEBYTECODE is set (CI images often set it), each compiled torch and the
-# rest again (the tests took 12 min 42 s instead of about 8 on the 2-core VM).
+# first import of each module writes; where PYTHONDONTWRITEBYTECODE is set (CI images often set it), each compiled
+# torch and the rest again (the tests took 12 min 42 s instead of about 8 on the 2-core VM).
 WRITE_BYTECODE := PYTHONDONTWRITEBYTECODE=
 test: install lint docs
 	$(WRITE_BYTECODE) $(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadfile

@@ -87,9 +87,12 @@ class GrpcServer:
         # under this very call, whose result then never came (each stop waited out grace + 5 s).
         try:
             asyncio.run_coroutine_threadsafe(self.server.stop(grace), self.loop).result(grace + 5)
-            self.loop.call_soon_threadsafe(self.loop.stop)
         except Exception:  # the loop ended meanwhile: nothing left to stop
             log.debug("gRPC server already stopped", exc_info=True)
+        try:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+        except RuntimeError:  # closed already
+            pass
         if self.thread is not None:
             self.thread.join(5)
 
