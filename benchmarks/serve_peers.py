@@ -1,7 +1,9 @@
-"""How does vit-serve compare with its peers? vit-serve, LitServe and a plain Ray Serve deployment of the same
-ONNX file, all up at once, on the same requests in alternating rounds.
+"""How does vit-serve compare with its peers? vit-serve beside LitServe, then beside a plain Ray Serve deployment
+of the same ONNX file: two servers up at once, the same requests in alternating rounds.
 
-Each round gives every target `--duration` seconds of `--concurrency` clients posting back to back:
+Each peer is paired with vit-serve in turn, alone beside it: an idle peer still takes CPU (Ray's local cluster
+keeps its GCS, raylet and dashboard busy), which would otherwise come out of whichever server is measured.
+Each round gives every target of the pair `--duration` seconds of `--concurrency` clients posting back to back:
 - the three servers get the same multipart PNG upload (vit-serve's /v1/classify, LitServe's /predict, Ray's
   /classify), each batching up to 8 images and answering the top 5 of `OnnxClassifier`;
 - vit-serve also gets the image as a KServe v2 binary tensor (HTTP) and as a gRPC ModelInfer with
@@ -46,6 +48,8 @@ from serve.runtime.classifier import OnnxClassifier
 from serve.server.testing import ServerProcess, free_port
 
 INFER = "/inference.GRPCInferenceService/ModelInfer"
+READY = {"litserve": "/health", "ray": "/-/healthz"}
+PATHS = {"litserve": "/predict", "ray": "/classify"}
 
 
 def in_process_cost(clf: OnnxClassifier, png: bytes, batch: int = 8, seconds: float = 2.0) -> tuple[float, float]:
@@ -87,45 +91,49 @@ def tensor_requests(clf: OnnxClassifier, png: bytes, name: str) -> tuple[bytes, 
     return v2, message.SerializeToString()
 
 
-def start_servers(model: Path, peers: list[str], batch: int, logs: Path) -> dict:
-    """Every server, one after the other (none times its batch sizes while another loads): name -> (server, port...).
-    A server that fails to start stops the ones already up."""
-    servers: dict = {}
+def start_vit(model: Path, batch: int, logs: Path) -> tuple[ServerProcess, int, int]:
+    """vit-serve with gRPC, batching up to `batch` images: (the server, its HTTP port, its gRPC port)."""
+    gport = free_port()
+    sizes = ["--max-batch-size", str(batch), "--preferred-batch-size", str(batch)]
+    vit = ServerProcess(model, "--no-ui", "--grpc-port", str(gport), *sizes, "--log-level", "warning",
+                        log_file=logs / "vit-serve.log")  # fmt: skip
     try:
-        gport = free_port()
-        sizes = ["--max-batch-size", str(batch), "--preferred-batch-size", str(batch)]
-        vit = ServerProcess(model, "--no-ui", "--grpc-port", str(gport), *sizes, "--log-level", "warning",
-                            log_file=logs / "vit-serve.log")  # fmt: skip
-        servers["vit-serve"] = (vit, vit.port, gport)
         vit.wait_ready()
-        ready = {"litserve": "/health", "ray": "/-/healthz"}
-        for peer in peers:
-            port = free_port()
-            cmd = [sys.executable, "-m", "benchmarks.peer_servers", peer, str(model), "--port", str(port),
-                   "--max-batch-size", str(batch)]  # fmt: skip
-            servers[peer] = (Child(cmd, logs / f"{peer}.log"), port)
-            servers[peer][0].wait_ready(f"http://127.0.0.1:{port}{ready[peer]}")
     except BaseException:
-        for child, *_ in servers.values():
-            child.stop()
+        vit.stop()
         raise
-    return servers
+    return vit, vit.port, gport
 
 
-def targets(servers: dict, png: bytes, v2: bytes, message: bytes, concurrency: int, seconds: float) -> dict:
-    """Name -> (a load of `seconds`, the server's pid, whether it decodes the image)."""
-    vit, port, gport = servers["vit-serve"]
+def start_peer(peer: str, model: Path, batch: int, logs: Path) -> tuple[Child, int]:
+    """LitServe or Ray Serve (`benchmarks.peer_servers`) batching up to `batch` images: (the server, its port)."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "benchmarks.peer_servers", peer, str(model), "--port", str(port),
+           "--max-batch-size", str(batch)]  # fmt: skip
+    child = Child(cmd, logs / f"{peer}.log")
+    try:
+        child.wait_ready(f"http://127.0.0.1:{port}{READY[peer]}")
+    except BaseException:
+        child.stop()
+        raise
+    return child, port
+
+
+def targets(vit: tuple, peer: tuple | None, png: bytes, v2: bytes, message: bytes, concurrency: int, seconds: float):
+    """Name -> (a load of `seconds`, the server's pid, whether it decodes the image), for vit-serve's three ways in
+    and, given `peer` as (its name, the server, its port), the peer's multipart upload."""
+    server, port, gport = vit
     upload = multipart_request("/v1/classify", png)
     out = {
-        "vit-serve HTTP multipart": (lambda: http_load(port, upload, concurrency, seconds), vit, True),
-        "vit-serve HTTP v2 binary tensor": (lambda: http_load(port, v2, concurrency, seconds), vit, False),
+        "vit-serve HTTP multipart": (lambda: http_load(port, upload, concurrency, seconds), server, True),
+        "vit-serve HTTP v2 binary tensor": (lambda: http_load(port, v2, concurrency, seconds), server, False),
         "vit-serve gRPC raw tensor": (
-            lambda: grpc_load(f"127.0.0.1:{gport}", INFER, message, concurrency, seconds), vit, False),
+            lambda: grpc_load(f"127.0.0.1:{gport}", INFER, message, concurrency, seconds), server, False),
     }  # fmt: skip
-    paths = {"litserve": "/predict", "ray": "/classify"}
-    for peer, (child, p) in ((k, v) for k, v in servers.items() if k != "vit-serve"):
-        request = multipart_request(paths[peer], png)
-        out[f"{peer} HTTP multipart"] = (lambda r=request, p=p: http_load(p, r, concurrency, seconds), child, True)
+    if peer is not None:
+        name, child, p = peer
+        request = multipart_request(PATHS[name], png)
+        out[f"{name} HTTP multipart"] = (lambda: http_load(p, request, concurrency, seconds), child, True)
     return out
 
 
@@ -134,15 +142,18 @@ def main() -> None:
     p.add_argument("--model", type=Path, help="an exported .onnx (default: --variant with random weights)")
     p.add_argument("--variant", default="vit_micro_patch4_32", help="vit.create_model variant to export")
     p.add_argument("--data", type=Path, default=Path("data/digits"), help="sample images: classes and the posted PNG")
-    p.add_argument("--peers", default="litserve,ray", help="comma-separated: litserve, ray (empty: vit-serve only)")
+    p.add_argument(
+        "--peers", default="litserve,ray", help="comma-separated, each paired with vit-serve in turn: litserve, ray "
+        "(empty: vit-serve alone)",
+    )  # fmt: skip
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--duration", type=float, default=4.0, help="seconds per target per round")
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--batch", type=int, default=8, help="most images per model call, on every server")
     p.add_argument(
         "--pin", action="store_true",
-        help="every server (all its processes and threads) on the first CPU, the load generators on the others: "
-        "each server gets the same core, and no server's throughput pays for its clients' CPU",
+        help="both servers of a pair (all their processes and threads) on the first CPU, the load generators on the "
+        "others: each server gets the same core, and no server's throughput pays for its clients' CPU",
     )  # fmt: skip
     args = add_results_option(p).parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="serve_peers-"))
@@ -159,44 +170,64 @@ def compare(args: argparse.Namespace, model: Path, tmp: Path) -> None:
     model_us, decode_model_us = in_process_cost(clf, png, args.batch)
     v2, message = tensor_requests(clf, png, clf.name)
     peers = [x for x in args.peers.split(",") if x]
-    servers = start_servers(model, peers, args.batch, tmp)
+    vit = start_vit(model, args.batch, tmp)
+    pairs: dict[str, dict[str, list[dict]]] = {}  # the peer (or "vit-serve" alone) -> target -> its rounds
     try:
-        if args.pin:
-            pin_apart([child.proc.pid for child, *_ in servers.values()])
-        loads = targets(servers, png, v2, message, args.concurrency, args.duration)
-        for load, _, _ in loads.values():  # connections, first batches, the peers' routing
-            load()
-        runs: dict[str, list[dict]] = {name: [] for name in loads}
-        for _ in range(args.rounds):
-            for name, (load, child, _) in loads.items():
-                runs[name].append(measured(load, child.proc.pid))
+        for peer in peers or [None]:
+            child, port = start_peer(peer, model, args.batch, tmp) if peer else (None, None)
+            try:
+                if args.pin:
+                    pin_apart([vit[0].proc.pid] + ([child.proc.pid] if child else []))
+                loads = targets(vit, peer and (peer, child, port), png, v2, message, args.concurrency, args.duration)
+                pairs[peer or "vit-serve"] = rounds_of(loads, args.rounds)
+            finally:
+                if child is not None:
+                    child.stop()
     finally:
-        for child, *_ in servers.values():
-            child.stop()
+        vit[0].stop()
     described = str(model) if args.model else f"{model.name} ({args.variant} random weights)"
     setting = {"model": described, "concurrency": args.concurrency, "rounds": args.rounds}
     setting |= {"duration s": args.duration, "batch": args.batch, "pinned": args.pin}
     name = "serve_peers_pinned" if args.pin else "serve_peers"  # one result per setting
     result = Result(name, setting, ("onnxruntime", "uvicorn", "litserve", "ray"), results=args.results)
-    columns = ["target", "req/s (median)", "vs LitServe", "p50 ms", "p99 ms", "server CPU µs/req",
-               "beyond model µs/req", "errors", "req/s each round"]  # fmt: skip
-    formats = {"req/s (median)": "{:,.0f}", "vs LitServe": "{:.2f}x", "p50 ms": "{:.1f}", "p99 ms": "{:.1f}"}
-    table = result.table(columns, formats=formats | {c: "{:,.0f}" for c in columns[5:7]})
-    medians = {name: {k: statistics.median(r[k] for r in rounds) for k in ("rps", "p50", "p99", "cpu_us")}
-               for name, rounds in runs.items()}  # fmt: skip
-    lit = medians.get("litserve HTTP multipart", {}).get("rps")
-    for name, rounds in runs.items():
-        med = medians[name]
-        base = decode_model_us if loads[name][2] else model_us
-        vs = med["rps"] / lit if lit else None
-        each = ", ".join(f"{r['rps']:.0f}" for r in rounds)
-        errors = sum(r["errors"] for r in rounds)
-        table.add(name, med["rps"], vs, med["p50"], med["p99"], med["cpu_us"], med["cpu_us"] - base, errors, each)
-    table.notes.append(
+    for peer, runs in pairs.items():
+        add_table(result, peer, runs, model_us, decode_model_us)
+    result.notes.append(
         f"in-process, batch {args.batch}: model {model_us:.0f} µs/image, decode + model {decode_model_us:.0f} µs/image"
     )
-    result.data = {"model_us_per_image": model_us, "decode_and_model_us_per_image": decode_model_us, "rounds": runs}
+    result.data = {"model_us_per_image": model_us, "decode_and_model_us_per_image": decode_model_us, "pairs": pairs}
     result.finish()
+
+
+def add_table(result: Result, peer: str, runs: dict[str, list[dict]], model_us: float, decode_model_us: float):
+    """The table of one pair: each target's medians over its rounds, against the peer's req/s."""
+    vs = "vs " + {"litserve": "LitServe", "ray": "Ray Serve"}.get(peer, "vit-serve multipart")
+    columns = ["target", "req/s (median)", vs, "p50 ms", "p99 ms", "server CPU µs/req", "beyond model µs/req",
+               "errors", "req/s each round"]  # fmt: skip
+    formats = {"req/s (median)": "{:,.0f}", vs: "{:.2f}x", "p50 ms": "{:.1f}", "p99 ms": "{:.1f}"}
+    title = f"vit-serve beside {vs[3:]}" if peer != "vit-serve" else "vit-serve alone"
+    table = result.table(columns, title=title, formats=formats | {c: "{:,.0f}" for c in columns[5:7]})
+    medians = {name: {k: statistics.median(r[k] for r in rounds) for k in ("rps", "p50", "p99", "cpu_us")}
+               for name, rounds in runs.items()}  # fmt: skip
+    base = medians[f"{peer} HTTP multipart" if peer != "vit-serve" else "vit-serve HTTP multipart"]["rps"]
+    for name, rounds in runs.items():
+        med = medians[name]
+        beyond = med["cpu_us"] - (decode_model_us if "multipart" in name else model_us)  # tensors: no decoding
+        each = ", ".join(f"{r['rps']:.0f}" for r in rounds)
+        errors = sum(r["errors"] for r in rounds)
+        table.add(name, med["rps"], med["rps"] / base, med["p50"], med["p99"], med["cpu_us"], beyond, errors, each)
+
+
+def rounds_of(loads: dict, rounds: int) -> dict[str, list[dict]]:
+    """Each load once unmeasured (connections, first batches, the peers' routing), then `rounds` alternating rounds
+    of all of them: target -> its rounds."""
+    for load, _, _ in loads.values():
+        load()
+    runs: dict[str, list[dict]] = {name: [] for name in loads}
+    for _ in range(rounds):
+        for name, (load, child, _) in loads.items():
+            runs[name].append(measured(load, child.proc.pid))
+    return runs
 
 
 if __name__ == "__main__":

@@ -79,8 +79,10 @@ refuses the connection itself. The same tiny app under each, with idle connectio
         "Peers: vit-serve, LitServe, Ray Serve",
         "peers",
         """\
-The same ONNX file (the sample's architecture, `vit_micro_patch4_32`, random weights) behind each server, all up
-at once, rounds alternating, 16 keep-alive clients, batches of up to 8 on every server. **Server CPU per request**
+The same ONNX file (the sample's architecture, `vit_micro_patch4_32`, random weights) behind each server, 16
+keep-alive clients, batches of up to 8 on every server. vit-serve is paired with each peer in turn: the two up at
+once, rounds alternating, and no other server up (an idle Ray cluster keeps its GCS, raylet and dashboard busy, and
+that CPU would come out of whichever server is measured). **Server CPU per request**
 (every process of the server, from /proc) is the figure that holds whatever else runs on the machine; "beyond
 model" is that CPU less what the model and decoding cost in-process (the gRPC and v2 tensor rows send pixels, so
 only the model is subtracted there). Ray Serve's CPU counts every process of its local cluster (GCS, raylet,
@@ -89,10 +91,10 @@ dashboard agent, proxy and replica). LitServe and Ray Serve install with `pip in
             Part("serve_peers", "The load generators beside the servers, on both cores"),
             Part(
                 "serve_peers_pinned",
-                "Pinned: every server on one core, the load generators on the other (`--pin`)",
-                "Each server gets the same single core and none pays for its clients' CPU, so throughput follows "
-                "the server's own CPU per request. A server's CPU per request is higher here than unpinned: all "
-                "its threads (and LitServe's processes) take turns on one core.",
+                "Pinned: the servers on one core, the load generators on the other (`--pin`)",
+                "The two servers of a pair share the first core and neither pays for its clients' CPU, so "
+                "throughput follows the server's own CPU per request. A server's CPU per request is higher here "
+                "than unpinned: all its threads (and LitServe's processes) take turns on one core.",
             ),
         ),
     ),
