@@ -119,6 +119,9 @@ def session_members(sid: int) -> list[int]:
     return members
 
 
+CPUS = sorted(os.sched_getaffinity(0))  # before `pin_apart` narrows this process's own
+
+
 def pin_apart(pids: list[int]) -> None:
     """Every thread of each process in `pids` and of the processes they started, onto the first CPU; this process
     (the load generators) onto the others. Throughput then follows each server's CPU per request, not how the
@@ -127,7 +130,7 @@ def pin_apart(pids: list[int]) -> None:
     Raises:
         SystemExit: fewer than two CPUs.
     """
-    cpus = sorted(os.sched_getaffinity(0))
+    cpus = CPUS
     if len(cpus) < 2:
         sys.exit("--pin needs two CPUs (one for the servers, one for the load generator)")
     for member in {m for pid in pids for m in (pid, *session_members(pid))}:
