@@ -6,7 +6,15 @@ test-serve-only`), where torch is absent; a test that needs it imports it or ski
 
 from __future__ import annotations
 
+import os
+
 import pytest
+
+# One OpenMP thread for PyTorch in the test processes and the training runs they start: three workers on two
+# cores, each with its own threads spinning for work, mostly waited on one another (tests/train and
+# test_pipeline.py: 203 s and 308 s of CPU this way, 216 s and 338 s with PyTorch's default of a thread per
+# core; 2-core VM, 2026-12-03). onnxruntime keeps its own thread pools, which the tests set themselves.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 def _cuda_available() -> bool:
