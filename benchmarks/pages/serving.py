@@ -105,7 +105,8 @@ dashboard agent, proxy and replica). LitServe and Ray Serve install with `pip in
 Target: gRPC at least as fast as HTTP v2. The `vit-serve HTTP v2 binary tensor` and `vit-serve gRPC raw tensor`
 rows of the peers tables above: the same pixels of the same image (batch 1), the same server, alternating rounds.
 The gRPC load generator (grpc.aio, one channel) costs its process more CPU per call than the raw-socket HTTP one:
-sharing the two cores with the server, it takes CPU the server would use, and the two rows come out level; with
+sharing the two cores with the server, it takes CPU the server would use, and the gRPC row comes out level with
+the HTTP v2 one or behind it; with
 the server on a core of its own (`--pin`), gRPC answers more requests per second than HTTP v2, as its lower
 server CPU per call says it should.""",
     ),
