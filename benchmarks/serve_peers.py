@@ -50,6 +50,7 @@ from serve.server.testing import ServerProcess, free_port
 INFER = "/inference.GRPCInferenceService/ModelInfer"
 READY = {"litserve": "/health", "ray": "/-/healthz"}
 PATHS = {"litserve": "/predict", "ray": "/classify"}
+PEER_NAMES = {"litserve": "LitServe", "ray": "Ray Serve"}
 
 
 def in_process_cost(clf: OnnxClassifier, png: bytes, batch: int = 8, seconds: float = 2.0) -> tuple[float, float]:
@@ -201,15 +202,16 @@ def compare(args: argparse.Namespace, model: Path, tmp: Path) -> None:
 
 def add_table(result: Result, peer: str, runs: dict[str, list[dict]], model_us: float, decode_model_us: float):
     """The table of one pair: each target's medians over its rounds, against the peer's req/s."""
-    vs = "vs " + {"litserve": "LitServe", "ray": "Ray Serve"}.get(peer, "vit-serve multipart")
+    shown = PEER_NAMES.get(peer)  # None: vit-serve alone, against its own multipart row
+    vs = f"vs {shown or 'vit-serve multipart'}"
     columns = ["target", "req/s (median)", vs, "p50 ms", "p99 ms", "server CPU µs/req", "beyond model µs/req",
                "errors", "req/s each round"]  # fmt: skip
     formats = {"req/s (median)": "{:,.0f}", vs: "{:.2f}x", "p50 ms": "{:.1f}", "p99 ms": "{:.1f}"}
-    title = f"vit-serve beside {vs[3:]}" if peer != "vit-serve" else "vit-serve alone"
+    title = f"vit-serve beside {shown}" if shown else "vit-serve alone"
     table = result.table(columns, title=title, formats=formats | {c: "{:,.0f}" for c in columns[5:7]})
     medians = {name: {k: statistics.median(r[k] for r in rounds) for k in ("rps", "p50", "p99", "cpu_us")}
                for name, rounds in runs.items()}  # fmt: skip
-    base = medians[f"{peer} HTTP multipart" if peer != "vit-serve" else "vit-serve HTTP multipart"]["rps"]
+    base = medians[f"{peer} HTTP multipart"]["rps"]  # the peer's row, or vit-serve's own
     for name, rounds in runs.items():
         med = medians[name]
         beyond = med["cpu_us"] - (decode_model_us if "multipart" in name else model_us)  # tensors: no decoding
