@@ -24,11 +24,12 @@ from starlette.concurrency import run_in_threadpool
 from serve.runtime.classifier import OnnxClassifier
 from serve.runtime.images import PixelBudget
 from serve.server.api.openapi import describe
-from serve.server.api.v1 import v1_router
+from serve.server.api.v1 import CLASSIFY_PATHS, classify_endpoint, v1_router
 from serve.server.api.v2 import v2_router
 from serve.server.engine import Engine, judge_rows
 from serve.server.http.errors import add_error_handlers, add_fallback_routes
 from serve.server.http.guard import RequestGuard, allowed_hosts_of
+from serve.server.http.lane import FastLane
 from serve.server.http.uploads import decode_image
 from serve.server.metrics import Metrics
 from serve.server.payload_log import CloudEventsSink, FileSink, PayloadLog
@@ -77,8 +78,9 @@ def build_app(
     add_error_handlers(app, settings.retry_after_s)
     limits = settings.request_limits()
     budget = PixelBudget(settings.decode_pixel_budget)  # shared by the API and the UI
+    classify = classify_endpoint(repository, limits, budget, payloads)
     routers = [
-        v1_router(repository, metrics, limits, budget, payloads),
+        v1_router(repository, metrics, classify),
         v2_router(repository, limits, metrics, payloads),
     ]
     for router in routers:  # flat, as `@app.get` adds them: `include_router` costs a dispatch layer per request
@@ -90,6 +92,8 @@ def build_app(
         from serve.server.ui.blocks import mount_ui
 
         app = mount_ui(app, repository, layout, settings, budget, names)
+    lanes = [(path, classify) for path in CLASSIFY_PATHS]  # just inside the guard: past FastAPI's routing
+    app.add_middleware(FastLane, routes=lanes, retry_after_s=settings.retry_after_s)
     # outermost: it counts what the client got (the UI's 422, not Gradio's 500; 400 for a wrong Host)
     app.add_middleware(
         RequestGuard,

@@ -16,6 +16,7 @@ from fastapi.testclient import TestClient
 from PIL import Image
 
 from serve.runtime.classifier import OnnxClassifier
+from serve.server.api import v1
 from serve.server.app import build_app
 from serve.server.settings import ServeSettings
 from tests.helpers import bright_square, encoded, huge_png_header, png_bytes, read_metric, wait_until
@@ -225,6 +226,26 @@ def test_full_queue_answers_503_with_retry_after(classifier):
         assert ok.status_code == 200
 
 
+def test_a_fault_in_the_classify_route_is_a_json_500_logged_with_its_traceback(classifier, monkeypatch, caplog):
+    """/v1/classify bypasses FastAPI's routing (`serve.server.http.lane`): a bug there still answers as FastAPI's
+    handlers would, and is counted and logged, and the server keeps serving."""
+    with TestClient(build_app(classifier, ServeSettings(examples_dir=""), with_ui=False), base_url=LOCAL) as c:
+        healthy = v1.encode_response
+        monkeypatch.setattr(v1, "encode_response", lambda *a: {}["a bug"])
+        path = f"/v1/models/{classifier.name}/classify"
+        r = c.post(path, content=png_bytes(bright_square(1)), headers={"content-type": "image/png"})
+        monkeypatch.setattr(v1, "encode_response", healthy)
+        ok = c.post("/v1/classify", content=png_bytes(bright_square(1)), headers={"content-type": "image/png"})
+        failed = counter(c, "vitscope_requests_total", route="/v1", status="500")
+    assert r.status_code == 500 and r.json()["error"] == {
+        "code": "internal",
+        "message": "internal error (KeyError); see the server log",
+    }
+    assert r.headers["x-request-id"] and failed == 1 and ok.status_code == 200
+    logged = [rec for rec in caplog.records if rec.getMessage() == f"unexpected error on {path}"]
+    assert len(logged) == 1 and logged[0].exc_info[0] is KeyError
+
+
 def test_a_model_that_does_not_answer_in_time_gives_504_and_the_server_recovers(classifier):
     settings = ServeSettings(request_timeout_s=0.4, examples_dir="")
     with TestClient(build_app(classifier, settings, with_ui=False), base_url=LOCAL) as c:
@@ -278,6 +299,7 @@ from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from serve.server.api import v1
 from serve.server.app import build_app
 from serve.runtime.classifier import OnnxClassifier
 from serve.server.settings import ServeSettings

@@ -11,7 +11,7 @@ GET  /metrics              Prometheus
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Literal
 
 from fastapi import APIRouter, Request
@@ -158,55 +158,22 @@ def check_coverage(classifier, coverage: float | None) -> None:
         raise ApiError("bad_request", str(e)) from None
 
 
-def add_plain_routes(router: APIRouter, classify) -> None:
-    """The /v1 classify paths as plain Starlette routes, to be added before FastAPI's routes of the same paths so that
-    requests match them first; `classify(request, name, version)` answers (None: the default model, its latest).
-
-    FastAPI's route machinery (dependency solving, its exit stacks, the response merge) cost the sample 1.12x-1.17x
-    the server CPU per request, and as many fewer requests per second (`benchmarks.serve_ab`; BENCHMARKS.md,
-    serving). FastAPI's routes describe the same paths in the OpenAPI document, and answer alike where reached.
-    """
-
-    async def classify_any(request: Request):
-        path = request.path_params
-        return await classify(request, path.get("name"), path.get("version"))
-
-    for path in ("/v1/classify", "/v1/models/{name}/classify", "/v1/models/{name}/versions/{version}/classify"):
-        router.add_route(path, classify_any, methods=["POST"], include_in_schema=False)
+CLASSIFY_PATHS = ("/v1/classify", "/v1/models/{name}/classify", "/v1/models/{name}/versions/{version}/classify")
 
 
-def v1_router(
+def classify_endpoint(
     repository: ModelRepository,
-    metrics: Metrics,
     limits: RequestLimits,
     budget: PixelBudget | None = None,
     payloads: PayloadLog | None = None,
-) -> APIRouter:
-    """`/v1/classify` (the default model), `/v1/models/<name>[/versions/<version>]/classify`, `/healthz`,
-    `/readyz` and `/metrics` over the repository's versions; large uploads hold `budget` while they decode;
-    each answer is recorded in `payloads` (None: nowhere)."""
-    router = APIRouter()
-    answers = {200: {"description": "the top classes, best first"}}
-    extra = {"parameters": query_parameters(), "requestBody": IMAGE_BODY}  # what the route reads itself
-    route = functools.partial(router.post, response_model=Predictions, responses=answers, openapi_extra=extra)
+) -> Callable[..., Awaitable[Response]]:
+    """`classify(request, name=None, version=None)`: the answer to a classify request for a model's version (None:
+    the default model, its latest version); large uploads hold `budget` while they decode; each answer is recorded
+    in `payloads` (None: nowhere). `serve.server.http.lane.FastLane` calls it straight; FastAPI's routes for the
+    same paths (`v1_router`) document it."""
 
-    # first: requests match these plain routes; FastAPI's below document the same paths (see add_plain_routes)
-    add_plain_routes(router, lambda request, name, version: classify_with(resolve(repository, name, version), request))
-
-    @route("/v1/classify", summary="Classify one image with the default model", operation_id="classify")
-    async def classify(request: Request):
-        """An image (JPEG, PNG, GIF, BMP, WebP or TIFF) as the multipart field `file` or as the raw body."""
-        return await classify_with(resolve(repository, None, None), request)
-
-    @route("/v1/models/{name}/classify", summary="Classify one image with a model's latest version")
-    async def classify_model(name: str, request: Request):
-        return await classify_with(resolve(repository, name, None), request)
-
-    @route("/v1/models/{name}/versions/{version}/classify", summary="Classify one image with one version")
-    async def classify_version(name: str, version: str, request: Request):
-        return await classify_with(resolve(repository, name, version), request)
-
-    async def classify_with(served: ModelVersion, request: Request):
+    async def classify(request: Request, name: str | None = None, version: str | None = None) -> Response:
+        served = resolve(repository, name, version)
         with served.held():  # the version drains only once this request is done with it
             classifier, engine = served.classifier, served.engine
             model = (served.name, served.version, classifier.labels)  # as the payload log names it
@@ -224,6 +191,30 @@ def v1_router(
             if payloads is not None:
                 payloads.record(request_id_of(request), "/v1/classify", model, rows["probs"][None], [data])
             return JSONResponse(encode_response(served, answers, top_k, explanation))
+
+    return classify
+
+
+def v1_router(repository: ModelRepository, metrics: Metrics, classify: Callable[..., Awaitable[Response]]) -> APIRouter:
+    """`/v1/classify` (the default model), `/v1/models/<name>[/versions/<version>]/classify` answered by `classify`
+    (`classify_endpoint`), `/healthz`, `/readyz` and `/metrics` over the repository's versions."""
+    router = APIRouter()
+    answers = {200: {"description": "the top classes, best first"}}
+    extra = {"parameters": query_parameters(), "requestBody": IMAGE_BODY}  # what the route reads itself
+    route = functools.partial(router.post, response_model=Predictions, responses=answers, openapi_extra=extra)
+
+    @route(CLASSIFY_PATHS[0], summary="Classify one image with the default model", operation_id="classify")
+    async def classify_default(request: Request):
+        """An image (JPEG, PNG, GIF, BMP, WebP or TIFF) as the multipart field `file` or as the raw body."""
+        return await classify(request)
+
+    @route(CLASSIFY_PATHS[1], summary="Classify one image with a model's latest version")
+    async def classify_model(name: str, request: Request):
+        return await classify(request, name)
+
+    @route(CLASSIFY_PATHS[2], summary="Classify one image with one version")
+    async def classify_version(name: str, version: str, request: Request):
+        return await classify(request, name, version)
 
     add_status_routes(router, repository, metrics)
     return router

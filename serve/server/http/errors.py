@@ -124,8 +124,10 @@ def add_error_handlers(app: FastAPI, retry_after_s: int) -> None:
     the JSON body above."""
 
     @app.exception_handler(ApiError)
-    async def _api_error(request: Request, err: ApiError):
-        return error_response(err, retry_after_s)
+    @app.exception_handler(ClientDisconnect)
+    @app.exception_handler(Exception)
+    async def _raised(request: Request, err: Exception):
+        return response_for(err, request, retry_after_s)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, err: RequestValidationError):
@@ -138,18 +140,18 @@ def add_error_handlers(app: FastAPI, retry_after_s: int) -> None:
         code = {404: "not_found", 405: "method_not_allowed", 413: "body_too_large"}.get(err.status_code, "bad_request")
         return error_response(ApiError(code, str(err.detail)), retry_after_s)
 
-    @app.exception_handler(ClientDisconnect)
-    async def _client_left(request: Request, err: ClientDisconnect):
-        # the client's own doing, not a fault here: one line at info level, counted as 499, never sent
+
+def response_for(err: Exception, request: Request, retry_after_s: int) -> Response:
+    """The answer to a request whose route raised `err`: an `ApiError`'s own, 499 (logged, counted, never sent)
+    when the client went away, and 500 with a line in the log for anything unexpected."""
+    if isinstance(err, ApiError):
+        return error_response(err, retry_after_s)
+    if isinstance(err, ClientDisconnect):  # the client's own doing, not a fault here: one line at info level
         log.info("client went away during %s %s before the answer", request.method, request.url.path)
         return Response(status_code=ERROR_STATUS["client_closed"])
-
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, err: Exception):
-        log.exception("unexpected error on %s", request.url.path)
-        return error_response(
-            ApiError("internal", f"internal error ({type(err).__name__}); see the server log"), retry_after_s
-        )
+    log.error("unexpected error on %s", request.url.path, exc_info=err)
+    internal = ApiError("internal", f"internal error ({type(err).__name__}); see the server log")
+    return error_response(internal, retry_after_s)
 
 
 def add_fallback_routes(app: FastAPI, routers: list[APIRouter]) -> None:
