@@ -2,10 +2,11 @@
 handler, past FastAPI's exception middleware, exit stacks, router and route wrappers.
 
 Those layers cost the sample 7 % of the server's CPU per request, and the lane answered 1.10x the requests per
-second (`benchmarks.serve_ab` against the plain Starlette routes these replaced; BENCHMARKS.md, serving). The lane sits just inside `RequestGuard`, so each request still
-gets its ID, its Host and API-key checks, its access-log line and its metrics, and an error gets the answer
-FastAPI's handlers give it (`response_for`). FastAPI's routes of the same paths stay: they describe them in the
-OpenAPI document, and they answer alike where a request reaches them.
+second (`benchmarks.serve_ab` against the plain Starlette routes these replaced; BENCHMARKS.md, serving). The
+lane sits just inside `RequestGuard`, so each request still gets its ID, its Host and API-key checks, its
+access-log line and its metrics, and an error gets the answer FastAPI's handlers give it (`response_for`).
+FastAPI's routes of the same paths stay: they describe them in the OpenAPI document, and they answer alike where
+a request reaches them.
 """
 
 from __future__ import annotations
