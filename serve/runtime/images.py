@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Union
 
 import numpy as np
-from PIL import Image, ImageOps, UnidentifiedImageError
+from PIL import ExifTags, Image, ImageOps, UnidentifiedImageError
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff")
 # The decoders PIL may use: the formats above (JPEG's includes the MPO files of many phones). Every other
@@ -81,7 +81,7 @@ def load_image(source: ImageSource, max_pixels: int | None = DEFAULT_MAX_PIXELS)
         img = open_image(source, max_pixels)
     try:
         img.load()  # decode fully now, so truncation shows here and not later
-        img = ImageOps.exif_transpose(img)
+        img = upright(img)
         return _to_rgb(img)
     except ImageError:
         raise
@@ -196,12 +196,20 @@ def load_reduced(
     with budget.hold(img.width * img.height) if budget is not None else nullcontext():
         try:
             img.load()
-            img = ImageOps.exif_transpose(img)
+            img = upright(img)
             return _to_rgb(_reduce(img, factor) if factor >= 2 else img)
         except ImageError:
             raise
         except Exception as e:  # as in load_image: any decoder error means a broken file
             raise ImageError(f"image data is corrupt or truncated: {e}", "corrupt") from None
+
+
+def upright(img: Image.Image) -> Image.Image:
+    """`img` turned as its EXIF (or XMP) Orientation says; `img` itself when it says nothing to turn, where
+    `ImageOps.exif_transpose` would copy every pixel."""
+    if img.getexif().get(ExifTags.Base.Orientation, 1) not in range(2, 9):
+        return img
+    return ImageOps.exif_transpose(img)
 
 
 def _reduction(size: tuple[int, int], cover: tuple[int, int]) -> int:

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from PIL import Image
+from PIL import Image, PngImagePlugin
 
 from serve.runtime.classifier import OnnxClassifier
-from serve.runtime.images import ImageError, load_image
+from serve.runtime.images import ImageError, load_image, load_reduced
 from serve.runtime.model_file import ModelFileError
 from serve.runtime.rollout import attention_rollout
 from tests.helpers import huge_png_header, mixed_images
@@ -207,3 +207,23 @@ def test_an_oversized_image_is_refused_naming_our_pixel_limit(side):
     with pytest.raises(ImageError, match="over the limit of 40,000,000; resize it first") as e:
         load_image(huge_png_header(side, side), max_pixels=40_000_000)
     assert e.value.kind == "too_large" and f"{side * side:,} pixels" in str(e.value)
+
+
+@pytest.mark.parametrize("fmt", ["JPEG", "PNG", "WEBP", "PNG with XMP"])
+@pytest.mark.parametrize("orientation", [1, 3, 6, 8, None])
+def test_images_decode_upright_whatever_carries_their_orientation(fmt, orientation):
+    pixels = np.random.default_rng(orientation or 0).integers(0, 256, (6, 10, 3), np.uint8)
+    buf, save = io.BytesIO(), {}
+    if orientation is not None and fmt == "PNG with XMP":
+        save["pnginfo"] = PngImagePlugin.PngInfo()
+        tiff = 'xmlns:tiff="http://ns.adobe.com/tiff/1.0/"'
+        save["pnginfo"].add_itxt("XML:com.adobe.xmp", f'<rdf:Description {tiff} tiff:Orientation="{orientation}"/>')
+    elif orientation is not None:
+        exif = Image.Exif()
+        exif[0x0112] = orientation
+        save["exif"] = exif.tobytes()
+    Image.fromarray(pixels).save(buf, fmt.split()[0], quality=100, lossless=True, **save)
+    stored = np.asarray(Image.open(io.BytesIO(buf.getvalue())).convert("RGB"))  # JPEG's own rounding included
+    turned = {3: np.rot90(stored, 2), 6: np.rot90(stored, -1), 8: np.rot90(stored, 1)}.get(orientation, stored)
+    assert np.array_equal(np.asarray(load_image(buf.getvalue())), turned)
+    assert np.array_equal(np.asarray(load_reduced(buf.getvalue(), (10, 10), None)), turned)  # the server's way
