@@ -92,9 +92,16 @@ def build_app(
         from serve.server.ui.blocks import mount_ui
 
         app = mount_ui(app, repository, layout, settings, budget, names)
-    lanes = [(path, classify) for path in CLASSIFY_PATHS]  # just inside the guard: past FastAPI's routing
+    add_request_layers(app, settings, metrics, classify)
+    return app
+
+
+def add_request_layers(app: FastAPI, settings: ServeSettings, metrics: Metrics, classify) -> None:
+    """The layers every request meets first: `RequestGuard` (outermost: it counts what the client got, the UI's
+    422 and not Gradio's 500, 400 for a wrong Host), then `FastLane`, which takes the classify requests past
+    FastAPI's routing to `classify`."""
+    lanes = [(path, classify) for path in CLASSIFY_PATHS]
     app.add_middleware(FastLane, routes=lanes, retry_after_s=settings.retry_after_s)
-    # outermost: it counts what the client got (the UI's 422, not Gradio's 500; 400 for a wrong Host)
     app.add_middleware(
         RequestGuard,
         api_key=settings.api_key.get_secret_value(),
@@ -102,7 +109,6 @@ def build_app(
         metrics=metrics,
         routes=("/v1", "/v2", "/healthz", "/readyz", "/gradio_api"),
     )
-    return app
 
 
 def repository_of(models, single, settings: ServeSettings, metrics: Metrics, engine_class) -> ModelRepository:
