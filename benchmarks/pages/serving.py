@@ -33,9 +33,10 @@ model server page).""",
         """\
 What each layer of a `/v1/classify` request costs the event loop, in-process and side by side (no sockets, no
 model), in CPU time per call over interleaved rounds: the routing (a plain Starlette route checking its parameters
-by hand, as `/v1/classify` does, a FastAPI route that validates `ClassifyParams` itself, and one that declares them
-as its query parameters) and the multipart body (Starlette's form parser against
-`serve.server.http.uploads.parse_multipart`).""",
+by hand, as `/v1/classify` did before `serve.server.http.lane` took it past the router, a FastAPI route that
+validates `ClassifyParams` itself, and one that declares them as its query parameters) and the multipart body
+(Starlette's form parser, python-multipart over the bytes, and `serve.server.http.uploads.parse_multipart`, which
+cuts a one-file upload out directly).""",
         (Part("serve_overhead"),),
     ),
     Section(
