@@ -99,9 +99,10 @@ def build_app(
 def add_request_layers(app: FastAPI, settings: ServeSettings, metrics: Metrics, classify) -> None:
     """The layers every request meets first: `RequestGuard` (outermost: it counts what the client got, the UI's
     422 and not Gradio's 500, 400 for a wrong Host), then `FastLane`, which takes the classify requests past
-    FastAPI's routing to `classify`."""
-    lanes = [(path, classify) for path in CLASSIFY_PATHS]
-    app.add_middleware(FastLane, routes=lanes, retry_after_s=settings.retry_after_s)
+    FastAPI's routing to `classify`; not with --opentelemetry, whose spans FastAPI's router names by route."""
+    if not settings.opentelemetry:
+        lanes = [(path, classify) for path in CLASSIFY_PATHS]
+        app.add_middleware(FastLane, routes=lanes, retry_after_s=settings.retry_after_s)
     app.add_middleware(
         RequestGuard,
         api_key=settings.api_key.get_secret_value(),
