@@ -2,7 +2,7 @@
 handler, past FastAPI's exception middleware, exit stacks, router and route wrappers.
 
 Those layers cost the sample 7 % of the server's CPU per request, and the lane answered 1.10x the requests per
-second (`benchmarks.serve_ab` against the plain Starlette routes these replaced; BENCHMARKS.md, serving). The
+second (`benchmarks.serve_ab` against the plain Starlette routes it replaced; BENCHMARKS.md, the repository server). The
 lane sits just inside `RequestGuard`, so each request still gets its ID, its Host and API-key checks, its
 access-log line and its metrics, and an error gets the answer FastAPI's handlers give it (`response_for`).
 FastAPI's routes of the same paths stay: they describe them in the OpenAPI document, and they answer the requests
