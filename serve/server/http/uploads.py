@@ -144,9 +144,9 @@ def only_file(body: bytes, boundary: bytes) -> bytes | None:
     `file`, a few short plain headers, the closing delimiter at the end. None for any other body, which
     python-multipart then parses: what this returns, it returns too (`tests/serve/test_uploads.py`).
 
-    python-multipart spends 24 µs on the sample's upload, in its callbacks; `parse_multipart` this way 13.5 µs,
-    the Content-Type's parsing included (`benchmarks.serve_overhead`): a few percent of the server's CPU per
-    request.
+    python-multipart spends 26.0 µs on the sample's upload, in its callbacks; `parse_multipart` this way 11.9 µs,
+    the Content-Type's parsing included (`benchmarks.serve_overhead`, BENCHMARKS.md): a few percent of the
+    server's CPU per request.
     """
     delim = b"--" + boundary
     first, close = len(delim) + 2, b"\r\n" + delim + b"--"
