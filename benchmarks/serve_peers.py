@@ -33,9 +33,9 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.common import Result, add_results_option
+from benchmarks.grpc_wire import grpc_load
 from benchmarks.servers import (
     Child,
-    grpc_load,
     http_load,
     http_request,
     measured,
@@ -129,7 +129,7 @@ def targets(vit: tuple, peer: tuple | None, png: bytes, v2: bytes, message: byte
         "vit-serve HTTP multipart": (lambda: http_load(port, upload, concurrency, seconds), server, True),
         "vit-serve HTTP v2 binary tensor": (lambda: http_load(port, v2, concurrency, seconds), server, False),
         "vit-serve gRPC raw tensor": (
-            lambda: grpc_load(f"127.0.0.1:{gport}", INFER, message, concurrency, seconds), server, False),
+            lambda: grpc_load(gport, INFER, message, concurrency, seconds), server, False),
     }  # fmt: skip
     if peer is not None:
         name, child, p = peer

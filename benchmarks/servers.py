@@ -7,7 +7,8 @@ ready on `/readyz`, stopped with the drain); this module adds what that one does
 - `http_load`: keep-alive HTTP/1.1 connections posting one prebuilt request back to back (an asyncio protocol
   on uvloop, no parsing beyond the status line and Content-Length): PNG bodies, multipart uploads or KServe v2
   binary tensors alike. It reports its own CPU per request too: it shares the cores with the server.
-- `grpc_load`: concurrent unary calls of one serialized message on one grpc.aio channel.
+- `grpc_load` (`benchmarks.grpc_wire`): its gRPC twin, unary calls of one prebuilt message on one HTTP/2
+  connection.
 - `crowd`: many keep-alive clients classifying as fast as they are answered, counting what they get.
 - `Prober`, `PeakRss`: a request every few milliseconds from a thread, its latencies and its failures; a
   process's peak resident memory.
@@ -234,7 +235,7 @@ class LoadConnection(asyncio.Protocol):
             self.done.set_result(None)
 
 
-def _summary(stats: dict, wall: float, cpu: float) -> dict:
+def load_summary(stats: dict, wall: float, cpu: float) -> dict:
     n = len(stats["latencies"])
     return {
         "requests": n,
@@ -259,7 +260,7 @@ async def _http_load(port: int, request: bytes, concurrency: int, seconds: float
         await asyncio.wait_for(asyncio.gather(*done), seconds + 60)
     except asyncio.TimeoutError:
         stats["errors"] += sum(not f.done() for f in done)  # each stalled connection counts as an error
-    return _summary(stats, time.perf_counter() - t0, time.process_time() - cpu0)
+    return load_summary(stats, time.perf_counter() - t0, time.process_time() - cpu0)
 
 
 def run_loop(coro):
@@ -279,34 +280,6 @@ def http_load(port: int, request: bytes, concurrency: int, seconds: float) -> di
         (`client_us`), and p50 / p99 / mean latency in ms.
     """
     return run_loop(_http_load(port, request, concurrency, seconds))
-
-
-async def _grpc_load(target: str, method: str, message: bytes, concurrency: int, seconds: float) -> dict:
-    import grpc
-
-    stats: dict = {"latencies": [], "errors": 0}
-    async with grpc.aio.insecure_channel(target) as channel:
-        call = channel.unary_unary(method)  # bytes in, bytes out: no (de)serialisation on this side
-        end = time.perf_counter() + seconds
-        cpu0, t0 = time.process_time(), time.perf_counter()
-
-        async def worker():
-            while time.perf_counter() < end:
-                started = time.perf_counter()
-                try:
-                    await call(message, timeout=30)
-                    stats["latencies"].append(time.perf_counter() - started)
-                except grpc.aio.AioRpcError:
-                    stats["errors"] += 1
-
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-        return _summary(stats, time.perf_counter() - t0, time.process_time() - cpu0)
-
-
-def grpc_load(target: str, method: str, message: bytes, concurrency: int, seconds: float) -> dict:
-    """`concurrency` concurrent unary calls of the serialized `message` for `seconds`, as `http_load` reports them
-    (asyncio's own loop: grpc.aio needs it)."""
-    return asyncio.run(_grpc_load(target, method, message, concurrency, seconds))
 
 
 async def _crowd(port: int, request: bytes, clients: int, seconds: float) -> dict:
