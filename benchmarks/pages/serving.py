@@ -105,11 +105,10 @@ dashboard agent, proxy and replica). LitServe and Ray Serve install with `pip in
         """\
 Target: gRPC at least as fast as HTTP v2. The `vit-serve HTTP v2 binary tensor` and `vit-serve gRPC raw tensor`
 rows of the peers tables above: the same pixels of the same image (batch 1), the same server, alternating rounds.
-The gRPC load generator (grpc.aio, one channel) costs its process more CPU per call than the raw-socket HTTP one:
-sharing the two cores with the server, it takes CPU the server would use, and the gRPC row comes out level with
-the HTTP v2 one or behind it; with
-the server on a core of its own (`--pin`), gRPC answers more requests per second than HTTP v2, as its lower
-server CPU per call says it should.""",
+Each protocol's load generator writes prebuilt requests straight onto its sockets (`benchmarks.grpc_wire`
+for gRPC: HTTP/2 frames with their flow control), so that neither client's CPU, taken from the cores the
+server shares, decides the comparison; grpc.aio's client cost several times as much per call and made gRPC
+read level with HTTP v2 or behind it. The pinned table puts the server on a core of its own.""",
     ),
     Section(
         "Payload logs",
