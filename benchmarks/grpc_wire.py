@@ -9,10 +9,13 @@ the HTTP one's gRPC twin: one HTTP/2 connection (as one grpc channel), `concurre
 a HEADERS frame encoded once (HPACK literals, no dynamic table) and the message's DATA frames, with HTTP/2's
 flow control, SETTINGS and PING acknowledged as the protocol asks.
 
-A call counts as answered when its stream brought a DATA frame (the response message) and then ended: a
-gRPC error is a trailers-only answer with no message, or a reset stream. Nothing is decoded beyond frame
-headers, so the grpc-status of an answer that carried a message is not read (a unary call that sent its
-message has succeeded).
+A call counts as answered when its stream brought a DATA frame (the response message) and then its trailers
+(HEADERS ending the stream); a gRPC error is a trailers-only answer with no message, or a reset stream.
+Nothing is decoded beyond frame headers, so the grpc-status of an answer that carried a message is not read:
+this assumes what vit-serve does, that a unary call which sent its message has succeeded (gRPC allows a message
+then an error; `tests/serve/test_grpc.py` checks the count against the server's own metrics). Each call sends
+what grpcio's client sends beside the message: a deadline (`grpc-timeout`, 30 s), user-agent and accepted
+encodings.
 """
 
 from __future__ import annotations
@@ -27,7 +30,10 @@ PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 DATA, HEADERS, RST_STREAM, SETTINGS, PING, GOAWAY, WINDOW_UPDATE = 0x0, 0x1, 0x3, 0x4, 0x6, 0x7, 0x8
 END_STREAM, ACK, END_HEADERS = 0x1, 0x1, 0x4
 INITIAL_WINDOW_SIZE, MAX_FRAME_SIZE = 0x4, 0x5  # SETTINGS parameters
+CANCEL = 0x8  # RST_STREAM's error code for a call given up
 BIG_WINDOW = 2**31 - 1
+DEFAULT_MAX_FRAME = 16_384
+CALL_FIELDS = {"grpc-timeout": "30S", "user-agent": "vitscope-bench grpc-wire", "grpc-accept-encoding": "identity"}
 
 
 def frame(kind: int, flags: int, stream: int, payload: bytes = b"") -> bytes:
@@ -50,7 +56,11 @@ def hpack_int(value: int, prefix: int, first: int = 0) -> bytes:
 def header_block(method: str, authority: str, metadata: dict[str, str] | None = None) -> bytes:
     """The request's headers as HPACK literals without indexing (no Huffman, no dynamic table): the same bytes
     for every call. Static-table indices (RFC 7541, appendix A): :method POST 3, :scheme http 6, :path 4,
-    :authority 1, content-type 31; `metadata` (an API key, say) follows as new names."""
+    :authority 1, content-type 31; `metadata` (an API key, say) follows as new names.
+
+    Raises:
+        ValueError: the block does not fit in one frame (no CONTINUATION frames here).
+    """
 
     def string(text: str) -> bytes:
         return hpack_int(len(text.encode()), 7) + text.encode()
@@ -58,9 +68,14 @@ def header_block(method: str, authority: str, metadata: dict[str, str] | None = 
     def literal(index: int, value: str) -> bytes:  # the name from the static table
         return hpack_int(index, 4) + string(value)
 
-    fields = {"te": "trailers", **(metadata or {})}
-    new = b"".join(b"\x00" + string(k.lower()) + string(v) for k, v in fields.items())
-    return b"\x83\x86" + literal(4, method) + literal(1, authority) + literal(31, "application/grpc") + new
+    fields = {**CALL_FIELDS, **{k.lower(): v for k, v in (metadata or {}).items()}, "te": "trailers"}
+    new = b"".join(b"\x00" + string(k) + string(v) for k, v in fields.items())
+    block = b"\x83\x86" + literal(4, method) + literal(1, authority) + literal(31, "application/grpc") + new
+    if len(block) > DEFAULT_MAX_FRAME:
+        raise ValueError(
+            f"the request headers take {len(block)} bytes, more than one frame holds ({DEFAULT_MAX_FRAME})"
+        )
+    return block
 
 
 class GrpcLoadConnection(asyncio.Protocol):
@@ -79,6 +94,7 @@ class GrpcLoadConnection(asyncio.Protocol):
         self.send_window, self.stream_windows = 65_535, {}  # what the server lets us send (RFC 9113, 6.9)
         self.initial_window, self.max_frame = 65_535, 16_384  # until the server's SETTINGS say otherwise
         self.received = 0  # DATA bytes since the connection window was last topped up
+        self.closing = False  # the server sent GOAWAY: no new calls
 
     def connection_made(self, transport):
         self.transport = transport
@@ -89,7 +105,7 @@ class GrpcLoadConnection(asyncio.Protocol):
             self.call()
 
     def call(self) -> None:
-        if time.perf_counter() >= self.end:
+        if self.closing or time.perf_counter() >= self.end:
             if not self.started:
                 self.transport.close()
             return
@@ -115,11 +131,18 @@ class GrpcLoadConnection(asyncio.Protocol):
             if not entry[1]:
                 self.pending.pop(0)
 
-    def finish(self, stream: int, ok: bool) -> None:
+    def finish(self, stream: int, ok: bool, reset: bool = False) -> None:
+        """The call on `stream` is over (`ok`: its trailers came; `reset`: the server reset it): count it, start the
+        next one."""
         started = self.started.pop(stream, None)
         self.stream_windows.pop(stream, None)
         if started is None:
             return
+        unsent = [e for e in self.pending if e[0] == stream]
+        if unsent:  # answered before its whole body was sent (a refusal): give the rest up
+            self.pending.remove(unsent[0])
+            if not reset:
+                self.transport.write(frame(RST_STREAM, 0, stream, struct.pack(">I", CANCEL)))
         if ok and stream in self.answered:
             self.stats["latencies"].append(time.perf_counter() - started)
         else:
@@ -129,7 +152,7 @@ class GrpcLoadConnection(asyncio.Protocol):
 
     def data_received(self, data: bytes):
         self.buf += data
-        while len(self.buf) >= 9:
+        while len(self.buf) >= 9 and not self.transport.is_closing():
             length = int.from_bytes(self.buf[:3], "big")
             if len(self.buf) < 9 + length:
                 return
@@ -151,7 +174,7 @@ class GrpcLoadConnection(asyncio.Protocol):
         elif kind == HEADERS and flags & END_STREAM:  # the trailers (or a trailers-only error)
             self.finish(stream, True)
         elif kind == RST_STREAM:
-            self.finish(stream, False)
+            self.finish(stream, False, reset=True)
         elif kind == SETTINGS and not flags & ACK:
             for at in range(0, len(payload) - 5, 6):
                 key, value = struct.unpack_from(">HI", payload, at)
@@ -172,8 +195,12 @@ class GrpcLoadConnection(asyncio.Protocol):
             elif stream in self.stream_windows:
                 self.stream_windows[stream] += increment
             self.flush()
-        elif kind == GOAWAY:
-            self.transport.close()
+        elif kind == GOAWAY:  # calls up to its last stream ID are still answered; later ones never will be
+            last, self.closing = int.from_bytes(payload[:4], "big") & 0x7FFF_FFFF, True
+            for s in [s for s in self.started if s > last]:
+                self.finish(s, False)
+            if not self.started:
+                self.transport.close()
 
     def connection_lost(self, exc):
         self.stats["errors"] += len(self.started)  # calls the connection took with it
@@ -190,10 +217,12 @@ async def _grpc_load(port: int, method: str, message: bytes, concurrency: int, s
     done = loop.create_future()
     headers = header_block(method, f"127.0.0.1:{port}", metadata)
     protocol = lambda: GrpcLoadConnection(headers, message, concurrency, end, stats, done)  # noqa: E731
-    transport, _ = await loop.create_connection(protocol, "127.0.0.1", port)
+    transport, connection = await loop.create_connection(protocol, "127.0.0.1", port)
     try:  # a server that stops answering must not hang the benchmark
         await asyncio.wait_for(done, seconds + 60)
     except asyncio.TimeoutError:
+        stats["errors"] += len(connection.started)  # each stalled call counts as an error
+        connection.started.clear()
         transport.abort()
     return load_summary(stats, time.perf_counter() - t0, time.process_time() - cpu0)
 

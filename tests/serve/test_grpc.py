@@ -177,6 +177,10 @@ def test_the_benchmarks_own_grpc_client_counts_exactly_what_the_server_answered(
     unkeyed = grpc_load(port, route, request.SerializeToString(), 4, 0.5)
     assert unkeyed["requests"] == 0 and unkeyed["errors"] > 10
     assert (calls("OK") - ok, calls("UNAUTHENTICATED") - refused) == (answered["requests"], unkeyed["errors"])
+    request.id = "x" * 20_000_000  # refused by its length prefix while most of its body still waits on the window:
+    started = time.monotonic()  # the calls behind it must not wait for it (they did, until the server's deadline)
+    oversized = grpc_load(port, route, request.SerializeToString(), 4, 0.5, metadata=AUTH)
+    assert oversized["requests"] == 0 and oversized["errors"] >= 4 and time.monotonic() - started < 15
 
 
 def test_sigterm_stops_a_grpc_server_at_once_when_no_call_is_in_flight(tiny_onnx):
