@@ -91,9 +91,9 @@ class GrpcLoadConnection(asyncio.Protocol):
         self.next_id = 1
         self.started: dict[int, float] = {}  # stream -> when its call was sent
         self.answered: set[int] = set()  # streams that brought a message
-        self.pending: list[list] = []  # [stream, bytes of its body still to send], in order
+        self.pending: list[list[int]] = []  # [stream, how much of its body is sent], in order
         self.send_window, self.stream_windows = 65_535, {}  # what the server lets us send (RFC 9113, 6.9)
-        self.initial_window, self.max_frame = 65_535, 16_384  # until the server's SETTINGS say otherwise
+        self.initial_window, self.max_frame = 65_535, DEFAULT_MAX_FRAME  # until the server's SETTINGS say otherwise
         self.received = 0  # DATA bytes since the connection window was last topped up
         self.closing = False  # the server sent GOAWAY: no new calls
 
@@ -114,22 +114,23 @@ class GrpcLoadConnection(asyncio.Protocol):
         self.started[stream] = time.perf_counter()
         self.stream_windows[stream] = self.initial_window
         self.transport.write(frame(HEADERS, END_HEADERS, stream, self.headers))
-        self.pending.append([stream, self.body])
+        self.pending.append([stream, 0])
         self.flush()
 
     def flush(self) -> None:
         """Send what the windows allow of the pending bodies, in order, each ending its stream."""
         while self.pending and self.send_window > 0:
             entry = self.pending[0]
-            stream, rest = entry
-            n = min(len(rest), self.send_window, self.stream_windows.get(stream, 0), self.max_frame)
+            stream, sent = entry
+            n = min(len(self.body) - sent, self.send_window, self.stream_windows.get(stream, 0), self.max_frame)
             if n <= 0:
                 return
-            chunk, entry[1] = rest[:n], rest[n:]
+            entry[1] += n  # slices of the one body: a large message is not copied again for every frame
             self.send_window -= n
             self.stream_windows[stream] -= n
-            self.transport.write(frame(DATA, 0 if entry[1] else END_STREAM, stream, chunk))
-            if not entry[1]:
+            last = entry[1] == len(self.body)
+            self.transport.write(frame(DATA, END_STREAM if last else 0, stream, self.body[sent : sent + n]))
+            if last:
                 self.pending.pop(0)
 
     def finish(self, stream: int, ok: bool, reset: bool = False) -> None:
