@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from serve.server.http.access_log import AccessLog
+from serve.server.access_log import AccessLog
 
 
 def test_every_line_reaches_the_root_handlers_file_in_its_format_once_the_log_stops(tmp_path):

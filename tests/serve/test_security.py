@@ -15,8 +15,9 @@ import time
 import httpx
 import pytest
 
+from serve.server.auth import key_of
 from serve.server.cli import _warn_if_exposed
-from serve.server.http.guard import allowed_hosts_of, host_name, key_of
+from serve.server.http.guard import allowed_hosts_of, host_name
 from serve.server.settings import ServeSettings
 from tests.helpers import ServerProcess, read_response, wait_until
 

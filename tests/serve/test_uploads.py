@@ -7,7 +7,7 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from serve.server.http.errors import ApiError
+from serve.server.errors import ApiError
 from serve.server.http.uploads import only_file, parse_multipart, parse_parts
 
 IMAGE = b"\x89PNG\r\n\x1a\n" + bytes(range(256)) + b"\r\n--\r\n\r\n"  # line breaks and dashes inside the data

@@ -13,7 +13,7 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
-from serve.server.http.errors import ERROR_STATUS
+from serve.server.errors import ERROR_STATUS
 from serve.server.settings import RequestLimits
 
 ERROR = {"$ref": "#/components/schemas/Error"}

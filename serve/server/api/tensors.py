@@ -23,13 +23,15 @@ from typing import Any
 
 import numpy as np
 
-from serve.server.http.errors import ApiError
+from serve.server.errors import ApiError
 
 # Shapes: B batch, H/W image, K classes.
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
 DTYPES = {"UINT8": np.dtype(np.uint8), "FP32": np.dtype("<f4")}  # KServe datatype -> little-endian numpy
 ONNX_DATATYPES = {"tensor(uint8)": "UINT8", "tensor(float)": "FP32"}  # onnxruntime's type names -> KServe
+INPUT, OUTPUT, PROBS = "pixels", "logits", "probs"  # the graph's input and logits output; probs is ours
+TRUST_OUTPUTS = ("in_set", "unknown", "ood_score")  # ours too, from the file's calibration
 
 
 @dataclass(frozen=True)
@@ -226,3 +228,16 @@ def encode_infer_response(head: dict[str, Any], tensors: list[tuple[str, np.ndar
     if not chunks:
         return header, {"content-type": "application/json"}
     return header + b"".join(chunks), {"content-type": "application/octet-stream", HEADER_LENGTH: str(len(header))}
+
+
+def tensor_specs(classifier) -> tuple[TensorSpec, TensorSpec]:
+    """The graph's `pixels` input and `logits` output, read from the onnxruntime session (the batch: -1)."""
+    H, W = classifier.input_size
+    K = len(classifier.labels)
+    graph = {t.name: t for t in (*classifier.session.get_inputs(), *classifier.session.get_outputs())}
+    for name in (INPUT, OUTPUT):
+        if name not in graph or graph[name].type not in ONNX_DATATYPES:
+            raise ValueError(f"{classifier.path} has no {name!r} tensor of a known type; export it with vit-export")
+    pixels = TensorSpec(INPUT, ONNX_DATATYPES[graph[INPUT].type], [-1, H, W, 3])
+    logits = TensorSpec(OUTPUT, ONNX_DATATYPES[graph[OUTPUT].type], [-1, K])
+    return pixels, logits

@@ -23,13 +23,14 @@ from serve.runtime.images import PixelBudget
 from serve.runtime.rollout import HEAD_FUSIONS
 from serve.runtime.trust import Assessment
 from serve.server.engine import judge_rows
+from serve.server.errors import ApiError
 from serve.server.explain import explain_pixels, overlay_png
-from serve.server.http.errors import ApiError, model_result
 from serve.server.http.uploads import decode_image, decode_request, open_upload
 from serve.server.metrics import Metrics
 from serve.server.payload_log import PayloadLog
 from serve.server.repository.repository import ModelRepository, UnknownModel
 from serve.server.repository.version import ModelVersion
+from serve.server.results import model_result
 from serve.server.settings import RequestLimits
 
 # A small file can still declare a huge image (a flat 40 MP PNG compresses to kilobytes): only images

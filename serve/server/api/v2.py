@@ -31,24 +31,27 @@ from starlette.concurrency import run_in_threadpool
 from serve.runtime.trust import Assessment
 from serve.server.api.tensors import (
     HEADER_LENGTH,
-    ONNX_DATATYPES,
+    OUTPUT,
+    PROBS,
+    TRUST_OUTPUTS,
     TensorSpec,
     encode_infer_response,
     parse_infer_request,
     read_json,
+    tensor_specs,
 )
 from serve.server.api.v1 import request_id_of, resolve
 from serve.server.engine import judge_rows
-from serve.server.http.errors import ApiError, batch_results, error_response
+from serve.server.errors import ApiError
+from serve.server.http.errors import error_response
 from serve.server.http.uploads import read_body
 from serve.server.metrics import Metrics
 from serve.server.payload_log import PayloadLog
 from serve.server.repository.repository import ModelRepository, UnknownModel
 from serve.server.repository.version import LoadFailure, ModelVersion
+from serve.server.results import batch_results
 from serve.server.settings import RequestLimits
 
-INPUT, OUTPUT, PROBS = "pixels", "logits", "probs"  # the graph's input and logits output; probs is ours
-TRUST_OUTPUTS = ("in_set", "unknown", "ood_score")  # ours too, from the file's calibration
 EXTENSIONS = ["binary_tensor_data"]
 
 
@@ -105,19 +108,6 @@ def trust_outputs(a: Assessment) -> dict[str, np.ndarray]:
             in_set[i, members] = 1.0
         out["in_set"] = in_set
     return out
-
-
-def tensor_specs(classifier) -> tuple[TensorSpec, TensorSpec]:
-    """The graph's `pixels` input and `logits` output, read from the onnxruntime session (the batch: -1)."""
-    H, W = classifier.input_size
-    K = len(classifier.labels)
-    graph = {t.name: t for t in (*classifier.session.get_inputs(), *classifier.session.get_outputs())}
-    for name in (INPUT, OUTPUT):
-        if name not in graph or graph[name].type not in ONNX_DATATYPES:
-            raise ValueError(f"{classifier.path} has no {name!r} tensor of a known type; export it with vit-export")
-    pixels = TensorSpec(INPUT, ONNX_DATATYPES[graph[INPUT].type], [-1, H, W, 3])
-    logits = TensorSpec(OUTPUT, ONNX_DATATYPES[graph[OUTPUT].type], [-1, K])
-    return pixels, logits
 
 
 def v2_router(

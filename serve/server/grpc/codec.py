@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from serve.server.api.tensors import DTYPES, TensorSpec, bad, binary_tensor, check_shape
-from serve.server.api.v2 import OUTPUT, PROBS
+from serve.server.api.tensors import DTYPES, OUTPUT, PROBS, TensorSpec, bad, binary_tensor, check_shape
 from serve.server.grpc import grpc_predict_v2_pb2 as pb
 
 # Shapes: B batch, H/W image, K classes.

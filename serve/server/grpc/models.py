@@ -12,10 +12,9 @@ from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Protocol
 
-from serve.server.api.tensors import TensorSpec
-from serve.server.api.v2 import tensor_specs
+from serve.server.api.tensors import TensorSpec, tensor_specs
 from serve.server.engine import Engine
-from serve.server.http.errors import ApiError
+from serve.server.errors import ApiError
 from serve.server.repository.repository import ModelRepository, UnknownModel
 
 

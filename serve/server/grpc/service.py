@@ -12,23 +12,21 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import functools
-import hmac
-import itertools
 import logging
-import os
 import time
 from collections.abc import Awaitable, Callable
 
 import grpc
 
+from serve.server.access_log import ACCESS_LOG
+from serve.server.auth import SANE_REQUEST_ID, RequestIds, key_refusal
+from serve.server.errors import ApiError
 from serve.server.grpc import grpc_predict_v2_pb2 as pb
 from serve.server.grpc.codec import infer_response, metadata_response, parse_infer
 from serve.server.grpc.models import Models, ServedModel
-from serve.server.http.access_log import ACCESS_LOG
-from serve.server.http.errors import ApiError, batch_results
-from serve.server.http.guard import SANE_REQUEST_ID, key_of
 from serve.server.metrics import Metrics
 from serve.server.payload_log import PayloadLog
+from serve.server.results import batch_results
 
 log = logging.getLogger(__name__)
 REQUEST_ID: contextvars.ContextVar[str] = contextvars.ContextVar("grpc_request_id", default="-")
@@ -36,7 +34,7 @@ REQUEST_ID: contextvars.ContextVar[str] = contextvars.ContextVar("grpc_request_i
 SERVICE = "inference.GRPCInferenceService"
 SERVER_NAME, EXTENSIONS = "vitscope", ["binary_tensor_data"]
 Code = grpc.StatusCode
-GRPC_STATUS = {  # ApiError codes (serve.server.http.errors.ERROR_STATUS) -> gRPC; anything else: UNKNOWN
+GRPC_STATUS = {  # ApiError codes (serve.server.errors.ERROR_STATUS) -> gRPC; anything else: UNKNOWN
     **dict.fromkeys(["empty", "corrupt", "bad_request", "non_finite", "not_an_image"], Code.INVALID_ARGUMENT),
     **dict.fromkeys(["unsupported", "unsupported_media_type", "too_large"], Code.INVALID_ARGUMENT),
     "body_too_large": Code.RESOURCE_EXHAUSTED,
@@ -65,7 +63,7 @@ class Service:
     def __init__(self, models: Models, limits, api_key: str, metrics: Metrics, payloads: PayloadLog | None = None):
         self.models, self.limits, self.metrics, self.payloads = models, limits, metrics, payloads
         self.api_key = api_key.encode("utf-8")
-        self.id_prefix, self.ids = os.urandom(10).hex(), itertools.count()
+        self.new_id = RequestIds()
         self.access_log = ACCESS_LOG  # one line per call, as HTTP requests get
 
     def handler(self) -> grpc.GenericRpcHandler:
@@ -121,16 +119,13 @@ class Service:
         for k, v in context.invocation_metadata() or ():
             if k == "x-request-id" and SANE_REQUEST_ID.fullmatch(v):
                 return v
-        return given if SANE_REQUEST_ID.fullmatch(given) else f"{self.id_prefix}{next(self.ids):012x}"
+        return self.new_id(given)
 
     def check_key(self, metadata) -> None:
         headers = {k.encode("latin-1"): v.encode("latin-1") for k, v in metadata or () if isinstance(v, str)}
-        key = key_of(headers)
-        if key is None or not hmac.compare_digest(key.encode("utf-8"), self.api_key):
-            what = "no API key" if key is None else "a wrong API key"
-            raise ApiError(
-                "unauthorized", f"{what}: send it as metadata 'authorization: Bearer <key>' or 'x-api-key: <key>'"
-            )
+        refused = key_refusal(self.api_key, headers)
+        if refused is not None:
+            raise ApiError("unauthorized", refused.replace("'Authorization", "metadata 'authorization"))
 
     async def server_live(self, request, context):
         return pb.ServerLiveResponse(live=True)

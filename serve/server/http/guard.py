@@ -11,16 +11,11 @@ and orchestrators probe them by IP, and they tell nothing.
 
 from __future__ import annotations
 
-import base64
-import binascii
-import hmac
-import itertools
 import logging
-import os
-import re
 import time
 
-from serve.server.http.access_log import ACCESS_LOG
+from serve.server.access_log import ACCESS_LOG
+from serve.server.auth import RequestIds, key_refusal
 from serve.server.http.errors import send_error
 from serve.server.metrics import CLIENT_CLOSED, Metrics
 
@@ -29,7 +24,6 @@ log = logging.getLogger(__name__)
 HEALTH_PATHS = ("/healthz", "/readyz", "/v2/health/live", "/v2/health/ready")
 API_PREFIXES = ("/v1", "/v2", "/metrics", "/openapi.json", "/docs", "/redoc")
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
-SANE_REQUEST_ID = re.compile(r"[A-Za-z0-9._:/+=-]{1,128}")
 
 
 def allowed_hosts_of(setting: str, bind_host: str) -> frozenset[str] | None:
@@ -54,22 +48,6 @@ def host_name(value: str) -> str:
     return value.rsplit(":", 1)[0] if value.count(":") == 1 else value
 
 
-def key_of(headers: dict[bytes, bytes]) -> str | None:
-    """The key a client sent: `Authorization: Bearer <key>`, `X-API-Key: <key>`, or HTTP Basic's password
-    (what a browser sends for the UI after its login prompt)."""
-    if b"x-api-key" in headers:
-        return headers[b"x-api-key"].decode("latin-1").strip()
-    scheme, _, value = headers.get(b"authorization", b"").decode("latin-1").partition(" ")
-    if scheme.lower() == "bearer":
-        return value.strip()
-    if scheme.lower() == "basic":
-        try:
-            return base64.b64decode(value.strip(), validate=True).decode("utf-8").partition(":")[2]
-        except (binascii.Error, UnicodeDecodeError):
-            return None
-    return None
-
-
 class RequestGuard:
     """ASGI middleware: request ID, Host allow-list, API key, one access log line and metrics per request.
 
@@ -92,8 +70,7 @@ class RequestGuard:
     ):
         self.app, self.allowed_hosts, self.metrics, self.routes = app, allowed_hosts, metrics, routes
         self.api_key = api_key.encode("utf-8")
-        # IDs as long as a UUID's hex, without a system call per request: a random prefix and a counter
-        self.id_prefix, self.ids = os.urandom(10).hex(), itertools.count()
+        self.request_id = RequestIds()
         self.access_log = ACCESS_LOG
 
     async def __call__(self, scope, receive, send):
@@ -105,7 +82,7 @@ class RequestGuard:
         started, status = time.perf_counter(), CLIENT_CLOSED
         headers = dict(scope["headers"])
         given = headers.get(b"x-request-id", b"").decode("latin-1")
-        request_id = given if SANE_REQUEST_ID.fullmatch(given) else f"{self.id_prefix}{next(self.ids):012x}"
+        request_id = self.request_id(given)
         scope.setdefault("state", {})["request_id"] = request_id
 
         async def send_with_id(message):
@@ -157,15 +134,12 @@ class RequestGuard:
                 "if this name is meant to reach it",
                 {},
             )
-        if self.api_key:
-            key = key_of(headers)
-            if key is None or not hmac.compare_digest(key.encode("utf-8"), self.api_key):
-                api = path.startswith(API_PREFIXES)
-                challenge = 'Bearer realm="vitscope"' if api else 'Basic realm="vitscope", charset="UTF-8"'
-                what = "no API key" if key is None else "a wrong API key"
-                message = (
-                    f"{what}: send it as 'Authorization: Bearer <key>' or 'X-API-Key: <key>' "
-                    "(in a browser, as the password of the login prompt)"
-                )
-                return "unauthorized", message, {"WWW-Authenticate": challenge}
+        refused = key_refusal(self.api_key, headers)
+        if refused is not None:
+            challenge = (
+                'Bearer realm="vitscope"'
+                if path.startswith(API_PREFIXES)
+                else 'Basic realm="vitscope", charset="UTF-8"'
+            )
+            return "unauthorized", refused, {"WWW-Authenticate": challenge}
         return None

@@ -27,7 +27,7 @@ import time
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from serve.server.http.errors import ERROR_STATUS, error_body
+from serve.server.errors import ERROR_STATUS, error_body
 
 log = logging.getLogger(__name__)
 SPARE_FDS = 64  # descriptors left for the model file, logs, uploads and Gradio's temp files

@@ -16,7 +16,7 @@ from python_multipart.multipart import MultipartParser, parse_options_header
 from starlette.requests import ClientDisconnect
 
 from serve.runtime.images import PixelBudget, open_image
-from serve.server.http.errors import ApiError, image_errors_as_api_errors
+from serve.server.errors import ApiError, image_errors_as_api_errors
 from serve.server.settings import RequestLimits
 
 RAW_TYPES = ("image/", "application/octet-stream")

@@ -38,7 +38,7 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError
 from starlette.concurrency import run_in_threadpool
 
 from serve.server.engine import Engine, choose_batch_size, forward_rows, time_batch_sizes
-from serve.server.http.errors import ApiError
+from serve.server.errors import ApiError
 from serve.server.settings import ServeSettings
 
 log = logging.getLogger(__name__)

@@ -1,0 +1,66 @@
+"""What every transport shares about failures: `ApiError` values with a code, and `ERROR_STATUS`, the one place
+that maps codes to HTTP statuses (gRPC maps the same codes in `serve.server.grpc.service`). Every error body is
+JSON: {"error": {"code": ..., "message": ...}}.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from serve.runtime.images import ImageError
+
+ERROR_STATUS = {
+    "empty": 422,  # zero bytes
+    "corrupt": 422,  # an image header, but the data is truncated or broken
+    "bad_request": 422,  # a parameter or a tensor that does not fit
+    "non_finite": 422,  # NaN or infinite pixel values
+    "bad_host": 400,  # a Host header not in --allowed-hosts
+    "bad_upload": 400,  # a UI upload Gradio cannot read (Gradio's own status for a malformed one)
+    "unauthorized": 401,  # no API key, or a wrong one
+    "not_an_image": 415,  # no image header at all
+    "unsupported": 415,  # an image mode or array we cannot use
+    "unsupported_media_type": 415,  # a content type that cannot carry an image
+    "too_large": 413,  # over the pixel limit (checked from the header)
+    "body_too_large": 413,  # over max_bytes
+    "length_required": 411,  # a UI upload without Content-Length
+    "not_found": 404,
+    "load_failed": 400,  # a model version that failed its checks on load (Triton's status for it)
+    "method_not_allowed": 405,
+    "request_timeout": 408,  # the request head or body did not arrive in time
+    "headers_too_large": 431,  # over max_header_bytes
+    "client_closed": 499,  # the client went away before the answer (logged and counted, never sent)
+    "queue_full": 503,
+    "too_many_connections": 503,  # over max_connections
+    "shutting_down": 503,
+    "not_ready": 503,
+    "timeout": 504,
+    "internal": 500,
+}
+
+
+class ApiError(Exception):
+    """A failed request as a value: a code from `ERROR_STATUS` and a message the user can act on."""
+
+    def __init__(self, code: str, message: str, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.code, self.message, self.headers = code, message, headers or {}
+
+    @property
+    def status(self) -> int:
+        return ERROR_STATUS[self.code]
+
+
+def error_body(code: str, message: str) -> bytes:
+    """The one JSON error body, as bytes: every layer (protocol, guard, routes, UI glue) sends this."""
+    return json.dumps({"error": {"code": code, "message": message}}).encode()
+
+
+@contextmanager
+def image_errors_as_api_errors() -> Iterator[None]:
+    """An `ImageError` becomes the `ApiError` of its kind."""
+    try:
+        yield
+    except ImageError as e:
+        raise ApiError(e.kind if e.kind in ERROR_STATUS else "corrupt", str(e)) from None
