@@ -159,30 +159,6 @@ def test_grpc_calls_get_an_access_log_line_with_their_status_and_request_id(clie
     assert sum(wanted[1] in line and line.endswith("id=grpc-bad") for line in lines) == 1, server.output[-2000:]
 
 
-def test_the_benchmarks_own_grpc_client_counts_exactly_what_the_server_answered(server, model):
-    # benchmarks.serve_peers measures gRPC with a client written on HTTP/2 frames: its figures hold only if each
-    # call it counts is one the server answered, and each refusal an error
-    from benchmarks.grpc_wire import grpc_load
-    from serve.server.grpc import grpc_predict_v2_pb2 as pb
-
-    request = pb.ModelInferRequest(model_name=model, id="x" * 100_000)  # both ways past HTTP/2's 64 KiB windows
-    request.inputs.add(name="pixels", datatype="UINT8", shape=[1, 32, 32, 3])
-    request.raw_input_contents.append(bytes(32 * 32 * 3))
-    route, port = "/inference.GRPCInferenceService/ModelInfer", int(server.grpc_url.rsplit(":", 1)[1])
-    calls = lambda status: read_metric(server.metrics(AUTH), "vitscope_requests_total", default=0.0, route=route,
-                                       status=status)  # fmt: skip
-    ok, refused = calls("OK"), calls("UNAUTHENTICATED")
-    answered = grpc_load(port, route, request.SerializeToString(), 4, 0.5, metadata=AUTH)
-    assert answered["requests"] > 10 and answered["errors"] == 0
-    unkeyed = grpc_load(port, route, request.SerializeToString(), 4, 0.5)
-    assert unkeyed["requests"] == 0 and unkeyed["errors"] > 10
-    assert (calls("OK") - ok, calls("UNAUTHENTICATED") - refused) == (answered["requests"], unkeyed["errors"])
-    request.id = "x" * 20_000_000  # refused by its length prefix while most of its body still waits on the window:
-    started = time.monotonic()  # the calls behind it must not wait for it (they did, until the server's deadline)
-    oversized = grpc_load(port, route, request.SerializeToString(), 4, 0.5, metadata=AUTH)
-    assert oversized["requests"] == 0 and oversized["errors"] >= 4 and time.monotonic() - started < 15
-
-
 def test_sigterm_stops_a_grpc_server_at_once_when_no_call_is_in_flight(tiny_onnx):
     # the gRPC loop used to end with its server and close under the stop call, which then waited out the
     # whole drain (graceful_timeout_s, 20 s) plus 5 s: a pod with Kubernetes' 30 s grace period was nearly killed
