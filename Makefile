@@ -146,18 +146,21 @@ $(WEB)/model.onnx: $(CKPT) $(EXPORTER) $(wildcard $(WEB_PAGE)/*.js $(WEB_PAGE)/*
 
 # The main benchmarks, one after another (they time the same 2 cores): each writes benchmarks/results/NAME.json
 # and prints its tables, kept in artifacts/bench/; `make report` then rewrites the pages from the results.
+# The server is paired with the tree of BASE (unpacked outside the clone) on the sample and on ViT-Ti/16.
 BENCH := artifacts/bench
+BASE ?= 9382f68
+BASE_TREE := /tmp/vitscope-$(BASE)
+AB_ARGS := --server-args="--preferred-batch-size 8"
 bench: install $(ONNX)
-	mkdir -p $(BENCH)
+	mkdir -p $(BENCH) $(BASE_TREE)
+	git archive $(BASE) | tar -x -C $(BASE_TREE)
 	$(PYTHON) -m benchmarks.model_vs_timm | tee $(BENCH)/model_vs_timm.md
 	$(PYTHON) -m benchmarks.sample_accuracy | tee $(BENCH)/sample_accuracy.md
 	$(PYTHON) -m benchmarks.train_overhead | tee $(BENCH)/train_overhead.md
-	$(PYTHON) -m benchmarks.checkpoint_save | tee $(BENCH)/checkpoint_save.md
 	$(PYTHON) -m benchmarks.export_bench | tee $(BENCH)/export_bench.md
-	$(PYTHON) -m benchmarks.serve_bench $(ONNX) --duration 10 --soak 300 | tee $(BENCH)/serve_bench.md
-	$(PYTHON) -m benchmarks.serve_bench --variant vit_tiny_patch16_224 --duration 10 | tee $(BENCH)/serve_bench_vit_tiny.md
+	$(PYTHON) -m benchmarks.serve_ab $(BASE_TREE) . --model $(ONNX) $(AB_ARGS) | tee $(BENCH)/serve_ab.md
+	$(PYTHON) -m benchmarks.serve_ab $(BASE_TREE) . --variant vit_tiny_patch16_224 $(AB_ARGS) | tee $(BENCH)/serve_ab_vit_tiny.md
 	$(PYTHON) -m benchmarks.pointing_game $(ONNX) --n 300 --seed 0 | tee $(BENCH)/pointing_game.md
-	$(PYTHON) -m benchmarks.gpu_train | tee $(BENCH)/gpu_train.md
 
 # BENCHMARKS.md and the docs site's benchmark pages, from benchmarks/results/*.json and benchmarks/pages/
 # (tests/benchmarks/test_report.py fails when they differ from what this writes)

@@ -25,14 +25,15 @@ def provenance(result: dict) -> str:
     load = f" (load {result['load_average']})" if result.get("load_average") is not None else ""
     libs = ", ".join(f"{k} {v}" for k, v in result.get("versions", {}).items())
     setting = ", ".join(f"{k} {v}" for k, v in result.get("setting", {}).items())
-    where = f"Measured {result['date']} on {result['machine']}{load}" + (f"; {libs}" if libs else "") + "."
-    return where + (f" Setting: {setting}." if setting else "") + f"\n\nReproduce: `{result['command']}`"
+    where = f"Measured {result['date'][:10]} on {result['machine']}{load}" + (f"; {libs}" if libs else "") + "."
+    return where + (f" Setting: {setting}." if setting else "") + f" Reproduce: `{result['command']}`"
 
 
-def block(result: dict) -> str:
-    """One result's markdown, without a heading: its question, tables, notes and provenance."""
+def block(result: dict, question: bool = True) -> str:
+    """One result's markdown, without a heading: its question (unless its section asks it), tables, notes and
+    provenance."""
     tables = [Table.from_dict(t).markdown() for t in result.get("tables", [])]
-    parts = [result.get("question", ""), *tables, *result.get("notes", []), provenance(result)]
+    parts = [result.get("question", "") if question else "", *tables, *result.get("notes", []), provenance(result)]
     return "\n\n".join(p for p in parts if p)
 
 
@@ -49,7 +50,8 @@ def section(s: Section, folder: Path) -> str:
         if part.title:
             out.append(f"### {part.title}")
         out.append(part.text)
-        out.append(block(result) if result else f"Not measured yet: no `benchmarks/results/{part.result}.json`.")
+        missing = f"Not measured yet: no `benchmarks/results/{part.result}.json`."
+        out.append(block(result, question=False) if result else missing)
     return "\n\n".join(p for p in out if p)
 
 

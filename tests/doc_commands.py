@@ -75,7 +75,7 @@ NOT_RUN: dict[str, str] = {
     "nvcr.io/nvidia/tritonserver:24.08-py3 tritonserver --model-repository=/models":
         "Docker: no container engine runs here",
     # docs/benchmarks: how each figure was taken, on a quiet machine; `make bench` reruns the benchmarks
-    "mkdir -p /tmp/vitscope-480eaec && git archive 480eaec | tar -x -C /tmp/vitscope-480eaec": "a benchmark's "
+    "mkdir -p /tmp/vitscope-9382f68 && git archive 9382f68 | tar -x -C /tmp/vitscope-9382f68": "a benchmark's "
         "old tree, unpacked outside the clone",
     "sudo apt-get install dataset-fashion-mnist && vit-fashion-mnist --out data/fmnist": "installs a system "
         "package as root: this script changes nothing outside its scratch folder",
@@ -84,7 +84,6 @@ NOT_RUN: dict[str, str] = {
         "the 25-minute Fashion-MNIST training",
     ".venv/bin/python -m benchmarks.fashion_mnist --run-dir runs/fmnist": "a benchmark of runs/fmnist, the "
         "25-minute Fashion-MNIST training",
-    ".venv/bin/python -m benchmarks.gpu_train": "a benchmark on a CUDA GPU",
     "vit-train fit --config configs/small_images.yaml --config runs/openset_budget.yaml --data.root data/fmnist8 "
     "--data.img_size 28 --trainer.default_root_dir runs/fmnist8 --trainer.enable_progress_bar false "
     "--overwrite true": "a benchmark's 12-minute open-set training on Fashion-MNIST",

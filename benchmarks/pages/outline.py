@@ -27,7 +27,7 @@ class Section:
 # The docs pages (docs/benchmarks/PAGE.md): name -> title, in the order of the site's navigation.
 PAGES = {
     "model": "Model and training",
-    "export": "Export and install",
+    "export": "Export",
     "serving": "Serving",
     "peers": "Peers, gRPC and payload logs",
     "model-server": "Model server",
@@ -39,12 +39,9 @@ PAGES = {
 
 INTRO = """\
 Each section holds the current figure for one question, with the machine, the date and the command that measured
-it. The reference machine is a shared 2-core x86-64 VM with no GPU (each figure names the CPU it ran on). Speeds
-are ratios taken side by side in one run, in interleaved rounds, because such a machine is noisy: absolute numbers
-will differ on yours, and a rerun here moves a ratio by several percent.
+it. The reference machine is a shared 2-core x86-64 VM with no GPU; speeds are ratios taken side by side in
+interleaved rounds, because such a machine drifts, and a rerun moves a ratio by several percent.
 
-Every figure comes from a script under `benchmarks/`, run from the repository root as
-`.venv/bin/python -m benchmarks.NAME` (the command under each table; `make bench` runs the main ones one after
-another). Each writes `benchmarks/results/NAME.json`, and `make report` renders those files, with the text in
-`benchmarks/pages/`, into BENCHMARKS.md and the docs site's benchmark pages. Neither page is edited by hand
-(a test compares them with what the results render), and earlier figures live in git's history of the results."""
+Every figure comes from `.venv/bin/python -m benchmarks.NAME` (the command under each table), which writes
+`benchmarks/results/NAME.json`; `make report` renders those files into this page, the docs site's benchmark pages
+and the README's results table. Earlier figures live in git's history of the results."""
