@@ -11,7 +11,9 @@ Each round gives every target of the pair `--duration` seconds of `--concurrency
   the protocols.
 Per target: the median over rounds of req/s, p50 and p99 latency, and the server's CPU time per request
 (its whole process tree, from /proc), and that CPU less what the model and decoding cost in-process
-(`beyond model`: what the server itself costs). The load generators share the cores with the servers.
+(`beyond model`: what the server itself costs). The load generators share the cores with the servers; the gRPC
+one is `grpc.aio`, which costs more CPU per call than the raw HTTP one, so `--pin` (clients on a core of their own)
+is the mode that compares the protocols.
 
     .venv/bin/python -m benchmarks.serve_peers [--variant vit_micro_patch4_32] [--peers litserve,ray]
 
@@ -33,9 +35,9 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.common import Result, add_results_option
-from benchmarks.grpc_wire import grpc_load
 from benchmarks.servers import (
     Child,
+    grpc_load,
     http_load,
     http_request,
     measured,

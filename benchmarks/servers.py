@@ -7,8 +7,7 @@ ready on `/readyz`, stopped with the drain); this module adds what that one does
 - `http_load`: keep-alive HTTP/1.1 connections posting one prebuilt request back to back (an asyncio protocol
   on uvloop, no parsing beyond the status line and Content-Length): PNG bodies, multipart uploads or KServe v2
   binary tensors alike. It reports its own CPU per request too: it shares the cores with the server.
-- `grpc_load` (`benchmarks.grpc_wire`): its gRPC twin, unary calls of one prebuilt message on one HTTP/2
-  connection.
+- `grpc_load`: its gRPC counterpart through `grpc.aio`, unary calls of one serialized message on one channel.
 - `crowd`: many keep-alive clients classifying as fast as they are answered, counting what they get.
 - `Prober`, `PeakRss`: a request every few milliseconds from a thread, its latencies and its failures; a
   process's peak resident memory.
@@ -280,6 +279,34 @@ def http_load(port: int, request: bytes, concurrency: int, seconds: float) -> di
         (`client_us`), and p50 / p99 / mean latency in ms.
     """
     return run_loop(_http_load(port, request, concurrency, seconds))
+
+
+async def _grpc_load(port: int, method: str, message: bytes, concurrency: int, seconds: float) -> dict:
+    import grpc
+
+    stats: dict = {"latencies": [], "errors": 0}
+    end = time.perf_counter() + seconds
+    cpu0, t0 = time.process_time(), time.perf_counter()
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        call = channel.unary_unary(method)  # bytes in, bytes out: no (de)serialising in the client
+
+        async def client() -> None:
+            while time.perf_counter() < end:
+                start = time.perf_counter()
+                try:
+                    await call(message, timeout=30)
+                    stats["latencies"].append(time.perf_counter() - start)
+                except grpc.aio.AioRpcError:
+                    stats["errors"] += 1
+
+        await asyncio.gather(*(client() for _ in range(concurrency)))
+    return load_summary(stats, time.perf_counter() - t0, time.process_time() - cpu0)
+
+
+def grpc_load(port: int, method: str, message: bytes, concurrency: int, seconds: float) -> dict:
+    """`concurrency` unary calls of `method` with the serialized `message` in flight on one `grpc.aio` channel for
+    `seconds`; the same summary as `http_load` (errors: calls that ended with a status other than OK)."""
+    return asyncio.run(_grpc_load(port, method, message, concurrency, seconds))
 
 
 async def _crowd(port: int, request: bytes, clients: int, seconds: float) -> dict:
