@@ -23,9 +23,10 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
+from serve.runtime import model_file as mf
 from serve.runtime.calibration import ranked
 from serve.runtime.images import ImageSource, Preprocess, load_image
-from serve.runtime.model_file import class_names_of, parse_metadata, read_metadata, read_model_bytes, static_dims
+from serve.runtime.model_file import ModelFileError, metadata_value
 from serve.runtime.rollout import attention_rollout, rollout_from_gradients
 from serve.runtime.trust import FEATURES_OUTPUT, UNCALIBRATED, Assessment, Prediction, Trust
 
@@ -91,37 +92,47 @@ class OnnxClassifier:
         threads: intra-op threads; None picks by model size (`default_threads`), 0 means every physical core.
 
     Raises:
-        FileNotFoundError: no such file.
-        ValueError: a truncated or foreign file, external data references, or no vitscope metadata.
+        OSError: no such file (FileNotFoundError), or it cannot be read.
+        ModelFileError: anything wrong with the file itself (a ValueError), with what to do.
     """
 
     def __init__(self, path: str | Path, providers: Sequence[str] | None = None, threads: int | None = None):
         self.path = Path(path)
-        data = read_model_bytes(self.path)
-        options = session_options(default_threads(read_metadata(data)) if threads is None else threads)
+        data = mf.read_model_bytes(self.path)
+        options = session_options(default_threads(mf.read_metadata(data)) if threads is None else threads)
         self.threads = options.intra_op_num_threads
         try:
             self.session = ort.InferenceSession(data, options, providers=list(providers or default_providers()))
         except Exception as e:  # onnxruntime's own errors are long; keep the first line
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise ValueError(f"{self.path} could not be loaded by onnxruntime: {first}") from None
-        raw = self.session.get_modelmeta().custom_metadata_map
+            raise ModelFileError(f"{self.path} could not be loaded by onnxruntime: {first}; {mf.AGAIN}") from None
+        try:
+            self._read_metadata(self.session.get_modelmeta().custom_metadata_map)
+        except ModelFileError:
+            raise
+        except (KeyError, TypeError, ValueError, IndexError, AttributeError, OverflowError, RecursionError) as e:
+            # the checks name each field they read; this net under them keeps every other surprise a file error
+            why = f"{type(e).__name__}: {mf.shown(str(e))}"
+            raise ModelFileError(f"{self.path} has malformed metadata ({why}); {mf.AGAIN}") from None
+
+    def _read_metadata(self, raw: dict[str, str]) -> None:
+        """Every fact the file states about itself, each checked (`ModelFileError` names the first bad one)."""
         if raw.get(FORMAT_KEY) != FORMAT_VERSION:
-            raise ValueError(
+            raise ModelFileError(
                 f"{self.path} has no vitscope metadata (class names, preprocessing); "
                 "export the checkpoint with vit-export to get a self-describing model"
             )
-        self.metadata: dict[str, Any] = parse_metadata(raw)
-        m = self.metadata
-        self.labels: list[str] = class_names_of(m.get("class_names"), self.path)
-        self.preprocess = Preprocess.from_dict(m["preprocess"])
-        self.input_size: tuple[int, int] = tuple(m["input_size"])
-        self.grid_size: tuple[int, int] = tuple(m["grid_size"])
-        self.num_prefix_tokens: int = int(m["num_prefix_tokens"])
-        self.depth: int = int(m["depth"])
-        self.num_heads: int = int(m["num_heads"])
-        self.rollout_query: str = m.get("rollout_query", "cls")
-        self.name: str = str(m.get("variant") or self.path.stem)
+        self.metadata: dict[str, Any] = mf.parse_metadata(raw, str(self.path))
+        m, path = self.metadata, self.path
+        self.labels: list[str] = mf.class_names_of(m.get("class_names"), path)
+        self.preprocess = metadata_value(m, "preprocess", lambda v: Preprocess.from_dict(mf.mapping(v)), path)
+        self.input_size: tuple[int, int] = metadata_value(m, "input_size", mf.size_pair, path)
+        self.grid_size: tuple[int, int] = metadata_value(m, "grid_size", mf.size_pair, path)
+        self.num_prefix_tokens: int = metadata_value(m, "num_prefix_tokens", mf.whole(0), path)
+        self.depth: int = metadata_value(m, "depth", mf.whole(0), path)
+        self.num_heads: int = metadata_value(m, "num_heads", mf.whole(0), path)
+        self.rollout_query: str = metadata_value(m, "rollout_query", mf.choice("cls", "mean"), path, "cls")
+        self.name: str = str(m.get("variant") or path.stem)
         self.version: str = str(m.get("checkpoint_sha256", ""))[:12] or "unversioned"
         inputs = {i.name for i in (*self.session.get_inputs(), *self.session.get_overridable_initializers())}
         self.supports_gradients: bool = bool(m.get("supports_gradients")) and "target" in inputs
@@ -132,7 +143,7 @@ class OnnxClassifier:
         outputs = {o.name for o in self.session.get_outputs()}
         self._fast_outputs = ["logits", FEATURES_OUTPUT] if FEATURES_OUTPUT in outputs else ["logits"]
         if self.trust is not None and self.trust.needs_features and len(self._fast_outputs) == 1:
-            raise ValueError(f"{self.path} uses the Mahalanobis OOD score but has no features output; export it again")
+            raise ModelFileError(f"{path} uses the Mahalanobis OOD score but has no features output; {mf.AGAIN}")
 
     @property
     def calibrated(self) -> bool:
@@ -159,27 +170,25 @@ class OnnxClassifier:
         self.trust.check_coverage(coverage)
 
     def _check_metadata(self) -> None:
-        """The metadata repeats some facts for clients (input size, mean/std, grid): they must agree with
-        each other and with the graph, or an edited file would give wrong answers instead of an error."""
-        m, pre = self.metadata, self.preprocess
+        """The facts the metadata repeats for clients agree with each other and with the graph."""
+        m, pre, path = self.metadata, self.preprocess, self.path
         H, W = self.input_size
-        P = int(m.get("patch_size") or 0)
+        P = metadata_value(m, "patch_size", mf.whole(0), path, 0)
         graph_in = next((i.shape for i in self.session.get_inputs() if i.name == "pixels"), None)
         graph_out = next((o.shape for o in self.session.get_outputs() if o.name == "logits"), None)
-        checks = [
-            ("input_size", list(self.input_size), "preprocess img_size", list(pre.img_size)),
-            ("mean", [float(x) for x in m.get("mean", pre.mean)], "preprocess mean", list(pre.mean)),
-            ("std", [float(x) for x in m.get("std", pre.std)], "preprocess std", list(pre.std)),
-            ("grid_size", list(self.grid_size), "input_size / patch_size", [H // P, W // P] if P else None),
-            ("input_size", [H, W], "the graph's pixels input (H, W)", static_dims(graph_in, 1, 3)),
-            ("the number of class_names", [len(self.labels)], "the graph's logits width", static_dims(graph_out, 1, 2)),
-        ]
-        for name, value, other, expected in checks:
-            if expected is not None and value != expected:
-                raise ValueError(
-                    f"{self.path} has inconsistent metadata: {name} is {value} but {other} is {expected}; "
-                    "the file was edited after export: export the checkpoint again with vit-export"
-                )
+        mean, std = (metadata_value(m, k, mf.numbers(3), path, list(getattr(pre, k))) for k in ("mean", "std"))
+        pixels, logits_width = mf.static_dims(graph_in, 1, 3), mf.static_dims(graph_out, 1, 2)
+        mf.check_consistency(
+            path,
+            [
+                ("input_size", [H, W], "preprocess img_size", list(pre.img_size)),
+                ("mean", mean, "preprocess mean", list(pre.mean)),
+                ("std", std, "preprocess std", list(pre.std)),
+                ("grid_size", list(self.grid_size), "input_size / patch_size", [H // P, W // P] if P else None),
+                ("input_size", [H, W], "the graph's pixels input (H, W)", pixels),
+                ("the number of class_names", [len(self.labels)], "the graph's logits width", logits_width),
+            ],
+        )
 
     def __repr__(self) -> str:
         return f"OnnxClassifier({str(self.path)!r}, classes={len(self.labels)}, input={self.input_size})"

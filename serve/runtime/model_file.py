@@ -4,13 +4,18 @@ An ONNX file is a protobuf message. We walk its wire format just far enough to f
 point at external data files (a model that would read other files from disk when loaded) and to
 say clearly when the file is truncated or not an ONNX model at all, instead of a protobuf traceback.
 Nothing is unpickled: protobuf is plain data. The metadata helpers at the end read what onnxruntime found.
+
+Both walks are bounded, so that no file can exhaust the interpreter's stack: subgraphs (If and Loop bodies)
+nest at most `MAX_GRAPH_DEPTH` levels and a metadata value at most `MAX_METADATA_DEPTH`. Whatever is wrong
+with a file, the caller sees one exception, `ModelFileError`, whose message says what and what to do.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 # Field numbers from onnx.proto (stable since IR version 3).
 _MODEL_GRAPH, _MODEL_METADATA, _MODEL_FUNCTIONS = 7, 14, 25
@@ -21,6 +26,15 @@ _ATTR_T, _ATTR_G, _ATTR_TENSORS, _ATTR_GRAPHS, _ATTR_SPARSE, _ATTR_SPARSES = 5, 
 _TENSOR_EXTERNAL_DATA, _TENSOR_DATA_LOCATION = 13, 14
 _SPARSE_VALUES, _SPARSE_INDICES = 1, 2
 _EXTERNAL = 1  # TensorProto.DataLocation.EXTERNAL
+# vit-export nests subgraphs two deep at most (the explain branch's If); deeper nesting only serves an attack
+MAX_GRAPH_DEPTH = 32
+# vit-export's metadata nests four deep (calibration -> ood -> means -> a row); JSON allows any depth
+MAX_METADATA_DEPTH = 16
+# the largest value vit-export writes is the Mahalanobis precision, D x D numbers as JSON text
+MAX_METADATA_VALUE_CHARS = 64 << 20
+MAX_METADATA_ENTRIES = 1024
+AGAIN = "export it again with vit-export"
+T = TypeVar("T")
 
 
 class ModelFileError(ValueError):
@@ -69,8 +83,11 @@ def check_model_bytes(data: bytes, name: str = "model") -> None:
                     if nf == _FUNCTION_NODE:
                         _check_node(nv)
     except (_WireError, TypeError) as e:  # TypeError: a varint where a message belongs
+        raise ModelFileError(f"{name} is truncated or not an ONNX file ({e}); {AGAIN}") from None
+    except _TooDeep:
         raise ModelFileError(
-            f"{name} is truncated or not an ONNX file ({e}); export it again with vit-export"
+            f"{name} has subgraphs (If or Loop bodies) nested deeper than {MAX_GRAPH_DEPTH} levels, which no "
+            f"exported classifier needs; {AGAIN}"
         ) from None
     except _ExternalData:
         raise ModelFileError(
@@ -97,6 +114,10 @@ class _WireError(Exception):
 
 
 class _ExternalData(Exception):
+    pass
+
+
+class _TooDeep(Exception):
     pass
 
 
@@ -154,17 +175,19 @@ def _check_sparse(data: memoryview) -> None:
             _check_tensor(v)
 
 
-def _check_graph(data: memoryview) -> None:
+def _check_graph(data: memoryview, depth: int = 0) -> None:
+    if depth > MAX_GRAPH_DEPTH:
+        raise _TooDeep
     for f, v in _fields(data):
         if f == _GRAPH_INITIALIZER:
             _check_tensor(v)
         elif f == _GRAPH_SPARSE_INITIALIZER:
             _check_sparse(v)
         elif f == _GRAPH_NODE:
-            _check_node(v)
+            _check_node(v, depth)
 
 
-def _check_node(data: memoryview) -> None:
+def _check_node(data: memoryview, depth: int = 0) -> None:
     for f, v in _fields(data):
         if f != _NODE_ATTRIBUTE:
             continue
@@ -172,7 +195,7 @@ def _check_node(data: memoryview) -> None:
             if af in (_ATTR_T, _ATTR_TENSORS):
                 _check_tensor(av)
             elif af in (_ATTR_G, _ATTR_GRAPHS):
-                _check_graph(av)
+                _check_graph(av, depth + 1)
             elif af in (_ATTR_SPARSE, _ATTR_SPARSES):
                 _check_sparse(av)
 
@@ -183,24 +206,136 @@ def static_dims(shape: list | None, start: int, stop: int) -> list[int] | None:
     return dims if len(dims) == stop - start and all(isinstance(d, int) for d in dims) else None
 
 
+def shown(value: Any, limit: int = 60) -> str:
+    """A metadata value for an error message, cut to `limit` characters."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def class_names_of(value: Any, path: Path) -> list[str]:
     """The metadata's class names: a JSON list of strings, never a bare string read one label per character."""
     if not isinstance(value, list) or not value or not all(isinstance(c, (str, int)) for c in value):
-        shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
-        raise ValueError(
-            f"{path} has invalid class_names metadata {shown}: expected a JSON list of names, "
-            'e.g. ["cat", "dog"]; export the checkpoint again with vit-export'
+        raise ModelFileError(
+            f"{path} has invalid class_names metadata {shown(value)}: expected a JSON list of names, "
+            f'e.g. ["cat", "dog"]; {AGAIN}'
         )
     return [str(c) for c in value]
 
 
-def parse_metadata(raw: dict[str, str]) -> dict[str, Any]:
-    """`metadata_props` as written by `vit-export`: JSON values parsed, plain strings kept as they are."""
+def parse_metadata(raw: dict[str, str], name: str = "model") -> dict[str, Any]:
+    """`metadata_props` as written by `vit-export`: JSON values parsed, plain strings kept as they are.
 
-    def parse(value: str) -> Any:
+    Raises:
+        ModelFileError: too many entries, a value too long, or one nested deeper than `MAX_METADATA_DEPTH`.
+    """
+    if len(raw) > MAX_METADATA_ENTRIES:
+        raise ModelFileError(f"{name} has {len(raw):,} metadata entries, over {MAX_METADATA_ENTRIES:,}; {AGAIN}")
+    out = {}
+    for key, value in raw.items():
+        if len(value) > MAX_METADATA_VALUE_CHARS:
+            raise ModelFileError(f"{name}: its {key!r} metadata is {len(value):,} characters long; {AGAIN}")
         try:
-            return json.loads(value)
+            parsed = json.loads(value)
+        except RecursionError:
+            parsed = _TOO_DEEP
         except ValueError:
-            return value
+            parsed = value
+        if parsed is _TOO_DEEP or _too_deep(parsed):
+            raise ModelFileError(
+                f"{name}: its {key!r} metadata is nested deeper than {MAX_METADATA_DEPTH} levels, which vit-export "
+                f"never writes; {AGAIN}"
+            )
+        out[key] = parsed
+    return out
 
-    return {k: parse(v) for k, v in raw.items()}
+
+_TOO_DEEP = object()
+
+
+def _too_deep(value: Any) -> bool:
+    """Whether lists and dicts nest deeper than `MAX_METADATA_DEPTH` in `value` (walked without recursion)."""
+    stack = [(value, 1)] if isinstance(value, (list, dict)) else []
+    while stack:
+        v, depth = stack.pop()
+        if depth > MAX_METADATA_DEPTH:
+            return True
+        children = v.values() if isinstance(v, dict) else v
+        stack.extend((c, depth + 1) for c in children if isinstance(c, (list, dict)))
+    return False
+
+
+def metadata_value(m: dict[str, Any], key: str, convert: Callable[[Any], T], path: Path, default: Any = ...) -> T:
+    """`convert(m[key])`, or `default` when the key is absent and a default is given.
+
+    Raises:
+        ModelFileError: the key is missing (and required), or `convert` refused its value; the message names it.
+    """
+    if key not in m:
+        if default is not ...:
+            return default
+        raise ModelFileError(f"{path} has no {key!r} metadata; {AGAIN}")
+    try:
+        return convert(m[key])
+    except (TypeError, ValueError, KeyError, IndexError, AttributeError, OverflowError) as e:
+        raise ModelFileError(f"{path} has invalid {key!r} metadata {shown(m[key])} ({e}); {AGAIN}") from None
+
+
+def whole(minimum: int = 0) -> Callable[[Any], int]:
+    """A converter for `metadata_value`: an integer of at least `minimum` (JSON true and 2.5 are refused)."""
+
+    def convert(value: Any) -> int:
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise ValueError(f"expected a whole number of at least {minimum}")
+        return value
+
+    return convert
+
+
+def size_pair(value: Any) -> tuple[int, int]:
+    """A converter for `metadata_value`: [H, W], two positive integers."""
+    if not isinstance(value, list) or len(value) != 2:
+        raise ValueError("expected [height, width]")
+    return whole(1)(value[0]), whole(1)(value[1])
+
+
+def mapping(value: Any) -> dict:
+    """A converter for `metadata_value`: a JSON object."""
+    if not isinstance(value, dict):
+        raise ValueError("expected a JSON object")
+    return value
+
+
+def choice(*options: str) -> Callable[[Any], str]:
+    """A converter for `metadata_value`: one of `options`."""
+
+    def convert(value: Any) -> str:
+        if not isinstance(value, str) or value not in options:
+            raise ValueError(f"expected one of {', '.join(options)}")
+        return value
+
+    return convert
+
+
+def numbers(count: int) -> Callable[[Any], list[float]]:
+    """A converter for `metadata_value`: a list of `count` numbers."""
+
+    def convert(value: Any) -> list[float]:
+        if not isinstance(value, list) or len(value) != count or any(isinstance(x, (bool, str)) for x in value):
+            raise ValueError(f"expected a list of {count} numbers")
+        return [float(x) for x in value]
+
+    return convert
+
+
+def check_consistency(path: Path, facts: list[tuple[str, Any, str, Any]]) -> None:
+    """Raise `ModelFileError` unless each (name, value, other, expected) agrees (None: nothing to compare).
+
+    The metadata repeats some facts for clients (input size, mean/std, grid): they must agree with each other
+    and with the graph, or an edited file would give wrong answers instead of an error.
+    """
+    for name, value, other, expected in facts:
+        if expected is not None and value != expected:
+            raise ModelFileError(
+                f"{path} has inconsistent metadata: {name} is {value} but {other} is {expected}; "
+                "the file was edited after export: export the checkpoint again with vit-export"
+            )

@@ -1,0 +1,106 @@
+"""Every model file and config is served or refused with a reason: hostile metadata, deep graphs, edited
+calibration and `config.pbtxt` files a user, a pipeline or an attacker could drop into a repository."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from serve.runtime.classifier import OnnxClassifier
+from serve.runtime.model_file import ModelFileError
+
+onnx = pytest.importorskip("onnx")  # edits real exported files
+
+
+def edited(model: Path, out: Path, drop: tuple[str, ...] = (), **values: str) -> Path:
+    """A copy of an exported file with some `metadata_props` replaced by raw strings, added, or dropped."""
+    m = onnx.load(model)
+    props = {p.key: p.value for p in m.metadata_props if p.key not in drop}
+    props.update(values)
+    del m.metadata_props[:]
+    for k, v in props.items():
+        m.metadata_props.add(key=k, value=v)
+    onnx.save(m, out)
+    return out
+
+
+def _field(number: int, payload: bytes) -> bytes:
+    """One length-delimited protobuf field."""
+    key, length = (number << 3) | 2, len(payload)
+    out = bytearray()
+    for v in (key, length):
+        while v >= 0x80:
+            out.append((v & 0x7F) | 0x80)
+            v >>= 7
+        out.append(v)
+    return bytes(out) + payload
+
+
+def nested_graph(depth: int) -> bytes:
+    """A GraphProto whose one node's attribute holds a graph, `depth` times over (If inside If inside ...)."""
+    graph = b""
+    for _ in range(depth):
+        graph = _field(1, _field(5, _field(6, graph)))  # graph.node[0].attribute[0].g = graph
+    return graph
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("class_names", "[" * 100_000),  # RecursionError in json
+        ("preprocess", "[" * 900 + "]" * 900),  # parses, but too deep for anything that walks it
+        ("vitscope_notes", '{"a": ' * 100_000),  # a key vitscope does not read is parsed too
+    ],
+)
+def test_deeply_nested_metadata_is_a_model_file_error(tiny_onnx, tmp_path, key, value):
+    with pytest.raises(ModelFileError, match=rf"{key}.*nested.*export it again with vit-export"):
+        OnnxClassifier(edited(tiny_onnx, tmp_path / "deep.onnx", **{key: value}))
+
+
+def test_a_graph_nested_1500_deep_is_a_model_file_error(tiny_onnx, tmp_path):
+    # a second `graph` field merges into the first on the wire: a real model with a deep subgraph appended
+    bad = tmp_path / "deep_graph.onnx"
+    bad.write_bytes(tiny_onnx.read_bytes() + _field(7, nested_graph(1500)))
+    with pytest.raises(ModelFileError, match=r"nested.*deeper than.*export it again with vit-export"):
+        OnnxClassifier(bad)
+
+
+@pytest.mark.parametrize("key", ["preprocess", "input_size", "grid_size", "num_prefix_tokens", "depth", "num_heads"])
+def test_a_missing_metadata_key_is_a_model_file_error_naming_it(tiny_onnx, tmp_path, key):
+    with pytest.raises(ModelFileError, match=rf"no {key!r} metadata.*export it again with vit-export"):
+        OnnxClassifier(edited(tiny_onnx, tmp_path / "missing.onnx", drop=(key,)))
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("input_size", '"abc"'),
+        ("input_size", "7"),
+        ("input_size", "[0, 0]"),
+        ("input_size", "[1e400, 32]"),
+        ("grid_size", '{"a": 1}'),
+        ("grid_size", "[4]"),
+        ("depth", '"two"'),
+        ("num_heads", "-1"),
+        ("num_prefix_tokens", "[1]"),
+        ("preprocess", "[]"),
+        ("preprocess", '{"img_size": "x"}'),
+        ("preprocess", '{"crop_pct": "big"}'),
+        ("class_names", "{}"),
+        ("class_names", '["a", ["b"], "c", "d"]'),
+        ("patch_size", '"eight"'),
+        ("mean", '"grey"'),
+    ],
+)
+def test_malformed_metadata_is_only_ever_a_model_file_error(tiny_onnx, tmp_path, key, value):
+    with pytest.raises(ModelFileError, match=rf"{key}.*vit-export"):
+        OnnxClassifier(edited(tiny_onnx, tmp_path / "bad.onnx", **{key: value}))
+
+
+def test_truncated_and_foreign_files_are_model_file_errors(tiny_onnx, tmp_path):
+    data = tiny_onnx.read_bytes()
+    for name, body in [("cut.onnx", data[: len(data) // 2]), ("text.onnx", b"not a model at all\n" * 10)]:
+        (tmp_path / name).write_bytes(body)
+        with pytest.raises(ModelFileError, match="vit-export"):
+            OnnxClassifier(tmp_path / name)
