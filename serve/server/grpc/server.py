@@ -70,8 +70,13 @@ class GrpcServer:
             ("grpc.max_receive_message_length", self.max_bytes),
             ("grpc.max_send_message_length", -1),  # answers are small, and never refused by their size
             ("grpc.so_reuseport", 0),  # a port taken by another process fails here rather than sharing it
+            # HTTP/2's 64 KiB window, fixed: with probing on, gRPC widens it to several MiB per call, and a client
+            # may send that much before the handler (or the key check) reads anything
+            ("grpc.http2.bdp_probe", 0),
         ]
-        self.server = grpc.aio.server(options=options, maximum_concurrent_rpcs=self.max_calls)
+        self.server = grpc.aio.server(
+            options=options, maximum_concurrent_rpcs=self.max_calls, interceptors=[self.service.key_check()]
+        )
         self.server.add_generic_rpc_handlers((self.service.handler(),))
         bound = self.server.add_insecure_port(f"{_bracketed(self.host)}:{self.port}")
         if bound == 0:

@@ -1,11 +1,11 @@
 """The handlers of `inference.GRPCInferenceService`: the same models, API key, limits and metrics as HTTP.
 
-Every RPC goes through `Service.rpc`, which checks the API key (metadata `authorization: Bearer <key>` or
-`x-api-key: <key>`, as the HTTP headers; ServerLive and ServerReady need none, as /v2/health needs none),
-maps an `ApiError` to its gRPC status (`GRPC_STATUS`, beside HTTP's table of the same codes) and counts the
-call in the server's Prometheus metrics under its method path, with the status's name (`OK`,
-`INVALID_ARGUMENT`, ...) where HTTP has its code.
-"""
+The API key (metadata `authorization: Bearer <key>` or `x-api-key: <key>`, as the HTTP headers) is checked by
+an interceptor (`KeyCheck`) from the call's metadata, before its message is read; ServerLive and ServerReady
+need none, as /v2/health needs none. Every RPC then goes through `Service.rpc`, which maps an `ApiError` to its
+gRPC status (`GRPC_STATUS`, beside HTTP's table of the same codes) and counts the call in the server's
+Prometheus metrics under its method path, with the status's name (`OK`, `INVALID_ARGUMENT`, ...) where HTTP
+has its code."""
 
 from __future__ import annotations
 
@@ -45,7 +45,15 @@ GRPC_STATUS = {  # ApiError codes (serve.server.errors.ERROR_STATUS) -> gRPC; an
     "internal": Code.INTERNAL,
 }
 INFER_ROUTE = f"/{SERVICE}/ModelInfer"
-PUBLIC = ("ServerLive", "ServerReady")  # answered without the API key, as the HTTP health routes
+RPCS = {  # name -> the Service method that answers it, the request message
+    "ServerLive": ("server_live", pb.ServerLiveRequest),
+    "ServerReady": ("server_ready", pb.ServerReadyRequest),
+    "ModelReady": ("model_ready", pb.ModelReadyRequest),
+    "ServerMetadata": ("server_metadata", pb.ServerMetadataRequest),
+    "ModelMetadata": ("model_metadata", pb.ModelMetadataRequest),
+    "ModelInfer": ("model_infer", pb.ModelInferRequest),
+}
+PUBLIC = {f"/{SERVICE}/{name}" for name in ("ServerLive", "ServerReady")}  # no key needed, as the HTTP health routes
 NOT_READY = "the model is loading or warming up (or the server is stopping)"
 
 
@@ -65,37 +73,30 @@ class Service:
         self.api_key = api_key.encode("utf-8")
         self.new_id = RequestIds()
         self.access_log = ACCESS_LOG  # one line per call, as HTTP requests get
+        self.routes = {f"/{SERVICE}/{name}" for name in RPCS}
 
     def handler(self) -> grpc.GenericRpcHandler:
         """The service's method handlers, for `grpc.aio.Server.add_generic_rpc_handlers`."""
-        rpcs = {
-            "ServerLive": (self.server_live, pb.ServerLiveRequest),
-            "ServerReady": (self.server_ready, pb.ServerReadyRequest),
-            "ModelReady": (self.model_ready, pb.ModelReadyRequest),
-            "ServerMetadata": (self.server_metadata, pb.ServerMetadataRequest),
-            "ModelMetadata": (self.model_metadata, pb.ModelMetadataRequest),
-            "ModelInfer": (self.model_infer, pb.ModelInferRequest),
-        }
         handlers = {
             name: grpc.unary_unary_rpc_method_handler(
-                self.rpc(name, fn), request_deserializer=message.FromString, response_serializer=_serialize
+                self.rpc(name, getattr(self, method)),
+                request_deserializer=message.FromString,
+                response_serializer=_serialize,
             )
-            for name, (fn, message) in rpcs.items()
+            for name, (method, message) in RPCS.items()
         }
         return grpc.method_handlers_generic_handler(SERVICE, handlers)
 
     def rpc(self, name: str, fn: Callable[..., Awaitable]) -> Callable[..., Awaitable]:
         """`fn` with the API-key check, the status mapping and the metrics of every call."""
-        route, public = f"/{SERVICE}/{name}", name in PUBLIC
+        route = f"/{SERVICE}/{name}"
 
         async def call(request, context: grpc.aio.ServicerContext):
             started, code = time.perf_counter(), Code.OK
             given = getattr(request, "id", "")
-            rid = self.request_id(context, given if isinstance(given, str) else "")
+            rid = self.request_id(context.invocation_metadata(), given if isinstance(given, str) else "")
             REQUEST_ID.set(rid)  # the payload log records the call under the same ID as its access-log line
             try:
-                if not public and self.api_key:
-                    self.check_key(context.invocation_metadata())
                 return await fn(request, context)
             except ApiError as err:
                 code = GRPC_STATUS.get(err.code, Code.UNKNOWN)
@@ -114,18 +115,29 @@ class Service:
 
         return call
 
-    def request_id(self, context, given: str) -> str:
+    def request_id(self, metadata, given: str) -> str:
         """The client's `x-request-id` metadata or the request's own id when sane, else a new one."""
-        for k, v in context.invocation_metadata() or ():
-            if k == "x-request-id" and SANE_REQUEST_ID.fullmatch(v):
+        for k, v in metadata or ():
+            if k == "x-request-id" and isinstance(v, str) and SANE_REQUEST_ID.fullmatch(v):
                 return v
         return self.new_id(given)
 
-    def check_key(self, metadata) -> None:
-        headers = {k.encode("latin-1"): v.encode("latin-1") for k, v in metadata or () if isinstance(v, str)}
-        refused = key_refusal(self.api_key, headers)
-        if refused is not None:
-            raise ApiError("unauthorized", refused.replace("'Authorization", "metadata 'authorization"))
+    def key_check(self) -> grpc.aio.ServerInterceptor:
+        """The interceptor that refuses a call without the API key before its message is read."""
+        return KeyCheck(self)
+
+    def refusal(self, route: str, metadata, message: str) -> grpc.RpcMethodHandler:
+        """A handler that answers UNAUTHENTICATED with `message` and never reads the call's message: a streaming
+        handler's requests are read only when it iterates them, and a unary one's before it runs."""
+        label = route if route in self.routes else "(unknown method)"  # bounded metric labels
+
+        async def refuse(requests, context: grpc.aio.ServicerContext):
+            self.metrics.observe(label, Code.UNAUTHENTICATED.name, time.perf_counter())
+            rid = self.request_id(metadata, "")
+            self.access_log.write(client_of(context), "gRPC", label, Code.UNAUTHENTICATED.name, 0.0, rid)
+            await context.abort(Code.UNAUTHENTICATED, message)
+
+        return grpc.stream_unary_rpc_method_handler(refuse)
 
     async def server_live(self, request, context):
         return pb.ServerLiveResponse(live=True)
@@ -163,6 +175,30 @@ class Service:
             model = (m.name, m.version, m.classifier.labels)
             self.payloads.record(REQUEST_ID.get(), INFER_ROUTE, model, rows["probs"], images)
         return infer_response(m.name, m.version, request.id, [(n, by_name[n]) for n in wanted])
+
+
+class KeyCheck(grpc.aio.ServerInterceptor):
+    """Checks the API key from a call's metadata alone, before gRPC reads or parses its message.
+
+    The interceptor runs once the call's headers have arrived; a call without the key (or with a wrong one) gets
+    `Service.refusal`, which answers UNAUTHENTICATED without ever asking for the message, so an unauthenticated
+    client cannot make the server hold or parse a body. The public RPCs (`PUBLIC`) pass without a key.
+    """
+
+    def __init__(self, service: Service):
+        self.service = service
+
+    async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
+        expected, route = self.service.api_key, details.method
+        if not expected or route in PUBLIC:
+            return await continuation(details)
+        metadata = details.invocation_metadata or ()
+        latin = lambda text: text.encode("latin-1", "replace")
+        headers = {latin(k): latin(v) for k, v in metadata if isinstance(v, str)}
+        refused = key_refusal(expected, headers)
+        if refused is None:
+            return await continuation(details)
+        return self.service.refusal(route, metadata, refused.replace("'Authorization", "metadata 'authorization"))
 
 
 def _serialize(message) -> bytes:
