@@ -159,7 +159,7 @@ bench: install $(ONNX)
 	$(PYTHON) -m benchmarks.train_overhead | tee $(BENCH)/train_overhead.md
 	$(PYTHON) -m benchmarks.export_bench | tee $(BENCH)/export_bench.md
 	$(PYTHON) -m benchmarks.serve_ab $(BASE_TREE) . --model $(ONNX) $(AB_ARGS) | tee $(BENCH)/serve_ab.md
-	$(PYTHON) -m benchmarks.serve_ab $(BASE_TREE) . --variant vit_tiny_patch16_224 $(AB_ARGS) | tee $(BENCH)/serve_ab_vit_tiny.md
+	$(PYTHON) -m benchmarks.serve_ab $(BASE_TREE) . --variant vit_tiny_patch16_224 --in-process $(AB_ARGS) | tee $(BENCH)/serve_ab_vit_tiny.md
 	$(PYTHON) -m benchmarks.rollout_soak $(ONNX) --rollouts 200 | tee $(BENCH)/rollout_soak.md
 	$(PYTHON) -m benchmarks.pointing_game $(ONNX) --n 300 --seed 0 | tee $(BENCH)/pointing_game.md
 
