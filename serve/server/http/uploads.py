@@ -6,8 +6,6 @@ checked against the pixel limit before anything is decoded.
 
 from __future__ import annotations
 
-import re
-
 import numpy as np
 from fastapi import Request
 from PIL import Image
@@ -85,21 +83,19 @@ async def decode_request(request: Request, limits: RequestLimits) -> tuple[bytes
 def parse_multipart(body: bytes, content_type: str) -> tuple[bytes, dict[str, str]]:
     """A multipart/form-data body already in memory -> (the bytes of the file field `file`, the text fields).
 
-    The body clients send to classify one image, one file and nothing else, is cut out directly (`only_file`).
-    Any other is parsed by python-multipart, with Starlette's limits (one file, 1,000 fields, 1 MiB a text field),
-    straight from the bytes: Starlette's form parser writes the file into a spooled temporary file and reads it back
-    through awaitables, about twice the CPU for an upload of the sample's size (`benchmarks.serve_overhead`).
+    Parsed by python-multipart, with Starlette's limits (one file, 1,000 fields, 1 MiB a text field), straight from
+    the bytes `read_body` has bounded: Starlette's own form parser reads the stream again and spools the file to a
+    temporary file.
     """
     _, options = parse_options_header(content_type)
     boundary = options.get(b"boundary")
     if not boundary:
         raise ApiError("bad_request", "the multipart body has no boundary in its Content-Type")
-    data = only_file(body, boundary)
-    return (data, {}) if data is not None else parse_parts(body, boundary)
+    return parse_parts(body, boundary)
 
 
 def parse_parts(body: bytes, boundary: bytes) -> tuple[bytes, dict[str, str]]:
-    """Any multipart body, through python-multipart (`parse_multipart`)."""
+    """A multipart body through python-multipart's parser (`parse_multipart`)."""
     parts: list[_Part] = []
     header: list[bytes] = [b"", b""]  # the name and value of the part's header being read
 
@@ -133,40 +129,6 @@ def parse_parts(body: bytes, boundary: bytes) -> tuple[bytes, dict[str, str]]:
         raise ApiError("bad_request", "multipart uploads must carry the image in a file field named 'file'")
     fields = {p.name: p.data.decode("utf-8", "replace") for p in parts if not p.is_file}
     return bytes(files[0].data), fields
-
-
-HEADER_LINE = re.compile(rb"([!#$%&'*+\-.^_`|~0-9A-Za-z]+): *([^\r\n]*)")  # a header as python-multipart reads it
-MAX_SIMPLE_HEADERS, MAX_SIMPLE_HEADER_BYTES = 8, 1024
-
-
-def only_file(body: bytes, boundary: bytes) -> bytes | None:
-    """The file's bytes when `body` is what clients send to classify one image: a single part, the file field
-    `file`, a few short plain headers, the closing delimiter at the end. None for any other body, which
-    python-multipart then parses: what this returns, it returns too (`tests/serve/test_uploads.py`).
-
-    python-multipart spends 26.0 µs on the sample's upload, in its callbacks; `parse_multipart` this way 11.9 µs,
-    the Content-Type's parsing included (`benchmarks.serve_overhead`, BENCHMARKS.md): a few percent of the
-    server's CPU per request.
-    """
-    delim = b"--" + boundary
-    first, close = len(delim) + 2, b"\r\n" + delim + b"--"
-    end = body.find(b"\r\n" + delim, first)  # the part's data runs up to the first delimiter after it
-    if not body.startswith(delim + b"\r\n") or end < 0 or not body.startswith(close, end):
-        return None
-    if body[end + len(close) :] not in (b"", b"\r\n"):
-        return None
-    head_end = body.find(b"\r\n\r\n", first - 2, end)
-    lines = body[first:head_end].split(b"\r\n") if head_end >= first else []
-    headers = [HEADER_LINE.fullmatch(line) for line in lines[: MAX_SIMPLE_HEADERS + 1]]
-    if not headers or len(headers) > MAX_SIMPLE_HEADERS or None in headers:
-        return None
-    if any(len(line) > MAX_SIMPLE_HEADER_BYTES for line in lines):  # python-multipart refuses a header over 4 KiB
-        return None
-    disposition = [h[2] for h in headers if h[1].lower() == b"content-disposition"][-1:]
-    _, options = parse_options_header(disposition[0]) if disposition else (b"", {})
-    if options.get(b"name") != b"file" or b"filename" not in options:
-        return None
-    return body[head_end + 4 : end]
 
 
 MAX_FIELD_BYTES = 1024 * 1024  # Starlette's limit for a text field
