@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import signal
 import socket
-import struct
 import subprocess
 import sys
 import time
@@ -62,30 +61,6 @@ def test_bad_inputs_over_http_leave_the_server_healthy(server, body, ctype, stat
     assert r.status_code == status and "error" in r.json()
     assert httpx.get(server.url + "/readyz").status_code == 200
     assert httpx.post(server.url + "/v1/classify", content=noise_png(), timeout=30).status_code == 200
-
-
-def data_segments_received(s: socket.socket) -> int:
-    """How many TCP segments with data `s` has received (Linux's tcp_info.tcpi_data_segs_in)."""
-    return struct.unpack_from("I", s.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 256), 152)[0]
-
-
-@pytest.mark.skipif(sys.platform != "linux", reason="reads Linux's TCP_INFO")
-def test_each_answer_reaches_the_client_in_one_tcp_segment(server):
-    """The head and the body go out in one send: two would cost the server a system call and the client a
-    wake-up for every answer (serve.server.http.protocol.CoalescedWrites)."""
-    upload = noise_png()
-    requests = [
-        b"GET /healthz HTTP/1.1\r\nhost: 127.0.0.1\r\n\r\n",
-        b"POST /v1/classify HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: image/png\r\n"
-        + f"content-length: {len(upload)}\r\n\r\n".encode()
-        + upload,
-    ]
-    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as s:
-        for request in requests * 2:
-            before = data_segments_received(s)
-            s.sendall(request)
-            assert read_response(s).startswith(b"HTTP/1.1 200 ")
-            assert data_segments_received(s) - before == 1
 
 
 @pytest.mark.slow

@@ -75,7 +75,6 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
-        self.transport = CoalescedWrites(transport, self.loop)  # what the requests' cycles write to
         if len(self.connections) > self.max_connections:
             now = time.monotonic()
             if now - LimitedHttpToolsProtocol._last_refusal_log > 1.0:
@@ -152,38 +151,6 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
 
     def _arm(self, seconds: float, too_slow) -> None:
         self.deadline, self.too_slow = time.monotonic() + seconds, too_slow
-
-
-class CoalescedWrites:
-    """A connection's transport whose writes in one turn of the event loop go out together, in one send.
-
-    uvicorn writes an answer's head and its body separately: two system calls, two TCP segments and two
-    wake-ups of the client for each answer. Joined, the sample's server answered 1.16x the requests per
-    second at 0.90x the CPU per request (1.06x at 0.94x with the server on a core of its own;
-    `benchmarks.serve_ab`, BENCHMARKS.md). Everything but `write` and `close` is the transport's own.
-    """
-
-    def __init__(self, transport, loop):
-        self._transport, self._loop, self._pending = transport, loop, []
-
-    def write(self, data) -> None:
-        if not self._pending:
-            self._loop.call_soon(self._flush)
-        self._pending.append(data)
-
-    def close(self) -> None:
-        self._flush()
-        self._transport.close()
-
-    def _flush(self) -> None:
-        if self._pending:
-            data = self._pending[0] if len(self._pending) == 1 else b"".join(self._pending)
-            self._pending = []
-            if not self._transport.is_closing():
-                self._transport.write(data)
-
-    def __getattr__(self, name: str):
-        return getattr(self._transport, name)
 
 
 def _sweep(loop, server_state, every: float) -> None:
