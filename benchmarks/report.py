@@ -1,9 +1,9 @@
-"""The benchmark pages from the results: BENCHMARKS.md and the docs site's pages, rendered from
-`benchmarks/results/*.json` and the sections of `benchmarks/pages/`. `make report` writes both; a test fails
-when either differs from what this renders, so neither is edited by hand.
+"""The benchmark pages from the results: BENCHMARKS.md, the docs site's pages and the README's results table, from
+`benchmarks/results/*.json` and the sections of `benchmarks/pages/`. `make report` writes them all; a test fails
+when any differs from what this renders, so none is edited by hand.
 
     .venv/bin/python -m benchmarks.report                                   # BENCHMARKS.md's text, to stdout
-    .venv/bin/python -m benchmarks.report --out BENCHMARKS.md --docs docs/benchmarks
+    .venv/bin/python -m benchmarks.report --out BENCHMARKS.md --docs docs/benchmarks --readme README.md
     .venv/bin/python -m benchmarks.report serve_bench web                   # these results alone, any order
 
 Under each result: the question it answers, its tables, what its run noted, and where the figures come from
@@ -17,7 +17,7 @@ import json
 from pathlib import Path
 
 from benchmarks.common import RESULTS, Table
-from benchmarks.pages import INTRO, PAGES, SECTIONS, Section
+from benchmarks.pages import INTRO, PAGES, SECTIONS, Section, readme
 
 
 def provenance(result: dict) -> str:
@@ -74,6 +74,10 @@ def docs_pages(folder: Path = RESULTS) -> dict[str, str]:
     return pages
 
 
+def every_result(folder: Path = RESULTS) -> dict[str, dict]:
+    return {p.stem: json.loads(p.read_text()) for p in sorted(folder.glob("*.json"))}
+
+
 def render(folder: Path, names: list[str] | None = None) -> str:
     """Every result in `folder` (or those named, in that order), each under its name, as one markdown document."""
     paths = [folder / f"{n}.json" for n in names] if names else sorted(folder.glob("*.json"))
@@ -89,6 +93,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--results", type=Path, default=RESULTS, help="the folder of NAME.json files")
     p.add_argument("--out", type=Path, help="write the page (BENCHMARKS.md) here instead of stdout")
     p.add_argument("--docs", type=Path, help="also write the docs site's pages into this folder")
+    p.add_argument("--readme", type=Path, help="also rewrite the results table between this README's markers")
     args = p.parse_args(argv)
     if args.names:
         text = render(args.results, args.names)
@@ -97,9 +102,11 @@ def main(argv: list[str] | None = None) -> None:
     if args.docs:
         for name, doc in docs_pages(args.results).items():
             (args.docs / name).write_text(doc)
+    if args.readme:
+        args.readme.write_text(readme.render_into(args.readme.read_text(), every_result(args.results)))
     if args.out:
         args.out.write_text(text)
-    elif not args.docs:
+    elif not (args.docs or args.readme):
         print(text, end="")
 
 

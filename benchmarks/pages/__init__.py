@@ -4,9 +4,9 @@ with `benchmarks/results/*.json` into BENCHMARKS.md and the docs site's pages. F
 are in the results, with the notes each run wrote about them.
 """
 
-from benchmarks.pages import serving, training
+from benchmarks.pages import readme, serving, training
 from benchmarks.pages.outline import INTRO, PAGES, Part, Section
 
 SECTIONS = training.SECTIONS + serving.SECTIONS  # BENCHMARKS.md orders them by page (PAGES)
 
-__all__ = ["INTRO", "PAGES", "SECTIONS", "Part", "Section"]
+__all__ = ["INTRO", "PAGES", "SECTIONS", "Part", "Section", "readme"]

@@ -1,6 +1,6 @@
-"""BENCHMARKS.md and the docs site's benchmark pages are what `benchmarks.report` renders from the results (so
-nobody edits them by hand), every result is on a page, and every result file is in the format `common.Result`
-writes."""
+"""BENCHMARKS.md, the docs site's benchmark pages and README's results table are what `benchmarks.report` renders
+from the results (so nobody edits them by hand), every result is on a page, and every result file is in the format
+`common.Result` writes."""
 
 from __future__ import annotations
 
@@ -11,12 +11,12 @@ import pytest
 import yaml
 
 from benchmarks.common import RESULTS, Table
-from benchmarks.pages import PAGES, SECTIONS
-from benchmarks.report import docs_pages, page
+from benchmarks.pages import PAGES, SECTIONS, readme
+from benchmarks.report import docs_pages, every_result, page
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs" / "benchmarks"
-RERUN = "run `make report` (python -m benchmarks.report --out BENCHMARKS.md --docs docs/benchmarks)"
+RERUN = "run `make report` (python -m benchmarks.report --out BENCHMARKS.md --docs docs/benchmarks --readme README.md)"
 HEADER = ("benchmark", "question", "date", "machine", "versions", "setting", "command", "tables")
 
 
@@ -29,6 +29,11 @@ def test_the_docs_benchmark_pages_are_what_the_results_render():
     assert sorted(p.name for p in DOCS.glob("*.md")) == sorted(rendered), "docs/benchmarks/ holds a page of its own"
     for name, text in rendered.items():
         assert (DOCS / name).read_text() == text, f"docs/benchmarks/{name} is out of date: {RERUN}"
+
+
+def test_the_readme_results_table_is_what_the_results_render():
+    text = (ROOT / "README.md").read_text()
+    assert readme.render_into(text, every_result(RESULTS)) == text, f"README's results table is out of date: {RERUN}"
 
 
 def test_every_result_is_on_a_page_and_every_page_in_the_docs_navigation():
