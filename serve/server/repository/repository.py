@@ -70,7 +70,7 @@ class ModelRepository:
         self.expected: set[str] = set()  # models that should be served (found on disk, not unloaded)
         self.unloaded: set[str] = set()  # unloaded through the API: the poller leaves them alone
         self.started = self.stopping = False
-        self._change, self._loading = threading.RLock(), threading.Lock()
+        self._change, self._loading, self._heap = threading.RLock(), threading.Lock(), threading.Lock()
         self._stop = threading.Event()
         self._poller: threading.Thread | None = None
         # a single classifier's engine exists from the start (`single_engine`), as the app's one engine did
@@ -215,7 +215,7 @@ class ModelRepository:
 
     def _add(self, mv: ModelVersion) -> None:
         self.serving = {**self.serving, mv.name: {**self.serving.get(mv.name, {}), mv.version: mv}}
-        freeze_heap()
+        freeze_heap(self._heap)
         self.metrics.model_memory.labels(mv.name, mv.version).set(mv.memory_bytes)
         self.metrics.queue_depth.labels(mv.name, mv.version).set_function(lambda: mv.engine.batcher.depth)
         self._publish()
@@ -228,16 +228,22 @@ class ModelRepository:
         self.serving = {**{m: vs for m, vs in self.serving.items() if m != name}, **({name: kept} if kept else {})}
         self._publish()  # from here on, new requests go elsewhere
         for mv in gone:
-            threading.Thread(target=self._retire, args=(mv,), name="vitscope-drain", daemon=True).start()
+            # the thread gets the version in a list it empties, so that nothing of it holds the version afterwards
+            threading.Thread(target=self._retire, args=([mv],), name="vitscope-drain", daemon=True).start()
 
-    def _retire(self, mv: ModelVersion) -> None:
+    def _retire(self, box: list[ModelVersion]) -> None:
+        mv = box.pop()
         drained = mv.drain(self.drain_s)
-        for gauge in (self.metrics.model_memory, self.metrics.queue_depth):
-            try:
-                gauge.remove(mv.name, mv.version)
-            except KeyError:
-                pass
-        log.info("version %s of %s unloaded (%s)", mv.version, mv.name, "drained" if drained else "drain timed out")
+        name, version = mv.name, mv.version
+        if self.serving.get(name, {}).get(version) is None:  # not reloaded under the same number meanwhile
+            for gauge in (self.metrics.model_memory, self.metrics.queue_depth):
+                try:
+                    gauge.remove(name, version)
+                except KeyError:
+                    pass
+        del mv  # the last reference: what reference counting can free goes now, its cycles below
+        release_heap(self._heap)
+        log.info("version %s of %s unloaded (%s)", version, name, "drained" if drained else "drain timed out")
 
     def _publish(self) -> None:
         routes: dict[tuple[str | None, str | None], ModelVersion] = {}
@@ -251,17 +257,32 @@ class ModelRepository:
         self.routes = routes  # one assignment: a request sees the old table or the new one
 
 
-def freeze_heap() -> None:
+def freeze_heap(lock: threading.Lock) -> None:
     """Put every object alive now (a loaded version's session, metadata and calibration arrays, the app's routes,
     the modules) out of the cyclic garbage collector's reach (`gc.freeze`), after one last collection.
 
     A server builds these once and keeps them, yet each full collection walked them all again, stalling every
     request in flight: the p99 latency and the throughput of the sample both suffered (`benchmarks.serve_ab`).
-    Frozen objects are still freed by reference counting when a version is unloaded; only reference cycles
-    among them are kept.
+    Frozen objects are still freed by reference counting; reference cycles among them (an `Engine` and its
+    `MicroBatcher` make one) wait for `release_heap`.
     """
-    gc.collect()
-    gc.freeze()
+    with lock:
+        gc.collect()
+        gc.freeze()
+
+
+def release_heap(lock: threading.Lock) -> None:
+    """Collect the cycles of a retired version, then freeze what is left again (`freeze_heap`).
+
+    A frozen cycle is never collected, so without this each retired version kept its session, its arrays and
+    its threads for good. Unfreezing on retire frees any cycle, wherever it forms, for the price of one more
+    full collection per rollout (a load pays one already); breaking the engine's one cycle would have left
+    every future cycle to leak again. See the commit that added it for the measurement.
+    """
+    with lock:
+        gc.unfreeze()
+        gc.collect()
+        gc.freeze()
 
 
 def _order(version: str) -> tuple[int, str]:
