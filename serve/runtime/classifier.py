@@ -28,7 +28,7 @@ from serve.runtime.calibration import ranked
 from serve.runtime.images import ImageSource, Preprocess, load_image
 from serve.runtime.model_file import ModelFileError, metadata_value
 from serve.runtime.rollout import attention_rollout, rollout_from_gradients
-from serve.runtime.trust import FEATURES_OUTPUT, UNCALIBRATED, Assessment, Prediction, Trust
+from serve.runtime.trust import FEATURES_OUTPUT, UNCALIBRATED, Assessment, Prediction, Trust, feature_width
 
 # Shapes: B batch, H/W image, K classes, nh heads, N tokens, Gh/Gw patch grid, L = Gh * Gw.
 
@@ -139,8 +139,8 @@ class OnnxClassifier:
         # the onnxruntime target picks its explain branch with an input; the portable one always outputs attns
         self.explain_feeds: dict[str, np.ndarray] = {"explain": np.array(True)} if "explain" in inputs else {}
         self._check_metadata()
-        self.trust: Trust | None = Trust.from_metadata(m, len(self.labels))
-        outputs = {o.name for o in self.session.get_outputs()}
+        outputs = {o.name: o.shape for o in self.session.get_outputs()}
+        self.trust: Trust | None = Trust.from_metadata(m, len(self.labels), feature_width(outputs))
         self._fast_outputs = ["logits", FEATURES_OUTPUT] if FEATURES_OUTPUT in outputs else ["logits"]
         if self.trust is not None and self.trust.needs_features and len(self._fast_outputs) == 1:
             raise ModelFileError(f"{path} uses the Mahalanobis OOD score but has no features output; {mf.AGAIN}")

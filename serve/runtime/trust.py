@@ -10,22 +10,74 @@
      "drift": {"confidence": {"edges", "fractions"}, "predicted": {"fractions"}, "ood_score": {"edges", "fractions"}}}
 
 A file exported before calibration existed has no such key: `Trust.from_metadata` returns None, and
-the classifier reports raw softmax, no sets, and `unknown` / `ood_score` as None.
+the classifier reports raw softmax, no sets, and `unknown` / `ood_score` as None. An entry that is there
+is checked whole on load (`check`): an edited temperature of -1 would serve the least likely class, and a
+NaN threshold would never say unknown, so such a file is refused rather than served.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from serve.runtime import calibration as cal
+from serve.runtime.model_file import AGAIN, ModelFileError, shown
 
 # Shapes: B batch, K classes, D pre-logit feature width, n calibration images.
 
 METADATA_KEY = "calibration"
 FEATURES_OUTPUT = "features"  # the graph output Mahalanobis needs: the pooled, normalised pre-logits (B, D)
+
+
+def _read(entry: Any, path: str, convert: Callable[[Any], Any], default: Any = ...) -> Any:
+    """`convert` of the calibration entry's field at a dotted `path`, or `default` when it is absent.
+
+    Raises:
+        ModelFileError: the field is missing (and has no default), or `convert` refused it; the message names it.
+    """
+    value = entry
+    try:
+        for key in path.split("."):
+            value = value[key]
+    except (KeyError, TypeError, IndexError):
+        if default is not ...:
+            return default
+        raise ModelFileError(f"the file's calibration metadata has no {path}; {AGAIN}") from None
+    try:
+        return convert(value)
+    except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as e:
+        raise ModelFileError(
+            f"the file's calibration metadata has an invalid {path} {shown(value)} ({type(e).__name__}); {AGAIN}"
+        ) from None
+
+
+def feature_width(outputs: dict[str, list | None]) -> int | None:
+    """D, the width of the graph's features output (by output name, its shape), when the graph fixes it."""
+    dims = list(outputs.get(FEATURES_OUTPUT) or [])[1:2]
+    return dims[0] if len(dims) == 1 and isinstance(dims[0], int) else None
+
+
+DRIFT = ("confidence", "predicted", "ood_score")  # the drift entry's histograms
+
+
+def _histogram_ok(drift: dict[str, Any], name: str, num_classes: int) -> bool:
+    """Whether the drift entry's histogram `name` (absent: fine) has finite sorted edges and a fraction per bin
+    (per class for "predicted"): the drift gauge compares answers against it."""
+    if name not in drift:
+        return True
+    try:
+        h = drift[name]
+        fractions = np.asarray(h["fractions"], np.float64)
+        bins = num_classes if name == "predicted" else len(h["edges"]) - 1
+        edges = np.asarray(h.get("edges", [0.0]), np.float64)
+    except (KeyError, TypeError, ValueError):
+        return False
+    ok = edges.ndim == 1 and np.isfinite(edges).all() and (np.diff(edges) > 0).all()
+    return bool(ok and fractions.shape == (bins,) and np.isfinite(fractions).all() and (fractions >= 0).all())
 
 
 @dataclass
@@ -62,42 +114,74 @@ class Trust:
     metrics: dict[str, Any]
 
     @classmethod
-    def from_metadata(cls, metadata: dict[str, Any], num_classes: int) -> Trust | None:
+    def from_metadata(cls, metadata: dict[str, Any], num_classes: int, features_dim: int | None = None) -> Trust | None:
         """The `calibration` entry of parsed metadata, or None for a file exported without one.
 
+        Args:
+            metadata: the file's parsed metadata.
+            num_classes: K, the width of the graph's logits.
+            features_dim: D, the width of the graph's features output when it is fixed (None: not checked).
+
         Raises:
-            ValueError: the entry is there but malformed (the file was edited).
+            ModelFileError: the entry is there but malformed or inconsistent (the file was edited); the message
+                names the field.
         """
         entry = metadata.get(METADATA_KEY)
         if entry is None:
             return None
-        try:
-            conformal, ood = entry["conformal"], entry["ood"]
-            gaussian = {k: np.asarray(ood[k], np.float64) for k in ("means", "precision") if k in ood}
-            cmap = entry.get("confidence_map")
-            knots = None if cmap is None else np.asarray([cmap["confidence"], cmap["accuracy"]], np.float64)
-            trust = cls(
-                float(entry["temperature"]),
-                knots,
-                str(conformal["method"]),
-                np.asarray(conformal["scores"], np.float64),
-                np.asarray(conformal["labels"], np.int64),
-                bool(conformal.get("class_conditional", False)),
-                str(ood["score"]),
-                float(ood["threshold"]),
-                num_classes,
-                gaussian,
-                dict(entry.get("drift", {})),
-                dict(entry.get("metrics", {})),
-            )
-        except (KeyError, TypeError, ValueError) as e:
-            raise ValueError(
-                f"the file's calibration metadata is malformed ({type(e).__name__}: {e}); "
-                "export it again with vit-export"
-            ) from None
-        if trust.method not in cal.CONFORMAL_METHODS or trust.ood_kind not in cal.OOD_SCORES:
-            raise ValueError(f"unknown calibration method {trust.method!r} or OOD score {trust.ood_kind!r}")
+        floats = lambda v: np.asarray(v, np.float64)  # noqa: E731
+        ood = _read(entry, "ood", dict)
+        cmap = _read(entry, "confidence_map", dict, None)
+        knots = lambda c: floats([c["confidence"], c["accuracy"]])  # noqa: E731
+        trust = cls(
+            _read(entry, "temperature", float),
+            None if cmap is None else _read(entry, "confidence_map", knots),
+            _read(entry, "conformal.method", str),
+            _read(entry, "conformal.scores", floats),
+            _read(entry, "conformal.labels", lambda v: np.asarray(v, np.int64)),
+            _read(entry, "conformal.class_conditional", bool, False),
+            _read(entry, "ood.score", str),
+            _read(entry, "ood.threshold", float),
+            num_classes,
+            {k: _read(entry, f"ood.{k}", floats) for k in ("means", "precision") if k in ood},
+            _read(entry, "drift", dict, {}),
+            _read(entry, "metrics", dict, {}),
+        )
+        problem = trust.problem(features_dim)
+        if problem:
+            raise ModelFileError(f"the file's calibration metadata is invalid: {problem}; {AGAIN}")
         return trust
+
+    def problem(self, features_dim: int | None = None) -> str:
+        """What is wrong with these values (the field and why), or "" when they can be served."""
+        K, n = self.num_classes, len(self.scores)
+        finite = lambda a: bool(np.isfinite(a).all())  # noqa: E731
+        checks = [
+            ("temperature", math.isfinite(self.temperature) and self.temperature > 0, "a finite number above 0"),
+            ("conformal.method", self.method in cal.CONFORMAL_METHODS, f"one of {cal.CONFORMAL_METHODS}"),
+            ("conformal.scores", self.scores.ndim == 1 and n > 0 and finite(self.scores), "finite numbers"),
+            ("conformal.scores", bool((np.diff(self.scores) >= 0).all()), "sorted, smallest first"),
+            ("conformal.labels", self.score_labels.shape == (n,), f"one label per score ({n})"),
+            ("conformal.labels", bool(((self.score_labels >= 0) & (self.score_labels < K)).all()), f"in [0, {K})"),
+            ("ood.score", self.ood_kind in cal.OOD_SCORES, f"one of {cal.OOD_SCORES}"),
+            ("ood.threshold", math.isfinite(self.ood_threshold), "a finite number"),
+        ]
+        if self.confidence_map is not None:
+            c = self.confidence_map
+            ok = c.ndim == 2 and c.shape[1] >= 1 and finite(c) and bool((np.diff(c[0]) > 0).all())
+            checks.append(("confidence_map", ok, "finite confidence and accuracy lists, confidence increasing"))
+        if self.needs_features:
+            means, precision = self.gaussian.get("means"), self.gaussian.get("precision")
+            D = features_dim or (means.shape[-1] if means is not None and means.ndim == 2 else 0)
+            ok = means is not None and means.shape == (K, D) and finite(means)
+            checks.append(("ood.means", ok, f"finite numbers, (classes, features) = ({K}, {D or 'D'})"))
+            ok = precision is not None and precision.shape == (D, D) and finite(precision)
+            checks.append(("ood.precision", ok, f"finite numbers, ({D or 'D'}, {D or 'D'})"))
+        checks += [(f"drift.{k}", _histogram_ok(self.drift, k, K), "matching edges and fractions") for k in DRIFT]
+        for field, ok, expected in checks:
+            if not ok:
+                return f"{field} must be {expected}"
+        return ""
 
     @property
     def needs_features(self) -> bool:

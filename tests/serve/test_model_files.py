@@ -3,6 +3,8 @@ calibration and `config.pbtxt` files a user, a pipeline or an attacker could dro
 
 from __future__ import annotations
 
+import json
+import math
 from pathlib import Path
 
 import pytest
@@ -104,3 +106,65 @@ def test_truncated_and_foreign_files_are_model_file_errors(tiny_onnx, tmp_path):
         (tmp_path / name).write_bytes(body)
         with pytest.raises(ModelFileError, match="vit-export"):
             OnnxClassifier(tmp_path / name)
+
+
+def with_calibration(model: Path, out: Path, edit) -> Path:
+    """A copy of an exported (calibrated) file whose `calibration` metadata `edit(entry)` has changed."""
+    entry = json.loads({p.key: p.value for p in onnx.load(model).metadata_props}["calibration"])
+    edit(entry)
+    return edited(model, out, calibration=json.dumps(entry))
+
+
+def _set(path: str, value):
+    """An edit that sets entry[a][b]... = value, for a dotted `path`."""
+
+    def edit(entry: dict) -> None:
+        *parents, last = path.split(".")
+        for p in parents:
+            entry = entry[p]
+        entry[last] = value(entry[last]) if callable(value) else value
+
+    return edit
+
+
+@pytest.mark.parametrize(
+    ("field", "edit"),
+    [
+        ("temperature", _set("temperature", -1.0)),  # served the least likely class
+        ("temperature", _set("temperature", math.inf)),  # gave uniform probabilities
+        ("temperature", _set("temperature", math.nan)),
+        ("temperature", _set("temperature", 0.0)),
+        ("temperature", _set("temperature", "warm")),
+        ("conformal.scores", _set("conformal.scores", lambda s: s[::-1])),  # unsorted: wrong sets
+        ("conformal.scores", _set("conformal.scores", lambda s: [*s[:-1], math.nan])),
+        ("conformal.scores", _set("conformal.scores", [])),
+        ("conformal.scores", _set("conformal.scores", [[0.1, 0.2]])),
+        ("conformal.labels", _set("conformal.labels", lambda labels: labels[:-1])),
+        ("conformal.labels", _set("conformal.labels", lambda labels: [99] * len(labels))),
+        ("conformal.method", _set("conformal.method", "raps")),
+        ("ood.threshold", _set("ood.threshold", math.nan)),  # never said unknown
+        ("ood.threshold", _set("ood.threshold", -math.inf)),
+        ("ood.score", _set("ood.score", "vibes")),
+        ("ood.means", _set("ood.means", lambda means: means[:-1])),  # (K - 1, D): fewer classes than the file
+        ("ood.means", _set("ood.means", lambda means: [row[:-1] for row in means])),  # (K, D - 1)
+        ("ood.precision", _set("ood.precision", lambda p: [row[:-1] for row in p[:-1]])),  # (D - 1, D - 1)
+        ("ood.precision", _set("ood.precision", lambda p: [[math.inf] * len(row) for row in p])),
+        ("ood.means", lambda entry: entry["ood"].pop("means")),
+        ("confidence_map", _set("confidence_map", {"confidence": [0.9, 0.5], "accuracy": [0.5, 0.9]})),
+        ("confidence_map", _set("confidence_map", {"confidence": [0.5, 0.9], "accuracy": [0.5]})),
+        ("drift.confidence", _set("drift.confidence.fractions", [1.0])),
+        ("drift.predicted", _set("drift.predicted.fractions", [0.5, 0.5])),
+        ("drift.ood_score", _set("drift.ood_score.edges", lambda e: e[::-1])),
+        ("conformal", lambda entry: entry.pop("conformal")),
+        ("ood", lambda entry: entry.update(ood=[1, 2])),
+    ],
+)
+def test_invalid_calibration_is_a_model_file_error_naming_the_field(tiny_onnx, tmp_path, field, edit):
+    bad = with_calibration(tiny_onnx, tmp_path / "bad_calibration.onnx", edit)
+    with pytest.raises(ModelFileError, match=rf"calibration.*{field}.*export it again with vit-export"):
+        OnnxClassifier(bad)
+
+
+def test_a_file_without_any_calibration_is_valid_and_uncalibrated(tiny_onnx, tmp_path):
+    clf = OnnxClassifier(edited(tiny_onnx, tmp_path / "uncalibrated.onnx", drop=("calibration",)))
+    assert not clf.calibrated and clf.trust_summary()["calibrated"] is False
