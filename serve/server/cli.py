@@ -126,7 +126,9 @@ def main(argv: list[str] | None = None) -> int:
         server = AnnouncingServer(uvicorn_config(app, settings, args.log_level))
         if settings.probe_port:
             ready, loop = (lambda: app.state.repository.ready), (lambda: getattr(app.state, "loop", None))
-            probes = ProbeServer(settings.host, settings.probe_port, ready, loop).start()
+            probes = ProbeServer(
+                settings.host, settings.probe_port, ready, loop, max_connections=settings.probe_max_connections
+            ).start()
         # uvicorn re-raises SIGTERM after its graceful shutdown: exit 0 if everything drained, else 1
         signal.signal(signal.SIGTERM, lambda signum, frame: _exit_after_drain(server, app))
         server.run()

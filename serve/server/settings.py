@@ -171,8 +171,17 @@ class ServeSettings(BaseSettings):
         0,
         ge=0,
         le=65535,
-        description="also answer /healthz, /readyz and /v2/health/* on this port, from a thread of their own, so "
-        "that probes get their answer while the event loop is saturated (0: off). Point Kubernetes' probes here",
+        description="also answer /healthz, /readyz and /v2/health/* on this port, from a small process of their "
+        "own, so that probes get their answer while the event loop is saturated (0: off). Point Kubernetes' probes "
+        "here. One event loop serves it: a connection that sends no whole request within 2 s is closed, and a "
+        "request head is at most 8 KiB",
+    )
+    probe_max_connections: int = Field(
+        1024,
+        ge=1,
+        description="connections the probe port holds at once; at the cap the oldest is closed for the newest, so "
+        "that a flood of idle connections never locks the kubelet out. Each costs a descriptor (the probe process "
+        "raises its soft limit to fit, within the hard one) and a few kB",
     )
     opentelemetry: bool = Field(
         False,

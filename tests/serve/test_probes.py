@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+import resource
+import selectors
 import signal
 import socket
 import subprocess
@@ -15,7 +17,7 @@ import time
 import httpx
 import pytest
 
-from serve.server.http.probes import ProbeServer
+from serve.server.http.probes import MAX_CONNECTIONS, ProbeServer
 from serve.server.testing import free_port, wait_until
 
 
@@ -56,7 +58,7 @@ def test_readiness_follows_the_server_and_liveness_fails_while_its_loop_is_wedge
 def test_the_probe_process_goes_when_the_server_is_killed():
     code = (
         "import sys, time\n"
-        "from serve.server.http.probes import ProbeServer\n"
+        "from serve.server.http.probes import MAX_CONNECTIONS, ProbeServer\n"
         "p = ProbeServer('127.0.0.1', 0, lambda: True).start()\n"
         "print(p.port, p.proc.pid, flush=True)\n"
         "time.sleep(600)\n"
@@ -84,3 +86,57 @@ def test_a_probe_port_in_use_is_a_clear_error():
         taken.listen()
         with pytest.raises(RuntimeError, match=f"probe port 127.0.0.1:{port} did not open: .*in use"):
             ProbeServer("127.0.0.1", port, lambda: True).start()
+
+
+def _threads_and_fds(pid: int) -> tuple[int, int]:
+    with open(f"/proc/{pid}/status") as f:
+        threads = next(int(line.split()[1]) for line in f if line.startswith("Threads:"))
+    return threads, len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def _flood(port: int, n: int) -> list[socket.socket]:
+    """`n` connections opened at once, as a flood comes; half of them send half a request line, never finished."""
+    held = []
+    for _ in range(n):
+        s = socket.socket()
+        s.setblocking(False)
+        s.connect_ex(("127.0.0.1", port))
+        held.append(s)
+    with selectors.DefaultSelector() as sel:
+        for s in held:
+            sel.register(s, selectors.EVENT_WRITE)
+        for i, (key, _) in enumerate(sel.select(timeout=5)):
+            if i % 2:
+                key.fileobj.send(b"GET /heal")
+    return held
+
+
+def _none_above(now: tuple[int, ...], then: tuple[int, ...]) -> bool:
+    return all(a <= b for a, b in zip(now, then, strict=True))
+
+
+@pytest.mark.parametrize("cap", [MAX_CONNECTIONS, 50])
+def test_healthz_answers_while_a_thousand_connections_are_held_open(cap):
+    """A flood of idle and half-sent connections, as a port scanner or a slowloris client makes, must not
+    stop the kubelet's probe (it would restart a healthy pod), nor cost a thread or more descriptors than the cap."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 4096)), hard))
+    probes = ProbeServer("127.0.0.1", 0, lambda: True, max_connections=cap).start()
+    held: list[socket.socket] = []
+    try:
+        assert status(probes.port, "/healthz") == 200
+        before = _threads_and_fds(probes.proc.pid)
+        held = _flood(probes.port, 1000)
+        started = time.monotonic()
+        assert httpx.get(f"http://127.0.0.1:{probes.port}/healthz", timeout=1.0).status_code == 200
+        assert time.monotonic() - started < 1.0
+        threads, fds = _threads_and_fds(probes.proc.pid)
+        assert threads <= before[0] and fds <= before[1] + cap + 1
+        for s in held:
+            s.close()
+        held.clear()
+        wait_until(lambda: _none_above(_threads_and_fds(probes.proc.pid), before), 10, "threads and fds coming back")
+    finally:
+        for s in held:
+            s.close()
+        probes.stop()

@@ -6,7 +6,15 @@ turn, and a probe on the API port waits its turn behind them (`benchmarks.probes
 the server process does better but still needs the interpreter lock, which the loop and the batcher hold
 most of the time: its p99 was 270 ms under that load on 2 cores (docs/benchmarks/model-server.md). So the
 probes are answered by a process that does nothing else (`python -m serve.server.http.probes`, the standard
-library only, about 10 MB), which the kernel schedules as soon as a probe arrives.
+library and h11 (uvicorn's HTTP/1.1 parser), about 10 MB), which the kernel schedules as soon as a probe
+arrives.
+
+Its bounds, so that no flood of connections makes a kubelet restart a healthy pod: one asyncio event loop and
+no thread per connection; at most `max_connections` open connections (`--probe-max-connections`), and at the
+cap the oldest is closed for the newest, so a prober's fresh connection is always answered; a connection that
+has not sent a whole request within PROBE_TIMEOUT_S of connecting (or of its last answer) is closed; a request
+head past MAX_HEAD_BYTES is refused; a client that reads no answers is no longer read. The process raises
+its soft descriptor limit to fit the cap, within the hard limit (the cap shrinks to fit when it cannot).
 
 The server tells it two things through a 16-byte shared file, four times a second: when its event loop
 last ran a callback (a thread asks the loop to stamp the time, so a wedged loop stops the stamps), and
@@ -18,11 +26,14 @@ whether it is ready. The probe process exits when the server does.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import mmap
 import os
+import resource
 import signal
+import socket
 import struct
 import subprocess
 import sys
@@ -30,7 +41,9 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http import HTTPStatus
+
+import h11
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +52,11 @@ READY = {
     "/readyz": ({"status": "ready"}, {"status": "not ready"}),
     "/v2/health/ready": ({"ready": True}, {"ready": False}),
 }
-PROBE_TIMEOUT_S = 5.0  # a probe client that sends nothing is dropped after this
+PROBE_TIMEOUT_S = 2.0  # a connection that has not sent a whole request within this is dropped
+MAX_CONNECTIONS = 1024  # connections held at once; at the cap the oldest is closed for the newest
+MAX_HEAD_BYTES = 8192  # a request line and headers past this are refused
+BACKLOG = 1024  # connections the kernel queues before we accept them: a flood waits there, costing no descriptor
+FD_RESERVE = 32  # descriptors beside the connections: the listening socket, the event loop, stdio
 BEAT_S = 0.25  # how often the server stamps the shared state
 LIVENESS_STALE_S = 10.0  # a loop that has not turned for this long is not live: restart the server
 STATE = struct.Struct("dd")  # (time.monotonic() when the loop last turned, 1.0 when ready)
@@ -55,6 +72,7 @@ class ProbeServer:
         loop: returns the event loop that serves the API once it runs (None before): its turning is the
             liveness signal; without it, the process being alive is.
         stale_s: liveness fails once the loop has not turned for this long.
+        max_connections: connections the probe process holds at once; at the cap it closes the oldest.
     """
 
     def __init__(
@@ -64,8 +82,10 @@ class ProbeServer:
         ready: Callable[[], bool],
         loop: Callable[[], object | None] | None = None,
         stale_s: float = LIVENESS_STALE_S,
+        max_connections: int = MAX_CONNECTIONS,
     ):
         self.host, self.port, self.ready, self.loop, self.stale_s = host, port, ready, loop, stale_s
+        self.max_connections = max_connections
         fd, self.state_path = tempfile.mkstemp(prefix="vitscope-probes-")
         os.ftruncate(fd, STATE.size)
         self._state = mmap.mmap(fd, STATE.size)
@@ -78,6 +98,7 @@ class ProbeServer:
     def start(self) -> ProbeServer:
         """Start the probe process and the beat; return once the port is bound (RuntimeError if it is not)."""
         args = [self.host, str(self.port), self.state_path, str(os.getpid()), str(self.stale_s)]
+        args.append(str(self.max_connections))
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "serve.server.http.probes", *args], stdout=subprocess.PIPE, text=True
         )
@@ -120,65 +141,134 @@ class ProbeServer:
             pass
 
 
-class _ProbeHandler(BaseHTTPRequestHandler):
-    state: mmap.mmap
-    stale_s: float
-    timeout = PROBE_TIMEOUT_S
-    protocol_version = "HTTP/1.1"  # keep-alive: a prober may reuse its connection
-    server_version, sys_version = "vitscope", ""
-
-    def do_GET(self) -> None:
-        path = self.path.split("?", 1)[0]
-        beat, ready = STATE.unpack_from(self.state, 0)
-        live = time.monotonic() - beat < self.stale_s
-        if path in LIVE:
-            self._send(200 if live else 503, LIVE[path][0 if live else 1])
-        elif path in READY:
-            ok = live and ready == 1.0
-            self._send(200 if ok else 503, READY[path][0 if ok else 1])
-        else:
-            self._send(404, {"error": {"code": "not_found", "message": f"the probe port answers {[*LIVE, *READY]}"}})
-
-    def do_HEAD(self) -> None:
-        self.do_GET()
-
-    def _send(self, status: int, body: dict) -> None:
-        data = json.dumps(body).encode()
-        self.send_response(status)
-        self.send_header("content-type", "application/json")
-        self.send_header("content-length", str(len(data)))
-        self.end_headers()
-        if self.command != "HEAD":
-            self.wfile.write(data)
-
-    def log_message(self, format: str, *args) -> None:  # probes every few seconds: no access line for each
-        pass
+def _answer(method: bytes, target: bytes, state: mmap.mmap, stale_s: float) -> tuple[int, dict]:
+    """The status and JSON body for one probe request, from the state the server last stamped."""
+    if method not in (b"GET", b"HEAD"):
+        return 501, {"error": {"code": "not_implemented", "message": "the probe port answers GET and HEAD only"}}
+    path = target.split(b"?", 1)[0].decode("ascii", "replace")
+    beat, ready = STATE.unpack_from(state, 0)
+    live = time.monotonic() - beat < stale_s
+    if path in LIVE:
+        return (200 if live else 503), LIVE[path][0 if live else 1]
+    if path in READY:
+        ok = live and ready == 1.0
+        return (200 if ok else 503), READY[path][0 if ok else 1]
+    return 404, {"error": {"code": "not_found", "message": f"the probe port answers {[*LIVE, *READY]}"}}
 
 
-def _serve(host: str, port: int, state_path: str, parent: int, stale_s: float) -> int:
+class _ProbeConnection(asyncio.Protocol):
+    """One probe connection: HTTP/1.1 parsed by h11 (keep-alive and pipelining included), dropped when it has
+    not sent a whole request within PROBE_TIMEOUT_S of connecting or of its last answer."""
+
+    def __init__(self, open_connections: dict, state: mmap.mmap, stale_s: float):
+        self.open, self.state, self.stale_s = open_connections, state, stale_s
+        self.http = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEAD_BYTES)
+
+    def connection_made(self, transport: asyncio.Transport) -> None:
+        self.transport = transport
+        self.open[self] = None
+        self.deadline = asyncio.get_running_loop().call_later(PROBE_TIMEOUT_S, transport.abort)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.deadline.cancel()
+        self.open.pop(self, None)
+
+    def pause_writing(self) -> None:  # a client that sends requests but reads no answers: stop reading it
+        self.transport.pause_reading()
+
+    def resume_writing(self) -> None:
+        self.transport.resume_reading()
+
+    def data_received(self, data: bytes) -> None:
+        self.http.receive_data(data)
+        try:
+            while (event := self.http.next_event()) is not h11.NEED_DATA:
+                if isinstance(event, h11.Request):
+                    self._respond(event)  # a body, if any, is read and ignored
+                elif isinstance(event, h11.EndOfMessage):
+                    if not self._next_cycle():
+                        return
+                elif event is h11.PAUSED or isinstance(event, h11.ConnectionClosed):
+                    self.transport.close()
+                    return
+        except h11.RemoteProtocolError as e:  # not HTTP, or a head past MAX_HEAD_BYTES
+            if self.http.our_state in (h11.IDLE, h11.SEND_RESPONSE):
+                self._send(e.error_status_hint, b"")
+            self.transport.close()
+
+    def _respond(self, request: h11.Request) -> None:
+        status, body = _answer(request.method, request.target, self.state, self.stale_s)
+        self._send(status, json.dumps(body).encode(), head=request.method == b"HEAD")
+
+    def _send(self, status: int, data: bytes, head: bool = False) -> None:
+        """Write one answer; to HEAD, its headers only (h11 frames a HEAD answer without a body)."""
+        headers = [("content-type", "application/json"), ("content-length", str(len(data))), ("server", "vitscope")]
+        out = self.http.send(h11.Response(status_code=status, headers=headers, reason=HTTPStatus(status).phrase))
+        if data and not head:
+            out += self.http.send(h11.Data(data=data))
+        self.transport.write(out + self.http.send(h11.EndOfMessage()))
+
+    def _next_cycle(self) -> bool:
+        """After an answer: wait for the next request on this connection (True), or close it (False)."""
+        if self.http.our_state is not h11.DONE or self.http.their_state is not h11.DONE:
+            self.transport.close()  # HTTP/1.0 or "connection: close"
+            return False
+        self.http.start_next_cycle()
+        self.deadline.cancel()
+        self.deadline = asyncio.get_running_loop().call_later(PROBE_TIMEOUT_S, self.transport.abort)
+        return True
+
+
+async def _accept(sock: socket.socket, state: mmap.mmap, stale_s: float, cap: int, parent: int) -> None:
+    """Accept connections one at a time; at `cap` open ones, close the oldest first, so that a flood never
+    holds more than `cap` descriptors and the newest connection (the prober's) is always answered."""
+    loop = asyncio.get_running_loop()
+    open_connections: dict[_ProbeConnection, None] = {}  # oldest first
+    loop.create_task(_exit_when_orphaned(parent))
+    sock.setblocking(False)
+    while True:
+        conn, _ = await loop.sock_accept(sock)
+        while len(open_connections) >= cap:
+            oldest = next(iter(open_connections))
+            del open_connections[oldest]
+            oldest.transport.abort()
+        await loop.connect_accepted_socket(lambda: _ProbeConnection(open_connections, state, stale_s), conn)
+
+
+async def _exit_when_orphaned(parent: int) -> None:  # the server died without stopping us (SIGKILL): go too
+    while os.getppid() == parent:
+        await asyncio.sleep(0.5)
+    os._exit(0)
+
+
+def _fd_budget(cap: int) -> int:
+    """Raise this process's soft descriptor limit to fit `cap` connections where the hard limit allows, and
+    return the cap that fits."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = cap + FD_RESERVE
+    if soft != resource.RLIM_INFINITY and soft < want:
+        soft = want if hard == resource.RLIM_INFINITY else min(want, hard)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    return cap if soft == resource.RLIM_INFINITY else max(1, min(cap, soft - FD_RESERVE))
+
+
+def _serve(host: str, port: int, state_path: str, parent: int, stale_s: float, max_connections: int) -> int:
     """The probe process: bind, say the port on stdout, answer until the server process is gone."""
     with open(state_path, "rb") as f:
         state = mmap.mmap(f.fileno(), STATE.size, access=mmap.ACCESS_READ)
-    handler = type("ProbeHandler", (_ProbeHandler,), {"state": state, "stale_s": stale_s})
+    cap = _fd_budget(max_connections)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
     try:
-        httpd = ThreadingHTTPServer((host, port), handler)
+        sock = socket.create_server((host, port), family=family, backlog=BACKLOG)
     except OSError as e:
         print(f"{e.strerror or e} (is another process on port {port}?)", flush=True)
         return 1
-    httpd.daemon_threads = True
-
-    def orphaned() -> None:  # the server died without stopping us (SIGKILL): go too
-        while os.getppid() == parent:
-            time.sleep(0.5)
-        os._exit(0)
-
-    threading.Thread(target=orphaned, daemon=True).start()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the server stops us
-    print(f"port {httpd.server_address[1]}", flush=True)
-    httpd.serve_forever()
+    print(f"port {sock.getsockname()[1]}", flush=True)
+    asyncio.run(_accept(sock, state, stale_s, cap, parent))
     return 0
 
 
 if __name__ == "__main__":
-    host, port, state_path, parent, stale_s = sys.argv[1:6]
-    sys.exit(_serve(host, int(port), state_path, int(parent), float(stale_s)))
+    host, port, state_path, parent, stale_s, max_connections = sys.argv[1:7]
+    sys.exit(_serve(host, int(port), state_path, int(parent), float(stale_s), int(max_connections)))
