@@ -2,11 +2,11 @@
 
 It wires the pieces, each in a module of its own: the micro-batching engine (`batching`), the `/v1`
 and health routes (`v1`), KServe v2 (`v2`), the JSON error mapping (`errors`), Prometheus metrics
-(`metrics`), the OpenAPI document (`openapi`), the Host, API-key and access-log layer around it all
-(`guard`), the payload log (`payload_log`), the gRPC service on `--grpc-port` (`grpc`, started and
-stopped with the app), and, unless `with_ui` is False, the Gradio UI at `/` (`ui`, the only module that imports
-gradio: an API-only server never loads it). Connection limits live below the app, in uvicorn's protocol
-(`protocol`, set up by `cli`).
+(`metrics`), the OpenAPI document (`openapi`), the Host and API-key checks (`guard`) and the request record
+(`record`: request ID, metrics, access log) around it all, the payload log (`payload_log`), the gRPC service
+on `--grpc-port` (`grpc`, started and stopped with the app), and, unless `with_ui` is False, the Gradio UI at
+`/` (`ui`, the only module that imports gradio: an API-only server never loads it). Connection limits live
+below the app, in uvicorn's protocol (`protocol`, set up by `cli`).
 """
 
 from __future__ import annotations
@@ -24,12 +24,12 @@ from starlette.concurrency import run_in_threadpool
 from serve.runtime.classifier import OnnxClassifier
 from serve.runtime.images import PixelBudget
 from serve.server.api.openapi import describe
-from serve.server.api.v1 import CLASSIFY_PATHS, classify_endpoint, v1_router
+from serve.server.api.v1 import classify_endpoint, v1_router
 from serve.server.api.v2 import v2_router
 from serve.server.engine import Engine, judge_rows
 from serve.server.http.errors import add_error_handlers, add_fallback_routes
-from serve.server.http.guard import RequestGuard, allowed_hosts_of
-from serve.server.http.lane import FastLane
+from serve.server.http.guard import ApiKeyCheck, HostAllowList, allowed_hosts_of
+from serve.server.http.record import RequestRecord
 from serve.server.http.uploads import decode_image
 from serve.server.metrics import Metrics
 from serve.server.payload_log import CloudEventsSink, FileSink, PayloadLog
@@ -83,8 +83,8 @@ def build_app(
         v1_router(repository, metrics, classify),
         v2_router(repository, limits, metrics, payloads),
     ]
-    for router in routers:  # flat, as `@app.get` adds them: `include_router` costs a dispatch layer per request
-        app.router.routes.extend(router.routes)
+    for router in routers:
+        app.include_router(router)
     add_fallback_routes(app, routers)
     default, layout, names = ui_layout(models, single, settings.default_model, with_ui)
     describe(app, limits, default, auth=bool(settings.api_key.get_secret_value()))
@@ -92,24 +92,17 @@ def build_app(
         from serve.server.ui.blocks import mount_ui
 
         app = mount_ui(app, repository, layout, settings, budget, names)
-    add_request_layers(app, settings, metrics, classify)
+    add_request_layers(app, settings, metrics)
     return app
 
 
-def add_request_layers(app: FastAPI, settings: ServeSettings, metrics: Metrics, classify) -> None:
-    """The layers every request meets first: `RequestGuard` (outermost: it counts what the client got, the UI's
-    422 and not Gradio's 500, 400 for a wrong Host), then `FastLane`, which takes the classify requests past
-    FastAPI's routing to `classify`; not with --opentelemetry, whose spans FastAPI's router names by route."""
-    if not settings.opentelemetry:
-        lanes = [(path, classify) for path in CLASSIFY_PATHS]
-        app.add_middleware(FastLane, routes=lanes, retry_after_s=settings.retry_after_s)
-    app.add_middleware(
-        RequestGuard,
-        api_key=settings.api_key.get_secret_value(),
-        allowed_hosts=allowed_hosts_of(settings.allowed_hosts, settings.host),
-        metrics=metrics,
-        routes=("/v1", "/v2", "/healthz", "/readyz", "/gradio_api"),
-    )
+def add_request_layers(app: FastAPI, settings: ServeSettings, metrics: Metrics) -> None:
+    """The layers every request meets first, outermost first: `RequestRecord` (its ID, metrics and access log line,
+    with the status the client got: the UI's 422 and not Gradio's 500, 400 for a wrong Host), `HostAllowList`, then
+    `ApiKeyCheck`."""
+    app.add_middleware(ApiKeyCheck, api_key=settings.api_key.get_secret_value())
+    app.add_middleware(HostAllowList, allowed_hosts=allowed_hosts_of(settings.allowed_hosts, settings.host))
+    app.add_middleware(RequestRecord, metrics=metrics, routes=("/v1", "/v2", "/healthz", "/readyz", "/gradio_api"))
 
 
 def repository_of(models, single, settings: ServeSettings, metrics: Metrics, engine_class) -> ModelRepository:

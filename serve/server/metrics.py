@@ -2,7 +2,7 @@
 memory; per model what the answers say about the images (`serve.server.drift`); payload-log drops.
 
 Each app gets its own registry, so several apps (as in tests) never share counters. Requests are counted
-by `serve.server.http.guard.RequestGuard`, the layer that sees what each client got.
+by `serve.server.http.record.RequestRecord`, the layer that sees what each client got.
 """
 
 from __future__ import annotations

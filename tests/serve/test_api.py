@@ -228,8 +228,8 @@ def test_full_queue_answers_503_with_retry_after(classifier):
 
 
 def test_a_fault_in_the_classify_route_is_a_json_500_logged_with_its_traceback(classifier, monkeypatch, caplog):
-    """/v1/classify bypasses FastAPI's routing (`serve.server.http.lane`): a bug there still answers as FastAPI's
-    handlers would, and is counted and logged, and the server keeps serving."""
+    """A bug in /v1/classify answers a JSON 500 with its request ID, is counted and logged once, and the server
+    keeps serving."""
     with TestClient(build_app(classifier, ServeSettings(examples_dir=""), with_ui=False), base_url=LOCAL) as c:
         healthy = v1.encode_response
         monkeypatch.setattr(v1, "encode_response", lambda *a: {}["a bug"])
@@ -336,7 +336,7 @@ def test_opentelemetry_spans_only_when_asked_for(tiny_onnx, flag):
     spans = json.loads(out.stdout.splitlines()[-1])
     if flag == "off":
         assert spans == []
-    else:  # each request's span is named by its route (the classify lane is off then: FastAPI's routes answer)
+    else:  # each request's span is named by its route
         assert "GET /healthz" in spans and "POST /v1/classify" in spans, spans
 
 

@@ -65,7 +65,7 @@ def encode_response(served, answers: Assessment, top_k: int, explanation: dict |
 
 
 def request_id_of(request: Request) -> str:
-    """The ID `serve.server.http.guard.RequestGuard` gave the request ("" without the guard)."""
+    """The ID `serve.server.http.record.RequestRecord` gave the request ("" without it)."""
     return request.scope.get("state", {}).get("request_id", "")
 
 
@@ -170,8 +170,7 @@ def classify_endpoint(
 ) -> Callable[..., Awaitable[Response]]:
     """`classify(request, name=None, version=None)`: the answer to a classify request for a model's version (None:
     the default model, its latest version); large uploads hold `budget` while they decode; each answer is recorded
-    in `payloads` (None: nowhere). `serve.server.http.lane.FastLane` calls it straight; FastAPI's routes for the
-    same paths (`v1_router`) document it."""
+    in `payloads` (None: nowhere). The routes of `v1_router` call it."""
 
     async def classify(request: Request, name: str | None = None, version: str | None = None) -> Response:
         served = resolve(repository, name, version)

@@ -34,12 +34,11 @@ def error_response(err: ApiError, retry_after_s: int) -> Response:
 
 
 def add_error_handlers(app: FastAPI, retry_after_s: int) -> None:
-    """Our errors, FastAPI's validation errors, Starlette's routing errors and anything unexpected, all as
-    the JSON body above."""
+    """Our errors, FastAPI's validation errors and Starlette's routing errors, all as the JSON body above (anything
+    unexpected: `serve.server.http.record.RequestRecord`)."""
 
     @app.exception_handler(ApiError)
     @app.exception_handler(ClientDisconnect)
-    @app.exception_handler(Exception)
     async def _raised(request: Request, err: Exception):
         return response_for(err, request, retry_after_s)
 
@@ -56,16 +55,12 @@ def add_error_handlers(app: FastAPI, retry_after_s: int) -> None:
 
 
 def response_for(err: Exception, request: Request, retry_after_s: int) -> Response:
-    """The answer to a request whose route raised `err`: an `ApiError`'s own, 499 (logged, counted, never sent)
-    when the client went away, and 500 with a line in the log for anything unexpected."""
-    if isinstance(err, ApiError):
-        return error_response(err, retry_after_s)
+    """The answer to a request whose route raised `err`: an `ApiError`'s own, or 499 (logged, counted, never sent)
+    when the client went away. Anything else is answered by `serve.server.http.record.RequestRecord`."""
     if isinstance(err, ClientDisconnect):  # the client's own doing, not a fault here: one line at info level
         log.info("client went away during %s %s before the answer", request.method, request.url.path)
         return Response(status_code=ERROR_STATUS["client_closed"])
-    log.error("unexpected error on %s", request.url.path, exc_info=err)
-    internal = ApiError("internal", f"internal error ({type(err).__name__}); see the server log")
-    return error_response(internal, retry_after_s)
+    return error_response(err, retry_after_s)
 
 
 def add_fallback_routes(app: FastAPI, routers: list[APIRouter]) -> None:

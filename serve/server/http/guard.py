@@ -1,36 +1,33 @@
-"""The outermost ASGI layer: who may ask, and a record of every request (metrics and `access_log`).
+"""Who may ask: the Host allow-list (Starlette's `TrustedHostMiddleware`) and the API key, as ASGI layers.
 
-Each request gets an ID (the client's `X-Request-Id` when it is sane, else a new one), echoed in the
-response, written in one access log line and counted in the Prometheus metrics under its route, with the
-status the client got (499 when it went away first). Before anything else runs, the `Host` header is checked
-against an allow-list (a page on another site that rebinds its DNS name to 127.0.0.1 sends its own
-name as the Host, so it gets 400 and never reaches the API or the UI) and, when the server has an API
-key, the key is checked in constant time. Health routes answer without either check: load balancers
-and orchestrators probe them by IP, and they tell nothing.
+A page on another site that rebinds its DNS name to 127.0.0.1 sends its own name as the Host, so it gets 400
+and never reaches the API or the UI; the Host is checked first, so such a page never gets the key's login
+prompt either. When the server has an API key, every other request must carry it (checked in constant time,
+`serve.server.auth.key_refusal`). Health routes answer without either check: load balancers and orchestrators
+probe them by IP and without the key, so they answer their status alone, and tell more (the default model's
+name and version) only to a client that sent the key (`authorized`).
 """
 
 from __future__ import annotations
 
-import logging
-import time
+from urllib.parse import urlsplit
 
-from serve.server.access_log import ACCESS_LOG
-from serve.server.auth import RequestIds, key_refusal
+from starlette.middleware.trustedhost import TrustedHostMiddleware
+
+from serve.server.auth import key_refusal
 from serve.server.http.errors import send_error
-from serve.server.metrics import CLIENT_CLOSED, Metrics
-
-log = logging.getLogger(__name__)
 
 HEALTH_PATHS = ("/healthz", "/readyz", "/v2/health/live", "/v2/health/ready")
 API_PREFIXES = ("/v1", "/v2", "/metrics", "/openapi.json", "/docs", "/redoc")
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
+AUTHORIZED = "authorized"  # the key in scope["state"]: whether the request may see more than a status
 
 
 def allowed_hosts_of(setting: str, bind_host: str) -> frozenset[str] | None:
     """The Host names to accept: `setting` (comma-separated; "*" for any) or the bind host and loopback.
 
     Returns:
-        Lower-case names without ports, or None for any host.
+        Lower-case names without ports or brackets, or None for any host.
     """
     names = [h.strip().lower() for h in setting.split(",") if h.strip()]
     if "*" in names:
@@ -40,106 +37,82 @@ def allowed_hosts_of(setting: str, bind_host: str) -> frozenset[str] | None:
     return frozenset(h.strip("[]") for h in names if h not in ("0.0.0.0", "::", ""))
 
 
-def host_name(value: str) -> str:
-    """`example.com:8080` -> `example.com`, `[::1]:80` -> `::1`."""
-    value = value.strip().lower()
-    if value.startswith("["):
-        return value[1 : value.find("]")] if "]" in value else value
-    return value.rsplit(":", 1)[0] if value.count(":") == 1 else value
+def authorized(scope) -> bool:
+    """Whether `ApiKeyCheck` let this request through with the key (or the server needs none)."""
+    return bool(scope.get("state", {}).get(AUTHORIZED, False))
 
 
-class RequestGuard:
-    """ASGI middleware: request ID, Host allow-list, API key, one access log line and metrics per request.
+class HostAllowList(TrustedHostMiddleware):
+    """Starlette's `TrustedHostMiddleware` over `allowed_hosts` (None: any), with two changes: the health paths
+    pass without a check, and a refusal is our JSON 400 (`bad_host`) that says which flag admits the name.
+
+    Args:
+        app: the ASGI app to wrap.
+        allowed_hosts: names as `allowed_hosts_of` gives them.
+    """
+
+    def __init__(self, app, allowed_hosts: frozenset[str] | None):
+        # Starlette compares IPv6 literals in their brackets, as the Host header carries them
+        names = ["*"] if allowed_hosts is None else [f"[{h}]" if ":" in h else h for h in allowed_hosts]
+        super().__init__(self._through, names, www_redirect=False)
+        self.inner = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] not in ("http", "websocket") or scope["path"] in HEALTH_PATHS:
+            return await self.inner(scope, receive, send)
+        await super().__call__(scope, receive, _Refusal(scope, send))
+
+    async def _through(self, scope, receive, send: _Refusal) -> None:
+        """What the library calls for an allowed Host: the app, with the client's own `send`."""
+        await self.inner(scope, receive, send.send)
+
+
+class _Refusal:
+    """The `send` Starlette answers a refused Host through: its plain-text 400 becomes our JSON one (and a
+    websocket's close, 1008)."""
+
+    def __init__(self, scope, send):
+        self.scope, self.send = scope, send
+
+    async def __call__(self, message) -> None:
+        if not message["type"].endswith("http.response.start"):
+            return  # the library's body: ours went out with the start
+        if self.scope["type"] == "websocket":
+            return await self.send({"type": "websocket.close", "code": 1008})
+        given = dict(self.scope["headers"]).get(b"host", b"").decode("latin-1")
+        try:
+            host = urlsplit("//" + given).hostname or given
+        except ValueError:
+            host = given
+        message = (
+            f"Host {host!r} is not served here; start vit-serve with --allowed-hosts {host or 'NAME'} "
+            "if this name is meant to reach it"
+        )
+        await send_error(self.send, "bad_host", message)
+
+
+class ApiKeyCheck:
+    """ASGI middleware: with an `api_key`, a request without it gets 401 and a challenge (Bearer for the API,
+    HTTP Basic for the UI, so that a browser asks for it); the health paths pass, marked `authorized` or not.
 
     Args:
         app: the ASGI app to wrap.
         api_key: the key clients must send (empty: no key needed).
-        allowed_hosts: Host names to accept (None: any).
-        metrics: where to count requests (None: nowhere).
-        routes: path prefixes to count, each under its own prefix as the route label; other paths (the
-            UI's assets) are logged but not counted.
     """
 
-    def __init__(
-        self,
-        app,
-        api_key: str = "",
-        allowed_hosts: frozenset[str] | None = None,
-        metrics: Metrics | None = None,
-        routes: tuple[str, ...] = (),
-    ):
-        self.app, self.allowed_hosts, self.metrics, self.routes = app, allowed_hosts, metrics, routes
-        self.api_key = api_key.encode("utf-8")
-        self.request_id = RequestIds()
-        self.access_log = ACCESS_LOG
+    def __init__(self, app, api_key: str = ""):
+        self.app, self.api_key = app, api_key.encode("utf-8")
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "websocket":  # none of ours; refused like any request if it breaks the rules
-            if self.refusal(scope["path"], dict(scope["headers"])) is not None:
-                return await send({"type": "websocket.close", "code": 1008})
-        if scope["type"] != "http":
+        if scope["type"] not in ("http", "websocket"):
             return await self.app(scope, receive, send)
-        started, status = time.perf_counter(), CLIENT_CLOSED
-        headers = dict(scope["headers"])
-        given = headers.get(b"x-request-id", b"").decode("latin-1")
-        request_id = self.request_id(given)
-        scope.setdefault("state", {})["request_id"] = request_id
-
-        async def send_with_id(message):
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-                message["headers"] = [*message.get("headers", []), (b"x-request-id", request_id.encode())]
-            await send(message)
-
-        gone = False  # the client disconnected: what fails after that is not a fault of the server
-
-        async def receive_watching():
-            nonlocal gone
-            message = await receive()
-            gone = gone or message["type"] == "http.disconnect"
-            return message
-
-        try:
-            refusal = self.refusal(scope["path"], headers)
-            if refusal is None:
-                await self.app(scope, receive_watching, send_with_id)
-            else:
-                await send_error(send_with_id, *refusal)
-        except Exception:
-            if not gone:
-                status = 500 if status == CLIENT_CLOSED else status
-                raise
-            # e.g. Gradio's upload route, whose parser fails when the body stops: one line, not two tracebacks
-            log.info("client went away during %s %s before the answer", scope["method"], scope["path"])
-        finally:
-            status = CLIENT_CLOSED if gone and status >= 500 else status
-            path = scope["path"]
-            route = next((r for r in self.routes if path == r or path.startswith(r + "/")), None)
-            if self.metrics is not None and route is not None:
-                self.metrics.observe(route, status, started)
-            client = scope.get("client") or ("-", 0)
-            ms = (time.perf_counter() - started) * 1000
-            self.access_log.write(client[0], scope["method"], path, status, ms, request_id)
-
-    def refusal(self, path: str, headers: dict[bytes, bytes]) -> tuple[str, str, dict[str, str]] | None:
-        """(code, message, headers) of a request refused before the app sees it, or None."""
-        if path in HEALTH_PATHS:
-            return None
-        host = host_name(headers.get(b"host", b"").decode("latin-1"))
-        if self.allowed_hosts is not None and host not in self.allowed_hosts:
-            return (
-                "bad_host",
-                f"Host {host!r} is not served here; start vit-serve with --allowed-hosts {host or 'NAME'} "
-                "if this name is meant to reach it",
-                {},
-            )
-        refused = key_refusal(self.api_key, headers)
-        if refused is not None:
-            challenge = (
-                'Bearer realm="vitscope"'
-                if path.startswith(API_PREFIXES)
-                else 'Basic realm="vitscope", charset="UTF-8"'
-            )
-            return "unauthorized", refused, {"WWW-Authenticate": challenge}
-        return None
+        refused = key_refusal(self.api_key, dict(scope["headers"]))
+        path = scope["path"]
+        if refused is None or path in HEALTH_PATHS:
+            scope.setdefault("state", {})[AUTHORIZED] = refused is None
+            return await self.app(scope, receive, send)
+        if scope["type"] == "websocket":  # none of ours; refused like any request
+            return await send({"type": "websocket.close", "code": 1008})
+        api = path.startswith(API_PREFIXES)
+        challenge = 'Bearer realm="vitscope"' if api else 'Basic realm="vitscope", charset="UTF-8"'
+        await send_error(send, "unauthorized", refused, {"WWW-Authenticate": challenge})
