@@ -173,7 +173,7 @@ def open_payload_log(settings: ServeSettings, metrics: Metrics) -> PayloadLog | 
         return None
     on_drop = lambda sink, reason: metrics.payload_log_dropped.labels(sink, reason).inc()
     images, size = settings.payload_log_images, settings.payload_log_queue_size
-    return PayloadLog(sinks, settings.top_k, images, size, on_drop)
+    return PayloadLog(sinks, settings.top_k, images, size, on_drop, settings.payload_log_queue_bytes)
 
 
 def grpc_server_of(repository: ModelRepository, settings: ServeSettings, metrics: Metrics, payloads: PayloadLog | None):

@@ -12,9 +12,13 @@ pixel tensor's). Two kinds of sink:
   that consumers of KServe's logger (message dumpers, drift detectors) read them unchanged.
 
 Bounded: the request path only puts a tuple on each sink's queue (`queue.Queue(maxsize)`, `put_nowait`);
-a thread per sink formats and writes. A full queue drops the record, a failed write drops it too, and
-both are counted (`on_drop(sink, reason)`), so a slow or dead sink never slows or fails a request, and one
-sink's stall never holds up another. Not logging's `QueueListener`: it would build a `LogRecord` per
+a thread per sink formats and writes. Each queue is bounded twice: in records (`queue_size`) and in bytes
+(`queue_bytes`, the images and probabilities a record holds until it is written), because a record that keeps
+its image can weigh as much as the largest upload. A record past either bound is dropped ("queue_full"), a
+failed write (a full disk, a dead consumer) drops it too ("write_failed"), and both are counted
+(`on_drop(sink, reason)`), so a slow or dead sink never slows or fails a request, and one sink's stall never
+holds up another. A failing sink logs one warning when it starts failing and one line when it writes again,
+not a traceback per record. Not logging's `QueueListener`: it would build a `LogRecord` per
 request on the request path and share one queue between the sinks.
 """
 
@@ -41,6 +45,39 @@ REQUEST_EVENT = "org.kubeflow.serving.inference.request"
 RESPONSE_EVENT = "org.kubeflow.serving.inference.response"
 IMAGE_MODES = ("none", "digest", "image")
 _STOP = object()
+RECORD_OVERHEAD = 512  # bytes a record holds besides its images and probabilities: the tuple, its strings
+
+
+class _Budget:
+    """Bytes a sink's queue may hold, taken by the request path and given back once the record is written."""
+
+    def __init__(self, limit: int):
+        self.limit, self.used, self.lock = limit, 0, threading.Lock()
+
+    def take(self, n: int) -> bool:
+        with self.lock:
+            if self.used + n > self.limit:
+                return False
+            self.used += n
+            return True
+
+    def give(self, n: int) -> None:
+        with self.lock:
+            self.used -= n
+
+
+class _RaisingRotatingFileHandler(logging.handlers.RotatingFileHandler):
+    """logging's rotating file, but a failed write raises to the caller, which counts it, rather than
+    printing a traceback to stderr for every record."""
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        stream, self.stream = self.stream, None  # the next record opens the file again (emit() does)
+        if stream is not None:
+            try:
+                stream.close()  # its unwritten bytes are lost with this record
+            except OSError:
+                pass
+        raise  # the error emit() is handling
 
 
 class FileSink:
@@ -49,13 +86,11 @@ class FileSink:
     name = "file"
 
     def __init__(self, path: str, max_bytes: int, backups: int):
-        self.handler = logging.handlers.RotatingFileHandler(path, maxBytes=max_bytes, backupCount=backups)
+        self.handler = _RaisingRotatingFileHandler(path, maxBytes=max_bytes, backupCount=backups)
         self.handler.setFormatter(logging.Formatter("%(message)s"))
 
     def write(self, record: dict) -> None:
         self.handler.emit(logging.makeLogRecord({"msg": json.dumps(record, separators=(",", ":"))}))
-        if self.handler.stream is None:  # emit() reports its errors to stderr rather than raising
-            raise OSError(f"cannot write the payload log {self.handler.baseFilename}")
 
     def close(self) -> None:
         self.handler.close()
@@ -125,6 +160,8 @@ class PayloadLog:
         top_k: predictions kept per image.
         images: "none", "digest" (each image's SHA-256) or "image" (the image itself, base64).
         queue_size: records each sink may hold while it writes; beyond that they are dropped.
+        queue_bytes: bytes of images and probabilities each sink may hold (the record being written included);
+            beyond that they are dropped.
         on_drop: called with (sink name, "queue_full" or "write_failed") for every dropped record.
     """
 
@@ -135,15 +172,16 @@ class PayloadLog:
         images: str = "none",
         queue_size: int = 1000,
         on_drop: Callable[[str, str], None] | None = None,
+        queue_bytes: int = 64 * 1024 * 1024,
     ):
         if images not in IMAGE_MODES:
             raise ValueError(f"images must be one of {', '.join(IMAGE_MODES)}, got {images!r}")
         self.top_k, self.images, self.on_drop = top_k, images, on_drop or (lambda sink, reason: None)
         self.wants_images = images != "none"
-        self.queues = [(sink, queue.Queue(maxsize=queue_size)) for sink in sinks]
+        self.queues = [(sink, queue.Queue(maxsize=queue_size), _Budget(queue_bytes)) for sink in sinks]
         self.threads = [
-            threading.Thread(target=self._write, args=(sink, q), name=f"payload-log-{sink.name}", daemon=True)
-            for sink, q in self.queues
+            threading.Thread(target=self._write, args=(sink, q, b), name=f"payload-log-{sink.name}", daemon=True)
+            for sink, q, b in self.queues
         ]
         for t in self.threads:
             t.start()
@@ -165,30 +203,46 @@ class PayloadLog:
             probs: (B, K) probabilities, one row per image.
             images: one bytes object per image (read only when the log keeps images).
         """
-        item = (time.time(), request_id, route, model, probs, images if self.wants_images else None)
-        for sink, q in self.queues:
+        images = images if self.wants_images else None
+        size = RECORD_OVERHEAD + probs.nbytes + sum(map(len, images or ()))
+        item = (time.time(), request_id, route, model, probs, images)
+        for sink, q, budget in self.queues:
+            if not budget.take(size):
+                self.on_drop(sink.name, "queue_full")
+                continue
             try:
-                q.put_nowait(item)
+                q.put_nowait((size, item))
             except queue.Full:
+                budget.give(size)
                 self.on_drop(sink.name, "queue_full")
 
     def close(self, timeout: float = 5.0) -> None:
         """Write what is queued (for up to `timeout` seconds), then close the sinks."""
         deadline = time.monotonic() + timeout
-        for (_, q), t in zip(self.queues, self.threads, strict=True):
+        for (_, q, _), t in zip(self.queues, self.threads, strict=True):
             try:
                 q.put(_STOP, timeout=max(0.0, deadline - time.monotonic()))
             except queue.Full:
                 continue  # a stalled sink: its thread is a daemon and ends with the process
             t.join(max(0.0, deadline - time.monotonic()))
 
-    def _write(self, sink, q: queue.Queue) -> None:
-        while (item := q.get()) is not _STOP:
+    def _write(self, sink, q: queue.Queue, budget: _Budget) -> None:
+        failing = False
+        while (entry := q.get()) is not _STOP:
+            size, item = entry
             try:
                 sink.write(self.format(*item))
             except Exception as e:  # a sink that fails loses this record, never the thread
-                log.debug("payload log %s: %s", sink.name, e)
+                if not failing:
+                    log.warning("payload log %s: %s; records are dropped until it writes again", sink.name, e)
+                failing = True
                 self.on_drop(sink.name, "write_failed")
+            else:
+                if failing:
+                    log.info("payload log %s writes again", sink.name)
+                failing = False
+            finally:
+                budget.give(size)
         sink.close()
 
     def format(self, t: float, request_id: str, route: str, model: tuple, probs: np.ndarray, images) -> dict:

@@ -223,6 +223,14 @@ class ServeSettings(BaseSettings):
         description="records each payload log sink may hold while it writes; beyond that they are dropped and "
         "counted (vitscope_payload_log_dropped_total), so that a slow or dead sink never slows a request",
     )
+    payload_log_queue_bytes: int = Field(
+        64 * 1024 * 1024,
+        ge=1024,
+        description="bytes of records (their images and probabilities) each payload log sink may hold while it "
+        "writes; beyond that they are dropped and counted as queue_full. 64 MiB holds a few seconds of a stalled "
+        "sink at a typical rate, or six of the largest uploads with --payload-log-images image, and keeps the "
+        "log's memory bounded whatever the images weigh",
+    )
 
     @model_validator(mode="after")
     def _batch_sizes_fit(self) -> ServeSettings:

@@ -17,7 +17,7 @@ import httpx
 import numpy as np
 import pytest
 
-from serve.server.payload_log import FileSink, PayloadLog
+from serve.server.payload_log import CloudEventsSink, FileSink, PayloadLog
 from tests.helpers import ServerProcess, png_bytes, quadrant_images
 
 pytestmark = pytest.mark.slow
@@ -165,3 +165,34 @@ def test_the_file_rotates_by_size(tmp_path):
     assert last[-1]["id"] == "id59" and last[-1]["predictions"] == [
         [{"label": "a", "score": 0.7}, {"label": "b", "score": 0.2}]
     ]
+
+
+def test_a_full_disk_counts_every_lost_record_as_dropped_without_a_traceback(tmp_path, capfd):
+    drops: list[tuple[str, str]] = []
+    log = PayloadLog([FileSink("/dev/full", max_bytes=1 << 20, backups=1)], on_drop=lambda *d: drops.append(d))
+    for i in range(20):
+        log.record(f"id{i}", "/v1/classify", ("m", "1", ["a", "b"]), np.array([[0.6, 0.4]]))
+    log.close()
+    assert drops == [("file", "write_failed")] * 20
+    assert "Traceback" not in capfd.readouterr().err
+
+
+def test_the_queue_is_bounded_in_bytes_and_what_is_past_it_is_dropped_and_counted():
+    sink = Sink()
+    sink.stalled.set()  # the sink holds its first record: the rest wait in the queue
+    drops: list[tuple[str, str]] = []
+    image = bytes(200_000)
+    log = PayloadLog(
+        [CloudEventsSink(sink.url)], images="image", queue_bytes=1_000_000, on_drop=lambda *d: drops.append(d)
+    )
+    try:
+        for i in range(20):  # 4 MB of images against a budget of 1 MB; the record count (1000) never binds
+            log.record(f"id{i}", "/v1/classify", ("m", "1", ["a", "b"]), np.array([[0.6, 0.4]]), [image])
+        assert 20 - 1 - 1_000_000 // 200_000 <= len(drops) < 20 and set(drops) == {("url", "queue_full")}
+        sink.released.set()
+        log.close()
+        written = {data["id"] for _, data in sink.events}
+        assert len(written) == 20 - len(drops) and "id0" in written
+    finally:
+        sink.released.set()
+        sink.shutdown()
