@@ -45,7 +45,7 @@ def client(server):
 
 @pytest.fixture(scope="module")
 def model(server) -> str:
-    return httpx.get(server.url + "/readyz").json()["model"]
+    return httpx.get(server.url + "/readyz", headers=AUTH).json()["model"]
 
 
 def infer(client, model: str, x: np.ndarray, outputs=("logits",), name="pixels", datatype="UINT8", **kwargs):

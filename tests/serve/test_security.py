@@ -91,6 +91,16 @@ def test_a_foreign_host_header_is_refused_so_dns_rebinding_reaches_nothing(serve
 
 
 @pytest.mark.slow
+def test_readyz_tells_the_model_only_to_a_client_with_the_key(server):
+    """Probes send no key: /readyz answers them its status alone, not which model and version the server runs."""
+    for headers in ({}, {"Authorization": "Bearer wrong"}):
+        r = httpx.get(server.url + "/readyz", headers=headers)
+        assert r.status_code == 200 and r.json() == {"status": "ready"}
+    full = httpx.get(server.url + "/readyz", headers=AUTH).json()
+    assert full["status"] == "ready" and full["model"] == "tiny_test" and full["version"]
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("path", ["/", "/config", "/v1/classify", "/v2/models/tiny_test", "/metrics"])
 def test_without_the_api_key_api_and_ui_answer_401(server, path):
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"X-API-Key": KEY + "x"}):

@@ -25,6 +25,7 @@ from serve.runtime.trust import Assessment
 from serve.server.engine import judge_rows
 from serve.server.errors import ApiError
 from serve.server.explain import explain_pixels, overlay_png
+from serve.server.http.guard import authorized
 from serve.server.http.uploads import decode_image, decode_request, open_upload
 from serve.server.metrics import Metrics
 from serve.server.payload_log import PayloadLog
@@ -263,10 +264,14 @@ def add_status_routes(router: APIRouter, repository: ModelRepository, metrics: M
 
     @router.get("/readyz", responses={503: {"description": "loading, warming up or stopping"}})
     @router.head("/readyz", include_in_schema=False)
-    async def readyz():
+    async def readyz(request: Request):
+        """Ready or not; with the API key (or on a server without one) also the default model's name, version
+        and batch size. Probes send no key, and what the server runs is not theirs to learn."""
         if not repository.ready:
             raise ApiError("not_ready", "a model is loading or warming up (or the server is stopping)")
         served = resolve(repository, None, None)
+        if not authorized(request.scope):
+            return {"status": "ready"}
         return {
             "status": "ready",
             "model": served.name,
