@@ -8,6 +8,10 @@ halves of the work count on 2 cores: the stock `Logger.info` + `QueueHandler` on
 line cost the sample model a measurable share of its requests per second (`benchmarks.serve_ab`). Lines are
 written only while `vitscope.access` logs INFO (not with `--log-level warning`). HTTP and gRPC share
 `ACCESS_LOG`: a second instance would add a second listener, and every line would be written twice.
+
+Every field a client chooses (the path, the method, a request ID) has its control characters written as `\\xNN`
+(and Unicode's line separators as `\\uNNNN`), so that `%0a` in a URL cannot end the line and forge another,
+nor an escape sequence rewrite a terminal. The listener thread does it, off the event loop.
 """
 
 from __future__ import annotations
@@ -23,6 +27,15 @@ from logging.handlers import QueueListener
 log = logging.getLogger("vitscope.access")
 FORMAT = '%s "%s %s" %s %.1fms id=%s'
 FLUSH_S = 0.1  # once the queue is empty, the listener sleeps this long: lines reach the log at most this late
+ESCAPES = {c: f"\\x{c:02x}" for c in [*range(0x20), *range(0x7F, 0xA0)]}  # C0, DEL and C1 (NEL among them)
+ESCAPES |= {c: f"\\u{c:04x}" for c in (0x2028, 0x2029)}  # the line and paragraph separators editors break on
+
+
+def escaped(field: object) -> object:
+    """`field` with its control characters written out (`\\x0a`), so that it stays on its line; not a str: as is."""
+    if isinstance(field, str) and not field.isprintable():  # isprintable: the common case costs one C scan
+        return field.translate(ESCAPES)
+    return field
 
 
 class _Listener(QueueListener):
@@ -31,6 +44,7 @@ class _Listener(QueueListener):
 
     def prepare(self, item: tuple[float, tuple]) -> logging.LogRecord:
         created, args = item
+        args = tuple(map(escaped, args))
         record = log.makeRecord(log.name, logging.INFO, __file__, 0, FORMAT, args, None)
         record.created, record.msecs = created, (created % 1) * 1000  # when the request ended, not now
         return record
