@@ -6,19 +6,30 @@ connections are closed, and client text echoed in an error is cut short.
 
 from __future__ import annotations
 
+import os
+import socket
+import struct
+import sys
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
+import httpx
 import pytest
 
 from serve.server.grpc import grpc_predict_v2_pb2 as pb
-from tests.helpers import ServerProcess, free_port, read_metric, rss_mib
+from tests.helpers import ServerProcess, free_port, read_metric, rss_mib, wait_until
 
 pytestmark = pytest.mark.slow
 KEY = "grpc-limits-key"
 AUTH = {"authorization": f"Bearer {KEY}"}
 INFER = "/inference.GRPCInferenceService/ModelInfer"
 LIVE = "/inference.GRPCInferenceService/ServerLive"
+FILES = 256  # the capped server's descriptor limit (ulimit -n)
+CAPS = {"grpc_max_connections": 16, "grpc_max_streams": 3, "grpc_max_calls": 4, "grpc_idle_timeout_s": 1}
+# HTTP/2's client preface and an empty SETTINGS frame: what a gRPC client sends first
+PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes(3) + b"\x04\x00" + bytes(4)
+SETTINGS_ACK = b"\x00\x00\x00\x04\x01" + bytes(4)
 
 
 @pytest.fixture(scope="module")
@@ -27,6 +38,24 @@ def server(tiny_onnx):
     with ServerProcess(tiny_onnx, "--no-ui", "--grpc-port", str(port), "--api-key", KEY) as s:
         s.grpc_url = f"127.0.0.1:{port}"
         yield s
+
+
+@pytest.fixture(scope="module")
+def capped(tiny_onnx, tmp_path_factory):
+    """A server under a descriptor limit of FILES, with small gRPC caps (CAPS)."""
+    python = tmp_path_factory.mktemp("nofile") / "python"
+    python.write_text(f'#!/bin/sh\nulimit -n {FILES}\nexec {sys.executable} "$@"\n')
+    python.chmod(0o755)
+    port, caps = free_port(), [(f"--{k.replace('_', '-')}", str(v)) for k, v in CAPS.items()]
+    args = ("--no-ui", "--grpc-port", str(port), "--api-key", KEY, *(a for pair in caps for a in pair))
+    with ServerProcess(tiny_onnx, *args, python=str(python)) as s:
+        s.grpc_port = port
+        yield s
+
+
+def connection(target: str) -> grpc.Channel:
+    """A channel on a connection of its own (channels of the same target otherwise share one)."""
+    return grpc.insecure_channel(target, options=[("grpc.use_local_subchannel_pool", 1)])
 
 
 def large_infer(mib: int) -> bytes:
@@ -41,7 +70,7 @@ def test_unauthenticated_large_calls_are_refused_before_they_are_read(server):
     # each on a connection of its own too: HTTP/2 lets a client send up to the receive window before the server
     # reads, and gRPC's window grows to several MiB per call unless the server fixes it
     body, calls = large_infer(8), 32
-    channels = [grpc.insecure_channel(server.grpc_url) for _ in range(8)]
+    channels = [connection(server.grpc_url) for _ in range(8)]
     live = channels[0].unary_unary(LIVE, pb.ServerLiveRequest.SerializeToString, pb.ServerLiveResponse.FromString)
     assert live(pb.ServerLiveRequest(), timeout=10).live  # a public RPC needs no key
     before = rss_mib(server.proc.pid)
@@ -58,3 +87,89 @@ def test_unauthenticated_large_calls_are_refused_before_they_are_read(server):
     assert grown < 20, f"{calls} refused calls of 8 MiB grew the server by {grown:.0f} MiB"
     refused = read_metric(server.metrics(AUTH), "vitscope_requests_total", route=INFER, status="UNAUTHENTICATED")
     assert refused >= calls  # counted, as the handler counted them before
+
+
+def h2_connection(port: int) -> socket.socket:
+    """A connection that has sent HTTP/2's preface, as every gRPC client does, and then nothing."""
+    s = socket.create_connection(("127.0.0.1", port), timeout=5)
+    s.sendall(PREFACE)
+    return s
+
+
+def server_settings(s: socket.socket) -> dict[int, int] | None:
+    """The server's SETTINGS frame, {identifier: value}; None when the server closed the connection instead."""
+    try:
+        head = s.recv(9, socket.MSG_WAITALL)
+        if len(head) < 9:
+            return None
+        length, kind = int.from_bytes(head[:3], "big"), head[3]
+        payload = s.recv(length, socket.MSG_WAITALL)
+    except ConnectionError:
+        return None
+    assert kind == 4, f"the server's first frame is of type {kind}, not SETTINGS"
+    s.sendall(SETTINGS_ACK)
+    return {k: v for k, v in struct.iter_unpack(">HI", payload)}
+
+
+def closed_by_server(s: socket.socket) -> bool:
+    s.settimeout(0.01)
+    try:
+        while s.recv(65536):  # a GOAWAY, pings: whatever the server sends before it closes
+            pass
+    except TimeoutError:
+        return False
+    except ConnectionError:
+        return True
+    return True
+
+
+def test_idle_grpc_connections_past_their_cap_leave_http_answering_and_are_closed(capped):
+    # an idle HTTP/2 connection per client beyond the descriptors the process has: gRPC must keep to its share
+    socks = [h2_connection(capped.grpc_port) for _ in range(FILES + 50)]
+    try:
+        settings = [server_settings(s) for s in socks]
+        answered = [s for s, got in zip(socks, settings, strict=True) if got is not None]
+        assert len(answered) == CAPS["grpc_max_connections"]
+        assert {got.get(3) for got in settings if got is not None} == {CAPS["grpc_max_streams"]}  # MAX_CONCURRENT
+        assert httpx.get(capped.url + "/healthz", timeout=5).status_code == 200
+        assert len(os.listdir(f"/proc/{capped.proc.pid}/fd")) < FILES - 32
+        wait_until(lambda: all(closed_by_server(s) for s in answered), 20, "the server closing idle connections")
+    finally:
+        for s in socks:
+            s.close()
+    with grpc.insecure_channel(f"127.0.0.1:{capped.grpc_port}") as channel:  # and new clients are served
+        live = channel.unary_unary(LIVE, pb.ServerLiveRequest.SerializeToString, pb.ServerLiveResponse.FromString)
+        assert live(pb.ServerLiveRequest(), timeout=10).live
+
+
+def test_calls_past_the_cap_are_refused_at_once(capped):
+    release, url = threading.Event(), f"127.0.0.1:{capped.grpc_port}"
+
+    def unfinished():  # a request message that never comes: the call stays in flight
+        release.wait(20)
+        yield from ()
+
+    channels = [connection(url) for _ in range(3)]  # the held calls need more than one connection's streams
+    live = channels[2].unary_unary(LIVE, pb.ServerLiveRequest.SerializeToString, pb.ServerLiveResponse.FromString)
+    held = [
+        channels[i % 2].stream_unary(INFER).future(unfinished(), metadata=list(AUTH.items()), timeout=30)
+        for i in range(CAPS["grpc_max_calls"])
+    ]
+
+    def refused() -> bool:
+        try:
+            live(pb.ServerLiveRequest(), timeout=5)
+        except grpc.RpcError as e:
+            assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e.details()
+            return True
+        return False
+
+    try:
+        wait_until(refused, 10, "a call past grpc_max_calls refused")
+    finally:
+        release.set()
+        for f in held:
+            f.cancel()
+    assert live(pb.ServerLiveRequest(), timeout=5).live
+    for c in channels:
+        c.close()

@@ -3,10 +3,14 @@
 The HTTP server's event loop is uvicorn's; gRPC's asyncio server runs on a second loop (uvloop's, as
 uvicorn's, where it is installed) in its own thread, so neither protocol's work waits in the other's queue,
 and both hand their images to the same `Engine` (its futures are settled on whichever loop made them).
-The limits are HTTP's: messages up to
-`max_bytes` (a larger one is refused by gRPC itself with RESOURCE_EXHAUSTED before it is decoded), at
-most `max_connections` calls in flight (beyond that, RESOURCE_EXHAUSTED at once), `request_timeout_s`
-for each image's result, and the client's own deadline, which gRPC enforces by cancelling the call.
+
+Its limits (`GrpcLimits`, each described in `serve.server.settings`) are gRPC core's own channel arguments, so
+a call or a connection past one is refused before any Python runs for it: messages up to `max_bytes` (a larger
+one gets RESOURCE_EXHAUSTED before it is decoded), `max_connections` connections (a new one past it is closed at
+once), `max_streams` calls per connection, `max_calls` calls in all (RESOURCE_EXHAUSTED at once), idle
+connections closed after `idle_timeout_s`, a handshake within `handshake_timeout_s`, and pings without calls
+refused (`KEEPALIVE`). Each image's result waits `request_timeout_s` at most, and the client's own deadline is
+enforced by gRPC, which cancels the call.
 """
 
 from __future__ import annotations
@@ -14,12 +18,30 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+from dataclasses import dataclass
 
 import grpc
 
 from serve.server.grpc.service import Service
 
 log = logging.getLogger(__name__)
+KEEPALIVE = [  # gRPC's own defaults, stated: a client may not keep an idle connection open by pinging it
+    ("grpc.keepalive_permit_without_calls", 0),  # a ping on a connection without calls is a strike
+    ("grpc.http2.min_ping_interval_without_data_ms", 10_000),  # and so is one sooner than 10 s after the last
+    ("grpc.http2.max_ping_strikes", 2),  # the third strike closes the connection (GOAWAY too_many_pings)
+]
+
+
+@dataclass(frozen=True)
+class GrpcLimits:
+    """What gRPC clients may open, send and hold (each described in `serve.server.settings`)."""
+
+    max_bytes: int
+    max_connections: int
+    max_streams: int
+    max_calls: int
+    idle_timeout_s: float
+    handshake_timeout_s: float
 
 
 class GrpcServer:
@@ -29,13 +51,11 @@ class GrpcServer:
         service: the RPC handlers.
         host: the interface to bind (the HTTP server's).
         port: the TCP port (0: any free one; `port` holds the bound one after `start`).
-        max_bytes: the largest request message.
-        max_calls: the most calls in flight at once.
+        limits: what clients may open, send and hold.
     """
 
-    def __init__(self, service: Service, host: str, port: int, max_bytes: int, max_calls: int):
-        self.service, self.host, self.port = service, host, port
-        self.max_bytes, self.max_calls = max_bytes, max_calls
+    def __init__(self, service: Service, host: str, port: int, limits: GrpcLimits):
+        self.service, self.host, self.port, self.limits = service, host, port, limits
         self.loop: asyncio.AbstractEventLoop | None = None
         self.server: grpc.aio.Server | None = None
         self.thread: threading.Thread | None = None
@@ -66,16 +86,10 @@ class GrpcServer:
         return self.port
 
     async def _start(self) -> None:
-        options = [
-            ("grpc.max_receive_message_length", self.max_bytes),
-            ("grpc.max_send_message_length", -1),  # answers are small, and never refused by their size
-            ("grpc.so_reuseport", 0),  # a port taken by another process fails here rather than sharing it
-            # HTTP/2's 64 KiB window, fixed: with probing on, gRPC widens it to several MiB per call, and a client
-            # may send that much before the handler (or the key check) reads anything
-            ("grpc.http2.bdp_probe", 0),
-        ]
         self.server = grpc.aio.server(
-            options=options, maximum_concurrent_rpcs=self.max_calls, interceptors=[self.service.key_check()]
+            options=self.options(),
+            maximum_concurrent_rpcs=self.limits.max_calls,
+            interceptors=[self.service.key_check()],
         )
         self.server.add_generic_rpc_handlers((self.service.handler(),))
         bound = self.server.add_insecure_port(f"{_bracketed(self.host)}:{self.port}")
@@ -83,6 +97,23 @@ class GrpcServer:
             raise OSError(f"port {self.port} is taken or the address is not local")
         self.port = bound
         await self.server.start()
+
+    def options(self) -> list[tuple[str, int]]:
+        """gRPC core's channel arguments for `limits`."""
+        limits = self.limits
+        return [
+            ("grpc.max_receive_message_length", limits.max_bytes),
+            ("grpc.max_send_message_length", -1),  # answers are small, and never refused by their size
+            ("grpc.so_reuseport", 0),  # a port taken by another process fails here rather than sharing it
+            # HTTP/2's 64 KiB window, fixed: with probing on, gRPC widens it to several MiB per call, and a client
+            # may send that much before the handler (or the key check) reads anything
+            ("grpc.http2.bdp_probe", 0),
+            ("grpc.max_allowed_incoming_connections", limits.max_connections),
+            ("grpc.max_concurrent_streams", limits.max_streams),
+            ("grpc.max_connection_idle_ms", round(limits.idle_timeout_s * 1000)),
+            ("grpc.server_handshake_timeout_ms", round(limits.handshake_timeout_s * 1000)),
+            *KEEPALIVE,
+        ]
 
     def stop(self, grace: float) -> None:
         """Refuse new calls, let those in flight finish for up to `grace` seconds, then stop the thread."""
