@@ -29,13 +29,12 @@ from serve.server.api.v2 import v2_router
 from serve.server.engine import Engine, judge_rows
 from serve.server.http.errors import add_error_handlers, add_fallback_routes
 from serve.server.http.guard import ApiKeyCheck, HostAllowList, allowed_hosts_of
-from serve.server.http.protocol import connection_cap
 from serve.server.http.record import RequestRecord
 from serve.server.http.uploads import decode_image
 from serve.server.metrics import Metrics
 from serve.server.payload_log import CloudEventsSink, FileSink, PayloadLog
-from serve.server.repository.layout import default_model_file, scan
-from serve.server.repository.repository import ModelRepository
+from serve.server.repository.layout import scan
+from serve.server.repository.repository import ModelRepository, model_order
 from serve.server.settings import ServeSettings
 
 log = logging.getLogger(__name__)
@@ -128,6 +127,7 @@ def repository_of(models, single, settings: ServeSettings, metrics: Metrics, eng
         threads=settings.threads or None,
         poll_s=settings.repository_poll_s,
         drain_s=settings.graceful_timeout_s,
+        exit_on_error=settings.exit_on_error,
     )
 
 
@@ -157,10 +157,19 @@ def ui_layout(models, single, default_model: str | None, with_ui: bool):
     """(the default model's name, the classifier the UI is laid out from, the model names it offers)."""
     if single is not None:
         return single.name, single, [single.name]
-    # the UI is laid out from a version of the default model; its calls go to the one served then
-    default, path = default_model_file(Path(models), default_model)
-    names = [default, *sorted(set(scan(Path(models))) - {default})]
-    return default, (OnnxClassifier(path, threads=1) if with_ui else None), names
+    names = model_order(Path(models), default_model or "")
+    if not with_ui:
+        return names[0], None, names
+    # laid out from the newest file of the first model that opens (a broken one must not stop the server); the
+    # UI's calls go to the default model the repository fixes at start-up
+    folders = scan(Path(models))
+    for name in names:
+        wanted = folders[name].wanted()
+        try:
+            return name, OnnxClassifier(wanted[max(wanted)], threads=1), names
+        except Exception as e:  # any broken file: try the next model
+            log.warning("the UI is not laid out from %s: %s", name, e)
+    raise ValueError(f"no model of {models} has a file that opens: the UI needs one (or serve with --no-ui)")
 
 
 def open_payload_log(settings: ServeSettings, metrics: Metrics) -> PayloadLog | None:
@@ -180,25 +189,9 @@ def open_payload_log(settings: ServeSettings, metrics: Metrics) -> PayloadLog | 
 def grpc_server_of(repository: ModelRepository, settings: ServeSettings, metrics: Metrics, payloads: PayloadLog | None):
     """The gRPC server of the repository's models on `settings.grpc_port` (started by the app's lifespan)."""
     from serve.server.grpc.models import RepositoryModels
-    from serve.server.grpc.server import GrpcLimits, GrpcServer
+    from serve.server.grpc.server import GrpcServer
     from serve.server.grpc.service import Service
 
     models = RepositoryModels(repository)
     service = Service(models, settings.request_limits(), settings.api_key.get_secret_value(), metrics, payloads)
-    limits = GrpcLimits(
-        max_bytes=settings.max_bytes,
-        max_connections=connection_shares(settings)[1],
-        max_streams=settings.grpc_max_streams,
-        max_calls=settings.grpc_max_calls,
-        idle_timeout_s=settings.grpc_idle_timeout_s,
-        handshake_timeout_s=settings.header_timeout_s,  # as long as an HTTP client has to send its head
-    )
-    return GrpcServer(service, settings.host, settings.grpc_port, limits)
-
-
-def connection_shares(settings: ServeSettings) -> tuple[int, int]:
-    """HTTP's and gRPC's connection caps: together at most `max_connections` and below the process's file limit
-    (`connection_cap`), gRPC's `grpc_max_connections` (at most half) taken out of HTTP's when it is on."""
-    total = connection_cap(settings.max_connections)
-    grpc = max(1, min(settings.grpc_max_connections, total // 2)) if settings.grpc_port else 0
-    return max(1, total - grpc), grpc
+    return GrpcServer(service, settings.host, settings.grpc_port, settings.max_bytes, settings.max_connections)

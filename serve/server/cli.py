@@ -17,7 +17,6 @@ import shutil
 import signal
 import sys
 import tempfile
-from dataclasses import replace
 from pathlib import Path
 
 import uvicorn
@@ -105,11 +104,11 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     from serve.runtime.classifier import OnnxClassifier
     from serve.server.app import build_app
-    from serve.server.repository.layout import default_model_file
+    from serve.server.repository.repository import model_order
 
     try:
         if args.model.is_dir():
-            default_model_file(args.model, settings.default_model)  # the layout, checked before anything loads
+            model_order(args.model, settings.default_model)  # the layout, checked before anything loads
             models = args.model
         else:
             models = OnnxClassifier(args.model, threads=settings.threads or None)
@@ -145,8 +144,6 @@ def main(argv: list[str] | None = None) -> int:
 
 def uvicorn_config(app, settings: ServeSettings, log_level: str) -> uvicorn.Config:
     """uvicorn with our connection limits (`LimitedHttpToolsProtocol`), and no Server header."""
-    from serve.server.app import connection_shares  # imported once the app is, as in `main`
-
     config = uvicorn.Config(
         app,
         host=settings.host,
@@ -158,8 +155,7 @@ def uvicorn_config(app, settings: ServeSettings, log_level: str) -> uvicorn.Conf
         access_log=False,  # RequestGuard writes one line per request, with its ID
         server_header=False,
     )
-    http_share, _ = connection_shares(settings)  # gRPC's connections come out of the same budget
-    config.limits = replace(settings.connection_limits(), max_connections=http_share)  # read by the protocol
+    config.limits = settings.connection_limits()  # read by LimitedHttpToolsProtocol
     return config
 
 

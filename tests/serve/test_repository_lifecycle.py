@@ -62,3 +62,89 @@ def test_retired_versions_give_their_memory_and_threads_back(exported, tmp_path)
         settled = lambda: not draining(pid) and threads_of(pid) <= threads  # noqa: E731
         wait_until(settled, 10, f"the threads back to {threads} (now {threads_of(pid)})")
         assert rss_mib(pid) < rss + 30, f"RSS grew from {rss:.0f} to {rss_mib(pid):.0f} MiB over 100 retired versions"
+
+
+def bad_models(repo: Path, exported: Path) -> dict[str, str]:  # noqa: F811
+    """Models a user can meet beside good ones: a truncated file, garbage bytes, a labels.txt that is not text.
+    Returns {model: a word its reason must hold}."""
+    model = (exported / "alpha" / "1" / "model.onnx").read_bytes()
+    add_model(repo, exported, "aaa_truncated", [])
+    drop_version(repo / "aaa_truncated", 1, model[: len(model) // 3])
+    add_model(repo, exported, "garbage", [])
+    drop_version(repo / "garbage", 1, bytes(range(256)) * 64)
+    add_model(repo, exported, "latin1_labels", [1])
+    (repo / "latin1_labels" / "labels.txt").write_bytes("caf\xe9\n".encode("latin-1"))
+    return {"aaa_truncated": "model.onnx", "garbage": "model.onnx", "latin1_labels": "labels.txt"}
+
+
+def unavailable(url: str) -> dict[str, str]:
+    """{model: reason} of the index's UNAVAILABLE rows."""
+    rows = httpx.post(url + "/v2/repository/index", timeout=10).json()
+    return {r["name"]: r["reason"] for r in rows if r["state"] == "UNAVAILABLE"}
+
+
+def test_bad_models_are_refused_at_start_up_and_the_good_one_serves(exported, tmp_path):  # noqa: F811
+    repo = tmp_path / "models"
+    add_model(repo, exported, "beta", [1])
+    bad = bad_models(repo, exported)
+    with ServerProcess(repo, *FAST) as server:
+        url = server.url
+        assert httpx.get(url + "/readyz").status_code == 200  # the models that loaded keep a version
+        assert versions_of(url, "beta") == ["1"]
+        reasons = unavailable(url)
+        assert sorted(reasons) == sorted(bad)
+        for name, word in bad.items():
+            assert word in reasons[name], reasons[name]
+            assert server.metric("vitscope_model_load_failures_total", model=name) == 1
+            assert httpx.get(f"{url}/v2/models/{name}/ready").status_code == 404
+        refused = httpx.post(url + "/v2/repository/models/garbage/load", timeout=60)
+        assert refused.status_code == 400 and "model.onnx" in refused.json()["error"], refused.text
+        refused = httpx.post(url + "/v2/repository/models/latin1_labels/load", timeout=60)
+        assert refused.status_code == 400 and "labels.txt" in refused.json()["error"], refused.text
+
+
+def test_a_good_model_beside_bad_ones_is_picked_up_by_polling(exported, tmp_path):  # noqa: F811
+    repo = tmp_path / "models"
+    add_model(repo, exported, "beta", [1])
+    with ServerProcess(repo, *FAST, "--repository-poll-s", "0.05") as server:
+        bad = bad_models(repo, exported)
+        add_model(repo, exported, "zeta", [1])  # sorts after every bad one: a sync that stops early misses it
+        wait_until(lambda: versions_of(server.url, "zeta") == ["1"], 30, "the good new model serving")
+        wait_until(lambda: sorted(unavailable(server.url)) == sorted(bad), 10, "every bad model in the index")
+        assert httpx.get(server.url + "/readyz").status_code == 200
+
+
+def test_exit_on_error_refuses_to_start_with_a_bad_model(exported, tmp_path):  # noqa: F811
+    repo = tmp_path / "models"
+    add_model(repo, exported, "beta", [1])
+    add_model(repo, exported, "garbage", [])
+    drop_version(repo / "garbage", 1, b"\x08\x07not a model")
+    with pytest.raises(RuntimeError, match="garbage"):
+        ServerProcess(repo, *FAST, "--exit-on-error").wait_ready(120)
+
+
+def test_any_exception_in_one_load_is_that_models_failure(exported, tmp_path):  # noqa: F811
+    """An error the loader did not foresee (here from the engine factory) is one model's LoadFailure."""
+    from serve.server.engine import Engine
+    from serve.server.metrics import Metrics
+    from serve.server.repository.repository import ModelRepository
+    from serve.server.settings import ServeSettings
+
+    repo = tmp_path / "models"
+    for name in ("alpha", "beta", "gamma"):
+        add_model(repo, exported, name, [1])
+    settings = ServeSettings(preferred_batch_size=1, graceful_timeout_s=1)
+
+    def make_engine(classifier, name: str, version: str) -> Engine:
+        if name == "beta":
+            raise RecursionError("maximum recursion depth exceeded")
+        return Engine(classifier, settings)
+
+    repository = ModelRepository(make_engine, Metrics(), root=repo, drain_s=1)
+    repository.start()
+    try:
+        assert sorted(repository.serving) == ["alpha", "gamma"] and repository.ready
+        failed = [r for r in repository.index() if r["state"] == "UNAVAILABLE"]
+        assert [r["name"] for r in failed] == ["beta"] and "RecursionError" in failed[0]["reason"]
+    finally:
+        repository.stop()

@@ -8,13 +8,23 @@ table drains: it is stopped once the requests that resolved it have finished. A 
 checks never enters the table; it is logged, counted in /metrics and listed in `index` with its reason, and
 tried again when its file changes (a copy that was not finished).
 
-Readiness follows Triton's: a model is ready while it has a version that takes requests; the server is
-ready once started and every model it should serve is ready, and not while it stops.
+Whatever one model's folder holds (a truncated or garbage file, a labels.txt that is not text, a config that
+cannot be read, a file that makes the loader raise anything at all), it is that model's failure and no one
+else's: `sync` goes on with the other models, at start-up too. `exit_on_error` follows Triton's flag of that
+name, but is off by default where Triton's is on: one corrupt file dropped into a shared repository must not
+take down every other model with it, on the next restart or in every replica at once. Turn it on where a
+missing model is worse than a server that does not start.
+
+Readiness: a model is ready while it has a version that takes requests (a model that failed to load is not,
+and its ready route answers 404). The server is ready once started, while it serves at least one model and
+every model it should serve and that has not failed is ready (one still loading keeps it unready), and not
+while it stops. A model that failed does not make the server unready: its reason is in the index and
+/metrics, and the good models keep their traffic; this differs from Triton's strict readiness for the same
+reason as `exit_on_error`.
 """
 
 from __future__ import annotations
 
-import gc
 import logging
 import threading
 from collections.abc import Callable
@@ -23,8 +33,17 @@ from pathlib import Path
 from serve.runtime.classifier import OnnxClassifier
 from serve.server.engine import Engine
 from serve.server.metrics import Metrics
-from serve.server.repository.layout import file_stamp, scan
-from serve.server.repository.version import READY, UNAVAILABLE, LoadFailure, ModelVersion, load_version, rss_bytes
+from serve.server.repository.layout import ModelFolder, file_stamp, scan
+from serve.server.repository.version import (
+    READY,
+    UNAVAILABLE,
+    LoadFailure,
+    ModelVersion,
+    freeze_heap,
+    load_ready,
+    load_version,
+    release_heap,
+)
 
 log = logging.getLogger("vitscope.repository")
 
@@ -47,6 +66,7 @@ class ModelRepository:
         threads: onnxruntime's intra-op threads per version (None: by model size).
         poll_s: how often the folder is scanned for new and removed versions (0: never).
         drain_s: how long a version that leaves the table waits for the requests it holds.
+        exit_on_error: `start` fails when any model fails to load (else it serves the others).
     """
 
     def __init__(
@@ -59,14 +79,17 @@ class ModelRepository:
         threads: int | None = None,
         poll_s: float = 0.0,
         drain_s: float = 20.0,
+        exit_on_error: bool = False,
     ):
         if (root is None) == (single is None):
             raise ValueError("give the repository a folder or one classifier")
         self.make_engine, self.metrics, self.root, self.single = make_engine, metrics, root, single
         self.default_model, self.threads, self.poll_s, self.drain_s = default_model, threads, poll_s, drain_s
+        self.exit_on_error = exit_on_error
         self.serving: dict[str, dict[str, ModelVersion]] = {}  # model -> version -> loaded, replaced whole
         self.routes: dict[tuple[str | None, str | None], ModelVersion] = {}  # (model, version) -> version
-        self.failures: dict[tuple[str, str], tuple[tuple[int, int] | None, str]] = {}  # -> (stamp, reason)
+        # (model, version or "" for the whole model) -> (what failed: a file stamp or the reason, the failure)
+        self.failures: dict[tuple[str, str], tuple[object, LoadFailure]] = {}
         self.expected: set[str] = set()  # models that should be served (found on disk, not unloaded)
         self.unloaded: set[str] = set()  # unloaded through the API: the poller leaves them alone
         self.started = self.stopping = False
@@ -78,9 +101,10 @@ class ModelRepository:
 
     @property
     def ready(self) -> bool:
-        """Triton's server readiness: started, not stopping, and every expected model has a ready version."""
-        serving = self.serving
-        return self.started and not self.stopping and all(serving.get(m) for m in self.expected)
+        """Started, not stopping, serving a model, and every expected model that has not failed has a version."""
+        serving, failed = self.serving, {m for m, _ in self.failures}
+        wanted = (m for m in self.expected if m not in failed)
+        return self.started and not self.stopping and bool(serving) and all(serving.get(m) for m in wanted)
 
     def resolve(self, name: str | None = None, version: str | None = None) -> ModelVersion:
         """The version a request goes to: the default model's latest (no name), a model's latest, or one version.
@@ -100,7 +124,7 @@ class ModelRepository:
         """Load every model (the one classifier, or the folder's), then poll the folder if asked to.
 
         Raises:
-            LoadFailure: a model has no version that passed its checks (the message gives each reason).
+            LoadFailure: with `exit_on_error`, a model or version failed to load (the message gives each reason).
         """
         with self._change:
             if self.started:
@@ -111,11 +135,14 @@ class ModelRepository:
                 self.expected = {c.name}
             else:
                 self.sync()
-                missing = sorted(m for m in self.expected if not self.serving.get(m))
-                if missing:
-                    reasons = "; ".join(r for (m, _), (_, r) in self.failures.items() if m in missing)
+                failed = [e for _, e in self.failures.values()]
+                if failed and self.exit_on_error:
                     self.stop()
-                    raise LoadFailure("unreadable", f"no servable version of {', '.join(missing)}: {reasons}")
+                    reasons = "; ".join(map(str, failed))
+                    raise LoadFailure(failed[0].kind, f"--exit-on-error and a model failed to load: {reasons}")
+                if failed:
+                    names = sorted({m for m, _ in self.failures})
+                    log.warning("serving %s; not serving %s (reasons in the index)", sorted(self.serving), names)
             self.started = True
         if self.root is not None and self.poll_s > 0:
             self._poller = threading.Thread(target=self._poll, name="vitscope-repository", daemon=True)
@@ -125,21 +152,42 @@ class ModelRepository:
         """Bring the table in line with the folder: load the versions the policies want, drain the others."""
         with self._change:
             folders = scan(self.root)
-            names = [only] if only is not None else sorted(set(folders) | set(self.serving))
-            for name in names:
+            known = set(folders) | set(self.serving) | {m for m, _ in self.failures}
+            for name in [only] if only is not None else sorted(known):
                 if name in self.unloaded or name not in folders:
                     self.expected.discard(name)
+                    self._forget(name, keep=set())
                     self._remove(name, set(self.serving.get(name, {})))
                     continue
                 self.expected.add(name)
-                folder = folders[name]
-                wanted = {str(v): p for v, p in folder.wanted().items()}
-                for version, path in sorted(wanted.items(), key=lambda kv: int(kv[0])):
-                    if version not in self.serving.get(name, {}):
-                        self._try_load(name, version, path, folder.labels())
-                old = set(self.serving.get(name, {})) - set(wanted)
-                if self.serving.get(name, {}).keys() - old:  # never leave a model with nothing to serve
-                    self._remove(name, old)
+                try:
+                    self._sync_model(folders[name])
+                except Exception as e:  # one model's folder, whatever it holds, never stops the others' sync
+                    self._fail(name, "", LoadFailure("unreadable", f"{folders[name].folder}: {_described(e)}"))
+
+    def _sync_model(self, folder: ModelFolder) -> None:
+        name = folder.name
+        error = getattr(folder, "error", "")
+        if error:  # its config.pbtxt cannot be read: keep what is loaded, load nothing new
+            self._fail(name, "", LoadFailure("config", error))
+            return
+        try:
+            labels = folder.labels()
+        except (OSError, ValueError) as e:
+            self._fail(name, "", LoadFailure("labels", f"{folder.folder}/labels.txt: {_described(e)}"))
+            return
+        wanted = {str(v): p for v, p in folder.wanted().items()}
+        self._forget(name, keep={*wanted, ""})  # a version no longer wanted is no longer a failure
+        if not wanted and not self.serving.get(name):
+            self._fail(name, "", LoadFailure("unreadable", f"{folder.folder} has no version file to serve"))
+            return
+        self.failures.pop((name, ""), None)
+        for version, path in sorted(wanted.items(), key=lambda kv: int(kv[0])):
+            if version not in self.serving.get(name, {}):
+                self._try_load(name, version, path, labels)
+        old = set(self.serving.get(name, {})) - set(wanted)
+        if self.serving.get(name, {}).keys() - old:  # never leave a model with nothing to serve
+            self._remove(name, old)
 
     def load(self, name: str) -> None:
         """Load (or reload) one model from the folder, as the v2 repository extension asks.
@@ -153,9 +201,10 @@ class ModelRepository:
         with self._change:
             self.unloaded.discard(name)
             self.sync(only=name)
-            if not self.serving.get(name):
-                reasons = "; ".join(r for (m, _), (_, r) in self.failures.items() if m == name)
-                raise LoadFailure("unreadable", reasons or f"{name} has no version file to load")
+            failed = [e for (m, _), (_, e) in self.failures.items() if m == name]
+            if failed or not self.serving.get(name):
+                reasons = "; ".join(map(str, failed))
+                raise LoadFailure(failed[0].kind if failed else "unreadable", reasons or f"{name} has no version file")
 
     def unload(self, name: str) -> None:
         """Stop serving a model: new requests get 404, the ones it holds finish first."""
@@ -174,8 +223,8 @@ class ModelRepository:
             for v, mv in sorted(versions.items())
         ]
         rows += [
-            {"name": m, "version": v, "state": UNAVAILABLE, "reason": reason}
-            for (m, v), (_, reason) in sorted(self.failures.items())
+            {"name": m, "version": v, "state": UNAVAILABLE, "reason": str(e)}
+            for (m, v), (_, e) in sorted(self.failures.items())
         ]
         return rows
 
@@ -205,13 +254,30 @@ class ModelRepository:
         try:
             mv = load_version(name, version, path, self.make_engine, self.threads, labels, self._loading)
         except LoadFailure as e:
-            self.failures[(name, version)] = (stamp, str(e))
-            self.metrics.load_failures.labels(name, version, e.kind).inc()
-            log.error("version %s of %s does not take traffic: %s", version, name, e)
+            self._fail(name, version, e, stamp)
+            return
+        except Exception as e:  # what the checks did not foresee is still this version's failure alone
+            self._fail(name, version, LoadFailure("unreadable", f"{path}: {_described(e)}"), stamp)
             return
         self.failures.pop((name, version), None)
         self._add(mv)
         log.info("version %s of %s takes requests (%.1f MB)", version, name, mv.memory_bytes / 1e6)
+
+    def _fail(self, name: str, version: str, e: LoadFailure, stamp: object = None) -> None:
+        """Record, count and log a failure (a model's own when `version` is ""), once for each file or reason."""
+        stamp = str(e) if stamp is None else stamp
+        known = self.failures.get((name, version))
+        if known is not None and known[0] == stamp:
+            return  # the poller meets the same failure again: counted once
+        self.failures[(name, version)] = (stamp, e)
+        self.metrics.load_failures.labels(name, version, e.kind).inc()
+        what = f"version {version} of {name}" if version else f"model {name}"
+        log.error("%s does not take traffic: %s", what, e)
+
+    def _forget(self, name: str, keep: set[str]) -> None:
+        """Drop the failures of `name` but those of the versions in `keep` (a model's own "" is dropped too)."""
+        for key in [k for k in self.failures if k[0] == name and k[1] not in keep]:
+            del self.failures[key]
 
     def _add(self, mv: ModelVersion) -> None:
         self.serving = {**self.serving, mv.name: {**self.serving.get(mv.name, {}), mv.version: mv}}
@@ -257,40 +323,23 @@ class ModelRepository:
         self.routes = routes  # one assignment: a request sees the old table or the new one
 
 
-def freeze_heap(lock: threading.Lock) -> None:
-    """Put every object alive now (a loaded version's session, metadata and calibration arrays, the app's routes,
-    the modules) out of the cyclic garbage collector's reach (`gc.freeze`), after one last collection.
-
-    A server builds these once and keeps them, yet each full collection walked them all again, stalling every
-    request in flight: the p99 latency and the throughput of the sample both suffered (`benchmarks.serve_ab`).
-    Frozen objects are still freed by reference counting; reference cycles among them (an `Engine` and its
-    `MicroBatcher` make one) wait for `release_heap`.
-    """
-    with lock:
-        gc.collect()
-        gc.freeze()
-
-
-def release_heap(lock: threading.Lock) -> None:
-    """Collect the cycles of a retired version, then freeze what is left again (`freeze_heap`).
-
-    A frozen cycle is never collected, so without this each retired version kept its session, its arrays and
-    its threads for good. Unfreezing on retire frees any cycle, wherever it forms, for the price of one more
-    full collection per rollout (a load pays one already); breaking the engine's one cycle would have left
-    every future cycle to leak again. See the commit that added it for the measurement.
-    """
-    with lock:
-        gc.unfreeze()
-        gc.collect()
-        gc.freeze()
-
-
 def _order(version: str) -> tuple[int, str]:
     return (int(version), "") if version.isdigit() else (0, version)
 
 
-def load_ready(classifier: OnnxClassifier, engine: Engine, name: str, version: str) -> ModelVersion:
-    """An already loaded classifier (a plain .onnx file) as a version: its engine warmed up, as today."""
-    before = rss_bytes()
-    engine.start()
-    return ModelVersion(name, version, classifier, engine, classifier.path, max(0, rss_bytes() - before))
+def _described(e: Exception, limit: int = 500) -> str:
+    """An unforeseen exception as a reason for the index: its type and message, cut to `limit` characters."""
+    text = f"{type(e).__name__}: {e}"
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def model_order(root: Path, default_model: str = "") -> list[str]:
+    """The models of the folder `root`, `default_model` first when given, the others by name.
+
+    Raises:
+        ValueError: `root` holds no model (`scan`), or `default_model` is not one of them.
+    """
+    names = sorted(scan(root))
+    if default_model and default_model not in names:
+        raise ValueError(f"--default-model {default_model!r} is not in {root}; it holds {', '.join(names)}")
+    return [default_model, *(n for n in names if n != default_model)] if default_model else names
