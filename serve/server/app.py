@@ -29,6 +29,7 @@ from serve.server.api.v2 import v2_router
 from serve.server.engine import Engine, judge_rows
 from serve.server.http.errors import add_error_handlers, add_fallback_routes
 from serve.server.http.guard import ApiKeyCheck, HostAllowList, allowed_hosts_of
+from serve.server.http.protocol import connection_cap
 from serve.server.http.record import RequestRecord
 from serve.server.http.uploads import decode_image
 from serve.server.metrics import Metrics
@@ -189,9 +190,25 @@ def open_payload_log(settings: ServeSettings, metrics: Metrics) -> PayloadLog | 
 def grpc_server_of(repository: ModelRepository, settings: ServeSettings, metrics: Metrics, payloads: PayloadLog | None):
     """The gRPC server of the repository's models on `settings.grpc_port` (started by the app's lifespan)."""
     from serve.server.grpc.models import RepositoryModels
-    from serve.server.grpc.server import GrpcServer
+    from serve.server.grpc.server import GrpcLimits, GrpcServer
     from serve.server.grpc.service import Service
 
     models = RepositoryModels(repository)
     service = Service(models, settings.request_limits(), settings.api_key.get_secret_value(), metrics, payloads)
-    return GrpcServer(service, settings.host, settings.grpc_port, settings.max_bytes, settings.max_connections)
+    limits = GrpcLimits(
+        max_bytes=settings.max_bytes,
+        max_connections=connection_shares(settings)[1],
+        max_streams=settings.grpc_max_streams,
+        max_calls=settings.grpc_max_calls,
+        idle_timeout_s=settings.grpc_idle_timeout_s,
+        handshake_timeout_s=settings.header_timeout_s,  # as long as an HTTP client has to send its head
+    )
+    return GrpcServer(service, settings.host, settings.grpc_port, limits)
+
+
+def connection_shares(settings: ServeSettings) -> tuple[int, int]:
+    """HTTP's and gRPC's connection caps: together at most `max_connections` and below the process's file limit
+    (`connection_cap`), gRPC's `grpc_max_connections` (at most half) taken out of HTTP's when it is on."""
+    total = connection_cap(settings.max_connections)
+    grpc = max(1, min(settings.grpc_max_connections, total // 2)) if settings.grpc_port else 0
+    return max(1, total - grpc), grpc

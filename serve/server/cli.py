@@ -17,6 +17,7 @@ import shutil
 import signal
 import sys
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 import uvicorn
@@ -144,6 +145,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def uvicorn_config(app, settings: ServeSettings, log_level: str) -> uvicorn.Config:
     """uvicorn with our connection limits (`LimitedHttpToolsProtocol`), and no Server header."""
+    from serve.server.app import connection_shares  # imported once the app is, as in `main`
+
     config = uvicorn.Config(
         app,
         host=settings.host,
@@ -155,7 +158,8 @@ def uvicorn_config(app, settings: ServeSettings, log_level: str) -> uvicorn.Conf
         access_log=False,  # RequestGuard writes one line per request, with its ID
         server_header=False,
     )
-    config.limits = settings.connection_limits()  # read by LimitedHttpToolsProtocol
+    http_share, _ = connection_shares(settings)  # gRPC's connections come out of the same budget
+    config.limits = replace(settings.connection_limits(), max_connections=http_share)  # read by the protocol
     return config
 
 

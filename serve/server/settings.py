@@ -113,8 +113,9 @@ class ServeSettings(BaseSettings):
     max_connections: int = Field(
         2000,
         ge=1,
-        description="open connections at most; a new one beyond it gets 503 and is closed at once, so the "
-        "process never runs out of file descriptors (it is also kept below the process's file limit)",
+        description="open connections at most, HTTP and gRPC together (gRPC takes grpc_max_connections of it); a "
+        "new HTTP one beyond it gets 503 and is closed at once, so the process never runs out of file descriptors "
+        "(it is also kept below the process's file limit)",
     )
     discard_bytes: int = Field(
         128 * 1024 * 1024,
@@ -205,6 +206,33 @@ class ServeSettings(BaseSettings):
         description="port of the Open Inference Protocol over gRPC (inference.GRPCInferenceService, what "
         "tritonclient.grpc and KServe's InferenceGRPCClient speak), on the same host, models, limits, API key and "
         "metrics as HTTP. 0: no gRPC (Triton's and KServe's own gRPC ports are 8001 and 8081)",
+    )
+    grpc_max_connections: int = Field(
+        100,
+        ge=1,
+        description="gRPC connections open at once, taken out of max_connections (HTTP keeps the rest, at least "
+        "half), so that both together stay below the process's file limit; a new one past it is closed at once. "
+        "A gRPC client sends all its calls over one connection: 100 is a hundred clients",
+    )
+    grpc_max_streams: int = Field(
+        100,
+        ge=1,
+        description="calls in flight on one gRPC connection (HTTP/2's SETTINGS_MAX_CONCURRENT_STREAMS; a client "
+        "queues the rest itself). 100 is the fewest HTTP/2 (RFC 9113) advises a server to allow",
+    )
+    grpc_max_calls: int = Field(
+        256,
+        ge=1,
+        description="gRPC calls in flight over all connections; past it a call gets RESOURCE_EXHAUSTED at once. "
+        "Each may hold a message of up to max_bytes, so this bounds gRPC's memory; 256 is queue_size's default, "
+        "past which calls would only wait for the batcher",
+    )
+    grpc_idle_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        description="a gRPC connection without a call for this long is closed (with GOAWAY), so that abandoned "
+        "ones give their place back; a gRPC channel reconnects by itself on its next call. Pings do not count "
+        "as calls: a client that pings an idle connection more often than every 10 s is disconnected",
     )
     payload_log: str = Field(
         "", description="file to record every inference request in, as JSON lines, rotated by size (empty: none)"
