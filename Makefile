@@ -49,15 +49,19 @@ format: install
 	$(BIN)/ruff format vit train serve tests benchmarks
 	$(BIN)/ruff check --fix vit train serve tests benchmarks
 
-# The gRPC messages from their .proto. grpcio-tools 1.73 writes protobuf 6.31 code, which every protobuf from 6.31
-# on runs (tritonclient wants protobuf 6); the messages go into a descriptor pool of their own, so that a process
-# may also import tritonclient's copy of the same `inference.*` messages.
+# The gRPC messages and Triton's model configuration (config.pbtxt) from their .proto. grpcio-tools 1.73 writes
+# protobuf 6.31 code, which every protobuf from 6.31 on runs (tritonclient wants protobuf 6); the messages go into
+# descriptor pools of their own, so that a process may also import tritonclient's copy of the `inference.*` messages.
 PROTO_DIR := serve/server/grpc
+CONFIG_PROTO_DIR := serve/server/repository
 protos:
 	test -x .venv-protoc/bin/python || $(PY) -m venv .venv-protoc
 	.venv-protoc/bin/pip install --quiet grpcio-tools==1.73.1
 	.venv-protoc/bin/python -m grpc_tools.protoc -I $(PROTO_DIR) --python_out=$(PROTO_DIR) $(PROTO_DIR)/grpc_predict_v2.proto
 	sed -i 's/_descriptor_pool.Default()/_descriptor_pool.DescriptorPool()/' $(PROTO_DIR)/grpc_predict_v2_pb2.py
+	.venv-protoc/bin/python -m grpc_tools.protoc -I $(CONFIG_PROTO_DIR) --python_out=$(CONFIG_PROTO_DIR) \
+		$(CONFIG_PROTO_DIR)/model_config.proto
+	sed -i 's/_descriptor_pool.Default()/_descriptor_pool.DescriptorPool()/' $(CONFIG_PROTO_DIR)/model_config_pb2.py
 
 # The docs site (mkdocs.yml): every warning is an error, broken links and anchors included
 docs: install

@@ -5,12 +5,22 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from serve.runtime.classifier import OnnxClassifier
 from serve.runtime.model_file import ModelFileError
+from serve.server.repository.layout import (
+    CONFIG_FILE,
+    MAX_CONFIG_BYTES,
+    MODEL_FILE,
+    VersionPolicy,
+    parse_version_policy,
+    scan,
+)
 
 onnx = pytest.importorskip("onnx")  # edits real exported files
 
@@ -168,3 +178,117 @@ def test_invalid_calibration_is_a_model_file_error_naming_the_field(tiny_onnx, t
 def test_a_file_without_any_calibration_is_valid_and_uncalibrated(tiny_onnx, tmp_path):
     clf = OnnxClassifier(edited(tiny_onnx, tmp_path / "uncalibrated.onnx", drop=("calibration",)))
     assert not clf.calibrated and clf.trust_summary()["calibrated"] is False
+
+
+def repo_with(root: Path, configs: dict[str, str | None], versions: tuple[str, ...] = ("1",)) -> Path:
+    """A repository of models named by `configs` (None: no config.pbtxt), each with `versions` folders."""
+    root.mkdir(parents=True, exist_ok=True)
+    for name, config in configs.items():
+        folder = root / name
+        folder.mkdir(parents=True)
+        if config is not None:
+            (folder / CONFIG_FILE).write_text(config, encoding="utf-8")
+        for v in versions:
+            (folder / v).mkdir()
+            (folder / v / MODEL_FILE).write_bytes(b"onnx")
+    return root
+
+
+@pytest.mark.parametrize(
+    ("config", "expected"),
+    [
+        # a comment after the policy, or text later in the file, once changed the policy
+        ("version_policy { all { } }\n# was: latest { num_versions: 1 }\n", VersionPolicy("all")),
+        (
+            'version_policy { all { } }\nparameters { key: "n" value { string_value: "latest { num_versions: 1 }" } }',
+            VersionPolicy("all"),
+        ),
+        (
+            "version_policy: { specific: { versions: [1, 3] } } # specific { versions: [2] }",
+            VersionPolicy("specific", versions=(1, 3)),
+        ),
+        # a comment that mentions version_policy once made the file unreadable
+        ('# version_policy: see the model repository guide\nname: "m"\n', VersionPolicy()),
+        ("version_policy { latest { num_versions: 2 } }", VersionPolicy("latest", 2)),
+        ("version_policy { specific { versions: 1 versions: 3 } }", VersionPolicy("specific", versions=(1, 3))),
+        ("", VersionPolicy()),
+    ],
+)
+def test_the_version_policy_is_read_as_triton_reads_it(config, expected):
+    assert parse_version_policy(config) == expected
+
+
+@pytest.mark.parametrize(
+    ("config", "says"),
+    [
+        ("version_policy { newest { } }", 'no field named "newest"'),
+        ('nmae: "m"', 'no field named "nmae"'),  # a typo: Triton refuses it too
+        ("version_policy { latest { num_versions: 0 } }", "num_versions of at least 1"),
+        ("version_policy { }", "version_policy names no policy"),
+        ("version_policy { all { } }\nversion_policy { all { } }", "version_policy"),
+        ("sequence_batching { }", "vitscope does not serve"),
+        ("max_batch_size: 1e9", "max_batch_size"),
+        ("version_policy { all {", "1:"),
+    ],
+)
+def test_a_config_triton_would_refuse_is_refused_with_a_reason(config, says):
+    with pytest.raises(ValueError, match=says):
+        parse_version_policy(config)
+
+
+TYPICAL_TRITON_CONFIG = """
+name: "vit"
+backend: "onnxruntime"
+max_batch_size: 32
+input [ { name: "pixels" data_type: TYPE_UINT8 format: FORMAT_NHWC dims: [ 224, 224, 3 ] } ]
+output [ { name: "logits" data_type: TYPE_FP32 dims: [ 1000 ] label_filename: "labels.txt" } ]
+instance_group [ { count: 2 kind: KIND_CPU } ]
+dynamic_batching { preferred_batch_size: [ 8, 16 ] max_queue_delay_microseconds: 100 }
+optimization { execution_accelerators { gpu_execution_accelerator : [ {
+  name : "tensorrt"
+  parameters { key: "precision_mode" value: "FP16" } } ] } }
+parameters { key: "intra_op_thread_count" value: { string_value: "4" } }
+model_warmup [ { name: "zeros" batch_size: 1 inputs { key: "pixels" value: {
+  data_type: TYPE_UINT8 dims: [ 224, 224, 3 ] zero_data: true } } } ]
+response_cache { enable: false }
+version_policy: { latest: { num_versions: 2 } }
+"""
+
+
+def test_typical_triton_and_vit_export_configs_parse(tiny_onnx):
+    assert parse_version_policy(TYPICAL_TRITON_CONFIG) == VersionPolicy("latest", 2)
+    from serve.export.triton import config_pbtxt
+
+    assert parse_version_policy(config_pbtxt(onnx.load(tiny_onnx), "alpha")) == VersionPolicy()
+
+
+def test_a_bad_config_fails_its_own_model_and_not_the_scan(tmp_path):
+    root = repo_with(tmp_path, {"bad": "version_policy { newest { } }", "good": "version_policy { all { } }"})
+    models = scan(root)
+    assert models["good"].error == "" and list(models["good"].wanted()) == [1]
+    assert 'no field named "newest"' in models["bad"].error and models["bad"].wanted() == {}
+    with pytest.raises(ValueError, match="holds no model"):
+        scan(repo_with(tmp_path / "empty", {}))
+
+
+def test_a_config_over_the_size_cap_is_that_models_error(tmp_path):
+    models = scan(repo_with(tmp_path, {"big": "#" * (MAX_CONFIG_BYTES + 1), "good": None}))
+    assert "over" in models["big"].error and models["big"].wanted() == {} and models["good"].error == ""
+
+
+def test_a_megabyte_of_whitespace_parses_in_linear_time(tmp_path):
+    # the regex reader backtracked quadratically on it: about 27 minutes per megabyte, under the repository lock
+    config = "version_policy { all { } }\n# latest" + " " * (MAX_CONFIG_BYTES - 64)
+    repo_with(tmp_path, {"spaces": config})
+    code = "import sys; from serve.server.repository.layout import scan; print(scan(sys.argv[1])['spaces'].policy)"
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=30, cwd=Path.cwd()
+    )
+    assert "kind='all'" in done.stdout, done.stderr
+
+
+def test_version_folders_are_ascii_digits_without_a_leading_zero_as_in_triton(tmp_path):
+    # '²' and '١' are digits to str.isdigit: one broke the scan of every model, the other collided with '1'
+    models = scan(repo_with(tmp_path, {"m": None, "n": None}, versions=("²", "١", "01", "0", "1", "3", "9" * 30)))
+    assert sorted(models["m"].files) == [1, 3] and models["m"].error == ""
+    assert models["m"].wanted() == {3: tmp_path / "m" / "3" / MODEL_FILE}

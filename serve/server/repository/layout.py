@@ -4,22 +4,44 @@
     DIR/<name>/labels.txt          optional; when present it must list the file's own class names
     DIR/<name>/<version>/model.onnx
 
-`version_policy` follows Triton's `config.pbtxt`: `{ latest { num_versions: N } }` (the default, N = 1),
-`{ all { } }` or `{ specific { versions: [1, 3] } }`. A version is a folder named by a positive integer.
+`config.pbtxt` is read as Triton reads it: protobuf text format against Triton's `ModelConfig` message
+(`model_config.proto`, the part vitscope needs, compiled by `make protos`), so comments, field order and
+whitespace mean what they mean to Triton, and a misspelt field is refused. The `version_policy` is
+`{ latest { num_versions: N } }` (the default, N = 1), `{ all { } }` or `{ specific { versions: [1, 3] } }`.
+
+A version is a folder named by ASCII digits without a leading zero, as Triton's documentation states:
+`0`, `01`, `²` and `١` are not versions and are skipped (so `01` never collides with `1`).
+
+A config that cannot be read fails its own model only: `scan` returns that folder with `error` set, and it
+serves nothing until the file is fixed.
 """
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from google.protobuf import text_format
+
+from serve.server.repository.model_config_pb2 import ModelConfig
 
 MODEL_FILE = "model.onnx"
 CONFIG_FILE = "config.pbtxt"
 LABELS_FILE = "labels.txt"
-_LATEST = re.compile(r"latest\s*:?\s*\{\s*num_versions\s*:\s*(\d+)\s*\}")
-_ALL = re.compile(r"\ball\s*:?\s*\{\s*\}")
-_SPECIFIC = re.compile(r"specific\s*:?\s*\{([^}]*)\}")
+MAX_CONFIG_BYTES = 1 << 20  # Triton's own configs are a few kB; the cap keeps a stray huge file off the scan
+MAX_VERSION = 2**63 - 1  # Triton's versions are int64
+POLICY_FORMS = "version_policy must be { latest { num_versions: N } }, { all { } } or { specific { versions: [1, 2] } }"
+# Triton's ModelConfig fields left out of model_config.proto: they describe models vitscope cannot serve
+TRITON_ONLY = (
+    "batch_input",
+    "batch_output",
+    "sequence_batching",
+    "ensemble_scheduling",
+    "cc_model_filenames",
+    "model_operations",
+    "model_repository_agents",
+    "model_metrics",
+)
 
 
 @dataclass(frozen=True)
@@ -40,42 +62,90 @@ class VersionPolicy:
         return ordered[-self.num_versions :]
 
 
+def parse_config(config: str) -> ModelConfig:
+    """A `config.pbtxt` text as Triton's `ModelConfig`.
+
+    Raises:
+        ValueError: text Triton would refuse (a syntax error, an unknown or repeated field, a bad value), or a
+            field of Triton's for models vitscope cannot serve.
+    """
+    try:
+        return text_format.Parse(config, ModelConfig())
+    except text_format.ParseError as e:
+        unsupported = next((f for f in TRITON_ONLY if f'no field named "{f}"' in str(e)), None)
+        if unsupported:
+            raise ValueError(
+                f"{unsupported} is Triton's field for a model vitscope does not serve (sequence, ensemble or "
+                "custom-operation models); serve this model with Triton, or remove the field"
+            ) from None
+        hint = f" ({POLICY_FORMS})" if "ModelVersionPolicy" in str(e) else ""
+        raise ValueError(f"{e}; fix it as for Triton{hint} (its schema: Triton's model_config.proto)") from None
+
+
 def parse_version_policy(config: str) -> VersionPolicy:
     """The `version_policy` of a `config.pbtxt` text (Triton's default, the latest one, when it has none).
 
     Raises:
-        ValueError: a `version_policy` this reader cannot make sense of.
+        ValueError: a config Triton would refuse (`parse_config`), or a policy that serves nothing.
     """
-    start = config.find("version_policy")
-    if start < 0:
+    parsed = parse_config(config)
+    if not parsed.HasField("version_policy"):
         return VersionPolicy()
-    text = config[start:]
-    if m := _LATEST.search(text):
-        if int(m.group(1)) < 1:
+    policy = parsed.version_policy
+    kind = policy.WhichOneof("policy_choice")
+    if kind == "latest":
+        if policy.latest.num_versions < 1:
             raise ValueError("version_policy latest needs num_versions of at least 1")
-        return VersionPolicy("latest", int(m.group(1)))
-    if _ALL.search(text):
+        return VersionPolicy("latest", policy.latest.num_versions)
+    if kind == "all":
         return VersionPolicy("all")
-    if m := _SPECIFIC.search(text):
-        versions = tuple(int(v) for v in re.findall(r"\d+", m.group(1)))
-        if versions:
-            return VersionPolicy("specific", versions=versions)
-    raise ValueError(
-        "version_policy must be { latest { num_versions: N } }, { all { } } or { specific { versions: [1, 2] } }"
-    )
+    if kind == "specific" and policy.specific.versions:
+        return VersionPolicy("specific", versions=tuple(policy.specific.versions))
+    raise ValueError(f"version_policy names no policy (or no version): {POLICY_FORMS}")
+
+
+def read_config(path: Path) -> str:
+    """The text of a `config.pbtxt`, at most `MAX_CONFIG_BYTES`.
+
+    Raises:
+        ValueError: the file is larger, or not UTF-8.
+        OSError: it cannot be read.
+    """
+    with path.open("rb") as f:
+        data = f.read(MAX_CONFIG_BYTES + 1)
+    if len(data) > MAX_CONFIG_BYTES:
+        raise ValueError(f"it is over {MAX_CONFIG_BYTES:,} bytes; a model's config is a few kB: write it again")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"it is not UTF-8 text ({e})") from None
+
+
+def version_of(name: str) -> int | None:
+    """The version a folder's name stands for: ASCII digits without a leading zero, as in Triton; else None."""
+    if not (name.isascii() and name.isdigit()) or name.startswith("0") or len(name) > len(str(MAX_VERSION)):
+        return None
+    version = int(name)
+    return version if version <= MAX_VERSION else None
 
 
 @dataclass
 class ModelFolder:
-    """One model of the repository: its folder, its version policy and the version files found on disk."""
+    """One model of the repository: its folder, its version policy and the version files found on disk.
+
+    `error`, when not empty, is why this model cannot be served (its config cannot be read): it serves nothing.
+    """
 
     name: str
     folder: Path
     policy: VersionPolicy = field(default_factory=VersionPolicy)
     files: dict[int, Path] = field(default_factory=dict)  # version -> its model.onnx
+    error: str = ""
 
     def wanted(self) -> dict[int, Path]:
-        """The version files the policy serves."""
+        """The version files the policy serves (none while the model has an error)."""
+        if self.error:
+            return {}
         return {v: self.files[v] for v in self.policy.select(list(self.files))}
 
     def labels(self) -> list[str] | None:
@@ -84,31 +154,37 @@ class ModelFolder:
 
 
 def scan_model(folder: Path) -> ModelFolder:
-    """One model folder as it is now (its policy re-read from config.pbtxt)."""
+    """One model folder as it is now (its policy re-read from config.pbtxt; a config it cannot read is its error)."""
+    try:
+        versions = {v: d / MODEL_FILE for d in folder.iterdir() if (v := version_of(d.name))}
+        files = {v: path for v, path in versions.items() if path.is_file()}
+    except OSError as e:
+        return ModelFolder(folder.name, folder, error=f"{folder}: cannot be listed: {e}")
     config = folder / CONFIG_FILE
-    policy = parse_version_policy(config.read_text(encoding="utf-8")) if config.is_file() else VersionPolicy()
-    files = {
-        int(d.name): d / MODEL_FILE
-        for d in folder.iterdir()
-        if d.is_dir() and d.name.isdigit() and int(d.name) > 0 and (d / MODEL_FILE).is_file()
-    }
+    try:
+        policy = parse_version_policy(read_config(config)) if config.is_file() else VersionPolicy()
+    except (OSError, ValueError) as e:
+        return ModelFolder(folder.name, folder, files=files, error=f"{config}: {e}")
     return ModelFolder(folder.name, folder, policy, files)
 
 
 def scan(root: Path) -> dict[str, ModelFolder]:
-    """Every model folder under `root` (a folder with a config.pbtxt or a numbered version folder), by name.
+    """Every model folder under `root` (a folder with a config.pbtxt or a version folder), by name.
+
+    A model whose config cannot be read is returned with its `error` set: it fails alone, not the scan.
 
     Raises:
-        ValueError: `root` holds no model in this layout, or a config that cannot be read.
+        ValueError: `root` holds no model in this layout.
     """
+    root = Path(root)
     models = {}
     for folder in sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")):
-        has_version = any(d.is_dir() and d.name.isdigit() for d in folder.iterdir())
+        try:
+            has_version = any(d.is_dir() and version_of(d.name) for d in folder.iterdir())
+        except OSError:
+            has_version = True  # unreadable: scan_model says so as that model's error
         if (folder / CONFIG_FILE).is_file() or has_version:
-            try:
-                models[folder.name] = scan_model(folder)
-            except ValueError as e:
-                raise ValueError(f"{folder / CONFIG_FILE}: {e}") from None
+            models[folder.name] = scan_model(folder)
     if not models:
         raise ValueError(
             f"{root} holds no model: expected <name>/<version>/{MODEL_FILE} (as vit-export --triton-repo writes)"
@@ -123,15 +199,18 @@ def file_stamp(path: Path) -> tuple[int, int]:
 
 
 def default_model_file(root: Path, default_model: str = "") -> tuple[str, Path]:
-    """The default model's name (`default_model`, else the first by name) and its newest wanted version file.
+    """The default model's name (`default_model`, else the first by name that has no error) and its newest wanted
+    version file.
 
     Raises:
-        ValueError: no such model, or it has no version file.
+        ValueError: no such model, its config cannot be read, or it has no version file.
     """
     models = scan(root)
-    name = default_model or min(models)
+    name = default_model or min((n for n, m in models.items() if not m.error), default=min(models))
     if name not in models:
         raise ValueError(f"--default-model {name!r} is not in {root}; it holds {', '.join(models)}")
+    if models[name].error:
+        raise ValueError(models[name].error)
     wanted = models[name].wanted()
     if not wanted:
         raise ValueError(f"{root / name} has no version to serve: expected {root / name}/<version>/{MODEL_FILE}")
