@@ -6,23 +6,29 @@ datatypes and shapes are the graph's own, and both JSON and binary tensors are s
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import numpy as np
 import onnxruntime as ort
 import pytest
 
 from serve.runtime.classifier import OnnxClassifier, softmax
+from serve.server.testing import free_port
 from tests.helpers import CLASS_NAMES, ServerProcess, png_bytes, quadrant_images
 
 tritonclient_http = pytest.importorskip("tritonclient.http")
 InferenceServerException = pytest.importorskip("tritonclient.utils").InferenceServerException
 
 pytestmark = pytest.mark.slow
+MAX_BYTES = 1024 * 1024
 
 
 @pytest.fixture(scope="module")
 def server(tiny_onnx):
-    with ServerProcess(tiny_onnx, "--no-ui") as s:
+    port = free_port()
+    with ServerProcess(tiny_onnx, "--no-ui", "--grpc-port", str(port), "--max-bytes", str(MAX_BYTES)) as s:
+        s.grpc_url = f"127.0.0.1:{port}"
         yield s
 
 
@@ -139,3 +145,49 @@ def test_binary_sizes_that_do_not_add_up_are_refused(server, model):
             headers={"Inference-Header-Content-Length": str(length)},
         )
         assert r.status_code == 422, r.text
+
+
+def infer_body(outputs: list[dict], binary: bool) -> tuple[bytes, dict]:
+    """A one-image infer request asking for `outputs`, its pixels as binary data or JSON."""
+    tensor = {"name": "pixels", "datatype": "UINT8", "shape": [1, 32, 32, 3]}
+    if not binary:
+        return json.dumps({"inputs": [{**tensor, "data": [0] * 3072}], "outputs": outputs}).encode(), {}
+    head = json.dumps({"inputs": [{**tensor, "parameters": {"binary_data_size": 3072}}], "outputs": outputs}).encode()
+    return head + bytes(3072), {"Inference-Header-Content-Length": str(len(head))}
+
+
+@pytest.mark.parametrize("binary", [True, False], ids=["binary", "json"])
+def test_an_output_asked_for_twice_is_refused_not_answered_twice(server, model, binary):
+    """As Triton refuses it: 2,000 copies of logits would otherwise be 2,000 answers from one small request."""
+    body, headers = infer_body([{"name": "logits", "parameters": {"binary_data": binary}}] * 2000, binary)
+    r = httpx.post(f"{server.url}/v2/models/{model}/infer", content=body, headers=headers, timeout=30)
+    assert r.status_code == 422 and r.json()["code"] == "bad_request"
+    assert "'logits'" in r.json()["error"] and "more than once" in r.json()["error"]
+    assert len(r.content) < 1000
+
+
+@pytest.mark.parametrize("binary", [True, False], ids=["binary", "json"])
+def test_an_output_the_model_lacks_is_refused_naming_the_ones_it_has(server, model, binary):
+    body, headers = infer_body([{"name": "logits"}, {"name": "feature_map"}], binary)
+    r = httpx.post(f"{server.url}/v2/models/{model}/infer", content=body, headers=headers, timeout=30)
+    assert r.status_code == 422 and "'feature_map'" in r.json()["error"] and "'probs'" in r.json()["error"]
+
+
+def test_grpc_refuses_an_output_asked_for_twice_or_one_the_model_lacks(server, model):
+    grpcclient = pytest.importorskip("tritonclient.grpc")
+    with grpcclient.InferenceServerClient(server.grpc_url) as c:
+        inp = grpcclient.InferInput("pixels", [1, 32, 32, 3], "UINT8")
+        inp.set_data_from_numpy(np.zeros((1, 32, 32, 3), np.uint8))
+        for names, says in [(["logits"] * 2000, "more than once"), (["logits", "feature_map"], "'probs'")]:
+            with pytest.raises(InferenceServerException) as e:
+                c.infer(model, [inp], outputs=[grpcclient.InferRequestedOutput(n) for n in names])
+            assert e.value.status() == "StatusCode.INVALID_ARGUMENT" and says in e.value.message()
+
+
+@pytest.mark.parametrize("path", ["/v2/repository/index", "/v2/repository/models/{model}/load",
+                                  "/v2/repository/models/{model}/unload"])  # fmt: skip
+def test_repository_routes_refuse_a_body_over_max_bytes(server, model, path):
+    url = server.url + path.format(model=model)
+    r = httpx.post(url, content=b" " * (MAX_BYTES + 1), headers={"content-type": "application/json"}, timeout=30)
+    assert r.status_code == 413 and "body_too_large" in r.text
+    assert httpx.post(server.url + "/v2/repository/index", json={"ready": True}).status_code == 200

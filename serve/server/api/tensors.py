@@ -124,7 +124,8 @@ def parse_infer_request(
     if wanted is None:
         chosen = [(outputs[0], default_binary)]
     elif isinstance(wanted, list) and wanted:
-        chosen = [requested_output(o, outputs, default_binary) for o in wanted]
+        chosen = [requested_output(o, outputs, default_binary) for o in wanted[: len(outputs) + 1]]
+        once_each([name for name, _ in chosen])  # more entries than outputs: a repeat among the first ones
     else:
         raise bad('"outputs" must be a non-empty list of {"name": ...}; leave it out for the default output')
     req_id = head.get("id")
@@ -205,6 +206,16 @@ def requested_output(out: Any, allowed: list[str], default_binary: bool) -> tupl
     if isinstance(params, dict) and params.get("classification"):
         raise bad("the classification extension is not supported; use /v1/classify?top_k=... for top classes")
     return name, bool_param(params, "binary_data") if "binary_data" in params else default_binary
+
+
+def once_each(names: list[str]) -> None:
+    """422 when an output is asked for twice, as Triton refuses it ("already exists in request"): each copy
+    would be answered in full, and a small request could ask for a gigabyte of answer."""
+    seen: set[str] = set()
+    for name in names:
+        if name in seen:
+            raise bad(f"output {name!r} is requested more than once; ask for each output once")
+        seen.add(name)
 
 
 def encode_infer_response(head: dict[str, Any], tensors: list[tuple[str, np.ndarray, bool]]) -> tuple[bytes, dict]:

@@ -142,7 +142,7 @@ def v2_router(
 
     add_model_routes(router, repository, errors)
     add_infer_routes(router, repository, limits, metrics, payloads, errors)
-    add_repository_routes(router, repository, errors)
+    add_repository_routes(router, repository, limits, errors)
     return router
 
 
@@ -242,19 +242,28 @@ def model_entry(name: str, versions: dict) -> dict:
     return {"name": name, "versions": sorted(versions), "platform": "onnxruntime_onnx"}
 
 
-def add_repository_routes(router: APIRouter, repository: ModelRepository, errors) -> None:
-    """Triton's model repository extension: the index, and loading and unloading a model (API key: as /v2)."""
+def add_repository_routes(router: APIRouter, repository: ModelRepository, limits: RequestLimits, errors) -> None:
+    """Triton's model repository extension: the index, and loading and unloading a model (API key: as /v2).
+
+    Each body is read through `read_body`, bounded by `--max-bytes` like every other, and must be JSON when
+    there is one; the load and unload options it may carry (Triton's `parameters`) are not used here.
+    """
+
+    async def options(request: Request) -> object:
+        body = await read_body(request, limits)
+        return read_json(body, "request body") if body.strip() else None
 
     @router.post("/repository/index")
+    @errors
     async def v2_repository_index(request: Request):
-        body = await request.body()
-        ready_only = bool(body) and read_json(body, "request body") in ({"ready": True},)
+        ready_only = await options(request) == {"ready": True}
         rows = repository.index()
         return [r for r in rows if r["state"] == "READY"] if ready_only else rows
 
     @router.post("/repository/models/{name}/load")
     @errors
-    async def v2_repository_load(name: str):
+    async def v2_repository_load(name: str, request: Request):
+        await options(request)
         try:
             await run_in_threadpool(repository.load, name)
         except UnknownModel as e:
@@ -265,7 +274,8 @@ def add_repository_routes(router: APIRouter, repository: ModelRepository, errors
 
     @router.post("/repository/models/{name}/unload")
     @errors
-    async def v2_repository_unload(name: str):
+    async def v2_repository_unload(name: str, request: Request):
+        await options(request)
         try:
             await run_in_threadpool(repository.unload, name)
         except UnknownModel as e:

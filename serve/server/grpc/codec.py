@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from serve.server.api.tensors import DTYPES, OUTPUT, PROBS, TensorSpec, bad, binary_tensor, check_shape
+from serve.server.api.tensors import DTYPES, OUTPUT, PROBS, TensorSpec, bad, binary_tensor, check_shape, once_each
 from serve.server.grpc import grpc_predict_v2_pb2 as pb
 
 # Shapes: B batch, H/W image, K classes.
@@ -43,10 +43,11 @@ def parse_infer(request: pb.ModelInferRequest, pixels: TensorSpec, max_images: i
         arr = binary_tensor(raw[0], shape, pixels)
     else:
         arr = uint_tensor(tensor.contents.uint_contents, shape, pixels)
-    wanted = [o.name for o in request.outputs] or [OUTPUTS[0]]
+    wanted = [o.name for o in request.outputs[: len(OUTPUTS) + 1]] or [OUTPUTS[0]]
     unknown = [n for n in wanted if n not in OUTPUTS]
     if unknown:
         raise bad(f"unknown output {unknown[0]!r}; this model's outputs are {', '.join(map(repr, OUTPUTS))}")
+    once_each(wanted)  # more entries than outputs: a repeat among the first ones
     return arr, wanted
 
 

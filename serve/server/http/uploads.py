@@ -21,7 +21,8 @@ RAW_TYPES = ("image/", "application/octet-stream")
 
 
 async def read_body(request: Request, limits: RequestLimits) -> bytes:
-    """The request body, refused with 413 once it passes `limits.max_bytes`.
+    """The request body, refused with 413 once it passes `limits.max_bytes`: every route of the API reads its body
+    here, so none reads more than that.
 
     The rest of an oversized body is read and thrown away (up to `limits.discard_bytes` in all) before
     the 413 goes out: a client that writes its whole body before reading the answer (Python's urllib
