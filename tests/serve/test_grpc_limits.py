@@ -173,3 +173,33 @@ def test_calls_past_the_cap_are_refused_at_once(capped):
     assert live(pb.ServerLiveRequest(), timeout=5).live
     for c in channels:
         c.close()
+
+
+def test_client_text_echoed_in_an_error_is_cut_short(server):
+    # gRPC sends the message as a header: 20 kB of a client's own text echoed in it was past the client's
+    # metadata limit, and the answer read RESOURCE_EXHAUSTED instead of what was wrong
+    long, model = "n" * 20_000, httpx.get(server.url + "/readyz", headers=AUTH).json()["model"]
+
+    def request(**changes) -> pb.ModelInferRequest:
+        r = pb.ModelInferRequest(model_name=changes.get("model", model))
+        r.inputs.add(name=changes.get("input", "pixels"), datatype=changes.get("datatype", "UINT8"))
+        r.inputs[0].shape.extend(changes.get("shape", [1, 32, 32, 3]))
+        r.raw_input_contents.append(bytes(32 * 32 * 3))
+        r.outputs.add(name=changes.get("output", "logits"))
+        return r
+
+    cases = [
+        (request(model=long), grpc.StatusCode.NOT_FOUND),
+        (request(input=long), grpc.StatusCode.INVALID_ARGUMENT),
+        (request(output=long), grpc.StatusCode.INVALID_ARGUMENT),
+        (request(datatype=long), grpc.StatusCode.INVALID_ARGUMENT),
+        (request(shape=[1] * 5_000), grpc.StatusCode.INVALID_ARGUMENT),  # no quotes around this one
+    ]
+    with grpc.insecure_channel(server.grpc_url) as channel:
+        infer = channel.unary_unary(INFER, pb.ModelInferRequest.SerializeToString, pb.ModelInferResponse.FromString)
+        for message, status in cases:
+            with pytest.raises(grpc.RpcError) as e:
+                infer(message, metadata=list(AUTH.items()), timeout=10)
+            details = e.value.details()
+            assert (e.value.code(), len(details) <= 1000) == (status, True), details[:300]
+            assert "…" in details and ("n" * 100 in details) == (long in str(message))

@@ -13,6 +13,7 @@ import asyncio
 import contextvars
 import functools
 import logging
+import re
 import time
 from collections.abc import Awaitable, Callable
 
@@ -55,6 +56,8 @@ RPCS = {  # name -> the Service method that answers it, the request message
 }
 PUBLIC = {f"/{SERVICE}/{name}" for name in ("ServerLive", "ServerReady")}  # no key needed, as the HTTP health routes
 NOT_READY = "the model is loading or warming up (or the server is stopping)"
+ECHO_CHARS, MESSAGE_CHARS = 200, 1000  # the most of a quoted value, and of a whole message, in a status
+QUOTED = re.compile("|".join(rf"{q}(?:[^{q}\\]|\\.){{{ECHO_CHARS + 1},}}{q}" for q in "'\""))  # a long repr
 
 
 class Service:
@@ -100,7 +103,7 @@ class Service:
                 return await fn(request, context)
             except ApiError as err:
                 code = GRPC_STATUS.get(err.code, Code.UNKNOWN)
-                await context.abort(code, err.message)
+                await context.abort(code, status_message(err.message))
             except asyncio.CancelledError:  # the client went away or its deadline passed
                 code = Code.CANCELLED
                 raise
@@ -199,6 +202,15 @@ class KeyCheck(grpc.aio.ServerInterceptor):
         if refused is None:
             return await continuation(details)
         return self.service.refusal(route, metadata, refused.replace("'Authorization", "metadata 'authorization"))
+
+
+def status_message(message: str) -> str:
+    """`message` fit to send as a status: each quoted value over `ECHO_CHARS` (a name a client sent, echoed back)
+    cut to its start and an ellipsis, and the whole to `MESSAGE_CHARS`. gRPC sends the message as a header, and a
+    client refuses headers past its metadata limit (16 KiB at most): a long echo would turn the answer into
+    RESOURCE_EXHAUSTED, hiding what was wrong."""
+    short = QUOTED.sub(lambda m: m[0][: ECHO_CHARS + 1] + "…" + m[0][0], message)
+    return short if len(short) <= MESSAGE_CHARS else short[: MESSAGE_CHARS - 1] + "…"
 
 
 def _serialize(message) -> bytes:
