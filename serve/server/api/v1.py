@@ -125,8 +125,8 @@ DEFAULT_PARAMS = ClassifyParams()
 def classify_params(query: Mapping[str, str], form: dict[str, str]) -> ClassifyParams:
     """The request's parameters, checked: `ApiError("bad_request")` says what is wrong and where.
 
-    The route validates them itself rather than declaring them to FastAPI: FastAPI's validation of declared
-    query parameters costs more CPU than the rest of the route's own work (`benchmarks.serve_overhead`).
+    The route validates them itself rather than declaring them to FastAPI: they come from the query string or
+    from the form fields the route reads itself, and one model checks both.
     """
     if not query and not form:  # the common case: every default
         return DEFAULT_PARAMS

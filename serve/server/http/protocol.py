@@ -13,8 +13,8 @@ The limits are read from `config.limits` (a `ConnectionLimits`), set by `serve.s
 
 uvicorn's own `limit_concurrency` is not the connection cap: it answers 503 (in plain text) only once a
 request head has arrived, so idle connections that never send one keep their descriptors until a
-timeout, and a flood of them exhausts the process's file limit (`benchmarks.connection_cap`).
-The cap refuses the connection itself, at once. The class extends uvicorn's private
+timeout, and a flood of them exhausts the process's file limit. The cap refuses the connection itself,
+at once (tests/serve/test_security.py). The class extends uvicorn's private
 `HttpToolsProtocol`: pyproject.toml bounds uvicorn's version, and tests/serve/test_protocol_contract.py
 fails when that class changes.
 """
