@@ -155,7 +155,7 @@ def uvicorn_config(app, settings: ServeSettings, log_level: str) -> uvicorn.Conf
         http=LimitedHttpToolsProtocol,
         timeout_keep_alive=settings.keep_alive_s,
         timeout_graceful_shutdown=settings.graceful_timeout_s,
-        access_log=False,  # RequestGuard writes one line per request, with its ID
+        access_log=False,  # RequestRecord writes one line per request, with its ID
         server_header=False,
     )
     http_share, _ = connection_shares(settings)  # gRPC's connections come out of the same budget

@@ -60,7 +60,7 @@ class UiCallErrorsAsJson:
             await self.app(scope, receive_watching, watch)
         except Exception as e:
             if gone:
-                raise  # the client left, and the parser failed for it: the guard logs one line, 499
+                raise  # the client left, and the parser failed for it: RequestRecord logs one line, 499
             if not started:
                 log.info("%s failed with %s: %s", path, type(e).__name__, e)
                 return await _refuse(send, path, f"{type(e).__name__}: {e}")
