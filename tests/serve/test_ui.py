@@ -159,6 +159,16 @@ def upload(url: str, data: bytes) -> str:
 
 
 @pytest.mark.slow
+def test_ui_call_routes_refuse_bodies_over_max_bytes_before_gradio_reads_them(small_ui):
+    import httpx
+
+    big = b'{"data": ["' + b"x" * 400_000 + b'"]}'  # over --max-bytes and its form overhead
+    for route in ("/gradio_api/call/classify", "/gradio_api/queue/join", "/gradio_api/run/predict"):
+        r = httpx.post(small_ui.url + route, content=big, headers={"content-type": "application/json"}, timeout=30)
+        assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large", (route, r.text[:200])
+
+
+@pytest.mark.slow
 def test_ui_uploads_over_the_limit_in_total_are_refused(small_ui):
     import httpx
 

@@ -16,6 +16,7 @@ FORM_OVERHEAD = 64 * 1024  # multipart boundaries and headers around the file it
 # browser's own (`queue/join`, `queue/data`); and its upload route
 CALL_ROUTES = ("/gradio_api/run/", "/gradio_api/api/", "/gradio_api/call/", "/gradio_api/queue/")
 UPLOAD_ROUTE = "/gradio_api/upload"
+BODY_METHODS = ("POST", "PUT", "PATCH")
 
 
 class UiCallErrorsAsJson:
@@ -124,18 +125,21 @@ class NoVersionInGradioOpenapi:
 
 
 class UploadLimit:
-    """ASGI middleware: a request to Gradio's upload route must declare its length, within `max_bytes` in
-    all (Gradio's own limit is per file, and one request may carry many files)."""
+    """ASGI middleware: every request with a body to Gradio's routes (its upload route, and the call and queue
+    routes, whose JSON Gradio reads whole) must declare its length, within `max_bytes` in all (Gradio's own limit
+    is per uploaded file, and one request may carry many files; its JSON routes have none)."""
 
     def __init__(self, app, max_bytes: int):
         self.app, self.max_bytes = app, max_bytes + FORM_OVERHEAD
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"].startswith("/gradio_api/upload") and scope["method"] == "POST":
+        if scope["type"] == "http" and scope["path"].startswith("/gradio_api/") and scope["method"] in BODY_METHODS:
             declared = dict(scope["headers"]).get(b"content-length", b"")
             if not declared.isdigit():
-                return await send_error(send, "length_required", "uploads must declare their Content-Length")
+                return await send_error(send, "length_required", "requests to the UI must declare their Content-Length")
             if int(declared) > self.max_bytes:
-                message = f"an upload of {int(declared):,} bytes is over the {self.max_bytes:,}-byte limit"
+                message = (
+                    f"a request of {int(declared):,} bytes is over the {self.max_bytes:,}-byte limit (--max-bytes)"
+                )
                 return await send_error(send, "body_too_large", message)
         await self.app(scope, receive, send)
