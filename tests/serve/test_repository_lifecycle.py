@@ -4,12 +4,13 @@ in place is reloaded without a failed request, and the default model stays where
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.helpers import ServerProcess, rss_mib, wait_until
+from tests.helpers import ServerProcess, png_bytes, quadrant_images, rss_mib, wait_until
 from tests.serve.test_repository import add_model, drop_version, exported  # noqa: F401 (a fixture)
 
 FAST = ("--no-ui", "--preferred-batch-size", "1", "--graceful-timeout-s", "1")
@@ -148,3 +149,36 @@ def test_any_exception_in_one_load_is_that_models_failure(exported, tmp_path):  
         assert [r["name"] for r in failed] == ["beta"] and "RecursionError" in failed[0]["reason"]
     finally:
         repository.stop()
+
+
+@pytest.fixture(scope="module")
+def uncalibrated(request, tmp_path_factory) -> Path:
+    """A repository from `vit-export --triton-repo --no-calibration`: model `plain`, version 1, no OOD score."""
+    from serve.export.cli import main as export_main
+
+    root = tmp_path_factory.mktemp("uncalibrated")
+    args = ["-o", str(root / "plain.onnx"), "--triton-repo", str(root / "models"), "--no-gradients", "--no-calibration"]
+    assert export_main([str(request.getfixturevalue("tiny_checkpoint")), *args]) == 0
+    return root / "models"
+
+
+def strict_json(text: str):
+    """JSON that refuses NaN and Infinity, which are no JSON (a client's parser may reject the whole answer)."""
+    return json.loads(text, parse_constant=lambda c: pytest.fail(f"the answer holds {c}: {text[:200]}"))
+
+
+def test_an_uncalibrated_file_serves_with_a_null_ood_score(uncalibrated):
+    """The warm-up check read the NaN that stands for "no OOD score" as a broken model and refused the file."""
+    images, _ = quadrant_images(2, seed=5)
+    pixels = {"name": "pixels", "datatype": "UINT8", "shape": [2, 32, 32, 3], "data": images.ravel().tolist()}
+    with ServerProcess(uncalibrated, *FAST) as server:
+        url = server.url
+        answer = httpx.post(url + "/v1/classify", files={"file": ("a.png", png_bytes(images[0]), "image/png")})
+        assert answer.status_code == 200, answer.text
+        assert strict_json(answer.text)["ood_score"] is None
+        v2 = httpx.post(url + "/v2/models/plain/infer", json={"inputs": [pixels]})
+        assert v2.status_code == 200, v2.text
+        assert [o["name"] for o in strict_json(v2.text)["outputs"]] == ["logits"]
+        asked = {"inputs": [pixels], "outputs": [{"name": "ood_score"}]}
+        refused = httpx.post(url + "/v2/models/plain/infer", json=asked)  # no OOD score to answer with
+        assert refused.status_code == 422 and "calibration" in refused.json()["error"], refused.text

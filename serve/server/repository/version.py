@@ -3,8 +3,8 @@
 A version takes traffic only after `load_version` has read the file (onnxruntime and the file's own
 metadata, which a truncated or half-copied file fails), compared the class names with the folder's
 labels.txt, started its engine (the warm-up and the batch size measurement) and run one warm-up batch whose
-outputs are all finite. Each failure is a `LoadFailure` with a short `kind` (the label counted in
-/metrics) and a message that says what to do.
+outputs are finite (the OOD score only where the file has one). Each failure is a `LoadFailure` with a short
+`kind` (the label counted in /metrics) and a message that says what to do.
 """
 
 from __future__ import annotations
@@ -140,7 +140,9 @@ def load_version(
         except Exception as e:
             engine.stop()
             raise LoadFailure("warm_up", f"{path}: the warm-up batch failed: {e}") from None
-        if not all(np.isfinite(out[field]).all() for field in out.dtype.names):
+        # NaN in `ood` is the "no OOD score" of a file without calibration: absent, not broken
+        finite = [f for f in out.dtype.names if f != "ood" or classifier.trust is not None]
+        if not all(np.isfinite(out[f]).all() for f in finite):
             engine.stop()
             raise LoadFailure("non_finite", f"{path}: the warm-up batch gave NaN or infinite outputs; do not serve it")
         if stamp != _stamp(path):
