@@ -166,6 +166,7 @@ def score_to_file(
     if store.exists() and not resume:
         raise ValueError(f"{out} (or its parts) exists: add --resume to finish that run, or remove it to start over")
     if resume and store.out.exists() and not store.dir.exists():
+        store.remove_old_parts()  # a run killed after its merge, while it deleted its parts
         print(f"{out} is complete: nothing to resume (remove it to score again)", file=errors)
         return store.count_rows(), 0
     done, failed = store.committed()

@@ -8,8 +8,18 @@
 While a run is under way its parts live in `preds.parquet.parts/`. A part is two files: the rows
 (`part-00007.parquet`, in the output's own format) and its manifest (`part-00007.json`: the paths it holds
 and the inputs that could not be read, with the reason). Each is written to a temporary name, flushed to
-disk and renamed; the manifest's rename is the commit. A run killed at any instant leaves whole committed
-parts and, at most, an uncommitted one that the next run deletes: nothing is lost or written twice.
+disk and renamed, and the folder is flushed after the rename, so that the rename itself survives a power cut;
+the manifest's rename is the commit. A run killed at any instant leaves whole committed parts and, at most, an
+uncommitted one that the next run deletes: nothing is lost or written twice.
+
+The end is ordered so that a kill at any step leaves something `--resume` completes: the parts are merged into
+`preds.parquet.tmp`, which is renamed to `preds.parquet`; then the whole parts folder is renamed out of the way
+(`preds.parquet.parts.old/`) in one step and only then deleted. Until that rename, `--resume` merges the same
+parts again; after it, the output is complete. Deleting the parts in place could be cut off between a part's
+rows and its manifest, and the next merge would miss those rows.
+
+The job writes only what it creates: a parts folder or a temporary file that is a symbolic link is refused
+(the clean-up would delete or overwrite what the link points at).
 
 Formats, chosen by the suffix of `--out`: `.parquet` (needs pyarrow: `pip install 'vitscope[batch]'`),
 `.csv` and `.jsonl`. A row is the JSON object vit-predict prints (`path`, `predictions: [{label, score}]`
@@ -21,6 +31,7 @@ text in CSV). Ray's writer (`serve.cluster`) uses the same `table_row`, so both 
 from __future__ import annotations
 
 import csv
+import errno
 import io
 import json
 import os
@@ -32,6 +43,7 @@ from typing import Any
 
 FORMATS = (".parquet", ".csv", ".jsonl")
 PARTS_SUFFIX = ".parts"
+DONE_SUFFIX = ".old"  # the parts folder of a merged output, renamed before it is deleted
 _PART = re.compile(r"part-(\d{5,})\.json$")
 
 
@@ -74,14 +86,47 @@ def table_row(row: dict[str, Any]) -> dict[str, Any]:
     return flat
 
 
+def _refuse_link(path: Path) -> None:
+    if path.is_symlink():
+        raise ValueError(
+            f"{path} is a symbolic link: vit-predict keeps its parts and temporary files in place and deletes them "
+            "when done, so it will not follow a link; remove the link (or choose another --out)"
+        )
+
+
+def _create(path: Path):
+    """`path` opened for writing from empty, never through a symbolic link (ValueError if it is one)."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o666)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            _refuse_link(path)
+        raise
+    return os.fdopen(fd, "wb")
+
+
+def _sync_folder(folder: Path) -> None:
+    """Flush a folder's entries to disk, so that a rename or a new file in it survives a power cut."""
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _replace_durably(tmp: Path, path: Path) -> None:
+    os.replace(tmp, path)
+    _sync_folder(path.parent)
+
+
 def _write_atomic(path: Path, data: bytes) -> None:
     """Write `data` under a temporary name, flush it to disk and rename: `path` is whole or absent."""
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
+    with _create(tmp) as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
-    os.replace(tmp, path)
+    _replace_durably(tmp, path)
 
 
 def encode_rows(rows: list[dict[str, Any]], fmt: str, header: bool = True) -> bytes:
@@ -114,7 +159,9 @@ class PartStore:
         self.out = Path(out)
         self.fmt = output_format(self.out)
         self.dir = self.out.with_name(self.out.name + PARTS_SUFFIX)
+        self.old_dir = self.dir.with_name(self.dir.name + DONE_SUFFIX)
         self.next_index = 0
+        _refuse_link(self.dir)
 
     def exists(self) -> bool:
         """True when an earlier run left the output or its parts."""
@@ -126,7 +173,10 @@ class PartStore:
         Returns:
             (done, failed): the paths already classified, and (path, reason) for those that could not be read.
         """
-        self.dir.mkdir(parents=True, exist_ok=True)
+        _refuse_link(self.dir)
+        if not self.dir.exists():
+            self.dir.mkdir(parents=True)
+            _sync_folder(self.dir.parent)
         done: set[str] = set()
         failed: list[tuple[str, str]] = []
         indices = []
@@ -135,6 +185,9 @@ class PartStore:
             if not found:
                 continue
             entry = json.loads(manifest.read_text())
+            if entry["paths"] and not (self.dir / f"{manifest.stem}{self.fmt}").exists():
+                manifest.unlink()  # its rows are gone (the folder was damaged): not committed, score them again
+                continue
             done.update(entry["paths"])
             failed.extend((p, reason) for p, reason in entry["failed"])
             indices.append(int(found.group(1)))
@@ -166,25 +219,36 @@ class PartStore:
         return sorted(p for p in self.dir.glob(f"part-*{self.fmt}") if (self.dir / f"{p.stem}.json").exists())
 
     def finish(self) -> None:
-        """Merge the parts into `out` (written under a temporary name, then renamed) and remove the parts."""
+        """Merge the parts into `out` (written under a temporary name, flushed, then renamed) and remove the
+        parts: the folder is renamed away in one step before it is deleted, so a kill leaves it whole or gone."""
+        _refuse_link(self.dir)
         tmp = self.out.with_name(self.out.name + ".tmp")
         parts = self.data_files()
-        if self.fmt == ".parquet":
-            _merge_parquet(parts, tmp)
-        else:
-            with open(tmp, "wb") as dst:
+        with _create(tmp) as dst:
+            if self.fmt == ".parquet":
+                _merge_parquet(parts, dst)
+            else:
                 for i, part in enumerate(parts):
                     with open(part, "rb") as src:
                         if self.fmt == ".csv" and i > 0:
                             src.readline()  # one header, from the first part
                         shutil.copyfileobj(src, dst)
-                dst.flush()
-                os.fsync(dst.fileno())
-        os.replace(tmp, self.out)
-        shutil.rmtree(self.dir)
+            dst.flush()
+            os.fsync(dst.fileno())
+        _replace_durably(tmp, self.out)  # the output is complete: from here on the parts are not needed
+        self.remove_old_parts()
+        os.rename(self.dir, self.old_dir)
+        _sync_folder(self.dir.parent)
+        self.remove_old_parts()
+
+    def remove_old_parts(self) -> None:
+        """Delete the parts folder of an output already merged, if a killed run left it."""
+        if self.old_dir.exists() or self.old_dir.is_symlink():
+            _refuse_link(self.old_dir)
+            shutil.rmtree(self.old_dir)
 
 
-def _merge_parquet(parts: list[Path], dest: Path) -> None:
+def _merge_parquet(parts: list[Path], dest) -> None:
     """Parquet parts -> one file, part by part, under the schema they all fit (a part of nulls fits any)."""
     pa = require_pyarrow()
     pq = pa.parquet

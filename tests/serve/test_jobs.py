@@ -186,3 +186,119 @@ def test_a_run_killed_mid_job_resumes_with_every_image_exactly_once(tiny_onnx, t
     again = _predict(*args[:3], "--out", str(clean), *args[5:])
     assert again.wait(120) == 0
     assert rows == _read(clean)
+
+
+class Killed(BaseException):
+    """SIGKILL at this instant: nothing after it runs (a BaseException, so no `except Exception` sees it)."""
+
+
+def _kill_at(step: int, monkeypatch) -> list[int]:
+    """Make the `step`-th file-system change inside `PartStore.finish` (a rename, a file or folder removed) raise
+    `Killed` instead of happening; returns a list that holds the steps counted so far."""
+    seen = [0]
+    finish, active = PartStore.finish, [False]
+
+    def killable(name: str):
+        real = getattr(os, name)
+
+        def change(*args, **kwargs):
+            if active[0]:
+                seen[0] += 1
+                if seen[0] > step:
+                    raise Killed(f"{name}{args}")
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(os, name, change)
+
+    for name in ("replace", "rename", "unlink", "rmdir"):
+        killable(name)
+
+    def watched(self):
+        active[0] = True
+        try:
+            return finish(self)
+        finally:
+            active[0] = False
+
+    monkeypatch.setattr(PartStore, "finish", watched)
+    return seen
+
+
+def test_a_kill_at_any_step_of_the_final_clean_up_then_resume_keeps_every_row(tiny_onnx, tmp_path, capsys):
+    folder = tmp_path / "photos"
+    _images(folder, 4)
+    args = [str(tiny_onnx), str(folder), "--part-size", "1", "--batch-size", "1", "--top-k", "2"]  # 4 parts of a row
+    assert main([*args, "--out", str(tmp_path / "whole.jsonl")]) == 0
+    whole = (tmp_path / "whole.jsonl").read_text().splitlines()
+    for step in range(100):
+        out = tmp_path / f"kill-{step}" / "preds.jsonl"
+        out.parent.mkdir()
+        with pytest.MonkeyPatch.context() as mp:
+            seen = _kill_at(step, mp)
+            try:
+                main([*args, "--out", str(out)])
+            except Killed:
+                pass
+            else:
+                break  # the clean-up has no step left to kill
+        assert main([*args, "--out", str(out), "--resume"]) == 0, capsys.readouterr().err
+        assert out.read_text().splitlines() == whole, f"killed at step {step} of the clean-up"
+        assert sorted(p.name for p in out.parent.iterdir()) == ["preds.jsonl"]
+    assert step == seen[0] >= 2  # every step was killed once
+
+
+def test_a_symlinked_parts_folder_is_refused_and_what_it_points_at_survives(tiny_onnx, tmp_path, capsys):
+    folder = tmp_path / "photos"
+    _images(folder, 2)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    for name in ("notes.txt", "part-00000.jsonl", "part-00001.json.tmp"):
+        (elsewhere / name).write_text("keep me\n")
+    out = tmp_path / "preds.jsonl"
+    out.with_name(out.name + ".parts").symlink_to(elsewhere)
+    assert main([str(tiny_onnx), str(folder), "--out", str(out), "--resume"]) == 2
+    assert "is a symbolic link" in capsys.readouterr().err
+    assert sorted(p.name for p in elsewhere.iterdir()) == ["notes.txt", "part-00000.jsonl", "part-00001.json.tmp"]
+    assert all(p.read_text() == "keep me\n" for p in elsewhere.iterdir()) and not out.exists()
+
+
+def test_a_symlinked_temporary_file_is_refused_and_never_written_through(tiny_onnx, tmp_path, capsys):
+    folder = tmp_path / "photos"
+    _images(folder, 2)
+    victim = tmp_path / "precious.txt"
+    victim.write_text("keep me\n")
+    out = tmp_path / "preds.jsonl"
+    out.with_name(out.name + ".tmp").symlink_to(victim)  # where the merged output is written before its rename
+    assert main([str(tiny_onnx), str(folder), "--out", str(out)]) == 2
+    assert "is a symbolic link" in capsys.readouterr().err
+    assert victim.read_text() == "keep me\n" and not out.exists()
+
+
+def test_every_rename_is_fsynced_before_and_its_folder_after(tiny_onnx, tmp_path, monkeypatch):
+    """A rename that reaches the disk before its file's data, or never reaches it, loses a part on power loss."""
+    events: list[tuple[str, str]] = []
+    fsync, replace, rename = os.fsync, os.replace, os.rename
+
+    def synced(fd: int) -> None:
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        fsync(fd)
+
+    def moved(real):
+        def move(src, dst, **kw):
+            real(src, dst, **kw)
+            events.append(("rename", os.fspath(src)))
+
+        return move
+
+    monkeypatch.setattr(os, "fsync", synced)
+    monkeypatch.setattr(os, "replace", moved(replace))
+    monkeypatch.setattr(os, "rename", moved(rename))
+    _images(tmp_path / "photos", 3)
+    out = tmp_path / "preds.jsonl"
+    assert main([str(tiny_onnx), str(tmp_path / "photos"), "--out", str(out), "--part-size", "2"]) == 0
+    renames = [i for i, (kind, _) in enumerate(events) if kind == "rename"]
+    assert len(renames) >= 4  # a part of 2 files, an empty one, and the output
+    for i in renames:
+        src = events[i][1]
+        assert ("fsync", src) in events[:i], f"{src} renamed before its data reached the disk"
+        assert events[i + 1] == ("fsync", os.path.dirname(src)), f"{src}'s rename not made durable"
