@@ -1,5 +1,5 @@
 """Health probes under overload: `/healthz` on the API port and on `--probe-port`, while `--crowd` keep-alive
-clients classify as fast as they are answered (hostile_bench's 1,000-client test).
+clients classify as fast as they are answered.
 
 The crowd runs in a process of its own. Each probe is a new connection with a 1 s timeout, as Kubernetes'
 default probe is, every 50 ms from a thread of its own. Reported per port: probes, p50/p99 latency, probes

@@ -49,7 +49,7 @@ def ranked(probs: np.ndarray, k: int | None = None) -> list[list[int]]:
 
     Up to `SMALL_RANKING` classes the rows are sorted in Python: numpy's sort lets go of the interpreter lock
     even for ten values, and a server thread that lets go of it waits for the model's thread to hand it
-    back, which costs more than the sort (`benchmarks.serve_overhead`).
+    back, which costs more than the sort.
     """
     if probs.shape[-1] > SMALL_RANKING:
         return np.argsort(-probs, axis=-1, kind="stable")[:, :k].tolist()

@@ -169,7 +169,7 @@ def _return_freed_memory() -> None:
     Decoding a large image allocates hundreds of MB in the decoding thread's malloc arena. glibc raises
     its mmap threshold after such blocks are freed and keeps later ones in per-thread arenas, so with
     many threads the process grew by several times the decode budget and stayed there, where a fixed 1 MiB
-    threshold keeps it near the budget (`benchmarks.hostile_bench`, concurrent 40 MP GIFs).
+    threshold keeps it near the budget.
     """
     try:
         libc = ctypes.CDLL("libc.so.6")

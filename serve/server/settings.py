@@ -88,7 +88,7 @@ class ServeSettings(BaseSettings):
         "waits for it alone). A small file can declare a huge image, and decoding costs bytes per declared "
         "pixel: 40 MP is one of the largest images at a time, about 200 MB at worst, and keeps a core free "
         "for the event loop (with twice that, /healthz slowed by an order of magnitude under 32 such uploads "
-        "on 2 cores: benchmarks.hostile_bench). Ordinary photos decode many at once: large JPEGs are decoded "
+        "on 2 cores). Ordinary photos decode many at once: large JPEGs are decoded "
         "at a reduced scale and count as such",
     )
     max_header_bytes: int = Field(
