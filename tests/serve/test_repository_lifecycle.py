@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.helpers import ServerProcess, png_bytes, quadrant_images, rss_mib, wait_until
+from tests.helpers import CLASS_NAMES, ClientLoop, ServerProcess, png_bytes, quadrant_images, rss_mib, wait_until
 from tests.serve.test_repository import add_model, drop_version, exported  # noqa: F401 (a fixture)
 
 FAST = ("--no-ui", "--preferred-batch-size", "1", "--graceful-timeout-s", "1")
@@ -182,3 +182,53 @@ def test_an_uncalibrated_file_serves_with_a_null_ood_score(uncalibrated):
         asked = {"inputs": [pixels], "outputs": [{"name": "ood_score"}]}
         refused = httpx.post(url + "/v2/models/plain/infer", json=asked)  # no OOD score to answer with
         assert refused.status_code == 422 and "calibration" in refused.json()["error"], refused.text
+
+
+class Labels(ClientLoop):
+    """`clients` threads classifying with model `name` until stopped; each answer's status and top label is kept."""
+
+    def __init__(self, url: str, name: str, clients: int = 2):
+        super().__init__(clients)
+        self.url, self.name = url, name
+
+    def run(self, seed: int) -> None:
+        images, _ = quadrant_images(1, seed=seed)
+        files = {"file": ("a.png", png_bytes(images[0]), "image/png")}
+        with httpx.Client(timeout=30) as client:
+            while not self.stopping.is_set():
+                try:
+                    r = client.post(f"{self.url}/v1/models/{self.name}/classify", files=files)
+                    self.answers.append(
+                        (r.status_code, r.json()["predictions"][0]["label"] if r.is_success else r.text)
+                    )
+                except httpx.HTTPError as e:
+                    self.answers.append((type(e).__name__, str(e)))
+
+    def label_now(self) -> str | None:
+        return self.answers[-1][1] if self.answers else None
+
+
+@pytest.mark.parametrize("how", ["poll", "post"])
+def test_a_file_rewritten_in_place_is_reloaded_without_a_failed_request(exported, tmp_path, how):  # noqa: F811
+    """vit-export --triton-repo rewrites version 1 in place: its new class names must be served, by polling and
+    by POST .../load, while requests keep being answered."""
+    from tests.serve.broken_models import with_metadata
+
+    repo = tmp_path / "models"
+    add_model(repo, exported, "alpha", [1])
+    (repo / "alpha" / "labels.txt").unlink()  # the new file's class names differ
+    renamed = [f"new_{c}" for c in CLASS_NAMES]
+    new = with_metadata(exported / "alpha" / "1" / "model.onnx", tmp_path / "new.onnx", class_names=json.dumps(renamed))
+    args = (*FAST, "--repository-poll-s", "0.05") if how == "poll" else FAST
+    with ServerProcess(repo, *args) as server, Labels(server.url, "alpha") as load:
+        wait_until(lambda: load.label_now() in CLASS_NAMES, 30, "answers with the old class names")
+        (repo / "alpha" / "1" / "model.onnx").write_bytes(new.read_bytes())  # in place: same path, new content
+        if how == "post":
+            loaded = httpx.post(server.url + "/v2/repository/models/alpha/load", timeout=60)
+            assert loaded.status_code == 200, loaded.text
+        wait_until(lambda: load.label_now() in renamed, 30, "answers with the new class names")
+        served = len(load.answers)
+        wait_until(lambda: len(load.answers) > served + 20, 30, "more answers after the swap")
+    failed = [a for a in load.answers if a[0] != 200]
+    assert not failed, f"{len(failed)} of {len(load.answers)} requests failed during the swap: {failed[:3]}"
+    assert {label for _, label in load.answers[served:]} <= set(renamed)

@@ -2,8 +2,9 @@
 
 A request resolves its version once, at its start (`resolve`): a dict lookup in a table that is replaced
 whole, never edited, so a swap is atomic for the routes. A new version (found by `sync`, which the poller
-runs every `poll_s` seconds, or asked for by `load`) is loaded and checked off to the side
-(`load_version`); only then does the table name it, and new requests go to it. A version that leaves the
+runs every `poll_s` seconds, or asked for by `load`), or a served one whose file changed on disk (its size,
+modification time or inode: rewritten in place, or replaced by a rename), is loaded and checked off to the
+side (`load_version`); only then does the table name it, and new requests go to it. A version that leaves the
 table drains: it is stopped once the requests that resolved it have finished. A version that fails its
 checks never enters the table; it is logged, counted in /metrics and listed in `index` with its reason, and
 tried again when its file changes (a copy that was not finished).
@@ -33,7 +34,7 @@ from pathlib import Path
 from serve.runtime.classifier import OnnxClassifier
 from serve.server.engine import Engine
 from serve.server.metrics import Metrics
-from serve.server.repository.layout import ModelFolder, file_stamp, scan
+from serve.server.repository.layout import ModelFolder, scan
 from serve.server.repository.version import (
     READY,
     UNAVAILABLE,
@@ -43,6 +44,7 @@ from serve.server.repository.version import (
     load_ready,
     load_version,
     release_heap,
+    stamp_of,
 )
 
 log = logging.getLogger("vitscope.repository")
@@ -183,7 +185,8 @@ class ModelRepository:
             return
         self.failures.pop((name, ""), None)
         for version, path in sorted(wanted.items(), key=lambda kv: int(kv[0])):
-            if version not in self.serving.get(name, {}):
+            served = self.serving.get(name, {}).get(version)
+            if served is None or _changed(served, path):
                 self._try_load(name, version, path, labels)
         old = set(self.serving.get(name, {})) - set(wanted)
         if self.serving.get(name, {}).keys() - old:  # never leave a model with nothing to serve
@@ -245,7 +248,7 @@ class ModelRepository:
 
     def _try_load(self, name: str, version: str, path: Path, labels: list[str] | None) -> None:
         try:
-            stamp = file_stamp(path)
+            stamp = stamp_of(path)
         except OSError:
             return  # gone again
         failed = self.failures.get((name, version))
@@ -280,11 +283,14 @@ class ModelRepository:
             del self.failures[key]
 
     def _add(self, mv: ModelVersion) -> None:
+        replaced = self.serving.get(mv.name, {}).get(mv.version)  # the same version before its file changed
         self.serving = {**self.serving, mv.name: {**self.serving.get(mv.name, {}), mv.version: mv}}
         freeze_heap(self._heap)
         self.metrics.model_memory.labels(mv.name, mv.version).set(mv.memory_bytes)
         self.metrics.queue_depth.labels(mv.name, mv.version).set_function(lambda: mv.engine.batcher.depth)
-        self._publish()
+        self._publish()  # from here on, new requests go to `mv`
+        if replaced is not None:
+            self._drain_in_background(replaced)
 
     def _remove(self, name: str, versions: set[str]) -> None:
         if not versions:
@@ -294,8 +300,11 @@ class ModelRepository:
         self.serving = {**{m: vs for m, vs in self.serving.items() if m != name}, **({name: kept} if kept else {})}
         self._publish()  # from here on, new requests go elsewhere
         for mv in gone:
-            # the thread gets the version in a list it empties, so that nothing of it holds the version afterwards
-            threading.Thread(target=self._retire, args=([mv],), name="vitscope-drain", daemon=True).start()
+            self._drain_in_background(mv)
+
+    def _drain_in_background(self, mv: ModelVersion) -> None:
+        # the thread gets the version in a list it empties, so that nothing of it holds the version afterwards
+        threading.Thread(target=self._retire, args=([mv],), name="vitscope-drain", daemon=True).start()
 
     def _retire(self, box: list[ModelVersion]) -> None:
         mv = box.pop()
@@ -343,3 +352,11 @@ def model_order(root: Path, default_model: str = "") -> list[str]:
     if default_model and default_model not in names:
         raise ValueError(f"--default-model {default_model!r} is not in {root}; it holds {', '.join(names)}")
     return [default_model, *(n for n in names if n != default_model)] if default_model else names
+
+
+def _changed(served: ModelVersion, path: Path) -> bool:
+    """Whether the file of a served version is no longer the one it was loaded from (False while it is gone)."""
+    try:
+        return served.path != path or stamp_of(path) != served.stamp
+    except OSError:
+        return False

@@ -23,7 +23,6 @@ import numpy as np
 from serve.runtime.classifier import OnnxClassifier
 from serve.runtime.faithfulness import mean_fill
 from serve.server.engine import Engine
-from serve.server.repository.layout import file_stamp
 
 READY, UNAVAILABLE, LOADING, UNLOADING = "READY", "UNAVAILABLE", "LOADING", "UNLOADING"  # Triton's state names
 WARM_UP_IMAGES = 2
@@ -61,7 +60,7 @@ class ModelVersion:
     engine: Engine
     path: Path | None = None
     memory_bytes: int = 0
-    stamp: tuple[int, int] | None = None
+    stamp: tuple[int, int, int] | None = None
     in_flight: int = 0
     fill: np.ndarray | None = None
     decode_on_worker: bool = False
@@ -152,9 +151,16 @@ def load_version(
     return ModelVersion(name, version, classifier, engine, path, memory, stamp)
 
 
-def _stamp(path: Path) -> tuple[int, int]:
+def stamp_of(path: Path) -> tuple[int, int, int]:
+    """(size, modification time, inode) of a version file: a copy not finished yet, a file rewritten in place
+    (as `vit-export --triton-repo` rewrites version 1) and one renamed over it each change it."""
+    st = path.stat()
+    return st.st_size, st.st_mtime_ns, st.st_ino
+
+
+def _stamp(path: Path) -> tuple[int, int, int]:
     try:
-        return file_stamp(path)
+        return stamp_of(path)
     except OSError as e:
         raise LoadFailure("unreadable", f"{path}: {e}") from None
 
