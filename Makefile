@@ -161,7 +161,6 @@ bench: install $(ONNX)
 	$(PYTHON) -m benchmarks.model_vs_timm | tee $(BENCH)/model_vs_timm.md
 	$(PYTHON) -m benchmarks.sample_accuracy | tee $(BENCH)/sample_accuracy.md
 	$(PYTHON) -m benchmarks.train_overhead | tee $(BENCH)/train_overhead.md
-	$(PYTHON) -m benchmarks.export_bench | tee $(BENCH)/export_bench.md
 	$(PYTHON) -m benchmarks.serve_ab $(BASE_TREE) . --model $(ONNX) $(AB_ARGS) | tee $(BENCH)/serve_ab.md
 	$(PYTHON) -m benchmarks.serve_ab $(BASE_TREE) . --variant vit_tiny_patch16_224 --in-process $(AB_ARGS) | tee $(BENCH)/serve_ab_vit_tiny.md
 	$(PYTHON) -m benchmarks.rollout_soak $(ONNX) --rollouts 200 | tee $(BENCH)/rollout_soak.md

@@ -27,9 +27,8 @@ class Section:
 # The docs pages (docs/benchmarks/PAGE.md): name -> title, in the order of the site's navigation.
 PAGES = {
     "model": "Model and training",
-    "export": "Export",
     "serving": "Serving",
-    "peers": "Peers, gRPC and payload logs",
+    "peers": "Peers and gRPC",
     "model-server": "Model server",
     "batch": "Batch scoring",
     "web": "In the browser",

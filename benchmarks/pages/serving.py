@@ -47,14 +47,6 @@ Serve install with `pip install 'vitscope[bench]'`.""",
         "the pinned table, where the clients have a core of their own, is the one that compares the protocols.",
     ),
     Section(
-        "Payload logs",
-        "peers",
-        "Three `vit-serve` processes in alternating rounds: no payload log, a JSON-lines file, and a CloudEvents sink "
-        "that never answers. A request must never wait for the log: the stalled sink's records are dropped and "
-        "counted.",
-        (Part("payload_log_bench"),),
-    ),
-    Section(
         "Polled rollouts under load (soak)",
         "model-server",
         "`vit-serve DIR --repository-poll-s` under 16 keep-alive clients while new versions are copied in one after "

@@ -1,4 +1,4 @@
-"""The sections of the model and training, export, and test-suite pages."""
+"""The sections of the model and training, and test-suite pages."""
 
 from __future__ import annotations
 
@@ -56,15 +56,6 @@ A 64-wide, 4-block ViT with a full-resolution convolutional stem, batches of 64,
         "A digit pasted at a random place among clutter; a map hits when its highest patch lies inside the digit's "
         "box. The baselines show what following ink alone scores.",
         (Part("pointing_game"),),
-    ),
-    Section(
-        "Export and onnxruntime (`vit-export`, `serve.runtime.classifier`)",
-        "export",
-        """\
-"ORT fp32" is the exported file (attention and GELU fused into onnxruntime's kernels, `serve/export/fusion.py`);
-"ORT plain" is the same network without the `If` switch, "ORT unfused" before the fusion, and "timm ORT" timm's
-model exported the plain way. The MatMul peak is itself a sample, so a ratio a little over 100 % is possible.""",
-        (Part("export_bench"),),
     ),
     Section(
         "The test suite (`make test`)",

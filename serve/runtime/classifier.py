@@ -34,7 +34,7 @@ from serve.runtime.trust import FEATURES_OUTPUT, UNCALIBRATED, Assessment, Predi
 
 FORMAT_KEY = "vitscope_format"
 FORMAT_VERSION = "1"
-# Intra-op threads when the caller does not say (measured by `benchmarks.export_bench`):
+# Intra-op threads when the caller does not say:
 # more threads speed up 224-px models, while a tiny model such as the 32-px sample gains nothing: its
 # matmuls are too small to split, and a second thread only takes the core the server's event loop needs.
 # So: one thread below SMALL_MODEL_GFLOPS, otherwise onnxruntime's default (every physical core).
@@ -64,7 +64,7 @@ def session_options(threads: int) -> ort.SessionOptions:
     """onnxruntime session options for `threads` intra-op threads (0: every physical core), as served.
 
     Idle intra-op threads keep onnxruntime's default spinning: capping the spin made ViT-Ti/16 at batch 1
-    slower (`benchmarks.export_bench`), because the threads fell asleep between the graph's
+    slower, because the threads fell asleep between the graph's
     many small parallel sections. Where the cores are shared with other busy processes, fewer threads is
     the better cure.
     """
