@@ -173,7 +173,8 @@ class ServeSettings(BaseSettings):
     default_model: str = Field(
         "",
         description="the model of the bare routes (/v1/classify) when a repository holds several "
-        "(empty: the first by name)",
+        "(empty: the first by name of those that load at start-up). Fixed at start-up: a model loaded later never "
+        "moves it; while it is not served the bare routes answer 503, and the server logs a warning",
     )
     probe_port: int = Field(
         0,

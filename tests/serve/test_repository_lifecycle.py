@@ -232,3 +232,27 @@ def test_a_file_rewritten_in_place_is_reloaded_without_a_failed_request(exported
     failed = [a for a in load.answers if a[0] != 200]
     assert not failed, f"{len(failed)} of {len(load.answers)} requests failed during the swap: {failed[:3]}"
     assert {label for _, label in load.answers[served:]} <= set(renamed)
+
+
+def bare_model(url: str) -> str | int:
+    """The model that answers the bare /v1/classify now (its status code when none does)."""
+    images, _ = quadrant_images(1, seed=7)
+    r = httpx.post(url + "/v1/classify", files={"file": ("a.png", png_bytes(images[0]), "image/png")}, timeout=30)
+    return r.json()["model"] if r.is_success else r.status_code
+
+
+def test_the_default_model_stays_where_start_up_put_it_and_a_change_is_logged(exported, tmp_path):  # noqa: F811
+    repo = tmp_path / "models"
+    add_model(repo, exported, "beta", [1])
+    with ServerProcess(repo, *FAST, "--repository-poll-s", "0.05") as server:
+        url = server.url
+        assert bare_model(url) == "beta"
+        add_model(tmp_path / "incoming", exported, "alpha", [1])
+        (tmp_path / "incoming" / "alpha").rename(repo / "alpha")  # sorts first, and is picked up by polling
+        wait_until(lambda: versions_of(url, "alpha") == ["1"], 30, "alpha serving")
+        assert bare_model(url) == "beta"
+        assert httpx.post(url + "/v2/repository/models/beta/unload", timeout=30).status_code == 200
+        assert bare_model(url) == 503  # never silently alpha
+        wait_until(lambda: "WARNING" in server.output and "default model beta" in server.output, 10, "a warning")
+        assert httpx.post(url + "/v2/repository/models/beta/load", timeout=60).status_code == 200
+        assert bare_model(url) == "beta"

@@ -64,7 +64,9 @@ class ModelRepository:
         metrics: where the per-version gauges and the failed loads are counted.
         root: the repository folder (None: `single` is the only model).
         single: one classifier already loaded (a plain .onnx file, served as today).
-        default_model: the model of the bare routes (`/v1/classify`); empty: the first by name.
+        default_model: the model of the bare routes (`/v1/classify`); empty: the first by name of those that
+            loaded at start-up (or the first to load after it, when none did). It never moves to another model;
+            when it is not served the bare routes answer 503, and each change is logged as a warning.
         threads: onnxruntime's intra-op threads per version (None: by model size).
         poll_s: how often the folder is scanned for new and removed versions (0: never).
         drain_s: how long a version that leaves the table waits for the requests it holds.
@@ -145,6 +147,10 @@ class ModelRepository:
                 if failed:
                     names = sorted({m for m, _ in self.failures})
                     log.warning("serving %s; not serving %s (reasons in the index)", sorted(self.serving), names)
+            # fixed now, so that a model loaded later whose name sorts first does not move the bare routes
+            self.default_model = self.default_model or min(self.serving, default="")
+            self._publish()
+            log.info("the bare routes (/v1/classify) go to the default model %s", self.default_model or "(none yet)")
             self.started = True
         if self.root is not None and self.poll_s > 0:
             self._poller = threading.Thread(target=self._poll, name="vitscope-repository", daemon=True)
@@ -326,9 +332,17 @@ class ModelRepository:
             for v, mv in versions.items():
                 routes[(name, v)] = mv
             routes[(name, None)] = versions[max(versions, key=_order)]
-        default = self.default_model or min(self.serving, default=None)
+        if self.started and not self.default_model and self.serving:  # none served at start-up: the first one
+            self.default_model = min(self.serving)
+            log.warning("the default model is now %s, the first served since start-up", self.default_model)
+        default = self.default_model
         if default in self.serving:
             routes[(None, None)] = routes[(default, None)]
+        if self.started and ((None, None) in routes) != ((None, None) in self.routes):
+            if (None, None) in routes:
+                log.warning("the default model %s serves the bare routes (/v1/classify) again", default)
+            else:
+                log.warning("the default model %s is no longer served: the bare routes answer 503 until it is", default)
         self.routes = routes  # one assignment: a request sees the old table or the new one
 
 
