@@ -66,8 +66,8 @@ def test_retired_versions_give_their_memory_and_threads_back(exported, tmp_path)
 
 
 def bad_models(repo: Path, exported: Path) -> dict[str, str]:  # noqa: F811
-    """Models a user can meet beside good ones: a truncated file, garbage bytes, a labels.txt that is not text.
-    Returns {model: a word its reason must hold}."""
+    """Models a user can meet beside good ones: a truncated file, garbage bytes, a labels.txt that is not text, a
+    config.pbtxt that cannot be read. Returns {model: a word its reason must hold}."""
     model = (exported / "alpha" / "1" / "model.onnx").read_bytes()
     add_model(repo, exported, "aaa_truncated", [])
     drop_version(repo / "aaa_truncated", 1, model[: len(model) // 3])
@@ -75,7 +75,10 @@ def bad_models(repo: Path, exported: Path) -> dict[str, str]:  # noqa: F811
     drop_version(repo / "garbage", 1, bytes(range(256)) * 64)
     add_model(repo, exported, "latin1_labels", [1])
     (repo / "latin1_labels" / "labels.txt").write_bytes("caf\xe9\n".encode("latin-1"))
-    return {"aaa_truncated": "model.onnx", "garbage": "model.onnx", "latin1_labels": "labels.txt"}
+    add_model(repo, exported, "misconfigured", [1])
+    (repo / "misconfigured" / "config.pbtxt").write_text('name: "misconfigured"\nversion_policy: { newest { } }\n')
+    reasons = {"aaa_truncated": "model.onnx", "garbage": "model.onnx", "latin1_labels": "labels.txt"}
+    return {**reasons, "misconfigured": "config.pbtxt"}
 
 
 def unavailable(url: str) -> dict[str, str]:
@@ -100,8 +103,10 @@ def test_bad_models_are_refused_at_start_up_and_the_good_one_serves(exported, tm
             assert httpx.get(f"{url}/v2/models/{name}/ready").status_code == 404
         refused = httpx.post(url + "/v2/repository/models/garbage/load", timeout=60)
         assert refused.status_code == 400 and "model.onnx" in refused.json()["error"], refused.text
-        refused = httpx.post(url + "/v2/repository/models/latin1_labels/load", timeout=60)
-        assert refused.status_code == 400 and "labels.txt" in refused.json()["error"], refused.text
+        for name in ("latin1_labels", "misconfigured"):
+            refused = httpx.post(f"{url}/v2/repository/models/{name}/load", timeout=60)
+            assert refused.status_code == 400 and bad[name] in refused.json()["error"], refused.text
+        assert server.metric("vitscope_model_load_failures_total", model="misconfigured", reason="config") == 1
 
 
 def test_a_good_model_beside_bad_ones_is_picked_up_by_polling(exported, tmp_path):  # noqa: F811
