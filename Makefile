@@ -166,10 +166,10 @@ bench: install $(ONNX)
 	$(PYTHON) -m benchmarks.rollout_soak $(ONNX) --rollouts 200 | tee $(BENCH)/rollout_soak.md
 	$(PYTHON) -m benchmarks.pointing_game $(ONNX) --n 300 --seed 0 | tee $(BENCH)/pointing_game.md
 
-# BENCHMARKS.md, the docs site's benchmark pages and README's results table, from benchmarks/results/*.json and benchmarks/pages/
+# The figures in docs/benchmarks/*.md, BENCHMARKS.md and README's results table, from benchmarks/results/*.json
 # (tests/benchmarks/test_report.py fails when they differ from what this writes)
 report: install
-	$(PYTHON) -m benchmarks.report --out BENCHMARKS.md --docs docs/benchmarks --readme README.md
+	$(PYTHON) -m benchmarks.report
 
 clean:
 	rm -rf runs artifacts site build/serve-only .pytest_cache $(WEB_PAGE)/node_modules

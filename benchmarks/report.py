@@ -1,23 +1,33 @@
-"""The benchmark pages from the results: BENCHMARKS.md, the docs site's pages and the README's results table, from
-`benchmarks/results/*.json` and the sections of `benchmarks/pages/`. `make report` writes them all; a test fails
-when any differs from what this renders, so none is edited by hand.
+"""The benchmark pages from the results: the figures in the docs site's pages, BENCHMARKS.md and the README's
+results table. `make report` (`python -m benchmarks.report`) writes them all; a test fails when any differs from
+what this renders, so no figure is edited by hand.
 
-    .venv/bin/python -m benchmarks.report                                   # BENCHMARKS.md's text, to stdout
-    .venv/bin/python -m benchmarks.report --out BENCHMARKS.md --docs docs/benchmarks --readme README.md
-    .venv/bin/python -m benchmarks.report serve_bench web                   # these results alone, any order
-
-Under each result: the question it answers, its tables, what its run noted, and where the figures come from
-(the date, the machine, the versions and the command that reproduces them).
+- `docs/benchmarks/PAGE.md` is written by hand around its figures: each result goes between
+  `<!-- result: NAME -->` and `<!-- /result -->`, where its tables, notes and provenance (date, machine,
+  versions, the command that reproduces them) are rendered from `benchmarks/results/NAME.json`.
+- `docs/benchmarks/index.md` gets its table of pages and their questions (the `## ` headings), in the order of
+  the site's navigation, between `<!-- pages -->` and `<!-- /pages -->`.
+- BENCHMARKS.md is the index's introduction, then every page's sections.
+- README.md gets `ROWS` between its results markers: one row per figure a newcomer asks about first.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
+import yaml
+
 from benchmarks.common import RESULTS, Table
-from benchmarks.pages import INTRO, PAGES, SECTIONS, Section, readme
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs" / "benchmarks"
+RESULT = re.compile(r"<!-- result: (\w+) -->\n.*?<!-- /result -->", re.S)
+PAGES_START, PAGES_END = "<!-- pages -->", "<!-- /pages -->"
+README_START, README_END = "<!-- results: written by `make report` from benchmarks/results/ -->", "<!-- /results -->"
 
 
 def provenance(result: dict) -> str:
@@ -29,85 +39,148 @@ def provenance(result: dict) -> str:
     return where + (f" Setting: {setting}." if setting else "") + f" Reproduce: `{result['command']}`"
 
 
-def block(result: dict, question: bool = True) -> str:
-    """One result's markdown, without a heading: its question (unless its section asks it), tables, notes and
-    provenance."""
+def block(result: dict) -> str:
+    """One result's markdown: its tables, what its run noted, and its provenance."""
     tables = [Table.from_dict(t).markdown() for t in result.get("tables", [])]
-    parts = [result.get("question", "") if question else "", *tables, *result.get("notes", []), provenance(result)]
-    return "\n\n".join(p for p in parts if p)
-
-
-def load(folder: Path, name: str) -> dict | None:
-    path = folder / f"{name}.json"
-    return json.loads(path.read_text()) if path.is_file() else None
-
-
-def section(s: Section, folder: Path) -> str:
-    """One question: its heading, its text, and each of its results (a heading of its own when it has a title)."""
-    out = [f"## {s.title}", s.text]
-    for part in s.parts:
-        result = load(folder, part.result)
-        if part.title:
-            out.append(f"### {part.title}")
-        out.append(part.text)
-        missing = f"Not measured yet: no `benchmarks/results/{part.result}.json`."
-        out.append(block(result, question=False) if result else missing)
-    return "\n\n".join(p for p in out if p)
-
-
-def page(folder: Path = RESULTS) -> str:
-    """BENCHMARKS.md: every section, in the order of the docs pages."""
-    order = [s for name in PAGES for s in SECTIONS if s.page == name]
-    return "\n\n".join(["# Benchmarks", INTRO, *(section(s, folder) for s in order)]) + "\n"
-
-
-def docs_pages(folder: Path = RESULTS) -> dict[str, str]:
-    """The docs site's pages: `index.md` (what each page answers) and one page per `PAGES` entry."""
-    pages = {}
-    for name, title in PAGES.items():
-        body = [section(s, folder) for s in SECTIONS if s.page == name]
-        pages[f"{name}.md"] = "\n\n".join([f"# {title}", *body]) + "\n"
-    rows = [f"| [{title}]({name}.md) | {'; '.join(s.title for s in SECTIONS if s.page == name)} |"
-            for name, title in PAGES.items()]  # fmt: skip
-    index = ["# Benchmarks", INTRO, "| page | the questions |\n|---|---|\n" + "\n".join(rows)]
-    pages["index.md"] = "\n\n".join(index) + "\n"
-    return pages
+    return "\n\n".join([*tables, *result.get("notes", []), provenance(result)])
 
 
 def every_result(folder: Path = RESULTS) -> dict[str, dict]:
     return {p.stem: json.loads(p.read_text()) for p in sorted(folder.glob("*.json"))}
 
 
-def render(folder: Path, names: list[str] | None = None) -> str:
-    """Every result in `folder` (or those named, in that order), each under its name, as one markdown document."""
-    paths = [folder / f"{n}.json" for n in names] if names else sorted(folder.glob("*.json"))
-    missing = [str(p) for p in paths if not p.is_file()]
-    if missing:
-        raise SystemExit(f"no such result: {', '.join(missing)} (run `python -m benchmarks.NAME` first)")
-    return "\n\n".join(f"## {p.stem}\n\n" + block(json.loads(p.read_text())) for p in paths) + "\n"
+def nav() -> dict[str, str]:
+    """The benchmark pages in the site's navigation: file name -> title (the index first)."""
+    entries = next(e for e in yaml.safe_load((ROOT / "mkdocs.yml").read_text())["nav"] if "Benchmarks" in e)
+    pages = [e if isinstance(e, dict) else {"Benchmarks": e} for e in entries["Benchmarks"]]
+    return {Path(path).name: title for page in pages for title, path in page.items()}
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("names", nargs="*", help="render these results alone, in this order")
-    p.add_argument("--results", type=Path, default=RESULTS, help="the folder of NAME.json files")
-    p.add_argument("--out", type=Path, help="write the page (BENCHMARKS.md) here instead of stdout")
-    p.add_argument("--docs", type=Path, help="also write the docs site's pages into this folder")
-    p.add_argument("--readme", type=Path, help="also rewrite the results table between this README's markers")
-    args = p.parse_args(argv)
-    if args.names:
-        text = render(args.results, args.names)
-    else:
-        text = page(args.results)
-    if args.docs:
-        for name, doc in docs_pages(args.results).items():
-            (args.docs / name).write_text(doc)
-    if args.readme:
-        args.readme.write_text(readme.render_into(args.readme.read_text(), every_result(args.results)))
-    if args.out:
-        args.out.write_text(text)
-    elif not (args.docs or args.readme):
-        print(text, end="")
+def fill(text: str, results: dict[str, dict]) -> str:
+    """A page with the block of each of its results rewritten between the result's markers."""
+
+    def one(match: re.Match) -> str:
+        name = match.group(1)
+        found = results.get(name)
+        body = block(found) if found else f"Not measured yet: no `benchmarks/results/{name}.json`."
+        return f"<!-- result: {name} -->\n{body}\n<!-- /result -->"
+
+    return RESULT.sub(one, text)
+
+
+def between(text: str, start: str, end: str, inside: str) -> str:
+    """`text` with what lies between its markers `start` and `end` replaced by `inside`."""
+    if start not in text or end not in text:
+        raise SystemExit(f"no {start} ... {end} markers to write between")
+    before, rest = text.split(start, 1)
+    return f"{before}{start}\n{inside}\n{end}{rest.split(end, 1)[1]}"
+
+
+def render(results: dict[str, dict], docs: Path = DOCS) -> dict[Path, str]:
+    """Every file this writes -> its text: the docs pages, their index, BENCHMARKS.md and README.md."""
+    titles = nav()
+    pages = {name: fill((docs / name).read_text(), results) for name in titles if name != "index.md"}
+    questions = {name: "; ".join(re.findall(r"^## (.+)$", text, re.M)) for name, text in pages.items()}
+    table = "| page | the questions |\n|---|---|\n" + "\n".join(
+        f"| [{titles[name]}]({name}) | {q} |" for name, q in questions.items()
+    )
+    index = between((docs / "index.md").read_text(), PAGES_START, PAGES_END, table)
+    # BENCHMARKS.md: the index's introduction, then each page without its title and the result markers
+    bodies = [re.sub(r"^<!-- /?result.*-->\n", "", text.split("\n", 1)[1], flags=re.M) for text in pages.values()]
+    whole = "\n\n".join([index.split(PAGES_START)[0].strip(), *(b.strip() for b in bodies)]) + "\n"
+    readme = ROOT / "README.md"
+    return {
+        **{docs / name: text for name, text in pages.items()},
+        docs / "index.md": index,
+        ROOT / "BENCHMARKS.md": whole,
+        readme: between(readme.read_text(), README_START, README_END, readme_table(results)),
+    }
+
+
+# --- the README's results table ----------------------------------------------------------------------------
+
+
+def cell(result: dict, table: int, row: str, column: str):
+    """The value in `column` of the row of table `table` whose first cells start with `row` (`a | b` for two)."""
+    t = result["tables"][table]
+    keys = row.split(" | ")
+    found = next(r for r in t["rows"] if all(str(c).startswith(k) for c, k in zip(r, keys, strict=False)))
+    return found[t["columns"].index(column)]
+
+
+def pct(value) -> str:
+    return f"{float(value) * 100:.2f} %"
+
+
+@dataclass(frozen=True)
+class Row:
+    """A question, the result that answers it, how to read its figure, and the command (default: the result's)."""
+
+    question: str
+    result: str
+    figure: Callable[[dict], str]
+    command: str = ""
+
+
+def _grpc(r: dict) -> str:
+    ratios = [cell(r, t, "vit-serve gRPC", "req/s (median)") / cell(r, t, "vit-serve HTTP v2", "req/s (median)")
+              for t in (0, 1)]  # fmt: skip
+    return " / ".join(f"{x:.2f}x" for x in ratios) + " the req/s (beside LitServe / Ray Serve)"
+
+
+def _soak(r: dict) -> str:
+    done, failed, rss = (cell(r, 0, "", c) for c in ("rollouts done", "failed", "RSS MiB start / end / peak"))
+    return f"{done} rollouts, {failed} failed requests, RSS start / end / peak {rss} MiB"
+
+
+TRUST = "python -m benchmarks.trust --fmnist runs/fmnist"
+ROWS = (
+    Row("the digits sample, held-out accuracy after 2.5 min of training", "sample_accuracy",
+        lambda r: cell(r, 0, "val accuracy (top-1), best", "value").split(" of ")[0]),
+    Row("Fashion-MNIST test accuracy after 25 min of CPU training", "fashion_mnist",
+        lambda r: cell(r, 1, "last-epoch accuracy", "value")),
+    Row("Fashion-MNIST's expected calibration error, as exported", "trust",
+        lambda r: f"{pct(cell(r, 0, 'fmnist', 'ECE after'))}, from {pct(cell(r, 0, 'fmnist', 'ECE before'))}", TRUST),
+    Row("prediction sets at 0.90 / 0.95 coverage, Fashion-MNIST test set", "trust",
+        lambda r: f"{pct(cell(r, 1, 'fmnist | lac | 0.9', 'coverage'))} / "
+        f"{pct(cell(r, 1, 'fmnist | lac | 0.95', 'coverage'))} covered", TRUST),
+    Row("unknown inputs (digits, noise, photos) against Fashion-MNIST, AUROC", "trust",
+        lambda r: " / ".join(f"{cell(r, 3, f'fmnist | {k}', 'AUROC Mahalanobis'):.3f}"
+                             for k in ("digits", "noise", "photos")), TRUST),
+    Row("our ViT against timm's, same weights, ViT-S/16 inference at batch 32", "model_vs_timm",
+        lambda r: f"{cell(r, 0, 'vit_small_patch16_224 | inference | 32', 'ours/timm').split()[0]}x as fast"),
+    Row("the rollout map's maximum on the digit, cluttered canvases", "pointing_game",
+        lambda r: f"{cell(r, 0, 'rollout (mean)', 'pointing game hit rate'):.0%} against "
+        f"{cell(r, 0, 'random patch', 'pointing game hit rate'):.0%} at random"),
+    Row("`vit-export --web` in Chromium against onnxruntime in Python, ViT-Ti/16", "web",
+        lambda r: f"logits within {cell(r, 1, 'vit_tiny', 'largest logit difference'):.1e}, "
+        f"{cell(r, 0, 'vit_tiny_patch16_224 |  | plain', 'browser / Python'):.1f}x the time per image"),
+    Row("`vit-predict --out` against the model alone, ViT-Ti/16", "batch_bench",
+        lambda r: f"{cell(r, 0, 'vit-predict', 'vs the model alone'):.2f}x the images/s"),
+    Row("`vit-serve` against LitServe, the same file, multipart uploads at concurrency 16", "serve_peers",
+        lambda r: f"{cell(r, 0, 'vit-serve HTTP multipart', 'vs LitServe'):.2f}x the req/s"),
+    Row("`vit-serve` gRPC against HTTP v2, the same binary tensors, the servers on one core",
+        "serve_peers_pinned", _grpc),
+    Row("200 polled rollouts of a model repository under load at concurrency 16", "rollout_soak", _soak),
+)  # fmt: skip
+
+
+def readme_table(results: dict[str, dict]) -> str:
+    """The README's results table from `results` (name -> result); a row whose result is missing says so."""
+    lines = ["| question | figure | command |", "|---|---|---|"]
+    for row in ROWS:
+        r = results.get(row.result)
+        figure = f"{row.figure(r)} ({r['date'][:10]})" if r else "not measured yet"
+        command = row.command or (r["command"] if r else f"python -m benchmarks.{row.result}")
+        lines.append(f"| {row.question} | {figure} | `{command}` |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    for path, text in render(every_result()).items():
+        if path.read_text() != text:
+            path.write_text(text)
+            print(f"rewrote {path.relative_to(ROOT)}")
 
 
 if __name__ == "__main__":
