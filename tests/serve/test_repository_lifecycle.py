@@ -258,6 +258,8 @@ def test_the_default_model_stays_where_start_up_put_it_and_a_change_is_logged(ex
         assert bare_model(url) == "beta"
         assert httpx.post(url + "/v2/repository/models/beta/unload", timeout=30).status_code == 200
         assert bare_model(url) == 503  # never silently alpha
+        ready = httpx.get(url + "/readyz", timeout=10)  # alpha still serves: the server stays in rotation
+        assert ready.status_code == 200 and ready.json()["model"] is None
         wait_until(lambda: "WARNING" in server.output and "default model beta" in server.output, 10, "a warning")
         assert httpx.post(url + "/v2/repository/models/beta/load", timeout=60).status_code == 200
         assert bare_model(url) == "beta"

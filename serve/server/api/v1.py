@@ -265,13 +265,17 @@ def add_status_routes(router: APIRouter, repository: ModelRepository, metrics: M
     @router.get("/readyz", responses={503: {"description": "loading, warming up or stopping"}})
     @router.head("/readyz", include_in_schema=False)
     async def readyz(request: Request):
-        """Ready or not; with the API key (or on a server without one) also the default model's name, version
-        and batch size. Probes send no key, and what the server runs is not theirs to learn."""
+        """Ready or not (`ModelRepository.ready`); with the API key (or on a server without one) also the default
+        model's name, version and batch size (null while it is unloaded). Probes send no key, and what the server
+        runs is not theirs to learn."""
         if not repository.ready:
             raise ApiError("not_ready", "a model is loading or warming up (or the server is stopping)")
-        served = resolve(repository, None, None)
         if not authorized(request.scope):
             return {"status": "ready"}
+        try:  # the server is ready while it serves any model, also when the default one was unloaded
+            served = repository.resolve(None, None)
+        except UnknownModel:
+            return {"status": "ready", "model": None, "version": None, "batch_size": None}
         return {
             "status": "ready",
             "model": served.name,
