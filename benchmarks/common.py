@@ -1,13 +1,12 @@
 """The one harness every benchmark uses: timers, interleaved A/B rounds, the header (date, machine, versions)
 and the result, written as JSON under `benchmarks/results/NAME.json` and printed as markdown tables.
 
-    result = Result("checkpoint_save", {"repeats": 5}, packages=("torch",))
-    table = result.table(["checkpoint", "Lightning s", "atomic s"], formats={"Lightning s": "{:.3f}"})
-    table.add("vit_tiny_patch16_224", 0.41, 0.44)
-    result.finish()   # prints the header line and the tables, writes benchmarks/results/checkpoint_save.json
+    result = Result("demo", {"rounds": 3}, packages=("torch",))
+    result.table(["model", "ms"], formats={"ms": "{:.2f}"}).add("vit_tiny_patch16_224", 41.3)
+    result.finish()   # prints the header line and the tables, writes benchmarks/results/demo.json
 
-A cell holds the measured value (a number, not its text), so `benchmarks/report.py` renders the same tables
-from the JSON files alone. Run a benchmark as `python -m benchmarks.NAME` from the repository root.
+A cell holds the measured value (a number, not its text), so `benchmarks.report` renders the same tables from the
+JSON files alone. Run a benchmark as `python -m benchmarks.NAME` from the repository root.
 """
 
 from __future__ import annotations
@@ -41,21 +40,6 @@ def timed(fn: Callable[[], Any], sync: Callable[[], None] | None = None) -> floa
     if sync:
         sync()
     return time.perf_counter() - start
-
-
-def mean_time(fn: Callable[[], Any], calls: int) -> float:
-    """Seconds per call over `calls` calls of `fn` back to back (for calls too short to time one by one)."""
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    return (time.perf_counter() - start) / calls
-
-
-def median_time(fn: Callable[[], Any], calls: int, sync: Callable[[], None] | None = None, warmup: int = 1) -> float:
-    """The median seconds per call of `calls` timed calls of `fn`, after `warmup` untimed ones."""
-    for _ in range(warmup):
-        fn()
-    return statistics.median(timed(fn, sync) for _ in range(calls))
 
 
 def rate(fn: Callable[[], Any], items_per_call: int, seconds: float) -> float:

@@ -1,20 +1,10 @@
-"""What the server benchmarks share: servers in child processes, the load generators, CPU accounting, and the
-model and image they serve. `vit-serve` itself runs as `serve.server.testing.ServerProcess` (a free port,
-ready on `/readyz`, stopped with the drain); this module adds what that one does not do.
+"""What the server benchmarks share: peers in child processes, the load generators, CPU accounting, and the
+model and image they serve. `vit-serve` itself runs as `serve.server.testing.ServerProcess`.
 
-- `Child`: any server command in a child process of its own session (LitServe, Ray Serve), ready once a URL
-  answers 200, stopped with SIGTERM and then every process left in its session (Ray's actors).
-- `http_load`: keep-alive HTTP/1.1 connections posting one prebuilt request back to back (an asyncio protocol
-  on uvloop, no parsing beyond the status line and Content-Length): PNG bodies, multipart uploads or KServe v2
-  binary tensors alike. It reports its own CPU per request too: it shares the cores with the server.
-- `grpc_load`: its gRPC counterpart through `grpc.aio`, unary calls of one serialized message on one channel.
-- `crowd`: many keep-alive clients classifying as fast as they are answered, counting what they get.
-- `Prober`, `PeakRss`: a request every few milliseconds from a thread, its latencies and its failures; a
-  process's peak resident memory.
-- `tree_cpu_seconds`, `measured`: a server's CPU time (its whole session) per answered request.
-- `percentiles`: p50, p99 and mean of a list of seconds, in milliseconds.
-- `random_model_file`, `sample_image`: a model of any variant with random weights (what a server costs does
-  not depend on training) and the image posted to it.
+`http_load` keeps connections posting one prebuilt request back to back (an asyncio protocol on uvloop, no
+parsing beyond the status line and Content-Length), and reports its own CPU per request too, since it shares the
+cores with the server; `grpc_load` is its counterpart through `grpc.aio`. `measured` adds the server's CPU time
+(its whole session) per answered request.
 """
 
 from __future__ import annotations

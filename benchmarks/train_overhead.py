@@ -1,25 +1,13 @@
 """What does a training step cost beyond the model, next to a plain PyTorch loop?
 
-Two comparisons in one run. In each, the plain loop and the Lightning run take turns over several
-rounds (who goes first alternates), and the median time per step of each side is compared. A step is
-timed from the end of one batch to the end of the next, so fetching the batch counts.
-
-1. Lightning alone (target: at most 5 % slower). Same model, same batches (pre-made random tensors),
-   same AdamW groups and schedule, same gradient clipping. The Lightning side is
-   `ViTClassifier.training_step` under a `Trainer` with the shipped defaults (CSV and TensorBoard
-   loggers, `self.log` every step, logging every 10 steps).
-2. vit-train (target: at most 10 % slower). The model, data module and trainer that
-   `vit-train fit --config configs/small_images.yaml --data.img_size 28` builds, on a folder of 28-px grey
-   images: images cached as uint8, augmented a batch at a time on the training process, EMA, the
-   run-directory callbacks and loggers. Against it, a plain loop over the same images already decoded,
-   normalised and batched in memory (no augmentation), same model init, batch size, AdamW groups,
-   clipping and EMA update. The folder is the first images of Fashion-MNIST when
-   `/usr/share/datasets/fashion-mnist` is there (`apt-get install dataset-fashion-mnist`), random
-   grey PNGs otherwise; an epoch is longer than the run, so no validation or epoch-end checkpoint
-   falls inside it.
-
-Checkpointing, validation and the progress bar are off (1) or outside the timed steps (2): they are
-not part of a step.
+Each comparison alternates the plain loop and the Lightning run over `--rounds` rounds and compares their median
+time per step, timed from the end of one batch to the end of the next (so fetching the batch counts):
+1. Lightning alone: `ViTClassifier.training_step` under a `Trainer` with the shipped loggers, against a plain loop
+   with the same model, pre-made random batches, AdamW groups, schedule and clipping.
+2. vit-train: what `vit-train fit --config configs/small_images.yaml --data.img_size 28` builds (cached uint8
+   images, batch augmentation, EMA, the run's callbacks and loggers) on the first Fashion-MNIST images (random grey
+   PNGs without `dataset-fashion-mnist`), against a plain loop over the same images pre-loaded as tensors, without
+   and with the same batch augmentation. An epoch outlasts the run, so no validation or checkpoint is timed.
 
     .venv/bin/python -m benchmarks.train_overhead [--steps 60] [--vit-steps 30] [--rounds 3] [--threads 1]
 """
@@ -153,28 +141,16 @@ def vit_train_round(root: Path, run_dir: Path, steps: int, threads: int) -> floa
     return timer.per_step()
 
 
-def preloaded_round(root: Path, run_dir: Path, steps: int, threads: int) -> float:
-    """The plain loop on vit-train's model, over its training images decoded, normalised and batched up front."""
+def pre_loaded_round(root: Path, run_dir: Path, steps: int, threads: int, augment: bool) -> float:
+    """The plain loop on vit-train's model over its training images batched up front: normalised, or as uint8
+    that vit-train's batch augmentation and normalisation (`BatchTransform`) then take on each step."""
     cli = build_cli(vit_train_args(root, run_dir, steps, threads), run=False)
     dm = cli.datamodule
     dm.setup("fit")
-    normalise = BatchCollate(BatchTransform(dm.preprocess))  # no augmentation
-    loader = DataLoader(dm.train_set, dm.batch_size, shuffle=True, collate_fn=normalise, drop_last=True)
-    batches = list(islice(loader, steps))
-    return plain_round(cli.model, batches, steps)
-
-
-def augmented_round(root: Path, run_dir: Path, steps: int, threads: int) -> float:
-    """The plain loop over the same uint8 batches held in memory, with vit-train's batch augmentation and
-    normalisation (`BatchTransform`) on each: the same work as a vit-train step, without its data module
-    and Lightning."""
-    cli = build_cli(vit_train_args(root, run_dir, steps, threads), run=False)
-    dm = cli.datamodule
-    dm.setup("fit")
-    as_uint8 = BatchCollate(lambda images: images)  # (B, S, S, 3) uint8, as the cache holds them
-    loader = DataLoader(dm.train_set, dm.batch_size, shuffle=True, collate_fn=as_uint8, drop_last=True)
-    batches = list(islice(loader, steps))
-    return plain_round(cli.model, batches, steps, transform=BatchTransform(dm.preprocess, dm.augment))
+    collate = BatchCollate(lambda images: images) if augment else BatchCollate(BatchTransform(dm.preprocess))
+    loader = DataLoader(dm.train_set, dm.batch_size, shuffle=True, collate_fn=collate, drop_last=True)
+    transform = BatchTransform(dm.preprocess, dm.augment) if augment else None
+    return plain_round(cli.model, list(islice(loader, steps)), steps, transform=transform)
 
 
 def compare(table: Table, rows: list[tuple[str, list[float]]], target: float) -> None:
@@ -203,51 +179,35 @@ def main() -> None:
     data = TensorDataset(torch.randn(n, 3, 32, 32, generator=g), torch.randint(0, num_classes, (n,), generator=g))
     loader = DataLoader(data, batch_size=args.batch_size, shuffle=False)
     with tempfile.TemporaryDirectory() as tmp:
-        lightning = interleaved(
-            args.rounds,
-            {
-                "plain": lambda r: plain_round(make_module(num_classes), loader, args.steps),
-                "lightning": lambda r: lightning_round(loader, args.steps, num_classes, tmp),
-            },
-        )
-        root = Path(tmp) / "images"
+        lightning = interleaved(args.rounds, {
+            "plain": lambda r: plain_round(make_module(num_classes), loader, args.steps),
+            "lightning": lambda r: lightning_round(loader, args.steps, num_classes, tmp),
+        })  # fmt: skip
+        root, steps = Path(tmp) / "images", args.vit_steps
         batch = yaml.safe_load(Path("configs/small_images.yaml").read_text())["data"]["batch_size"]
-        source = write_small_images(root, (args.vit_steps + 1) * batch, 500)  # an epoch outlasts the run
-        vit_train = interleaved(  # a run directory per round
-            args.rounds,
-            {
-                "preloaded": lambda r: preloaded_round(root, Path(tmp) / f"plain{r}", args.vit_steps, args.threads),
-                "augmented": lambda r: augmented_round(root, Path(tmp) / f"aug{r}", args.vit_steps, args.threads),
-                "vit-train": lambda r: vit_train_round(root, Path(tmp) / f"vit{r}", args.vit_steps, args.threads),
-            },
-        )
+        source = write_small_images(root, (steps + 1) * batch, 500)  # an epoch outlasts the run
+        run = lambda kind, r: Path(tmp) / f"{kind}{r}"  # noqa: E731  (a run directory per round)
+        vit_train = interleaved(args.rounds, {
+            "preloaded": lambda r: pre_loaded_round(root, run("plain", r), steps, args.threads, augment=False),
+            "augmented": lambda r: pre_loaded_round(root, run("aug", r), steps, args.threads, augment=True),
+            "vit-train": lambda r: vit_train_round(root, run("vit", r), steps, args.threads),
+        })  # fmt: skip
     setting = {"torch threads": args.threads, "rounds": args.rounds}
     result = Result("train_overhead", setting, packages=("torch", "lightning"), results=args.results)
     columns, formats = ["loop", "ms/step (median)", "rounds (ms/step)"], {"ms/step (median)": "{:.1f}"}
-    title = (
-        f"1. Lightning alone: vit_micro_patch4_32 (32 px), batch {args.batch_size} of random tensors, "
-        f"{args.steps - WARMUP} timed steps a round"
-    )
+    title = (f"1. Lightning alone: vit_micro_patch4_32 (32 px), batch {args.batch_size} of random tensors, "
+             f"{args.steps - WARMUP} timed steps a round")  # fmt: skip
     rows = [("plain PyTorch", lightning["plain"]), ("Lightning (ViTClassifier + Trainer)", lightning["lightning"])]
     compare(result.table(columns, title, formats), rows, 5)
-    images = (args.vit_steps + 1) * batch
-    title = (
-        f"2. vit-train: configs/small_images.yaml at 28 px, batch {batch}, {source} ({images} training images), "
-        f"{args.vit_steps - WARMUP} timed steps a round"
-    )
-    rows = [("plain PyTorch (pre-loaded tensors)", vit_train["preloaded"])]
+    vit = ("vit-train (data module + Lightning)", vit_train["vit-train"])
+    title = (f"2. vit-train: configs/small_images.yaml at 28 px, batch {batch}, {source} ({(steps + 1) * batch} "
+             f"training images), {steps - WARMUP} timed steps a round")  # fmt: skip
     compare(
-        result.table(columns, title, formats),
-        rows + [("vit-train (data module + Lightning)", vit_train["vit-train"])],
-        10,
+        result.table(columns, title, formats), [("plain PyTorch (pre-loaded tensors)", vit_train["preloaded"]), vit], 10
     )
     title = "The same vit-train step against a plain loop that augments its pre-loaded batches as vit-train does:"
-    rows = [("plain PyTorch + the same batch augmentation", vit_train["augmented"])]
-    compare(
-        result.table(columns, title, formats),
-        rows + [("vit-train (data module + Lightning)", vit_train["vit-train"])],
-        10,
-    )
+    augmented = ("plain PyTorch + the same batch augmentation", vit_train["augmented"])
+    compare(result.table(columns, title, formats), [augmented, vit], 10)
     result.data = {"lightning": lightning, "vit_train": vit_train}
     result.finish()
 
