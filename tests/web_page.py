@@ -1,5 +1,5 @@
 """The browser guide's screenshot: the page `vit-export --web` writes, an image dropped on it, in Chromium
-(`benchmarks.browser` drives it, as it does for the page's tests and benchmark).
+(`benchmarks.web` drives it, as it does for the page's tests and benchmark).
 
     .venv/bin/python -m tests.web_page artifacts/web data/digits/3/0003.png docs/web.png
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from benchmarks.browser import StaticSite, WebBrowser, drop_file
+from benchmarks.web import StaticSite, WebBrowser, drop_file
 
 
 def screenshot(folder: Path, image: Path, out: Path) -> str:

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from benchmarks.browser import CHROMIUM, StaticSite, WebBrowser, classify, classify_bytes, drop_file
+from benchmarks.web import CHROMIUM, StaticSite, WebBrowser, classify, classify_bytes, drop_file
 from serve.runtime.classifier import OnnxClassifier
 from tests.helpers import png_bytes, quadrant_images
 
