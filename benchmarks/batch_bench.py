@@ -3,14 +3,9 @@
     .venv/bin/python -m benchmarks.batch_bench --variant vit_tiny_patch16_224 --n 1000
     .venv/bin/python -m benchmarks.batch_bench --variant vit_micro_patch4_32 --n 100000 --kill-at 0.5
 
-Generates `--n` PNG images (64 x 64, noise with a bright square) in a temporary folder and a model of
-`--variant` with random weights (speed does not depend on training). Then, side by side in one run:
-  1. in-process `OnnxClassifier.predict_pixels` on the images already decoded (the model alone: the ceiling);
-  2. in-process `OnnxClassifier.predict` on the paths (decoding, then the model, one after the other);
-  3. `vit-predict MODEL DIR --out preds.parquet` as a process, wall time from start to exit.
-With `--kill-at F`, run 3 is killed with SIGKILL once a fraction F of the parts is committed and run again
-with `--resume`; the output is checked to hold every image exactly once. Writes
-benchmarks/results/batch_bench.json (batch_bench_resume.json with `--kill-at`) and prints a markdown table.
+On `--n` generated 64 x 64 PNGs and a `--variant` with random weights: the model alone on decoded images,
+`OnnxClassifier.predict` on the paths, and `vit-predict DIR --out` as a process. With `--kill-at F` the process is
+killed once F of the parts are committed, resumed with `--resume`, and the output checked for every image once.
 """
 
 from __future__ import annotations

@@ -1,15 +1,10 @@
 """Our ViT against timm's, same config and weights, interleaved in one run.
 
-Rows: inference images/s at batch 1 and 32, and a training step (forward, backward, AdamW) at
-batch 32; on CPU in fp32, and on CUDA in bf16 when a GPU is present. ratio = ours / timm.
+Inference at batch 1 and 32 and a training step at batch 32 (fp32 on CPU, bf16 on CUDA), for ours, timm and a
+second copy of timm (the noise floor). Where code lands in memory moves a process's speed for its whole life, so
+each figure is the median over fresh processes of each one's best interleaved round.
 
     .venv/bin/python -m benchmarks.model_vs_timm [--models vit_tiny_patch16_224 vit_small_patch16_224] [--processes 5]
-
-Each process builds the three models (ours, timm, and a second copy of timm) in a rotated order
-and times them in interleaved rounds, keeping each model's best round. Identical code timed in
-one process can differ by several percent for the whole life of that process (where its weights
-and buffers happen to land in memory), so every figure is the median over fresh processes, with
-the range across them.
 """
 
 from __future__ import annotations

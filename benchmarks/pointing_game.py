@@ -1,13 +1,9 @@
 """Does the rollout point at the object? The pointing game on digits placed in clutter.
 
-Each sample digit is shrunk and pasted at a random place on a white canvas of the model's input
-size, among random gray strokes and dots (the clutter). Its tight box is saved. A map "hits" when
-the centre of its highest patch lies inside the box. Baselines: a uniformly random patch (its
-expected hit rate, computed exactly from the boxes) and always the centre patch.
+Each digit is shrunk and pasted at a random place among random strokes and dots; a map hits when the centre of
+its highest patch lies inside the digit's box. Canvases and boxes.json are written to `--out` for checking by eye.
 
     .venv/bin/python -m benchmarks.pointing_game artifacts/sample.onnx [--n 300] [--out runs/pointing_game]
-
-Canvases (PNG) and boxes (boxes.json) are written to --out, so the numbers can be checked by eye.
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
 """Can the model server roll out a new version every day for months? N polled rollouts under load.
 
-A repository with one model is served by `vit-serve DIR --repository-poll-s`, with the harness's HTTP load
-generator (`benchmarks.servers.http_load`) posting a PNG at `--concurrency` keep-alive connections throughout.
-Meanwhile a new version is copied in `--rollouts` times (written beside the model's folder, then renamed into it,
-as a deployment does) and awaited until `/v2/models/NAME/versions/V/ready` answers; the folder two versions back
-is then removed, as a deployment that keeps the last two does. Reported: failed requests (any answer but 200, or
-a broken connection), the server's resident memory at the start, the end and its peak, its thread count at the
-start and the end, rollouts done, and req/s.
+`vit-serve DIR --repository-poll-s` serves a one-model repository under `--concurrency` keep-alive clients while
+`--rollouts` new versions are copied in (beside the folder, then renamed in), each awaited until it serves, and
+the version two back removed. Reported: failed requests, the server's RSS (start, end, peak) and threads.
 
     .venv/bin/python -m benchmarks.rollout_soak [MODEL] [--rollouts 200] [--concurrency 16]
 """

@@ -1,22 +1,14 @@
 """Is one version of the server slower than another? Two source trees served side by side, rounds alternating.
 
-Each tree (a checkout, e.g. a `git worktree` of an older commit) runs its own `vit-serve --no-ui` on the same
-model, started one after the other so that neither times its batch sizes while the other does. Rounds of
-`benchmarks.servers`' load generator (concurrency 16) then alternate between them, so both see the machine's
-drift alike. Per tree: the median and best requests/s, and the server's CPU time per request (user + system,
-from /proc), which a busy machine moves less than throughput.
+Each tree (a checkout of an older commit, say) runs its own `vit-serve --no-ui` on the same model, and rounds of
+`benchmarks.servers.http_load` alternate between them. Per tree: the median req/s, the ratio's range over the
+rounds (the noise a difference must stand out from), p99, and the server's CPU per request. `--variant` serves a
+model of that variant with random weights; `--in-process` adds `OnnxClassifier` decoding the same PNG and
+classifying batches of `--batch` in this process, on the same cores (one tree alone compares with that only).
+Pass a fixed `--preferred-batch-size`, or each server picks one from a few timed calls at start-up.
 
     git worktree add /tmp/vitscope-before <commit>
     .venv/bin/python -m benchmarks.serve_ab /tmp/vitscope-before . --server-args="--preferred-batch-size 8"
-
-`--variant vit_tiny_patch16_224` serves a production-size model (random weights, built once for both
-trees) instead of the sample. `--in-process` adds a side in this process: `OnnxClassifier` decoding the same PNG
-and classifying batches of `--batch` (the server's work without HTTP, on the same cores), in images/s. One tree
-alone compares it with the model in-process only. The ratio's range over the rounds (each round's req/s over the
-baseline's in that round) is the noise a difference must stand out from.
-
-Pass a fixed `--preferred-batch-size`: otherwise each server picks its batch size from a few timed calls at
-start-up, and on a busy machine that choice moves throughput more than the code does.
 """
 
 from __future__ import annotations

@@ -1,24 +1,13 @@
 """How does vit-serve compare with its peers? vit-serve beside LitServe, then beside a plain Ray Serve deployment
 of the same ONNX file: two servers up at once, the same requests in alternating rounds.
 
-Each peer is paired with vit-serve in turn, alone beside it: an idle peer still takes CPU (Ray's local cluster
-keeps its GCS, raylet and dashboard busy), which would otherwise come out of whichever server is measured.
-Each round gives every target of the pair `--duration` seconds of `--concurrency` clients posting back to back:
-- the three servers get the same multipart PNG upload (vit-serve's /v1/classify, LitServe's /predict, Ray's
-  /classify), each batching up to 8 images and answering the top 5 of `OnnxClassifier`;
-- vit-serve also gets the image as a KServe v2 binary tensor (HTTP) and as a gRPC ModelInfer with
-  raw_input_contents: the same pixels both ways, no decoding on the server, so these two rows compare
-  the protocols.
-Per target: the median over rounds of req/s, p50 and p99 latency, and the server's CPU time per request
-(its whole process tree, from /proc), and that CPU less what the model and decoding cost in-process
-(`beyond model`: what the server itself costs). The load generators share the cores with the servers; the gRPC
-one is `grpc.aio`, which costs more CPU per call than the raw HTTP one, so `--pin` (clients on a core of their own)
-is the mode that compares the protocols.
+Each peer is paired with vit-serve alone (an idle peer still takes CPU). All three get the same multipart PNG
+upload, batch up to 8 images and answer the top 5 of `OnnxClassifier`; vit-serve also gets the pixels as a KServe
+v2 binary tensor over HTTP and as a gRPC ModelInfer, which compare the protocols. Per target: the median req/s,
+p50 and p99, the server's CPU per request (its process tree) and that less what the model and decoding cost
+in-process (`beyond model`). `--pin` gives the load generators a core of their own.
 
-    .venv/bin/python -m benchmarks.serve_peers [--variant vit_micro_patch4_32] [--peers litserve,ray]
-
-The default model is the sample's architecture (vit_micro_patch4_32) with random weights: speed does not
-depend on training. LitServe and Ray Serve come from the `[bench]` and `[ray]` extras.
+    .venv/bin/python -m benchmarks.serve_peers [--variant vit_micro_patch4_32] [--peers litserve,ray] [--pin]
 """
 
 from __future__ import annotations

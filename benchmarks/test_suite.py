@@ -2,11 +2,7 @@
 
     .venv/bin/python -m benchmarks.test_suite [--commit HEAD]
 
-Clones the commit into a temporary folder and runs there what `.ci/run` runs, each step timed: `make test`
-(install, lint, docs and the tests), then `make test-serve-only` (the runtime and server tests again in the
-`[serve]`-only venv); reads each pytest run's summary line, and deletes the clone. It takes as long as CI and keeps
-both cores busy: run it on a machine with nothing else running (`.ci/run` also installs Debian's chromium when it
-is missing: have it installed first).
+It takes as long as CI and keeps every core busy: run it on a machine with nothing else running.
 """
 
 from __future__ import annotations

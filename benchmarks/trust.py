@@ -1,18 +1,10 @@
 """How far can the exported file's scores, sets and unknown verdicts be trusted?
 
-Exports each run's best.ckpt (calibrated on its calibration split), then scores it on images the
-calibration never saw:
+Exports each run's best.ckpt (calibrated on its calibration split) and scores it on images the calibration never
+saw: ECE and NLL before and after calibration; coverage and set size of LAC and APS sets; the AUROC of each
+unknown-input score against digits, noise and photo crops (and the open-set model's 2 held-out classes).
 
     .venv/bin/python -m benchmarks.trust --fmnist runs/fmnist --openset runs/fmnist8 --sample runs/sample
-
-- calibration: ECE (15 bins) and NLL before and after temperature scaling;
-- prediction sets: empirical coverage and mean set size at 0.90 and 0.95, LAC and APS, marginal and class-conditional;
-- unknown inputs: AUROC of max-softmax, energy and Mahalanobis (the file's `features` output, class means and
-  precision) against far out-of-distribution images (scikit-learn's digits, uniform noise, crops of
-  scikit-learn's sample photos) and, for the open-set model (trained on 8 Fashion-MNIST classes), the 2
-  held-out classes; and the share the file's own verdict calls unknown at its threshold.
-Fashion-MNIST is scored on its official test set (data/fmnist/val), the digits sample on its validation split.
-Writes benchmarks/results/trust.json and prints markdown tables.
 """
 
 from __future__ import annotations
