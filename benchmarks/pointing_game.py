@@ -23,18 +23,8 @@ from serve.runtime.classifier import OnnxClassifier
 def make_canvas(
     digit: Image.Image, size: tuple[int, int], scale: float, clutter: int, rng: np.random.Generator
 ) -> tuple[np.ndarray, tuple[int, int, int, int]]:
-    """A cluttered canvas with the digit at a random place.
-
-    Args:
-        digit: the digit image (dark ink on white).
-        size: (H, W) of the canvas.
-        scale: digit side / canvas side.
-        clutter: number of random strokes and dots.
-        rng: the random source.
-
-    Returns:
-        ((H, W, 3) uint8 canvas, (x0, y0, x1, y1) tight box of the digit's ink, end-exclusive).
-    """
+    """An (H, W, 3) uint8 canvas of `size` with `clutter` grey strokes and dots and the digit (dark ink on white,
+    `scale` of the canvas side) at a random place, and the tight box of its ink (x0, y0, x1, y1), end-exclusive."""
     H, W = size
     h, w = max(4, round(H * scale)), max(4, round(W * scale))
     ink = np.asarray(digit.convert("L").resize((w, h), Image.Resampling.BILINEAR))  # (h, w)
