@@ -79,6 +79,23 @@ def settings_from(args: argparse.Namespace) -> ServeSettings:
     return ServeSettings(**given)
 
 
+def _run_on_ray(args, settings: ServeSettings) -> int:
+    """`vit-serve --ray`: the file or repository on Ray Serve (`serve.server.ray.launch`)."""
+    try:
+        from serve.server.ray.launch import run
+    except ImportError as e:
+        print(f"vit-serve: --ray needs Ray Serve ({e}): pip install 'vitscope[ray]'", file=sys.stderr)
+        return 2
+    try:
+        models = [m for m in args.models.split(",") if m] if args.models else None
+        return run(
+            str(args.model), settings, args.replicas, args.max_replicas, args.replica_cpus, args.ray_address, models
+        )
+    except ValueError as e:
+        print(f"vit-serve: {e}", file=sys.stderr)
+        return 2
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -90,19 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     if args.ray:
-        try:
-            from serve.server.ray.launch import run
-        except ImportError as e:
-            print(f"vit-serve: --ray needs Ray Serve ({e}): pip install 'vitscope[ray]'", file=sys.stderr)
-            return 2
-        try:
-            models = [m for m in args.models.split(",") if m] if args.models else None
-            return run(
-                str(args.model), settings, args.replicas, args.max_replicas, args.replica_cpus, args.ray_address, models
-            )
-        except ValueError as e:
-            print(f"vit-serve: {e}", file=sys.stderr)
-            return 2
+        return _run_on_ray(args, settings)
     from serve.runtime.classifier import OnnxClassifier
     from serve.server.app import build_app
     from serve.server.repository.repository import model_order

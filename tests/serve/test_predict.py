@@ -173,4 +173,4 @@ def test_a_model_with_a_character_string_for_class_names_is_a_clear_error(tiny_o
     edited = with_metadata(tiny_onnx, tmp_path / "edited.onnx", class_names="abcd")
     assert main([str(edited), str(_folder(tmp_path, n=1))]) == 2
     err = capsys.readouterr().err
-    assert "invalid class_names metadata" in err and "export the checkpoint again" in err
+    assert "invalid class_names metadata" in err and "export it again" in err
