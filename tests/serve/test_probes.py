@@ -25,6 +25,14 @@ def status(port: int, path: str) -> int:
     return httpx.get(f"http://127.0.0.1:{port}{path}", timeout=2).status_code
 
 
+def answers(port: int) -> bool:
+    """Whether /healthz answers 200 now (a refused or reset connection is a no, not an error)."""
+    try:
+        return status(port, "/healthz") == 200
+    except httpx.HTTPError:
+        return False
+
+
 @pytest.fixture
 def loop():
     """An event loop turning in a thread, as uvicorn's does."""
@@ -86,6 +94,38 @@ def test_a_probe_port_in_use_is_a_clear_error():
         taken.listen()
         with pytest.raises(RuntimeError, match=f"probe port 127.0.0.1:{port} did not open: .*in use"):
             ProbeServer("127.0.0.1", port, lambda: True).start()
+
+
+def test_the_server_restarts_a_probe_process_that_died():
+    """A probe process killed by anything (the OOM killer, a stray SIGKILL) would fail every probe until the
+    kubelet restarts a healthy pod: the server notices and starts another on the same port."""
+    probes = ProbeServer("127.0.0.1", 0, lambda: True).start()
+    try:
+        first = probes.proc.pid
+        os.kill(first, signal.SIGKILL)
+        wait_until(lambda: probes.proc.pid != first and answers(probes.port), 10, "a new probe process answering")
+    finally:
+        probes.stop()
+    assert probes.proc.poll() is not None
+
+
+def test_an_accept_error_does_not_end_the_probe_process(capfd):
+    """Out of descriptors (EMFILE), `accept` fails: the probe process says so, waits and answers again once
+    descriptors are free, without a restart."""
+    probes = ProbeServer("127.0.0.1", 0, lambda: True).start()
+    pid, said = probes.proc.pid, []
+    try:
+        soft, hard = resource.prlimit(pid, resource.RLIMIT_NOFILE)
+        in_use = {int(fd) for fd in os.listdir(f"/proc/{pid}/fd")}
+        lowest_free = min(set(range(len(in_use) + 1)) - in_use)
+        resource.prlimit(pid, resource.RLIMIT_NOFILE, (lowest_free, hard))  # the next accept fails with EMFILE
+        with socket.create_connection(("127.0.0.1", probes.port)):
+            wait_until(lambda: said.append(capfd.readouterr().err) or "cannot accept" in "".join(said), 5, "an error")
+            resource.prlimit(pid, resource.RLIMIT_NOFILE, (soft, hard))
+            wait_until(lambda: answers(probes.port), 5, "/healthz once descriptors are free")
+        assert probes.proc.pid == pid
+    finally:
+        probes.stop()
 
 
 def _threads_and_fds(pid: int) -> tuple[int, int]:

@@ -18,7 +18,9 @@ its soft descriptor limit to fit the cap, within the hard limit (the cap shrinks
 
 The server tells it two things through a 16-byte shared file, four times a second: when its event loop
 last ran a callback (a thread asks the loop to stamp the time, so a wedged loop stops the stamps), and
-whether it is ready. The probe process exits when the server does.
+whether it is ready. The probe process exits when the server does, and the server starts another on the same
+port when it dies (the OOM killer, a stray kill); a failed accept (out of descriptors, a connection reset
+before it was accepted) is logged and skipped, never the end of the process.
 
     GET|HEAD /healthz, /v2/health/live     200 while the loop turned within LIVENESS_STALE_S, else 503
     GET|HEAD /readyz, /v2/health/ready     200 when live and ready to take requests, else 503
@@ -27,6 +29,7 @@ whether it is ready. The probe process exits when the server does.
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import logging
 import mmap
@@ -59,6 +62,9 @@ BACKLOG = 1024  # connections the kernel queues before we accept them: a flood w
 FD_RESERVE = 32  # descriptors beside the connections: the listening socket, the event loop, stdio
 BEAT_S = 0.25  # how often the server stamps the shared state
 LIVENESS_STALE_S = 10.0  # a loop that has not turned for this long is not live: restart the server
+RESTART_BACKOFF_S = 1.0  # a probe process that failed to start is tried again after this
+ACCEPT_BACKOFF_S = 0.1  # out of descriptors: wait this long before the next accept, rather than spin
+ERROR_LOG_S = 1.0  # accept errors are logged at most once per this
 STATE = struct.Struct("dd")  # (time.monotonic() when the loop last turned, 1.0 when ready)
 
 
@@ -92,47 +98,76 @@ class ProbeServer:
         os.close(fd)
         self._stamp()
         self._stop = threading.Event()
+        self._lock = threading.Lock()  # one of stop and a restart at a time
         self._beat = threading.Thread(target=self._beat_loop, name="vitscope-probe-beat", daemon=True)
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> ProbeServer:
         """Start the probe process and the beat; return once the port is bound (RuntimeError if it is not)."""
+        try:
+            self._spawn()
+        except RuntimeError:
+            self._close_state()
+            raise
+        self._beat.start()
+        log.info("health probes on port %d (process %d)", self.port, self.proc.pid)
+        return self
+
+    def stop(self) -> None:
+        with self._lock:  # not while the beat starts another process
+            self._stop.set()
+            if self.proc is not None and self.proc.poll() is None:
+                self.proc.terminate()
+                self.proc.wait(10)
+        self._close_state()
+
+    def _spawn(self) -> None:
+        """Start a probe process on `self.port`; once it has bound the port, `self.port` is the real one."""
         args = [self.host, str(self.port), self.state_path, str(os.getpid()), str(self.stale_s)]
         args.append(str(self.max_connections))
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "serve.server.http.probes", *args], stdout=subprocess.PIPE, text=True
         )
         line = self.proc.stdout.readline().strip()  # "port N", or why not
+        self.proc.stdout.close()
         if not line.startswith("port "):
             self.proc.wait(10)
-            self._close_state()
             raise RuntimeError(f"the probe port {self.host}:{self.port} did not open: {line or 'the process exited'}")
-        self.proc.stdout.close()
         self.port = int(line.split()[1])
-        self._beat.start()
-        log.info("health probes on port %d (process %d)", self.port, self.proc.pid)
-        return self
 
-    def stop(self) -> None:
-        self._stop.set()
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            self.proc.wait(10)
-        self._close_state()
+    def _restart(self) -> None:
+        """The probe process died (the OOM killer, a stray kill, a bug): every probe would fail until the kubelet
+        restarted this healthy pod, so start another on the same port."""
+        with self._lock:
+            if self._stop.is_set():
+                return
+            log.error("the probe process %d exited (%s): starting another", self.proc.pid, self.proc.returncode)
+            try:
+                self._spawn()
+            except RuntimeError as e:
+                log.error("%s; trying again in %g s", e, RESTART_BACKOFF_S)
+                self._stop.wait(RESTART_BACKOFF_S)
+                return
+        log.info("health probes on port %d again (process %d)", self.port, self.proc.pid)
 
     def _stamp(self) -> None:  # on the event loop once it runs: the loop turned just now
         STATE.pack_into(self._state, 0, time.monotonic(), 1.0 if self.ready() else 0.0)
 
     def _beat_loop(self) -> None:
         while not self._stop.wait(BEAT_S):
-            loop = self.loop() if self.loop is not None else None
-            if loop is None:
-                self._stamp()  # not serving yet (or no loop to watch): the process is alive
-                continue
-            try:
-                loop.call_soon_threadsafe(self._stamp)
-            except RuntimeError:  # the loop closed: the server is shutting down
-                self._stamp()
+            self._beat_once()
+            if self.proc.poll() is not None:
+                self._restart()
+
+    def _beat_once(self) -> None:
+        loop = self.loop() if self.loop is not None else None
+        if loop is None:
+            self._stamp()  # not serving yet (or no loop to watch): the process is alive
+            return
+        try:
+            loop.call_soon_threadsafe(self._stamp)
+        except RuntimeError:  # the loop closed: the server is shutting down
+            self._stamp()
 
     def _close_state(self) -> None:
         try:
@@ -221,18 +256,53 @@ class _ProbeConnection(asyncio.Protocol):
 
 async def _accept(sock: socket.socket, state: mmap.mmap, stale_s: float, cap: int, parent: int) -> None:
     """Accept connections one at a time; at `cap` open ones, close the oldest first, so that a flood never
-    holds more than `cap` descriptors and the newest connection (the prober's) is always answered."""
+    holds more than `cap` descriptors and the newest connection (the prober's) is always answered.
+
+    A failed accept never ends the loop (it would end the process): a connection reset before it was accepted
+    is skipped, and out of descriptors or buffers (EMFILE, ENFILE, ENOBUFS, ENOMEM) the oldest connection is
+    closed and the loop waits ACCEPT_BACKOFF_S before the next try, the queued connections staying in the
+    kernel's backlog meanwhile."""
     loop = asyncio.get_running_loop()
     open_connections: dict[_ProbeConnection, None] = {}  # oldest first
     loop.create_task(_exit_when_orphaned(parent))
     sock.setblocking(False)
+    errors = _ErrorLog()
     while True:
-        conn, _ = await loop.sock_accept(sock)
-        while len(open_connections) >= cap:
-            oldest = next(iter(open_connections))
-            del open_connections[oldest]
-            oldest.transport.abort()
-        await loop.connect_accepted_socket(lambda: _ProbeConnection(open_connections, state, stale_s), conn)
+        conn = None
+        try:
+            conn, _ = await loop.sock_accept(sock)
+            while len(open_connections) >= cap:
+                _close_oldest(open_connections)
+            await loop.connect_accepted_socket(lambda: _ProbeConnection(open_connections, state, stale_s), conn)
+        except OSError as e:
+            if conn is not None:
+                conn.close()
+            errors.note(e)
+            if e.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                if open_connections:
+                    _close_oldest(open_connections)
+                await asyncio.sleep(ACCEPT_BACKOFF_S)
+
+
+def _close_oldest(open_connections: dict[_ProbeConnection, None]) -> None:
+    oldest = next(iter(open_connections))
+    del open_connections[oldest]
+    oldest.transport.abort()
+
+
+class _ErrorLog:
+    """Logs accept errors at most once per ERROR_LOG_S, with how many there were since the last line: a flood
+    that keeps failing must not flood the log too."""
+
+    def __init__(self):
+        self.last, self.count = -ERROR_LOG_S, 0
+
+    def note(self, e: OSError) -> None:
+        self.count += 1
+        now, n = time.monotonic(), self.count
+        if now - self.last >= ERROR_LOG_S:
+            log.warning("probe port: cannot accept a connection (%s); %d such errors since the last line", e, n)
+            self.last, self.count = now, 0
 
 
 async def _exit_when_orphaned(parent: int) -> None:  # the server died without stopping us (SIGKILL): go too
