@@ -239,6 +239,40 @@ def test_a_file_rewritten_in_place_is_reloaded_without_a_failed_request(exported
     assert {label for _, label in load.answers[served:]} <= set(renamed)
 
 
+@pytest.mark.parametrize("route", ["/v1/models/alpha/classify", "/v2/models/alpha/infer"])
+def test_a_request_that_resolved_a_retiring_version_runs_on_the_new_one(exported, tmp_path, route):  # noqa: F811
+    """A request resolves version 1; a rollout lands before it holds that version, so the drain sees no request,
+    stops version 1, and the request met a stopped engine (503). It must be answered by version 2 instead."""
+    from fastapi.testclient import TestClient
+
+    from serve.server.app import build_app
+    from serve.server.settings import ServeSettings
+
+    repo = tmp_path / "models"
+    add_model(repo, exported, "alpha", [1])
+    app = build_app(repo, ServeSettings(preferred_batch_size=1, graceful_timeout_s=1, examples_dir=""), with_ui=False)
+    repository, swaps = app.state.repository, []
+    looked_up = repository.resolve
+
+    def resolve_then_roll_out(name=None, version=None):
+        served = looked_up(name, version)
+        if not swaps:  # once: version 2 takes over and version 1 drains between this lookup and the hold
+            swaps.append(served)
+            drop_version(repo / "alpha", 2, exported / "alpha" / "1" / "model.onnx")
+            repository.sync()
+            wait_until(lambda: served.engine.drained, 10, "version 1 drained and stopped")
+        return served
+
+    images, _ = quadrant_images(1, seed=3)
+    files = {"file": ("a.png", png_bytes(images[0]), "image/png")}
+    pixels = {"name": "pixels", "datatype": "UINT8", "shape": [1, 32, 32, 3], "data": images.ravel().tolist()}
+    with TestClient(app, base_url="http://localhost") as client:
+        repository.resolve = resolve_then_roll_out
+        r = client.post(route, files=files) if "v1" in route else client.post(route, json={"inputs": [pixels]})
+    assert [s.version for s in swaps] == ["1"] and r.status_code == 200, r.text
+    assert (r.json()["model_version"] if "v2" in route else r.json()["version"]) == "2"
+
+
 def bare_model(url: str) -> str | int:
     """The model that answers the bare /v1/classify now (its status code when none does)."""
     images, _ = quadrant_images(1, seed=7)

@@ -174,8 +174,7 @@ def classify_endpoint(
     in `payloads` (None: nowhere). The routes of `v1_router` call it."""
 
     async def classify(request: Request, name: str | None = None, version: str | None = None) -> Response:
-        served = resolve(repository, name, version)
-        with served.held():  # the version drains only once this request is done with it
+        with repository.hold(name, version, lambda n, v: resolve(repository, n, v)) as served:
             classifier, engine = served.classifier, served.engine
             model = (served.name, served.version, classifier.labels)  # as the payload log names it
             data, form = await decode_request(request, limits)

@@ -168,8 +168,7 @@ def add_infer_routes(
     @infer_route("/models/{name}/versions/{ver}/infer")
     @errors
     async def v2_infer(request: Request, name: str, ver: str | None = None):
-        served = resolve(repository, name, ver)
-        with served.held():  # the version drains only once this request is done with it
+        with repository.hold(name, ver, lambda n, v: resolve(repository, n, v)) as served:
             return await infer_with(served, request)
 
     async def infer_with(served: ModelVersion, request: Request):

@@ -7,8 +7,8 @@ plugs in its own lookup; `OneModel` is the server of one file, as `vit-serve mod
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -54,6 +54,10 @@ class Models(Protocol):
         """The model `name` at `version` ("": the server's choice), or `ApiError("not_found")` saying what exists."""
         ...
 
+    def hold(self, name: str, version: str = "") -> AbstractContextManager[ServedModel]:
+        """`get`, counted in flight while the block runs (a swapped-out version drains only once it is done)."""
+        ...
+
     def ready(self) -> bool:
         """Whether the server takes inference requests (every model it must serve is loaded and warm)."""
         ...
@@ -73,6 +77,10 @@ class OneModel:
             raise ApiError("not_found", f"unknown version {version!r} of {name!r}; this server serves {m.version!r}")
         return m
 
+    @contextmanager
+    def hold(self, name: str, version: str = "") -> Iterator[ServedModel]:
+        yield self.get(name, version)  # one model, never swapped: nothing drains under a call
+
     def ready(self) -> bool:
         return self.model.engine.ready
 
@@ -86,10 +94,20 @@ class RepositoryModels:
         self._specs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # classifier -> its tensors
 
     def get(self, name: str, version: str = "") -> ServedModel:
+        return self._served(self._resolve(name, version or None))
+
+    @contextmanager
+    def hold(self, name: str, version: str = "") -> Iterator[ServedModel]:
+        with self.repository.hold(name, version or None, self._resolve) as served:
+            yield self._served(served)
+
+    def _resolve(self, name: str | None, version: str | None):
         try:
-            served = self.repository.resolve(name, version or None)
+            return self.repository.resolve(name, version)
         except UnknownModel as e:
             raise ApiError("not_found", str(e)) from None
+
+    def _served(self, served) -> ServedModel:
         if served.classifier not in self._specs:
             self._specs[served.classifier] = tensor_specs(served.classifier)
         pixels, logits = self._specs[served.classifier]

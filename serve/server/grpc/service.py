@@ -163,8 +163,7 @@ class Service:
         return metadata_response(m.name, m.version, m.pixels, m.logits)
 
     async def model_infer(self, request: pb.ModelInferRequest, context):
-        m = self.models.get(request.model_name, request.model_version)
-        with m.held():  # a swapped-out version drains only once this call is done with it
+        with self.models.hold(request.model_name, request.model_version) as m:
             return await self.infer_with(m, request, context)
 
     async def infer_with(self, m: ServedModel, request: pb.ModelInferRequest, context):

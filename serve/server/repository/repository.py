@@ -1,9 +1,10 @@
 """`ModelRepository`: the models and versions a server holds, and the rollout of new ones without downtime.
 
-A request resolves its version once, at its start (`resolve`): a dict lookup in a table that is replaced
-whole, never edited, so a swap is atomic for the routes. A new version (found by `sync`, which the poller
-runs every `poll_s` seconds, or asked for by `load`), or a served one whose file changed on disk (its size,
-modification time or inode: rewritten in place, or replaced by a rename), is loaded and checked off to the
+A request resolves and holds its version once, at its start (`hold`): a dict lookup in a table that is replaced
+whole, never edited, so a swap is atomic for the routes; a version that began to drain between the lookup and
+the hold refuses it (`Retired`), and the request looks up the new table. A new version (found by `sync`, which
+the poller runs every `poll_s` seconds, or asked for by `load`), or a served one whose file changed on disk (its
+size, modification time or inode: rewritten in place, or replaced by a rename), is loaded and checked off to the
 side (`load_version`); only then does the table name it, and new requests go to it. A version that leaves the
 table drains: it is stopped once the requests that resolved it have finished. A version that fails its
 checks never enters the table; it is logged, counted in /metrics and listed in `index` with its reason, and
@@ -28,11 +29,13 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 from serve.runtime.classifier import OnnxClassifier
 from serve.server.engine import Engine
+from serve.server.errors import ApiError
 from serve.server.metrics import Metrics
 from serve.server.repository.layout import ModelFolder, scan
 from serve.server.repository.version import (
@@ -40,6 +43,7 @@ from serve.server.repository.version import (
     UNAVAILABLE,
     LoadFailure,
     ModelVersion,
+    Retired,
     freeze_heap,
     load_ready,
     load_version,
@@ -50,6 +54,7 @@ from serve.server.repository.version import (
 log = logging.getLogger("vitscope.repository")
 
 EngineFactory = Callable[[OnnxClassifier, str, str], Engine]
+HOLD_TRIES = 5  # a lookup meets a retired version only when a swap lands in between; five in a row: stopping
 
 
 class UnknownModel(LookupError):
@@ -123,6 +128,37 @@ class ModelRepository:
         if name is not None and name in served and version is not None:
             raise UnknownModel(f"version {version!r} of {name!r} is not served; served versions: {served[name]}")
         raise UnknownModel(f"model {name!r} is not served; served models and versions: {served}")
+
+    @contextmanager
+    def hold(
+        self,
+        name: str | None = None,
+        version: str | None = None,
+        lookup: Callable[[str | None, str | None], ModelVersion] | None = None,
+    ) -> Iterator[ModelVersion]:
+        """The version a request goes to (`resolve`), counted in flight while the block runs, so that it cannot
+        drain under the request. Use this, not `resolve` and then `held`: a swap between the two was missed.
+
+        Args:
+            name: the model (None: the default one).
+            version: the version (None: the model's latest).
+            lookup: `resolve` or a route's own wrapper of it, which turns `UnknownModel` into its answer.
+
+        Raises:
+            UnknownModel: no such model or version is served now (from `lookup`).
+            ApiError: "not_ready": each lookup met a version that drains (the server is stopping).
+        """
+        lookup = lookup or self.resolve
+        with ExitStack() as stack:
+            for _ in range(HOLD_TRIES):
+                served = lookup(name, version)
+                try:
+                    stack.enter_context(served.held())
+                except Retired:
+                    continue  # swapped out since the lookup: the table names its successor now
+                yield served
+                return
+        raise ApiError("not_ready", f"{name or 'the default model'} is being unloaded (the server stops?); retry")
 
     def start(self) -> None:
         """Load every model (the one classifier, or the folder's), then poll the folder if asked to.

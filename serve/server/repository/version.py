@@ -36,6 +36,11 @@ class LoadFailure(RuntimeError):
         self.kind = kind
 
 
+class Retired(RuntimeError):
+    """The version has begun to drain: a request that resolved it just before a swap resolves again
+    (`ModelRepository.hold`)."""
+
+
 def rss_bytes() -> int:
     """This process's resident memory (Linux; 0 elsewhere)."""
     try:
@@ -51,7 +56,9 @@ class ModelVersion:
 
     `in_flight` counts the requests that resolved this version and have not finished (`held`): after a swap
     the old version is stopped only once they are done, so no request meets a closed batcher. HTTP and gRPC
-    requests count on their own event loops, so the count takes a lock.
+    requests count on their own event loops, so the count takes a lock. `drain` marks the version `retired`
+    under that lock before it waits, so a request that resolved it but had not counted itself yet is refused
+    (`Retired`) rather than missed, and resolves again.
     """
 
     name: str
@@ -65,6 +72,7 @@ class ModelVersion:
     fill: np.ndarray | None = None
     decode_on_worker: bool = False
     loaded_at: float = field(default_factory=time.time)
+    retired: bool = False
     _count_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def __post_init__(self):
@@ -74,8 +82,14 @@ class ModelVersion:
 
     @contextmanager
     def held(self) -> Iterator[ModelVersion]:
-        """Count a request on this version while the block runs: `drain` waits for it."""
+        """Count a request on this version while the block runs: `drain` waits for it.
+
+        Raises:
+            Retired: the version drains already; resolve again (`ModelRepository.hold` does).
+        """
         with self._count_lock:
+            if self.retired:
+                raise Retired(f"version {self.version} of {self.name} was swapped out; resolve it again")
             self.in_flight += 1
         try:
             yield self
@@ -89,6 +103,8 @@ class ModelVersion:
         Returns:
             True when every request finished in time and the batcher drained.
         """
+        with self._count_lock:  # from here on no request can start holding it, so the count below only falls
+            self.retired = True
         deadline = time.monotonic() + timeout_s
         while self.in_flight > 0 and time.monotonic() < deadline:
             time.sleep(0.01)
