@@ -156,6 +156,52 @@ def test_any_exception_in_one_load_is_that_models_failure(exported, tmp_path):  
         repository.stop()
 
 
+def test_readiness_and_the_index_are_read_while_the_poller_changes_the_failures(exported, tmp_path):  # noqa: F811
+    """/readyz, gRPC ServerReady and the index read the failures on their own threads while `sync` adds and drops
+    them: iterating them there raised "changed size during iteration" (a 500 from /readyz)."""
+    import sys
+    import threading
+
+    from serve.server.engine import Engine
+    from serve.server.metrics import Metrics
+    from serve.server.repository.repository import ModelRepository
+    from serve.server.settings import ServeSettings
+
+    repo = tmp_path / "models"
+    add_model(repo, exported, "alpha", [1])
+    settings = ServeSettings(preferred_batch_size=1, graceful_timeout_s=1)
+    repository = ModelRepository(lambda c, n, v: Engine(c, settings), Metrics(), root=repo, drain_s=1)
+    repository.start()
+    errors, done = [], threading.Event()
+
+    def read() -> None:
+        while not done.is_set():
+            try:
+                repository.ready, repository.index()  # noqa: B018 (reading them is the test)
+            except Exception as e:
+                errors.append(e)
+                return
+
+    reader, interval = threading.Thread(target=read), sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads often, as a loaded server does
+    reader.start()
+    try:
+        for _ in range(15):
+            for i in range(30):
+                (repo / f"bad{i}" / "1").mkdir(parents=True)  # no model.onnx: each is that model's failure
+            repository.sync()
+            for i in range(30):
+                (repo / f"bad{i}" / "1").rmdir()
+                (repo / f"bad{i}").rmdir()
+            repository.sync()
+    finally:
+        done.set()
+        reader.join()
+        sys.setswitchinterval(interval)
+        repository.stop()
+    assert not errors, errors[0]
+
+
 @pytest.fixture(scope="module")
 def uncalibrated(request, tmp_path_factory) -> Path:
     """A repository from `vit-export --triton-repo --no-calibration`: model `plain`, version 1, no OOD score."""

@@ -101,6 +101,9 @@ class ModelRepository:
         self.failures: dict[tuple[str, str], tuple[object, LoadFailure]] = {}
         self.expected: set[str] = set()  # models that should be served (found on disk, not unloaded)
         self.unloaded: set[str] = set()  # unloaded through the API: the poller leaves them alone
+        # what the routes, gRPC and the probe port read on their own threads while `sync` changes the state above:
+        # (every expected model that has not failed is served, the index's failure rows), replaced whole
+        self._settled: tuple[bool, tuple[dict, ...]] = (False, ())
         self.started = self.stopping = False
         self._change, self._loading, self._heap = threading.RLock(), threading.Lock(), threading.Lock()
         self._stop = threading.Event()
@@ -111,9 +114,7 @@ class ModelRepository:
     @property
     def ready(self) -> bool:
         """Started, not stopping, serving a model, and every expected model that has not failed has a version."""
-        serving, failed = self.serving, {m for m, _ in self.failures}
-        wanted = (m for m in self.expected if m not in failed)
-        return self.started and not self.stopping and bool(serving) and all(serving.get(m) for m in wanted)
+        return self.started and not self.stopping and self._settled[0]
 
     def resolve(self, name: str | None = None, version: str | None = None) -> ModelVersion:
         """The version a request goes to: the default model's latest (no name), a model's latest, or one version.
@@ -204,6 +205,7 @@ class ModelRepository:
                     self._remove(name, set(self.serving.get(name, {})))
                     continue
                 self.expected.add(name)
+                self._settle()
                 try:
                     self._sync_model(folders[name])
                 except Exception as e:  # one model's folder, whatever it holds, never stops the others' sync
@@ -225,7 +227,7 @@ class ModelRepository:
         if not wanted and not self.serving.get(name):
             self._fail(name, "", LoadFailure("unreadable", f"{folder.folder} has no version file to serve"))
             return
-        self.failures.pop((name, ""), None)
+        self._clear(name, "")
         for version, path in sorted(wanted.items(), key=lambda kv: int(kv[0])):
             served = self.serving.get(name, {}).get(version)
             if served is None or _changed(served, path):
@@ -258,6 +260,7 @@ class ModelRepository:
                 raise UnknownModel(f"model {name!r} is not loaded")
             self.unloaded.add(name)
             self.expected.discard(name)
+            self._settle()
             self._remove(name, set(self.serving.get(name, {})))
 
     def index(self) -> list[dict]:
@@ -267,11 +270,7 @@ class ModelRepository:
             for m, versions in sorted(self.serving.items())
             for v, mv in sorted(versions.items())
         ]
-        rows += [
-            {"name": m, "version": v, "state": UNAVAILABLE, "reason": str(e)}
-            for (m, v), (_, e) in sorted(self.failures.items())
-        ]
-        return rows
+        return rows + list(self._settled[1])
 
     def stop(self) -> bool:
         """Stop polling and drain every version; True when all of them drained in time."""
@@ -304,7 +303,7 @@ class ModelRepository:
         except Exception as e:  # what the checks did not foresee is still this version's failure alone
             self._fail(name, version, LoadFailure("unreadable", f"{path}: {_described(e)}"), stamp)
             return
-        self.failures.pop((name, version), None)
+        self._clear(name, version)
         self._add(mv)
         log.info("version %s of %s takes requests (%.1f MB)", version, name, mv.memory_bytes / 1e6)
 
@@ -315,6 +314,7 @@ class ModelRepository:
         if known is not None and known[0] == stamp:
             return  # the poller meets the same failure again: counted once
         self.failures[(name, version)] = (stamp, e)
+        self._settle()
         self.metrics.load_failures.labels(name, version, e.kind).inc()
         what = f"version {version} of {name}" if version else f"model {name}"
         log.error("%s does not take traffic: %s", what, e)
@@ -323,6 +323,23 @@ class ModelRepository:
         """Drop the failures of `name` but those of the versions in `keep` (a model's own "" is dropped too)."""
         for key in [k for k in self.failures if k[0] == name and k[1] not in keep]:
             del self.failures[key]
+        self._settle()
+
+    def _clear(self, name: str, version: str) -> None:
+        """Drop one failure (a version that loaded, a model whose folder is readable again)."""
+        if self.failures.pop((name, version), None) is not None:
+            self._settle()
+
+    def _settle(self) -> None:
+        """Compute what `ready` and `index` read on other threads, from the state `sync` just changed (under
+        `_change`): they never iterate `failures` or `expected` while the poller edits them."""
+        serving, failed = self.serving, {m for m, _ in self.failures}
+        wanted = (m for m in self.expected if m not in failed)
+        rows = tuple(
+            {"name": m, "version": v, "state": UNAVAILABLE, "reason": str(e)}
+            for (m, v), (_, e) in sorted(self.failures.items())
+        )
+        self._settled = (bool(serving) and all(serving.get(m) for m in wanted), rows)
 
     def _add(self, mv: ModelVersion) -> None:
         replaced = self.serving.get(mv.name, {}).get(mv.version)  # the same version before its file changed
@@ -380,6 +397,7 @@ class ModelRepository:
             else:
                 log.warning("the default model %s is no longer served: the bare routes answer 503 until it is", default)
         self.routes = routes  # one assignment: a request sees the old table or the new one
+        self._settle()
 
 
 def _order(version: str) -> tuple[int, str]:
