@@ -12,9 +12,11 @@ import os
 import re
 
 SANE_REQUEST_ID = re.compile(r"[A-Za-z0-9._:/+=-]{1,128}")
-KEY_HELP = (
+# How to send the key, in each transport's words: a refusal tells the client what to do in the terms it uses
+HTTP_KEY_HINT = (
     "send it as 'Authorization: Bearer <key>' or 'X-API-Key: <key>' (in a browser, as the password of the login prompt)"
 )
+GRPC_KEY_HINT = "send it in the call's metadata as 'authorization: Bearer <key>' or 'x-api-key: <key>'"
 
 
 def key_of(headers: dict[bytes, bytes]) -> str | None:
@@ -34,19 +36,20 @@ def key_of(headers: dict[bytes, bytes]) -> str | None:
     return None
 
 
-def key_refusal(expected: bytes, headers: dict[bytes, bytes]) -> str | None:
+def key_refusal(expected: bytes, headers: dict[bytes, bytes], hint: str) -> str | None:
     """Why a request with these headers may not pass (no key, a wrong one), or None when it may.
 
     Args:
         expected: the server's key, UTF-8 (empty: no key needed).
         headers: the request's headers or metadata, lower-case names.
+        hint: how to send the key in the caller's transport (`HTTP_KEY_HINT`, `GRPC_KEY_HINT`), added to the refusal.
     """
     if not expected:
         return None
     key = key_of(headers)
     if key is not None and hmac.compare_digest(key.encode("utf-8"), expected):
         return None
-    return f"{'no API key' if key is None else 'a wrong API key'}: {KEY_HELP}"
+    return f"{'no API key' if key is None else 'a wrong API key'}: {hint}"
 
 
 class RequestIds:

@@ -23,6 +23,9 @@ from tests.helpers import ServerProcess, read_response, wait_until
 
 KEY = "test-key-9f2c"
 AUTH = {"Authorization": f"Bearer {KEY}"}
+HTTP_KEY_HINT = (
+    "send it as 'Authorization: Bearer <key>' or 'X-API-Key: <key>' (in a browser, as the password of the login prompt)"
+)
 # a FileData naming a file the client never uploaded, as the audit sent it to the UI's classify call
 STOLEN = "/etc/passwd"
 CALL = {"data": [{"path": STOLEN, "meta": {"_type": "gradio.FileData"}}, "mean", 0, 0, 2, 0.5, "inferno"]}
@@ -106,6 +109,8 @@ def test_without_the_api_key_api_and_ui_answer_401(server, path):
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"X-API-Key": KEY + "x"}):
         r = httpx.get(server.url + path, headers=headers, timeout=10)
         assert r.status_code == 401 and r.json()["error"]["code"] == "unauthorized"
+        which = "a wrong API key" if headers else "no API key"
+        assert r.json()["error"]["message"] == f"{which}: {HTTP_KEY_HINT}"  # HTTP's wording: headers, the browser
         assert "WWW-Authenticate" in r.headers
 
 

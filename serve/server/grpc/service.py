@@ -20,7 +20,7 @@ from collections.abc import Awaitable, Callable
 import grpc
 
 from serve.server.access_log import ACCESS_LOG
-from serve.server.auth import SANE_REQUEST_ID, RequestIds, key_refusal
+from serve.server.auth import GRPC_KEY_HINT, SANE_REQUEST_ID, RequestIds, key_refusal
 from serve.server.errors import ApiError
 from serve.server.grpc import grpc_predict_v2_pb2 as pb
 from serve.server.grpc.codec import infer_response, metadata_response, parse_infer
@@ -197,10 +197,10 @@ class KeyCheck(grpc.aio.ServerInterceptor):
         metadata = details.invocation_metadata or ()
         latin = lambda text: text.encode("latin-1", "replace")
         headers = {latin(k): latin(v) for k, v in metadata if isinstance(v, str)}
-        refused = key_refusal(expected, headers)
+        refused = key_refusal(expected, headers, GRPC_KEY_HINT)
         if refused is None:
             return await continuation(details)
-        return self.service.refusal(route, metadata, refused.replace("'Authorization", "metadata 'authorization"))
+        return self.service.refusal(route, metadata, refused)
 
 
 def status_message(message: str) -> str:

@@ -14,7 +14,7 @@ from urllib.parse import urlsplit
 
 from starlette.middleware.trustedhost import TrustedHostMiddleware
 
-from serve.server.auth import key_refusal
+from serve.server.auth import HTTP_KEY_HINT, key_refusal
 from serve.server.http.errors import send_error
 
 HEALTH_PATHS = ("/healthz", "/readyz", "/v2/health/live", "/v2/health/ready")
@@ -106,7 +106,7 @@ class ApiKeyCheck:
     async def __call__(self, scope, receive, send):
         if scope["type"] not in ("http", "websocket"):
             return await self.app(scope, receive, send)
-        refused = key_refusal(self.api_key, dict(scope["headers"]))
+        refused = key_refusal(self.api_key, dict(scope["headers"]), HTTP_KEY_HINT)
         path = scope["path"]
         if refused is None or path in HEALTH_PATHS:
             scope.setdefault("state", {})[AUTHORIZED] = refused is None
