@@ -29,13 +29,12 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 from serve.runtime.classifier import OnnxClassifier
 from serve.server.engine import Engine
-from serve.server.errors import ApiError
 from serve.server.metrics import Metrics
 from serve.server.repository.layout import ModelFolder, scan
 from serve.server.repository.version import (
@@ -43,8 +42,8 @@ from serve.server.repository.version import (
     UNAVAILABLE,
     LoadFailure,
     ModelVersion,
-    Retired,
     freeze_heap,
+    hold_current,
     load_ready,
     load_version,
     release_heap,
@@ -54,7 +53,6 @@ from serve.server.repository.version import (
 log = logging.getLogger("vitscope.repository")
 
 EngineFactory = Callable[[OnnxClassifier, str, str], Engine]
-HOLD_TRIES = 5  # a lookup meets a retired version only when a swap lands in between; five in a row: stopping
 
 
 class UnknownModel(LookupError):
@@ -101,8 +99,7 @@ class ModelRepository:
         self.failures: dict[tuple[str, str], tuple[object, LoadFailure]] = {}
         self.expected: set[str] = set()  # models that should be served (found on disk, not unloaded)
         self.unloaded: set[str] = set()  # unloaded through the API: the poller leaves them alone
-        # what the routes, gRPC and the probe port read on their own threads while `sync` changes the state above:
-        # (every expected model that has not failed is served, the index's failure rows), replaced whole
+        # (all expected models not failed are served, the index's failure rows): `ready` reads it on other threads
         self._settled: tuple[bool, tuple[dict, ...]] = (False, ())
         self.started = self.stopping = False
         self._change, self._loading, self._heap = threading.RLock(), threading.Lock(), threading.Lock()
@@ -130,36 +127,15 @@ class ModelRepository:
             raise UnknownModel(f"version {version!r} of {name!r} is not served; served versions: {served[name]}")
         raise UnknownModel(f"model {name!r} is not served; served models and versions: {served}")
 
-    @contextmanager
-    def hold(
-        self,
-        name: str | None = None,
-        version: str | None = None,
-        lookup: Callable[[str | None, str | None], ModelVersion] | None = None,
-    ) -> Iterator[ModelVersion]:
-        """The version a request goes to (`resolve`), counted in flight while the block runs, so that it cannot
-        drain under the request. Use this, not `resolve` and then `held`: a swap between the two was missed.
-
-        Args:
-            name: the model (None: the default one).
-            version: the version (None: the model's latest).
-            lookup: `resolve` or a route's own wrapper of it, which turns `UnknownModel` into its answer.
+    def hold(self, name: str | None = None, version: str | None = None, lookup=None) -> AbstractContextManager:
+        """`resolve(name, version)` (or a route's wrapper of it, `lookup`), counted in flight while the block runs:
+        use this, not `resolve` then `held`, which missed a drain that began between the two (`hold_current`).
 
         Raises:
             UnknownModel: no such model or version is served now (from `lookup`).
-            ApiError: "not_ready": each lookup met a version that drains (the server is stopping).
+            Retired: every lookup met a version that drains (the server is stopping): a 503.
         """
-        lookup = lookup or self.resolve
-        with ExitStack() as stack:
-            for _ in range(HOLD_TRIES):
-                served = lookup(name, version)
-                try:
-                    stack.enter_context(served.held())
-                except Retired:
-                    continue  # swapped out since the lookup: the table names its successor now
-                yield served
-                return
-        raise ApiError("not_ready", f"{name or 'the default model'} is being unloaded (the server stops?); retry")
+        return hold_current(lambda: (lookup or self.resolve)(name, version))
 
     def start(self) -> None:
         """Load every model (the one classifier, or the folder's), then poll the folder if asked to.
@@ -223,11 +199,11 @@ class ModelRepository:
             self._fail(name, "", LoadFailure("labels", f"{folder.folder}/labels.txt: {_described(e)}"))
             return
         wanted = {str(v): p for v, p in folder.wanted().items()}
-        self._forget(name, keep={*wanted, ""})  # a version no longer wanted is no longer a failure
         if not wanted and not self.serving.get(name):
+            self._forget(name, keep={""})  # a version no longer wanted is no longer a failure
             self._fail(name, "", LoadFailure("unreadable", f"{folder.folder} has no version file to serve"))
             return
-        self._clear(name, "")
+        self._forget(name, keep=set(wanted))  # nor is the model's own failure ("") once it has a version
         for version, path in sorted(wanted.items(), key=lambda kv: int(kv[0])):
             served = self.serving.get(name, {}).get(version)
             if served is None or _changed(served, path):
@@ -303,8 +279,8 @@ class ModelRepository:
         except Exception as e:  # what the checks did not foresee is still this version's failure alone
             self._fail(name, version, LoadFailure("unreadable", f"{path}: {_described(e)}"), stamp)
             return
-        self._clear(name, version)
-        self._add(mv)
+        self.failures.pop((name, version), None)
+        self._add(mv)  # which settles the state (`_publish`)
         log.info("version %s of %s takes requests (%.1f MB)", version, name, mv.memory_bytes / 1e6)
 
     def _fail(self, name: str, version: str, e: LoadFailure, stamp: object = None) -> None:
@@ -325,21 +301,14 @@ class ModelRepository:
             del self.failures[key]
         self._settle()
 
-    def _clear(self, name: str, version: str) -> None:
-        """Drop one failure (a version that loaded, a model whose folder is readable again)."""
-        if self.failures.pop((name, version), None) is not None:
-            self._settle()
-
     def _settle(self) -> None:
-        """Compute what `ready` and `index` read on other threads, from the state `sync` just changed (under
-        `_change`): they never iterate `failures` or `expected` while the poller edits them."""
-        serving, failed = self.serving, {m for m, _ in self.failures}
-        wanted = (m for m in self.expected if m not in failed)
-        rows = tuple(
+        """What `ready` and `index` read on other threads, computed under `_change` each time the state changes."""
+        failed = {m for m, _ in self.failures}
+        rows = [
             {"name": m, "version": v, "state": UNAVAILABLE, "reason": str(e)}
             for (m, v), (_, e) in sorted(self.failures.items())
-        )
-        self._settled = (bool(serving) and all(serving.get(m) for m in wanted), rows)
+        ]
+        self._settled = (bool(self.serving) and all(self.serving.get(m) for m in self.expected - failed), tuple(rows))
 
     def _add(self, mv: ModelVersion) -> None:
         replaced = self.serving.get(mv.name, {}).get(mv.version)  # the same version before its file changed

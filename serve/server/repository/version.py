@@ -14,7 +14,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,9 +23,11 @@ import numpy as np
 from serve.runtime.classifier import OnnxClassifier
 from serve.runtime.faithfulness import mean_fill
 from serve.server.engine import Engine
+from serve.server.errors import ApiError
 
 READY, UNAVAILABLE, LOADING, UNLOADING = "READY", "UNAVAILABLE", "LOADING", "UNLOADING"  # Triton's state names
 WARM_UP_IMAGES = 2
+HOLD_TRIES = 5  # a lookup meets a retired version only when a swap lands in between; five in a row: stopping
 
 
 class LoadFailure(RuntimeError):
@@ -36,9 +38,12 @@ class LoadFailure(RuntimeError):
         self.kind = kind
 
 
-class Retired(RuntimeError):
-    """The version has begun to drain: a request that resolved it just before a swap resolves again
-    (`ModelRepository.hold`)."""
+class Retired(ApiError):
+    """The version has begun to drain: a request that resolved it just before a swap looks it up again
+    (`hold_current`); one that meets only retired versions is answered 503 (the server is stopping)."""
+
+    def __init__(self, mv: ModelVersion):
+        super().__init__("not_ready", f"version {mv.version} of {mv.name} is being unloaded; retry")
 
 
 def rss_bytes() -> int:
@@ -80,22 +85,19 @@ class ModelVersion:
         # small uploads decode on the loop when onnxruntime runs one thread, else on the model's thread
         self.decode_on_worker = self.classifier.threads != 1
 
-    @contextmanager
-    def held(self) -> Iterator[ModelVersion]:
+    def held(self) -> AbstractContextManager[ModelVersion]:
         """Count a request on this version while the block runs: `drain` waits for it.
 
         Raises:
-            Retired: the version drains already; resolve again (`ModelRepository.hold` does).
+            Retired: the version drains already; look it up again (`hold_current` does).
         """
+        return hold_current(lambda: self, tries=1)
+
+    def _count(self, step: int) -> None:
         with self._count_lock:
-            if self.retired:
-                raise Retired(f"version {self.version} of {self.name} was swapped out; resolve it again")
-            self.in_flight += 1
-        try:
-            yield self
-        finally:
-            with self._count_lock:
-                self.in_flight -= 1
+            if step > 0 and self.retired:
+                raise Retired(self)
+            self.in_flight += step
 
     def drain(self, timeout_s: float) -> bool:
         """Wait for the requests that hold this version (at most `timeout_s`), then stop its engine.
@@ -110,6 +112,28 @@ class ModelVersion:
             time.sleep(0.01)
         self.engine.stop()
         return self.in_flight == 0 and self.engine.drained
+
+
+@contextmanager
+def hold_current(lookup: Callable[[], ModelVersion], tries: int = HOLD_TRIES) -> Iterator[ModelVersion]:
+    """The version `lookup` names, counted in flight while the block runs; one that began to drain since the
+    lookup is looked up again (the table names its successor by then), at most `tries` times.
+
+    Raises:
+        Retired: every lookup met a version that drains.
+    """
+    for attempt in range(tries):
+        served = lookup()
+        try:
+            served._count(+1)
+            break
+        except Retired:
+            if attempt == tries - 1:
+                raise
+    try:
+        yield served
+    finally:
+        served._count(-1)
 
 
 def load_version(
