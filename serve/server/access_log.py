@@ -11,7 +11,9 @@ written only while `vitscope.access` logs INFO (not with `--log-level warning`).
 
 Every field a client chooses (the path, the method, a request ID) has its control characters written as `\\xNN`
 (and Unicode's line separators as `\\uNNNN`), so that `%0a` in a URL cannot end the line and forge another,
-nor an escape sequence rewrite a terminal. The listener thread does it, off the event loop.
+nor an escape sequence rewrite a terminal. The quote and the backslash are written as `\\x22` and `\\x5c` too:
+`%22` would close the quoted request field early, and a literal `\\x0a` in a URL would read as an escaped
+newline. So every line parses one way only. The listener thread does it, off the event loop.
 """
 
 from __future__ import annotations
@@ -29,12 +31,14 @@ FORMAT = '%s "%s %s" %s %.1fms id=%s'
 FLUSH_S = 0.1  # once the queue is empty, the listener sleeps this long: lines reach the log at most this late
 ESCAPES = {c: f"\\x{c:02x}" for c in [*range(0x20), *range(0x7F, 0xA0)]}  # C0, DEL and C1 (NEL among them)
 ESCAPES |= {c: f"\\u{c:04x}" for c in (0x2028, 0x2029)}  # the line and paragraph separators editors break on
+ESCAPES |= {c: f"\\x{c:02x}" for c in b'"\\'}  # the field's quote, and the escape character itself
 
 
 def escaped(field: object) -> object:
-    """`field` with its control characters written out (`\\x0a`), so that it stays on its line; not a str: as is."""
-    if isinstance(field, str) and not field.isprintable():  # isprintable: the common case costs one C scan
-        return field.translate(ESCAPES)
+    """`field` with its control characters, quotes and backslashes written out (`\\x0a`), so that it stays on its
+    line and in its field; not a str: as is."""
+    if isinstance(field, str) and not (field.isprintable() and '"' not in field and "\\" not in field):
+        return field.translate(ESCAPES)  # the common case costs three C scans and no copy
     return field
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 
 import httpx
+import pytest
 
 from serve.server.access_log import AccessLog
 from tests.helpers import ServerProcess, wait_until
@@ -32,11 +33,29 @@ def test_every_line_reaches_the_root_handlers_file_in_its_format_once_the_log_st
     assert lines == [f'INFO vitscope.access: 127.0.0.1 "POST /v1/classify" 200 1.2ms id=id{i}' for i in range(500)]
 
 
-def test_a_control_character_in_the_path_cannot_forge_a_line(tiny_onnx):
-    forged = '1.2.3.4 "GET /admin" 200 0.1ms id=forged'
-    path = "/nowhere%0a%0d" + forged.replace(" ", "%20").replace('"', "%22") + "%1b[2J"
+@pytest.fixture(scope="module")
+def server(tiny_onnx):
     with ServerProcess(tiny_onnx, "--no-ui") as server:
-        rid = httpx.get(server.url + path).headers["x-request-id"]
-        line = wait_until(lambda: [x for x in server.output.splitlines() if f"id={rid}" in x], 10, "the access line")
-        assert len(line) == 1 and "\\x0a\\x0d1.2.3.4" in line[0] and "\\x1b[2J" in line[0], line
-        assert not any(x.startswith(forged) or "\x1b" in x for x in server.output.splitlines())
+        yield server
+
+
+def access_line(server: ServerProcess, path: str) -> str:
+    """The one access-log line of a GET of `path`."""
+    rid = httpx.get(server.url + path).headers["x-request-id"]
+    lines = wait_until(lambda: [x for x in server.output.splitlines() if f"id={rid}" in x], 10, "the access line")
+    assert len(lines) == 1, lines
+    return lines[0]
+
+
+def test_a_control_character_in_the_path_cannot_forge_a_line(server):
+    forged = '1.2.3.4 "GET /admin" 200 0.1ms id=forged'
+    line = access_line(server, "/nowhere%0a%0d" + forged.replace(" ", "%20").replace('"', "%22") + "%1b[2J")
+    assert "\\x0a\\x0d1.2.3.4" in line and "\\x1b[2J" in line, line
+    assert not any(x.startswith(forged) or "\x1b" in x for x in server.output.splitlines())
+
+
+def test_a_quote_or_a_backslash_in_the_path_cannot_change_the_line(server):
+    """A `"` would close the quoted request field early, and a literal backslash makes `\\x0a` in a URL read as
+    an escaped newline: both are written as `\\xNN` too, so the line parses one way only."""
+    line = access_line(server, "/nowhere%22%20200%20%5Cx0a")
+    assert '"GET /nowhere\\x22 200 \\x5cx0a" 404' in line and line.count('"') == 2, line
