@@ -133,16 +133,20 @@ def repository_of(models, single, settings: ServeSettings, metrics: Metrics, eng
 
 
 def lifespan_of(repository: ModelRepository, grpc, payloads, graceful_timeout_s: float):
-    """Load and warm the models up (then start gRPC); on shutdown stop gRPC, drain the models, close the log."""
+    """Load and warm the models up (then start gRPC); on shutdown stop gRPC, drain the models, close the log.
+
+    A start that fails (a model with `--exit-on-error`, a gRPC port taken) stops the same way whatever had started
+    (engines, poller, payload-log threads) before the error leaves the lifespan.
+    """
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         app.state.loop = asyncio.get_running_loop()  # the probe port's liveness watches it turn
-        await run_in_threadpool(repository.start)
-        log.info("models %s warmed up; ready", ", ".join(sorted(repository.serving)))
-        if grpc is not None:
-            await run_in_threadpool(grpc.start)
         try:
+            await run_in_threadpool(repository.start)
+            log.info("models %s warmed up; ready", ", ".join(sorted(repository.serving)))
+            if grpc is not None:
+                await run_in_threadpool(grpc.start)
             yield
         finally:
             if grpc is not None:  # first: its calls in flight still need the engines

@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import socket
 import subprocess
 import sys
 import threading
@@ -225,6 +226,23 @@ def test_full_queue_answers_503_with_retry_after(classifier):
         assert r.json()["error"]["code"] == "queue_full"
         ok = c.post("/v1/classify", content=png_bytes(bright_square(0)), headers={"content-type": "image/png"})
         assert ok.status_code == 200
+
+
+def test_a_grpc_port_already_taken_fails_the_start_and_leaves_no_thread_running(classifier, tmp_path):
+    """The models, the payload log and the poller started before gRPC are stopped when gRPC cannot bind."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        before = set(threading.enumerate())
+        settings = ServeSettings(grpc_port=port, payload_log=str(tmp_path / "payloads.jsonl"), examples_dir="")
+        app = build_app(classifier, settings, with_ui=False)
+        refused = f"cannot serve gRPC on 127.0.0.1:{port}: .* pick another --grpc-port"
+        with pytest.raises(OSError, match=refused), TestClient(app, base_url=LOCAL):
+            pass
+    # gRPC's asyncio poller is one per process, ended when the garbage collector frees the server object
+    left = lambda: [t.name for t in set(threading.enumerate()) - before if "_poll_wrapper" not in t.name]
+    wait_until(lambda: not left(), 10, "the threads the failed start left behind to end")
 
 
 def test_a_fault_in_the_classify_route_is_a_json_500_logged_with_its_traceback(classifier, monkeypatch, caplog):

@@ -70,6 +70,10 @@ class GrpcServer:
                 self.loop.run_until_complete(self._start())
             except Exception as e:  # e.g. the port is taken: reported to start()'s caller
                 failure.append(e)
+                # let go of what was made, before `started`: `stop` then finds nothing to stop, and the server,
+                # once collected, ends gRPC's asyncio poller thread
+                self.server = None
+                self.loop.close()
                 started.set()
                 return
             started.set()
@@ -81,7 +85,8 @@ class GrpcServer:
         if not started.wait(timeout):
             raise OSError(f"the gRPC server did not start within {timeout} s")
         if failure:
-            raise OSError(f"cannot serve gRPC on {self.host}:{self.port}: {failure[0]}") from failure[0]
+            where, e = f"{self.host}:{self.port}", failure[0]
+            raise OSError(f"cannot serve gRPC on {where}: {e}; free the port or pick another --grpc-port") from e
         log.info("gRPC (inference.GRPCInferenceService) listening on %s:%d", self.host, self.port)
         return self.port
 
