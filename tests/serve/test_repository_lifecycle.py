@@ -202,6 +202,31 @@ def test_readiness_and_the_index_are_read_while_the_poller_changes_the_failures(
     assert not errors, errors[0]
 
 
+def test_a_file_removed_while_it_loads_stops_the_engine_it_started(exported, tmp_path):  # noqa: F811
+    """The file changed check after the warm-up raised on a file removed meanwhile, leaving the started engine's
+    thread and session running with nothing to stop them."""
+    from serve.server.engine import Engine
+    from serve.server.metrics import Metrics
+    from serve.server.repository.repository import ModelRepository
+    from serve.server.settings import ServeSettings
+
+    repo = tmp_path / "models"
+    add_model(repo, exported, "alpha", [1])
+    settings, engines = ServeSettings(preferred_batch_size=1, graceful_timeout_s=1), []
+
+    class RemovedMidLoad(Engine):
+        def start(self) -> None:
+            super().start()
+            (repo / "alpha" / "1" / "model.onnx").unlink()  # a deployment removes it during the warm-up
+            engines.append(self)
+
+    repository = ModelRepository(lambda c, n, v: RemovedMidLoad(c, settings), Metrics(), root=repo, drain_s=1)
+    repository.start()
+    repository.stop()
+    assert [r["name"] for r in repository.index() if r["state"] == "UNAVAILABLE"] == ["alpha"]
+    assert len(engines) == 1 and not engines[0].ready, "the engine of the failed load still runs"
+
+
 @pytest.fixture(scope="module")
 def uncalibrated(request, tmp_path_factory) -> Path:
     """A repository from `vit-export --triton-repo --no-calibration`: model `plain`, version 1, no OOD score."""

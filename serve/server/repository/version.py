@@ -172,23 +172,32 @@ def load_version(
             )
         engine = make_engine(classifier, name, version)
         try:
-            engine.start()
-            H, W = classifier.input_size
-            probe = np.random.default_rng(0).integers(0, 256, (WARM_UP_IMAGES, H, W, 3), dtype=np.uint8)
-            out = engine.batcher.call(engine.forward, probe).result(60)  # (B,) records: logits, probs, features
-        except Exception as e:
-            engine.stop()
-            raise LoadFailure("warm_up", f"{path}: the warm-up batch failed: {e}") from None
-        # NaN in `ood` is the "no OOD score" of a file without calibration: absent, not broken
-        finite = [f for f in out.dtype.names if f != "ood" or classifier.trust is not None]
-        if not all(np.isfinite(out[f]).all() for f in finite):
-            engine.stop()
-            raise LoadFailure("non_finite", f"{path}: the warm-up batch gave NaN or infinite outputs; do not serve it")
-        if stamp != _stamp(path):
-            engine.stop()
-            raise LoadFailure("unreadable", f"{path}: the file changed while it was loaded (still being copied?)")
-        memory = max(0, rss_bytes() - before)
-    return ModelVersion(name, version, classifier, engine, path, memory, stamp)
+            _warm_up(engine, classifier, path, stamp)
+            return ModelVersion(name, version, classifier, engine, path, max(0, rss_bytes() - before), stamp)
+        except BaseException:
+            engine.stop()  # whatever fails once the engine started, its thread and session must not outlive it
+            raise
+
+
+def _warm_up(engine: Engine, classifier: OnnxClassifier, path: Path, stamp: tuple[int, int, int]) -> None:
+    """Start `engine`, check that one warm-up batch gives finite outputs and that the file did not change meanwhile.
+
+    Raises:
+        LoadFailure: the version must not take traffic (the caller stops the engine).
+    """
+    try:
+        engine.start()
+        H, W = classifier.input_size
+        probe = np.random.default_rng(0).integers(0, 256, (WARM_UP_IMAGES, H, W, 3), dtype=np.uint8)
+        out = engine.batcher.call(engine.forward, probe).result(60)  # (B,) records: logits, probs, features
+    except Exception as e:
+        raise LoadFailure("warm_up", f"{path}: the warm-up batch failed: {e}") from None
+    # NaN in `ood` is the "no OOD score" of a file without calibration: absent, not broken
+    finite = [f for f in out.dtype.names if f != "ood" or classifier.trust is not None]
+    if not all(np.isfinite(out[f]).all() for f in finite):
+        raise LoadFailure("non_finite", f"{path}: the warm-up batch gave NaN or infinite outputs; do not serve it")
+    if stamp != _stamp(path):
+        raise LoadFailure("unreadable", f"{path}: the file changed while it was loaded (still being copied?)")
 
 
 def stamp_of(path: Path) -> tuple[int, int, int]:
