@@ -11,7 +11,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
-from starlette.routing import Match, Route
+from starlette.routing import Match
 
 from serve.server.errors import ERROR_STATUS, ApiError, error_body
 
@@ -93,11 +93,11 @@ def add_fallback_routes(app: FastAPI, routers: list[APIRouter]) -> None:
 
     endpoint = _AsgiEndpoint(any_method)
     for path in ("/v1", "/v1/{rest:path}", "/v2", "/v2/{rest:path}", "/healthz", "/readyz", "/metrics"):
-        app.router.routes.append(Route(path, endpoint, include_in_schema=False))
+        app.router.add_route(path, endpoint, include_in_schema=False)
 
 
 class _AsgiEndpoint:
-    """An ASGI callable that is not a function, so that a `Route` passes it every method (TRACE too)."""
+    """An ASGI callable that is not a function, so that its route passes it every method (TRACE too)."""
 
     def __init__(self, app):
         self.app = app
