@@ -297,3 +297,25 @@ def test_a_new_version_rolls_out_through_ray_serve_with_no_failed_request(reposi
         "versions": ["2"],
         "platform": "onnxruntime_onnx",
     }
+
+
+@pytest.fixture(scope="module")
+def mixed_repository(tmp_path_factory, tiny_onnx) -> Path:
+    """`good`, beside `badlabels` (a labels.txt that is not UTF-8) and `badconfig` (a config.pbtxt Triton refuses)."""
+    root = tmp_path_factory.mktemp("ray_mixed") / "models"
+    for model in ("good", "badlabels", "badconfig"):
+        put_version(root / model, 1, tiny_onnx)
+    (root / "badlabels" / "labels.txt").write_bytes(b"top_left\n\xff\xfe\n")
+    (root / "badconfig" / "config.pbtxt").write_text("version_policy: { newest { } }\n")
+    return root
+
+
+def test_exit_on_error_refuses_a_repository_with_a_bad_model(mixed_repository):
+    from serve.server.ray.rollout import RepositoryRollout
+    from serve.server.settings import ServeSettings
+
+    rollout = RepositoryRollout(mixed_repository, ServeSettings(exit_on_error=True))
+    with pytest.raises(ValueError, match="badconfig.*badlabels") as refused:
+        rollout.deploy()  # refused by its checks, before anything reaches Ray
+    assert "config.pbtxt" in str(refused.value) and "labels.txt" in str(refused.value)
+

@@ -34,13 +34,14 @@ from serve.server.ray.repository import (
     model_app,
     model_app_name,
 )
-from serve.server.repository.layout import file_stamp, scan
-from serve.server.repository.version import LoadFailure, load_version
+from serve.server.repository.layout import LABELS_FILE, ModelFolder, scan
+from serve.server.repository.version import LoadFailure, load_version, stamp_of
 from serve.server.settings import ServeSettings
 
 log = logging.getLogger(__name__)
 
 Versions = dict[str, str]  # version -> path of its model.onnx
+Stamp = tuple[int, int, int]  # a file's size, modification time and inode (`stamp_of`)
 
 
 class RepositoryRollout:
@@ -82,36 +83,54 @@ class RepositoryRollout:
         self.replicas, self.max_replicas, self.cpus = replicas, max_replicas, cpus
         self.held: dict[str, Versions] = {}  # model -> the versions every replica of its application holds
         self.routed: dict[str, Versions] = {}  # model -> the versions an ingress replica may send requests to
-        self.failures: dict[tuple[str, str], tuple[tuple[int, int], str]] = {}  # -> (file stamp, reason)
+        # (model, version or "" for the whole model) -> (what failed: a file stamp or the reason, the reason)
+        self.failures: dict[tuple[str, str], tuple[object, str]] = {}
+        self.checked: dict[tuple[str, str], Stamp] = {}  # (model, version) -> the stamp of its file that passed
+        self.stamps: dict[str, dict[str, Stamp | None]] = {}  # model -> version -> the file its replicas hold
         self.check_settings = settings.model_copy(update={"preferred_batch_size": 1})  # a check, not a measurement
 
     def describe(self) -> str:
         """The ready line's summary."""
-        return f"models {', '.join(sorted(self.held))}, {self.replicas} replica{'s' * (self.replicas > 1)} each"
+        failed = ", ".join(sorted({m for m, _ in self.failures} - set(self.held)))
+        each = f"{self.replicas} replica{'s' * (self.replicas > 1)} each"
+        return f"models {', '.join(sorted(self.held))}, {each}" + (f"; not serving {failed}" if failed else "")
 
     def deploy(self) -> None:
-        """Deploy each model's application, then the ingress, which finds them.
+        """Deploy each model's application, then the ingress, which finds them. A model with no version that
+        passes its checks is logged with its reasons and not deployed; the others serve.
 
         Raises:
-            ValueError: a model has no version that passes its checks (the message gives each reason).
+            ValueError: no model has a version that passes its checks, or, with `exit_on_error`, any model or
+                version failed (the message gives each reason).
         """
         wanted = self.wanted()
-        empty = sorted(m for m, (versions, _) in wanted.items() if not versions)
+        servable = {m for m, (versions, _, _) in wanted.items() if versions}
+        empty = sorted(set(wanted) - servable)
+        failed = sorted({m for m, _ in self.failures} | set(empty))
+        if failed and self.settings.exit_on_error:
+            raise ValueError(f"--exit-on-error and a model failed: {', '.join(failed)}: {self.reasons(failed)}")
+        if not servable:
+            raise ValueError(f"no servable version of {', '.join(empty)}: {self.reasons(empty)}")
         if empty:
-            reasons = "; ".join(r for (m, _), (_, r) in self.failures.items() if m in empty) or "no version file"
-            raise ValueError(f"no servable version of {', '.join(empty)}: {reasons}")
+            log.error("not serving %s (%s); serving the others", ", ".join(empty), self.reasons(empty))
         for app in serve.status().applications:  # left by an earlier run on this cluster
-            if app.startswith(MODEL_APP_PREFIX) and app.removeprefix(MODEL_APP_PREFIX) not in wanted:
+            if app.startswith(MODEL_APP_PREFIX) and app.removeprefix(MODEL_APP_PREFIX) not in servable:
                 serve.delete(app)
-        for model, (versions, labels) in wanted.items():
-            self.deploy_model(model, versions, labels)
+        for model, (versions, labels, _) in wanted.items():
+            if versions:
+                self.deploy_model(model, versions, labels)
         serve.run(ingress_app(self.settings), name=APP_NAME, route_prefix="/")
         self.routed = {model: dict(versions) for model, versions in self.held.items()}
+
+    def reasons(self, models: list[str]) -> str:
+        """Why each of `models` (or one of its versions) does not serve, for a log line or an error."""
+        found = [r for (m, _), (_, r) in sorted(self.failures.items()) if m in models]
+        return "; ".join(found) or "no version file"
 
     def sync(self) -> None:
         """One poll: roll each changed model out, add the new ones, remove the ones whose folder went."""
         wanted = self.wanted()
-        for model, (versions, labels) in wanted.items():
+        for model, (versions, labels, _) in wanted.items():
             if versions:  # none passes its checks: what serves keeps serving, as with vit-serve DIR
                 self.roll(model, versions, labels)
         gone = sorted(set(self.held) - set(wanted))
@@ -121,7 +140,7 @@ class RepositoryRollout:
         for model in gone:
             self.route(model, {})
             serve.delete(model_app_name(model))
-            del self.held[model]
+            del self.held[model], self.stamps[model]
             self.routed.pop(model, None)
             log.info("%s: removed from the repository, its application deleted", model)
 
@@ -142,6 +161,7 @@ class RepositoryRollout:
         app = model_app(model, versions, labels, self.settings, self.replicas, self.max_replicas, self.cpus)
         serve.run(app, name=model_app_name(model), route_prefix=None)
         self.held[model] = dict(versions)
+        self.stamps[model] = {v: self.checked.get((model, v)) for v in versions}
         log.info("%s: every replica holds versions %s", model, by_number(versions))
 
     def route(self, model: str, versions: Versions) -> None:
@@ -161,27 +181,68 @@ class RepositoryRollout:
         for model in sorted(self.held):
             serve.delete(model_app_name(model))
 
-    def wanted(self) -> dict[str, tuple[Versions, list[str] | None]]:
-        """Per model to serve: the versions its policy wants that pass their checks, and its labels."""
+    def wanted(self) -> dict[str, tuple[Versions, list[str] | None, set[str]]]:
+        """Per model to serve: the versions its policy wants that pass their checks, its labels, and those of the
+        versions whose file passed its checks anew (new, or changed on disk since its replicas loaded it).
+
+        Whatever a model's folder holds (a config that cannot be read, a labels.txt that is not text, a file that
+        makes the checks raise anything at all), it is that model's failure alone: it has no version here, and
+        its reason is in `failures`.
+        """
         folders = scan(self.root)
         out = {}
         for model in self.models or sorted(folders):
             folder = folders.get(model)
             if folder is None:
                 continue
-            labels = folder.labels()
-            files = {str(v): path for v, path in folder.wanted().items()}
-            out[model] = ({v: str(path) for v, path in files.items() if self.passes(model, v, path, labels)}, labels)
+            try:
+                out[model] = self.check_model(folder)
+            except Exception as e:  # one model's folder never stops the others' rollout
+                self.fail(model, "", f"{folder.folder}: {type(e).__name__}: {e}")
+                out[model] = ({}, None, set())
         return out
 
-    def passes(self, model: str, version: str, path: Path, labels: list[str] | None) -> bool:
-        """Whether a version file passes the checks of `vit-serve DIR` (`load_version`), run once per file."""
-        if version in self.held.get(model, {}):
-            return True  # checked when it was deployed
+    def check_model(self, folder: ModelFolder) -> tuple[Versions, list[str] | None, set[str]]:
+        """One model's part of `wanted`: its versions that pass, its labels and the versions checked anew."""
+        model = folder.name
+        if folder.error:  # its config.pbtxt cannot be read: what serves keeps serving, nothing new
+            self.fail(model, "", folder.error)
+            return {}, None, set()
         try:
-            stamp = file_stamp(path)
+            labels = folder.labels()
+        except (OSError, ValueError) as e:
+            self.fail(model, "", f"{folder.folder}/{LABELS_FILE}: {e}")
+            return {}, None, set()
+        files = {str(v): path for v, path in folder.wanted().items()}
+        for key in [k for k in self.failures if k[0] == model and k[1] not in files]:
+            del self.failures[key]  # the model's own failure, and those of versions no longer wanted
+        versions, fresh = {}, set()
+        for version, path in files.items():
+            verdict = self.check(model, version, path, labels)
+            if verdict is not None:
+                versions[version] = str(path)
+            if verdict:
+                fresh.add(version)
+        return versions, labels, fresh
+
+    def check(self, model: str, version: str, path: Path, labels: list[str] | None) -> bool | None:
+        """Whether a version file may be held: True when it passed the checks of `vit-serve DIR` (`load_version`)
+        and its replicas do not hold it yet (a new version, or a file rewritten in place: its size, modification
+        time or inode changed), False when they hold it already (a new file that failed leaves the one they
+        loaded serving), None when it may not. Each file is checked once."""
+        key, held = (model, version), self.stamps.get(model, {}).get(version)
+        try:
+            stamp = stamp_of(path)
         except OSError:
-            return False  # gone again
+            return None if held is None else False  # gone again
+        if stamp == held:
+            return False
+        if stamp != self.checked.get(key) and not self.passes(model, version, path, labels, stamp):
+            return None if held is None else False
+        return True
+
+    def passes(self, model: str, version: str, path: Path, labels: list[str] | None, stamp: Stamp) -> bool:
+        """Run `load_version`'s checks on a file with this stamp, unless the same file failed them before."""
         failed = self.failures.get((model, version))
         if failed is not None and failed[0] == stamp:
             return False  # the same file failed before: try again when it changes
@@ -189,9 +250,21 @@ class RepositoryRollout:
         try:
             checked = load_version(model, version, path, make_engine, 1, labels)
         except LoadFailure as e:
-            self.failures[(model, version)] = (stamp, str(e))
-            log.error("version %s of %s does not take traffic: %s", version, model, e)
+            self.fail(model, version, str(e), stamp)
+            return False
+        except Exception as e:  # what the checks did not foresee is still this version's failure alone
+            self.fail(model, version, f"{path}: {type(e).__name__}: {e}", stamp)
             return False
         checked.engine.stop()
         self.failures.pop((model, version), None)
+        self.checked[(model, version)] = stamp
         return True
+
+    def fail(self, model: str, version: str, reason: str, stamp: object = None) -> None:
+        """Keep and log why a model (`version` "") or a version does not serve, once for each file or reason."""
+        stamp = reason if stamp is None else stamp
+        known = self.failures.get((model, version))
+        if known is not None and known[0] == stamp:
+            return
+        self.failures[(model, version)] = (stamp, reason)
+        log.error("%s does not take traffic: %s", f"version {version} of {model}" if version else model, reason)
