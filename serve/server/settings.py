@@ -229,11 +229,13 @@ class ServeSettings(BaseSettings):
         "past which calls would only wait for the batcher",
     )
     grpc_idle_timeout_s: float = Field(
-        60.0,
+        15.0,
         gt=0,
         description="a gRPC connection without a call for this long is closed (with GOAWAY), so that abandoned "
-        "ones give their place back; a gRPC channel reconnects by itself on its next call. Pings do not count "
-        "as calls: a client that pings an idle connection more often than every 10 s is disconnected",
+        "ones give their place back; a gRPC channel reconnects by itself on its next call. It bounds how long a "
+        "flood of idle connections (each sends the HTTP/2 preface, then nothing) can hold all "
+        "grpc_max_connections slots and lock new gRPC clients out; HTTP's connections are not among them. Pings "
+        "do not count as calls: a client that pings an idle connection more often than every 10 s is disconnected",
     )
     payload_log: str = Field(
         "", description="file to record every inference request in, as JSON lines, rotated by size (empty: none)"
