@@ -272,11 +272,31 @@ def test_a_bad_config_fails_its_own_model_and_not_the_scan(tmp_path):
 
 
 def test_a_config_over_the_size_cap_is_that_models_error(tmp_path):
-    models = scan(repo_with(tmp_path, {"big": "#" * (MAX_CONFIG_BYTES + 1), "good": None}))
-    assert "over" in models["big"].error and models["big"].wanted() == {} and models["good"].error == ""
+    # Triton's configs are a few KiB; a larger one took seconds to parse on every poll, under the repository lock
+    models = scan(repo_with(tmp_path, {"big": "#" * (64 * 1024 + 1), "good": None}))
+    assert "a few KiB" in models["big"].error and models["big"].wanted() == {} and models["good"].error == ""
 
 
-def test_a_megabyte_of_whitespace_parses_in_linear_time(tmp_path):
+def test_an_unchanged_config_is_parsed_once_not_on_every_poll(tmp_path, monkeypatch):
+    from serve.server.repository import layout
+
+    parsed = []
+    monkeypatch.setattr(layout, "parse_version_policy", lambda text: parsed.append(text) or VersionPolicy("all"))
+    root = repo_with(tmp_path, {"m": "version_policy { all { } }"})
+    scan(root), scan(root)
+    assert len(parsed) == 1
+    (root / "m" / CONFIG_FILE).write_text("version_policy { latest { num_versions: 2 } }")
+    assert scan(root)["m"].policy == VersionPolicy("all") and len(parsed) == 2  # a changed file is read again
+
+
+def test_a_labels_file_over_its_cap_is_that_models_error(tmp_path):
+    root = repo_with(tmp_path, {"m": None})
+    (root / "m" / "labels.txt").write_bytes(b"cat\n" * (1 << 18) + b"x")  # just over 1 MiB
+    with pytest.raises(ValueError, match="over 1,048,576 bytes"):
+        scan(root)["m"].labels()
+
+
+def test_a_config_of_whitespace_up_to_the_cap_parses_in_linear_time(tmp_path):
     # the regex reader backtracked quadratically on it: about 27 minutes per megabyte, under the repository lock
     config = "version_policy { all { } }\n# latest" + " " * (MAX_CONFIG_BYTES - 64)
     repo_with(tmp_path, {"spaces": config})

@@ -13,11 +13,14 @@ A version is a folder named by ASCII digits without a leading zero, as Triton's 
 `0`, `01`, `²` and `١` are not versions and are skipped (so `01` never collides with `1`).
 
 A config that cannot be read fails its own model only: `scan` returns that folder with `error` set, and it
-serves nothing until the file is fixed.
+serves nothing until the file is fixed. The poller scans every few seconds under the repository lock, so a
+config is parsed again only when its size, modification time or inode changed (`read_policy`), and configs
+and labels.txt files are capped in size.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,7 +31,8 @@ from serve.server.repository.model_config_pb2 import ModelConfig
 MODEL_FILE = "model.onnx"
 CONFIG_FILE = "config.pbtxt"
 LABELS_FILE = "labels.txt"
-MAX_CONFIG_BYTES = 1 << 20  # Triton's own configs are a few kB; the cap keeps a stray huge file off the scan
+MAX_CONFIG_BYTES = 64 << 10  # Triton's configs are a few KiB; parsing a stray huge one stalls every poll
+MAX_LABELS_BYTES = 1 << 20  # a name per class: ample for tens of thousands of classes
 MAX_VERSION = 2**63 - 1  # Triton's versions are int64
 POLICY_FORMS = "version_policy must be { latest { num_versions: N } }, { all { } } or { specific { versions: [1, 2] } }"
 # Triton's ModelConfig fields left out of model_config.proto: they describe models vitscope cannot serve
@@ -104,21 +108,49 @@ def parse_version_policy(config: str) -> VersionPolicy:
     raise ValueError(f"version_policy names no policy (or no version): {POLICY_FORMS}")
 
 
-def read_config(path: Path) -> str:
-    """The text of a `config.pbtxt`, at most `MAX_CONFIG_BYTES`.
+def read_text(path: Path, limit: int, usual: str) -> str:
+    """The UTF-8 text of a small file, at most `limit` bytes (`usual` says how large such a file is).
 
     Raises:
         ValueError: the file is larger, or not UTF-8.
         OSError: it cannot be read.
     """
     with path.open("rb") as f:
-        data = f.read(MAX_CONFIG_BYTES + 1)
-    if len(data) > MAX_CONFIG_BYTES:
-        raise ValueError(f"it is over {MAX_CONFIG_BYTES:,} bytes; a model's config is a few kB: write it again")
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise ValueError(f"it is over {limit:,} bytes; {usual}: write it again")
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
         raise ValueError(f"it is not UTF-8 text ({e})") from None
+
+
+def read_config(path: Path) -> str:
+    """The text of a `config.pbtxt`, at most `MAX_CONFIG_BYTES` (`read_text`)."""
+    return read_text(path, MAX_CONFIG_BYTES, "Triton's model configs are a few KiB")
+
+
+def read_policy(path: Path) -> VersionPolicy:
+    """The version policy of a `config.pbtxt`, parsed only when the file is new or changed since the last call.
+
+    Raises:
+        ValueError: a config Triton would refuse (`parse_version_policy`), or one over `MAX_CONFIG_BYTES`.
+        OSError: it cannot be read.
+    """
+    st = path.stat()
+    policy = _policy_of(str(path), st.st_size, st.st_mtime_ns, st.st_ino)
+    if isinstance(policy, str):
+        raise ValueError(policy)
+    return policy
+
+
+@functools.lru_cache(maxsize=1024)
+def _policy_of(path: str, size: int, mtime_ns: int, inode: int) -> VersionPolicy | str:
+    """The policy of the file `path` as it was at (size, mtime_ns, inode), or why it is refused (cached too)."""
+    try:
+        return parse_version_policy(read_config(Path(path)))
+    except ValueError as e:
+        return str(e)
 
 
 def version_of(name: str) -> int | None:
@@ -149,8 +181,16 @@ class ModelFolder:
         return {v: self.files[v] for v in self.policy.select(list(self.files))}
 
     def labels(self) -> list[str] | None:
+        """The class names of labels.txt, one a line (None: the folder has none).
+
+        Raises:
+            ValueError: it is over `MAX_LABELS_BYTES`, or not UTF-8.
+            OSError: it cannot be read.
+        """
         path = self.folder / LABELS_FILE
-        return path.read_text(encoding="utf-8").splitlines() if path.is_file() else None
+        if not path.is_file():
+            return None
+        return read_text(path, MAX_LABELS_BYTES, "labels.txt holds one class name a line").splitlines()
 
 
 def scan_model(folder: Path) -> ModelFolder:
@@ -162,7 +202,7 @@ def scan_model(folder: Path) -> ModelFolder:
         return ModelFolder(folder.name, folder, error=f"{folder}: cannot be listed: {e}")
     config = folder / CONFIG_FILE
     try:
-        policy = parse_version_policy(read_config(config)) if config.is_file() else VersionPolicy()
+        policy = read_policy(config) if config.is_file() else VersionPolicy()
     except (OSError, ValueError) as e:
         return ModelFolder(folder.name, folder, files=files, error=f"{config}: {e}")
     return ModelFolder(folder.name, folder, policy, files)
