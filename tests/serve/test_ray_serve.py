@@ -7,6 +7,8 @@ loses none of them, and Ray starts a replacement.
 A model repository (`vit-serve DIR --ray`): each model's application answers its routes and versions with
 the results of its own file, and a new version dropped into the folder rolls out, through Ray Serve's
 rolling updates, under a client loop that sees no failed request and then only the new version's answers.
+A bad model (labels.txt, config.pbtxt) beside a good one is refused alone, and a version file rewritten in
+place rolls out as a new version does.
 """
 
 from __future__ import annotations
@@ -319,3 +321,29 @@ def test_exit_on_error_refuses_a_repository_with_a_bad_model(mixed_repository):
         rollout.deploy()  # refused by its checks, before anything reaches Ray
     assert "config.pbtxt" in str(refused.value) and "labels.txt" in str(refused.value)
 
+
+def test_a_bad_model_fails_alone_and_a_rewritten_file_rolls_out(servers, cluster, mixed_repository, tiny_onnx):
+    args = ["--ray", "--ray-address", cluster.address, "--replica-cpus", "0.5", "--preferred-batch-size", "4"]
+    args += ["--repository-poll-s", "0.5"]
+    server = servers.get("mixed", lambda: ServerProcess(mixed_repository, *args))
+    url, image = server.url, quadrant_images(1, seed=3)[0][0]
+    assert [m["name"] for m in httpx.get(url + "/v2/models").json()["models"]] == ["good"]
+    assert "badlabels/labels.txt" in server.output and "badconfig/config.pbtxt" in server.output  # the reasons
+    assert httpx.get(url + "/readyz").status_code == 200
+    path = mixed_repository / "good" / "1" / "model.onnx"
+    other = reweighted(tiny_onnx, mixed_repository.parent / "other.onnx")
+    old = expected(mixed_repository, "good", "1", image)[0]["label"]
+    (top,) = OnnxClassifier(other, threads=1).predict(png_bytes(image), 1)
+    assert old != top[0][0]  # the rewritten file's answer tells it apart
+    with ClassifyLoop(url, "/v1/models/good/classify", image) as loop:
+        wait_until(lambda: len(loop.answers) >= 20, 60, "20 answers from the first file")
+        shutil.copyfile(other, path)  # in place: the same inode, version and path, as vit-export rewrites one
+        rewritten = len(loop.answers)
+        rolled = "good: every replica holds versions ['1']"  # once at start, once after the rewrite's update
+        wait_until(lambda: server.output.count(rolled) >= 2, 120, "the rewrite's rolling update", interval=0.5)
+        settled = len(loop.answers)
+        wait_until(lambda: len(loop.answers) >= settled + 20, 60, "20 more answers after the rollout")
+    failed = [a for a in loop.answers if a[0] != 200]
+    assert not failed, f"{len(failed)} failed requests while the rewrite rolled out, e.g. {failed[:3]}"
+    assert {a[1] for a in loop.answers} == {"1"}
+    assert {a[2] for a in loop.answers[:rewritten]} == {old} and {a[2] for a in loop.answers[settled:]} == {top[0][0]}

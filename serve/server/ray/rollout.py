@@ -3,8 +3,10 @@
 Each model of `DIR` (or of `--models`) is an application of its own, and one ingress answers every route
 (`serve.server.ray.repository`). At start, and then every `--repository-poll-s` seconds, the launcher
 reads the folder as `vit-serve DIR` does (`scan`, the version policies), checks each new version file once
-(`load_version`: one that fails is logged, never deployed, and tried again when its file changes) and
-takes each changed model to its wanted versions in three steps:
+(`load_version`: one that fails is logged, never deployed, and tried again when its file changes), checks
+again a held version whose file was rewritten in place (its size, modification time or inode changed: the
+replicas hold it as it was, and roll out the new file as a new version once it passes), and takes each
+changed model to its wanted versions in three steps:
 
 1. widen: its application is redeployed holding the versions the ingress sends requests to and the wanted
    ones (`serve.run`: Ray Serve's rolling update, each new replica up and healthy before an old one stops);
@@ -14,7 +16,8 @@ takes each changed model to its wanted versions in three steps:
 
 So every replica holds every version the ingress may send it an image for, at every moment of both
 rolling updates, and no request fails for a rollout. A model whose folder goes leaves the ingress first;
-then its application is deleted. An unchanged model's application is left alone.
+then its application is deleted. An unchanged model's application is left alone. Whatever one model's
+folder holds, it is that model's failure alone (`wanted`), at start too unless `--exit-on-error` is set.
 """
 
 from __future__ import annotations
@@ -130,9 +133,9 @@ class RepositoryRollout:
     def sync(self) -> None:
         """One poll: roll each changed model out, add the new ones, remove the ones whose folder went."""
         wanted = self.wanted()
-        for model, (versions, labels, _) in wanted.items():
+        for model, (versions, labels, fresh) in wanted.items():
             if versions:  # none passes its checks: what serves keeps serving, as with vit-serve DIR
-                self.roll(model, versions, labels)
+                self.roll(model, versions, labels, fresh)
         gone = sorted(set(self.held) - set(wanted))
         if gone and len(gone) == len(self.held):
             log.warning("no model to serve is left in %s; still serving %s", self.root, ", ".join(gone))
@@ -144,12 +147,14 @@ class RepositoryRollout:
             self.routed.pop(model, None)
             log.info("%s: removed from the repository, its application deleted", model)
 
-    def roll(self, model: str, versions: Versions, labels: list[str] | None) -> None:
-        """Take one model to `versions`: widen, switch, narrow (the module's docstring); each step only if needed."""
+    def roll(self, model: str, versions: Versions, labels: list[str] | None, fresh: set[str] = frozenset()) -> None:
+        """Take one model to `versions`: widen, switch, narrow (the module's docstring); each step only if needed.
+        A version in `fresh` (a file its replicas do not hold yet, such as one rewritten in place) is rolled out
+        as a new one is, and the ingress reloads its copy."""
         held, routed = self.held.get(model, {}), self.routed.get(model, {})
-        if not versions.keys() <= held.keys():
+        if fresh or not versions.keys() <= held.keys():
             self.deploy_model(model, {**routed, **versions}, labels)
-        if versions.keys() != routed.keys():
+        if fresh or versions.keys() != routed.keys():
             self.route(model, versions)
         keep = {v: path for v, path in self.held[model].items() if v in versions or v in self.routed.get(model, {})}
         if keep.keys() != self.held[model].keys():
