@@ -230,28 +230,3 @@ def scan(root: Path) -> dict[str, ModelFolder]:
             f"{root} holds no model: expected <name>/<version>/{MODEL_FILE} (as vit-export --triton-repo writes)"
         )
     return models
-
-
-def file_stamp(path: Path) -> tuple[int, int]:
-    """(size, modification time): a file still being copied changes it, so a failed load is retried."""
-    st = path.stat()
-    return st.st_size, st.st_mtime_ns
-
-
-def default_model_file(root: Path, default_model: str = "") -> tuple[str, Path]:
-    """The default model's name (`default_model`, else the first by name that has no error) and its newest wanted
-    version file.
-
-    Raises:
-        ValueError: no such model, its config cannot be read, or it has no version file.
-    """
-    models = scan(root)
-    name = default_model or min((n for n, m in models.items() if not m.error), default=min(models))
-    if name not in models:
-        raise ValueError(f"--default-model {name!r} is not in {root}; it holds {', '.join(models)}")
-    if models[name].error:
-        raise ValueError(models[name].error)
-    wanted = models[name].wanted()
-    if not wanted:
-        raise ValueError(f"{root / name} has no version to serve: expected {root / name}/<version>/{MODEL_FILE}")
-    return name, wanted[max(wanted)]
