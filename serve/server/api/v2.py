@@ -21,7 +21,6 @@ against this server as against Triton. Errors have the protocol's shape, {"error
 from __future__ import annotations
 
 import functools
-import weakref
 
 import numpy as np
 from fastapi import APIRouter, Request
@@ -146,14 +145,11 @@ def v2_router(
     return router
 
 
-_SPECS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # version -> its (pixels, logits) specs
-
-
 def specs_of(served: ModelVersion) -> tuple[TensorSpec, TensorSpec]:
-    """A served version's (pixels, logits) tensor specs, read from its session once."""
-    if served not in _SPECS:
-        _SPECS[served] = tensor_specs(served.classifier)
-    return _SPECS[served]
+    """A served version's (pixels, logits) tensor specs, read from its session once and kept on it (`specs`)."""
+    if served.specs is None:
+        served.specs = tensor_specs(served.classifier)
+    return served.specs
 
 
 def add_infer_routes(

@@ -6,7 +6,6 @@ plugs in its own lookup; `OneModel` is the server of one file, as `vit-serve mod
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
@@ -91,7 +90,6 @@ class RepositoryModels:
 
     def __init__(self, repository: ModelRepository):
         self.repository = repository
-        self._specs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # classifier -> its tensors
 
     def get(self, name: str, version: str = "") -> ServedModel:
         return self._served(self._resolve(name, version or None))
@@ -108,9 +106,9 @@ class RepositoryModels:
             raise ApiError("not_found", str(e)) from None
 
     def _served(self, served) -> ServedModel:
-        if served.classifier not in self._specs:
-            self._specs[served.classifier] = tensor_specs(served.classifier)
-        pixels, logits = self._specs[served.classifier]
+        if served.specs is None:  # read once per version, and kept on it for HTTP's v2 routes too
+            served.specs = tensor_specs(served.classifier)
+        pixels, logits = served.specs
         return ServedModel(served.name, served.version, served.classifier, served.engine, pixels, logits, served.held)
 
     def ready(self) -> bool:

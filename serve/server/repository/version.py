@@ -78,6 +78,9 @@ class ModelVersion:
     decode_on_worker: bool = False
     loaded_at: float = field(default_factory=time.time)
     retired: bool = False
+    # the (pixels, logits) specs of `serve.server.api.tensors.tensor_specs`, read by the first request that needs
+    # them (this layer sits below the API's and cannot read them itself); HTTP's v2 and gRPC share them
+    specs: tuple | None = None
     _count_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def __post_init__(self):
