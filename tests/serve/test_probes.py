@@ -115,10 +115,9 @@ def test_an_accept_error_does_not_end_the_probe_process(capfd):
     probes = ProbeServer("127.0.0.1", 0, lambda: True).start()
     pid, said = probes.proc.pid, []
     try:
+        wait_until(lambda: answers(probes.port), 5, "/healthz")  # its event loop runs, with all it needs open
         soft, hard = resource.prlimit(pid, resource.RLIMIT_NOFILE)
-        in_use = {int(fd) for fd in os.listdir(f"/proc/{pid}/fd")}
-        lowest_free = min(set(range(len(in_use) + 1)) - in_use)
-        resource.prlimit(pid, resource.RLIMIT_NOFILE, (lowest_free, hard))  # the next accept fails with EMFILE
+        resource.prlimit(pid, resource.RLIMIT_NOFILE, (3, hard))  # stdio only: every accept now fails with EMFILE
         with socket.create_connection(("127.0.0.1", probes.port)):
             wait_until(lambda: said.append(capfd.readouterr().err) or "cannot accept" in "".join(said), 5, "an error")
             resource.prlimit(pid, resource.RLIMIT_NOFILE, (soft, hard))
