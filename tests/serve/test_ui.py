@@ -12,6 +12,7 @@ from PIL import Image
 from serve.server.explain import cls_attention, render_overlay
 from serve.server.ui.blocks import example_files
 from tests.helpers import ServerProcess, server_has_read, wait_until
+from tests.serve.test_repository import add_model, drop_version, exported  # noqa: F401 (a fixture)
 
 
 @pytest.fixture(scope="module")
@@ -83,6 +84,45 @@ def test_gradio_client_gets_a_clear_error_for_a_bad_block_range(ui_server, image
     with pytest.raises(Exception, match="block range"):
         client.predict(handle_file(str(image_file)), "mean", 0.0, 1, 1, 0.5, "inferno", api_name="/classify")
     assert client.predict(handle_file(str(image_file)), "max", 0.5, 0, 1, 0.5, "inferno", api_name="/classify")
+
+
+@pytest.mark.parametrize("call", ["classify", "trust"])
+def test_a_ui_call_that_resolved_a_retiring_version_runs_on_the_new_one(
+    exported, tiny_onnx, tmp_path, image_file, call
+):  # noqa: F811, E501
+    """A UI call resolves version 1; a rollout lands before the call holds it, so the drain sees no call and stops
+    version 1's engine. The call must be answered (by version 2), not meet a stopped engine."""
+    from serve.server.app import build_app
+    from serve.server.settings import ServeSettings
+    from serve.server.ui.blocks import UiActions
+
+    repo = tmp_path / "models"
+    add_model(repo, exported, "alpha", [])
+    drop_version(repo / "alpha", 1, tiny_onnx)  # with the attention outputs the UI explains from
+    settings = ServeSettings(preferred_batch_size=1, graceful_timeout_s=1, examples_dir="")
+    repository = build_app(repo, settings, with_ui=False).state.repository
+    repository.start()
+    try:
+        on, looked_up, swaps = UiActions(repository, repository.resolve().classifier, settings), repository.resolve, []
+
+        def resolve_then_roll_out(name=None, version=None):
+            served = looked_up(name, version)
+            if not swaps:  # once: version 2 takes over and version 1 drains between this lookup and the hold
+                swaps.append(served)
+                drop_version(repo / "alpha", 2, tiny_onnx)
+                repository.sync()
+                wait_until(lambda: served.engine.drained, 10, "version 1 drained and stopped")
+            return served
+
+        repository.resolve = resolve_then_roll_out
+        if call == "classify":
+            label = on.classify(str(image_file), "mean", 0.0, 0, on.depth, 0.5, "inferno")[0]
+            assert set(label) == set(on.labels)
+        else:
+            assert "Calibrated confidence" in on.trust(str(image_file), 0.9)
+        assert [s.version for s in swaps] == ["1"]
+    finally:
+        repository.stop()
 
 
 def test_overlay_keeps_the_image_at_zero_opacity_and_is_the_map_at_full():

@@ -16,6 +16,8 @@ Endpoints for `gradio_client` (``Client(url).predict(..., api_name=...)``):
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +37,7 @@ from serve.server.explain import (
     with_deletion,
 )
 from serve.server.repository.repository import UnknownModel
+from serve.server.repository.version import Retired
 from serve.server.ui.http import NoVersionInGradioOpenapi, UiCallErrorsAsJson, UploadLimit
 
 log = logging.getLogger(__name__)
@@ -102,11 +105,14 @@ class UiActions:
         self.fill = mean_fill(classifier.preprocess.mean)
         self.grads = bool(getattr(classifier, "supports_gradients", False))
 
-    def served(self, model: str | None):
-        """The version the picked model (None: the default one) serves now."""
+    @contextmanager
+    def held(self, model: str | None) -> Iterator[Any]:
+        """The version the picked model (None: the default one) serves now, held while the block runs, as the API
+        routes hold theirs: a rollout that retires it waits for the call before it stops its engine."""
         try:
-            return self.repository.resolve(model or None)
-        except UnknownModel as e:
+            with self.repository.hold(model or None) as served:
+                yield served
+        except (UnknownModel, Retired) as e:
             raise gr.Error(str(e)) from None
 
     def pixels_of(self, path: str | None, classifier) -> np.ndarray:
@@ -120,14 +126,14 @@ class UiActions:
             raise gr.Error(str(e)) from None
 
     def classify(self, path, head_fusion, discard_ratio, block_start, block_stop, opacity, colormap, model=None):
-        served = self.served(model)
-        pixels = self.pixels_of(path, served.classifier)
         start, stop = int(block_start), int(block_stop)
         if not 0 <= start < stop <= self.depth:
             raise gr.Error(f"the block range must satisfy 0 <= first < last <= {self.depth}; got {start} to {stop}")
         blocks = None if (start, stop) == (0, self.depth) else (start, stop)
-        args = (served.classifier, pixels, head_fusion, float(discard_ratio), blocks, self.fill, self.limits)
-        ex = served.engine.run_sync(explain_pixels, *args)
+        with self.held(model) as served:
+            pixels = self.pixels_of(path, served.classifier)
+            args = (served.classifier, pixels, head_fusion, float(discard_ratio), blocks, self.fill, self.limits)
+            ex = served.engine.run_sync(explain_pixels, *args)
         overlay = render_overlay(pixels, ex["grid"], float(opacity), colormap)
         seen_big = render_overlay(pixels, ex["grid"], 0.0)  # the input crop at display size
         last = (pixels, ex["grid"])  # kept in the page's state: restyling needs no model call
@@ -138,17 +144,18 @@ class UiActions:
         """Calibrated confidence, the prediction set at `coverage` and the unknown verdict, each explained."""
         if not path:
             return ""
-        served = self.served(model)
-        clf = served.classifier
-        pixels = self.pixels_of(path, clf)
-        if not clf.calibrated:
-            return (
-                "**Uncalibrated model**: scores are raw softmax; export it again with vit-export for sets and verdicts."
-            )
-        try:
-            answers = served.engine.run_sync(clf.assess, pixels[None], float(coverage))
-        except ValueError as e:
-            raise gr.Error(str(e)) from None
+        with self.held(model) as served:
+            clf = served.classifier
+            pixels = self.pixels_of(path, clf)
+            if not clf.calibrated:
+                return (
+                    "**Uncalibrated model**: scores are raw softmax; export it again with vit-export for sets and "
+                    "verdicts."
+                )
+            try:
+                answers = served.engine.run_sync(clf.assess, pixels[None], float(coverage))
+            except ValueError as e:
+                raise gr.Error(str(e)) from None
         (p,) = clf.predictions(answers, 1)
         label, prob = p[0]
         shown = ", ".join(p.prediction_set) if p.prediction_set else "(empty: no class reaches the bar)"
@@ -183,31 +190,33 @@ class UiActions:
         return render_overlay(pixels, grid, float(opacity), colormap)
 
     def attention(self, path, block, head, opacity, colormap, model=None):
-        served = self.served(model)
-        pixels = self.pixels_of(path, served.classifier)
         b, h = int(block), int(head)
         if not (0 <= b < self.depth and 0 <= h < self.nh):
             raise gr.Error(f"block must be in 0..{self.depth - 1} and head in 0..{self.nh - 1}")
+        with self.held(model) as served:
+            clf, pixels = served.classifier, self.pixels_of(path, served.classifier)
 
-        def run():
-            probs, grid = cls_attention(served.classifier, pixels, b, h)
-            return with_deletion(served.classifier, pixels, probs, grid, self.fill, self.limits)
+            def run():
+                probs, grid = cls_attention(clf, pixels, b, h)
+                return with_deletion(clf, pixels, probs, grid, self.fill, self.limits)
 
-        return self._shown(served.engine.run_sync(run), pixels, opacity, colormap)
+            ex = served.engine.run_sync(run)
+        return self._shown(ex, pixels, opacity, colormap)
 
     def gradient(self, path, label, opacity, colormap, model=None):
-        served = self.served(model)
         if not self.grads:
             raise gr.Error(NO_GRADIENTS)
-        pixels = self.pixels_of(path, served.classifier)
         target = self.labels.index(label) if label in self.labels else None
+        with self.held(model) as served:
+            clf, pixels = served.classifier, self.pixels_of(path, served.classifier)
 
-        def run():
-            probs, maps = served.classifier.gradient_rollout(pixels[None], target=target)
-            grid = np.asarray(maps[0], np.float32)
-            return with_deletion(served.classifier, pixels, probs[0], grid, self.fill, self.limits, target)
+            def run():
+                probs, maps = clf.gradient_rollout(pixels[None], target=target)
+                grid = np.asarray(maps[0], np.float32)
+                return with_deletion(clf, pixels, probs[0], grid, self.fill, self.limits, target)
 
-        return self._shown(served.engine.run_sync(run), pixels, opacity, colormap)
+            ex = served.engine.run_sync(run)
+        return self._shown(ex, pixels, opacity, colormap)
 
     def _shown(self, ex, pixels, opacity, colormap):
         return render_overlay(pixels, ex["grid"], float(opacity), colormap), deletion_text(ex["deletion"], self.labels)
