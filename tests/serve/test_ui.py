@@ -88,8 +88,12 @@ def test_gradio_client_gets_a_clear_error_for_a_bad_block_range(ui_server, image
 
 @pytest.mark.parametrize("call", ["classify", "trust"])
 def test_a_ui_call_that_resolved_a_retiring_version_runs_on_the_new_one(
-    exported, tiny_onnx, tmp_path, image_file, call
-):  # noqa: F811, E501
+    exported,  # noqa: F811 (the fixture, imported above)
+    tiny_onnx,
+    tmp_path,
+    image_file,
+    call,
+):
     """A UI call resolves version 1; a rollout lands before the call holds it, so the drain sees no call and stops
     version 1's engine. The call must be answered (by version 2), not meet a stopped engine."""
     from serve.server.app import build_app
