@@ -34,7 +34,6 @@ import numpy as np
 
 from benchmarks import common
 from benchmarks.servers import random_model_file, sample_image
-from serve.export.web import ort_web_version, write_web
 from serve.runtime.classifier import OnnxClassifier
 from serve.server.testing import free_port, noise_png, wait_until
 
@@ -260,6 +259,7 @@ def main() -> None:
     p.add_argument("--images", type=int, default=20, help="timed images per variant and server")
     common.add_results_option(p)
     args = p.parse_args()
+    from serve.export.web import ort_web_version, write_web  # the exporter (onnx): the tests import this module too
 
     result = common.Result(
         "web",

@@ -230,6 +230,7 @@ def test_a_file_removed_while_it_loads_stops_the_engine_it_started(exported, tmp
 @pytest.fixture(scope="module")
 def uncalibrated(request, tmp_path_factory) -> Path:
     """A repository from `vit-export --triton-repo --no-calibration`: model `plain`, version 1, no OOD score."""
+    pytest.importorskip("onnx", reason="the exporter: not in the [serve]-only install")
     from serve.export.cli import main as export_main
 
     root = tmp_path_factory.mktemp("uncalibrated")
@@ -288,6 +289,7 @@ class Labels(ClientLoop):
 def test_a_file_rewritten_in_place_is_reloaded_without_a_failed_request(exported, tmp_path, how):  # noqa: F811
     """vit-export --triton-repo rewrites version 1 in place: its new class names must be served, by polling and
     by POST .../load, while requests keep being answered."""
+    pytest.importorskip("onnx", reason="rewrites the file's metadata: not in the [serve]-only install")
     from tests.serve.broken_models import with_metadata
 
     repo = tmp_path / "models"
