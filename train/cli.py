@@ -30,6 +30,7 @@ from train.callbacks import KeepBestScore
 from train.checkpoint_io import AtomicCheckpointIO, load_error, remove_partial_saves
 from train.datamodule import ImageFolderDataModule
 from train.errors import SetupError, TrainingError
+from train.label_issues import LabelIssuesReport
 from train.module import ViTClassifier
 from train.recipe import auto_recipe_args
 from train.run_dir import CKPT_DIR, check_ckpt_owner, check_writable, is_remote, resolve_ckpt_path
@@ -178,7 +179,7 @@ class VitCLI(LightningCLI):
         if config.get("enable_checkpointing") is not False:
             last.dirpath = os.path.realpath(run_dir / CKPT_DIR)
             callbacks += [last, KeepBestScore()]
-        kwargs["callbacks"] = callbacks
+        kwargs["callbacks"] = [*callbacks, LabelIssuesReport()]  # reports/label_issues.csv at the end of fit
         return super().instantiate_trainer(**kwargs)
 
     def instantiate_classes(self) -> None:
