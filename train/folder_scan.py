@@ -28,6 +28,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from serve.runtime.images import IMAGE_SUFFIXES
+from train.corrections import correct_folder
+from train.data_report import image_stats
+from train.duplicates import Duplicates, find_duplicates, follow_anchors, without_members
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +58,10 @@ class FolderScan:
     layout: str = "pool"
     seconds: float = 0.0
     calib: list[tuple[str, int]] = field(default_factory=list)  # held back from training (`calibration_split`)
+    corrections: dict | None = None  # {"file", "relabelled", "left_out", "not_found"} when a file was applied
+    duplicates: Duplicates | None = None  # copies and near-copies, when the scan looked for them
+    image_stats: dict | None = None  # sizes and modes seen, when the scan decoded the images
+    left_out: list[str] = field(default_factory=list)  # val images left out: a copy of them is in train/
 
     def to_split_dict(self) -> dict:
         """The split as plain data: what `split.json` holds in the run directory."""
@@ -65,6 +72,7 @@ class FolderScan:
             "train": [{"path": p, "label": y} for p, y in self.train],
             "val": [{"path": p, "label": y} for p, y in self.val],
             "calib": [{"path": p, "label": y} for p, y in self.calib],
+            "corrections": None if self.corrections is None else self.corrections["file"],
         }
 
     def write_split(self, path: str | Path) -> None:
@@ -73,6 +81,7 @@ class FolderScan:
     def save(self, path: str | Path) -> None:
         """Write the whole scan (split, bad files, time) as JSON, atomically: other ranks read it."""
         d = {**self.to_split_dict(), "bad": [[b.path, b.reason] for b in self.bad], "seconds": self.seconds}
+        d["corrections"] = self.corrections
         tmp = Path(path).with_suffix(".tmp")
         tmp.write_text(json.dumps(d))
         os.replace(tmp, path)
@@ -84,9 +93,11 @@ class FolderScan:
         pairs = lambda key: [(e["path"], e["label"]) for e in d[key]]
         bad = [BadFile(p, r) for p, r in d.get("bad", [])]
         calib = pairs("calib") if "calib" in d else []
-        return cls(
+        scan = cls(
             Path(d["root"]), d["classes"], pairs("train"), pairs("val"), bad, d["layout"], d.get("seconds", 0.0), calib
         )
+        scan.corrections = d.get("corrections")
+        return scan
 
 
 def _visible(p: Path) -> bool:
@@ -250,7 +261,13 @@ def calibration_split(
 
 
 def scan_folder(
-    root: str | Path, val_fraction: float = 0.2, seed: int = 42, verify: bool = True, calib_fraction: float = 0.0
+    root: str | Path,
+    val_fraction: float = 0.2,
+    seed: int = 42,
+    verify: bool = True,
+    calib_fraction: float = 0.0,
+    corrections: str | Path | None = None,
+    dedupe: bool = False,
 ) -> FolderScan:
     """Find classes and images under `root` and make (or read) the train/val split.
 
@@ -261,32 +278,84 @@ def scan_folder(
         verify: read every image's header now, so files that are not images are skipped and reported
             before training (files broken further in are found when decoded).
         calib_fraction: share of each class's training images held back for calibration (`calibration_split`).
+        corrections: a `path,label` CSV applied before the split (`train.corrections`).
+        dedupe: decode every image to find copies and near-copies (`train.duplicates`): the pool is then split
+            by group, so no group straddles train, val and calib; of the user's own train/ and val/, the val
+            images with a copy in train/ are left out. Files that fail to decode are skipped and reported.
 
     Returns:
         A `FolderScan`.
 
     Raises:
-        FileNotFoundError: `root` does not exist.
-        ValueError: fewer than 2 classes, an empty class folder (the message names it), or a class too small
-            to give calibration images.
+        FileNotFoundError: `root` or the corrections file does not exist.
+        ValueError: fewer than 2 classes, an empty class folder (the message names it), a class too small
+            to give calibration images, or a corrections file that names no class or empties one.
     """
     start = time.perf_counter()
     root = Path(root).expanduser().resolve()
     if not root.is_dir():
         raise FileNotFoundError(f"image folder not found: {root} (expected root/<class>/<image> files)")
     bad: list[BadFile] = []
-    if (root / "train").is_dir() and (root / "val").is_dir():
-        train_files = _scan_classes(root / "train", None, verify, bad)
-        classes = sorted(train_files)
-        val_files = _scan_classes(root / "val", classes, verify, bad)
-        train = [(p, y) for y, c in enumerate(classes) for p in train_files[c]]
-        val = [(p, y) for y, c in enumerate(classes) for p in val_files[c]]
+    pool = not ((root / "train").is_dir() and (root / "val").is_dir())
+    parts = [_scan_classes(root if pool else root / "train", None, verify, bad)]
+    classes = sorted(parts[0])
+    if not pool:
+        parts.append(_scan_classes(root / "val", classes, verify, bad))
+    record = None
+    if corrections is not None:
+        parts, record = correct_folder(parts, corrections, root, classes)
+    dups = stats = None
+    if dedupe:
+        dups, facts = find_duplicates([p for files in parts for paths in files.values() for p in paths])
+        bad += [BadFile(p, reason) for p, reason in facts.broken]
+        broken = {p for p, _ in facts.broken}
+        parts = [{c: [p for p in paths if p not in broken] for c, paths in files.items()} for files in parts]
+        stats = image_stats(facts.sizes, facts.modes)
+    items = [[(p, y) for y, c in enumerate(classes) for p in files[c]] for files in parts]
+    anchors = dups.anchors() if dups else {}
+    left_out: list[str] = []
+    if pool:
+        reps = {c: [p for p in paths if p not in anchors] for c, paths in parts[0].items()}
+        train, val = stratified_split(reps, val_fraction, seed)
         train, calib = calibration_split(train, classes, calib_fraction, seed)
-        return _done(FolderScan(root, classes, train, val, bad, layout="train_val", calib=calib), start)
-    files = _scan_classes(root, None, verify, bad)
-    train, val = stratified_split(files, val_fraction, seed)
-    train, calib = calibration_split(train, sorted(files), calib_fraction, seed)
-    return _done(FolderScan(root, sorted(files), train, val, bad, layout="pool", calib=calib), start)
+        train, val, calib = follow_anchors([train, val, calib], [it for it in items[0] if it[0] in anchors], anchors)
+    else:
+        train, val, calib, left_out = split_own(items[0], items[1], dups, classes, calib_fraction, seed)
+    scan = FolderScan(root, classes, train, val, bad, "pool" if pool else "train_val", calib=calib)
+    scan.corrections, scan.duplicates, scan.image_stats, scan.left_out = record, dups, stats, left_out
+    return _done(scan, start)
+
+
+def split_own(
+    train: list[tuple[str, int]],
+    val: list[tuple[str, int]],
+    dups: Duplicates | None,
+    classes: list[str],
+    calib_fraction: float,
+    seed: int,
+) -> tuple[list, list, list, list[str]]:
+    """The user's own train/ and val/: val less its copies of train images, calibration drawn by group.
+
+    Returns:
+        (train, val, calib, the val paths left out because a copy of them is in train/).
+    """
+    if dups is None:
+        kept, calib = calibration_split(train, classes, calib_fraction, seed)
+        return kept, val, calib, []
+    in_train = {p for p, _ in train}
+    anchors, left = {}, set()
+    for group in dups.groups:
+        mine = [p for p in group if p in in_train]
+        anchors.update({p: mine[0] for p in mine[1:]})
+        left.update(p for p in group if mine and p not in in_train)
+    kept, calib = calibration_split(without_members(train, anchors), classes, calib_fraction, seed)
+    kept, calib = follow_anchors([kept, calib], [it for it in train if it[0] in anchors], anchors)
+    if left:
+        log.warning(
+            "%d image(s) of %s have a copy in train/: left out of validation, so they do not inflate its accuracy "
+            "(reports/duplicates.csv lists them; --data.dedupe none keeps them)", len(left), Path(val[0][0]).parents[1],
+        )  # fmt: skip
+    return kept, [(p, y) for p, y in val if p not in left], calib, sorted(left)
 
 
 def _done(scan: FolderScan, start: float) -> FolderScan:

@@ -1,0 +1,142 @@
+"""Copies and near-copies: found by decoded pixels and perceptual hashes, and kept to one split."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image, ImageEnhance
+
+from train.duplicates import BUCKET, band_bits, band_pairs, find_duplicates
+from train.folder_scan import scan_folder
+
+
+def smooth_image(seed: int, side: int = 64) -> Image.Image:
+    """A photo-like image: random colour blobs, smooth at every scale."""
+    rng = np.random.default_rng(seed)
+    small = Image.fromarray(rng.integers(0, 256, (6, 6, 3), dtype=np.uint8), "RGB")
+    return small.resize((side, side), Image.Resampling.BICUBIC)
+
+
+def _folder(root: Path, classes: tuple[str, ...] = ("a", "b"), per_class: int = 10, start: int = 0) -> Path:
+    for k, name in enumerate(classes):
+        (root / name).mkdir(parents=True, exist_ok=True)
+        for i in range(per_class):
+            smooth_image(start + 100 * k + i).save(root / name / f"{i:03d}.png")
+    return root
+
+
+def _groups(paths: list[Path]):
+    dups, _ = find_duplicates([str(p) for p in paths], workers=1)
+    return dups
+
+
+def test_copies_are_found_by_decoded_pixels_not_file_bytes(tmp_path: Path):
+    _folder(tmp_path, per_class=4)
+    a = tmp_path / "a"
+    shutil.copy(a / "000.png", a / "byte_copy.png")
+    Image.open(a / "000.png").save(a / "same_pixels.bmp")  # other bytes, the same pixels
+    dups = _groups(sorted(tmp_path.glob("*/*")))
+    assert dups.groups == [sorted(str(a / n) for n in ("000.png", "byte_copy.png", "same_pixels.bmp"))]
+    assert {dups.kind(p) for p in dups.groups[0]} == {"exact"}
+    assert dups.counts() == {"exact_groups": 1, "near_groups": 0}
+
+
+def test_reencoded_resized_and_brightened_copies_are_near_copies(tmp_path: Path):
+    _folder(tmp_path, per_class=6)
+    a, base = tmp_path / "a", Image.open(tmp_path / "a" / "002.png")
+    base.save(a / "reencoded.jpg", quality=70)
+    base.resize((48, 48), Image.Resampling.BILINEAR).save(a / "smaller.jpg", quality=85)
+    base.resize((96, 96), Image.Resampling.BICUBIC).save(a / "larger.png")
+    ImageEnhance.Brightness(base).enhance(1.1).save(a / "brighter.png")
+    dups = _groups(sorted(tmp_path.glob("*/*")))
+    names = ["002.png", "brighter.png", "larger.png", "reencoded.jpg", "smaller.jpg"]
+    assert dups.groups == [[str(a / n) for n in names]]
+    assert {dups.kind(p) for p in dups.groups[0]} == {"near"}
+
+
+def test_distinct_similar_images_of_a_class_are_not_grouped(tmp_path: Path):
+    bars = tmp_path / "bars"
+    bars.mkdir()
+    rng = np.random.default_rng(0)
+    for row in range(4, 26, 2):  # the same dark bar on white, each a little lower: alike, not copies
+        a = np.full((32, 32), 255, np.uint8)
+        a[row : row + 4, 4:-4] = 0
+        noisy = np.clip(a.astype(int) + rng.integers(-20, 20, a.shape), 0, 255).astype(np.uint8)
+        Image.fromarray(noisy, "L").save(bars / f"{row:02d}.png")
+    blobs = _folder(tmp_path / "blobs", per_class=20)
+    dups = _groups(sorted(bars.glob("*")) + sorted(blobs.glob("*/*")))
+    assert dups.groups == []
+
+
+def test_band_search_finds_every_close_pair_without_comparing_all():
+    rng = np.random.default_rng(0)
+    n = 20_000
+    hashes = rng.integers(0, 2**63, n, dtype=np.int64).astype(np.uint64) * np.uint64(2) + np.uint64(1)
+    flips = rng.integers(0, 64, (500, 3)).astype(np.uint64)  # up to 3 bits: pigeonhole over 4 bands
+    twins = hashes[:500].copy()
+    for k in range(3):
+        twins ^= np.uint64(1) << flips[:, k]
+    pairs = band_pairs(np.concatenate([hashes, twins]))
+    found = {tuple(p) for p in pairs.tolist()}
+    assert all((i, n + i) in found for i in range(500))
+    n_all = n + 500
+    assert len(pairs) < 64 // band_bits(n_all) * n_all * BUCKET < n_all * n_all / 2 / 10  # candidates grow with n
+
+
+def _copy_heavy_folder(root: Path) -> Path:
+    _folder(root, per_class=20)
+    for name in ("a", "b"):
+        for i in range(10):  # every other image has a byte copy and a re-encoded near-copy
+            shutil.copy(root / name / f"{i:03d}.png", root / name / f"{i:03d}_copy.png")
+            Image.open(root / name / f"{i:03d}.png").save(root / name / f"{i:03d}_near.jpg", quality=80)
+    return root
+
+
+def _split_of(scan) -> dict[str, str]:
+    return {p: s for s in ("train", "val", "calib") for p, _ in getattr(scan, s)}
+
+
+def test_no_group_straddles_train_val_and_calib(tmp_path: Path):
+    root = _copy_heavy_folder(tmp_path / "pool")
+    plain = scan_folder(root, 0.3, seed=0, calib_fraction=0.3)
+    scan = scan_folder(root, 0.3, seed=0, calib_fraction=0.3, dedupe=True)
+    assert len(scan.duplicates.groups) == 20
+    where, plain_where = _split_of(scan), _split_of(plain)
+    assert len(where) == len(plain_where) == 80  # every image still used
+    assert all(len({where[p] for p in g}) == 1 for g in scan.duplicates.groups)
+    assert any(len({plain_where[p] for p in g}) > 1 for g in scan.duplicates.groups)  # a file-by-file split leaks
+
+
+def test_copies_across_the_users_train_and_val_are_left_out_of_val_unless_dedupe_is_off(tmp_path: Path):
+    root = tmp_path / "tv"
+    _folder(root / "train", per_class=6)
+    _folder(root / "val", per_class=3, start=50)
+    leaked = root / "val" / "b" / "leak.jpg"
+    Image.open(root / "train" / "a" / "001.png").save(leaked, quality=90)  # a near-copy, in another class
+    scan = scan_folder(root, dedupe=True)
+    assert scan.left_out == [str(leaked)]
+    assert str(leaked) not in dict(scan.val) and len(scan.val) == 6
+    kept = scan_folder(root, dedupe=False)
+    assert str(leaked) in dict(kept.val) and kept.left_out == []
+
+
+def test_a_file_that_fails_to_decode_is_skipped_and_reported_by_the_dedupe_pass(tmp_path: Path):
+    _folder(tmp_path, per_class=4)
+    good = (tmp_path / "a" / "000.png").read_bytes()
+    (tmp_path / "a" / "cut.png").write_bytes(good[:80])  # header intact, pixels cut
+    scan = scan_folder(tmp_path, 0.25, dedupe=True)
+    assert [Path(b.path).name for b in scan.bad] == ["cut.png"]
+    assert str(tmp_path / "a" / "cut.png") not in {p for p, _ in scan.train + scan.val}
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_the_process_pool_finds_what_one_process_finds(tmp_path: Path, workers: int, monkeypatch):
+    import train.duplicates as duplicates
+
+    monkeypatch.setattr(duplicates, "PARALLEL_FROM", 10)
+    root = _copy_heavy_folder(tmp_path / "pool")
+    dups, facts = find_duplicates(sorted(str(p) for p in root.glob("*/*")), workers=workers)
+    assert len(dups.groups) == 20 and len(facts.paths) == 80

@@ -1,0 +1,240 @@
+"""Copies and near-copies in an image folder, found so that a split can keep each group on one side.
+
+    exact   the same decoded pixels (not the same file bytes: a PNG and its re-save, a file and its copy)
+    near    the same picture re-encoded (JPEG), resized, slightly brightened or cropped
+
+Each image is decoded once (in a pool of processes on large folders) into three things: a digest of its
+pixels, a 64-bit perceptual hash (the DCT hash of Zauner's pHash, as `imagehash.phash` computes it, written
+here in batch with scipy's DCT rather than adding a dependency for it) and the 32 x 32 grey thumbnail it is
+computed from.
+
+Near-copy search is sub-quadratic: multi-index hashing (Norouzi et al., 2012) cuts each hash into bands of 8
+to 16 bits (`band_bits`: wider as the folder grows, so a band's bucket stays small), and only images that share
+a whole band are compared. Two hashes that differ in fewer bits than there are bands always share one
+(pigeonhole), and most within `MAX_HAMMING` do. pHash moves more under a crop than under re-encoding, resizing
+or brightness: a cropped copy is found only while its hash stays within `MAX_HAMMING` bits.
+
+A candidate pair is kept when its hashes are within `MAX_HAMMING` bits AND its thumbnails, each scaled to zero
+mean and unit variance (so a brightened copy matches), correlate above `MIN_CORRELATION`: two distinct images
+of one class rarely pass both. Groups are the connected parts of the pairs.
+Figures: BENCHMARKS.md, "Copies and near-copies".
+
+Shapes: n images, T = THUMB (thumbnail side).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import multiprocessing as mp
+from dataclasses import dataclass, field
+
+import numpy as np
+from PIL import Image
+from scipy.fft import dctn
+from scipy.sparse import coo_matrix
+from scipy.sparse.csgraph import connected_components
+
+from serve.runtime.images import ImageError, load_image, open_image
+
+PARALLEL_FROM = 500  # images; fewer are decoded in this process (a pool costs more than it saves)
+THUMB = 32  # side of the grey thumbnail: pHash's DCT input, and what a candidate pair's pixels are compared on
+BUCKET = 64  # images a band's bucket holds on average (`band_bits`)
+# Set on Fashion-MNIST (benchmarks/duplicates.py), whose garments photographed alike are the hard case:
+# looser, and distinct images of a class group; tighter, and images shrunk before re-encoding are missed.
+MAX_HAMMING = 8  # bits two hashes of one picture may differ by
+MIN_CORRELATION = 0.97  # of the normalised thumbnails: what makes a candidate a near-copy
+
+
+@dataclass
+class ImageFacts:
+    """What one decoding pass learns of each image (row i is `paths[i]`)."""
+
+    paths: list[str]
+    sizes: np.ndarray  # (n, 2) width, height as stored
+    modes: list[str]  # as stored: "RGB", "L", "P", ...
+    digests: list[bytes]  # of the decoded RGB pixels and their shape
+    hashes: np.ndarray  # (n,) uint64 perceptual hashes
+    thumbs: np.ndarray  # (n, T, T) uint8 grey thumbnails
+    broken: list[tuple[str, str]] = field(default_factory=list)  # (path, reason): did not decode
+
+
+@dataclass
+class Duplicates:
+    """Groups of copies: each group is sorted, of 2 or more paths; `exact` holds the paths whose pixels equal
+    another member's."""
+
+    groups: list[list[str]]
+    exact: set[str]
+
+    def kind(self, path: str) -> str:
+        return "exact" if path in self.exact else "near"
+
+    def anchors(self) -> dict[str, str]:
+        """Every member but the first of its group -> the group's first (sorted) path."""
+        return {p: g[0] for g in self.groups for p in g[1:]}
+
+    def counts(self) -> dict[str, int]:
+        """`exact_groups` (every member the same pixels) and `near_groups` (the others)."""
+        exact = sum(all(p in self.exact for p in g) for g in self.groups)
+        return {"exact_groups": exact, "near_groups": len(self.groups) - exact}
+
+
+def phash(grey: np.ndarray) -> np.ndarray:
+    """64-bit DCT hashes of (n, 32, 32) grey images: bit k is set when DCT coefficient k of the 8 x 8 lowest
+    frequencies is above their median (imagehash.phash's definition). Returns (n,) uint64."""
+    low = dctn(grey.astype(np.float32), type=2, axes=(1, 2))[:, :8, :8].reshape(len(grey), 64)  # (n, 64)
+    bits = low > np.median(low, axis=1, keepdims=True)
+    return np.packbits(bits, axis=1, bitorder="little").view("<u8").ravel()
+
+
+def _facts(paths: list[str]) -> tuple:
+    sizes, modes, digests, greys, broken, ok = [], [], [], [], [], []
+    for p in paths:
+        try:
+            header = open_image(p)
+            size, mode = header.size, header.mode
+            rgb = load_image(header)
+        except (ImageError, OSError) as e:
+            broken.append((p, str(e)))
+            continue
+        pixels = np.asarray(rgb)
+        digests.append(hashlib.blake2b(repr(pixels.shape).encode() + pixels.tobytes(), digest_size=16).digest())
+        grey = rgb.convert("L").resize((THUMB, THUMB), Image.Resampling.BILINEAR, reducing_gap=2.0)
+        greys.append(np.asarray(grey))
+        sizes.append(size)
+        modes.append(mode)
+        ok.append(p)
+    thumbs = np.stack(greys) if greys else np.zeros((0, THUMB, THUMB), np.uint8)  # (n, T, T)
+    return ok, sizes, modes, digests, phash(thumbs), thumbs, broken
+
+
+def image_facts(paths: list[str], workers: int | None = None, chunk: int = 500) -> ImageFacts:
+    """Decode every image once (in a process pool from `PARALLEL_FROM` images) and learn what `ImageFacts` holds."""
+    from train.dataset import usable_cores
+
+    workers = workers or usable_cores()
+    if len(paths) < PARALLEL_FROM or workers < 2:
+        parts = [_facts(paths)]
+    else:
+        chunks = [paths[i : i + chunk] for i in range(0, len(paths), chunk)]
+        with mp.get_context("fork").Pool(workers) as pool:
+            parts = pool.map(_facts, chunks)
+    return ImageFacts(
+        paths=[p for part in parts for p in part[0]],
+        sizes=np.array([s for part in parts for s in part[1]], dtype=np.int64).reshape(-1, 2),
+        modes=[m for part in parts for m in part[2]],
+        digests=[d for part in parts for d in part[3]],
+        hashes=np.concatenate([part[4] for part in parts]),
+        thumbs=np.concatenate([part[5] for part in parts]),
+        broken=[b for part in parts for b in part[6]],
+    )
+
+
+def band_bits(n: int) -> int:
+    """Bits per band for `n` hashes: buckets of about `BUCKET` images, between 8 and 16 bits.
+
+    Narrow bands on small folders find more pairs at little cost; wide ones keep a large folder's candidates
+    (about `bands * BUCKET` an image) from growing with the folder.
+    """
+    return int(min(16, max(8, np.ceil(np.log2(max(n, 1) / BUCKET)))))
+
+
+def band_pairs(hashes: np.ndarray, max_bits: int = 64, bits: int | None = None) -> np.ndarray:
+    """Index pairs (i < j) of hashes that share at least one whole band and differ in at most `max_bits` bits.
+
+    Args:
+        hashes: (n,) uint64.
+        max_bits: the most bits a pair may differ by (64 keeps every candidate).
+        bits: bits per band (default `band_bits(n)`); `64 // bits` bands.
+
+    Returns:
+        (m, 2) int64, each pair once. Work grows with the candidates, not with n squared: equal band values are
+        made adjacent by a sort, each run of equal values gives its pairs, and far pairs are dropped at once.
+    """
+    n = len(hashes)
+    bits = bits or band_bits(n)
+    found = [np.zeros((0, 2), np.int64)]
+    for b in range(64 // bits):
+        keys = (hashes >> np.uint64(b * bits)) & np.uint64((1 << bits) - 1)
+        order = np.argsort(keys, kind="stable")
+        sorted_keys = keys[order]
+        starts = np.flatnonzero(np.r_[True, sorted_keys[1:] != sorted_keys[:-1]])
+        ends = np.repeat(np.r_[starts[1:], n], np.diff(np.r_[starts, n]))  # (n,) where each run ends
+        at, step = np.flatnonzero(ends - np.arange(n) > 1), 1
+        while at.size:  # pair each position with the one `step` further along its run
+            at = at[at + step < ends[at]]
+            i, j = order[at], order[at + step]
+            close = hamming(hashes[i], hashes[j]) <= max_bits
+            found.append(np.stack([i[close], j[close]], axis=1))
+            step += 1
+    return np.unique(np.sort(np.concatenate(found), axis=1), axis=0)
+
+
+def hamming(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Bits that differ between the uint64 hashes `a` and `b` (same shape)."""
+    return np.bitwise_count(a ^ b)
+
+
+def _correlation(thumbs: np.ndarray, pairs: np.ndarray, block: int = 200_000) -> np.ndarray:
+    flat = thumbs.reshape(len(thumbs), -1).astype(np.float32)  # (n, T*T)
+    flat -= flat.mean(axis=1, keepdims=True)
+    flat /= np.linalg.norm(flat, axis=1, keepdims=True) + 1e-6  # a flat (one-colour) image stays near 0
+    out = np.empty(len(pairs), np.float32)
+    for s in range(0, len(pairs), block):
+        i, j = pairs[s : s + block, 0], pairs[s : s + block, 1]
+        out[s : s + block] = np.einsum("ij,ij->i", flat[i], flat[j])
+    return out
+
+
+def near_pairs(hashes: np.ndarray, thumbs: np.ndarray) -> np.ndarray:
+    """(m, 2) index pairs that are near-copies: a shared band, close hashes, correlated thumbnails."""
+    pairs = band_pairs(hashes, MAX_HAMMING)
+    return pairs[_correlation(thumbs, pairs) >= MIN_CORRELATION]
+
+
+def group_duplicates(facts: ImageFacts) -> Duplicates:
+    """Group the images of `facts` into copies and near-copies (see the module's docstring)."""
+    n = len(facts.paths)
+    first: dict[bytes, int] = {}
+    same = np.array([(first.setdefault(d, i), i) for i, d in enumerate(facts.digests)], np.int64).reshape(-1, 2)
+    same = same[same[:, 0] != same[:, 1]]  # (m, 2) each copy to the first image of its pixels
+    edges = np.concatenate([same, near_pairs(facts.hashes, facts.thumbs)])
+    graph = coo_matrix((np.ones(len(edges)), (edges[:, 0], edges[:, 1])), shape=(n, n))
+    _, component = connected_components(graph, directed=False)
+    sizes = np.bincount(component, minlength=n)
+    members: dict[int, list[str]] = {}
+    for i in np.flatnonzero(sizes[component] > 1):
+        members.setdefault(int(component[i]), []).append(facts.paths[i])
+    exact = {facts.paths[i] for i in np.unique(same)}
+    return Duplicates(sorted(sorted(g) for g in members.values()), exact)
+
+
+def find_duplicates(paths: list[str], workers: int | None = None) -> tuple[Duplicates, ImageFacts]:
+    """Decode `paths` (`image_facts`) and group their copies (`group_duplicates`)."""
+    facts = image_facts(paths, workers)
+    return group_duplicates(facts), facts
+
+
+def without_members(items: list[tuple[str, int]], anchors: dict[str, str]) -> list[tuple[str, int]]:
+    """`items` less the group members that follow an anchor (see `follow_anchors`)."""
+    return [(p, y) for p, y in items if p not in anchors]
+
+
+def follow_anchors(
+    splits: list[list[tuple[str, int]]], members: list[tuple[str, int]], anchors: dict[str, str]
+) -> list[list[tuple[str, int]]]:
+    """Put each group member into the split its anchor was drawn into, so that no group straddles two splits.
+
+    Args:
+        splits: the splits (train, val, calib) drawn from the anchors and the images in no group.
+        members: the (path, label) of the members left out of that draw.
+        anchors: member path -> its group's anchor path (`Duplicates.anchors`).
+
+    Returns:
+        The splits with the members added, each sorted by (label, path) as the scan sorts them.
+    """
+    where = {p: k for k, split in enumerate(splits) for p, _ in split}
+    out = [list(split) for split in splits]
+    for p, y in members:
+        out[where[anchors[p]]].append((p, y))
+    return [sorted(split, key=lambda item: (item[1], item[0])) for split in out]
