@@ -125,24 +125,24 @@ def _write_pngs(folder: Path, images: np.ndarray, labels: np.ndarray) -> list[di
     return entries
 
 
-def write_tiny_run(root: Path) -> Path:
-    """Train the tiny network for 600 plain-torch steps (a few seconds) and write a run folder into `root`:
-    checkpoints/best.ckpt (the contract format), split.json and its validation and calibration PNGs
-    (the split `vit-export` calibrates the file on). Returns `root`."""
+def write_tiny_run(root: Path, steps: int = 600, **net_args) -> Path:
+    """Train the tiny network (`TINY_NET` with `net_args`) for `steps` plain-torch steps (a few seconds) and write a
+    run folder into `root`: checkpoints/best.ckpt (the contract format), split.json and its validation and
+    calibration PNGs (the split `vit-export` calibrates the file on). Returns `root`."""
     import torch
 
     from vit import VisionTransformer
 
     preprocess = Preprocess(img_size=(32, 32), crop_pct=1.0, interpolation="bicubic")
     torch.manual_seed(0)
-    net = VisionTransformer(**TINY_NET)
+    net = VisionTransformer(**TINY_NET, **net_args)
     images, labels = quadrant_images(256)
     x, y = torch.from_numpy(preprocess.normalize(images)), torch.from_numpy(labels)
     opt = torch.optim.AdamW(net.parameters(), lr=3e-3)
     net.train()
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny matmuls: one thread is several times faster on a busy 2-core machine
-    for step in range(600):  # 300 left it at 21 of 24 on some CPUs: float kernels differ by processor
+    for step in range(steps):  # 300 left it at 21 of 24 on some CPUs: float kernels differ by processor
         idx = torch.randint(0, len(x), (32,), generator=torch.Generator().manual_seed(step))
         loss = torch.nn.functional.cross_entropy(net(x[idx]), y[idx])
         opt.zero_grad()

@@ -1,11 +1,13 @@
 """Multi-head self-attention with selectable scoring functions.
 
-Four classic scores, chosen per model with `attn_score`:
+Five scores, chosen per model with `attn_score`:
 
 - ``scaled_dot``: softmax(q k^T / sqrt(hd)) v (Vaswani et al. 2017); the default.
 - ``dot``: softmax(q k^T) v, no scaling (Luong et al. 2015).
 - ``bilinear``: softmax(q W k^T) v with a learned W per head ("general" score, Luong et al. 2015).
 - ``additive``: softmax(v_a^T tanh(W_a q + U_a k)) v per head (Bahdanau et al. 2015).
+- ``lsa``: locality self-attention (Lee et al. 2021): softmax(q k^T * t_h) v with a learned temperature t_h per
+  head (starting at 1 / sqrt(hd)) and the diagonal masked out, so that each token attends to the others.
 
 The fused path (`F.scaled_dot_product_attention`) and the explicit softmax path live side by side
 in one `forward`; the explicit one runs only when the caller asks for the attention map.
@@ -13,13 +15,15 @@ in one `forward`; the explicit one runs only when the caller asks for the attent
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 # Shapes: B batch, N tokens, D embed_dim, nh heads, hd = D // nh head dim, da additive hidden dim.
 
-ATTN_SCORES = ("scaled_dot", "dot", "additive", "bilinear")
+ATTN_SCORES = ("scaled_dot", "dot", "additive", "bilinear", "lsa")
 
 
 class Attention(nn.Module):
@@ -32,7 +36,7 @@ class Attention(nn.Module):
         qk_norm: LayerNorm on q and k per head.
         attn_drop: dropout on the attention weights.
         proj_drop: dropout after the output projection.
-        attn_score: one of "scaled_dot", "dot", "additive", "bilinear".
+        attn_score: one of "scaled_dot", "dot", "additive", "bilinear", "lsa".
         norm_layer: normalisation used for `qk_norm`.
     """
 
@@ -65,6 +69,9 @@ class Attention(nn.Module):
         if attn_score == "bilinear":
             # starts as scaled dot product: W = I / sqrt(hd)
             self.score_weight = nn.Parameter(torch.eye(hd).repeat(num_heads, 1, 1) * hd**-0.5)  # (nh, hd, hd)
+        elif attn_score == "lsa":
+            # log of the temperature, per head: it stays positive, and decay leaves it alone (1-d)
+            self.score_log_scale = nn.Parameter(torch.full((num_heads,), math.log(hd**-0.5)))  # (nh,)
         elif attn_score == "additive":
             self.score_q = nn.Parameter(torch.empty(num_heads, hd, hd))  # W_a: (nh, hd, da)
             self.score_k = nn.Parameter(torch.empty(num_heads, hd, hd))  # U_a: (nh, hd, da)
@@ -101,9 +108,12 @@ class Attention(nn.Module):
         if self.attn_score == "bilinear":
             q = torch.einsum("bhnd,hde->bhne", q, self.score_weight)  # q W: (B, nh, N, hd)
 
+        if self.attn_score == "lsa":
+            q = q * self.score_log_scale.exp()[:, None, None]  # the learned temperature: (B, nh, Nq, hd)
         if not return_attn and self.attn_score != "additive":
+            others = ~self_mask(Nq, N, x.device) if self.attn_score == "lsa" else None  # (Nq, N), True: attend
             x = F.scaled_dot_product_attention(
-                q, k, v, dropout_p=self.attn_drop.p if self.training else 0.0, scale=self.scale
+                q, k, v, attn_mask=others, dropout_p=self.attn_drop.p if self.training else 0.0, scale=self.scale
             )  # (B, nh, Nq, hd)
             attn = None
         else:
@@ -124,6 +134,8 @@ class Attention(nn.Module):
         Returns:
             (B, nh, Nq, N).
         """
+        if self.attn_score == "lsa":  # q carries the temperature (`forward`); a token never attends to itself
+            return (q @ k.transpose(-2, -1)).masked_fill(self_mask(q.shape[2], k.shape[2], q.device), float("-inf"))
         if self.attn_score != "additive":
             return (q * self.scale) @ k.transpose(-2, -1)  # (B, nh, Nq, N)
         wq = torch.einsum("bhnd,hde->bhne", q, self.score_q)  # (B, nh, Nq, da)
@@ -131,3 +143,8 @@ class Attention(nn.Module):
         # every query against every key: (B, nh, Nq, 1, da) + (B, nh, 1, N, da)
         hidden = torch.tanh(wq.unsqueeze(3) + uk.unsqueeze(2))  # (B, nh, Nq, N, da)
         return torch.einsum("bhnme,he->bhnm", hidden, self.score_v)  # (B, nh, Nq, N)
+
+
+def self_mask(Nq: int, N: int, device: torch.device) -> torch.Tensor:
+    """(Nq, N) bool, True where query i meets key i (the first Nq tokens query)."""
+    return torch.arange(Nq, device=device)[:, None] == torch.arange(N, device=device)[None, :]

@@ -62,10 +62,12 @@ class VisionTransformer(nn.Module):
         proj_drop_rate: dropout after attention projection and in the MLP.
         attn_drop_rate: dropout on attention weights.
         drop_path_rate: stochastic depth, rising linearly to this rate in the last block.
-        attn_score: attention scoring function: "scaled_dot", "dot", "additive" or "bilinear".
+        attn_score: attention scoring function: "scaled_dot", "dot", "additive", "bilinear" or "lsa" (locality
+            self-attention, Lee et al. 2021: scaled dot with a learned temperature, no token attending to itself).
         weight_init: "trunc_normal" (std 0.02, as timm) or "xavier" (uniform, Var(w) = 2 / (n_in + n_out)).
-        stem: patch embedding: "patch" (one P x P convolution, timm's) or "conv" (3 x 3 stride-2
-            convolutions then a 1 x 1 projection, Xiao et al. 2021: learns faster on small data).
+        stem: patch embedding: "patch" (one P x P convolution, timm's), "conv" (3 x 3 stride-2
+            convolutions then a 1 x 1 projection, Xiao et al. 2021: learns faster on small data) or "shifted"
+            (shifted patch tokens, Lee et al. 2021: each token also sees half a patch around it).
         stem_widths: the conv stem's widths (see `PatchEmbed`); None: its default.
     """
 
@@ -277,8 +279,10 @@ class VisionTransformer(nn.Module):
             return N * D * 3 * D + 2 * Nq * N * D + Nq * D * D + 2 * Nq * D * hidden
 
         blocks = (len(self.blocks) - 1) * block(N) + block(self._head_tokens or N) if len(self.blocks) else 0
-        embed = L * self.patch_embed.proj.in_channels * P * P * D
-        if not isinstance(self.patch_embed.stem, nn.Identity):
+        embed = L * self.patch_embed.proj.in_channels * P * P * D if self.patch_embed.stem_type == "patch" else 0
+        if self.patch_embed.stem_type == "shifted":
+            embed = L * self.patch_embed.proj.in_features * D
+        elif self.patch_embed.stem_type == "conv":
             embed = L * self.patch_embed.proj.in_channels * D
             side = (H, W)
             for conv in (m for m in self.patch_embed.stem if isinstance(m, nn.Conv2d)):

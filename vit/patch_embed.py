@@ -1,16 +1,24 @@
-"""Image to patch tokens: one strided convolution (a linear map of each patch), or a convolutional stem.
+"""Image to patch tokens: one strided convolution (a linear map of each patch), a convolutional stem, or
+shifted patch tokens.
 
-The stem option follows Xiao et al. 2021, "Early convolutions help transformers see better": a few
+The conv stem follows Xiao et al. 2021, "Early convolutions help transformers see better": a few
 3 x 3 stride-2 convolutions (BatchNorm, ReLU) then a 1 x 1 projection replace the patchify layer, with
 the same token grid. It trains faster and more stably on small data; the rest of the model is unchanged.
+
+Shifted patch tokens (SPT, Lee et al. 2021, "Vision Transformer for Small-Size Datasets") give each token its
+neighbours' pixels too: the image and four copies shifted half a patch diagonally are stacked as channels, and
+each patch of the stack is flattened, layer-normalised and projected. The token grid is the same again.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 # Shapes: B batch, C channels, H/W image, P patch, Gh/Gw grid, L = Gh*Gw patches, D embed_dim.
+
+STEMS = ("patch", "conv", "shifted")
 
 
 class PatchEmbed(nn.Module):
@@ -24,8 +32,10 @@ class PatchEmbed(nn.Module):
         in_chans: input channels.
         embed_dim: token width D.
         bias: whether the projection has a bias.
-        stem: "patch" (one conv, kernel = stride = P; timm's layout) or "conv" (log2(P) 3 x 3 stride-2
-            convolutions, each doubling the width up to embed_dim / 2, then a 1 x 1 projection).
+        stem: "patch" (one conv, kernel = stride = P; timm's layout), "conv" (log2(P) 3 x 3 stride-2
+            convolutions, each doubling the width up to embed_dim / 2, then a 1 x 1 projection) or "shifted"
+            (shifted patch tokens: the image and 4 half-patch diagonal shifts, each patch flattened,
+            layer-normalised and projected by a linear layer).
         stem_widths: the conv stem's widths, one per 3 x 3 convolution (None: the doubling above). The
             last log2(P) convolutions have stride 2; any before them keep the full resolution (stride 1),
             which helps on tiny images, where a patch holds few pixels.
@@ -42,8 +52,8 @@ class PatchEmbed(nn.Module):
         stem_widths: list[int] | tuple[int, ...] | None = None,
     ):
         super().__init__()
-        if stem not in ("patch", "conv"):
-            raise ValueError(f"stem must be 'patch' or 'conv', got {stem!r}")
+        if stem not in STEMS:
+            raise ValueError(f"stem must be one of {', '.join(STEMS)}, got {stem!r}")
         if stem_widths is not None and stem != "conv":
             raise ValueError(f"stem_widths is for stem='conv', got stem={stem!r}")
         self.img_size = _pair(img_size)
@@ -53,7 +63,11 @@ class PatchEmbed(nn.Module):
             raise ValueError(f"img_size {self.img_size} is not a multiple of patch_size {patch_size}")
         self.grid_size = (H // patch_size, W // patch_size)
         self.num_patches = self.grid_size[0] * self.grid_size[1]
-        if stem == "patch":
+        self.stem_type = stem
+        if stem == "shifted":
+            self.stem = ShiftedPatches(patch_size, in_chans)
+            self.proj = nn.Linear(self.stem.norm.normalized_shape[0], embed_dim, bias=bias)
+        elif stem == "patch":
             self.stem = nn.Identity()
             self.proj = nn.Conv2d(in_chans, embed_dim, kernel_size=patch_size, stride=patch_size, bias=bias)
         else:
@@ -71,8 +85,33 @@ class PatchEmbed(nn.Module):
         P = self.patch_size[0]
         if not torch.jit.is_tracing() and not torch.compiler.is_compiling() and (H % P or W % P):
             raise ValueError(f"image size ({H}, {W}) is not a multiple of the patch size {P}")
-        x = self.stem(x)  # (B, C', Gh, Gw) with the conv stem; unchanged without
+        x = self.stem(x)  # conv: (B, C', Gh, Gw); shifted: (B, Gh, Gw, 5 C P P); patch: unchanged
+        if self.stem_type == "shifted":
+            return self.proj(x)  # (B, Gh, Gw, D)
         return self.proj(x).permute(0, 2, 3, 1)  # (B, D, Gh, Gw) -> (B, Gh, Gw, D)
+
+
+class ShiftedPatches(nn.Module):
+    """The image and its 4 half-patch diagonal shifts (zero-filled), cut into patches, each flattened and
+    layer-normalised: (B, C, H, W) -> (B, Gh, Gw, 5 C P P). The projection to D is `PatchEmbed.proj`."""
+
+    def __init__(self, patch_size: int, in_chans: int):
+        super().__init__()
+        if patch_size < 2:
+            raise ValueError(f"shifted patch tokens need patch_size >= 2 (a half-patch shift), got {patch_size}")
+        self.patch_size = patch_size
+        self.norm = nn.LayerNorm(5 * in_chans * patch_size * patch_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, C, H, W = x.shape
+        P, s = self.patch_size, self.patch_size // 2
+        padded = F.pad(x, (s, s, s, s))  # (B, C, H + 2s, W + 2s); each crop below is the image moved by (+-s, +-s)
+        shifts = [padded[..., : -2 * s, : -2 * s], padded[..., : -2 * s, 2 * s :]]
+        shifts += [padded[..., 2 * s :, : -2 * s], padded[..., 2 * s :, 2 * s :]]
+        x = torch.cat([x, *shifts], dim=1)  # (B, 5C, H, W)
+        Gh, Gw = H // P, W // P
+        x = x.reshape(B, 5 * C, Gh, P, Gw, P).permute(0, 2, 4, 1, 3, 5)  # (B, Gh, Gw, 5C, P, P)
+        return self.norm(x.reshape(B, Gh, Gw, 5 * C * P * P))
 
 
 def conv_stem(
