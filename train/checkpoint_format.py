@@ -4,7 +4,8 @@ Lightning writes the checkpoint; `ViTClassifier.on_save_checkpoint` adds two pla
 pickled objects), so everything loads with ``weights_only=True``:
 
     "vitscope"    {"model_config": VisionTransformer kwargs, "class_names": [...], "preprocess": Preprocess.to_dict(),
-                   "weights_prefix": "net." or "ema.module.", "variant": str, "best_val_acc": float, "versions": {...}}:
+                   "weights_prefix": "net." or "ema.module.", "variant": str, "versions": {...},
+                   "best_val": {"metric", "score", "scores"} (the best epoch's validation scores)}:
                   `load_network` rebuilds the network from it with neither the YAML nor Lightning
     "rng_states"  the random states (`rng_states`), so a resumed run draws the numbers the uninterrupted run drew
 """

@@ -3,9 +3,10 @@
     vit-train fit --config configs/sample.yaml --trainer.default_root_dir runs/sample
     vit-train fit --config configs/sample.yaml --trainer.default_root_dir runs/sample --ckpt_path last
 
-A run directory holds `checkpoints/best.ckpt` and `checkpoints/last.ckpt` (no version folders, so
-`--ckpt_path last` resumes in place), `config.yaml`, TensorBoard and CSV logs, `split.json`,
-`bad_files.csv`, `reports/` (confusion matrix, per-class accuracy) and `summary.json`.
+A run directory holds `checkpoints/best.ckpt` (the best epoch by `--checkpoint.monitor`, balanced accuracy by
+default) and `checkpoints/last.ckpt` (no version folders, so `--ckpt_path last` resumes in place), `config.yaml`,
+TensorBoard and CSV logs, `split.json`, `bad_files.csv`, `reports/` (the best epoch's confusion matrix and
+per-class precision and recall) and `summary.json`.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Any
 
 import torch
 from lightning.pytorch import Trainer
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint, ProgressBar, RichProgressBar
+from lightning.pytorch.callbacks import Callback, EarlyStopping, ModelCheckpoint, ProgressBar, RichProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.plugins import CheckpointIO
@@ -85,6 +86,28 @@ class LastCheckpoint(ModelCheckpoint):
             self._saved_step = step
 
 
+class StopEarly(EarlyStopping):
+    """Stop when the selection metric (`--checkpoint.monitor`) has not improved for `patience` validations.
+
+    Lightning's `EarlyStopping`, off unless a patience is given (`--early_stopping.patience 10`); it watches what
+    chooses `best.ckpt`, so the run stops when that checkpoint has stopped changing.
+
+    Args:
+        patience: validations without improvement before stopping; None: never stop early.
+        min_delta: the least change that counts as an improvement.
+        monitor: the metric watched (linked from `--checkpoint.monitor`).
+        mode: "max" or "min" (linked from `--checkpoint.mode`).
+    """
+
+    def __init__(
+        self, patience: int | None = None, min_delta: float = 0.0, monitor: str = "val/balanced_acc", mode: str = "max"
+    ):
+        if patience is not None and patience < 1:
+            raise ValueError(f"--early_stopping.patience must be at least 1 (or null: do not stop), got {patience}")
+        super().__init__(monitor=monitor, min_delta=min_delta, patience=patience or 1, mode=mode)
+        self.enabled = patience is not None
+
+
 class VitCLI(LightningCLI):
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.add_argument(
@@ -105,10 +128,11 @@ class VitCLI(LightningCLI):
         )
         parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
         parser.add_lightning_class_args(LastCheckpoint, "last")
+        parser.add_lightning_class_args(StopEarly, "early_stopping")
         parser.set_defaults(
             {
                 "checkpoint.filename": "best",
-                "checkpoint.monitor": "val/acc",
+                "checkpoint.monitor": "val/balanced_acc",  # mean per-class recall: a long tail counts, class by class
                 "checkpoint.mode": "max",
                 "checkpoint.save_top_k": 1,
                 "checkpoint.save_last": False,  # LastCheckpoint writes last.ckpt every epoch
@@ -117,6 +141,11 @@ class VitCLI(LightningCLI):
         )
         parser.link_arguments("data.img_size", "model.img_size")
         parser.link_arguments("data.num_classes", "model.num_classes", apply_on="instantiate")
+        parser.link_arguments("checkpoint.monitor", "early_stopping.monitor")
+        parser.link_arguments("checkpoint.mode", "early_stopping.mode")
+        if hasattr(ImageFolderDataModule, "balance_method"):  # what the data module's `--data.balance` decided
+            parser.link_arguments("data.class_counts", "model.class_counts", apply_on="instantiate")
+            parser.link_arguments("data.balance_method", "model.balance", apply_on="instantiate")
 
     def _add_subcommands(self, parser: LightningArgumentParser, **kwargs: Any) -> None:
         """The Trainer's subcommands, and `prepare` beside them so that `vit-train --help` lists it.
@@ -165,7 +194,10 @@ class VitCLI(LightningCLI):
         # give it, so that `trainer.checkpoint_callback` is still the one that tracks the best score.
         best, init["checkpoint"] = init.get("checkpoint"), Callback()  # a no-op takes its place
         last, init["last"] = init.get("last"), Callback()  # added below, after the progress bar
+        stop, init["early_stopping"] = init.get("early_stopping"), Callback()
         callbacks = list(config.get("callbacks") or [])
+        if stop is not None and stop.enabled:
+            callbacks.append(stop)
         if config.get("enable_checkpointing") is False:  # Lightning refuses checkpoint callbacks then
             callbacks = [c for c in callbacks if not isinstance(c, ModelCheckpoint)]
         else:
@@ -241,8 +273,11 @@ class VitCLI(LightningCLI):
         best = Path(ckpt.best_model_path) if ckpt and ckpt.best_model_path else None
         score = ckpt.best_model_score if ckpt is not None else None
         seconds = time.perf_counter() - self._fit_start
+        scores = getattr(self.model, "best_scores", {})  # every validation score of the best epoch
         summary = {
-            "best_val_acc": None if score is None else float(score),
+            "monitor": None if ckpt is None else ckpt.monitor,  # what chose best_checkpoint
+            "best_score": None if score is None else float(score),
+            **{f"best_val_{k}": v for k, v in scores.items()},  # best_val_acc: the best checkpoint's accuracy
             "best_checkpoint": None if best is None else str(best),
             "epochs": trainer.current_epoch,
             "global_step": trainer.global_step,
@@ -253,7 +288,9 @@ class VitCLI(LightningCLI):
             (Path(trainer.default_root_dir) / "summary.json").write_text(json.dumps(summary, indent=1))
         lines = ["", "Training finished."]
         if score is not None:
-            lines.append(f"  best validation accuracy: {float(score):.4f}")
+            lines.append(f"  best {ckpt.monitor}: {float(score):.4f}")
+        if "acc" in scores:
+            lines.append(f"  its validation accuracy: {scores['acc']:.4f}")
         if best is not None:
             lines += [
                 f"  best checkpoint: {best}",

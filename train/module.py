@@ -2,8 +2,9 @@
 
 AdamW (no weight decay on norms, biases, position embedding and tokens), cosine schedule with
 linear warmup, optional layer-wise LR decay, optional EMA of the weights (validated and saved),
-mixup/cutmix with soft-target cross-entropy, label smoothing, top-1/top-5 accuracy and a
-confusion matrix written into the run directory.
+mixup/cutmix with soft-target cross-entropy, label smoothing, a loss for imbalanced classes (`train.balance`),
+top-1/top-5 accuracy, balanced accuracy and macro F1, and the best epoch's confusion matrix and per-class
+precision and recall written into the run directory.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
-import numpy as np
 import torch
 from timm.data import Mixup
 from timm.data.mixup import mixup_target
@@ -21,13 +21,19 @@ from timm.loss import SoftTargetCrossEntropy
 from timm.optim import param_groups_layer_decay, param_groups_weight_decay
 from timm.utils import ModelEmaV3
 from torch import nn
-from torchmetrics.classification import MulticlassAccuracy, MulticlassConfusionMatrix
+from torchmetrics.classification import (
+    MulticlassAccuracy,
+    MulticlassConfusionMatrix,
+    MulticlassF1Score,
+    MulticlassRecall,
+)
 
 from serve.runtime.images import Preprocess
+from train.balance import LOSS_METHODS, METHODS, BalancedLoss
 from train.checkpoint_format import META_KEY, RNG_KEY, check_class_names, rng_states, set_rng_states
 from train.errors import first_line
 from train.finite_checks import check_finite_loss, check_finite_weights
-from train.reports import write_confusion_csv, write_confusion_png
+from train.reports import write_confusion_csv, write_confusion_png, write_per_class_csv
 from vit.model import VisionTransformer, create_model
 from vit.timm_compat import from_timm
 
@@ -83,6 +89,10 @@ class ViTClassifier(pl.LightningModule):
             validation scores and the checkpoint exports. None disables it.
         channels_last: feed images in channels-last memory format (faster patch embedding on GPU).
         compile: run the network through `torch.compile`.
+        class_counts: training images per class (linked from the data module): what a balancing loss weighs by.
+        balance: how training counters class imbalance, one of `train.balance.METHODS` or None (linked from the
+            data module's `--data.balance`, which chooses it). The loss methods act here; `sampler` is the data
+            module's. Inference is unchanged: a plain argmax over the logits.
     """
 
     def __init__(
@@ -105,12 +115,18 @@ class ViTClassifier(pl.LightningModule):
         ema_decay: float | None = None,
         channels_last: bool = False,
         compile: bool = False,
+        class_counts: list[int] | None = None,
+        balance: str | None = None,
     ):
         super().__init__()
         if not (math.isfinite(lr) and lr > 0):
             raise ValueError(f"lr must be a positive number, got {lr}")
         if not (math.isfinite(min_lr) and 0 <= min_lr):
             raise ValueError(f"min_lr must be zero or a positive number, got {min_lr}")
+        if balance is not None and balance not in METHODS:
+            raise ValueError(f"balance must be one of {', '.join(METHODS)} or None, got {balance!r}")
+        if balance in LOSS_METHODS and (not class_counts or len(class_counts) != num_classes):
+            raise ValueError(f"balance {balance!r} needs class_counts of {num_classes} classes, got {class_counts}")
         self.save_hyperparameters()
         self.net = build_network(num_classes, img_size, variant, net_args, pretrained)
         self.ema = ModelEmaV3(self.net, decay=ema_decay).requires_grad_(False) if ema_decay else None
@@ -119,16 +135,22 @@ class ViTClassifier(pl.LightningModule):
             self.mixup = Mixup(
                 mixup_alpha, cutmix_alpha, prob=mix_prob, label_smoothing=label_smoothing, num_classes=num_classes
             )
-        self.train_loss = (
-            SoftTargetCrossEntropy() if self.mixup else nn.CrossEntropyLoss(label_smoothing=label_smoothing)
-        )
+        if balance in LOSS_METHODS:
+            self.train_loss = BalancedLoss(class_counts, balance, label_smoothing)
+        elif self.mixup:
+            self.train_loss = SoftTargetCrossEntropy()
+        else:
+            self.train_loss = nn.CrossEntropyLoss(label_smoothing=label_smoothing)
         self.val_acc = MulticlassAccuracy(num_classes, top_k=1, average="micro")
+        self.val_bacc = MulticlassRecall(num_classes, average="macro")  # balanced accuracy: mean per-class recall
+        self.val_f1 = MulticlassF1Score(num_classes, average="macro")
         self.val_acc5 = MulticlassAccuracy(num_classes, top_k=min(5, num_classes), average="micro")
         self.val_confmat = MulticlassConfusionMatrix(num_classes)
         self.class_names = [str(i) for i in range(num_classes)]
         self._data_classes: list[str] | None = None  # the folder's classes, once a data module is attached
         self.preprocess: dict[str, Any] | None = None
-        self.best_acc = -1.0
+        self.best_score = -1.0  # the selection metric's best value (`selection_metric`)
+        self.best_scores: dict[str, float] = {}  # every validation score of that epoch
         self._compiled = None
 
     @property
@@ -191,9 +213,13 @@ class ViTClassifier(pl.LightningModule):
         self.log(f"{prefix}/loss", nn.functional.cross_entropy(logits, y), sync_dist=True)
         self.val_acc(logits, y)
         self.val_acc5(logits, y)
+        self.val_bacc(logits, y)
+        self.val_f1(logits, y)
         self.val_confmat(logits, y)
         self.log(f"{prefix}/acc", self.val_acc, prog_bar=True)
         self.log(f"{prefix}/acc5", self.val_acc5)
+        self.log(f"{prefix}/balanced_acc", self.val_bacc, prog_bar=True)
+        self.log(f"{prefix}/macro_f1", self.val_f1)
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         self._evaluate(batch, "val")
@@ -204,19 +230,36 @@ class ViTClassifier(pl.LightningModule):
     def predict_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         return self(batch[0]).softmax(-1)  # (B, K) probabilities
 
+    @property
+    def selection_metric(self) -> str:
+        """What picks the best epoch: the best checkpoint's monitor when it is one of ours, else balanced accuracy.
+
+        The reports of the best epoch follow the same metric as `best.ckpt`, so they describe that checkpoint.
+        """
+        ckpt = self.trainer.checkpoint_callback if self._trainer is not None else None
+        name = (getattr(ckpt, "monitor", None) or "").removeprefix("val/")
+        ours = name in ("acc", "balanced_acc", "macro_f1") and getattr(ckpt, "mode", "max") == "max"
+        return name if ours else "balanced_acc"
+
     def _epoch_report(self) -> None:
         confmat = self.val_confmat.compute().cpu().numpy()  # (K, K), summed over ranks
         self.val_confmat.reset()
+        # computed on every rank (a DDP sync); Lightning reuses these values when it logs them
+        scores = {"acc": self.val_acc, "balanced_acc": self.val_bacc, "macro_f1": self.val_f1}
+        scores = {k: float(m.compute()) for k, m in scores.items()}
         if self.trainer.sanity_checking or not self.trainer.is_global_zero:
             return
-        acc = float(np.trace(confmat) / max(confmat.sum(), 1))
+        metric = self.selection_metric
         fitting = self.trainer.state.fn == "fit"
-        if fitting and acc <= self.best_acc:
+        if fitting and scores[metric] <= self.best_score:
             return
-        self.best_acc = max(self.best_acc, acc)
+        self.best_score, self.best_scores = max(self.best_score, scores[metric]), scores
         reports = Path(self.trainer.default_root_dir) / "reports"
         write_confusion_csv(confmat, self.class_names, reports)
-        self._confmat = (confmat, f"epoch {self.current_epoch}: accuracy {acc:.4f}")
+        write_per_class_csv(confmat, self.class_names, reports)
+        title = f"epoch {self.current_epoch}: balanced accuracy {scores['balanced_acc']:.4f}"
+        title += f", accuracy {scores['acc']:.4f}"
+        self._confmat = (confmat, title)
         if not fitting:
             write_confusion_png(confmat, self.class_names, reports / "confusion_matrix.png", self._confmat[1])
 
@@ -281,7 +324,8 @@ class ViTClassifier(pl.LightningModule):
             "preprocess": self.preprocess or Preprocess(self.hparams.img_size).to_dict(),
             "weights_prefix": "ema.module." if self.ema is not None else "net.",
             "variant": self.hparams.variant,
-            "best_val_acc": self.best_acc,  # so a resumed run keeps the best reports, not the next epoch's
+            # so a resumed run keeps the best reports, not the next epoch's
+            "best_val": {"metric": self.selection_metric, "score": self.best_score, "scores": self.best_scores},
             "versions": {
                 "torch": str(torch.__version__),
                 "lightning": str(lightning.__version__),
@@ -293,6 +337,8 @@ class ViTClassifier(pl.LightningModule):
         meta = checkpoint.get(META_KEY)
         self.class_names = check_class_names(meta, self._data_classes)
         self.preprocess = meta.get("preprocess", self.preprocess)
-        self.best_acc = float(meta.get("best_val_acc", self.best_acc))
+        best = meta.get("best_val") or {}
+        if best.get("metric") == self.selection_metric:  # a best score by another metric is no benchmark for this one
+            self.best_score, self.best_scores = float(best["score"]), dict(best.get("scores") or {})
         if RNG_KEY in checkpoint and self._trainer is not None and self._trainer.state.fn == "fit":
             set_rng_states(checkpoint[RNG_KEY])

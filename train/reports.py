@@ -1,4 +1,5 @@
-"""Validation reports written into the run directory: confusion matrix (CSV, PNG) and per-class accuracy."""
+"""Validation reports written into the run directory: confusion matrix (CSV, PNG) and per-class precision, recall
+and F1."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import numpy as np
 
 
 def write_confusion_csv(confmat: np.ndarray, classes: list[str], out_dir: Path) -> None:
-    """Write `confusion_matrix.csv` (rows: true class, columns: predicted) and `per_class_accuracy.csv`.
+    """Write `confusion_matrix.csv` (rows: true class, columns: predicted).
 
     Args:
         confmat: (K, K) counts, rows true, columns predicted.
@@ -22,13 +23,34 @@ def write_confusion_csv(confmat: np.ndarray, classes: list[str], out_dir: Path) 
         w.writerow(["true \\ predicted", *classes])
         for name, row in zip(classes, confmat, strict=False):
             w.writerow([name, *map(int, row)])
-    support = confmat.sum(axis=1)
-    correct = np.diag(confmat)
-    with open(out_dir / "per_class_accuracy.csv", "w", newline="") as f:
+
+
+def per_class_scores(confmat: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Precision, recall and F1 of each class, each (K,), from (K, K) counts (rows true, columns predicted).
+
+    A class never predicted has precision 0, one without images recall 0, as torchmetrics counts them.
+    """
+    correct = np.diag(confmat).astype(float)  # (K,)
+    predicted, support = confmat.sum(axis=0), confmat.sum(axis=1)  # (K,), (K,)
+    precision = np.divide(correct, predicted, out=np.zeros_like(correct), where=predicted > 0)
+    recall = np.divide(correct, support, out=np.zeros_like(correct), where=support > 0)
+    both = precision + recall
+    f1 = np.divide(2 * precision * recall, both, out=np.zeros_like(correct), where=both > 0)
+    return precision, recall, f1
+
+
+def write_per_class_csv(confmat: np.ndarray, classes: list[str], out_dir: Path) -> None:
+    """Write `per_class.csv`: `class,precision,recall,f1,images` (images: the class's validation images).
+
+    Recall is the class's accuracy; its mean over the classes is the balanced accuracy.
+    """
+    out_dir.mkdir(parents=True, exist_ok=True)
+    precision, recall, f1 = per_class_scores(confmat)
+    with open(out_dir / "per_class.csv", "w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(["class", "accuracy", "correct", "images"])
-        for name, c, n in zip(classes, correct, support, strict=False):
-            w.writerow([name, f"{c / n:.4f}" if n else "", int(c), int(n)])
+        w.writerow(["class", "precision", "recall", "f1", "images"])
+        for row in zip(classes, precision, recall, f1, confmat.sum(axis=1), strict=False):
+            w.writerow([row[0], *(f"{v:.4f}" for v in row[1:4]), int(row[4])])
 
 
 def write_confusion_png(confmat: np.ndarray, classes: list[str], path: Path, title: str = "") -> None:

@@ -29,7 +29,7 @@ def test_config_parses_and_links_num_classes_and_img_size_from_the_data(config: 
     assert exit_info.value.code in (0, None)
     resolved = yaml.safe_load(capsys.readouterr().out)
     assert "num_classes" not in resolved["model"] and "img_size" not in resolved["model"]  # linked, never typed
-    assert resolved["checkpoint"]["filename"] == "best" and resolved["checkpoint"]["monitor"] == "val/acc"
+    assert resolved["checkpoint"]["filename"] == "best" and resolved["checkpoint"]["monitor"] == "val/balanced_acc"
 
 
 def _strings_that_look_like_numbers(node, where=""):

@@ -56,7 +56,7 @@ def test_run_dir_holds_checkpoints_config_logs_split_and_reports(trained):
     assert list((run / "csv").rglob("metrics.csv"))
     split = json.loads((run / "split.json").read_text())
     assert split["classes"] == ["bar", "column", "square"] and len(split["val"]) == 18
-    with open(run / "reports" / "per_class_accuracy.csv") as f:
+    with open(run / "reports" / "per_class.csv") as f:
         rows = list(csv.DictReader(f))
     assert [r["class"] for r in rows] == ["bar", "column", "square"] and sum(int(r["images"]) for r in rows) == 18
     with open(run / "reports" / "confusion_matrix.csv") as f:
@@ -73,7 +73,7 @@ def test_checkpoint_carries_what_export_needs_and_loads_with_weights_only(traine
     assert meta["weights_prefix"] == "ema.module."
     assert meta["model_config"]["num_classes"] == 3 and meta["variant"] == "vit_micro_patch4_32"
     last = torch.load(run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)["vitscope"]
-    assert last["best_val_acc"] == pytest.approx(cli.model.best_acc)  # a resumed run compares against it
+    assert last["best_val"]["score"] == pytest.approx(cli.model.best_score)  # a resumed run compares against it
 
 
 @pytest.mark.slow
