@@ -1,0 +1,156 @@
+"""`vit-train review`: the decisions file fit reads, the refusals, and the page in a real browser (Chromium)."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from tests.helpers import CLASS_NAMES, TINY_NET, free_port, quadrant_images, wait_until
+from tests.serve.test_browser import CHROMIUM, CHROMIUM_ARGS
+from train.corrections import load_corrections
+from train.review_store import Decisions
+
+
+def _write_run(root: Path) -> Path:
+    """A run directory as fit leaves it: checkpoints/best.ckpt (a seeded, untrained tiny ViT in the contract
+    format: wrong often enough to give every list images), split.json over real PNGs, and reports/ with the two
+    lists the run writes (label issues, copies)."""
+    import torch
+
+    from vit import VisionTransformer
+
+    torch.manual_seed(0)
+    net = VisionTransformer(**TINY_NET).eval()
+    split = {"root": str(root / "data"), "classes": CLASS_NAMES}
+    for key, seed, n in (("train", 0, 24), ("val", 1, 12), ("calib", 2, 24)):
+        images, labels = quadrant_images(n, seed=seed)
+        split[key] = []
+        for i, (img, y) in enumerate(zip(images, labels, strict=True)):
+            path = root / "data" / CLASS_NAMES[y] / f"{key}{i:02d}.png"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            Image.fromarray(img).save(path)
+            split[key].append({"path": str(path), "label": int(y)})
+    (root / "split.json").write_text(json.dumps(split))
+    meta = {
+        "model_config": net.config,
+        "class_names": CLASS_NAMES,
+        "preprocess": {"img_size": [32, 32], "crop_pct": 1.0, "interpolation": "bicubic"},
+        "weights_prefix": "net.",
+        "variant": "tiny_test",
+    }
+    (root / "checkpoints").mkdir()
+    state = {"net." + k: v for k, v in net.state_dict().items()}
+    torch.save({"state_dict": state, "vitscope": meta}, root / "checkpoints" / "best.ckpt")
+    (root / "reports").mkdir()
+    with open(root / "reports" / "label_issues.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["path", "given", "suggested", "score"])
+        for i, e in enumerate(split["train"][:3]):
+            w.writerow([e["path"], CLASS_NAMES[e["label"]], CLASS_NAMES[(e["label"] + 1) % 4], 0.9 - i / 10])
+    with open(root / "reports" / "duplicates.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["group", "path", "kind", "split"])
+        w.writerows([[0, split["train"][5]["path"], "exact", "train"], [0, split["val"][0]["path"], "exact", "val"]])
+    return root
+
+
+@pytest.fixture(scope="module")
+def review_run(tmp_path_factory) -> Path:
+    pytest.importorskip("torch")
+    return _write_run(tmp_path_factory.mktemp("review") / "run")
+
+
+def test_each_decision_is_on_disk_at_once_and_fit_reads_the_latest(tmp_path):
+    file = tmp_path / "corrections.csv"
+    a, b = str(tmp_path / "cat" / "1.png"), str(tmp_path / "cat" / "2.png")
+    decisions = Decisions(file)
+    decisions.decide(a, "dog")
+    assert load_corrections(file, tmp_path, ["cat", "dog"]) == {a: "dog"}  # written before decide returned
+    decisions.decide(b, None)
+    decisions.decide(a, "cat")  # a change of mind
+    assert load_corrections(file, tmp_path, ["cat", "dog"]) == {a: "cat", b: None}
+    assert [p.name for p in tmp_path.iterdir()] == ["corrections.csv"]  # no temporary file left behind
+    assert Decisions(file).all() == {a: "cat", b: None}  # a restarted review starts from them
+
+
+def test_review_refuses_a_run_without_checkpoints_or_reports(review_run, tmp_path, capsys):
+    from train.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["review", str(tmp_path)])
+    assert e.value.code == 2
+    assert "has no checkpoints/best.ckpt or last.ckpt" in capsys.readouterr().err
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "best.ckpt").write_bytes((review_run / "checkpoints" / "best.ckpt").read_bytes())
+    (tmp_path / "split.json").write_text((review_run / "split.json").read_text())
+    with pytest.raises(SystemExit):
+        main(["review", str(tmp_path)])
+    assert "has no reports/ folder" in capsys.readouterr().err
+
+
+def test_review_lists_every_kind_of_image_to_look_at(review_run):
+    from train.review_data import LISTS, ReviewRun
+
+    run = ReviewRun(review_run)
+    assert [len(run.lists[name]) > 0 for name in LISTS[:2]] == [True, True]
+    errors = run.lists[LISTS[3]]
+    assert errors and all(it.given != it.suggested for it in errors)
+    assert [it.score for it in errors] == sorted((it.score for it in errors), reverse=True)  # most sure first
+    pixels, probs, overlay = run.explain(run.lists[LISTS[0]][0].path)
+    assert pixels.shape == (32, 32, 3) and overlay.shape == (256, 256, 3)
+    assert set(probs) == set(CLASS_NAMES) and abs(sum(probs.values()) - 1) < 1e-5
+    assert run.calibrated
+
+
+@pytest.mark.browser
+@pytest.mark.slow
+def test_relabel_and_leave_out_in_a_real_browser_survive_a_reload(review_run):
+    if not CHROMIUM.exists():
+        pytest.skip("Debian's chromium is not installed at /usr/bin/chromium (apt-get install chromium)")
+    pytest.importorskip("playwright")
+    pytest.importorskip("gradio")
+    from playwright.sync_api import sync_playwright
+
+    from train.review import launch_review
+
+    (review_run / "corrections.csv").unlink(missing_ok=True)
+    split = json.loads((review_run / "split.json").read_text())
+    first, second = split["train"][1], split["train"][2]  # the 2nd and 3rd likely wrong labels
+    port = free_port()
+    app = launch_review(review_run, port=port, block=False)
+    try:
+        with sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+            try:
+                page = browser.new_page()
+                page.set_default_timeout(30_000)
+                page.goto(f"http://127.0.0.1:{port}/", wait_until="domcontentloaded")
+                page.locator("#about", has_text="1 of 3").wait_for()
+                page.locator("#items [role=gridcell]", has_text=Path(first["path"]).name).click()
+                page.locator("#about", has_text="2 of 3").wait_for()
+                page.locator("#new-label input").click()
+                page.get_by_role("option", name="bottom_right").click()
+                page.locator("#relabel").click()
+                page.locator("#status", has_text="relabelled bottom_right").wait_for()
+                page.locator("#about", has_text="3 of 3").wait_for()  # moved on to the next image
+                page.locator("#leave-out").click()
+                page.locator("#status", has_text="left out").wait_for()
+
+                page.reload(wait_until="domcontentloaded")
+                page.locator("#about", has_text="1 of 3").wait_for()
+                table = page.locator("#items")
+                table.locator("[role=gridcell]", has_text="relabelled bottom_right").wait_for()
+                table.locator("[role=gridcell]", has_text="left out").wait_for()
+                page.locator("#items [role=gridcell]", has_text=Path(second["path"]).name).click()
+                page.locator("#about", has_text="Decision: left out").wait_for()
+            finally:
+                browser.close()
+    finally:
+        app.close()
+    file = review_run / "corrections.csv"
+    fixes = wait_until(lambda: file.is_file() and load_corrections(file, review_run, CLASS_NAMES), 5, "corrections")
+    assert fixes == {first["path"]: "bottom_right", second["path"]: None}

@@ -1,0 +1,137 @@
+"""The review page: one list at a time, one image at a time, and three decisions (keep, relabel, leave out).
+
+`build_review_app(run)` lays out a `gr.Blocks` in the serving UI's style (`serve/server/ui/blocks.py`): a table
+of the chosen list (click a row to look at it), the image as the model sees it, its attention-rollout overlay and
+calibrated probabilities, and the buttons. A decision is written to `RUN_DIR/corrections.csv` before the page
+moves on to the next image; the table's "decision" column, read back from that file, shows every earlier one,
+also after a reload or a restart.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import gradio as gr
+
+from serve.runtime.images import ImageError
+from train.review_data import LISTS, Item, ReviewRun
+from train.review_store import CORRECTIONS_FILE, Decisions
+
+HEADERS = ["#", "image", "given", "suggested", "score", "why", "decision"]
+
+
+class ReviewActions:
+    """The page's callbacks: each takes the widgets' values and returns theirs."""
+
+    def __init__(self, run: ReviewRun):
+        self.run = run
+        self.decisions = Decisions(run.run_dir / CORRECTIONS_FILE)
+        roots = {str(Path(p).parent.parent) for p in run.given}  # <root>/<class>/<image>: paths shown from the root
+        self.root = os.path.commonpath(list(roots)) if roots else ""
+
+    def shown_path(self, path: str) -> str:
+        return os.path.relpath(path, self.root) if self.root and path.startswith(self.root + os.sep) else path
+
+    def decision_text(self, item: Item) -> str:
+        decided, label = self.decisions.get(item.path)
+        if not decided:
+            return ""
+        if label is None:
+            return "left out"
+        return "kept" if label == item.given else f"relabelled {label}"
+
+    def rows(self, which: str) -> list[list]:
+        return [
+            [i + 1, self.shown_path(it.path), it.given, it.suggested or "", round(it.score, 4), it.why,
+             self.decision_text(it)]
+            for i, it in enumerate(self.run.lists[which])
+        ]  # fmt: skip
+
+    def show(self, which: str, index: int):
+        """The widgets of image `index` of list `which`: image, overlay, probabilities, about, relabel choice, index."""
+        items = self.run.lists[which]
+        if not items:
+            empty = f"**{which}**: nothing to look at in this run."
+            return None, None, None, empty, gr.update(value=None), -1
+        index = min(max(int(index), 0), len(items) - 1)
+        item = items[index]
+        try:
+            pixels, probs, overlay = self.run.explain(item.path)
+        except (ImageError, OSError) as e:
+            raise gr.Error(f"cannot read {self.shown_path(item.path)}: {e}") from None
+        about = [
+            f"**{which}**, {index + 1} of {len(items)}: `{self.shown_path(item.path)}`",
+            f"Given label **{item.given}**; suggested **{item.suggested or '(none)'}**; {item.why}.",
+        ]
+        earlier = self.decision_text(item)
+        about.append(f"Decision: **{earlier}**" if earlier else "Not decided yet.")
+        choice = item.suggested if item.suggested in self.run.labels else item.given
+        return pixels, overlay, probs, "\n\n".join(about), gr.update(value=choice), index
+
+    def load(self, which: str):
+        """A page (re)load: the table from the decisions file, and the list's first image."""
+        return self.rows(which), *self.show(which, 0)
+
+    def pick(self, which: str, evt: gr.SelectData):
+        return self.show(which, evt.index[0])
+
+    def decide(self, which: str, index: int, action: str, label: str | None):
+        """Record one decision, then move on to the next image; returns the table, the next image and a status."""
+        items = self.run.lists[which]
+        if not items or index is None or not 0 <= int(index) < len(items):
+            raise gr.Error("pick an image in the table first")
+        item = items[int(index)]
+        if action == "relabel" and label not in self.run.labels:
+            raise gr.Error(f"choose a class to relabel as (one of {', '.join(self.run.labels)})")
+        chosen = {"keep": item.given, "relabel": label, "leave": None}[action]
+        try:
+            self.decisions.decide(item.path, chosen)
+        except OSError as e:
+            raise gr.Error(f"could not write {self.decisions.file}: {e}; nothing was recorded") from None
+        said = "left out" if chosen is None else "kept" if chosen == item.given else f"relabelled {chosen}"
+        status = f"`{self.shown_path(item.path)}`: {said} (saved in {self.decisions.file})"
+        return self.rows(which), *self.show(which, int(index) + 1), status
+
+
+def build_review_app(run: ReviewRun) -> gr.Blocks:
+    """The review page of `run` (see the module docstring)."""
+    on = ReviewActions(run)
+    first = next((name for name in LISTS if run.lists[name]), LISTS[0])
+    calibrated = f"temperature {run.temperature:.3f} fitted on the calibration split" if run.calibrated else (
+        "uncalibrated (the run has no calibration split)"
+    )  # fmt: skip
+    with gr.Blocks(title=f"vitscope review: {run.run_dir.name}", analytics_enabled=False) as demo:
+        gr.Markdown(
+            f"# vitscope review: {run.run_dir}\n"
+            f"Checkpoint `{run.checkpoint.name}`, {len(run.labels)} classes; probabilities {calibrated}. "
+            f"Each decision is saved at once in `{on.decisions.file}`; train on it with "
+            f"`vit-train fit ... --data.corrections {on.decisions.file}`."
+        )
+        which = gr.Radio([(f"{name} ({len(run.lists[name])})", name) for name in LISTS], value=first, label="List")
+        table = gr.Dataframe(headers=HEADERS, type="array", interactive=False, elem_id="items", max_height=320)
+        with gr.Row(equal_height=True):
+            image = gr.Image(type="numpy", label="What the model sees", interactive=False, height=280)
+            overlay = gr.Image(type="numpy", label="Attention rollout", interactive=False, height=280)
+            top = min(5, len(run.labels))
+            probs = gr.Label(num_top_classes=top, label="Calibrated probabilities", elem_id="probs")
+        about = gr.Markdown(elem_id="about")
+        with gr.Row():
+            keep = gr.Button("Keep the label", elem_id="keep")
+            new_label = gr.Dropdown(run.labels, value=None, label="Relabel as", elem_id="new-label")
+            relabel = gr.Button("Relabel", variant="primary", elem_id="relabel")
+            leave = gr.Button("Leave out", variant="stop", elem_id="leave-out")
+        status = gr.Markdown(elem_id="status")
+        index = gr.State(-1)  # per page: the image shown, as an index into the chosen list
+        shown = [image, overlay, probs, about, new_label, index]
+        demo.load(on.load, [which], [table, *shown], api_name=False)
+        which.change(on.load, [which], [table, *shown], api_name=False)
+        table.select(on.pick, [which], shown, api_name=False)
+        for button, action in ((keep, "keep"), (relabel, "relabel"), (leave, "leave")):
+            button.click(
+                lambda w, i, label, a=action: on.decide(w, i, a, label),
+                [which, index, new_label],
+                [table, *shown, status],
+                api_name=False,
+            )
+    return demo

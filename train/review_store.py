@@ -1,0 +1,81 @@
+"""The review's decisions, kept in `RUN_DIR/corrections.csv` (`path,label`) the moment each is made.
+
+The file is what `vit-train fit --data.corrections` reads (`train.corrections`): one row per image, an empty label
+leaving the image out. Each decision rewrites the whole file beside itself, flushes it to disk and renames it over
+the old one, so a crash or a power cut leaves either the old file or the new one, never half of either.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import os
+import threading
+from pathlib import Path
+
+from train.corrections import HEADER
+
+CORRECTIONS_FILE = "corrections.csv"
+
+
+def read_decisions(path: str | Path) -> dict[str, str | None]:
+    """path -> label (None: left out) from a corrections file; the latest row of a path wins, as in `fit`.
+
+    A missing file is no decisions yet.
+    """
+    path = Path(path)
+    if not path.is_file():
+        return {}
+    with open(path, newline="", encoding="utf-8-sig") as f:
+        rows = list(csv.reader(f))
+    if rows and [c.strip().lower() for c in rows[0][:2]] != HEADER:
+        raise ValueError(f"{path} must start with the header line path,label: fix or move it, then review again")
+    return {r[0].strip(): (r[1].strip() if len(r) > 1 else "") or None for r in rows[1:] if r and r[0].strip()}
+
+
+class Decisions:
+    """The decisions of one review, kept in memory and in `file` alike.
+
+    Args:
+        file: the corrections CSV; the decisions it already holds are the review's starting point.
+    """
+
+    def __init__(self, file: str | Path):
+        self.file = Path(file)
+        self._lock = threading.Lock()  # Gradio runs each click on a thread of its own
+        self._decided = read_decisions(self.file)
+
+    def get(self, path: str) -> tuple[bool, str | None]:
+        """(whether `path` was decided, its label: None when left out)."""
+        with self._lock:
+            return path in self._decided, self._decided.get(path)
+
+    def all(self) -> dict[str, str | None]:
+        with self._lock:
+            return dict(self._decided)
+
+    def decide(self, path: str, label: str | None) -> None:
+        """Record `label` for `path` (None: leave it out), on disk before this returns."""
+        with self._lock:
+            decided = {**self._decided, path: label}
+            _write_atomically(self.file, decided)
+            self._decided = decided
+
+
+def _write_atomically(file: Path, decided: dict[str, str | None]) -> None:
+    """Write-then-rename with fsync of the file and of its folder (the rename itself must reach the disk)."""
+    buf = io.StringIO()
+    writer = csv.writer(buf, lineterminator="\n")
+    writer.writerow(HEADER)
+    writer.writerows([p, label or ""] for p, label in decided.items())
+    tmp = file.with_name(f".{file.name}.tmp")
+    with open(tmp, "w", encoding="utf-8", newline="") as f:
+        f.write(buf.getvalue())
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, file)
+    folder = os.open(file.parent, os.O_RDONLY)
+    try:
+        os.fsync(folder)
+    finally:
+        os.close(folder)
