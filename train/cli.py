@@ -34,6 +34,8 @@ from train.errors import SetupError, TrainingError
 from train.label_issues import LabelIssuesReport
 from train.module import ViTClassifier
 from train.recipe import auto_recipe_args
+from train.review import REVIEW_HELP, review_parser
+from train.review import main as review_main
 from train.run_dir import CKPT_DIR, check_ckpt_owner, check_writable, is_remote, resolve_ckpt_path
 from train.shards import PREPARE_HELP, prepare_parser
 from train.shards import main as prepare_main
@@ -148,12 +150,13 @@ class VitCLI(LightningCLI):
             parser.link_arguments("data.balance_method", "model.balance", apply_on="instantiate")
 
     def _add_subcommands(self, parser: LightningArgumentParser, **kwargs: Any) -> None:
-        """The Trainer's subcommands, and `prepare` beside them so that `vit-train --help` lists it.
+        """The Trainer's subcommands, and `prepare` and `review` beside them so that `vit-train --help` lists them.
 
-        `main` runs `prepare` before LightningCLI is built: it needs no model, trainer or data module.
+        `main` runs `prepare` and `review` before LightningCLI is built: it needs no model, trainer or data module.
         """
         super()._add_subcommands(parser, **kwargs)
         parser._subcommands_action.add_subcommand("prepare", prepare_parser(), help=PREPARE_HELP)
+        parser._subcommands_action.add_subcommand("review", review_parser(), help=REVIEW_HELP)
 
     def before_instantiate_classes(self) -> None:
         config = self.config.get(str(self.subcommand), self.config)
@@ -347,6 +350,8 @@ def main(args: list[str] | None = None) -> None:
     argv = sys.argv[1:] if args is None else args
     if argv[:1] == ["prepare"]:  # image folder -> LitData chunks (train.shards)
         return prepare_main(argv[1:])
+    if argv[:1] == ["review"]:  # a run directory -> a page to correct its labels (train.review)
+        return review_main(argv[1:])
     recipe_args = auto_recipe_args(argv)
     if recipe_args != argv:  # the recipe's config goes first; LightningCLI would warn about args and sys.argv
         warnings.filterwarnings("ignore", message="LightningCLI's args parameter")
