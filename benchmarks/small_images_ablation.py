@@ -22,7 +22,7 @@ from torch import nn
 
 from benchmarks.common import Result, add_results_option, previous
 from train.fashion_mnist import DEBIAN_DIR, load_split
-from vit import create_model
+from vit import ATTN_SCORES, create_model
 
 
 def tensors(source: str, prefix: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -51,7 +51,8 @@ def accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--data", default=str(DEBIAN_DIR), help="the folder of Fashion-MNIST's idx files")
-    p.add_argument("--stem", default="conv", choices=["conv", "patch"])
+    p.add_argument("--stem", default="conv", choices=["conv", "patch", "shifted"], help="shifted: SPT")
+    p.add_argument("--attn-score", default="scaled_dot", choices=ATTN_SCORES, help="lsa: locality self-attention")
     p.add_argument("--stem-widths", default="none", help="comma-separated widths, or none for the default")
     p.add_argument("--head-only", action="store_true", help="no transformer: stem, average pool, linear")
     p.add_argument("--epochs", type=int, default=3)
@@ -68,6 +69,7 @@ def main() -> None:
     x_test, y_test = tensors(args.data, "t10k")
     widths = None if args.stem_widths == "none" else [int(w) for w in args.stem_widths.split(",")]
     net_args = dict(global_pool="avg", class_token=False, pos_embed="sincos", stem=args.stem, stem_widths=widths)
+    net_args["attn_score"] = args.attn_score
     model = create_model("vit_micro_patch4_32", img_size=28, in_chans=1, num_classes=10, **net_args)
     if args.head_only:  # the convolutional stem alone, as a small CNN
         stem, width = model.patch_embed.stem, model.patch_embed.proj.in_channels
