@@ -28,6 +28,8 @@ SMALL_SIDE = 64  # pixels: up to here the small-image recipe works at the images
 CPU_SIDE = 64  # larger images are trained at this side on CPU (a 224-px ViT from scratch takes days there)
 TARGET_STEPS = 6_000  # optimizer steps the schedule aims for, whatever the dataset size
 CPU_MINUTES = 25.0  # time budget on CPU: the run anneals and stops by then (train.budget)
+PATIENCE_SHARE = 4  # early stopping waits a quarter of the epochs (at least MIN_PATIENCE) for balanced accuracy
+MIN_PATIENCE = 5
 
 
 @dataclass
@@ -90,6 +92,11 @@ def choose(s: Survey) -> tuple[dict[str, Any], dict[str, str]]:
     epochs = int(min(100, max(10, round(TARGET_STEPS / steps_per_epoch))))
     why["trainer.max_epochs"] = f"about {TARGET_STEPS} steps at {steps_per_epoch} a step per epoch, 10-100 epochs"
     lr = round(2.0e-3 * min(1.0, batch / 64) if small else 1.0e-3 * batch / 128, 6)
+    patience = max(MIN_PATIENCE, epochs // PATIENCE_SHARE)
+    why["early_stopping.patience"] = (
+        f"stop when balanced accuracy (what picks best.ckpt) has not improved for {patience} epochs, "
+        f"a quarter of the {epochs} (at least {MIN_PATIENCE})"
+    )
     why["model.lr"] = "2e-3 at batch 64, scaled down linearly for smaller batches" if small else "1e-3 at 128"
     if small:
         variant, net = "vit_micro_patch4_32", {"stem": "conv", "pos_embed": "sincos", "global_pool": "avg"}
@@ -114,6 +121,7 @@ def choose(s: Survey) -> tuple[dict[str, Any], dict[str, str]]:
     config = {
         "seed_everything": 0,
         "trainer": trainer,
+        "early_stopping": {"patience": patience},
         "model": {
             "variant": variant, "net_args": net, "lr": lr, "min_lr": 1.0e-5, "weight_decay": 0.05,
             "warmup_epochs": 1.0 if small else 5.0, "label_smoothing": 0.1, "ema_decay": 0.99 if small else None,

@@ -11,12 +11,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import yaml
 from torch.nn import functional as F
 
 from tests.helpers import REPO, write_shapes
 from train.balance import METHOD, BalancedLoss, balanced_sampler, resolve_balance
 from train.checkpoint_format import load_checkpoint, load_network
-from train.cli import build_cli
+from train.cli import build_cli, main
 from train.datamodule import ImageFolderDataModule
 from train.reports import per_class_scores
 
@@ -140,3 +141,13 @@ def test_auto_balance_reaches_the_loss_and_leaves_inference_a_plain_argmax(imbal
     x = torch.randn(4, 3, 32, 32)
     with torch.no_grad():
         torch.testing.assert_close(net(x), cli.model.eval()(x), rtol=1e-5, atol=1e-5)
+
+
+def test_the_automatic_recipe_stops_early_on_balanced_accuracy(shapes_folder: Path, tmp_path: Path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--data.root", str(shapes_folder), "--trainer.default_root_dir", str(tmp_path), "--print_config"])
+    assert exit_info.value.code in (0, None)
+    resolved = yaml.safe_load(capsys.readouterr().out)
+    assert resolved["early_stopping"]["patience"] >= 5  # watching what picks best.ckpt (linked, so not printed)
+    assert resolved["checkpoint"]["monitor"] == "val/balanced_acc"
+    assert "balanced accuracy" in resolved["recipe"]["early_stopping.patience"]
