@@ -13,7 +13,7 @@ import logging
 import multiprocessing as mp
 from collections import Counter
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TextIO
 
 import numpy as np
 from PIL import Image
@@ -81,16 +81,16 @@ def _split_of(scan: FolderScan) -> dict[str, str]:
     return where
 
 
-def write_duplicates_csv(scan: FolderScan, path: Path) -> int:
-    """Write `group,path,kind,split` for every image in a group; returns the groups that span two splits."""
+def write_duplicates_csv(scan: FolderScan, f: TextIO) -> int:
+    """Write `group,path,kind,split` for every image in a group to `f`; returns the groups the folder itself put
+    in two splits (the user's train/ and val/: `left_out` counts as val)."""
     where, across = _split_of(scan), 0
-    with open(path, "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(["group", "path", "kind", "split"])
-        for g, group in enumerate(scan.duplicates.groups if scan.duplicates else [], start=1):
-            splits = {where.get(p, "") for p in group}
-            across += len({"val" if s == "left_out" else s for s in splits}) > 1
-            w.writerows((g, p, scan.duplicates.kind(p), where.get(p, "")) for p in group)
+    w = csv.writer(f)
+    w.writerow(["group", "path", "kind", "split"])
+    for g, group in enumerate(scan.duplicates.groups if scan.duplicates else [], start=1):
+        splits = {where.get(p, "") for p in group}
+        across += len({"val" if s == "left_out" else s for s in splits}) > 1
+        w.writerows((g, p, scan.duplicates.kind(p), where.get(p, "")) for p in group)
     return across
 
 
@@ -118,7 +118,8 @@ def write_data_report(scan: FolderScan, run_dir: Path, balance: str, dedupe: str
     out = run_dir / REPORTS
     out.mkdir(parents=True, exist_ok=True)
     report = build_report(scan, balance, dedupe)
-    report["duplicates"]["across_splits"] = write_duplicates_csv(scan, out / "duplicates.csv")
+    with open(out / "duplicates.csv", "w", newline="") as f:
+        report["duplicates"]["across_splits"] = write_duplicates_csv(scan, f)
     (out / "data.json").write_text(json.dumps(report, indent=1))
     for line in summary_lines(report):
         log.info(line)

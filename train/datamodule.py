@@ -25,11 +25,22 @@ from PIL import Image
 from torch.utils.data import DataLoader, Dataset, RandomSampler
 
 from serve.runtime.images import Preprocess
+from train.balance import BALANCE_CHOICES, resolve_balance
+from train.data_report import class_counts, write_data_report
 from train.dataset import BatchCollate, ImageListDataset, fill_cache, usable_cores
 from train.folder_scan import BadFile, FolderScan, folder_classes, scan_folder
-from train.shards import is_streaming_root, read_meta, streaming_dataset, streaming_loader, streaming_scan
+from train.shards import (
+    is_streaming_root,
+    read_meta,
+    streaming_class_counts,
+    streaming_dataset,
+    streaming_loader,
+    streaming_scan,
+    write_streaming_report,
+)
 from train.transforms import Augment, BatchTransform, EvalTransform, build_train_transform
 
+DEDUPE_CHOICES = ("auto", "none")
 SCAN_FILE = "scan.json"  # in the run directory: rank 0's scan, read by the other ranks
 CACHE_RAM_SHARE = 0.25  # the automatic cache takes at most this share of the machine's memory
 
@@ -61,6 +72,16 @@ class ImageFolderDataModule(pl.LightningDataModule):
             crops then zoom into those pixels); None caches when it takes under a quarter of the memory.
         batch_augment: augment and normalise whole batches of uint8 tensors instead of each PIL image; None
             does so whenever the augmentation allows (no RandAugment, no colour jitter).
+        balance: "auto" acts on class imbalance when the training split's largest class over its smallest is
+            `train.balance.AUTO_RATIO` or more (`balance_method` says how); "none" treats every image alike.
+        dedupe: "auto" decodes every image once to find copies and near-copies (`train.duplicates`): a pool
+            is split by group, so none straddles train, val and calib, and val images with a copy in the
+            user's own train/ are left out; "none" skips the decoding and keeps every image where it falls.
+        corrections: a CSV `path,label` applied before the split: a label relabels the image, an empty one
+            leaves it out (`train.corrections`; `vit-train review` writes such a file in the run directory).
+
+    Reports, written before the first training step into the run directory: `split.json`, `bad_files.csv`,
+    `reports/data.json` and `reports/duplicates.csv` (docs/guide/reports.md explains each field).
     """
 
     def __init__(
@@ -82,6 +103,9 @@ class ImageFolderDataModule(pl.LightningDataModule):
         verify_images: bool = True,
         cache_images: bool | None = None,
         batch_augment: bool | None = None,
+        balance: str = "auto",
+        dedupe: str = "auto",
+        corrections: str | None = None,
     ):
         super().__init__()
         self.root, self.val_fraction, self.seed = root, val_fraction, seed
@@ -95,6 +119,15 @@ class ImageFolderDataModule(pl.LightningDataModule):
         if batch_augment is None:
             batch_augment = not augment.rand_augment and augment.color_jitter <= 0
         self.batch_augment = batch_augment
+        for name, value, choices in (("balance", balance, BALANCE_CHOICES), ("dedupe", dedupe, DEDUPE_CHOICES)):
+            if value not in choices:
+                raise ValueError(f"--data.{name} must be one of {', '.join(choices)}, got {value!r}")
+        self.balance, self.dedupe, self.corrections = balance, dedupe, corrections
+        if corrections is not None and is_streaming_root(root):
+            raise ValueError(
+                f"{root} is a prepared (streamed) dataset, whose split is fixed in its chunks: apply the corrections "
+                f"when preparing it (vit-train prepare --data.corrections {corrections}), then train without them"
+            )
         self._scan: FolderScan | None = None
         self._stream = self._stream_state = None  # a streamed training loader, and the position it resumes from
         self.prepare_data_per_node = False  # one scan for the whole run, by global rank 0
@@ -113,7 +146,10 @@ class ImageFolderDataModule(pl.LightningDataModule):
         return self._scan
 
     def _scan_folder(self) -> FolderScan:
-        return scan_folder(self.root, self.val_fraction, self.seed, self.verify_images, self.calib_fraction)
+        return scan_folder(
+            self.root, self.val_fraction, self.seed, self.verify_images, self.calib_fraction,
+            corrections=self.corrections, dedupe=self.dedupe != "none",
+        )  # fmt: skip
 
     def _shared_scan_path(self) -> Path | None:
         trainer = self.trainer
@@ -140,6 +176,18 @@ class ImageFolderDataModule(pl.LightningDataModule):
     @property
     def num_classes(self) -> int:
         return len(self.classes)
+
+    @property
+    def class_counts(self) -> list[int]:
+        """Training images per class (after unreadable files, corrections and copies), index = class index."""
+        if self.scan.layout == "litdata":
+            return streaming_class_counts(self.root, self.classes)
+        return class_counts(self.scan)
+
+    @property
+    def balance_method(self) -> str | None:
+        """What `balance` does on this training split (`train.balance.resolve_balance`): None for nothing."""
+        return resolve_balance(self.balance, self.class_counts)
 
     @property
     def val_images(self) -> int:
@@ -216,9 +264,13 @@ class ImageFolderDataModule(pl.LightningDataModule):
         return auto_workers(usable_cores(), getattr(self, "_cached", False))
 
     def write_reports(self, run_dir: Path) -> None:
-        """Write `split.json` and `bad_files.csv` (file, reason) into the run directory."""
+        """Write `split.json`, `bad_files.csv` (file, reason) and `reports/` (`train.data_report`) into the run dir."""
         run_dir.mkdir(parents=True, exist_ok=True)
-        self.scan.write_split(run_dir / "split.json")
+        if self.scan.layout == "litdata":
+            write_streaming_report(self.root, run_dir, self.balance, self.class_counts)
+        else:
+            self.scan.write_split(run_dir / "split.json")
+            write_data_report(self.scan, run_dir, self.balance, self.dedupe)
         with open(run_dir / "bad_files.csv", "w", newline="") as f:
             w = csv.writer(f)
             w.writerow(["file", "reason"])

@@ -27,6 +27,8 @@ import torch
 from jsonargparse import ArgumentParser
 
 from serve.runtime.images import ImageError, load_image
+from train.balance import resolve_balance
+from train.data_report import REPORTS, build_report, class_counts, write_duplicates_csv
 from train.dataset import usable_cores
 from train.folder_scan import BadFile, FolderScan, scan_folder
 
@@ -58,18 +60,28 @@ def _sample(item: tuple[str, int]) -> dict[str, Any]:
 
 
 def prepare(
-    root: str, out: str, val_fraction: float = 0.2, seed: int = 42, workers: int | None = None, chunk_bytes="64MB"
+    root: str,
+    out: str,
+    val_fraction: float = 0.2,
+    seed: int = 42,
+    workers: int | None = None,
+    chunk_bytes="64MB",
+    corrections: str | None = None,
+    dedupe: str = "auto",
 ) -> dict:
     """Convert the image folder `root` into LitData chunks of `chunk_bytes` under `out` (a folder or s3:// / gs:// URL).
 
+    `corrections` and `dedupe` act as in fit (`ImageFolderDataModule`): the chunks hold the corrected, grouped
+    split, and `out/duplicates.csv` and the report in `out/vitscope.json` travel with them.
+
     Returns:
-        What `out/vitscope.json` holds: format, classes, layout, counts, bad files.
+        What `out/vitscope.json` holds: format, classes, layout, counts, bad files, class counts, data report.
     """
     from litdata import optimize
 
-    scan = scan_folder(root, val_fraction, seed, verify=True)
+    scan = scan_folder(root, val_fraction, seed, verify=True, corrections=corrections, dedupe=dedupe != "none")
     workers = workers or usable_cores()
-    paths = [p for p, _ in scan.train + scan.val]
+    paths = [p for p, _ in scan.train + scan.val] if scan.duplicates is None else []  # dedupe decoded them all
     chunks = [paths[i : i + 1000] for i in range(0, len(paths), 1000)]
     with mp.get_context("fork").Pool(workers) as pool:
         errors = [e for part in pool.map(_decode_errors, chunks) for e in part]
@@ -82,6 +94,11 @@ def prepare(
                  num_workers=workers, mode="overwrite")  # fmt: skip
         meta[split] = len(items)
     meta["bad"] = [{"path": p, "reason": r} for p, r in bad]
+    meta["class_counts"] = class_counts(scan)
+    meta["report"] = build_report(scan, "auto", dedupe)
+    buf = io.StringIO()
+    meta["report"]["duplicates"]["across_splits"] = write_duplicates_csv(scan, buf)
+    _write_text(out, "duplicates.csv", buf.getvalue())
     _write_text(out, META, json.dumps(meta, indent=1))
     buf = io.StringIO()
     csv.writer(buf).writerows([["file", "reason"], *bad])
@@ -119,6 +136,22 @@ def streaming_scan(root: str) -> FolderScan:
     meta = read_meta(root)
     bad = [BadFile(b["path"], b["reason"]) for b in meta.get("bad", [])]
     return FolderScan(Path(meta["root"]), list(meta["classes"]), [], [], bad, layout="litdata")
+
+
+def streaming_class_counts(root: str, classes: list[str]) -> list[int]:
+    """Training images per class of a prepared dataset (0s for one prepared before counts were kept)."""
+    return list(read_meta(root).get("class_counts") or [0] * len(classes))
+
+
+def write_streaming_report(root: str, run_dir: Path, balance: str, counts: list[int]) -> None:
+    """`reports/data.json` of a run on a prepared dataset: the report `prepare` made, with this run's balance."""
+    report = read_meta(root).get("report")
+    if report is None:
+        log.warning("%s was prepared without a data report: prepare it again for reports/data.json", root)
+        return
+    report["balance"] = {"requested": balance, "method": resolve_balance(balance, counts) if any(counts) else None}
+    (run_dir / REPORTS).mkdir(parents=True, exist_ok=True)
+    (run_dir / REPORTS / "data.json").write_text(json.dumps(report, indent=1))
 
 
 def streaming_dataset(root: str, split: str, fixed, shuffle: bool, seed: int = 42, transform=None):
@@ -180,6 +213,14 @@ def prepare_parser() -> ArgumentParser:
         "--chunk_bytes", type=str, default="64MB",
         help="size of each chunk: DDP ranks and nodes share chunks out, so a small dataset needs small chunks",
     )  # fmt: skip
+    parser.add_argument(
+        "--data.corrections", type=str | None, default=None,
+        help="a CSV path,label applied before the split, as in fit: a label relabels, an empty one leaves out",
+    )  # fmt: skip
+    parser.add_argument(
+        "--data.dedupe", type=str, default="auto", choices=["auto", "none"],
+        help="auto: find copies and near-copies and split by group, as in fit (out/duplicates.csv); none: skip",
+    )  # fmt: skip
     parser.add_argument("--workers", type=int | None, default=None, help="processes (default: the usable cores)")
     return parser
 
@@ -189,7 +230,10 @@ def main(argv: list[str]) -> None:
     args = prepare_parser().parse_args(argv)
     data = args.data
     try:
-        meta = prepare(data.root, args.out, data.val_fraction, data.seed, args.workers, args.chunk_bytes)
+        meta = prepare(
+            data.root, args.out, data.val_fraction, data.seed, args.workers, args.chunk_bytes,
+            data.corrections, data.dedupe,
+        )  # fmt: skip
     except (OSError, ValueError) as e:
         print(f"vit-train prepare: {e}", file=sys.stderr)
         raise SystemExit(2) from None
