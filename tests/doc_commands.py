@@ -21,8 +21,8 @@ when the page ends.
 
 A command either runs or is listed in NOT_RUN with the reason; one naming a program outside PROGRAMS that is not
 listed, or a NOT_RUN entry the docs no longer hold, fails the run before anything starts (tests/test_doc_commands.py
-checks the same on every `make test`). A server (`server_of`: vit-serve, make demo, make web, python -m
-http.server, serve run) starts in the background and must answer its URL with 200 within its deadline; it is
+checks the same on every `make test`). A server (`server_of`: vit-serve, vit-train review, make demo, make web,
+python -m http.server, serve run) starts in the background and must answer its URL with 200 within its deadline; it is
 stopped as a reader stops it, Ctrl-C first, after the last later command that names its port or writes to the
 repository it watches. Placeholders a reader replaces are made real
 in the page's copy before its first command that names them (PLACEHOLDERS). The result is a markdown table on
@@ -283,6 +283,10 @@ def server_of(text: str) -> Server | None:
         return Server(f"http://{host}:{port}/", (port,), 60)
     if words[:2] == ["serve", "run"]:
         return Server("http://127.0.0.1:8000/readyz", (8000,), 600, on_ray=True)
+    if words[:2] == ["vit-train", "review"] and "--help" not in words:
+        flags = {a: b for a, b in zip(words, words[1:], strict=False) if a.startswith("--")}
+        port = int(flags.get("--port", 7860))
+        return Server(f"http://{flags.get('--host', '127.0.0.1')}:{port}/", (port,), 300)
     if words[:1] == ["vit-serve"] and "--help" not in words:
         flags = {a: b for a, b in zip(words, words[1:], strict=False) if a.startswith("--")}
         ray = "--ray" in words
