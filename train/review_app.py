@@ -52,7 +52,7 @@ class ReviewActions:
         """The widgets of image `index` of list `which`: image, overlay, probabilities, about, relabel choice, index."""
         items = self.run.lists[which]
         if not items:
-            empty = f"**{which}**: nothing to look at in this run."
+            empty = f"**{which}**: {self.run.missing.get(which, 'nothing to look at in this run')}."
             return None, None, None, empty, gr.update(value=None), -1
         index = min(max(int(index), 0), len(items) - 1)
         item = items[index]

@@ -93,6 +93,12 @@ class ReviewRun:
         self.given = {p: self.labels[y] for entries in parts.values() for p, y in entries}
         self.limit = limit
         scored = self._score(parts, batch_size)
+        # a list that is empty because its report is missing says so (an older run, or a fit that did not finish)
+        self.missing = {
+            name: f"this run has no reports/{file}: vit-train fit writes it"
+            for name, file in ((LISTS[0], "label_issues.csv"), (LISTS[1], "duplicates.csv"))
+            if not (reports / file).is_file()
+        }
         self.lists = {
             LISTS[0]: self._read_label_issues(reports / "label_issues.csv"),
             LISTS[1]: self._read_duplicates(reports / "duplicates.csv", scored),

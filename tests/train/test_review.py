@@ -77,7 +77,7 @@ def test_each_decision_is_on_disk_at_once_and_fit_reads_the_latest(tmp_path):
     assert Decisions(file).all() == {a: "cat", b: None}  # a restarted review starts from them
 
 
-def test_review_refuses_a_run_without_checkpoints_or_reports(review_run, tmp_path, capsys):
+def test_review_refuses_a_run_without_checkpoints_or_reports_and_names_missing_lists(review_run, tmp_path, capsys):
     from train.cli import main
 
     with pytest.raises(SystemExit) as e:
@@ -90,6 +90,10 @@ def test_review_refuses_a_run_without_checkpoints_or_reports(review_run, tmp_pat
     with pytest.raises(SystemExit):
         main(["review", str(tmp_path)])
     assert "has no reports/ folder" in capsys.readouterr().err
+    from train.review_data import LISTS, ReviewRun
+
+    (tmp_path / "reports").mkdir()  # a run from before these reports: reviewed, and the page says what is missing
+    assert set(ReviewRun(tmp_path).missing) == set(LISTS[:2])
 
 
 def test_review_lists_every_kind_of_image_to_look_at(review_run):
@@ -103,7 +107,7 @@ def test_review_lists_every_kind_of_image_to_look_at(review_run):
     pixels, probs, overlay = run.explain(run.lists[LISTS[0]][0].path)
     assert pixels.shape == (32, 32, 3) and overlay.shape == (256, 256, 3)
     assert set(probs) == set(CLASS_NAMES) and abs(sum(probs.values()) - 1) < 1e-5
-    assert run.calibrated
+    assert run.calibrated and run.missing == {}
 
 
 @pytest.mark.browser
