@@ -84,6 +84,8 @@ class ReviewActions:
         item = items[int(index)]
         if action == "relabel" and label not in self.run.labels:
             raise gr.Error(f"choose a class to relabel as (one of {', '.join(self.run.labels)})")
+        if action == "keep" and item.given not in self.run.labels:
+            raise gr.Error("this image's class is not known to the run: relabel it or leave it out")
         chosen = {"keep": item.given, "relabel": label, "leave": None}[action]
         try:
             self.decisions.decide(item.path, chosen)

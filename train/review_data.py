@@ -163,6 +163,11 @@ class ReviewRun:
         label = (label or "").strip()
         return self.labels[int(label)] if label.isdigit() and label not in self.labels else label
 
+    def _given(self, path: str) -> str:
+        """The label of an image of the run; one it left out (a val copy of a train image) is its folder's class."""
+        folder = Path(path).parent.name
+        return self.given.get(path) or (folder if folder in self.labels else "?")
+
     def _read_duplicates(self, file: Path, scored: dict[str, dict]) -> list[Item]:
         if not file.is_file():
             return []
@@ -171,7 +176,7 @@ class ReviewRun:
         with open(file, newline="", encoding="utf-8") as f:
             rows = list(csv.DictReader(f))
         return [
-            Item(r["path"], self.given.get(r["path"], "?"), top.get(r["path"]), float(r["group"]),
+            Item(r["path"], self._given(r["path"]), top.get(r["path"]), float(r["group"]),
                  f"copy group {r['group']} ({r['kind']}), in {r['split'] or 'no split'}")
             for r in rows[: self.limit]
         ]  # fmt: skip

@@ -158,3 +158,19 @@ def test_relabel_and_leave_out_in_a_real_browser_survive_a_reload(review_run):
     file = review_run / "corrections.csv"
     fixes = wait_until(lambda: file.is_file() and load_corrections(file, review_run, CLASS_NAMES), 5, "corrections")
     assert fixes == {first["path"]: "bottom_right", second["path"]: None}
+
+
+def test_keep_records_the_given_label_and_a_class_the_run_does_not_know_cannot_be_kept(review_run, tmp_path):
+    gr = pytest.importorskip("gradio")
+    from train.review_app import ReviewActions
+    from train.review_data import LISTS, Item, ReviewRun
+
+    on = ReviewActions(ReviewRun(review_run, limit=2))
+    on.decisions = Decisions(tmp_path / "corrections.csv")
+    copy = on.run.lists[LISTS[1]][0]
+    on.decide(LISTS[1], 0, "keep", None)
+    assert on.decisions.all() == {copy.path: copy.given}
+    on.run.lists[LISTS[1]][1] = Item(str(tmp_path / "gone.png"), "?", None, 0.0, "copy")
+    with pytest.raises(gr.Error, match="relabel it or leave it out"):
+        on.decide(LISTS[1], 1, "keep", None)
+    assert on.decisions.all() == {copy.path: copy.given}
