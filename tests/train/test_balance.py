@@ -151,3 +151,17 @@ def test_the_automatic_recipe_stops_early_on_balanced_accuracy(shapes_folder: Pa
     assert resolved["early_stopping"]["patience"] >= 5  # watching what picks best.ckpt (linked, so not printed)
     assert resolved["checkpoint"]["monitor"] == "val/balanced_acc"
     assert "balanced accuracy" in resolved["recipe"]["early_stopping.patience"]
+
+
+@pytest.mark.skipif(not BALANCE_FLAGS, reason="the data module has no --data.balance")
+def test_the_sampler_method_draws_the_training_batches_class_balanced(tmp_path: Path, monkeypatch):
+    root = write_shapes(tmp_path / "shapes", per_class=4)
+    write_shapes(tmp_path / "more", per_class=36, classes=("bar",), seed=1)
+    for i, f in enumerate(sorted((tmp_path / "more" / "bar").iterdir())):
+        f.rename(root / "bar" / f"more{i}.png")
+    monkeypatch.setattr("train.balance.METHOD", "sampler")
+    dm = ImageFolderDataModule(str(root), img_size=32, batch_size=8, num_workers=0, balance="auto", dedupe="none")
+    dm.setup("fit")
+    torch.manual_seed(0)
+    labels = [int(label) for _ in range(10) for _, batch in dm.train_dataloader() for label in batch]
+    assert dm.balance_method == "sampler" and 0.2 < labels.count(0) / len(labels) < 0.5  # bar: 80 % of the images
