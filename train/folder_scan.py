@@ -306,11 +306,7 @@ def scan_folder(
         parts, record = correct_folder(parts, corrections, root, classes)
     dups = stats = None
     if dedupe:
-        dups, facts = find_duplicates([p for files in parts for paths in files.values() for p in paths])
-        bad += [BadFile(p, reason) for p, reason in facts.broken]
-        broken = {p for p, _ in facts.broken}
-        parts = [{c: [p for p in paths if p not in broken] for c, paths in files.items()} for files in parts]
-        stats = image_stats(facts.sizes, facts.modes)
+        parts, dups, stats = _dedupe(parts, bad)
     items = [[(p, y) for y, c in enumerate(classes) for p in files[c]] for files in parts]
     anchors = dups.anchors() if dups else {}
     left_out: list[str] = []
@@ -324,6 +320,16 @@ def scan_folder(
     scan = FolderScan(root, classes, train, val, bad, "pool" if pool else "train_val", calib=calib)
     scan.corrections, scan.duplicates, scan.image_stats, scan.left_out = record, dups, stats, left_out
     return _done(scan, start)
+
+
+def _dedupe(parts: list[dict[str, list[str]]], bad: list[BadFile]) -> tuple[list, Duplicates, dict]:
+    """Decode every file of `parts` ({class: paths} per split) once: (parts less the files that failed to decode,
+    which join `bad`, the copies found, the image sizes and modes seen)."""
+    dups, facts = find_duplicates([p for files in parts for paths in files.values() for p in paths])
+    bad += [BadFile(p, reason) for p, reason in facts.broken]
+    broken = {p for p, _ in facts.broken}
+    parts = [{c: [p for p in paths if p not in broken] for c, paths in files.items()} for files in parts]
+    return parts, dups, image_stats(facts.sizes, facts.modes)
 
 
 def split_own(
