@@ -145,9 +145,9 @@ class VitCLI(LightningCLI):
         parser.link_arguments("data.num_classes", "model.num_classes", apply_on="instantiate")
         parser.link_arguments("checkpoint.monitor", "early_stopping.monitor")
         parser.link_arguments("checkpoint.mode", "early_stopping.mode")
-        if hasattr(ImageFolderDataModule, "balance_method"):  # what the data module's `--data.balance` decided
-            parser.link_arguments("data.class_counts", "model.class_counts", apply_on="instantiate")
-            parser.link_arguments("data.balance_method", "model.balance", apply_on="instantiate")
+        # what the data module's `--data.balance` decided, for the loss (the sampler is the data module's own)
+        parser.link_arguments("data.class_counts", "model.class_counts", apply_on="instantiate")
+        parser.link_arguments("data.balance_method", "model.balance", apply_on="instantiate")
 
     def _add_subcommands(self, parser: LightningArgumentParser, **kwargs: Any) -> None:
         """The Trainer's subcommands, and `prepare` and `review` beside them so that `vit-train --help` lists them.

@@ -25,7 +25,7 @@ from PIL import Image
 from torch.utils.data import DataLoader, Dataset, RandomSampler
 
 from serve.runtime.images import Preprocess
-from train.balance import BALANCE_CHOICES, resolve_balance
+from train.balance import BALANCE_CHOICES, balanced_sampler, resolve_balance
 from train.data_report import class_counts, write_data_report
 from train.dataset import BatchCollate, ImageListDataset, fill_cache, usable_cores
 from train.folder_scan import BadFile, FolderScan, folder_classes, scan_folder
@@ -302,6 +302,8 @@ class ImageFolderDataModule(pl.LightningDataModule):
         # resumed run does later than the uninterrupted one, and drawn from the global stream it would shift
         # every draw after it. (With `shuffle=True` the loader would shuffle from that generator too.)
         sampler = RandomSampler(dataset) if train else None
+        if train and self.balance_method == "sampler":  # class-balanced sampling (train.balance)
+            sampler = balanced_sampler([label for _, label in dataset.items], self.num_classes)
         if not train and world > 1:  # each image once: Lightning's DistributedSampler repeats some to even the ranks
             sampler = UnrepeatedDistributedSampler(dataset, world, self.trainer.global_rank, shuffle=False)
         return DataLoader(
