@@ -5,21 +5,25 @@
 
 Each image is decoded once (in a pool of processes on large folders) into three things: a digest of its
 pixels, a 64-bit perceptual hash (the DCT hash of Zauner's pHash, as `imagehash.phash` computes it, written
-here in batch with scipy's DCT rather than adding a dependency for it) and the 32 x 32 grey thumbnail it is
-computed from.
+here in batch with scipy's DCT rather than adding a dependency for it, from a 32 x 32 grey thumbnail) and a
+grey copy at its own size, shrunk to fit `SMALL` x `SMALL` when larger (never enlarged).
 
 Near-copy search is sub-quadratic: multi-index hashing (Norouzi et al., 2012) cuts each hash into bands of 8
 to 16 bits (`band_bits`: wider as the folder grows, so a band's bucket stays small), and only images that share
 a whole band are compared. Two hashes that differ in fewer bits than there are bands always share one
-(pigeonhole), and most within `MAX_HAMMING` do. pHash moves more under a crop than under re-encoding, resizing
-or brightness: a cropped copy is found only while its hash stays within `MAX_HAMMING` bits.
+(pigeonhole), and most within `MAX_HAMMING` do.
 
-A candidate pair is kept when its hashes are within `MAX_HAMMING` bits AND its thumbnails, each scaled to zero
-mean and unit variance (so a brightened copy matches), correlate above `MIN_CORRELATION`: two distinct images
-of one class rarely pass both. Groups are the connected parts of the pairs.
+A candidate pair (hashes within `MAX_HAMMING` bits) is then checked pixel by pixel (`pixel_distance`): the
+larger grey copy is shrunk to the smaller's size, so a resized copy is compared where it has detail and not
+through an enlargement; both are blurred by `BLUR` pixels (what re-encoding and resampling change is fine
+detail; what tells two photos of one garment apart is where their outlines run) and scaled to zero mean and unit
+variance (so a brightened copy matches). The pair is kept when the 99th percentile of their absolute difference
+is at most `MAX_DIFF`: an outline moved by a pixel or two exceeds it, which a correlation of whole thumbnails
+does not notice (a crop moves every outline, so a cropped copy is rarely found). Groups are the connected parts
+of the pairs.
 Figures: BENCHMARKS.md, "Copies and near-copies".
 
-Shapes: n images, T = THUMB (thumbnail side).
+Shapes: n images, T = THUMB (thumbnail side), S = SMALL (the grey copies' largest side), m pairs.
 """
 
 from __future__ import annotations
@@ -31,18 +35,22 @@ from dataclasses import dataclass, field
 import numpy as np
 from PIL import Image
 from scipy.fft import dctn
+from scipy.ndimage import gaussian_filter
 from scipy.sparse import coo_matrix
 from scipy.sparse.csgraph import connected_components
 
 from serve.runtime.images import ImageError, load_image, open_image
 
 PARALLEL_FROM = 500  # images; fewer are decoded in this process (a pool costs more than it saves)
-THUMB = 32  # side of the grey thumbnail: pHash's DCT input, and what a candidate pair's pixels are compared on
+THUMB = 32  # side of the grey thumbnail: pHash's DCT input
+SMALL = 32  # largest side of the grey copy a candidate pair is compared on (as much memory as the thumbnail)
 BUCKET = 64  # images a band's bucket holds on average (`band_bits`)
 # Set on Fashion-MNIST (benchmarks/duplicates.py), whose garments photographed alike are the hard case:
-# looser, and distinct images of a class group; tighter, and images shrunk before re-encoding are missed.
-MAX_HAMMING = 8  # bits two hashes of one picture may differ by
-MIN_CORRELATION = 0.97  # of the normalised thumbnails: what makes a candidate a near-copy
+# looser, and distinct images of a class group; tighter, and copies re-encoded at another size are missed.
+MAX_HAMMING = 10  # bits two hashes of one picture may differ by
+BLUR = 1.0  # pixels (Gaussian sigma, at the compared size) that hide re-encoding and resampling noise
+MAX_DIFF = 0.3  # 99th percentile of a pair's absolute difference, in standard deviations of the images
+FLAT = 1.0  # grey levels of spread under which an image is one colour, and is no near-copy of anything
 
 
 @dataclass
@@ -54,7 +62,8 @@ class ImageFacts:
     modes: list[str]  # as stored: "RGB", "L", "P", ...
     digests: list[bytes]  # of the decoded RGB pixels and their shape
     hashes: np.ndarray  # (n,) uint64 perceptual hashes
-    thumbs: np.ndarray  # (n, T, T) uint8 grey thumbnails
+    smalls: np.ndarray  # (n, S, S) uint8 grey copies, each in its top-left (height, width) = small_sizes[i]
+    small_sizes: np.ndarray  # (n, 2) height, width
     broken: list[tuple[str, str]] = field(default_factory=list)  # (path, reason): did not decode
 
 
@@ -87,8 +96,18 @@ def phash(grey: np.ndarray) -> np.ndarray:
     return np.packbits(bits, axis=1, bitorder="little").view("<u8").ravel()
 
 
+def _small(grey: Image.Image) -> Image.Image:
+    """`grey` shrunk to fit `SMALL` x `SMALL`, its aspect kept; a smaller image is kept as it is."""
+    w, h = grey.size
+    if max(w, h) <= SMALL:
+        return grey
+    scale = SMALL / max(w, h)
+    size = (max(1, round(w * scale)), max(1, round(h * scale)))
+    return grey.resize(size, Image.Resampling.BILINEAR, reducing_gap=2.0)
+
+
 def _facts(paths: list[str]) -> tuple:
-    sizes, modes, digests, greys, broken, ok = [], [], [], [], [], []
+    sizes, modes, digests, greys, smalls, broken, ok = [], [], [], [], [], [], []
     for p in paths:
         try:
             header = open_image(p)
@@ -99,13 +118,18 @@ def _facts(paths: list[str]) -> tuple:
             continue
         pixels = np.asarray(rgb)
         digests.append(hashlib.blake2b(repr(pixels.shape).encode() + pixels.tobytes(), digest_size=16).digest())
-        grey = rgb.convert("L").resize((THUMB, THUMB), Image.Resampling.BILINEAR, reducing_gap=2.0)
-        greys.append(np.asarray(grey))
+        grey = rgb.convert("L")
+        greys.append(np.asarray(grey.resize((THUMB, THUMB), Image.Resampling.BILINEAR, reducing_gap=2.0)))
+        smalls.append(np.asarray(_small(grey)))
         sizes.append(size)
         modes.append(mode)
         ok.append(p)
     thumbs = np.stack(greys) if greys else np.zeros((0, THUMB, THUMB), np.uint8)  # (n, T, T)
-    return ok, sizes, modes, digests, phash(thumbs), thumbs, broken
+    padded = np.zeros((len(smalls), SMALL, SMALL), np.uint8)  # (n, S, S)
+    for k, a in enumerate(smalls):
+        padded[k, : a.shape[0], : a.shape[1]] = a
+    small_sizes = np.array([a.shape for a in smalls], np.int64).reshape(-1, 2)
+    return ok, sizes, modes, digests, phash(thumbs), padded, small_sizes, broken
 
 
 def image_facts(paths: list[str], workers: int | None = None, chunk: int = 500) -> ImageFacts:
@@ -125,8 +149,9 @@ def image_facts(paths: list[str], workers: int | None = None, chunk: int = 500) 
         modes=[m for part in parts for m in part[2]],
         digests=[d for part in parts for d in part[3]],
         hashes=np.concatenate([part[4] for part in parts]),
-        thumbs=np.concatenate([part[5] for part in parts]),
-        broken=[b for part in parts for b in part[6]],
+        smalls=np.concatenate([part[5] for part in parts]),
+        small_sizes=np.concatenate([part[6] for part in parts]),
+        broken=[b for part in parts for b in part[7]],
     )
 
 
@@ -175,21 +200,66 @@ def hamming(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return np.bitwise_count(a ^ b)
 
 
-def _correlation(thumbs: np.ndarray, pairs: np.ndarray, block: int = 200_000) -> np.ndarray:
-    flat = thumbs.reshape(len(thumbs), -1).astype(np.float32)  # (n, T*T)
-    flat -= flat.mean(axis=1, keepdims=True)
-    flat /= np.linalg.norm(flat, axis=1, keepdims=True) + 1e-6  # a flat (one-colour) image stays near 0
-    out = np.empty(len(pairs), np.float32)
-    for s in range(0, len(pairs), block):
-        i, j = pairs[s : s + block, 0], pairs[s : s + block, 1]
-        out[s : s + block] = np.einsum("ij,ij->i", flat[i], flat[j])
+def _prepared(grey: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(k, h, w) grey images blurred by `BLUR` and scaled to zero mean and unit variance; and their (k,) spread
+    (standard deviation in grey levels) before the scaling."""
+    x = gaussian_filter(grey.astype(np.float32), sigma=(0, BLUR, BLUR), mode="nearest")  # (k, h, w)
+    x -= x.mean(axis=(1, 2), keepdims=True)
+    spread = x.std(axis=(1, 2), keepdims=True)
+    return x / np.maximum(spread, FLAT), spread.ravel()
+
+
+def _shrunk(smalls: np.ndarray, small_sizes: np.ndarray, idx: np.ndarray, h: int, w: int) -> np.ndarray:
+    """(k, h, w) the grey copies `idx`, each resized to (h, w) where it is not that size already."""
+    out = smalls[idx, :h, :w].copy()
+    for k in np.flatnonzero((small_sizes[idx] != (h, w)).any(axis=1)):
+        hk, wk = small_sizes[idx[k]]
+        grey = Image.fromarray(smalls[idx[k], :hk, :wk])
+        out[k] = np.asarray(grey.resize((int(w), int(h)), Image.Resampling.BILINEAR, reducing_gap=2.0))
     return out
 
 
-def near_pairs(hashes: np.ndarray, thumbs: np.ndarray) -> np.ndarray:
-    """(m, 2) index pairs that are near-copies: a shared band, close hashes, correlated thumbnails."""
-    pairs = band_pairs(hashes, MAX_HAMMING)
-    return pairs[_correlation(thumbs, pairs) >= MIN_CORRELATION]
+def pixel_distance(smalls: np.ndarray, small_sizes: np.ndarray, pairs: np.ndarray, block: int = 20_000) -> np.ndarray:
+    """How far apart the two images of each pair are, pixel by pixel (see the module's docstring).
+
+    Args:
+        smalls: (n, S, S) uint8 grey copies (`ImageFacts.smalls`).
+        small_sizes: (n, 2) their heights and widths.
+        pairs: (m, 2) image indices.
+
+    Returns:
+        (m,) float32: the 99th percentile of the absolute difference of the blurred, normalised pair, compared at
+        the smaller image's size; `inf` when either image is flat (one colour), which says nothing about copying.
+    """
+    area = small_sizes.prod(axis=1)
+    pairs = np.where((area[pairs[:, 0]] > area[pairs[:, 1]])[:, None], pairs[:, ::-1], pairs)  # the smaller first
+    hw = small_sizes[pairs[:, 0]]  # (m, 2) the size each pair is compared at
+    key = hw[:, 0] * (SMALL + 1) + hw[:, 1]
+    order = np.argsort(key, kind="stable")
+    out = np.empty(len(pairs), np.float32)
+    for run in np.split(order, np.flatnonzero(np.diff(key[order])) + 1) if len(pairs) else []:
+        h, w = hw[run[0]]
+        first, second = pairs[run, 0], pairs[run, 1]
+        same = (small_sizes[second] == (h, w)).all(axis=1)
+        own = np.unique(np.concatenate([first, second[same]]))  # each prepared once, however many pairs it is in
+        prepared, spread = _prepared(smalls[own, :h, :w])  # (u, h, w), (u,)
+        for s in range(0, len(run), block):
+            a, b = np.searchsorted(own, first[s : s + block]), np.searchsorted(own, second[s : s + block])
+            x, y, flat = prepared[a], np.empty_like(prepared[a]), spread[a] < FLAT
+            part = same[s : s + block]
+            y[part], flat[part] = prepared[b[part]], flat[part] | (spread[b[part]] < FLAT)
+            if not part.all():  # the larger image of the pair is shrunk to the smaller's size
+                y[~part], other = _prepared(_shrunk(smalls, small_sizes, second[s : s + block][~part], h, w))
+                flat[~part] |= other < FLAT
+            far = np.percentile(np.abs(x - y).reshape(len(x), -1), 99, axis=1)  # (k,)
+            out[run[s : s + block]] = np.where(flat, np.inf, far)
+    return out
+
+
+def near_pairs(facts: ImageFacts) -> np.ndarray:
+    """(m, 2) index pairs that are near-copies: a shared band, close hashes, the same pixels once blurred."""
+    pairs = band_pairs(facts.hashes, MAX_HAMMING)
+    return pairs[pixel_distance(facts.smalls, facts.small_sizes, pairs) <= MAX_DIFF]
 
 
 def group_duplicates(facts: ImageFacts) -> Duplicates:
@@ -198,7 +268,7 @@ def group_duplicates(facts: ImageFacts) -> Duplicates:
     first: dict[bytes, int] = {}
     same = np.array([(first.setdefault(d, i), i) for i, d in enumerate(facts.digests)], np.int64).reshape(-1, 2)
     same = same[same[:, 0] != same[:, 1]]  # (m, 2) each copy to the first image of its pixels
-    edges = np.concatenate([same, near_pairs(facts.hashes, facts.thumbs)])
+    edges = np.concatenate([same, near_pairs(facts)])
     graph = coo_matrix((np.ones(len(edges)), (edges[:, 0], edges[:, 1])), shape=(n, n))
     _, component = connected_components(graph, directed=False)
     sizes = np.bincount(component, minlength=n)

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from PIL import Image, ImageEnhance
+from PIL import Image, ImageDraw, ImageEnhance
 
-from train.duplicates import BUCKET, band_bits, band_pairs, find_duplicates
+from train.duplicates import BUCKET, MAX_HAMMING, band_bits, band_pairs, find_duplicates
 from train.folder_scan import scan_folder
 
 
@@ -57,6 +57,18 @@ def test_reencoded_resized_and_brightened_copies_are_near_copies(tmp_path: Path)
     assert {dups.kind(p) for p in dups.groups[0]} == {"near"}
 
 
+def _garment(pocket: bool = False, collar_drop: int = 0) -> Image.Image:
+    """A 28 px garment-like silhouette, a little noisy, with an optional pocket or a lower collar."""
+    im = Image.new("L", (28, 28), 0)
+    draw = ImageDraw.Draw(im)
+    draw.polygon([(8, 4), (20, 4), (22, 24), (6, 24)], fill=200)
+    draw.rectangle([12, 2 + collar_drop, 16, 6 + collar_drop], fill=120)
+    if pocket:
+        draw.rectangle([12, 14, 15, 17], fill=60)
+    noise = np.random.default_rng(collar_drop + 10 * pocket).integers(-6, 7, (28, 28))
+    return Image.fromarray(np.clip(np.asarray(im, int) + noise, 0, 255).astype(np.uint8), "L")
+
+
 def test_distinct_similar_images_of_a_class_are_not_grouped(tmp_path: Path):
     bars = tmp_path / "bars"
     bars.mkdir()
@@ -66,9 +78,17 @@ def test_distinct_similar_images_of_a_class_are_not_grouped(tmp_path: Path):
         a[row : row + 4, 4:-4] = 0
         noisy = np.clip(a.astype(int) + rng.integers(-20, 20, a.shape), 0, 255).astype(np.uint8)
         Image.fromarray(noisy, "L").save(bars / f"{row:02d}.png")
+    garments = tmp_path / "garments"  # one garment, one with a pocket, one with its collar 2 px lower
+    garments.mkdir()
+    for name, im in {"plain": _garment(), "pocket": _garment(pocket=True), "collar": _garment(collar_drop=2)}.items():
+        im.save(garments / f"{name}.png")
     blobs = _folder(tmp_path / "blobs", per_class=20)
-    dups = _groups(sorted(bars.glob("*")) + sorted(blobs.glob("*/*")))
+    dups, facts = find_duplicates(
+        [str(p) for p in sorted(bars.glob("*")) + sorted(garments.glob("*")) + sorted(blobs.glob("*/*"))], workers=1
+    )
     assert dups.groups == []
+    close = {tuple(sorted(Path(facts.paths[i]).stem for i in pair)) for pair in band_pairs(facts.hashes, MAX_HAMMING)}
+    assert {("collar", "plain"), ("plain", "pocket")} <= close  # their hashes agree: the pixel check tells them apart
 
 
 def test_band_search_finds_every_close_pair_without_comparing_all():
