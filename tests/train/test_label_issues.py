@@ -16,20 +16,19 @@ from train.label_issues import baseline_issues, class_thresholds, find_label_iss
 
 
 def _noisy_probs(seed: int = 0):
-    """Three classes; class 2 is hard (the model gives its images about 0.5), and 8 labels are flipped.
+    """Three classes; class 2 is hard (0.5 on itself, 0.47 on class 1), and 8 labels are flipped.
 
     Returns (probs (N, 3), given labels (N,), true labels (N,), flipped indices).
     """
     rng = np.random.default_rng(seed)
     true = np.repeat([0, 1, 2], 40)  # (N,)
-    own = np.where(true == 2, 0.5, 0.9) + rng.uniform(-0.01, 0.01, len(true))  # probability of the true class
-    probs = np.empty((len(true), 3))
-    for i, (y, p) in enumerate(zip(true, own, strict=True)):
-        probs[i] = (1 - p) / 2
-        probs[i, y] = p
+    probs = np.full((len(true), 3), 0.03)
+    probs[true == 0, 0] = probs[true == 1, 1] = 0.94
+    probs[true == 2, 2], probs[true == 2, 1] = 0.5, 0.47
+    probs += rng.uniform(0, 0.002, probs.shape)
     given = true.copy()
     flipped = np.array([3, 7, 45, 50, 81, 90, 99, 110])
-    given[flipped] = (true[flipped] + rng.integers(1, 3, len(flipped))) % 3  # a wrong class, never the true one
+    given[flipped] = [1, 2, 0, 2, 0, 0, 0, 0]  # never 2 -> 1: the model cannot tell those apart
     return probs, given, true, flipped
 
 
@@ -56,21 +55,23 @@ def test_every_flip_is_found_with_its_true_class_and_no_clean_image_is_flagged()
     issues = find_label_issues(probs, given)
     assert sorted(issues.index.tolist()) == flipped.tolist()
     assert issues.suggested.tolist() == true[issues.index].tolist()
-    assert np.all(np.diff(issues.score) <= 0) and np.all((issues.score > 0.5) & (issues.score <= 1.0))
+    assert np.all(np.diff(issues.score) <= 0) and np.all((issues.score > 0.9) & (issues.score <= 1.0))
 
 
-def test_per_class_thresholds_find_flips_into_a_hard_class_that_a_flat_threshold_misses():
-    probs, given, _, flipped = _noisy_probs()
-    hard = [i for i in flipped if probs[i, given[i]] >= 0.1]  # the given label keeps 0.25: a flip from class 2
-    assert hard, "the fixture must hold flips the plain rule cannot see"
-    assert not set(hard) & set(baseline_issues(probs, given).index.tolist())
-    assert set(hard) <= set(find_label_issues(probs, given).index.tolist())
+def test_a_hard_class_must_be_contradicted_harder_than_an_easy_one():
+    probs, given, _, _ = _noisy_probs()
+    probs = np.vstack([probs, [0.07, 0.9, 0.03], [0.03, 0.9, 0.07]])  # labelled 0, then labelled 2
+    given = np.append(given, [0, 2])
+    flagged = set(find_label_issues(probs, given).index.tolist())
+    assert len(probs) - 2 in flagged  # 0.07 is under a tenth of class 0's usual 0.9
+    assert len(probs) - 1 not in flagged  # but not of class 2's usual 0.5
+    assert {len(probs) - 2, len(probs) - 1} <= set(baseline_issues(probs, given).index.tolist())
 
 
 def test_most_confidently_wrong_comes_first():
-    probs = np.array([[0.9, 0.1], [0.9, 0.1], [0.12, 0.88], [0.05, 0.95], [0.15, 0.85], [0.15, 0.85]])
-    issues = find_label_issues(probs, np.array([0, 0, 0, 0, 1, 1]))
-    assert issues.index.tolist() == [3, 2] and issues.suggested.tolist() == [1, 1]
+    probs = np.array([[0.9, 0.1]] * 4 + [[0.03, 0.97], [0.01, 0.99], [0.1, 0.9], [0.1, 0.9]])
+    issues = find_label_issues(probs, np.array([0, 0, 0, 0, 0, 0, 1, 1]))
+    assert issues.index.tolist() == [5, 4] and issues.suggested.tolist() == [1, 1]
 
 
 def test_no_images_no_issues():
