@@ -55,12 +55,14 @@ def test_run_dir_holds_checkpoints_config_logs_split_and_reports(trained):
     assert list((run / "tensorboard").rglob("events.out.tfevents.*"))
     assert list((run / "csv").rglob("metrics.csv"))
     split = json.loads((run / "split.json").read_text())
-    assert split["classes"] == ["bar", "column", "square"] and len(split["val"]) == 18
+    # 20 % of 90 images, less the near-copies that follow their group into train (the shapes repeat positions)
+    val = len(split["val"])
+    assert split["classes"] == ["bar", "column", "square"] and 14 <= val <= 18
     with open(run / "reports" / "per_class.csv") as f:
         rows = list(csv.DictReader(f))
-    assert [r["class"] for r in rows] == ["bar", "column", "square"] and sum(int(r["images"]) for r in rows) == 18
+    assert [r["class"] for r in rows] == ["bar", "column", "square"] and sum(int(r["images"]) for r in rows) == val
     with open(run / "reports" / "confusion_matrix.csv") as f:
-        assert sum(int(v) for row in list(csv.reader(f))[1:] for v in row[1:]) == 18
+        assert sum(int(v) for row in list(csv.reader(f))[1:] for v in row[1:]) == val
 
 
 @pytest.mark.slow
