@@ -132,7 +132,7 @@ def test_early_stopping_ends_the_run_after_its_patience(imbalanced_fit):
 
 
 @pytest.mark.skipif(not BALANCE_FLAGS, reason="the data module has no --data.balance")
-def test_auto_balance_reaches_the_loss_and_leaves_inference_a_plain_argmax(imbalanced_fit):
+def test_auto_balance_reaches_the_model_and_leaves_inference_a_plain_argmax(imbalanced_fit):
     cli, run = imbalanced_fit
     counts = cli.datamodule.class_counts
     assert cli.model.hparams.balance == METHOD and cli.model.hparams.class_counts == counts
@@ -165,3 +165,13 @@ def test_the_sampler_method_draws_the_training_batches_class_balanced(tmp_path: 
     torch.manual_seed(0)
     labels = [int(label) for _ in range(10) for _, batch in dm.train_dataloader() for label in batch]
     assert dm.balance_method == "sampler" and 0.2 < labels.count(0) / len(labels) < 0.5  # bar: 80 % of the images
+
+
+def test_the_model_takes_a_loss_method_with_mixup_and_refuses_one_without_counts():
+    from train.module import ViTClassifier
+
+    kwargs = {"num_classes": 2, "img_size": 32, "variant": "vit_micro_patch4_32", "mixup_alpha": 0.2}
+    model = ViTClassifier(**kwargs, balance="logit_adjusted", class_counts=[90, 10])
+    assert isinstance(model.train_loss, BalancedLoss) and model.train_loss.method == "logit_adjusted"
+    with pytest.raises(ValueError, match="needs class_counts"):
+        ViTClassifier(**kwargs, balance="reweight")
