@@ -98,23 +98,8 @@ def choose(s: Survey) -> tuple[dict[str, Any], dict[str, str]]:
         f"a quarter of the {epochs} (at least {MIN_PATIENCE})"
     )
     why["model.lr"] = "2e-3 at batch 64, scaled down linearly for smaller batches" if small else "1e-3 at 128"
-    if small:
-        variant, net = "vit_micro_patch4_32", {"stem": "conv", "pos_embed": "sincos", "global_pool": "avg"}
-        net |= {"class_token": False, "patch_size": patch}
-        if patch == 4:  # a full-resolution conv first: a 4-px patch holds few pixels (benchmarks.small_images_ablation)
-            net["stem_widths"] = [16, 32, 64]
-        why["model.variant"] = "small images: 64-wide, 4-block ViT with a conv stem (learns fast from few pixels)"
-    else:
-        variant, net = "vit_tiny_patch16_224", {"drop_path_rate": 0.1}
-        why["model.variant"] = "large images on a GPU: ViT-Ti/16 at 224 px"
-    trainer: dict[str, Any] = {"max_epochs": epochs, "gradient_clip_val": 1.0, "log_every_n_steps": 50}
-    if s.gpu:
-        trainer |= {"accelerator": "gpu", "devices": 1, "precision": "bf16-mixed"}
-        why["trainer.precision"] = "a CUDA GPU: bf16 mixed precision"
-    else:
-        trainer |= {"accelerator": "cpu", "devices": 1, "precision": "32-true"}
-        trainer["callbacks"] = [{"class_path": "train.budget.TimeBudget", "init_args": {"minutes": CPU_MINUTES}}]
-        why["trainer.callbacks"] = f"CPU ({s.cores} cores): anneal and stop within {CPU_MINUTES:.0f} minutes"
+    variant, net = _network(small, patch, why)
+    trainer = _trainer(s, epochs, why)
     augment = {"crop_scale": [0.8, 1.0] if small else [0.25, 1.0], "crop_ratio": [0.9, 1.1], "hflip": 0.5}
     augment |= {"fill": 0, "rand_augment": None, "re_prob": 0.0 if small else 0.25}
     why["data.augment"] = "batch augmentation on uint8 tensors: crops and flips (set hflip 0 for text and digits)"
@@ -133,6 +118,31 @@ def choose(s: Survey) -> tuple[dict[str, Any], dict[str, str]]:
     }  # fmt: skip
     config["data"] = {k: v for k, v in config["data"].items() if v is not None}
     return config, why
+
+
+def _network(small: bool, patch: int, why: dict[str, str]) -> tuple[str, dict[str, Any]]:
+    """The timm variant and its `net_args`: a small conv-stem ViT for small images or CPU, else ViT-Ti/16."""
+    if not small:
+        why["model.variant"] = "large images on a GPU: ViT-Ti/16 at 224 px"
+        return "vit_tiny_patch16_224", {"drop_path_rate": 0.1}
+    net: dict[str, Any] = {"stem": "conv", "pos_embed": "sincos", "global_pool": "avg"}
+    net |= {"class_token": False, "patch_size": patch}
+    if patch == 4:  # a full-resolution conv first: a 4-px patch holds few pixels (benchmarks.small_images_ablation)
+        net["stem_widths"] = [16, 32, 64]
+    why["model.variant"] = "small images: 64-wide, 4-block ViT with a conv stem (learns fast from few pixels)"
+    return "vit_micro_patch4_32", net
+
+
+def _trainer(s: Survey, epochs: int, why: dict[str, str]) -> dict[str, Any]:
+    """The `trainer:` section: bf16 on a GPU; on CPU, full precision under a wall-clock budget."""
+    trainer: dict[str, Any] = {"max_epochs": epochs, "gradient_clip_val": 1.0, "log_every_n_steps": 50}
+    if s.gpu:
+        why["trainer.precision"] = "a CUDA GPU: bf16 mixed precision"
+        return trainer | {"accelerator": "gpu", "devices": 1, "precision": "bf16-mixed"}
+    why["trainer.callbacks"] = f"CPU ({s.cores} cores): anneal and stop within {CPU_MINUTES:.0f} minutes"
+    trainer |= {"accelerator": "cpu", "devices": 1, "precision": "32-true"}
+    trainer["callbacks"] = [{"class_path": "train.budget.TimeBudget", "init_args": {"minutes": CPU_MINUTES}}]
+    return trainer
 
 
 def auto_recipe_args(args: list[str]) -> list[str]:

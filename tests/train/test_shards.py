@@ -42,7 +42,7 @@ def test_vit_train_help_lists_prepare_beside_the_trainer_subcommands(capsys):
         main(["--help"])
     out = capsys.readouterr().out
     listed = re.findall(r"^ {4}(\w+) +\S", out, re.M)  # "    fit    Runs the full ..."
-    assert e.value.code == 0 and listed == ["fit", "validate", "test", "predict", "prepare"]
+    assert e.value.code == 0 and listed == ["fit", "validate", "test", "predict", "prepare", "review"]
     assert re.search(r"prepare +Write an image folder as LitData chunks", out)
 
 
