@@ -133,6 +133,24 @@ def _soak(r: dict) -> str:
     return f"{done} rollouts, {failed} failed requests, RSS start / end / peak {rss} MiB"
 
 
+def _long_tail(r: dict) -> str:
+    t = r["tables"][0]
+    epochs = max(e for m, e, *_ in t["rows"] if m == "none" and any(n != "none" and f == e for n, f, *_ in t["rows"]))
+    best = max((row for row in t["rows"] if row[1] == epochs and row[0] != "none"), key=lambda row: row[2])
+    none = cell(r, 0, f"none | {epochs}", "balanced accuracy")
+    return f"{pct(best[2])} ({best[0]}) against {pct(none)}, {epochs} epochs each"
+
+
+def _label_noise(r: dict) -> str:
+    p, rec, pp, pr = (cell(r, 0, m, c) for m in ("label_issues.csv", "plain rule") for c in ("precision", "recall"))
+    return f"{p:.2f} / {rec:.2f} (a plain 0.1 threshold: {pp:.2f} / {pr:.2f})"
+
+
+def _copies(r: dict) -> str:
+    found = " / ".join(f"{cell(r, 0, kind, 'found'):.1%}" for kind in ("byte copy", "JPEG at another size"))
+    return f"{found}, {cell(r, 1, 'groups in two splits', 'value')} groups across splits"
+
+
 TRUST = "python -m benchmarks.trust --fmnist runs/fmnist"
 ROWS = (
     Row("the digits sample, held-out accuracy after 2.5 min of training", "sample_accuracy",
@@ -161,6 +179,12 @@ ROWS = (
         lambda r: f"{cell(r, 0, 'vit-serve HTTP multipart', 'vs LitServe'):.2f}x the req/s"),
     Row("`vit-serve` gRPC against HTTP v2, the same binary tensors, the servers on one core",
         "serve_peers_pinned", _grpc),
+    Row("a long tail (Fashion-MNIST at imbalance ratio 100): balanced test accuracy, `--data.balance auto` "
+        "against `none`", "long_tail", _long_tail, "python -m benchmarks.long_tail --epochs 8 --methods none,sampler"),
+    Row("wrong labels (10 % of 20,000 Fashion-MNIST images): `label_issues.csv` precision / recall",
+        "label_noise", _label_noise),
+    Row("copies planted among 10,000 Fashion-MNIST images: byte copies / JPEG at another size found",
+        "duplicates", _copies),
     Row("200 polled rollouts of a model repository under load at concurrency 16", "rollout_soak", _soak),
 )  # fmt: skip
 
