@@ -44,6 +44,7 @@ FOLDS = 5  # cross-fitting of the Mahalanobis threshold
 ACCEPT = 0.95  # share of in-distribution calibration images the OOD threshold accepts
 MIN_IMAGES = 20  # below this, a coverage of 0.95 cannot be promised at all
 CONFIDENCE_EDGES = np.linspace(0.0, 1.0, 11)  # 10 equal bins of top-1 confidence, for drift
+COVERAGE_CHECK = 0.9  # the coverage whose per-class figure the report shows
 OOD_BINS = 10  # OOD-score bins for drift: the calibration deciles, so each holds a tenth of its images
 
 
@@ -158,9 +159,51 @@ def fit(
         "scores": [float(f"{v:.7g}") for v in true[order].tolist()],  # 7 digits: 1e-12 stays 1e-12
         "labels": labels[order].tolist(),
     }
+    entry["metrics"]["per_class_coverage"] = per_class_coverage(true, labels, K)
     entry["ood"], ood = _ood_entry(ood_kind, logits, probs, T, features, labels, accept)
     entry["drift"] = _drift_reference(probs, ood)
     return entry
+
+
+def per_class_coverage(true: np.ndarray, labels: np.ndarray, K: int, coverage: float = COVERAGE_CHECK) -> dict | None:
+    """How often each class's true label is in its prediction set at `coverage`, on images the thresholds never saw.
+
+    The calibration images are split in two halves, stratified by class: the thresholds fitted on one half are
+    checked on the other, and the other way round. `marginal` is the one threshold of the default sets;
+    `class_conditional` gives each class its own (`--class-conditional`), None for a class with too few images in
+    a half to fit one. None when the images are too few for a half to fit the threshold at all.
+
+    Args:
+        true: (n,) the conformal score of each image's true label.
+        labels: (n,) the true labels.
+    """
+    fold = np.zeros(len(labels), dtype=np.int64)
+    rng = np.random.default_rng(0)
+    for k in range(K):
+        own = np.flatnonzero(labels == k)
+        fold[rng.permutation(own)] = np.arange(len(own)) % 2
+    half = min(int((fold == f).sum()) for f in (0, 1))
+    if half / (half + 1) < coverage:
+        return None
+    images, marginal, conditional = np.bincount(labels, minlength=K), np.zeros(K), np.zeros(K)
+    fits = np.ones(K, dtype=bool)
+    for f in (0, 1):
+        ref, held = fold != f, fold == f
+        covered = true <= cal.conformal_threshold(np.sort(true[ref]), coverage)
+        marginal += np.bincount(labels[held & covered], minlength=K)
+        for k in range(K):
+            own = np.sort(true[ref & (labels == k)])
+            if len(own) / (len(own) + 1) < coverage:
+                fits[k] = False
+                continue
+            conditional[k] += (true[held & (labels == k)] <= cal.conformal_threshold(own, coverage)).sum()
+    share = lambda hits, k: round(float(hits[k] / images[k]), 4) if images[k] else None
+    return {
+        "coverage": coverage,
+        "images": images.tolist(),
+        "marginal": [share(marginal, k) for k in range(K)],
+        "class_conditional": [share(conditional, k) if fits[k] else None for k in range(K)],
+    }
 
 
 def _ood_entry(kind, logits, probs, T, features, labels, accept) -> tuple[dict[str, Any], np.ndarray]:
@@ -283,8 +326,31 @@ def for_export(
     return entry, png
 
 
-def format_report(entry: dict[str, Any] | None) -> str:
-    """The calibration's figures as a few lines for the terminal."""
+def _coverage_lines(entry: dict[str, Any], names: list[str]) -> list[str]:
+    """The per-class coverage check as report lines: the least covered class of each kind of sets, and advice."""
+    per = entry["metrics"].get("per_class_coverage")
+    if per is None:
+        return ["  per-class coverage                    too few images to check on held-out halves"]
+    lines, target = [], per["coverage"]
+    kinds = (("marginal", f"coverage at {target:.2f}, worst class"), ("class_conditional", "  a threshold per class"))
+    for kind, label in kinds:
+        known = [(v, k) for k, v in enumerate(per[kind]) if v is not None]
+        if not known:
+            continue
+        v, k = min(known)
+        skipped = len(per[kind]) - len(known)
+        lines.append(
+            f"  {label:<38}{v:.1%} ({names[k]}, {per['images'][k]} images; held-out halves)"
+            + (f"; {skipped} classes too small to fit" if skipped else "")
+        )
+    lowest = min(v for v in per["marginal"] if v is not None)
+    if not entry["conformal"]["class_conditional"] and lowest < target - 0.05:
+        lines.append("  a class is under-covered: --class-conditional gives each class its own threshold")
+    return lines
+
+
+def format_report(entry: dict[str, Any] | None, names: list[str] | None = None) -> str:
+    """The calibration's figures as a few lines for the terminal (`names`: the class names, for per-class lines)."""
     if entry is None:
         return "calibration: none (--no-calibration): raw softmax scores, no prediction sets, no unknown verdict"
     m = entry["metrics"]
@@ -299,6 +365,7 @@ def format_report(entry: dict[str, Any] | None) -> str:
             f"{entry['images'] / (entry['images'] + 1):.4f}",
             f"  unknown inputs                        {entry['ood']['score']} > {entry['ood']['threshold']:.4f} "
             f"({entry['ood']['accept']:.0%} of calibration images accepted)",
+            *(_coverage_lines(entry, names) if names else []),
         ]
     )
 

@@ -349,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _print_result(result: ExportResult, target: str, format_report) -> None:
     print(format_report(result.parity, result.quantization))
-    print(calib.format_report(result.calibration))
+    print(calib.format_report(result.calibration, result.metadata["class_names"]))
     if result.reliability_png is not None:
         print(f"wrote the reliability diagram {result.reliability_png}")
     size_mb = result.path.stat().st_size / 1e6

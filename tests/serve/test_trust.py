@@ -47,6 +47,28 @@ def test_split_conformal_sets_cover_new_exchangeable_images_as_promised(method, 
     assert 1.0 < inside.sum(1).mean() < 10  # informative: neither singletons always nor every class
 
 
+def test_the_export_report_shows_an_under_covered_tail_class_and_class_conditional_sets_cover_it():
+    from serve.export.calibrate import fit, format_report
+
+    rng = np.random.default_rng(3)
+    counts, K = [3000, 1500, 300], 3  # a long tail; the model is sure of the head and unsure of the tail
+    labels = np.repeat(np.arange(K), counts)
+    sure = np.array([4.0, 3.0, 0.8])[labels]  # how far each image's true logit stands out, by class
+    logits = rng.normal(0, 1, (len(labels), K))
+    logits[np.arange(len(labels)), labels] += sure + rng.normal(0, 1, len(labels))
+    entry = fit(logits.astype(np.float32), labels, None, ood_kind="energy")
+    per = entry["metrics"]["per_class_coverage"]
+    assert per["images"] == counts and per["coverage"] == 0.9
+    assert per["marginal"][2] < 0.8 < 0.88 < per["marginal"][0]  # one threshold: the head pays for the tail
+    assert all(0.85 <= v <= 0.95 for v in per["class_conditional"])  # a threshold each: every class at 0.9
+    report = format_report(entry, ["big", "middle", "tail"])
+    assert "lowest" in report and "45.7% (tail, 300 images;" in report and "--class-conditional" in report
+    entry = fit(logits.astype(np.float32), labels, None, ood_kind="energy", class_conditional=True)
+    assert "--class-conditional gives" not in format_report(entry, ["big", "middle", "tail"])
+    few = fit(logits[::200].astype(np.float32), labels[::200], None, ood_kind="energy")  # 24 images: 12 a half
+    assert few["metrics"]["per_class_coverage"]["class_conditional"] == [None, None, None]
+
+
 @pytest.mark.parametrize("coverage", [0.0, 1.0, -0.5, 1.5, float("nan"), "0.9"])
 def test_a_coverage_outside_the_open_unit_interval_is_refused_with_an_example(coverage):
     with pytest.raises(ValueError, match=r"between 0 and 1 \(exclusive\), e\.g\. 0\.9"):
