@@ -62,7 +62,7 @@ def test_the_export_report_shows_an_under_covered_tail_class_and_class_condition
     assert per["marginal"][2] < 0.8 < 0.88 < per["marginal"][0]  # one threshold: the head pays for the tail
     assert all(0.85 <= v <= 0.95 for v in per["class_conditional"])  # a threshold each: every class at 0.9
     report = format_report(entry, ["big", "middle", "tail"])
-    assert "lowest" in report and "45.7% (tail, 300 images;" in report and "--class-conditional" in report
+    assert "worst class" in report and "45.7% (tail, 300 images;" in report and "--class-conditional" in report
     entry = fit(logits.astype(np.float32), labels, None, ood_kind="energy", class_conditional=True)
     assert "--class-conditional gives" not in format_report(entry, ["big", "middle", "tail"])
     few = fit(logits[::200].astype(np.float32), labels[::200], None, ood_kind="energy")  # 24 images: 12 a half
