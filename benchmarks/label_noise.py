@@ -153,7 +153,7 @@ def main() -> None:
         wall = train(args.data, run_dir, args.epochs)
     found = evaluate(run_dir, truth)
     fixed = run_dir.with_name(run_dir.name + "-corrected")
-    if args.corrected and args.run_dir is None:
+    if args.corrected and (args.run_dir is None or not (fixed / "checkpoints" / "last.ckpt").is_file()):
         train(args.data, fixed, args.epochs, suggested_corrections(run_dir))
     summary = json.loads((run_dir / "summary.json").read_text())
     setting = {"images": found["images"], "wrong labels": found["wrong"], "epochs": summary["epochs"]}
