@@ -99,6 +99,7 @@ def evaluate(run_dir: Path, truth: Path) -> dict:
     """Precision and recall of label_issues.csv and of the plain rule, overall and per split."""
     from train.checkpoint_format import load_network  # torch: only once a run is there
     from train.label_issues import (
+        RELATIVE_FLOOR,
         baseline_issues,
         calibrated_probs,
         confident_joint_issues,
@@ -117,7 +118,9 @@ def evaluate(run_dir: Path, truth: Path) -> dict:
     net, meta = load_network(run_dir / "checkpoints" / "last.ckpt")
     probs = calibrated_probs(predict_logits(net, meta["preprocess"], items, 500), labels, which == "calib")
     methods = {
-        "label_issues.csv: given < 0.1 x its class's mean, another wins": find_label_issues(probs, labels),
+        f"label_issues.csv: given < {RELATIVE_FLOOR} x its class's mean, another wins": find_label_issues(
+            probs, labels
+        ),
         "confident learning's confident-joint rule": confident_joint_issues(probs, labels),
         "plain rule: given < 0.1, another wins": baseline_issues(probs, labels),
     }
@@ -175,8 +178,9 @@ def main() -> None:
     if wall is not None:
         run.add("command wall time", f"{wall / 60:.1f} min")
     result.notes.append(
-        f"The network trained {summary['epochs']} epochs on the noisy labels (the config's time budget on this "
-        "machine): the better it tells the classes apart, the fewer clean images its errors put on the list."
+        f"The network trained {summary['epochs']} epochs on the noisy labels; the better it tells the classes apart, "
+        "the fewer clean images its own errors put on the list. The second run relabels every listed image as "
+        "suggested, without a person's review."
     )
     result.data = found
     result.finish()
