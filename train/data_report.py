@@ -10,7 +10,6 @@ from __future__ import annotations
 import csv
 import json
 import logging
-import multiprocessing as mp
 from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
@@ -19,6 +18,7 @@ import numpy as np
 from PIL import Image
 
 from train.balance import AUTO_RATIO, imbalance_ratio, resolve_balance
+from train.parallel import parallel_map
 
 if TYPE_CHECKING:
     from train.folder_scan import FolderScan
@@ -63,8 +63,7 @@ def header_stats(paths: list[str], workers: int | None = None, chunk: int = 2_00
     if len(paths) < PARALLEL_FROM or workers < 2:
         rows = _headers(paths)
     else:
-        with mp.get_context("fork").Pool(workers) as pool:
-            parts = pool.map(_headers, [paths[i : i + chunk] for i in range(0, len(paths), chunk)])
+        parts = parallel_map(_headers, [paths[i : i + chunk] for i in range(0, len(paths), chunk)], workers)
         rows = [r for part in parts for r in part]
     return image_stats(np.array([r[:2] for r in rows], np.int64).reshape(-1, 2), [r[2] for r in rows])
 

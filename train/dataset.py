@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import math
-import multiprocessing as mp
 import os
 import random
 from collections.abc import Callable
@@ -22,6 +21,7 @@ from PIL import Image
 from torch.utils.data import Dataset, get_worker_info
 
 from serve.runtime.images import ImageError, load_image, open_image
+from train.parallel import parallel_map
 
 log = logging.getLogger(__name__)
 
@@ -162,11 +162,7 @@ def fill_cache(
     paths = [p for p, _ in items]
     tasks = [(paths[i : i + chunk], fixed, min_side, tuple(shape)) for i in range(0, len(paths), chunk)]
     workers = max(1, min(workers or usable_cores(), len(tasks)))
-    if workers > 1:
-        with mp.get_context("fork").Pool(workers) as pool:
-            parts = pool.map(_decode_chunk, tasks)
-    else:
-        parts = [_decode_chunk(t) for t in tasks]
+    parts = parallel_map(_decode_chunk, tasks, workers)
     pixels = np.concatenate([a for a, _ in parts]) if parts else np.zeros((0, *shape), np.uint8)
     failed = [f for _, fs in parts for f in fs]
     bad = {p for p, _ in failed}

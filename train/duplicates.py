@@ -29,7 +29,6 @@ Shapes: n images, T = THUMB (thumbnail side), S = SMALL (the grey copies' larges
 from __future__ import annotations
 
 import hashlib
-import multiprocessing as mp
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -40,6 +39,7 @@ from scipy.sparse import coo_matrix
 from scipy.sparse.csgraph import connected_components
 
 from serve.runtime.images import ImageError, load_image, open_image
+from train.parallel import parallel_map
 
 PARALLEL_FROM = 500  # images; fewer are decoded in this process (a pool costs more than it saves)
 THUMB = 32  # side of the grey thumbnail: pHash's DCT input
@@ -141,8 +141,7 @@ def image_facts(paths: list[str], workers: int | None = None, chunk: int = 500) 
         parts = [_facts(paths)]
     else:
         chunks = [paths[i : i + chunk] for i in range(0, len(paths), chunk)]
-        with mp.get_context("fork").Pool(workers) as pool:
-            parts = pool.map(_facts, chunks)
+        parts = parallel_map(_facts, chunks, workers)
     return ImageFacts(
         paths=[p for part in parts for p in part[0]],
         sizes=np.array([s for part in parts for s in part[1]], dtype=np.int64).reshape(-1, 2),

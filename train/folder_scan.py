@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import logging
-import multiprocessing as mp
 import os
 import random
 import time
@@ -31,6 +30,7 @@ from serve.runtime.images import IMAGE_SUFFIXES
 from train.corrections import correct_folder
 from train.data_report import image_stats
 from train.duplicates import Duplicates, find_duplicates, follow_anchors, without_members
+from train.parallel import parallel_map
 
 log = logging.getLogger(__name__)
 
@@ -165,8 +165,7 @@ def check_headers(paths: list[str], workers: int | None = None, chunk: int = 2_0
     if len(paths) < PARALLEL_FROM or workers < 2:
         return _header_errors(paths)
     chunks = [paths[i : i + chunk] for i in range(0, len(paths), chunk)]
-    with mp.get_context("fork").Pool(workers) as pool:
-        return [e for part in pool.imap(_header_errors, chunks) for e in part]
+    return [e for part in parallel_map(_header_errors, chunks, workers) for e in part]
 
 
 def _scan_classes(folder: Path, classes: list[str] | None, verify: bool, bad: list[BadFile]) -> dict[str, list[str]]:

@@ -17,7 +17,6 @@ import csv
 import io
 import json
 import logging
-import multiprocessing as mp
 import sys
 from pathlib import Path
 from typing import Any
@@ -31,6 +30,7 @@ from train.balance import resolve_balance
 from train.data_report import REPORTS, build_report, class_counts, write_duplicates_csv
 from train.dataset import usable_cores
 from train.folder_scan import BadFile, FolderScan, scan_folder
+from train.parallel import parallel_map
 
 log = logging.getLogger(__name__)
 
@@ -83,8 +83,7 @@ def prepare(
     workers = workers or usable_cores()
     paths = [p for p, _ in scan.train + scan.val] if scan.duplicates is None else []  # dedupe decoded them all
     chunks = [paths[i : i + 1000] for i in range(0, len(paths), 1000)]
-    with mp.get_context("fork").Pool(workers) as pool:
-        errors = [e for part in pool.map(_decode_errors, chunks) for e in part]
+    errors = [e for part in parallel_map(_decode_errors, chunks, workers) for e in part]
     broken = {p for p, _ in errors}
     bad = [(b.path, b.reason) for b in scan.bad] + errors
     meta = {"format": FORMAT, "root": str(scan.root), "layout": scan.layout, "classes": scan.classes}

@@ -222,3 +222,20 @@ def test_a_small_calibration_split_says_what_it_costs(shapes_folder: Path, caplo
         scan = scan_folder(shapes_folder, calib_fraction=0.1)
     assert len(scan.calib) == 6
     assert "only 6 calibration images" in caplog.text and "at most 0.857" in caplog.text
+
+
+def test_a_pool_given_little_or_no_work_returns_at_once_every_time():
+    # A pool terminated while its workers were still starting left one that nothing stopped: prepare() on a
+    # folder the copy scan had already decoded (no work for the pool) hung a whole test run that way.
+    from train.parallel import parallel_map
+
+    for _ in range(30):
+        assert parallel_map(abs, [], 4) == []
+        assert parallel_map(abs, [-1], 4) == [1]
+        assert parallel_map(abs, [-1, -2, -3], 2) == [1, 2, 3]
+    with pytest.raises(ZeroDivisionError):
+        parallel_map(_reciprocal, [1, 0], 2)  # a task's error reaches the caller, and the pool is gone
+
+
+def _reciprocal(x: int) -> float:
+    return 1 / x
