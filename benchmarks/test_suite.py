@@ -48,6 +48,7 @@ def main() -> None:
             run = subprocess.run(["make", target], cwd=tmp / "fresh", env={**os.environ, "CI": "true"},
                                  capture_output=True, text=True)  # fmt: skip
             walls.append(time.perf_counter() - t0)
+            print(f"make {target}: {minutes(walls[-1])} (exit {run.returncode})", flush=True)  # kept if a step fails
             stdout += run.stdout
             if run.returncode:
                 raise SystemExit(
