@@ -4,6 +4,8 @@
     .venv/bin/python -m benchmarks.fashion_mnist                        # trains first, within the config's time budget
     .venv/bin/python -m benchmarks.fashion_mnist --run-dir runs/fmnist   # reports a run already made
 
+The accuracies are of every image of the official test set, through the checkpoint as `vit-export` reads it: the
+run itself validates without the test images that have a near-copy in the training set (`--data.dedupe auto`).
 Target: >= 91.0 % test accuracy within 30 minutes of training on 2 CPU cores (stretch: HOG + SVM's 92.6 %).
 """
 
@@ -53,19 +55,25 @@ def main() -> None:
     with open(next((run_dir / "csv").glob("version_*/metrics.csv"))) as f:
         accs = [float(r["val/acc"]) for r in csv.DictReader(f) if r.get("val/acc")]
     done = datetime.datetime.fromtimestamp((run_dir / "summary.json").stat().st_mtime, datetime.timezone.utc)
+    from benchmarks.long_tail import score  # torch: only once a run is there
+
+    # every test image: the run validates without those that have a copy in train/ (--data.dedupe auto)
+    best, last = (float(score(run_dir, Path(args.data), c).mean()) for c in ("best.ckpt", "last.ckpt"))
     result = Result("fashion_mnist", {"run dir": str(run_dir)}, ("torch", "lightning"), results=args.results)
     models = result.table(["model", "Fashion-MNIST test accuracy"])
-    models.add("vitscope, configs/small_images.yaml (this run)", f"**{100 * s['best_val_acc']:.2f} %**")
+    models.add("vitscope, configs/small_images.yaml (this run)", f"**{100 * best:.2f} %**")
     for row in PUBLISHED:
         models.add(*row)
     run = result.table(["run", "value"])
-    run.add("last-epoch accuracy", f"{100 * accs[-1]:.2f} %")
+    run.add("last-epoch accuracy", f"{100 * last:.2f} %")
+    run.add("last-epoch validation accuracy (test images with a copy in train/ left out)", f"{100 * accs[-1]:.2f} %")
     run.add("fit time (scan, cache, training, validation)", f"{s['fit_seconds'] / 60:.1f} min")
     if total is not None:
         run.add("command wall time", f"{total / 60:.1f} min")
     run.add("epochs, steps", f"{s['epochs']}, {s['global_step']}")
     run.add("finished", f"{done:%Y-%m-%d %H:%M UTC}")
-    result.data = {"best_val_acc": s["best_val_acc"], "last_val_acc": accs[-1], "fit_seconds": s["fit_seconds"]}
+    result.data = {"best_test_acc": best, "last_test_acc": last, "best_val_acc": s["best_val_acc"],
+                   "last_val_acc": accs[-1], "fit_seconds": s["fit_seconds"]}  # fmt: skip
     result.finish()
 
 

@@ -76,9 +76,9 @@ def train_one(method: str, data: Path, run_dir: Path, epochs: int) -> None:
     vit_train(args)
 
 
-def score(run_dir: Path, data: Path) -> np.ndarray:
-    """Per-class recall (K,) of the run's last checkpoint on `data/val`."""
-    net, meta = load_network(run_dir / "checkpoints" / "last.ckpt")
+def score(run_dir: Path, data: Path, checkpoint: str = "last.ckpt") -> np.ndarray:
+    """Per-class recall (K,) of the run's `checkpoint` on every image of `data/val`."""
+    net, meta = load_network(run_dir / "checkpoints" / checkpoint)
     names = meta["class_names"]
     correct, total = np.zeros(len(names)), np.zeros(len(names))
     for k, name in enumerate(names):
