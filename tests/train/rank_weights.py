@@ -15,6 +15,9 @@ class SaveRankWeights(Callback):
         out = Path(trainer.default_root_dir) / f"rank{trainer.global_rank}.pt"
         torch.save({k: v.detach().cpu() for k, v in pl_module.net.state_dict().items()}, out)
 
+    def on_exception(self, trainer, pl_module, exception) -> None:  # a run stopped on every rank: where it stood
+        self.on_train_end(trainer, pl_module)
+
 
 def fingerprints(images: torch.Tensor) -> list[str]:
     """One short digest per image, the same in every process (`hash` of bytes is salted per process)."""
@@ -48,6 +51,9 @@ class SaveRankValImages(Callback):
 
     def on_train_end(self, trainer, pl_module) -> None:
         torch.save(self.counts, Path(trainer.default_root_dir) / f"val{trainer.global_rank}.pt")
+
+    def on_exception(self, trainer, pl_module, exception) -> None:
+        self.on_train_end(trainer, pl_module)
 
 
 class LogSamples(Callback):

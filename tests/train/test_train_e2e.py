@@ -133,24 +133,31 @@ def test_killed_run_resumes_from_last_checkpoint_in_the_same_run_dir(tmp_path: P
 def test_ddp_on_two_cpu_processes_keeps_the_ranks_in_step_and_validates_each_image_once(tmp_path: Path, prepared: bool):
     # One DDP run checks all (each run starts two processes that import torch and Lightning): the ranks end
     # with identical weights, and a rank that gets less than a batch of the validation images still
-    # validates its share, each image once; streamed, each rank trains on chunks of its own.
+    # validates its share, each image once; streamed, each rank trains on chunks of its own. From a folder,
+    # the third epoch's batches are NaN on rank 1 only: every process stops, none is left waiting for it.
     folder = write_shapes(tmp_path / "shapes", per_class=4)  # a quarter held out: 3 images for 2 ranks, batches of 8
-    root, streamed = folder, []
+    root, extra = folder, []
     if prepared:  # small chunks, several to share out; unaugmented, so that an image looks the same on any rank
         prepare(str(folder), str(tmp_path / "shards"), val_fraction=0.25, workers=1, chunk_bytes="4kb")
         root = tmp_path / "shards"
-        streamed = ["--data.augment.crop_scale", "[1.0, 1.0]", "--data.augment.crop_ratio", "[1.0, 1.0]"]
-        streamed += ["--data.augment.hflip", "0.0", "--trainer.callbacks+=tests.train.rank_weights.SaveRankSamples"]
+        extra = ["--data.augment.crop_scale", "[1.0, 1.0]", "--data.augment.crop_ratio", "[1.0, 1.0]"]
+        extra += ["--data.augment.hflip", "0.0", "--trainer.callbacks+=tests.train.rank_weights.SaveRankSamples"]
+    else:
+        extra = ["--trainer.callbacks+=tests.train.faults.PoisonBatch", "--trainer.callbacks.epoch", "2"]
+        extra += ["--trainer.callbacks.rank", "1", "--trainer.max_epochs", "3"]
     run = tmp_path / "run"
     cmd = [sys.executable, "-m", "train", *fit_args(root, run, 2, "--data.val_fraction", "0.25")]
     cmd += ["--data.batch_size", "4", "--data.eval_batch_size", "8", "--data.num_workers", "0"]
     cmd += ["--data.calib_fraction", "0"]  # what is measured is validation: 3 images for 2 ranks
     cmd += ["--trainer.strategy", "ddp", "--trainer.devices", "2", "--trainer.accelerator", "cpu"]
     cmd += ["--trainer.callbacks+=tests.train.rank_weights.SaveRankValImages"]
-    cmd += ["--trainer.callbacks+=tests.train.rank_weights.SaveRankWeights", *streamed]
+    cmd += ["--trainer.callbacks+=tests.train.rank_weights.SaveRankWeights", *extra]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
-    assert result.returncode == 0, result.stderr[-3000:]
+    if prepared:
+        assert result.returncode == 0, result.stderr[-3000:]
+    else:  # a rank left waiting for the other would have hung until the timeout
+        assert result.returncode == 1 and "the training loss is not finite on another process" in result.stderr
     per_rank = [torch.load(run / f"val{r}.pt", weights_only=True) for r in (0, 1)]
     assert [a + b for a, b in zip(*per_rank, strict=True)] == [3, 3]  # each epoch: every image once, none repeated
     assert all(n > 0 for counts in per_rank for n in counts)  # every rank had its share
@@ -163,4 +170,4 @@ def test_ddp_on_two_cpu_processes_keeps_the_ranks_in_step_and_validates_each_ima
     if prepared:
         seen0, seen1 = (torch.load(run / f"samples{r}.pt", weights_only=True) for r in (0, 1))
         assert seen0 and seen1 and not set(seen0) & set(seen1)  # each rank streams its own chunks
-    assert (run / "checkpoints" / "last.ckpt").is_file()
+    assert load_checkpoint(run / "checkpoints" / "last.ckpt")["epoch"] == 1  # the poisoned epoch saved nothing
