@@ -104,7 +104,7 @@ def main() -> None:
         accs.append(100 * acc)
         print(f"epoch {epoch + 1}: test accuracy {100 * acc:.2f} %", file=sys.stderr, flush=True)
     options = shlex.join(options_of(sys.argv[1:]))
-    row = [args.tag or options, options, params, ", ".join(f"{a:.2f}" for a in accs), cpu, result.header["date"]]
+    row = [args.tag or options, options, params, ", ".join(f"{a:.2f}" for a in accs), cpu, result.header["date"][:10]]
     images = args.epochs * per_epoch * args.batch
     result.data = {"last run": {"options": options, "images/s": images / wall, "wall s": wall, "accuracy %": accs}}
     record(result, row, args.results)
