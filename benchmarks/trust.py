@@ -2,7 +2,8 @@
 
 Exports each run's best.ckpt (calibrated on its calibration split) and scores it on images the calibration never
 saw: ECE and NLL before and after calibration; coverage and set size of LAC and APS sets; the AUROC of each
-unknown-input score against digits, noise and photo crops (and the open-set model's 2 held-out classes).
+unknown-input score against digits, noise and photo crops, and against other photos cropped at every side from 28
+to 224 px (scikit-image's; and the open-set model's 2 held-out classes).
 
     .venv/bin/python -m benchmarks.trust --fmnist runs/fmnist --openset runs/fmnist8 --sample runs/sample
 """
@@ -26,7 +27,12 @@ from serve.runtime.classifier import OnnxClassifier
 from serve.runtime.images import load_image
 
 COVERAGES = (0.90, 0.95)
+# Unknown inputs at any size: crops of scikit-image's photos (none of them in `far_ood`) at each of these sides,
+# which the classifier resizes to its input as it does any image
+CROP_SIDES = (28, 32, 48, 64, 96, 128, 224)
+SKIMAGE_PHOTOS = ("astronaut", "camera", "chelsea", "coffee", "rocket", "clock", "coins", "moon", "grass", "brick")
 HELD_OUT = ("ankle_boot", "bag")  # the open-set model's unseen classes (data/fmnist8 links the other 8)
+MODELS = ("fmnist", "fmnist8", "digits sample")  # the order of the tables' rows
 
 
 def pixels_of(clf: OnnxClassifier, paths) -> np.ndarray:
@@ -60,6 +66,26 @@ def far_ood(clf: OnnxClassifier, n: int = 600, seed: int = 0) -> dict[str, np.nd
         "noise": noise,
         "photos": pixels_of(clf, [np.ascontiguousarray(c) for c in crops]),
     }
+
+
+def photos_at_any_size(clf: OnnxClassifier, per_photo: int = 40, seed: int = 1) -> dict[str, np.ndarray]:
+    """Square crops of scikit-image's sample photos at each side of `CROP_SIDES`: one set per side."""
+    try:
+        import skimage.data
+    except ImportError as e:
+        raise SystemExit("benchmarks.trust: the photos at any size need scikit-image (pip install scikit-image)") from e
+    rng = np.random.default_rng(seed)
+    photos = [getattr(skimage.data, name)() for name in SKIMAGE_PHOTOS]
+    photos = [np.stack([p] * 3, -1) if p.ndim == 2 else p for p in photos]  # (H, W, 3) uint8
+    sets = {}
+    for side in CROP_SIDES:
+        crops = []
+        for photo in photos:
+            for _ in range(per_photo):
+                y, x = int(rng.integers(0, photo.shape[0] - side)), int(rng.integers(0, photo.shape[1] - side))
+                crops.append(np.ascontiguousarray(photo[y : y + side, x : x + side]))
+        sets[f"other photos, {side}-px crops"] = pixels_of(clf, crops)
+    return sets
 
 
 class Scored:
@@ -154,7 +180,7 @@ def evaluate(name: str, ckpt: Path, test_root: Path, classes: list[str], workdir
     out["unknown_rate_test"] = round(float(known["verdict"].mean()), 4)
     if ood_sets:
         out["ood"] = []
-        for set_name, px in far_ood(clf).items():
+        for set_name, px in (far_ood(clf) | photos_at_any_size(clf)).items():
             other = s.ood(px)
             out["ood"].append({"ood_set": set_name, "images": len(px), **auroc(known, other)})
     return out
@@ -205,9 +231,15 @@ def open_set(ckpt: Path, fmnist_val: Path, workdir: Path) -> dict:
     return r
 
 
+def by_target(items: list[dict], keys: tuple[str, ...]) -> list:
+    """`keys`' values at each of `COVERAGES`, key by key; None where an item has no such target."""
+    by = {item["target"]: item for item in items}
+    return [by[c][k] if c in by else None for k in keys for c in COVERAGES]
+
+
 def tables(result: Result, rows: list[dict]) -> None:
     """The rows of every model as the result's tables: calibration, sets, re-split sets, unknown inputs, sources."""
-    pct, sets = "{:.2%}", {"target": "{:.2f}", "mean set size": "{:.2f}"}
+    pct = "{:.2%}"
     ece = ("accuracy", "ECE before", "ECE, temperature alone", "ECE after")
     t = result.table(["model", "test images", *ece[:1], "T", *ece[1:], "NLL before", "NLL after"],
                      formats={c: pct for c in ece} | {"NLL before": "{:.3f}", "NLL after": "{:.3f}"})  # fmt: skip
@@ -215,17 +247,20 @@ def tables(result: Result, rows: list[dict]) -> None:
         ece_values = (r["ece_before"], r.get("ece_temperature_only", r["ece_after"]), r["ece_after"])
         nll = (r["nll_before"], r["nll_after"])
         t.add(r["model"], r["test_images"], r["accuracy"], r["temperature"], *ece_values, *nll)
-    t = result.table(["model", "sets", "target", "coverage", "mean set size", "empty sets"],
-                     formats=sets | {"coverage": pct, "empty sets": pct})  # fmt: skip
+    at = lambda name: [f"{name} at {c:.2f}" for c in COVERAGES]  # one column per target, side by side
+    shares = lambda cols: {c: "{:.2f}" if "size" in c else pct for c in cols}
+    cols = [*at("coverage"), *at("mean set size"), *at("empty sets")]
+    t = result.table(["model", "sets", *cols], formats=shares(cols))
     for r in rows:
-        for s in r["sets"]:
-            t.add(r["model"], s["method"], s["target"], s["coverage"], s["mean_set_size"], s["empty_sets"])
-    t = result.table(["model", "sets", "target", "trials", "mean coverage", "sd", "mean set size"],
-                     formats=sets | {"mean coverage": pct, "sd": pct})  # fmt: skip
+        for method in dict.fromkeys(s["method"] for s in r["sets"]):
+            t.add(r["model"], method, *by_target([s for s in r["sets"] if s["method"] == method],
+                                                 ("coverage", "mean_set_size", "empty_sets")))  # fmt: skip
+    cols = [*at("mean coverage"), *at("sd"), *at("mean set size")]
+    t = result.table(["model", "sets", "trials", *cols], formats=shares(cols))
     for r in rows:
-        for s in r.get("resplit_coverage", []):
-            t.add(r["model"], "lac, calibration and test re-split", s["target"], s["trials"], s["coverage"],
-                  s["coverage_sd"], s["mean_set_size"])  # fmt: skip
+        if resplit := r.get("resplit_coverage"):
+            values = by_target(resplit, ("coverage", "coverage_sd", "mean_set_size"))
+            t.add(r["model"], "lac, calibration and test re-split", resplit[0]["trials"], *values)
     scores = ["AUROC max-softmax", "AUROC energy", "AUROC Mahalanobis"]
     t = result.table(["model", "out-of-distribution images", "n", *scores, "called unknown by the file"],
                      formats={c: "{:.4f}" for c in scores} | {"called unknown by the file": pct})  # fmt: skip
@@ -266,7 +301,7 @@ def main() -> None:
     # each model's rows are replaced by its latest run; the others stay (the models train at different times)
     old = (previous("trust", args.results) or {}).get("data", {}).get("rows", [])
     mine = {r["model"] for r in measured}
-    rows = [r for r in old if r["model"] not in mine] + measured
+    rows = sorted([r for r in old if r["model"] not in mine] + measured, key=lambda r: MODELS.index(r["model"]))
     tables(result, rows)
     result.data = {"rows": rows}
     result.finish()

@@ -79,11 +79,6 @@ NOT_RUN: dict[str, str] = {
         "old tree, unpacked outside the clone",
     "sudo apt-get install dataset-fashion-mnist && vit-fashion-mnist --out data/fmnist": "installs a system "
         "package as root: this script changes nothing outside its scratch folder",
-    "vit-train fit --config configs/small_images.yaml --data.root data/fmnist --data.img_size 28 "
-    "--trainer.default_root_dir runs/fmnist --trainer.enable_progress_bar false --overwrite true":
-        "the 25-minute Fashion-MNIST training",
-    ".venv/bin/python -m benchmarks.fashion_mnist --run-dir runs/fmnist": "a benchmark of runs/fmnist, the "
-        "25-minute Fashion-MNIST training",
     "vit-train fit --config configs/small_images.yaml --config runs/openset_budget.yaml --data.root data/fmnist8 "
     "--data.img_size 28 --trainer.default_root_dir runs/fmnist8 --trainer.enable_progress_bar false "
     "--overwrite true": "a benchmark's 12-minute open-set training on Fashion-MNIST",
@@ -92,7 +87,8 @@ NOT_RUN: dict[str, str] = {
     "vit-train fit --config configs/sample.yaml --trainer.default_root_dir runs/sample "
     "--trainer.enable_progress_bar false --overwrite true": "a benchmark's record of its model: `make export`, "
         "which every page but README starts from, runs this training (the Makefile's train target)",
-    ".venv/bin/python -m benchmarks.trust --fmnist runs/fmnist --openset runs/fmnist8 --sample runs/sample":
+    ".venv/bin/python -m benchmarks.fashion_mnist": "the 25-minute Fashion-MNIST training and its benchmark",
+    ".venv/bin/python -m benchmarks.trust --fmnist runs/fmnist-bench --openset runs/fmnist8 --sample runs/sample":
         "a benchmark of the Fashion-MNIST runs (25 + 12 minutes of training)",
 }  # fmt: skip
 
