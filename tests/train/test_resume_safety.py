@@ -153,8 +153,13 @@ def test_kill_9_while_a_checkpoint_is_written_leaves_the_previous_ones_loadable(
         proc.wait()
     for name in ("best.ckpt", "last.ckpt"):
         assert load_checkpoint(ckpts / name)["epoch"] in (0, 1), name  # the old file or the whole new one
+    done_epochs = load_checkpoint(ckpts / "last.ckpt")["epoch"] + 1
     build_cli(fit_args(shapes, run, 3, "--ckpt_path", "last"))  # resumes, and clears the killed save's leftovers
     assert sorted(p.name for p in ckpts.iterdir()) == ["best.ckpt", "last.ckpt"]
+    logs = sorted((run / "csv").glob("version_*/metrics.csv"))
+    assert len(logs) == 3  # the first run's and the killed run's logs are kept beside the resumed run's
+    with open(logs[-1]) as f:
+        assert min(int(r["epoch"]) for r in csv.DictReader(f)) == done_epochs  # continued, not restarted
 
 
 def _limit_file_size(limit: int):

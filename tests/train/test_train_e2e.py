@@ -1,11 +1,11 @@
-"""End to end: a real tiny training run, its run directory, its checkpoints, resume after a kill, DDP."""
+"""End to end: a real tiny training run, its run directory, its checkpoints, DDP (resume after a kill:
+test_resume_safety.py)."""
 
 from __future__ import annotations
 
 import csv
 import json
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from serve.runtime.images import load_image
-from tests.helpers import REPO, wait_until, write_shapes
+from tests.helpers import REPO, write_shapes
 from train.checkpoint_format import load_checkpoint, load_network
 from train.cli import build_cli
 from train.shards import prepare
@@ -88,44 +88,6 @@ def test_load_network_gives_the_logits_of_the_trained_module(trained):
     with torch.no_grad():
         torch.testing.assert_close(net(x), module(x), rtol=1e-5, atol=1e-5)
         assert not torch.allclose(net(x), module.net.eval()(x))  # it is the EMA copy, not the raw weights
-
-
-def _wait_for_checkpoint(path: Path, min_epoch: int, proc: subprocess.Popen, timeout: float = 120.0) -> None:
-    def reached() -> bool:
-        assert proc.poll() is None, "training stopped before it could be killed"
-        try:
-            return torch.load(path, map_location="cpu", weights_only=True)["epoch"] >= min_epoch
-        except Exception:  # noqa: BLE001
-            return False  # not written yet, or being written
-
-    wait_until(reached, timeout, f"{path} reaching epoch {min_epoch}", interval=0.2)
-
-
-@pytest.mark.slow
-def test_killed_run_resumes_from_last_checkpoint_in_the_same_run_dir(tmp_path: Path):
-    root = write_shapes(tmp_path / "shapes", per_class=12)
-    run = tmp_path / "run"
-    last = run / "checkpoints" / "last.ckpt"
-    cmd = [sys.executable, "-m", "train", *fit_args(root, run, 500)]
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    try:
-        _wait_for_checkpoint(last, 1, proc)
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)  # the kill: no chance to clean up
-        proc.wait()
-    killed = torch.load(last, map_location="cpu", weights_only=True)
-    done_epochs, done_steps = killed["epoch"] + 1, killed["global_step"]
-    cli = build_cli(fit_args(root, run, done_epochs + 2, "--ckpt_path", "last"))
-    steps_per_epoch = done_steps // done_epochs
-    assert cli.trainer.current_epoch == done_epochs + 2
-    assert cli.trainer.global_step == done_steps + 2 * steps_per_epoch  # continued, not restarted
-    resumed = torch.load(last, map_location="cpu", weights_only=True)
-    assert resumed["epoch"] == done_epochs + 1
-    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["best.ckpt", "last.ckpt"]
-    logs = sorted((run / "csv").glob("version_*/metrics.csv"))
-    assert len(logs) == 2  # the killed run's log is kept beside the resumed run's
-    with open(logs[-1]) as f:
-        assert min(int(r["epoch"]) for r in csv.DictReader(f)) == done_epochs
 
 
 @pytest.mark.slow
