@@ -5,7 +5,7 @@ saw: ECE and NLL before and after calibration; coverage and set size of LAC and 
 unknown-input score against digits, noise and photo crops, and against other photos cropped at every side from 28
 to 224 px (scikit-image's; and the open-set model's 2 held-out classes).
 
-    .venv/bin/python -m benchmarks.trust --fmnist runs/fmnist --openset runs/fmnist8 --sample runs/sample
+    .venv/bin/python -m benchmarks.trust --fmnist runs/fmnist-bench --openset runs/fmnist8 --sample runs/sample
 """
 
 from __future__ import annotations
@@ -55,17 +55,15 @@ def far_ood(clf: OnnxClassifier, n: int = 600, seed: int = 0) -> dict[str, np.nd
     digits = (load_digits().images[:n] * (255 / 16)).astype(np.uint8)
     digits = [Image.fromarray(d, "L").convert("RGB").resize((W, H), Image.BICUBIC) for d in digits]
     noise = rng.integers(0, 256, (n, H, W, 3), dtype=np.uint8)
-    crops = []
-    for photo in load_sample_images().images:
-        for _ in range(n // 2):
-            s = int(rng.integers(48, 200))
-            y, x = int(rng.integers(0, photo.shape[0] - s)), int(rng.integers(0, photo.shape[1] - s))
-            crops.append(photo[y : y + s, x : x + s])
-    return {
-        "digits": pixels_of(clf, digits),
-        "noise": noise,
-        "photos": pixels_of(clf, [np.ascontiguousarray(c) for c in crops]),
-    }
+    photos = load_sample_images().images
+    crops = [square_crop(p, int(rng.integers(48, 200)), rng) for p in photos for _ in range(n // 2)]
+    return {"digits": pixels_of(clf, digits), "noise": noise, "photos": pixels_of(clf, crops)}
+
+
+def square_crop(photo: np.ndarray, side: int, rng: np.random.Generator) -> np.ndarray:
+    """A `side` x `side` crop of (H, W, 3) `photo` at a random place."""
+    y, x = int(rng.integers(0, photo.shape[0] - side)), int(rng.integers(0, photo.shape[1] - side))
+    return np.ascontiguousarray(photo[y : y + side, x : x + side])
 
 
 def photos_at_any_size(clf: OnnxClassifier, per_photo: int = 40, seed: int = 1) -> dict[str, np.ndarray]:
@@ -77,15 +75,12 @@ def photos_at_any_size(clf: OnnxClassifier, per_photo: int = 40, seed: int = 1) 
     rng = np.random.default_rng(seed)
     photos = [getattr(skimage.data, name)() for name in SKIMAGE_PHOTOS]
     photos = [np.stack([p] * 3, -1) if p.ndim == 2 else p for p in photos]  # (H, W, 3) uint8
-    sets = {}
-    for side in CROP_SIDES:
-        crops = []
-        for photo in photos:
-            for _ in range(per_photo):
-                y, x = int(rng.integers(0, photo.shape[0] - side)), int(rng.integers(0, photo.shape[1] - side))
-                crops.append(np.ascontiguousarray(photo[y : y + side, x : x + side]))
-        sets[f"other photos, {side}-px crops"] = pixels_of(clf, crops)
-    return sets
+    return {
+        f"other photos, {side}-px crops": pixels_of(
+            clf, [square_crop(p, side, rng) for p in photos for _ in range(per_photo)]
+        )  # fmt: skip
+        for side in CROP_SIDES
+    }
 
 
 class Scored:
