@@ -30,8 +30,15 @@ from torchmetrics.classification import (
 
 from serve.runtime.images import Preprocess
 from train.balance import LOSS_METHODS, METHODS, BalancedLoss
-from train.checkpoint_format import META_KEY, RNG_KEY, check_class_names, rng_states, set_rng_states
-from train.errors import first_line
+from train.checkpoint_format import (
+    META_KEY,
+    RNG_KEY,
+    check_class_names,
+    load_network,
+    rng_states,
+    set_rng_states,
+)
+from train.errors import SetupError, first_line
 from train.finite_checks import check_finite_loss, check_finite_weights
 from train.reports import write_confusion_csv, write_confusion_png, write_per_class_csv
 from vit.model import VisionTransformer, create_model
@@ -61,6 +68,26 @@ def build_network(
                 f".safetensors or .pth file of a timm {variant} model"
             ) from None
     return from_timm(pretrained, pretrained=True, **overrides)
+
+
+def load_teacher(path: str, classes: list[str] | None, preprocess: dict[str, Any] | None) -> VisionTransformer:
+    """The teacher network of `--model.teacher`, frozen in eval mode, refused when its classes or its input
+    preprocessing differ from this run's (its top class would name another class, or read other pixels)."""
+    try:
+        net, meta = load_network(path)
+    except (OSError, ValueError) as e:  # load_checkpoint's one-line reasons: missing, damaged, not ours
+        raise SetupError(f"--model.teacher: {first_line(e)}") from None
+    check_class_names(meta, classes)
+    theirs = meta["preprocess"]
+    if preprocess is not None:
+        ours = Preprocess.from_dict(preprocess)
+        if (theirs.img_size, theirs.mean, theirs.std) != (ours.img_size, ours.mean, ours.std):
+            raise SetupError(
+                f"--model.teacher {path} reads {theirs.img_size[0]} px images normalised with mean {theirs.mean} "
+                f"and std {theirs.std}, this run {ours.img_size[0]} px with mean {ours.mean} and std {ours.std}: "
+                "train the teacher with this run's --data.img_size, --data.mean and --data.std"
+            )
+    return net.requires_grad_(False)
 
 
 class ViTClassifier(pl.LightningModule):
@@ -93,6 +120,11 @@ class ViTClassifier(pl.LightningModule):
         balance: how training counters class imbalance, one of `train.balance.METHODS` or None (linked from the
             data module's `--data.balance`, which chooses it). The loss methods act here; `sampler` is the data
             module's. Inference is unchanged: a plain argmax over the logits.
+        teacher: distil from this trained run (its `best.ckpt`): the network gets a distillation token and a
+            second head that learns the teacher's top class on every augmented batch (DeiT's hard distillation,
+            Touvron et al. 2021). The teacher must have the same classes and preprocessing. It is not saved: the
+            checkpoint and the ONNX file hold the student alone, which answers with the mean of its two heads.
+        distill_weight: the distillation head's share of the loss (DeiT: 0.5); the class head has the rest.
     """
 
     def __init__(
@@ -117,6 +149,8 @@ class ViTClassifier(pl.LightningModule):
         compile: bool = False,
         class_counts: list[int] | None = None,
         balance: str | None = None,
+        teacher: str | None = None,
+        distill_weight: float = 0.5,
     ):
         super().__init__()
         if not (math.isfinite(lr) and lr > 0):
@@ -127,8 +161,17 @@ class ViTClassifier(pl.LightningModule):
             raise ValueError(f"balance must be one of {', '.join(METHODS)} or None, got {balance!r}")
         if balance in LOSS_METHODS and (not class_counts or len(class_counts) != num_classes):
             raise ValueError(f"balance {balance!r} needs class_counts of {num_classes} classes, got {class_counts}")
+        if not 0.0 <= distill_weight <= 1.0:
+            raise ValueError(f"distill_weight must be between 0 and 1, got {distill_weight}")
+        if (net_args or {}).get("distilled") and teacher is None:
+            raise ValueError(
+                "net_args.distilled needs a teacher to learn from: give --model.teacher RUN/checkpoints/best.ckpt"
+            )
         self.save_hyperparameters()
+        if teacher is not None:
+            net_args = {**(net_args or {}), "distilled": True}
         self.net = build_network(num_classes, img_size, variant, net_args, pretrained)
+        self.net.distilled_training = teacher is not None
         self.ema = ModelEmaV3(self.net, decay=ema_decay).requires_grad_(False) if ema_decay else None
         self.mixup = None
         if mixup_alpha > 0 or cutmix_alpha > 0:
@@ -152,6 +195,7 @@ class ViTClassifier(pl.LightningModule):
         self.best_score = -1.0  # the selection metric's best value (`selection_metric`)
         self.best_scores: dict[str, float] = {}  # every validation score of that epoch
         self._compiled = None
+        self._teacher: nn.Module | None = None  # loaded in `setup`, off the module tree: never saved
 
     @property
     def eval_net(self) -> VisionTransformer:
@@ -178,6 +222,10 @@ class ViTClassifier(pl.LightningModule):
             self.preprocess = dm.preprocess.to_dict()
         if self.hparams.channels_last:
             self.net.to(memory_format=torch.channels_last)
+        if stage == "fit" and self.hparams.teacher is not None and self._teacher is None:
+            object.__setattr__(
+                self, "_teacher", load_teacher(self.hparams.teacher, self._data_classes, self.preprocess)
+            )
         if self.hparams.compile and self._compiled is None:
             # kept off the module tree, so the checkpoint holds the weights once, under "net."
             object.__setattr__(self, "_compiled", torch.compile(self.net))
@@ -187,10 +235,25 @@ class ViTClassifier(pl.LightningModule):
         if self.mixup is not None:
             x, y = self._mix(x, y)  # y becomes (B, K) soft targets
         logits = (self._compiled or self.net)(self._inputs(x))  # (B, K)
-        loss = self.train_loss(logits, y)
+        if self._teacher is not None:
+            loss = self._distillation_loss(x, logits, y)
+        else:
+            loss = self.train_loss(logits, y)
         check_finite_loss(loss, self.trainer, self.hparams.lr)  # before backward: the weights stay finite
         self.log("train/loss", loss, prog_bar=True)
         return loss
+
+    def _distillation_loss(
+        self, x: torch.Tensor, logits: tuple[torch.Tensor, torch.Tensor], y: torch.Tensor
+    ) -> torch.Tensor:
+        """DeiT's hard distillation: the class head learns the labels, the distillation head the teacher's top
+        class on the same (augmented, mixed) images."""
+        head, head_dist = logits  # (B, K) each
+        self._teacher.to(x.device)
+        with torch.no_grad():
+            taught = self._teacher(self._inputs(x)).argmax(-1)  # (B,)
+        w = self.hparams.distill_weight
+        return (1 - w) * self.train_loss(head, y) + w * nn.functional.cross_entropy(head_dist, taught)
 
     def _mix(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """timm's mixup/cutmix, which pairs images and so refuses an odd batch: an odd one (a training set smaller

@@ -128,9 +128,9 @@ class ReviewRun:
                     labels.append(y)
                 if batch:
                     x = torch.from_numpy(self.preprocess.normalize(np.stack(batch)))  # (b, 3, H, W)
-                    f = self.net.forward_head(self.net.forward_features(x), pre_logits=True)  # (b, D)
+                    z, f = self.net.logits_and_features(self.net.forward_features(x))  # (b, K), (b, D)
                     feats.append(f.numpy())
-                    logits.append(self.net.head(f).numpy())  # (b, K)
+                    logits.append(z.numpy())
             K, D = len(self.labels), self.net.embed_dim
             out[key] = {
                 "paths": paths,

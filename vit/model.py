@@ -52,6 +52,9 @@ class VisionTransformer(nn.Module):
         qk_norm: LayerNorm on q and k.
         init_values: LayerScale initial value; None disables LayerScale.
         class_token: prepend a learned CLS token.
+        distilled: a distillation token after the CLS token, read by a second head (`head_dist`) that learns from
+            a teacher's predictions (DeiT, Touvron et al. 2021; timm's `VisionTransformerDistilled`). In training
+            `forward` returns both heads' logits; otherwise their mean.
         reg_tokens: number of register tokens (Darcet et al. 2024) after the CLS token.
         no_embed_class: prefix tokens get no position embedding (timm's flag of the same name).
         pos_embed: "learn" (a learned table) or "sincos" (fixed 2-D sin-cos).
@@ -86,6 +89,7 @@ class VisionTransformer(nn.Module):
         qk_norm: bool = False,
         init_values: float | None = None,
         class_token: bool = True,
+        distilled: bool = False,
         reg_tokens: int = 0,
         no_embed_class: bool = False,
         pos_embed: str = "learn",
@@ -111,7 +115,8 @@ class VisionTransformer(nn.Module):
         self.global_pool = global_pool
         self.embed_dim = self.num_features = embed_dim
         self.num_reg_tokens = reg_tokens
-        self.num_prefix_tokens = int(class_token) + reg_tokens
+        self.num_prefix_tokens = int(class_token) + int(distilled) + reg_tokens
+        self.distilled = distilled
         self.no_embed_class = no_embed_class or pos_embed == "sincos"
         use_fc_norm = global_pool == "avg" if fc_norm is None else fc_norm
 
@@ -119,6 +124,7 @@ class VisionTransformer(nn.Module):
             img_size, patch_size, in_chans, embed_dim, bias=not pre_norm, stem=stem, stem_widths=stem_widths
         )
         self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_dim)) if class_token else None
+        self.dist_token = nn.Parameter(torch.zeros(1, 1, embed_dim)) if distilled else None
         self.reg_token = nn.Parameter(torch.zeros(1, reg_tokens, embed_dim)) if reg_tokens else None
         L = self.patch_embed.num_patches
         embed_len = L if self.no_embed_class else L + self.num_prefix_tokens
@@ -139,6 +145,8 @@ class VisionTransformer(nn.Module):
         self.fc_norm = LayerNorm(embed_dim) if use_fc_norm else nn.Identity()
         self.head_drop = nn.Dropout(drop_rate)
         self.head = nn.Linear(embed_dim, num_classes) if num_classes > 0 else nn.Identity()
+        self.head_dist = nn.Linear(embed_dim, num_classes) if distilled and num_classes > 0 else None
+        self.distilled_training = False  # `forward_head` returns both heads' logits while set, in training mode
         self.init_weights(weight_init)
 
     def init_weights(self, mode: str = "trunc_normal") -> None:
@@ -148,6 +156,8 @@ class VisionTransformer(nn.Module):
         for token in (self.cls_token, self.reg_token):
             if token is not None:
                 nn.init.normal_(token, std=1e-6)
+        if self.dist_token is not None:
+            nn.init.trunc_normal_(self.dist_token, std=0.02)  # as timm's: unlike the CLS token, not near zero
         for m in self.modules():
             if isinstance(m, nn.Linear):
                 if mode == "xavier":
@@ -163,13 +173,13 @@ class VisionTransformer(nn.Module):
     @torch.jit.ignore
     def no_weight_decay(self) -> set[str]:
         """Parameters that weight decay must not touch (besides norms and biases)."""
-        return {"pos_embed", "cls_token", "reg_token"}
+        return {"pos_embed", "cls_token", "dist_token", "reg_token"}
 
     def group_matcher(self, coarse: bool = False) -> dict[str, Any]:
         """Parameters by depth, in timm's format (timm.optim's layer-wise LR decay reads it): the embeddings
         first, then block i; the final norm joins the last block, and the head comes last (as in timm's ViT)."""
         return {
-            "stem": r"^cls_token|^reg_token|^pos_embed|^patch_embed|^norm_pre",
+            "stem": r"^cls_token|^dist_token|^reg_token|^pos_embed|^patch_embed|^norm_pre",
             "blocks": r"^blocks\.(\d+)" if coarse else [(r"^blocks\.(\d+)", None), (r"^norm", (99999,))],
         }
 
@@ -191,7 +201,8 @@ class VisionTransformer(nn.Module):
             prefix = 0 if self.no_embed_class else self.num_prefix_tokens
             pos = resample_pos_embed(self.pos_embed, (Gh, Gw), self.grid_size, prefix)  # (1, [n +] L, D)
         x = x.reshape(B, Gh * Gw, D)  # (B, L, D)
-        prefix_tokens = [t.expand(B, -1, -1) for t in (self.cls_token, self.reg_token) if t is not None]
+        tokens = (self.cls_token, self.dist_token, self.reg_token)
+        prefix_tokens = [t.expand(B, -1, -1) for t in tokens if t is not None]
         if self.no_embed_class:
             x = torch.cat(prefix_tokens + [x + pos], dim=1)  # (B, N, D)
         else:
@@ -221,20 +232,43 @@ class VisionTransformer(nn.Module):
         x = self.norm(x)
         return (x, attns) if return_attn else x
 
-    def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
+    def _pooled(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """What each head reads, normalised: [(B, D)] for `head`, then the distillation token's for `head_dist`."""
+        pooled = [x[:, self.num_prefix_tokens :].mean(dim=1) if self.global_pool == "avg" else x[:, 0]]  # (B, D)
+        if self.distilled:
+            pooled.append(x[:, int(self.cls_token is not None)])  # the distillation token (B, D)
+        return [self.head_drop(self.fc_norm(p)) for p in pooled]
+
+    def forward_head(
+        self, x: torch.Tensor, pre_logits: bool = False
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Args:
-            x: tokens (B, N, D) from `forward_features` ((B, 1, D) is enough for a CLS-token head).
+            x: tokens (B, N, D) from `forward_features` ((B, 1, D) is enough for a CLS-token head, (B, 2, D) with a
+                distillation token).
             pre_logits: return the pooled, normalised features instead of logits.
 
         Returns:
-            Logits (B, K), or features (B, D).
+            Logits (B, K), or features (B, D). With a distillation token: the mean of the two heads' logits (and of
+            their features), or both heads' logits `(head, head_dist)` while `distilled_training` in training mode.
         """
-        if self.global_pool == "avg":
-            x = x[:, self.num_prefix_tokens :].mean(dim=1)  # (B, D)
-        else:
-            x = x[:, 0]  # (B, D)
-        x = self.head_drop(self.fc_norm(x))
-        return x if pre_logits else self.head(x)
+        features = self._pooled(x)
+        if pre_logits:
+            return _mean(features)
+        logits = self._logits(features)
+        if self.distilled and self.distilled_training and self.training:
+            return logits[0], logits[1]
+        return _mean(logits)
+
+    def logits_and_features(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward_head`'s logits (B, K) and features (B, D) of the tokens x at once (what an exported file
+        answers)."""
+        features = self._pooled(x)
+        return _mean(self._logits(features)), _mean(features)
+
+    def _logits(self, features: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Each head's logits (B, K) from `_pooled`'s features."""
+        heads = [self.head, self.head_dist] if self.distilled else [self.head]
+        return [head(f) for head, f in zip(heads, features, strict=True)]
 
     def forward(
         self, x: torch.Tensor, return_attn: bool = False
@@ -256,16 +290,19 @@ class VisionTransformer(nn.Module):
 
     @property
     def _head_tokens(self) -> int | None:
-        """How many leading tokens the head reads: 1 (the CLS token) for token pooling, else all (None)."""
-        return 1 if self.global_pool == "token" else None
+        """How many leading tokens the heads read: the CLS token (and the distillation token) for token pooling,
+        else all (None)."""
+        return 1 + int(self.distilled) if self.global_pool == "token" else None
 
     def reset_classifier(self, num_classes: int) -> None:
         """Replace the head with a fresh one for `num_classes` classes (0 removes it)."""
         self.num_classes = self.config["num_classes"] = num_classes
         self.head = nn.Linear(self.embed_dim, num_classes) if num_classes > 0 else nn.Identity()
-        if num_classes > 0:
-            nn.init.trunc_normal_(self.head.weight, std=0.02)
-            nn.init.zeros_(self.head.bias)
+        self.head_dist = nn.Linear(self.embed_dim, num_classes) if self.distilled and num_classes > 0 else None
+        for head in (self.head, self.head_dist):
+            if isinstance(head, nn.Linear):
+                nn.init.trunc_normal_(head.weight, std=0.02)
+                nn.init.zeros_(head.bias)
 
     def flops_per_image(self, img_size: tuple[int, int] | None = None) -> int:
         """Multiply-adds x 2 of one `forward` at `img_size` (matmuls only; softmax and norms are noise)."""
@@ -288,7 +325,7 @@ class VisionTransformer(nn.Module):
             for conv in (m for m in self.patch_embed.stem if isinstance(m, nn.Conv2d)):
                 side = ((side[0] + 1) // 2, (side[1] + 1) // 2)
                 embed += side[0] * side[1] * conv.in_channels * conv.out_channels * 9
-        head = D * self.num_classes
+        head = D * self.num_classes * (1 + int(self.distilled))
         return 2 * (embed + blocks + head)
 
 
@@ -317,6 +354,11 @@ def create_model(name: str, **overrides: Any) -> VisionTransformer:
     if name not in VARIANTS:
         raise ValueError(f"unknown model {name!r}; choose one of: {', '.join(VARIANTS)}")
     return VisionTransformer(**{**VARIANTS[name], **overrides})
+
+
+def _mean(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """One head's output as it is; two heads' (class and distillation) averaged, as DeiT answers."""
+    return tensors[0] if len(tensors) == 1 else (tensors[0] + tensors[1]) / 2
 
 
 def count_params(model: nn.Module) -> int:

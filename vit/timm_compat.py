@@ -49,13 +49,14 @@ def from_timm(
     model = VisionTransformer(**{**config, **overrides})
 
     if model.num_classes != config["num_classes"]:
-        state = {k: v for k, v in state.items() if not k.startswith("head.")}
+        state = {k: v for k, v in state.items() if not k.startswith(("head.", "head_dist."))}
     if "pos_embed" in state and model.pos_embed_type == "learn" and state["pos_embed"].shape != model.pos_embed.shape:
         prefix = 0 if model.no_embed_class else model.num_prefix_tokens
         old_grid = timm_model.patch_embed.grid_size
         state["pos_embed"] = resample_pos_embed(state["pos_embed"], model.grid_size, old_grid, prefix, antialias=True)
     missing, unexpected = model.load_state_dict(state, strict=False)
-    expected_missing = {k for k in model.state_dict() if k.startswith("head.")} if "head.weight" not in state else set()
+    heads = ("head.", "head_dist.")
+    expected_missing = {k for k in model.state_dict() if k.startswith(heads)} if "head.weight" not in state else set()
     if set(missing) - expected_missing or unexpected:
         raise ValueError(f"timm weights do not fit: missing {sorted(missing)}, unexpected {sorted(unexpected)}")
     if model.num_classes != config["num_classes"]:
@@ -111,6 +112,7 @@ def timm_config(m: nn.Module) -> dict[str, Any]:
         qk_norm=not isinstance(blk.attn.q_norm, nn.Identity),
         init_values=1e-5 if isinstance(blk.ls1, TimmLayerScale) else None,
         class_token=m.cls_token is not None,
+        distilled=getattr(m, "dist_token", None) is not None,  # DeiT's `VisionTransformerDistilled`
         reg_tokens=getattr(m, "num_reg_tokens", 0),
         no_embed_class=m.no_embed_class,
         pre_norm=not isinstance(m.norm_pre, nn.Identity),

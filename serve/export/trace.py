@@ -67,11 +67,11 @@ class PixelModel(nn.Module):
     def forward(self, pixels: torch.Tensor) -> tuple[torch.Tensor, ...]:
         x = self.normalize(pixels)  # (B, 3, H, W)
         if not self.explain:
-            features = self.net.forward_head(self.net.forward_features(x, num_out_tokens=self.net._head_tokens), True)
-            return self.net.head(features), features  # (B, K), (B, D)
+            tokens = self.net.forward_features(x, num_out_tokens=self.net._head_tokens)
+            return self.net.logits_and_features(tokens)  # (B, K), (B, D)
         tokens, attns = self.net.forward_features(x, return_attn=True)
-        features = self.net.forward_head(tokens, pre_logits=True)  # (B, D)
-        return self.net.head(features), torch.stack(attns), features  # (B, K), (depth, B, nh, N, N), (B, D)
+        logits, features = self.net.logits_and_features(tokens)  # (B, K), (B, D)
+        return logits, torch.stack(attns), features  # (B, K), (depth, B, nh, N, N), (B, D)
 
 
 class GradientModel(nn.Module):
@@ -91,8 +91,7 @@ class GradientModel(nn.Module):
         net = self.pixels.net
         with torch.enable_grad():
             tokens, attns = net.forward_features(x, return_attn=True)  # (B, N, D), depth x (B, nh, N, N)
-            features = net.forward_head(tokens, pre_logits=True)  # (B, D)
-            logits = net.head(features)  # (B, K)
+            logits, features = net.logits_and_features(tokens)  # (B, K), (B, D)
             score = logits.gather(1, target[:, None]).sum()  # images are independent: one backward for all
             grads = torch.autograd.grad(score, attns)
         attns = torch.stack([a.detach() for a in attns])

@@ -39,7 +39,7 @@ def test_a_benchmark_that_adds_rows_replaces_the_row_of_the_same_options(tmp_pat
     def run(argv: list[str], accuracy: str) -> list[list]:
         options = " ".join(options_of(argv))
         result = Result("small_images_ablation", question="?", results=tmp_path)
-        record(result, [argv[-1], options, 1, accuracy, 9.0, result.header["date"]], tmp_path)
+        record(result, [argv[-1], options, 1, accuracy, "1.00", 9.0, result.header["date"]], tmp_path)
         return json.loads((tmp_path / "small_images_ablation.json").read_text())["tables"][0]["rows"]
 
     assert options_of(["--lr", "5e-3", "--tag", "a b", "--results=x", "--data", "d", "--epochs", "1"]) == [

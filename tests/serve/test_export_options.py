@@ -1,5 +1,5 @@
-"""The small-data options of the model (shifted patch tokens, locality self-attention) export like the rest: both
-targets, the parity gate, rollout and gradient rollout."""
+"""The small-data options of the model (shifted patch tokens, locality self-attention, a distillation token) export
+like the rest: both targets, the parity gate, rollout and gradient rollout."""
 
 from __future__ import annotations
 
@@ -17,10 +17,14 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def options_run(tmp_path_factory) -> Path:
     pytest.importorskip("torch")
-    return write_tiny_run(tmp_path_factory.mktemp("options"), steps=300, stem="shifted", attn_score="lsa")
+    # the small-images recipe's pooling (the patches' mean, no CLS token): the distillation token is the one prefix
+    options = dict(stem="shifted", attn_score="lsa", distilled=True, global_pool="avg", class_token=False)
+    return write_tiny_run(tmp_path_factory.mktemp("options"), steps=300, **options)
 
 
-def test_shifted_patches_and_locality_attention_export_to_both_targets_through_the_parity_gate(options_run):
+def test_shifted_patches_locality_attention_and_distillation_export_to_both_targets_through_the_parity_gate(
+    options_run,
+):
     import torch
 
     from serve.export.cli import main
@@ -31,7 +35,7 @@ def test_shifted_patches_and_locality_attention_export_to_both_targets_through_t
     for target, out in files.items():  # main answers 1 when the parity gate fails
         assert main([str(checkpoint), "-o", str(out), "--target", target]) == 0
     net, _ = load_network(checkpoint)
-    assert net.patch_embed.stem_type == "shifted" and net.blocks[0].attn.attn_score == "lsa"
+    assert net.patch_embed.stem_type == "shifted" and net.blocks[0].attn.attn_score == "lsa" and net.distilled
     pixels, _ = quadrant_images(5, seed=3)  # (5, 32, 32, 3) uint8
     fused, portable = OnnxClassifier(files["onnxruntime"]), OnnxClassifier(files["portable"])
     np.testing.assert_allclose(portable.predict_pixels(pixels), fused.predict_pixels(pixels), atol=1e-5)
@@ -41,6 +45,7 @@ def test_shifted_patches_and_locality_attention_export_to_both_targets_through_t
     with torch.no_grad():  # the maps the file draws are the network's own: no token attends to itself
         _, attns = net(torch.from_numpy(pixels).permute(0, 3, 1, 2).float() / 255, return_attn=True)
     assert all(float(a.diagonal(dim1=-2, dim2=-1).abs().max()) == 0 for a in attns)
+    assert fused.num_prefix_tokens == 1 and fused.rollout_query == "mean"
     assert fused.supports_gradients
     grad_maps = fused.gradient_rollout(pixels)[1]
     assert grad_maps.shape == (5, 4, 4) and np.isfinite(grad_maps).all() and np.ptp(grad_maps) > 0

@@ -50,6 +50,21 @@ def test_same_logits_as_timm(kw):
         torch.testing.assert_close(logits, timm_model(x), atol=1e-4, rtol=1e-4)
 
 
+def test_deits_distillation_token_and_head_give_timms_logits_in_eval_and_in_distilled_training():
+    from timm.models.deit import VisionTransformerDistilled
+
+    timm_model = randomised(VisionTransformerDistilled(**SMALL))
+    ours = from_timm(timm_model).eval()
+    assert ours.distilled and ours.num_prefix_tokens == 2 and ours.config["distilled"]
+    x = torch.randn(3, 3, 32, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x), timm_model(x), atol=1e-4, rtol=1e-4)  # the mean of the two heads
+        timm_model.set_distilled_training(True)
+        ours.distilled_training = True
+        for mine, theirs in zip(ours.train()(x), timm_model.train()(x), strict=True):  # (head, head_dist)
+            torch.testing.assert_close(mine, theirs, atol=1e-4, rtol=1e-4)
+
+
 def test_named_timm_model_at_224():
     ours = from_timm("vit_tiny_patch16_224").eval()  # pretrained=False: random weights, no network
     assert ours.embed_dim == 192 and len(ours.blocks) == 12 and ours.num_classes == 1000
