@@ -1,11 +1,13 @@
-"""What makes the small-image recipe learn: one choice at a time, on Fashion-MNIST, in a plain PyTorch loop.
+"""What makes the small-image recipe learn: one choice at a time, on Fashion-MNIST, at the same wall-clock budget.
 
-Each run trains `vit_micro_patch4_32` at 28 px from scratch on the training images held as one tensor (AdamW,
-cosine schedule) and tests on the official 10,000 after each epoch. It is one row of the table (`--tag` names
-it): the result keeps earlier runs' rows and replaces the one of the same options.
+Each run trains `vit_micro_patch4_32` at 28 px from scratch for `--minutes` on one thread, in a plain PyTorch loop
+over the training images held as one tensor (AdamW, warm-up and cosine on the clock), and then tests on the
+official 10,000. A faster option sees more images in the same time; a teacher for distillation is trained inside
+the same budget. It is one row of the table (`--tag` names it): the result keeps earlier runs' rows and replaces
+the one of the same options.
 
     sudo apt-get install dataset-fashion-mnist
-    .venv/bin/python -m benchmarks.small_images_ablation --stem-widths 16,32,64 --epochs 3 --tag "16, 32, 64 wide"
+    .venv/bin/python -m benchmarks.small_images_ablation --stem-widths 16,32,64 --tag "16, 32, 64 wide"
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import math
 import shlex
 import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -48,6 +51,56 @@ def accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
     return right / len(x)
 
 
+def build(args: argparse.Namespace, distilled: bool = False) -> nn.Module:
+    """The model a row trains: `vit_micro_patch4_32` at 28 px with the row's options (or its stem alone as a CNN)."""
+    widths = None if args.stem_widths == "none" else [int(w) for w in args.stem_widths.split(",")]
+    net_args = dict(global_pool="avg", class_token=False, pos_embed="sincos", stem=args.stem, stem_widths=widths)
+    net_args.update(attn_score=args.attn_score, distilled=distilled)
+    model = create_model("vit_micro_patch4_32", img_size=28, in_chans=1, num_classes=10, **net_args)
+    if args.head_only:  # the convolutional stem alone, as a small CNN
+        stem, width = model.patch_embed.stem, model.patch_embed.proj.in_channels
+        model = nn.Sequential(stem, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(width, 10))
+    return model
+
+
+def train(
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor, args: argparse.Namespace, seconds: float, teacher=None
+) -> int:
+    """AdamW for `seconds` of wall-clock time: a warm-up over the first 5 %, then a cosine to zero by the end,
+    both on the clock (as `train.budget.TimeBudget` anneals `vit-train`). With a teacher, DeiT's hard distillation:
+    half the loss on the labels, half on the teacher's top class, the teacher's forward pass inside the budget.
+    Returns the images trained on."""
+    decay = [p for p in model.parameters() if p.ndim > 1]
+    no_decay = [p for p in model.parameters() if p.ndim <= 1]
+    groups = [{"params": decay, "weight_decay": 0.05}, {"params": no_decay, "weight_decay": 0.0}]
+    opt = torch.optim.AdamW(groups, lr=args.lr)
+    if teacher is not None:
+        model.distilled_training = True
+        teacher.eval()
+    model.train()
+    start, images = time.perf_counter(), 0
+    while (t := (time.perf_counter() - start) / seconds) < 1.0:
+        for g in opt.param_groups:
+            g["lr"] = args.lr * min(1.0, t / 0.05) * 0.5 * (1 + math.cos(math.pi * t))
+        idx = torch.randint(0, len(x), (args.batch,))
+        xb = x[idx] if args.no_augment else augment(x[idx])
+        out = model(xb)
+        if teacher is None:
+            loss = F.cross_entropy(out, y[idx], label_smoothing=args.label_smoothing)
+        else:
+            with torch.no_grad():
+                taught = teacher(xb).argmax(1)
+            head, head_dist = out
+            loss = 0.5 * F.cross_entropy(head, y[idx], label_smoothing=args.label_smoothing)
+            loss = loss + 0.5 * F.cross_entropy(head_dist, taught)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        images += len(idx)
+    return images
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--data", default=str(DEBIAN_DIR), help="the folder of Fashion-MNIST's idx files")
@@ -55,62 +108,51 @@ def main() -> None:
     p.add_argument("--attn-score", default="scaled_dot", choices=ATTN_SCORES, help="lsa: locality self-attention")
     p.add_argument("--stem-widths", default="none", help="comma-separated widths, or none for the default")
     p.add_argument("--head-only", action="store_true", help="no transformer: stem, average pool, linear")
-    p.add_argument("--epochs", type=int, default=3)
-    p.add_argument("--batch", type=int, default=256)
+    p.add_argument(
+        "--teacher-share",
+        type=float,
+        default=0.0,
+        help="distillation: train a teacher (the same options) for this share of the budget first, then the "
+        "student with a distillation token for the rest (0: no distillation)",
+    )
+    p.add_argument("--minutes", type=float, default=4.0, help="the wall-clock budget of the row, a teacher included")
+    p.add_argument("--batch", type=int, default=64)
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--label-smoothing", type=float, default=0.1)
     p.add_argument("--no-augment", action="store_true")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--tag", default="", help="what the row tests, in words (default: its options)")
     args = add_results_option(p).parse_args()
+    if not 0.0 <= args.teacher_share < 1.0:
+        p.error(f"--teacher-share must be at least 0 and under 1, got {args.teacher_share}")
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     x_train, y_train = tensors(args.data, "train")
     x_test, y_test = tensors(args.data, "t10k")
-    widths = None if args.stem_widths == "none" else [int(w) for w in args.stem_widths.split(",")]
-    net_args = dict(global_pool="avg", class_token=False, pos_embed="sincos", stem=args.stem, stem_widths=widths)
-    net_args["attn_score"] = args.attn_score
-    model = create_model("vit_micro_patch4_32", img_size=28, in_chans=1, num_classes=10, **net_args)
-    if args.head_only:  # the convolutional stem alone, as a small CNN
-        stem, width = model.patch_embed.stem, model.patch_embed.proj.in_channels
-        model = nn.Sequential(stem, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(width, 10))
-    params = sum(p.numel() for p in model.parameters())
-    decay = [p for p in model.parameters() if p.ndim > 1]
-    no_decay = [p for p in model.parameters() if p.ndim <= 1]
-    groups = [{"params": decay, "weight_decay": 0.05}, {"params": no_decay, "weight_decay": 0.0}]
-    opt = torch.optim.AdamW(groups, lr=args.lr)
-    per_epoch = len(x_train) // args.batch
-    total, warmup = args.epochs * per_epoch, per_epoch // 2
-
-    def factor(step: int) -> float:
-        return min(1.0, (step + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(step, total) / total))
-
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, factor)
     result = Result("small_images_ablation", {"threads": args.threads}, packages=("torch",), results=args.results)
-    cpu0, wall0, accs = time.process_time(), time.perf_counter(), []
-    for epoch in range(args.epochs):
-        order = torch.randperm(len(x_train))
-        for i in range(per_epoch):
-            idx = order[i * args.batch : (i + 1) * args.batch]
-            x = x_train[idx] if args.no_augment else augment(x_train[idx])
-            loss = F.cross_entropy(model(x), y_train[idx], label_smoothing=args.label_smoothing)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            sched.step()
-        cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
-        acc = accuracy(model, x_test, y_test)
-        accs.append(100 * acc)
-        print(f"epoch {epoch + 1}: test accuracy {100 * acc:.2f} %", file=sys.stderr, flush=True)
+    budget, cpu0, wall0, data = 60 * args.minutes, time.process_time(), time.perf_counter(), {}
+    teacher = None
+    if args.teacher_share > 0:
+        teacher = build(args)
+        data["teacher images"] = train(teacher, x_train, y_train, args, args.teacher_share * budget)
+        data["teacher accuracy %"] = 100 * accuracy(teacher, x_test, y_test)  # outside the budget, as the student's
+        print(f"teacher: test accuracy {data['teacher accuracy %']:.2f} %", file=sys.stderr, flush=True)
+    model = build(args, distilled=teacher is not None)
+    wall_teacher = time.perf_counter() - wall0
+    images = train(model, x_train, y_train, args, (1 - args.teacher_share) * budget, teacher)
+    cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
+    acc = 100 * accuracy(model, x_test, y_test)
+    print(f"test accuracy {acc:.2f} % after {images} images", file=sys.stderr, flush=True)
+    params = sum(p.numel() for p in model.parameters())
     options = shlex.join(options_of(sys.argv[1:]))
-    row = [args.tag or options, options, params, ", ".join(f"{a:.2f}" for a in accs), cpu, result.header["date"][:10]]
-    images = args.epochs * per_epoch * args.batch
-    result.data = {"last run": {"options": options, "images/s": images / wall, "wall s": wall, "accuracy %": accs}}
+    epochs = (images + data.get("teacher images", 0)) / len(x_train)
+    row = [args.tag or options, options, params, f"{acc:.2f}", f"{epochs:.2f}", cpu, result.header["date"][:10]]
+    data.update({"options": options, "images": images, "wall s": wall, "teacher wall s": wall_teacher})
+    result.data = {"last run": {**data, "accuracy %": acc}}
     record(result, row, args.results)
 
 
-COLUMNS = ["run", "options", "parameters", "test accuracy % after each epoch", "CPU s", "measured"]
+COLUMNS = ["run", "options", "parameters", "test accuracy %", "epochs of training images", "CPU s", "measured"]
 
 
 def options_of(argv: list[str]) -> list[str]:
@@ -126,12 +168,18 @@ def options_of(argv: list[str]) -> list[str]:
 
 
 def record(result: Result, row: list, folder) -> None:
-    """The table of every run so far with this run's row in it (replacing the last run of the same options)."""
-    earlier = previous(result.name, folder)
-    rows = earlier["tables"][0]["rows"] if earlier else []
-    table = result.table(COLUMNS, formats={"CPU s": "{:.0f}"})
-    table.rows = [r for r in rows if r[1] != row[1]] + [row]
-    result.finish()
+    """The table of every run so far with this run's row in it (replacing the last run of the same options). Rows
+    run side by side (one thread each) finish in any order: the file is locked while it is read and rewritten."""
+    from filelock import FileLock
+
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    with FileLock(Path(folder) / f".{result.name}.lock"):
+        earlier = previous(result.name, folder)
+        same = earlier and earlier["tables"][0]["columns"] == COLUMNS  # rows measured some other way are dropped
+        rows = earlier["tables"][0]["rows"] if same else []
+        table = result.table(COLUMNS, formats={"CPU s": "{:.0f}"})
+        table.rows = [r for r in rows if r[1] != row[1]] + [row]
+        result.finish()
 
 
 if __name__ == "__main__":

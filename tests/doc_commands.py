@@ -57,6 +57,9 @@ NOT_RUN: dict[str, str] = {
     "vit-train fit --config configs/small_images.yaml --data.root data/fmnist --data.img_size 28 "
     "--trainer.default_root_dir runs/fmnist --trainer.enable_progress_bar false":
         "the 25-minute Fashion-MNIST training",
+    "vit-train fit --config configs/small_images.yaml --data.root data/fmnist --data.img_size 28 "
+    "--model.teacher runs/fmnist/checkpoints/best.ckpt --trainer.default_root_dir runs/fmnist-distilled":
+        "needs runs/fmnist, the 25-minute Fashion-MNIST training, as its teacher",
     "vit-train fit --data.root data/fmnist --trainer.default_root_dir runs/auto --data.augment.hflip 0":
         "needs data/fmnist (dataset-fashion-mnist); 25 minutes on CPU",
     "vit-export runs/fmnist/checkpoints/best.ckpt -o artifacts/fmnist.onnx --no-gradients":
