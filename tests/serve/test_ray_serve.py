@@ -7,7 +7,7 @@ loses none of them, and Ray starts a replacement.
 A model repository (`vit-serve DIR --ray`): each model's application answers its routes and versions with
 the results of its own file, and a new version dropped into the folder rolls out, through Ray Serve's
 rolling updates, under a client loop that sees no failed request and then only the new version's answers.
-A bad model (labels.txt, config.pbtxt) beside a good one is refused alone, and a version file rewritten in
+Bad models (labels.txt, config.pbtxt) beside good ones are refused alone, and a version file rewritten in
 place rolls out as a new version does.
 """
 
@@ -191,15 +191,25 @@ def put_version(folder: Path, version: int, model: Path) -> None:
     incoming.rename(folder / str(version))
 
 
+def add_bad_models(root: Path, tiny_onnx: Path) -> None:
+    """`badlabels` (a labels.txt that is not UTF-8) and `badconfig` (a config.pbtxt Triton refuses)."""
+    for model in ("badlabels", "badconfig"):
+        put_version(root / model, 1, tiny_onnx)
+    (root / "badlabels" / "labels.txt").write_bytes(b"top_left\n\xff\xfe\n")
+    (root / "badconfig" / "config.pbtxt").write_text("version_policy: { newest { } }\n")
+
+
 @pytest.fixture(scope="module")
 def repository(tmp_path_factory, tiny_onnx) -> Path:
-    """`alpha` with versions 1 and 2 (other answers), both served (`all`); `beta` with version 1."""
+    """`alpha` with versions 1 and 2 (other answers), both served (`all`); `beta` with version 1; two bad models
+    beside them (`add_bad_models`), which the server refuses alone."""
     root = tmp_path_factory.mktemp("ray_repository") / "models"
     other = reweighted(tiny_onnx, root.parent / "other.onnx")
     put_version(root / "alpha", 1, tiny_onnx)
     put_version(root / "alpha", 2, other)
     (root / "alpha" / "config.pbtxt").write_text('name: "alpha"\nversion_policy: { all { } }\n')
     put_version(root / "beta", 1, tiny_onnx)
+    add_bad_models(root, tiny_onnx)
     return root
 
 
@@ -223,6 +233,8 @@ def test_each_model_and_version_of_a_repository_answers_with_its_own_file(reposi
     url, image = repository_server.url, quadrant_images(1, seed=3)[0][0]
     models = httpx.get(url + "/v2/models").json()["models"]
     assert [m["name"] for m in models] == ["alpha", "beta"] and models[0]["versions"] == ["1", "2"]
+    # the bad models are refused alone, each with its reason, and the server is ready with the good ones
+    assert "badlabels/labels.txt" in repository_server.output and "badconfig/config.pbtxt" in repository_server.output
     for path, model, version in [
         ("/v1/classify", "alpha", "2"),  # the default model (the first by name), its newest version
         ("/v1/models/alpha/classify", "alpha", "2"),
@@ -303,12 +315,10 @@ def test_a_new_version_rolls_out_through_ray_serve_with_no_failed_request(reposi
 
 @pytest.fixture(scope="module")
 def mixed_repository(tmp_path_factory, tiny_onnx) -> Path:
-    """`good`, beside `badlabels` (a labels.txt that is not UTF-8) and `badconfig` (a config.pbtxt Triton refuses)."""
+    """`good` beside the two bad models of `add_bad_models`."""
     root = tmp_path_factory.mktemp("ray_mixed") / "models"
-    for model in ("good", "badlabels", "badconfig"):
-        put_version(root / model, 1, tiny_onnx)
-    (root / "badlabels" / "labels.txt").write_bytes(b"top_left\n\xff\xfe\n")
-    (root / "badconfig" / "config.pbtxt").write_text("version_policy: { newest { } }\n")
+    put_version(root / "good", 1, tiny_onnx)
+    add_bad_models(root, tiny_onnx)
     return root
 
 
@@ -322,28 +332,22 @@ def test_exit_on_error_refuses_a_repository_with_a_bad_model(mixed_repository):
     assert "config.pbtxt" in str(refused.value) and "labels.txt" in str(refused.value)
 
 
-def test_a_bad_model_fails_alone_and_a_rewritten_file_rolls_out(servers, cluster, mixed_repository, tiny_onnx):
-    args = ["--ray", "--ray-address", cluster.address, "--replica-cpus", "0.5", "--preferred-batch-size", "4"]
-    args += ["--repository-poll-s", "0.5"]
-    server = servers.get("mixed", lambda: ServerProcess(mixed_repository, *args))
-    url, image = server.url, quadrant_images(1, seed=3)[0][0]
-    assert [m["name"] for m in httpx.get(url + "/v2/models").json()["models"]] == ["good"]
-    assert "badlabels/labels.txt" in server.output and "badconfig/config.pbtxt" in server.output  # the reasons
-    assert httpx.get(url + "/readyz").status_code == 200
-    path = mixed_repository / "good" / "1" / "model.onnx"
-    other = reweighted(tiny_onnx, mixed_repository.parent / "other.onnx")
-    old = expected(mixed_repository, "good", "1", image)[0]["label"]
-    (top,) = OnnxClassifier(other, threads=1).predict(png_bytes(image), 1)
-    assert old != top[0][0]  # the rewritten file's answer tells it apart
-    with ClassifyLoop(url, "/v1/models/good/classify", image) as loop:
+def test_a_version_rewritten_in_place_rolls_out(repository_server, repository):
+    url, image = repository_server.url, quadrant_images(1, seed=3)[0][0]
+    path = repository / "alpha" / "1" / "model.onnx"
+    old = expected(repository, "alpha", "1", image)[0]["label"]
+    new = expected(repository, "alpha", "2", image)[0]["label"]  # the file that replaces it
+    assert old != new  # the rewritten file's answer tells it apart
+    rolled = "alpha: every replica holds versions ['1', '2']"  # at start, then after the rewrite's update
+    with ClassifyLoop(url, "/v1/models/alpha/versions/1/classify", image) as loop:
         wait_until(lambda: len(loop.answers) >= 20, 60, "20 answers from the first file")
-        shutil.copyfile(other, path)  # in place: the same inode, version and path, as vit-export rewrites one
+        updates = repository_server.output.count(rolled)
+        shutil.copyfile(repository / "alpha" / "2" / "model.onnx", path)  # in place: the same inode and path
         rewritten = len(loop.answers)
-        rolled = "good: every replica holds versions ['1']"  # once at start, once after the rewrite's update
-        wait_until(lambda: server.output.count(rolled) >= 2, 120, "the rewrite's rolling update", interval=0.5)
+        wait_until(lambda: repository_server.output.count(rolled) > updates, 120, "the rewrite's update", interval=0.5)
         settled = len(loop.answers)
         wait_until(lambda: len(loop.answers) >= settled + 20, 60, "20 more answers after the rollout")
     failed = [a for a in loop.answers if a[0] != 200]
     assert not failed, f"{len(failed)} failed requests while the rewrite rolled out, e.g. {failed[:3]}"
     assert {a[1] for a in loop.answers} == {"1"}
-    assert {a[2] for a in loop.answers[:rewritten]} == {old} and {a[2] for a in loop.answers[settled:]} == {top[0][0]}
+    assert {a[2] for a in loop.answers[:rewritten]} == {old} and {a[2] for a in loop.answers[settled:]} == {new}
