@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import re
@@ -62,38 +64,22 @@ def test_prepare_help_describes_each_option(capsys):
         assert re.search(rf"^  {re.escape(option)}\s+{words}", out, re.M | re.S), option
 
 
-def test_prepare_command_writes_chunks_of_chunk_bytes(shapes_folder: Path, tmp_path: Path, capsys):
-    out = tmp_path / "shards"
-    # dedupe none: shapes drawn at one position are near-copies, and a group split moves the exact counts
-    args = ["--chunk_bytes", "4kb", "--workers", "1", "--data.dedupe", "none"]
-    main(["prepare", "--data.root", str(shapes_folder), "--out", str(out), *args])
-    assert "72 train and 18 val images, 3 classes" in capsys.readouterr().out
-    assert len(json.loads((out / "train" / "index.json").read_text())["chunks"]) > 1
-
-
-@pytest.mark.slow
-def test_fit_streams_a_prepared_dataset_and_reports_its_bad_files(shapes_folder: Path, tmp_path: Path):
-    (shapes_folder / "bar" / "broken.png").write_bytes((shapes_folder / "bar" / "000.png").read_bytes()[:60])
-    out, run_dir = tmp_path / "shards", tmp_path / "run"
-    main(["prepare", "--data.root", str(shapes_folder), "--out", str(out), "--workers", "1"])
-    main(
-        [
-            "fit", "--config", str(REPO / "configs" / "small_images.yaml"), "--data.root", str(out),
-            "--trainer.default_root_dir", str(run_dir), "--trainer.max_epochs", "2", "--data.batch_size", "8",
-            "--trainer.enable_progress_bar", "false", "--data.num_workers", "0", "--trainer.accelerator", "cpu",
-        ]
-    )  # fmt: skip
-    summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["epochs"] == 2 and summary["best_val_acc"] is not None
-    assert "broken.png" in (run_dir / "bad_files.csv").read_text()
-
-
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory) -> Path:
-    """The shapes folder prepared once (72 train and 18 val images); tests only read it."""
+    """The shapes folder prepared once by `vit-train prepare` (72 train and 18 val images in chunks of 4 kB); tests
+    only read it. What the command printed is in `prepared.txt` beside it."""
     root = tmp_path_factory.mktemp("shards")
-    prepare(str(write_shapes(root / "shapes")), str(root / "shards"), workers=1, dedupe="none")
+    # dedupe none: shapes drawn at one position are near-copies, and a group split moves the exact counts
+    args = ["--out", str(root / "shards"), "--chunk_bytes", "4kb", "--workers", "1", "--data.dedupe", "none"]
+    with contextlib.redirect_stdout(io.StringIO()) as printed:
+        main(["prepare", "--data.root", str(write_shapes(root / "shapes")), *args])
+    (root / "prepared.txt").write_text(printed.getvalue())
     return root / "shards"
+
+
+def test_prepare_command_writes_chunks_of_chunk_bytes(shards: Path):
+    assert "72 train and 18 val images, 3 classes" in (shards.parent / "prepared.txt").read_text()
+    assert len(json.loads((shards / "train" / "index.json").read_text())["chunks"]) > 1
 
 
 @pytest.mark.parametrize("batch_augment", [True, False])
@@ -147,7 +133,9 @@ def _samples(log: Path, before_step: int | None = None) -> dict[int, list[str]]:
 @pytest.mark.slow
 def test_a_killed_streaming_run_resumes_mid_epoch_and_sees_each_sample_of_it_once(tmp_path: Path):
     shards, run = tmp_path / "shards", tmp_path / "run"
-    prepare(str(write_shapes(tmp_path / "shapes", per_class=16)), str(shards), workers=1, chunk_bytes="4kb")
+    shapes = write_shapes(tmp_path / "shapes", per_class=16)
+    (shapes / "bar" / "broken.png").write_bytes((shapes / "bar" / "000.png").read_bytes()[:60])  # left out, reported
+    prepare(str(shapes), str(shards), workers=1, chunk_bytes="4kb")
     cmd = [sys.executable, "-m", "train", *_stream_fit_args(shards, run, "--last.every_n_train_steps", "2")]
     cmd += ["--trainer.callbacks+=tests.train.faults.HangAfter", "--trainer.callbacks.step", "5"]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
@@ -177,3 +165,6 @@ def test_a_killed_streaming_run_resumes_mid_epoch_and_sees_each_sample_of_it_onc
     assert kept == expected[0][:16]
     assert seen[0] == expected[0][16:]  # resumed at the 17th sample of the epoch: none repeated, none skipped
     assert seen[1] == expected[1]  # and the next epoch whole, as if nothing had happened
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["epochs"] == 2 and summary["best_val_acc"] is not None
+    assert "broken.png" in (run / "bad_files.csv").read_text()  # the prepared dataset's bad files, in the run
