@@ -170,24 +170,22 @@ def _limit_file_size(limit: int):
     return preexec
 
 
-@pytest.fixture(params=["small_filesystem", "file_size_limit"])
-def full_disk(request, other_fs_dir):
+@pytest.fixture
+def full_disk(other_fs_dir):
     """(run directory, extra Popen kwargs) where a 64 MB checkpoint cannot be written.
 
-    small_filesystem: the run directory is a 32 MB tmpfs (needs mount rights) and $TMPDIR has room;
-    file_size_limit: RLIMIT_FSIZE of 32 MB in the child, on another filesystem than $TMPDIR (this one
-    also stops a file staged in $TMPDIR, so it checks the message and the leftovers, not a truncation).
+    Where this process may mount one, the run directory is a 32 MB tmpfs and $TMPDIR has room: a real full disk.
+    Elsewhere the child gets RLIMIT_FSIZE of 32 MB, on another filesystem than $TMPDIR (the limit also stops a
+    file staged in $TMPDIR, so the test then checks the message and the leftovers, not a truncation).
     """
-    if request.param == "file_size_limit":
-        yield other_fs_dir / "run", {"preexec_fn": _limit_file_size(32 << 20)}
-        return
     mnt = other_fs_dir / "small"
     mnt.mkdir()
     if (
         shutil.which("mount") is None
         or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=32m", "tmpfs", str(mnt)], capture_output=True).returncode
     ):
-        pytest.skip("cannot mount a small tmpfs here (needs root or CAP_SYS_ADMIN)")
+        yield other_fs_dir / "run", {"preexec_fn": _limit_file_size(32 << 20)}
+        return
     try:
         yield mnt / "run", {}
     finally:
