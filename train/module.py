@@ -30,15 +30,9 @@ from torchmetrics.classification import (
 
 from serve.runtime.images import Preprocess
 from train.balance import LOSS_METHODS, METHODS, BalancedLoss
-from train.checkpoint_format import (
-    META_KEY,
-    RNG_KEY,
-    check_class_names,
-    load_network,
-    rng_states,
-    set_rng_states,
-)
-from train.errors import SetupError, first_line
+from train.checkpoint_format import META_KEY, RNG_KEY, check_class_names, rng_states, set_rng_states
+from train.distill import distillation_loss, load_teacher, student_net_args
+from train.errors import first_line
 from train.finite_checks import check_finite_loss, check_finite_weights
 from train.reports import write_confusion_csv, write_confusion_png, write_per_class_csv
 from vit.model import VisionTransformer, create_model
@@ -68,26 +62,6 @@ def build_network(
                 f".safetensors or .pth file of a timm {variant} model"
             ) from None
     return from_timm(pretrained, pretrained=True, **overrides)
-
-
-def load_teacher(path: str, classes: list[str] | None, preprocess: dict[str, Any] | None) -> VisionTransformer:
-    """The teacher network of `--model.teacher`, frozen in eval mode, refused when its classes or its input
-    preprocessing differ from this run's (its top class would name another class, or read other pixels)."""
-    try:
-        net, meta = load_network(path)
-    except (OSError, ValueError) as e:  # load_checkpoint's one-line reasons: missing, damaged, not ours
-        raise SetupError(f"--model.teacher: {first_line(e)}") from None
-    check_class_names(meta, classes)
-    theirs = meta["preprocess"]
-    if preprocess is not None:
-        ours = Preprocess.from_dict(preprocess)
-        if (theirs.img_size, theirs.mean, theirs.std) != (ours.img_size, ours.mean, ours.std):
-            raise SetupError(
-                f"--model.teacher {path} reads {theirs.img_size[0]} px images normalised with mean {theirs.mean} "
-                f"and std {theirs.std}, this run {ours.img_size[0]} px with mean {ours.mean} and std {ours.std}: "
-                "train the teacher with this run's --data.img_size, --data.mean and --data.std"
-            )
-    return net.requires_grad_(False)
 
 
 class ViTClassifier(pl.LightningModule):
@@ -152,6 +126,8 @@ class ViTClassifier(pl.LightningModule):
         teacher: str | None = None,
         distill_weight: float = 0.5,
     ):
+        """Check the arguments (above) and build the parts. It reads better whole: its length is the signature, one
+        argument a line as LightningCLI lists them, and the body builds the parts in the order training uses them."""
         super().__init__()
         if not (math.isfinite(lr) and lr > 0):
             raise ValueError(f"lr must be a positive number, got {lr}")
@@ -161,15 +137,8 @@ class ViTClassifier(pl.LightningModule):
             raise ValueError(f"balance must be one of {', '.join(METHODS)} or None, got {balance!r}")
         if balance in LOSS_METHODS and (not class_counts or len(class_counts) != num_classes):
             raise ValueError(f"balance {balance!r} needs class_counts of {num_classes} classes, got {class_counts}")
-        if not 0.0 <= distill_weight <= 1.0:
-            raise ValueError(f"distill_weight must be between 0 and 1, got {distill_weight}")
-        if (net_args or {}).get("distilled") and teacher is None:
-            raise ValueError(
-                "net_args.distilled needs a teacher to learn from: give --model.teacher RUN/checkpoints/best.ckpt"
-            )
         self.save_hyperparameters()
-        if teacher is not None:
-            net_args = {**(net_args or {}), "distilled": True}
+        net_args = student_net_args(net_args, teacher, distill_weight)
         self.net = build_network(num_classes, img_size, variant, net_args, pretrained)
         self.net.distilled_training = teacher is not None
         self.ema = ModelEmaV3(self.net, decay=ema_decay).requires_grad_(False) if ema_decay else None
@@ -236,24 +205,13 @@ class ViTClassifier(pl.LightningModule):
             x, y = self._mix(x, y)  # y becomes (B, K) soft targets
         logits = (self._compiled or self.net)(self._inputs(x))  # (B, K)
         if self._teacher is not None:
-            loss = self._distillation_loss(x, logits, y)
+            w = self.hparams.distill_weight
+            loss = distillation_loss(self._teacher, self._inputs(x), logits, y, self.train_loss, w)
         else:
             loss = self.train_loss(logits, y)
         check_finite_loss(loss, self.trainer, self.hparams.lr)  # before backward: the weights stay finite
         self.log("train/loss", loss, prog_bar=True)
         return loss
-
-    def _distillation_loss(
-        self, x: torch.Tensor, logits: tuple[torch.Tensor, torch.Tensor], y: torch.Tensor
-    ) -> torch.Tensor:
-        """DeiT's hard distillation: the class head learns the labels, the distillation head the teacher's top
-        class on the same (augmented, mixed) images."""
-        head, head_dist = logits  # (B, K) each
-        self._teacher.to(x.device)
-        with torch.no_grad():
-            taught = self._teacher(self._inputs(x)).argmax(-1)  # (B,)
-        w = self.hparams.distill_weight
-        return (1 - w) * self.train_loss(head, y) + w * nn.functional.cross_entropy(head_dist, taught)
 
     def _mix(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """timm's mixup/cutmix, which pairs images and so refuses an odd batch: an odd one (a training set smaller
