@@ -171,6 +171,12 @@ class ViTClassifier(pl.LightningModule):
         """The network that validation scores and the checkpoint exports: the EMA copy when there is one."""
         return self.ema.module if self.ema is not None else self.net
 
+    @property
+    def train_net(self) -> nn.Module:
+        """The network a training step runs: the `torch.compile`d one with `compile`. (Not `compiled or net`: a
+        compiled module has no truth value, and `or` asks for its length, which it refuses.)"""
+        return self._compiled if self._compiled is not None else self.net
+
     def _inputs(self, x: torch.Tensor) -> torch.Tensor:
         return x.contiguous(memory_format=torch.channels_last) if self.hparams.channels_last else x
 
@@ -203,7 +209,7 @@ class ViTClassifier(pl.LightningModule):
         x, y = batch  # (B, 3, H, W), (B,)
         if self.mixup is not None:
             x, y = self._mix(x, y)  # y becomes (B, K) soft targets
-        logits = (self._compiled or self.net)(self._inputs(x))  # (B, K)
+        logits = self.train_net(self._inputs(x))  # (B, K)
         if self._teacher is not None:
             w = self.hparams.distill_weight
             loss = distillation_loss(self._teacher, self._inputs(x), logits, y, self.train_loss, w)

@@ -24,3 +24,18 @@ def test_mixup_takes_a_batch_of_any_size(batch):
     if batch % 2:  # the unpaired image keeps its pixels and its own (smoothed) label
         torch.testing.assert_close(mixed[-1], x[-1])
         assert soft[-1].argmax() == y[-1] and soft[-1].max() == pytest.approx(0.9 + 0.1 / 5)
+
+
+def test_compile_gives_the_training_step_the_compiled_network_and_the_checkpoint_the_weights_once():
+    # `compiled or net` asked the compiled module for its length, which it refuses: --model.compile true failed at
+    # the first step. Compiling takes a minute, so this stops short of a step: the wrapper is made lazily.
+    import lightning.pytorch as pl
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    module = ViTClassifier(num_classes=5, img_size=16, variant="vit_tiny_patch16_224", net_args=NET, compile=True)
+    module.trainer = pl.Trainer(accelerator="cpu", logger=False, enable_checkpointing=False)
+    module.setup("fit")
+    assert isinstance(module.train_net, OptimizedModule) and module.train_net._orig_mod is module.net
+    assert not any("compiled" in k or "_orig_mod" in k for k in module.state_dict())
+    plain = ViTClassifier(num_classes=5, img_size=16, variant="vit_tiny_patch16_224", net_args=NET)
+    assert plain.train_net is plain.net
