@@ -125,6 +125,8 @@ def main() -> None:
     args = add_results_option(p).parse_args()
     if not 0.0 <= args.teacher_share < 1.0:
         p.error(f"--teacher-share must be at least 0 and under 1, got {args.teacher_share}")
+    if args.teacher_share and args.head_only:
+        p.error("--head-only has no distillation token: leave out --teacher-share")
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     x_train, y_train = tensors(args.data, "train")

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from serve.runtime.images import Preprocess
-from train.checkpoint_format import check_class_names, load_network
+from train.checkpoint_format import load_network
 from train.errors import SetupError, first_line
 from vit.model import VisionTransformer
 
@@ -18,8 +18,8 @@ from vit.model import VisionTransformer
 def student_net_args(net_args: dict[str, Any] | None, teacher: str | None, weight: float) -> dict[str, Any] | None:
     """`net_args` with a distillation token when there is a teacher; a token without one, or a weight outside
     [0, 1], is refused."""
-    if not 0.0 <= weight <= 1.0:
-        raise ValueError(f"distill_weight must be between 0 and 1, got {weight}")
+    if not 0.0 < weight <= 1.0:  # at 0 the distillation head would learn nothing, and answer half of every call
+        raise ValueError(f"distill_weight must be over 0 and at most 1, got {weight}")
     if teacher is None:
         if (net_args or {}).get("distilled"):
             raise ValueError(
@@ -36,7 +36,11 @@ def load_teacher(path: str, classes: list[str] | None, preprocess: dict[str, Any
         net, meta = load_network(path)
     except (OSError, ValueError) as e:  # load_checkpoint's one-line reasons: missing, damaged, not ours
         raise SetupError(f"--model.teacher: {first_line(e)}") from None
-    check_class_names(meta, classes)
+    if classes is not None and list(meta["class_names"]) != list(classes):
+        raise SetupError(
+            f"--model.teacher {path} was trained on the classes {list(meta['class_names'])}, this run's folder has "
+            f"{list(classes)}: its top class would name the wrong class; give a teacher trained on this folder"
+        )
     theirs = meta["preprocess"]
     if preprocess is not None:
         ours = Preprocess.from_dict(preprocess)

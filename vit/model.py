@@ -18,7 +18,7 @@ from vit.patch_embed import PatchEmbed
 from vit.pos_embed import resample_pos_embed, sincos_2d
 
 # Shapes: B batch, C channels, H/W image, P patch, Gh/Gw grid, L = Gh*Gw patches,
-#         n prefix tokens (CLS + registers), N = n + L tokens, D embed_dim, nh heads, K classes.
+#         n prefix tokens (CLS, distillation, registers), N = n + L tokens, D embed_dim, nh heads, K classes.
 
 LayerNorm = partial(nn.LayerNorm, eps=1e-6)  # timm's ViT epsilon: weights trained with it expect it
 
@@ -53,8 +53,9 @@ class VisionTransformer(nn.Module):
         init_values: LayerScale initial value; None disables LayerScale.
         class_token: prepend a learned CLS token.
         distilled: a distillation token after the CLS token, read by a second head (`head_dist`) that learns from
-            a teacher's predictions (DeiT, Touvron et al. 2021; timm's `VisionTransformerDistilled`). In training
-            `forward` returns both heads' logits; otherwise their mean.
+            a teacher's predictions (DeiT, Touvron et al. 2021; timm's `VisionTransformerDistilled`). `forward`
+            returns their mean, or both heads' logits in training mode with `distilled_training` set. Rollout
+            reads the class head's query (`rollout_query`).
         reg_tokens: number of register tokens (Darcet et al. 2024) after the CLS token.
         no_embed_class: prefix tokens get no position embedding (timm's flag of the same name).
         pos_embed: "learn" (a learned table) or "sincos" (fixed 2-D sin-cos).
@@ -145,7 +146,9 @@ class VisionTransformer(nn.Module):
         self.fc_norm = LayerNorm(embed_dim) if use_fc_norm else nn.Identity()
         self.head_drop = nn.Dropout(drop_rate)
         self.head = nn.Linear(embed_dim, num_classes) if num_classes > 0 else nn.Identity()
-        self.head_dist = nn.Linear(embed_dim, num_classes) if distilled and num_classes > 0 else None
+        self.head_dist = (
+            (nn.Linear(embed_dim, num_classes) if num_classes > 0 else nn.Identity()) if distilled else None
+        )
         self.distilled_training = False  # `forward_head` returns both heads' logits while set, in training mode
         self.init_weights(weight_init)
 
@@ -278,8 +281,9 @@ class VisionTransformer(nn.Module):
             return_attn: also return the attention maps; runs the explicit softmax path.
 
         Returns:
-            Logits (B, K) (features (B, D) when `num_classes=0`); with `return_attn`,
-            `(logits, attns)` where `attns` holds one (B, nh, N, N) map per block, first block first.
+            Logits (B, K) (features (B, D) when `num_classes=0`; both heads' `(head, head_dist)` in distilled
+            training); with `return_attn`, `(logits, attns)` where `attns` holds one (B, nh, N, N) map per block,
+            first block first.
         """
         if return_attn:
             x, attns = self.forward_features(x, return_attn=True)
@@ -298,7 +302,8 @@ class VisionTransformer(nn.Module):
         """Replace the head with a fresh one for `num_classes` classes (0 removes it)."""
         self.num_classes = self.config["num_classes"] = num_classes
         self.head = nn.Linear(self.embed_dim, num_classes) if num_classes > 0 else nn.Identity()
-        self.head_dist = nn.Linear(self.embed_dim, num_classes) if self.distilled and num_classes > 0 else None
+        self.head_dist = nn.Linear(self.embed_dim, num_classes) if num_classes > 0 else nn.Identity()
+        self.head_dist = self.head_dist if self.distilled else None
         for head in (self.head, self.head_dist):
             if isinstance(head, nn.Linear):
                 nn.init.trunc_normal_(head.weight, std=0.02)

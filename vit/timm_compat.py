@@ -46,6 +46,11 @@ def from_timm(
     timm_model = _timm_model(source, model_name, pretrained)
     config = timm_config(timm_model)
     state = timm_model.state_dict()
+    if overrides.get("distilled") and not config["distilled"]:
+        raise ValueError(
+            "a distillation token needs weights that have one (timm's deit_*_distilled_* models); these have none: "
+            "train with a teacher from scratch, or fine-tune these weights without one"
+        )
     model = VisionTransformer(**{**config, **overrides})
 
     if model.num_classes != config["num_classes"]:

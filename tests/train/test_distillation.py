@@ -70,7 +70,7 @@ def test_the_distillation_head_learns_the_teacher_and_the_checkpoint_holds_the_s
 @pytest.mark.parametrize(
     "teacher, says",
     [
-        (dict(classes=["bar", "column", "circle"]), "trained on 3 classes ['bar', 'column', 'circle']"),
+        (dict(classes=["bar", "column", "circle"]), "trained on the classes ['bar', 'column', 'circle']"),
         (dict(preprocess=Preprocess(img_size=(32, 32), crop_pct=1.0)), "normalised with mean (0.485, 0.456, 0.406)"),
         (None, "--model.teacher: checkpoint not found"),
     ],
@@ -87,8 +87,16 @@ def test_a_teacher_that_does_not_fit_the_run_is_refused_in_one_line(shapes_folde
     assert says in err, err
 
 
-def test_a_distillation_token_without_a_teacher_is_refused_in_one_line(shapes_folder, tmp_path, capsys):
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (["--model.net_args.distilled", "true"], "--model.teacher"),
+        (["--model.teacher", "t.ckpt", "--model.distill_weight", "0"], "distill_weight must be over 0"),
+    ],
+    ids=["token-without-teacher", "weight-0"],
+)
+def test_a_distillation_that_cannot_learn_is_refused_in_one_line(shapes_folder, tmp_path, capsys, args, says):
     with pytest.raises(SystemExit) as exit_info:
-        main(fit_args(shapes_folder, tmp_path / "run", "--model.net_args.distilled", "true"))
+        main(fit_args(shapes_folder, tmp_path / "run", *args))
     err = capsys.readouterr().err
-    assert exit_info.value.code == 2 and err.count("\n") == 1 and "--model.teacher" in err, err
+    assert exit_info.value.code == 2 and err.count("\n") == 1 and says in err, err

@@ -63,6 +63,10 @@ def test_deits_distillation_token_and_head_give_timms_logits_in_eval_and_in_dist
         ours.distilled_training = True
         for mine, theirs in zip(ours.train()(x), timm_model.train()(x), strict=True):  # (head, head_dist)
             torch.testing.assert_close(mine, theirs, atol=1e-4, rtol=1e-4)
+        features = from_timm(timm_model, num_classes=0).eval()(x)  # no heads: the two tokens' mean features
+        torch.testing.assert_close(features, timm_model.eval().forward_head(timm_model.forward_features(x), True))
+    with pytest.raises(ValueError, match="a distillation token needs weights that have one"):
+        from_timm(TimmViT(**SMALL), distilled=True)  # no table row or token to start it from
 
 
 def test_named_timm_model_at_224():
