@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from benchmarks.common import Result, add_results_option, previous
+from train.distill import distillation_loss
 from train.fashion_mnist import DEBIAN_DIR, load_split
 from vit import ATTN_SCORES, create_model
 
@@ -78,6 +79,10 @@ def train(
         model.distilled_training = True
         teacher.eval()
     model.train()
+
+    def labels_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits, labels, label_smoothing=args.label_smoothing)
+
     start, images = time.perf_counter(), 0
     while (t := (time.perf_counter() - start) / seconds) < 1.0:
         for g in opt.param_groups:
@@ -86,13 +91,9 @@ def train(
         xb = x[idx] if args.no_augment else augment(x[idx])
         out = model(xb)
         if teacher is None:
-            loss = F.cross_entropy(out, y[idx], label_smoothing=args.label_smoothing)
-        else:
-            with torch.no_grad():
-                taught = teacher(xb).argmax(1)
-            head, head_dist = out
-            loss = 0.5 * F.cross_entropy(head, y[idx], label_smoothing=args.label_smoothing)
-            loss = loss + 0.5 * F.cross_entropy(head_dist, taught)
+            loss = labels_loss(out, y[idx])
+        else:  # vit-train's own distillation loss, DeiT's weight 0.5
+            loss = distillation_loss(teacher, xb, out, y[idx], labels_loss, 0.5)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         nn.utils.clip_grad_norm_(model.parameters(), 1.0)
