@@ -73,12 +73,16 @@ def test_the_distillation_head_learns_the_teacher_and_the_checkpoint_holds_the_s
         (dict(classes=["bar", "column", "circle"]), "trained on the classes ['bar', 'column', 'circle']"),
         (dict(preprocess=Preprocess(img_size=(32, 32), crop_pct=1.0)), "normalised with mean (0.485, 0.456, 0.406)"),
         (None, "--model.teacher: checkpoint not found"),
+        ("half", "is damaged or truncated"),  # a copy cut short
     ],
-    ids=["other-classes", "other-normalisation", "missing"],
+    ids=["other-classes", "other-normalisation", "missing", "half-written"],
 )
 def test_a_teacher_that_does_not_fit_the_run_is_refused_in_one_line(shapes_folder, tmp_path, capsys, teacher, says):
     path = tmp_path / "teacher.ckpt"
-    if teacher is not None:
+    if teacher == "half":
+        whole = write_teacher(tmp_path / "whole.ckpt").read_bytes()
+        path.write_bytes(whole[: len(whole) // 2])
+    elif teacher is not None:
         write_teacher(path, **teacher)
     with pytest.raises(SystemExit) as exit_info:
         main(fit_args(shapes_folder, tmp_path / "run", "--model.teacher", str(path)))
