@@ -9,7 +9,10 @@ precision and recall written into the run directory.
 
 from __future__ import annotations
 
+import logging
 import math
+import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +24,7 @@ from timm.loss import SoftTargetCrossEntropy
 from timm.optim import param_groups_layer_decay, param_groups_weight_decay
 from timm.utils import ModelEmaV3
 from torch import nn
+from torch._dynamo.exc import BackendCompilerFailed
 from torchmetrics.classification import (
     MulticlassAccuracy,
     MulticlassConfusionMatrix,
@@ -37,6 +41,17 @@ from train.finite_checks import check_finite_loss, check_finite_weights
 from train.reports import write_confusion_csv, write_confusion_png, write_per_class_csv
 from vit.model import VisionTransformer, create_model
 from vit.timm_compat import from_timm
+
+log = logging.getLogger(__name__)
+
+
+def compile_blocker(device_type: str) -> str | None:
+    """Why `torch.compile` cannot run on this device type, or None: on CPU it writes C++ kernels that `$CXX`
+    (g++ unless set) must build, and a slim image often has no compiler."""
+    if device_type != "cpu":
+        return None
+    cxx = os.environ.get("CXX", "g++")
+    return None if shutil.which(cxx) else f"no C++ compiler ({cxx!r} is not on PATH: install g++ or set CXX)"
 
 
 def build_network(
@@ -177,6 +192,19 @@ class ViTClassifier(pl.LightningModule):
         compiled module has no truth value, and `or` asks for its length, which it refuses.)"""
         return self._compiled if self._compiled is not None else self.net
 
+    def _train_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """`train_net(x)`; a compile that fails (at the first step, or a recompile for a new batch size) is
+        logged and training goes on eager, rather than the run failing over an optional speed-up."""
+        try:
+            return self.train_net(x)
+        except BackendCompilerFailed as e:  # its own first line only names the backend
+            inner = e.inner_exception
+            log.warning(
+                "--model.compile failed, training goes on eager: %s: %s", type(inner).__name__, first_line(inner)
+            )
+            object.__setattr__(self, "_compiled", None)
+            return self.net(x)
+
     def _inputs(self, x: torch.Tensor) -> torch.Tensor:
         return x.contiguous(memory_format=torch.channels_last) if self.hparams.channels_last else x
 
@@ -202,14 +230,17 @@ class ViTClassifier(pl.LightningModule):
                 self, "_teacher", load_teacher(self.hparams.teacher, self._data_classes, self.preprocess)
             )
         if self.hparams.compile and self._compiled is None:
-            # kept off the module tree, so the checkpoint holds the weights once, under "net."
-            object.__setattr__(self, "_compiled", torch.compile(self.net))
+            blocker = compile_blocker(self.trainer.strategy.root_device.type)
+            if blocker is not None:
+                log.warning("--model.compile: %s; training runs eager", blocker)
+            else:  # kept off the module tree, so the checkpoint holds the weights once, under "net."
+                object.__setattr__(self, "_compiled", torch.compile(self.net))
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch  # (B, 3, H, W), (B,)
         if self.mixup is not None:
             x, y = self._mix(x, y)  # y becomes (B, K) soft targets
-        logits = self.train_net(self._inputs(x))  # (B, K)
+        logits = self._train_logits(self._inputs(x))  # (B, K)
         if self._teacher is not None:
             w = self.hparams.distill_weight
             loss = distillation_loss(self._teacher, self._inputs(x), logits, y, self.train_loss, w)

@@ -39,3 +39,35 @@ def test_compile_gives_the_training_step_the_compiled_network_and_the_checkpoint
     assert not any("compiled" in k or "_orig_mod" in k for k in module.state_dict())
     plain = ViTClassifier(num_classes=5, img_size=16, variant="vit_tiny_patch16_224", net_args=NET)
     assert plain.train_net is plain.net
+
+
+def test_compile_without_a_cpp_compiler_trains_eager_and_says_why(monkeypatch, caplog):
+    # on CPU torch.compile builds C++ kernels: a machine without g++ must still train, and say what is missing
+    import lightning.pytorch as pl
+
+    monkeypatch.setenv("CXX", "no-such-compiler")
+    module = ViTClassifier(num_classes=5, img_size=16, variant="vit_tiny_patch16_224", net_args=NET, compile=True)
+    module.trainer = pl.Trainer(accelerator="cpu", logger=False, enable_checkpointing=False)
+    with caplog.at_level("WARNING", logger="train.module"):
+        module.setup("fit")
+    assert module.train_net is module.net
+    assert "no C++ compiler ('no-such-compiler' is not on PATH" in caplog.text and "training runs eager" in caplog.text
+
+
+def test_a_compile_that_fails_at_the_first_step_goes_on_eager(monkeypatch, caplog):
+    # a compiler that is there but fails (`false`): torch.compile raises at the first forward pass; the step goes on
+    import lightning.pytorch as pl
+    from torch._inductor import config
+
+    monkeypatch.setattr(config.cpp, "cxx", (None, "false"))
+    monkeypatch.setattr(config, "fx_graph_cache", False)  # a kernel built by an earlier run would need no compiler
+    torch._dynamo.reset()
+    module = ViTClassifier(num_classes=5, img_size=16, variant="vit_tiny_patch16_224", net_args=NET, compile=True)
+    module.trainer = pl.Trainer(accelerator="cpu", logger=False, enable_checkpointing=False)
+    module.setup("fit")
+    x = torch.rand(2, 3, 16, 16)
+    with caplog.at_level("WARNING", logger="train.module"):
+        logits = module._train_logits(x)
+    assert "--model.compile failed, training goes on eager: InvalidCxxCompiler: No working C++ compiler" in caplog.text
+    assert module.train_net is module.net and logits.shape == (2, 5)
+    torch.testing.assert_close(logits, module.net(x))
