@@ -41,6 +41,7 @@ def fit_args(folder: Path, run: Path, *extra: str) -> list[str]:
     args = ["fit", "--config", "configs/small_images.yaml", "--data.root", str(folder), "--data.img_size", "32"]
     args += ["--trainer.default_root_dir", str(run), "--trainer.enable_progress_bar", "false"]
     args += ["--trainer.max_epochs", "1", "--trainer.limit_train_batches", "3", "--data.batch_size", "16"]
+    args += ["--model.compile", "false"]  # three steps: a first compile would take ten times longer
     return [*args, *extra]
 
 

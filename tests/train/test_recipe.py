@@ -27,6 +27,7 @@ def test_large_images_are_trained_small_on_cpu_and_at_224_on_a_gpu():
     gpu, _ = choose(Survey(classes=100, train_images=500_000, median_side=375, gpu=True, cores=16))
     assert gpu["data"]["img_size"] == 224 and gpu["model"]["variant"] == "vit_tiny_patch16_224"
     assert gpu["trainer"]["precision"] == "bf16-mixed" and gpu["data"]["batch_size"] == 128
+    assert cpu["model"]["compile"] is True and "compile" not in gpu["model"]  # measured on CPU only
 
 
 def test_a_command_with_a_config_or_without_a_folder_is_left_alone(tmp_path: Path):
@@ -44,6 +45,7 @@ def test_fit_without_a_config_trains_and_saves_its_choices_and_reasons_and_flags
         [
             "fit", "--data.root", str(shapes_folder), "--trainer.default_root_dir", str(run_dir),
             "--trainer.max_epochs", "1", "--trainer.enable_progress_bar", "false", "--data.batch_size", "8",
+            "--model.compile", "false",  # one epoch of a few steps: a first compile would outlast it
         ]
     )  # fmt: skip
     saved = yaml.safe_load((run_dir / "config.yaml").read_text())

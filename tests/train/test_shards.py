@@ -116,7 +116,7 @@ def _stream_fit_args(shards: Path, run: Path, *extra: str) -> list[str]:
         "--data.batch_size", "4", "--data.eval_batch_size", "4", "--data.num_workers", "0",
         "--trainer.enable_progress_bar", "false", "--data.augment.crop_scale", "[1.0, 1.0]",
         "--data.augment.crop_ratio", "[1.0, 1.0]", "--data.augment.hflip", "0.0",
-        "--trainer.callbacks+=tests.train.rank_weights.LogSamples", *extra,
+        "--trainer.callbacks+=tests.train.rank_weights.LogSamples", "--model.compile", "false", *extra,
     ]  # fmt: skip
 
 
