@@ -121,6 +121,7 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--label-smoothing", type=float, default=0.1)
     p.add_argument("--no-augment", action="store_true")
+    p.add_argument("--compile", action="store_true", help="train through torch.compile (tested eager)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--tag", default="", help="what the row tests, in words (default: its options)")
     args = add_results_option(p).parse_args()
@@ -128,6 +129,8 @@ def main() -> None:
         p.error(f"--teacher-share must be at least 0 and under 1, got {args.teacher_share}")
     if args.teacher_share and args.head_only:
         p.error("--head-only has no distillation token: leave out --teacher-share")
+    if args.teacher_share and args.compile:
+        p.error("--compile trains one network: leave out --teacher-share")
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     x_train, y_train = tensors(args.data, "train")
@@ -142,7 +145,8 @@ def main() -> None:
         print(f"teacher: test accuracy {data['teacher accuracy %']:.2f} %", file=sys.stderr, flush=True)
     model = build(args, distilled=teacher is not None)
     wall_teacher = time.perf_counter() - wall0
-    images = train(model, x_train, y_train, args, (1 - args.teacher_share) * budget, teacher)
+    stepped = torch.compile(model) if args.compile else model  # compiled at its first step, inside the budget
+    images = train(stepped, x_train, y_train, args, (1 - args.teacher_share) * budget, teacher)
     cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
     acc = 100 * accuracy(model, x_test, y_test)
     print(f"test accuracy {acc:.2f} % after {images} images", file=sys.stderr, flush=True)

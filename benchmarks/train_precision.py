@@ -2,8 +2,9 @@
 
 The model of `configs/small_images.yaml` (vit_micro_patch4_32, conv stem 16/32/64, 32 px), batches of 64 random
 tensors, AdamW: forward, backward and step, as the bare loop of `benchmarks.train_overhead` runs them. Three sides
-in interleaved rounds: fp32 as shipped, fp32 under `torch.autocast("cpu", torch.bfloat16)` (Lightning's
-`--trainer.precision bf16-mixed`), and fp32 through `torch.compile`, whose one-off compilation is timed apart.
+in interleaved rounds: fp32 eager, fp32 under `torch.autocast("cpu", torch.bfloat16)` (Lightning's
+`--trainer.precision bf16-mixed`), and fp32 through `torch.compile` (as shipped), whose one-off compilation is
+timed apart.
 
     .venv/bin/python -m benchmarks.train_precision [--rounds 7] [--steps 40] [--threads 1]
 """
@@ -82,7 +83,7 @@ def main() -> None:
 
     figures = interleaved(args.rounds, {mode: side(mode) for mode in steps})
     base = statistics.median(figures["fp32"])
-    names = {"fp32": "fp32 (shipped)", "bf16": "bf16 autocast", "compile": "torch.compile, fp32"}
+    names = {"fp32": "fp32, eager", "bf16": "bf16 autocast", "compile": "torch.compile, fp32 (shipped)"}
     table = result.table(["step", "images/s (median)", "x fp32", "rounds (images/s)", "first 5 steps, s"])
     for mode, values in figures.items():
         med = statistics.median(values)
