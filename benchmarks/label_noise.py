@@ -140,7 +140,7 @@ def main() -> None:
     parser.add_argument("--run-dir", type=Path, default=None, help="report this finished run instead of training")
     parser.add_argument("--images", type=int, default=20_000)
     parser.add_argument("--noise", type=float, default=0.1)
-    parser.add_argument("--epochs", type=int, default=30, help="max_epochs (the config's: 30, within 25 minutes)")
+    parser.add_argument("--epochs", type=int, default=30, help="max_epochs (the config's: 30)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--test", type=Path, default=Path("data/fmnist"), help="its val/ is the official test set")
     parser.add_argument(

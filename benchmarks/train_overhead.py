@@ -7,7 +7,8 @@ time per step, timed from the end of one batch to the end of the next (so fetchi
 2. vit-train: what `vit-train fit --config configs/small_images.yaml --data.img_size 28` builds (cached uint8
    images, batch augmentation, EMA, the run's callbacks and loggers) on the first Fashion-MNIST images (random grey
    PNGs without `dataset-fashion-mnist`), against a plain loop over the same images pre-loaded as tensors, without
-   and with the same batch augmentation. An epoch outlasts the run, so no validation or checkpoint is timed.
+   and with the same batch augmentation. An epoch outlasts the run, so no validation or checkpoint is timed. Both
+   sides run eager (`--model.compile false`); `benchmarks.train_precision` measures the compiled step.
 
     .venv/bin/python -m benchmarks.train_overhead [--steps 60] [--vit-steps 30] [--rounds 3] [--threads 1]
 """
@@ -129,7 +130,7 @@ def vit_train_args(root: Path, run_dir: Path, steps: int, threads: int) -> list[
         "--config", str(REPO / "configs" / "small_images.yaml"), "--data.root", str(root), "--data.img_size", "28",
         "--trainer.default_root_dir", str(run_dir), "--trainer.max_steps", str(steps), "--trainer.accelerator", "cpu",
         "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
-        "--num_threads", str(threads),
+        "--num_threads", str(threads), "--model.compile", "false",  # eager as the plain loop: train_precision compiles
     ]  # fmt: skip
 
 

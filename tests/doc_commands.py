@@ -53,20 +53,20 @@ NOT_RUN: dict[str, str] = {
         "outside its scratch folder",
     "vit-fashion-mnist --out data/fmnist": "reads the idx files that the dataset-fashion-mnist package installs",
     "vit-train fit --config configs/small_images.yaml --data.root data/fmnist --data.img_size 28 "
-    "--trainer.default_root_dir runs/fmnist": "the 25-minute Fashion-MNIST training",
+    "--trainer.default_root_dir runs/fmnist": "the half-hour Fashion-MNIST training",
     "vit-train fit --config configs/small_images.yaml --data.root data/fmnist --data.img_size 28 "
     "--trainer.default_root_dir runs/fmnist --trainer.enable_progress_bar false":
-        "the 25-minute Fashion-MNIST training",
+        "the half-hour Fashion-MNIST training",
     "vit-train fit --config configs/small_images.yaml --data.root data/fmnist --data.img_size 28 "
     "--model.teacher runs/fmnist/checkpoints/best.ckpt --trainer.default_root_dir runs/fmnist-distilled":
-        "needs runs/fmnist, the 25-minute Fashion-MNIST training, as its teacher",
+        "needs runs/fmnist, the half-hour Fashion-MNIST training, as its teacher",
     "vit-train fit --data.root data/fmnist --trainer.default_root_dir runs/auto --data.augment.hflip 0":
-        "needs data/fmnist (dataset-fashion-mnist); 25 minutes on CPU",
+        "needs data/fmnist (dataset-fashion-mnist); half an hour on CPU",
     "vit-export runs/fmnist/checkpoints/best.ckpt -o artifacts/fmnist.onnx --no-gradients":
-        "needs runs/fmnist, the 25-minute Fashion-MNIST training",
+        "needs runs/fmnist, the half-hour Fashion-MNIST training",
     "vit-predict artifacts/fmnist.onnx data/fmnist/val/shirt --coverage 0.95 --format json --top-k 2 | head -2":
-        "needs artifacts/fmnist.onnx, from the 25-minute Fashion-MNIST training",
-    "vit-serve artifacts/fmnist.onnx --no-ui": "needs artifacts/fmnist.onnx, from the 25-minute Fashion-MNIST "
+        "needs artifacts/fmnist.onnx, from the half-hour Fashion-MNIST training",
+    "vit-serve artifacts/fmnist.onnx --no-ui": "needs artifacts/fmnist.onnx, from the half-hour Fashion-MNIST "
         "training",
     "curl -s -F file=@data/fmnist/val/shirt/00007.png 'http://127.0.0.1:7860/v1/classify?coverage=0.95&top_k=2'":
         "asks the Fashion-MNIST server above",
@@ -90,7 +90,7 @@ NOT_RUN: dict[str, str] = {
     "vit-train fit --config configs/sample.yaml --trainer.default_root_dir runs/sample "
     "--trainer.enable_progress_bar false --overwrite true": "a benchmark's record of its model: `make export`, "
         "which every page but README starts from, runs this training (the Makefile's train target)",
-    ".venv/bin/python -m benchmarks.fashion_mnist": "the 25-minute Fashion-MNIST training and its benchmark",
+    ".venv/bin/python -m benchmarks.fashion_mnist": "the half-hour Fashion-MNIST training and its benchmark",
     ".venv/bin/python -m benchmarks.trust --fmnist runs/fmnist-bench --openset runs/fmnist8 --sample runs/sample":
         "a benchmark of the Fashion-MNIST runs (25 + 12 minutes of training)",
 }  # fmt: skip
