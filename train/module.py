@@ -197,11 +197,9 @@ class ViTClassifier(pl.LightningModule):
         logged and training goes on eager, rather than the run failing over an optional speed-up."""
         try:
             return self.train_net(x)
-        except BackendCompilerFailed as e:  # its own first line only names the backend
-            inner = e.inner_exception
-            log.warning(
-                "--model.compile failed, training goes on eager: %s: %s", type(inner).__name__, first_line(inner)
-            )
+        except BackendCompilerFailed as e:  # its own first line only names the backend: say what failed inside
+            why = f"{type(e.inner_exception).__name__}: {first_line(e.inner_exception)}"
+            log.warning("--model.compile failed, training goes on eager: %s", why)
             object.__setattr__(self, "_compiled", None)
             return self.net(x)
 
