@@ -227,7 +227,7 @@ class ViTClassifier(pl.LightningModule):
             object.__setattr__(
                 self, "_teacher", load_teacher(self.hparams.teacher, self._data_classes, self.preprocess)
             )
-        if self.hparams.compile and self._compiled is None:
+        if stage == "fit" and self.hparams.compile and self._compiled is None:  # validation runs eval_net, eager
             blocker = compile_blocker(self.trainer.strategy.root_device.type)
             if blocker is not None:
                 log.warning("--model.compile: %s; training runs eager", blocker)

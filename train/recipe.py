@@ -30,6 +30,9 @@ TARGET_STEPS = 6_000  # optimizer steps the schedule aims for, whatever the data
 CPU_MINUTES = 25.0  # time budget on CPU: the run anneals and stops by then (train.budget)
 PATIENCE_SHARE = 4  # early stopping waits a quarter of the epochs (at least MIN_PATIENCE) for balanced accuracy
 MIN_PATIENCE = 5
+# torch.compile on CPU: a first compile of about 30 s, then steps about 10 % faster (benchmarks.train_precision), so
+# it pays back after some 300 s of steps, about 3,000 of the small model's (0.1 s a step on one core)
+COMPILE_MIN_STEPS = 3_000
 
 
 @dataclass
@@ -116,9 +119,12 @@ def choose(s: Survey) -> tuple[dict[str, Any], dict[str, str]]:
             "std": [0.5] * 3 if small else None, "batch_size": batch, "batch_augment": True, "augment": augment,
         },
     }  # fmt: skip
-    if not s.gpu:
+    if not s.gpu and epochs * steps_per_epoch >= COMPILE_MIN_STEPS:
         config["model"]["compile"] = True
-        why["model.compile"] = "CPU: torch.compile's kernels take faster steps after a first compile of about 35 s"
+        why["model.compile"] = (
+            f"CPU, {epochs * steps_per_epoch} steps: torch.compile's steps are about 10 % faster, which pays back its "
+            f"first compile of about 30 s after some {COMPILE_MIN_STEPS} steps"
+        )
     config["data"] = {k: v for k, v in config["data"].items() if v is not None}
     return config, why
 

@@ -26,12 +26,13 @@ def test_mixup_takes_a_batch_of_any_size(batch):
         assert soft[-1].argmax() == y[-1] and soft[-1].max() == pytest.approx(0.9 + 0.1 / 5)
 
 
-def test_compile_gives_the_training_step_the_compiled_network_and_the_checkpoint_the_weights_once():
+def test_compile_gives_the_training_step_the_compiled_network_and_the_checkpoint_the_weights_once(monkeypatch):
     # `compiled or net` asked the compiled module for its length, which it refuses: --model.compile true failed at
     # the first step. Compiling takes a minute, so this stops short of a step: the wrapper is made lazily.
     import lightning.pytorch as pl
     from torch._dynamo.eval_frame import OptimizedModule
 
+    monkeypatch.setenv("CXX", "true")  # a compiler on PATH, whatever the machine: nothing is compiled before a step
     module = ViTClassifier(num_classes=5, img_size=16, variant="vit_tiny_patch16_224", net_args=NET, compile=True)
     module.trainer = pl.Trainer(accelerator="cpu", logger=False, enable_checkpointing=False)
     module.setup("fit")
@@ -59,6 +60,7 @@ def test_a_compile_that_fails_at_the_first_step_goes_on_eager(monkeypatch, caplo
     import lightning.pytorch as pl
     from torch._inductor import config
 
+    monkeypatch.setenv("CXX", "false")  # on PATH, so setup compiles, whether or not this machine has g++
     monkeypatch.setattr(config.cpp, "cxx", (None, "false"))
     monkeypatch.setattr(config, "fx_graph_cache", False)  # a kernel built by an earlier run would need no compiler
     torch._dynamo.reset()

@@ -17,6 +17,7 @@ def test_small_images_get_the_small_recipe_at_their_own_side(shapes_folder: Path
     config, why = choose(s)
     assert config["data"]["img_size"] == 32 and config["model"]["net_args"]["stem"] == "conv"
     assert config["data"]["batch_size"] <= 16  # a few batches an epoch, even for 72 images
+    assert "compile" not in config["model"]  # a few hundred steps: a first compile would outlast the gain
     assert {"data.img_size", "data.batch_size", "model.variant", "trainer.max_epochs"} <= set(why)
 
 
@@ -45,7 +46,6 @@ def test_fit_without_a_config_trains_and_saves_its_choices_and_reasons_and_flags
         [
             "fit", "--data.root", str(shapes_folder), "--trainer.default_root_dir", str(run_dir),
             "--trainer.max_epochs", "1", "--trainer.enable_progress_bar", "false", "--data.batch_size", "8",
-            "--model.compile", "false",  # one epoch of a few steps: a first compile would outlast it
         ]
     )  # fmt: skip
     saved = yaml.safe_load((run_dir / "config.yaml").read_text())
