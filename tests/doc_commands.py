@@ -92,7 +92,7 @@ NOT_RUN: dict[str, str] = {
         "which every page but README starts from, runs this training (the Makefile's train target)",
     ".venv/bin/python -m benchmarks.fashion_mnist": "the half-hour Fashion-MNIST training and its benchmark",
     ".venv/bin/python -m benchmarks.trust --fmnist runs/fmnist-bench --openset runs/fmnist8 --sample runs/sample":
-        "a benchmark of the Fashion-MNIST runs (25 + 12 minutes of training)",
+        "a benchmark of the Fashion-MNIST runs (half an hour + 12 minutes of training)",
 }  # fmt: skip
 
 # Placeholders a reader replaces with their own, made real in a page's copy before the first command that

@@ -35,7 +35,7 @@ from serve.runtime.trust import FEATURES_OUTPUT, UNCALIBRATED, Assessment, Predi
 FORMAT_KEY = "vitscope_format"
 FORMAT_VERSION = "1"
 # Intra-op threads when the caller does not say:
-# more threads speed up 224-px models, while a tiny model such as the 32-px sample gains nothing: its
+# more threads speed up 224-px models, while a tiny model such as the digits sample gains nothing: its
 # matmuls are too small to split, and a second thread only takes the core the server's event loop needs.
 # So: one thread below SMALL_MODEL_GFLOPS, otherwise onnxruntime's default (every physical core).
 SMALL_MODEL_GFLOPS = 0.25
