@@ -119,10 +119,11 @@ def choose(s: Survey) -> tuple[dict[str, Any], dict[str, str]]:
             "std": [0.5] * 3 if small else None, "batch_size": batch, "batch_augment": True, "augment": augment,
         },
     }  # fmt: skip
-    if not s.gpu and epochs * steps_per_epoch >= COMPILE_MIN_STEPS:
+    steps = epochs * steps_per_epoch
+    if not s.gpu and steps >= COMPILE_MIN_STEPS:
         config["model"]["compile"] = True
         why["model.compile"] = (
-            f"CPU, {epochs * steps_per_epoch} steps: torch.compile's steps are about 10 % faster, which pays back its "
+            f"CPU, {steps} steps: torch.compile's steps are about 10 % faster, which pays back its "
             f"first compile of about 30 s after some {COMPILE_MIN_STEPS} steps"
         )
     config["data"] = {k: v for k, v in config["data"].items() if v is not None}
