@@ -10,6 +10,9 @@ last validation, at the budget or at `max_epochs`, whichever comes first:
       callbacks:
         - class_path: train.budget.TimeBudget
           init_args: {minutes: 25}
+
+Under DDP every process follows rank 0's clock (broadcast each step, as Lightning's `Timer` does), so the ranks
+keep one learning rate and stop at the same step.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ class TimeBudget(Callback):
         self.spent_before = 0.0  # seconds of earlier runs of a resumed fit
         self.warm_end: float | None = None  # seconds into the budget when warmup ended
         self._start: float | None = None
+        self._clock = 0.0  # rank 0's elapsed() at the start of the current batch
 
     def elapsed(self) -> float:
         return self.spent_before + (time.monotonic() - self._start if self._start is not None else 0.0)
@@ -57,15 +61,18 @@ class TimeBudget(Callback):
             if step < warmup:
                 return (step + 1) / (warmup + 1)
             if self.warm_end is None:  # the cosine covers what is left of the budget after warmup
-                self.warm_end = self.elapsed()
-            by_time = (self.elapsed() - self.warm_end) / max(1e-9, self.budget - self.warm_end)
+                self.warm_end = self._clock
+            by_time = (self._clock - self.warm_end) / max(1e-9, self.budget - self.warm_end)
             t = min(1.0, max(by_time, (step - warmup) / (total - warmup)))
             return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * t))
 
         return factor
 
+    def on_train_batch_start(self, trainer: Trainer, *args) -> None:
+        self._clock = trainer.strategy.broadcast(self.elapsed()) if trainer.world_size > 1 else self.elapsed()
+
     def on_train_batch_end(self, trainer: Trainer, *args) -> None:
-        if self.elapsed() >= self.budget:
+        if self._clock >= self.budget:
             trainer.should_stop = True  # Lightning validates once more, then stops
 
     def state_dict(self) -> dict:

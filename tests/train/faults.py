@@ -55,3 +55,20 @@ class HangAfter(Callback):
         if trainer.global_step == self.step:
             (Path(trainer.default_root_dir) / "hung").touch()
             time.sleep(3600)  # the hang itself: the test kills the process
+
+
+class LateStart(Callback):
+    """One DDP process starts training `seconds` later than the others (a slow node), after the callbacks
+    before it in the list have started their clocks.
+
+    Args:
+        seconds: how long the process waits.
+        rank: the late process.
+    """
+
+    def __init__(self, seconds: float = 3.0, rank: int = 1):
+        self.seconds, self.rank = seconds, rank
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        if trainer.global_rank == self.rank:
+            time.sleep(self.seconds)  # the delay itself: the other process waits for this one at its first step

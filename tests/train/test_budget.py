@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.helpers import REPO
 from train.budget import TimeBudget
@@ -38,3 +42,27 @@ def test_a_run_with_a_time_budget_stops_annealed_and_validated_long_before_max_e
 def test_a_budget_must_be_positive():
     with pytest.raises(ValueError, match="positive"):
         TimeBudget(0)
+
+
+@pytest.mark.slow
+def test_ddp_ranks_share_rank_0s_clock_and_stop_at_the_same_step_with_the_same_weights(
+    shapes_folder: Path, tmp_path: Path
+):
+    # Rank 1 starts 3 s late, so its own clock runs 3 s ahead of rank 0's: on its own clock it would anneal
+    # faster and stop first, leaving rank 0 waiting for it in a gradient all-reduce.
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "train", "fit", "--config", str(REPO / "configs" / "small_images.yaml")]
+    cmd += ["--data.root", str(shapes_folder), "--trainer.default_root_dir", str(run), "--model.compile", "false"]
+    cmd += ["--trainer.max_epochs", "1000", "--trainer.enable_progress_bar", "false", "--data.batch_size", "4"]
+    cmd += ["--data.num_workers", "0", "--data.calib_fraction", "0", "--trainer.callbacks.minutes", "0.15"]
+    cmd += ["--trainer.strategy", "ddp", "--trainer.devices", "2", "--trainer.accelerator", "cpu"]
+    cmd += ["--trainer.callbacks+=tests.train.faults.LateStart", "--trainer.callbacks.seconds", "3"]
+    cmd += ["--trainer.callbacks+=tests.train.rank_weights.SaveRankWeights"]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
+    assert result.returncode == 0, result.stderr[-3000:]
+    w0, w1 = (torch.load(run / f"rank{r}.pt", weights_only=True) for r in (0, 1))
+    for k in w0:
+        torch.testing.assert_close(w0[k], w1[k], rtol=0, atol=0)
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["best_val_acc"] is not None
