@@ -6,7 +6,7 @@
 
 The accuracies are of every image of the official test set, through the checkpoint as `vit-export` reads it: the
 run itself validates without the test images that have a near-copy in the training set (`--data.dedupe auto`).
-Target: >= 91.0 % test accuracy within 30 minutes of training on 2 CPU cores (stretch: HOG + SVM's 92.6 %).
+Target: >= 93.0 % test accuracy within 30 minutes of training on 2 CPU cores (HOG + SVM: 92.6 %; ResNet-18: 94.9 %).
 """
 
 from __future__ import annotations
