@@ -3,7 +3,8 @@
 A schedule sized in epochs is cut short (at a high learning rate) on a slow or shared machine.
 `TimeBudget` keeps the warmup in steps, then anneals the learning rate on whichever is further along:
 the share of the budget spent or the share of `max_epochs` done. So the run always ends annealed, with a
-last validation, at the budget or at `max_epochs`, whichever comes first:
+last validation (a stop at the budget validates even between `check_val_every_n_epoch` epochs), at the budget
+or at `max_epochs`, whichever comes first:
 
     trainer:
       max_epochs: 30
@@ -74,6 +75,7 @@ class TimeBudget(Callback):
     def on_train_batch_end(self, trainer: Trainer, *args) -> None:
         if self._clock >= self.budget:
             trainer.should_stop = True  # Lightning validates once more, then stops
+            trainer.check_val_every_n_epoch = 1  # that validation is due even between validation epochs
 
     def state_dict(self) -> dict:
         return {"spent": self.elapsed(), "warm_end": self.warm_end}

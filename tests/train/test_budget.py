@@ -17,9 +17,11 @@ from train.cli import build_cli
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("val_every", [1, 1000], ids=["validating-each-epoch", "validating-every-1000-epochs"])
 def test_a_run_with_a_time_budget_stops_annealed_and_validated_long_before_max_epochs(
-    shapes_folder: Path, tmp_path: Path
+    shapes_folder: Path, tmp_path: Path, val_every: int
 ):
+    # validating every 1000 epochs, the run stops long before a validation epoch comes: it still ends validated
     run_dir = tmp_path / "run"
     cli = build_cli(
         [
@@ -27,6 +29,7 @@ def test_a_run_with_a_time_budget_stops_annealed_and_validated_long_before_max_e
             "--trainer.default_root_dir", str(run_dir), "--trainer.max_epochs", "1000",
             "--trainer.enable_progress_bar", "false", "--data.batch_size", "16", "--trainer.accelerator", "cpu",
             "--trainer.callbacks.minutes", "0.1", "--model.compile", "false",  # a first compile outlasts 6 s
+            "--trainer.check_val_every_n_epoch", str(val_every),
         ]
     )  # fmt: skip
     trainer = cli.trainer
