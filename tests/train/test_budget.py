@@ -52,7 +52,7 @@ def test_ddp_ranks_share_rank_0s_clock_and_stop_at_the_same_step_with_the_same_w
     shapes_folder: Path, tmp_path: Path
 ):
     # Rank 1 starts 3 s late, so its own clock runs 3 s ahead of rank 0's: on its own clock it would anneal
-    # faster and stop first, leaving rank 0 waiting for it in a gradient all-reduce.
+    # faster than rank 0 (the weights drift apart) and decide to stop on its own.
     run = tmp_path / "run"
     cmd = [sys.executable, "-m", "train", "fit", "--config", str(REPO / "configs" / "small_images.yaml")]
     cmd += ["--data.root", str(shapes_folder), "--trainer.default_root_dir", str(run), "--model.compile", "false"]
