@@ -70,7 +70,7 @@ class TimeBudget(Callback):
         return factor
 
     def on_train_batch_start(self, trainer: Trainer, *args) -> None:
-        self._clock = trainer.strategy.broadcast(self.elapsed()) if trainer.world_size > 1 else self.elapsed()
+        self._clock = trainer.strategy.broadcast(self.elapsed())  # one process: returned as it is
 
     def on_train_batch_end(self, trainer: Trainer, *args) -> None:
         if self._clock >= self.budget:
