@@ -1,7 +1,7 @@
 """What tests and benchmarks need to drive a real server: `vit-serve` in a child process, a local Ray
-cluster, PNG bytes and a hostile GIF, the Prometheus text read back, a process's memory and CPU time, and a
-poll under a deadline. The server never imports it;
-it uses the standard library, numpy and Pillow only, so it runs in the `[serve]`-only install too.
+cluster, PNG bytes and a hostile GIF, the Prometheus text and a payload log read back, a process's memory
+and CPU time, and a poll under a deadline. The server never imports it; it uses the standard library, numpy
+and Pillow only, so it runs in the `[serve]`-only install too.
 
     with ServerProcess("artifacts/sample.onnx", "--no-ui") as server:
         urllib.request.urlopen(server.url + "/readyz")
@@ -14,6 +14,7 @@ with SIGTERM (the graceful drain) on exit.
 from __future__ import annotations
 
 import io
+import json
 import os
 import re
 import shutil
@@ -46,6 +47,14 @@ def wait_until(condition: Callable[[], T], timeout: float, what: str, interval: 
             raise TimeoutError(f"not within {timeout:g} s: {what}")
         time.sleep(interval)
     return result
+
+
+def json_lines(path: Path) -> list[dict]:
+    """The records of a JSON-lines file that another process may be appending to, [] before it exists.
+    Only lines that end in a newline count: a reader can see a line in part while it is written (even one
+    write() reaches a reader in two pieces when it crosses a page boundary), as log shippers know."""
+    text = path.read_text() if path.exists() else ""
+    return [json.loads(line) for line in text[: text.rfind("\n") + 1].splitlines()]
 
 
 def png_bytes(pixels: np.ndarray, mode: str | None = None) -> bytes:

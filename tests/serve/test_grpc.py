@@ -6,7 +6,6 @@ and with onnxruntime running the file itself; the API key and the limits are HTT
 
 from __future__ import annotations
 
-import json
 import time
 
 import httpx
@@ -16,7 +15,7 @@ import pytest
 
 from serve.runtime.classifier import OnnxClassifier, softmax
 from serve.server.testing import free_port, read_metric
-from tests.helpers import CLASS_NAMES, ServerProcess, png_bytes, quadrant_images
+from tests.helpers import CLASS_NAMES, ServerProcess, json_lines, png_bytes, quadrant_images, wait_until
 
 grpcclient = pytest.importorskip("tritonclient.grpc")
 InferenceServerException = pytest.importorskip("tritonclient.utils").InferenceServerException
@@ -133,14 +132,10 @@ def test_grpc_calls_are_counted_in_the_metrics(client, model, server):
 
 def test_grpc_answers_are_in_the_payload_log(client, model, server):
     infer(client, model, np.zeros((2, 32, 32, 3), np.uint8), headers={**AUTH, "x-request-id": "grpc-logged"})
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        lines = server.payload_log.read_text().splitlines() if server.payload_log.exists() else []
-        logged = [r for r in map(json.loads, lines) if r["id"] == "grpc-logged"]
-        if logged:
-            break
-        time.sleep(0.05)
-    assert logged and logged[0]["route"] == "/inference.GRPCInferenceService/ModelInfer"
+    logged = wait_until(
+        lambda: [r for r in json_lines(server.payload_log) if r["id"] == "grpc-logged"], 20, "the gRPC record"
+    )
+    assert logged[0]["route"] == "/inference.GRPCInferenceService/ModelInfer"
     assert logged[0]["model"] == model and len(logged[0]["predictions"]) == 2
 
 

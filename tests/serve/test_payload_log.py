@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from serve.server.payload_log import CloudEventsSink, FileSink, PayloadLog
-from tests.helpers import ServerProcess, png_bytes, quadrant_images
+from tests.helpers import ServerProcess, json_lines, png_bytes, quadrant_images
 
 pytestmark = pytest.mark.slow
 QUEUE_SIZE = 4
@@ -107,8 +107,7 @@ def classify(server, img: np.ndarray) -> httpx.Response:
 
 
 def records(server) -> dict[str, dict]:
-    lines = server.payload_log.read_text().splitlines() if server.payload_log.exists() else []
-    return {r["id"]: r for r in map(json.loads, lines)}
+    return {r["id"]: r for r in json_lines(server.payload_log)}
 
 
 def test_each_request_reaches_the_file_and_the_sink_as_kserve_cloudevents(server, sink):
@@ -148,6 +147,13 @@ def test_a_dead_sink_loses_records_without_failing_requests(server, sink):
         classify(server, img)
     assert wait_for(lambda: dropped(server, "url", "write_failed") > before, what="write_failed drops")
     assert httpx.get(server.url + "/readyz").status_code == 200
+
+
+def test_a_line_still_being_written_is_not_read_as_a_record(tmp_path):
+    path = tmp_path / "p.jsonl"
+    assert json_lines(path) == []
+    path.write_text('{"id":"a"}\n{"id"')  # what a reader saw once, mid-write, in a test that then failed
+    assert json_lines(path) == [{"id": "a"}]
 
 
 def test_the_file_rotates_by_size(tmp_path):
