@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from vit import flip
 from vit.block import Block
 from vit.patch_embed import PatchEmbed
 from vit.pos_embed import resample_pos_embed, sincos_2d
@@ -73,6 +74,8 @@ class VisionTransformer(nn.Module):
             convolutions then a 1 x 1 projection, Xiao et al. 2021: learns faster on small data) or "shifted"
             (shifted patch tokens, Lee et al. 2021: each token also sees half a patch around it).
         stem_widths: the conv stem's widths (see `PatchEmbed`); None: its default.
+        flip_tta: outside training, answer the mean over each image and its mirror image (`vit.flip`), maps
+            included: for classes a mirror does not change; twice the cost of an image. No parameters.
     """
 
     def __init__(
@@ -105,6 +108,7 @@ class VisionTransformer(nn.Module):
         weight_init: str = "trunc_normal",
         stem: str = "patch",
         stem_widths: list[int] | None = None,
+        flip_tta: bool = False,
     ):
         """Build the network (arguments above). It reads better whole: its length is the signature, timm's
         keyword arguments one a line, and the body builds the modules in the order `forward` runs them."""
@@ -150,6 +154,7 @@ class VisionTransformer(nn.Module):
             (nn.Linear(embed_dim, num_classes) if num_classes > 0 else nn.Identity()) if distilled else None
         )
         self.distilled_training = False  # `forward_head` returns both heads' logits while set, in training mode
+        self.flip_tta = flip_tta
         self.init_weights(weight_init)
 
     def init_weights(self, mode: str = "trunc_normal") -> None:
@@ -195,6 +200,17 @@ class VisionTransformer(nn.Module):
     @property
     def grid_size(self) -> tuple[int, int]:
         return self.patch_embed.grid_size
+
+    @property
+    def two_views(self) -> bool:
+        """Whether a call now runs each image and its mirror (`flip_tta`, outside training)."""
+        return self.flip_tta and not self.training
+
+    def merge_maps(self, maps: list[torch.Tensor], x: torch.Tensor, reduce: str = "mean") -> list[torch.Tensor]:
+        """Each block's maps (2B, nh, N, N) of the two views of the images x (B, C, H, W) as one (B, nh, N, N)."""
+        P = self.patch_embed.patch_size
+        grid = (x.shape[-2] // P[0], x.shape[-1] // P[1])
+        return [flip.merge_maps(m, grid, self.num_prefix_tokens, reduce) for m in maps]
 
     def _pos_embed(self, x: torch.Tensor) -> torch.Tensor:
         B, Gh, Gw, D = x.shape
@@ -285,12 +301,16 @@ class VisionTransformer(nn.Module):
             training); with `return_attn`, `(logits, attns)` where `attns` holds one (B, nh, N, N) map per block,
             first block first.
         """
+        views = flip.two_views(x) if self.two_views else x  # (B or 2B, C, H, W)
         if return_attn:
-            x, attns = self.forward_features(x, return_attn=True)
-            return self.forward_head(x), attns
+            tokens, attns = self.forward_features(views, return_attn=True)
+            if not self.two_views:
+                return self.forward_head(tokens), attns
+            return flip.mean_of_views(self.forward_head(tokens)), self.merge_maps(attns, x)
         # A CLS-token head reads token 0 alone, so the last block computes token 0 alone: the same
         # logits, with that block's projection and MLP run on 1 token instead of N.
-        return self.forward_head(self.forward_features(x, num_out_tokens=self._head_tokens))
+        out = self.forward_head(self.forward_features(views, num_out_tokens=self._head_tokens))
+        return flip.mean_of_views(out) if self.two_views else out
 
     @property
     def _head_tokens(self) -> int | None:
@@ -310,7 +330,8 @@ class VisionTransformer(nn.Module):
                 nn.init.zeros_(head.bias)
 
     def flops_per_image(self, img_size: tuple[int, int] | None = None) -> int:
-        """Multiply-adds x 2 of one `forward` at `img_size` (matmuls only; softmax and norms are noise)."""
+        """Multiply-adds x 2 of one image's answer at `img_size` (matmuls only; softmax and norms are noise); twice
+        one view's with `flip_tta`."""
         H, W = img_size or self.patch_embed.img_size
         P = self.patch_embed.patch_size[0]
         L = (H // P) * (W // P)
@@ -331,7 +352,7 @@ class VisionTransformer(nn.Module):
                 side = ((side[0] + 1) // 2, (side[1] + 1) // 2)
                 embed += side[0] * side[1] * conv.in_channels * conv.out_channels * 9
         head = D * self.num_classes * (1 + int(self.distilled))
-        return 2 * (embed + blocks + head)
+        return 2 * (embed + blocks + head) * (1 + int(self.flip_tta))
 
 
 # Variants are data: name -> constructor arguments. `create_model(name, **overrides)` builds one.

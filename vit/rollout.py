@@ -15,10 +15,11 @@ from torch import nn
 
 from serve.runtime import rollout as np_rollout
 from serve.runtime.rollout import HEAD_FUSIONS
+from vit import flip
 
 # Shapes: B batch, nh heads, n prefix tokens, L patches, N = n + L tokens.
 
-__all__ = ["HEAD_FUSIONS", "attention_rollout", "gradient_rollout", "rollout_from_gradients"]
+__all__ = ["HEAD_FUSIONS", "attention_gradients", "attention_rollout", "gradient_rollout", "rollout_from_gradients"]
 
 
 def attention_rollout(
@@ -93,7 +94,7 @@ def gradient_rollout(
     """Class-specific relevance maps for a batch, by gradient-weighted rollout.
 
     Args:
-        model: a `VisionTransformer` (anything with `forward(x, return_attn=True)` and `num_prefix_tokens`).
+        model: a `VisionTransformer`.
         images: (B, C, H, W).
         target: class index for every image, (B,) indices, or None for each image's top class.
         query: "cls" or "mean"; defaults to the model's `rollout_query` (how its head pools).
@@ -101,18 +102,37 @@ def gradient_rollout(
     Returns:
         (maps, logits): maps (B, L) with maximum 1 per image, logits (B, K).
     """
-    n = model.num_prefix_tokens
     query = query or model.rollout_query
+    logits, _, attns, grads = attention_gradients(model, images, target)
+    maps = rollout_from_gradients(attns, grads, num_prefix_tokens=model.num_prefix_tokens, query=query)
+    return maps, logits
+
+
+def attention_gradients(
+    model: nn.Module, images: torch.Tensor, target: int | torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+    """What gradient rollout reads, for a `VisionTransformer` on `images` (B, C, H, W).
+
+    Returns:
+        logits (B, K), features (B, D), every block's maps (B, nh, N, N) and the gradient of each image's `target`
+        logit (None: its top class) with respect to them; with `flip_tta`, each view's maps and gradients are
+        taken, then merged (`vit.flip.merge_maps`).
+    """
+    flipping = model.two_views
     with torch.enable_grad():
-        logits, attns = model(images, return_attn=True)
-        B = logits.shape[0]
+        tokens, attns = model.forward_features(flip.two_views(images) if flipping else images, return_attn=True)
+        logits, features = model.logits_and_features(tokens)  # (B or 2B, K), (B or 2B, D)
+        if flipping:
+            logits, features = flip.mean_of_views(logits), flip.mean_of_views(features)
         if target is None:
             target = logits.argmax(dim=-1)
-        target = torch.as_tensor(target, device=logits.device).expand(B)  # (B,)
+        target = torch.as_tensor(target, device=logits.device).expand(logits.shape[0])  # (B,)
         score = logits.gather(1, target[:, None]).sum()  # images are independent: one backward for all
-        grads = torch.autograd.grad(score, attns)
-    maps = rollout_from_gradients([a.detach() for a in attns], grads, num_prefix_tokens=n, query=query)
-    return maps, logits.detach()
+        grads = list(torch.autograd.grad(score, attns))
+    attns = [a.detach() for a in attns]
+    if flipping:  # each view has half the mean's gradient: their sum is the mean of the views' own
+        attns, grads = model.merge_maps(attns, images), model.merge_maps(grads, images, reduce="sum")
+    return logits.detach(), features.detach(), attns, grads
 
 
 def _numpy(maps: Sequence[torch.Tensor]) -> list[np.ndarray]:

@@ -7,7 +7,8 @@ Three graphs of one network, combined into one file by `serve.export.merge`:
 - the gradient graph (`GradientModel`): also the gradient of a target logit with respect to
   every map, its backward pass traced to plain aten ops by `make_fx` before export.
 Every graph also outputs `features` (B, D), the pooled, normalised pre-logits the head reads: the
-Mahalanobis unknown-input score (`serve.runtime.trust`) measures distances there.
+Mahalanobis unknown-input score (`serve.runtime.trust`) measures distances there. A network with `flip_tta`
+runs each image and its mirror in every graph and answers their mean (`vit.flip`), maps and gradients merged.
 The portable target (`serve.export.targets`) ships the explain graph alone instead, and, for a
 Triton repository, the fast graph unfused (`export_fast_graph(fuse=False)`): standard ONNX ops only.
 """
@@ -24,7 +25,9 @@ from torch import nn
 
 from serve.export.fusion import fuse_for_cpu
 from serve.runtime.images import Preprocess
+from vit.flip import mean_of_views, two_views
 from vit.model import VisionTransformer
+from vit.rollout import attention_gradients
 
 # Shapes: B batch, H/W image, K classes, D features, nh heads, N tokens, depth blocks.
 
@@ -66,12 +69,18 @@ class PixelModel(nn.Module):
 
     def forward(self, pixels: torch.Tensor) -> tuple[torch.Tensor, ...]:
         x = self.normalize(pixels)  # (B, 3, H, W)
+        net = self.net
+        views = two_views(x) if net.two_views else x  # (B or 2B, 3, H, W): with flip_tta, the mirrors too
         if not self.explain:
-            tokens = self.net.forward_features(x, num_out_tokens=self.net._head_tokens)
-            return self.net.logits_and_features(tokens)  # (B, K), (B, D)
-        tokens, attns = self.net.forward_features(x, return_attn=True)
-        logits, features = self.net.logits_and_features(tokens)  # (B, K), (B, D)
+            return self.merged(net.logits_and_features(net.forward_features(views, num_out_tokens=net._head_tokens)))
+        tokens, attns = net.forward_features(views, return_attn=True)
+        logits, features = self.merged(net.logits_and_features(tokens))  # (B, K), (B, D)
+        attns = net.merge_maps(attns, x) if net.two_views else attns
         return logits, torch.stack(attns), features  # (B, K), (depth, B, nh, N, N), (B, D)
+
+    def merged(self, outputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        """Each output of the views' batch as one row per image (the mean of its two views with flip_tta)."""
+        return tuple(map(mean_of_views, outputs)) if self.net.two_views else outputs
 
 
 class GradientModel(nn.Module):
@@ -88,14 +97,8 @@ class GradientModel(nn.Module):
     def forward(self, pixels: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """`GRADIENT_OUTPUTS`: logits (B, K), attns and grads (depth, B, nh, N, N), features (B, D)."""
         x = self.pixels.normalize(pixels)  # (B, 3, H, W)
-        net = self.pixels.net
-        with torch.enable_grad():
-            tokens, attns = net.forward_features(x, return_attn=True)  # (B, N, D), depth x (B, nh, N, N)
-            logits, features = net.logits_and_features(tokens)  # (B, K), (B, D)
-            score = logits.gather(1, target[:, None]).sum()  # images are independent: one backward for all
-            grads = torch.autograd.grad(score, attns)
-        attns = torch.stack([a.detach() for a in attns])
-        return logits.detach(), attns, torch.stack(grads), features.detach()
+        logits, features, attns, grads = attention_gradients(self.pixels.net, x, target)
+        return logits, torch.stack(attns), torch.stack(grads), features
 
 
 def export_gradient_graph(

@@ -1,5 +1,5 @@
-"""The small-data options of the model (shifted patch tokens, locality self-attention, a distillation token) export
-like the rest: both targets, the parity gate, rollout and gradient rollout."""
+"""The small-data options of the model (shifted patch tokens, locality self-attention, a distillation token, flip
+test-time augmentation) export like the rest: both targets, the parity gate, rollout and gradient rollout."""
 
 from __future__ import annotations
 
@@ -18,11 +18,13 @@ pytestmark = pytest.mark.slow
 def options_run(tmp_path_factory) -> Path:
     pytest.importorskip("torch")
     # the small-images recipe's pooling (the patches' mean, no CLS token): the distillation token is the one prefix
-    options = dict(stem="shifted", attn_score="lsa", distilled=True, global_pool="avg", class_token=False)
+    options = dict(
+        stem="shifted", attn_score="lsa", distilled=True, global_pool="avg", class_token=False, flip_tta=True
+    )
     return write_tiny_run(tmp_path_factory.mktemp("options"), steps=300, **options)
 
 
-def test_shifted_patches_locality_attention_and_distillation_export_to_both_targets_through_the_parity_gate(
+def test_shifted_patches_locality_attention_distillation_and_flip_tta_export_to_both_targets_through_the_parity_gate(
     options_run,
 ):
     import torch
@@ -38,7 +40,7 @@ def test_shifted_patches_locality_attention_and_distillation_export_to_both_targ
     assert net.patch_embed.stem_type == "shifted" and net.blocks[0].attn.attn_score == "lsa" and net.distilled
     pixels, _ = quadrant_images(5, seed=3)  # (5, 32, 32, 3) uint8
     fused, portable = OnnxClassifier(files["onnxruntime"]), OnnxClassifier(files["portable"])
-    np.testing.assert_allclose(portable.predict_pixels(pixels), fused.predict_pixels(pixels), atol=1e-5)
+    np.testing.assert_allclose(portable.predict_pixels(pixels), fused.predict_pixels(pixels), atol=1e-4)
     (_, maps), (_, portable_maps) = fused.rollout(pixels), portable.rollout(pixels)
     np.testing.assert_allclose(maps, portable_maps, atol=1e-4)
     assert maps.shape == (5, 4, 4) and np.isfinite(maps).all()
@@ -49,3 +51,9 @@ def test_shifted_patches_locality_attention_and_distillation_export_to_both_targ
     assert fused.supports_gradients
     grad_maps = fused.gradient_rollout(pixels)[1]
     assert grad_maps.shape == (5, 4, 4) and np.isfinite(grad_maps).all() and np.ptp(grad_maps) > 0
+    mirror = pixels[:, :, ::-1].copy()  # flip_tta: an image and its mirror get one answer, and mirrored maps
+    np.testing.assert_allclose(fused.predict_pixels(mirror), fused.predict_pixels(pixels), atol=1e-5)
+    for target, clf in (("onnxruntime", fused), ("portable", portable)):
+        assert clf.metadata["model_config"]["flip_tta"], target
+        np.testing.assert_allclose(clf.rollout(mirror)[1], clf.rollout(pixels)[1][:, :, ::-1], atol=1e-4)
+    np.testing.assert_allclose(fused.gradient_rollout(mirror)[1], grad_maps[:, :, ::-1], atol=1e-4)
