@@ -131,13 +131,16 @@ class ReviewRun:
                     z, f = self.net.logits_and_features(self.net.forward_features(x))  # (b, K), (b, D)
                     feats.append(f.numpy())
                     logits.append(z.numpy())
-            K, D = len(self.labels), self.net.embed_dim
+            K = len(self.labels)
             out[key] = {
                 "paths": paths,
                 "labels": np.asarray(labels, np.int64),
                 "logits": np.concatenate(logits) if logits else np.zeros((0, K), np.float32),
-                "features": np.concatenate(feats) if feats else np.zeros((0, D), np.float32),
+                "features": np.concatenate(feats) if feats else None,
             }
+        D = next((o["features"].shape[1] for o in out.values() if o["features"] is not None), 0)
+        for o in out.values():  # a split with no readable image: no rows, as wide as the others
+            o["features"] = o["features"] if o["features"] is not None else np.zeros((0, D), np.float32)
         calib = out["calib"]
         self.temperature = cal.fit_temperature(calib["logits"], calib["labels"]) if len(calib["labels"]) else 1.0
         self.calibrated = bool(len(calib["labels"]))

@@ -279,10 +279,15 @@ class VisionTransformer(nn.Module):
         return _mean(logits)
 
     def logits_and_features(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """`forward_head`'s logits (B, K) and features (B, D) of the tokens x at once (what an exported file
-        answers)."""
+        """`forward_head`'s logits (B, K) of the tokens x, and the features (B, F) an exported file answers for its
+        unknown-input score: the pooled, normalised pre-logits (F = D), then, for a head that normalises the patch
+        average (`fc_norm`), that average before its norm too (F = 2D): the norm takes out much of what tells an
+        unknown photo from the training images."""
         features = self._pooled(x)
-        return _mean(self._logits(features)), _mean(features)
+        logits, pooled = _mean(self._logits(features)), _mean(features)
+        if not isinstance(self.fc_norm, nn.LayerNorm):
+            return logits, pooled
+        return logits, torch.cat([pooled, x[:, self.num_prefix_tokens :].mean(dim=1)], dim=-1)  # (B, 2D)
 
     def _logits(self, features: list[torch.Tensor]) -> list[torch.Tensor]:
         """Each head's logits (B, K) from `_pooled`'s features."""

@@ -54,8 +54,8 @@ def build_metadata(
     P = net.patch_embed.patch_size[0]
     outputs = (
         "logits (B, K); attns (depth, B, nh, N, N) when explain=True; grads (same shape) when also "
-        "gradients=True, d(logit of target[b])/d(attns); outputs not asked for are empty; features (B, D), the "
-        "pooled pre-logits"
+        "gradients=True, d(logit of target[b])/d(attns); outputs not asked for are empty; features (B, F), the "
+        "pooled pre-logits (and, for a patch-average head, that average before its norm)"
     )
     if target == "portable":
         outputs = (

@@ -6,8 +6,9 @@ Three graphs of one network, combined into one file by `serve.export.merge`:
 - the explain graph (`PixelModel(explain=True)`): the explicit softmax path, logits, maps and features;
 - the gradient graph (`GradientModel`): also the gradient of a target logit with respect to
   every map, its backward pass traced to plain aten ops by `make_fx` before export.
-Every graph also outputs `features` (B, D), the pooled, normalised pre-logits the head reads: the
-Mahalanobis unknown-input score (`serve.runtime.trust`) measures distances there. A network with `flip_tta`
+Every graph also outputs `features` (B, F), the pooled, normalised pre-logits the head reads (with a patch-average
+head, the average before its norm too: `VisionTransformer.logits_and_features`): the Mahalanobis unknown-input score
+(`serve.runtime.trust`) measures distances there. A network with `flip_tta`
 runs each image and its mirror in every graph and answers their mean (`vit.flip`), maps and gradients merged.
 The portable target (`serve.export.targets`) ships the explain graph alone instead, and, for a
 Triton repository, the fast graph unfused (`export_fast_graph(fuse=False)`): standard ONNX ops only.

@@ -30,7 +30,7 @@ from serve.runtime.model_file import AGAIN, ModelFileError, shown
 # Shapes: B batch, K classes, D pre-logit feature width, n calibration images.
 
 METADATA_KEY = "calibration"
-FEATURES_OUTPUT = "features"  # the graph output Mahalanobis needs: the pooled, normalised pre-logits (B, D)
+FEATURES_OUTPUT = "features"  # the graph output Mahalanobis needs: the pooled pre-logits (B, D), as the export chose
 
 
 def _read(entry: Any, path: str, convert: Callable[[Any], Any], default: Any = ...) -> Any:

@@ -292,3 +292,21 @@ def test_conv_stem_widths_keep_full_resolution_before_the_strided_layers(tiny_co
         VisionTransformer(**tiny_config, stem="conv", stem_widths=[8, 16])
     with pytest.raises(ValueError, match="stem_widths is for stem='conv'"):
         VisionTransformer(**tiny_config, stem_widths=[8, 16, 32])
+
+
+def test_an_averaging_head_answers_its_features_before_and_after_their_norm(tiny_config):
+    """The unknown-input score needs what `fc_norm` takes out (BENCHMARKS.md, unknown inputs): a patch-average head
+    exports the pooled features and the patch average before its norm; a CLS-token head its normalised token."""
+    torch.manual_seed(0)
+    avg = VisionTransformer(**{**tiny_config, "global_pool": "avg", "class_token": False}).eval()
+    cls = VisionTransformer(**tiny_config).eval()
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        tokens = avg.forward_features(x)  # (2, L, D), not normalised: the head's fc_norm does that
+        logits, features = avg.logits_and_features(tokens)
+        D = avg.embed_dim
+        assert features.shape == (2, 2 * D)
+        torch.testing.assert_close(features[:, :D], avg.forward_head(tokens, pre_logits=True))
+        torch.testing.assert_close(features[:, D:], tokens.mean(1))
+        torch.testing.assert_close(logits, avg(x))
+        assert cls.logits_and_features(cls.forward_features(x))[1].shape == (2, D)
