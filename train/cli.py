@@ -161,6 +161,7 @@ class VitCLI(LightningCLI):
     def before_instantiate_classes(self) -> None:
         config = self.config.get(str(self.subcommand), self.config)
         check_data_settings(config)
+        warn_on_mirrors_never_trained(config)
         if config.get("num_threads"):
             torch.set_num_threads(config["num_threads"])
         if config.get("ckpt_path") and config.get("model.pretrained"):
@@ -312,6 +313,17 @@ def check_data_settings(config: Any) -> None:
     workers = config.get("data.num_workers")
     if workers is not None and workers < 0:
         raise SetupError(f"--data.num_workers must be 0 or more, got {workers}")
+
+
+def warn_on_mirrors_never_trained(config: Any) -> None:
+    """Say when the model will answer each image with its mirror (`flip_tta`) but trains on no mirror images."""
+    augment = config.get("data.augment")
+    hflip = getattr(augment, "hflip", None) if not isinstance(augment, dict) else augment.get("hflip")
+    if (config.get("model.net_args") or {}).get("flip_tta") and hflip == 0:
+        log.warning(
+            "--model.net_args.flip_tta is on but --data.augment.hflip is 0: the model will answer each image with "
+            "its mirror image, unlike anything it trained on; for digits or text set flip_tta false"
+        )
 
 
 def _with_atomic_checkpoint_io(plugins: Any) -> list[Any]:

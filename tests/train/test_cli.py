@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
@@ -76,6 +77,16 @@ def test_fast_dev_run_of_each_config_on_a_tiny_folder(config: Path, shapes_folde
     assert net.num_classes == 3 and net.head.out_features == 3  # linked from the folder's classes
     assert net.patch_embed.img_size == (32, 32)  # linked from data.img_size
     assert cli.trainer.state.finished
+
+
+@pytest.mark.slow
+def test_flip_tta_without_flips_in_training_is_said(shapes_folder: Path, tmp_path: Path, caplog):
+    args = ["fit", "--config", "configs/small_images.yaml", "--data.root", str(shapes_folder), "--data.img_size", "32"]
+    args += ["--trainer.fast_dev_run", "1", "--trainer.default_root_dir", str(tmp_path / "run"), "--model.compile"]
+    args += ["false", "--trainer.enable_progress_bar", "false", "--data.num_workers", "0", "--data.augment.hflip", "0"]
+    with caplog.at_level(logging.WARNING, logger="train.cli"):
+        cli = build_cli(args)
+    assert cli.model.net.flip_tta and "set flip_tta false" in caplog.text  # digits: mirrored, a 2 is no 2
 
 
 @pytest.mark.slow
