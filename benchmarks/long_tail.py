@@ -76,9 +76,11 @@ def train_one(method: str, data: Path, run_dir: Path, epochs: int) -> None:
     vit_train([*args, "--model.compile", "false"])  # eager, as its figures were measured: they are of accuracy
 
 
-def score(run_dir: Path, data: Path, checkpoint: str = "last.ckpt") -> np.ndarray:
-    """Per-class recall (K,) of the run's `checkpoint` on every image of `data/val`."""
+def score(run_dir: Path, data: Path, checkpoint: str = "last.ckpt", one_view: bool = False) -> np.ndarray:
+    """Per-class recall (K,) of the run's `checkpoint` on every image of `data/val` (`one_view`: without the
+    network's flip test-time augmentation, if it has it)."""
     net, meta = load_network(run_dir / "checkpoints" / checkpoint)
+    net.flip_tta = net.flip_tta and not one_view
     names = meta["class_names"]
     correct, total = np.zeros(len(names)), np.zeros(len(names))
     for k, name in enumerate(names):
