@@ -3,8 +3,8 @@
 A schedule sized in epochs is cut short (at a high learning rate) on a slow or shared machine.
 `TimeBudget` keeps the warmup in steps, then anneals the learning rate on whichever is further along:
 the share of the budget spent or the share of `max_epochs` done. So the run always ends annealed, with a
-last validation (a stop at the budget validates even between `check_val_every_n_epoch` epochs), at the budget
-or at `max_epochs`, whichever comes first:
+last validation (its last epoch, or its stop at the budget or at `max_steps`, validates even between
+`check_val_every_n_epoch` epochs), at the budget or at `max_epochs`, whichever comes first:
 
     trainer:
       max_epochs: 30
@@ -72,8 +72,13 @@ class TimeBudget(Callback):
     def on_train_batch_start(self, trainer: Trainer, *args) -> None:
         self._clock = trainer.strategy.broadcast(self.elapsed())  # one process: returned as it is
 
+    def on_train_epoch_start(self, trainer: Trainer, *args) -> None:
+        if trainer.max_epochs is not None and 0 <= trainer.max_epochs <= trainer.current_epoch + 1:
+            trainer.check_val_every_n_epoch = 1  # the last epoch validates, whatever the interval
+
     def on_train_batch_end(self, trainer: Trainer, *args) -> None:
-        if self._clock >= self.budget:
+        last_step = 0 < trainer.max_steps <= trainer.global_step
+        if self._clock >= self.budget or last_step:
             trainer.should_stop = True  # Lightning validates once more, then stops
             trainer.check_val_every_n_epoch = 1  # that validation is due even between validation epochs
 

@@ -42,6 +42,21 @@ def test_a_run_with_a_time_budget_stops_annealed_and_validated_long_before_max_e
     assert summary["best_val_acc"] is not None
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("end", [["--trainer.max_epochs", "2"], ["--trainer.max_steps", "3"]], ids=["epochs", "steps"])
+def test_a_run_that_ends_between_validation_epochs_still_ends_validated(shapes_folder: Path, tmp_path: Path, end):
+    run_dir = tmp_path / "run"  # the recipe validates every 5th epoch: a 2-epoch or 3-step run ends before one
+    build_cli(
+        [
+            "fit", "--config", str(REPO / "configs" / "small_images.yaml"), "--data.root", str(shapes_folder),
+            "--trainer.default_root_dir", str(run_dir), *end, "--trainer.enable_progress_bar", "false",
+            "--data.batch_size", "16", "--trainer.accelerator", "cpu", "--model.compile", "false",
+        ]
+    )  # fmt: skip
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["best_val_acc"] is not None and (run_dir / "checkpoints" / "best.ckpt").is_file()
+
+
 def test_a_budget_must_be_positive():
     with pytest.raises(ValueError, match="positive"):
         TimeBudget(0)
