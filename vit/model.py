@@ -285,7 +285,7 @@ class VisionTransformer(nn.Module):
         unknown photo from the training images."""
         features = self._pooled(x)
         logits, pooled = _mean(self._logits(features)), _mean(features)
-        if not isinstance(self.fc_norm, nn.LayerNorm):
+        if self.global_pool != "avg" or not isinstance(self.fc_norm, nn.LayerNorm):
             return logits, pooled
         return logits, torch.cat([pooled, x[:, self.num_prefix_tokens :].mean(dim=1)], dim=-1)  # (B, 2D)
 

@@ -310,3 +310,6 @@ def test_an_averaging_head_answers_its_features_before_and_after_their_norm(tiny
         torch.testing.assert_close(features[:, D:], tokens.mean(1))
         torch.testing.assert_close(logits, avg(x))
         assert cls.logits_and_features(cls.forward_features(x))[1].shape == (2, D)
+        normed = VisionTransformer(**tiny_config, fc_norm=True).eval()  # a CLS head with fc_norm: its token alone
+        features = normed.logits_and_features(normed.forward_features(x, num_out_tokens=1))[1]
+        assert features.shape == (2, D) and torch.isfinite(features).all()
