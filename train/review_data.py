@@ -31,6 +31,7 @@ from serve.runtime import calibration as cal
 from serve.runtime.images import ImageError, load_image
 from train.checkpoint_format import load_network
 from train.errors import SetupError
+from vit import flip
 from vit.rollout import attention_rollout
 
 # Shapes: n images, K classes, D pre-logit feature width, H/W input crop, Gh/Gw patch grid.
@@ -128,7 +129,7 @@ class ReviewRun:
                     labels.append(y)
                 if batch:
                     x = torch.from_numpy(self.preprocess.normalize(np.stack(batch)))  # (b, 3, H, W)
-                    z, f = self.net.logits_and_features(self.net.forward_features(x))  # (b, K), (b, D)
+                    z, f = flip.logits_and_features(self.net, x)  # (b, K), (b, D): as the exported file answers
                     feats.append(f.numpy())
                     logits.append(z.numpy())
             K = len(self.labels)

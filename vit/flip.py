@@ -27,6 +27,14 @@ def mean_of_views(t: torch.Tensor) -> torch.Tensor:
     return t.unflatten(0, (2, -1)).mean(0)  # (2, B, ...) -> (B, ...)
 
 
+def logits_and_features(net, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """What an exported file answers for images x (B, C, H, W): logits (B, K) and features (B, F) of the
+    `VisionTransformer` `net`, the mean over x and its mirror when `net.two_views`."""
+    views = two_views(x) if net.two_views else x  # (B or 2B, C, H, W)
+    logits, features = net.logits_and_features(net.forward_features(views, num_out_tokens=net._head_tokens))
+    return (mean_of_views(logits), mean_of_views(features)) if net.two_views else (logits, features)
+
+
 def mirror_order(grid: tuple[int, int], num_prefix_tokens: int) -> torch.Tensor:
     """(N,) token indices: the prefix tokens in place, each row of patches in reverse column order."""
     Gh, Gw = grid

@@ -26,7 +26,7 @@ from torch import nn
 
 from serve.export.fusion import fuse_for_cpu
 from serve.runtime.images import Preprocess
-from vit.flip import mean_of_views, two_views
+from vit import flip
 from vit.model import VisionTransformer
 from vit.rollout import attention_gradients
 
@@ -71,9 +71,9 @@ class PixelModel(nn.Module):
     def forward(self, pixels: torch.Tensor) -> tuple[torch.Tensor, ...]:
         x = self.normalize(pixels)  # (B, 3, H, W)
         net = self.net
-        views = two_views(x) if net.two_views else x  # (B or 2B, 3, H, W): with flip_tta, the mirrors too
         if not self.explain:
-            return self.merged(net.logits_and_features(net.forward_features(views, num_out_tokens=net._head_tokens)))
+            return flip.logits_and_features(net, x)  # (B, K), (B, D)
+        views = flip.two_views(x) if net.two_views else x  # (B or 2B, 3, H, W): with flip_tta, the mirrors too
         tokens, attns = net.forward_features(views, return_attn=True)
         logits, features = self.merged(net.logits_and_features(tokens))  # (B, K), (B, D)
         attns = net.merge_maps(attns, x) if net.two_views else attns
@@ -81,7 +81,7 @@ class PixelModel(nn.Module):
 
     def merged(self, outputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         """Each output of the views' batch as one row per image (the mean of its two views with flip_tta)."""
-        return tuple(map(mean_of_views, outputs)) if self.net.two_views else outputs
+        return tuple(map(flip.mean_of_views, outputs)) if self.net.two_views else outputs
 
 
 class GradientModel(nn.Module):

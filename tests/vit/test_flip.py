@@ -6,7 +6,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from vit import VisionTransformer, attention_rollout  # noqa: E402
+from vit import VisionTransformer, attention_rollout, flip  # noqa: E402
 from vit.flip import mirror_order  # noqa: E402
 
 
@@ -56,3 +56,13 @@ def test_it_costs_two_views_and_is_saved_in_the_config(tiny_config):
     plain, flipped = pair(tiny_config)
     assert flipped.flops_per_image() == 2 * plain.flops_per_image()
     assert VisionTransformer(**flipped.config).flip_tta
+
+
+def test_the_exported_answer_is_the_models_own_over_both_views(tiny_config):
+    plain, flipped = pair(tiny_config, global_pool="avg", class_token=False)
+    x = torch.randn(3, 3, 32, 32)
+    with torch.no_grad():
+        logits, features = flip.logits_and_features(flipped, x)  # what the graphs and the review app answer
+        torch.testing.assert_close(logits, flipped(x))
+        one, mirror = (plain.logits_and_features(plain.forward_features(v))[1] for v in (x, x.flip(-1)))
+        torch.testing.assert_close(features, (one + mirror) / 2)
