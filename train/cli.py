@@ -74,7 +74,10 @@ class LastCheckpoint(ModelCheckpoint):
         if every_n_train_steps is not None and every_n_train_steps < 1:
             raise ValueError(f"--last.every_n_train_steps must be at least 1, got {every_n_train_steps}")
         # steps are counted here: Lightning's own step trigger would replace the epoch one (it takes one or the other)
-        super().__init__(filename="last", monitor=None, save_top_k=1, enable_version_counter=False)
+        # at each epoch's end, after its validation if it has one: every epoch, whatever check_val_every_n_epoch
+        super().__init__(
+            filename="last", monitor=None, save_top_k=1, enable_version_counter=False, save_on_train_epoch_end=True
+        )
         self.every_steps = every_n_train_steps
         self._saved_step = -1
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from lightning.pytorch import Callback
 
 from tests.helpers import REPO
 from train.budget import TimeBudget
@@ -55,6 +56,31 @@ def test_a_run_that_ends_between_validation_epochs_still_ends_validated(shapes_f
     )  # fmt: skip
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["best_val_acc"] is not None and (run_dir / "checkpoints" / "best.ckpt").is_file()
+
+
+class LastAtEachEpochStart(Callback):
+    """The epoch held in last.ckpt when each training epoch starts (None before there is one)."""
+
+    def __init__(self):
+        self.seen: list[int | None] = []
+
+    def on_train_epoch_start(self, trainer, pl_module) -> None:
+        last = Path(trainer.default_root_dir) / "checkpoints" / "last.ckpt"
+        self.seen.append(torch.load(last, weights_only=True)["epoch"] if last.is_file() else None)
+
+
+@pytest.mark.slow
+def test_last_ckpt_is_written_after_every_epoch_between_validation_epochs(shapes_folder: Path, tmp_path: Path):
+    cli = build_cli(  # the recipe validates every 5th epoch: a run killed at epoch 3 resumes from epoch 3, not 0
+        [
+            "fit", "--config", str(REPO / "configs" / "small_images.yaml"), "--data.root", str(shapes_folder),
+            "--trainer.default_root_dir", str(tmp_path / "run"), "--trainer.max_epochs", "3",
+            "--trainer.enable_progress_bar", "false", "--data.batch_size", "16", "--trainer.accelerator", "cpu",
+            "--model.compile", "false", "--trainer.callbacks+=tests.train.test_budget.LastAtEachEpochStart",
+        ]
+    )  # fmt: skip
+    (watch,) = [c for c in cli.trainer.callbacks if isinstance(c, LastAtEachEpochStart)]
+    assert watch.seen == [None, 0, 1]
 
 
 def test_a_budget_must_be_positive():
