@@ -50,6 +50,7 @@ def load_teacher(path: str, classes: list[str] | None, preprocess: dict[str, Any
                 f"and std {theirs.std}, this run {ours.img_size[0]} px with mean {ours.mean} and std {ours.std}: "
                 "train the teacher with this run's --data.img_size, --data.mean and --data.std"
             )
+    net.flip_tta = False  # it labels each augmented batch as it comes: its mirror images would double its cost
     return net.requires_grad_(False)
 
 
