@@ -59,7 +59,7 @@ def build_metadata(
     )
     if target == "portable":
         outputs = (
-            "logits (B, K), attns (depth, B, nh, N, N) and features (B, D), all always computed; "
+            "logits (B, K), attns (depth, B, nh, N, N) and features (B, F), all always computed; "
             "no explain or gradients input"
         )
     return {
