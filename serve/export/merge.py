@@ -27,6 +27,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from serve.runtime.model_file import MAX_METADATA_VALUE_CHARS
+
 EXPLAIN_INPUT = "explain"
 GRADIENTS_INPUT = "gradients"
 TARGET_INPUT = "target"
@@ -188,8 +190,18 @@ def _as_branch(
 
 
 def set_metadata(model: onnx.ModelProto, metadata: dict[str, Any]) -> None:
-    """Write `metadata` into `metadata_props`: strings as they are, everything else as JSON."""
+    """Write `metadata` into `metadata_props`: strings as they are, everything else as JSON.
+
+    Raises:
+        ValueError: a value longer than the runtime reads (`MAX_METADATA_VALUE_CHARS`): the file would be refused.
+    """
     del model.metadata_props[:]
     for k, v in metadata.items():
         p = model.metadata_props.add()
         p.key, p.value = k, v if isinstance(v, str) else json.dumps(v)
+        if len(p.value) > MAX_METADATA_VALUE_CHARS:  # the Mahalanobis Gaussian of a wide model with many classes
+            raise ValueError(
+                f"the file's {k!r} metadata would be {len(p.value):,} characters, over the "
+                f"{MAX_METADATA_VALUE_CHARS:,} the runtime reads; export with --ood-score energy, which keeps no "
+                "Gaussian in the file"
+            )

@@ -209,6 +209,18 @@ def test_export_says_what_to_give_it_when_the_input_is_not_a_checkpoint(tiny_onn
     assert not (tmp_path / "out.onnx").exists()
 
 
+def test_metadata_the_runtime_would_refuse_is_refused_at_export_with_what_to_do(tiny_checkpoint, tmp_path, capsys):
+    from serve.export import merge
+
+    # the Mahalanobis Gaussian of a wide model with many classes can outgrow what the runtime reads (64 MiB)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(merge, "MAX_METADATA_VALUE_CHARS", 2_000)  # the tiny file's Gaussian is larger than that
+        assert main([str(tiny_checkpoint), "-o", str(tmp_path / "out.onnx")]) == 2
+    err = capsys.readouterr().err
+    assert "over the 2,000 the runtime reads; export with --ood-score energy" in err and "Traceback" not in err
+    assert not (tmp_path / "out.onnx").exists()
+
+
 def test_the_report_warns_when_the_checkpoint_is_no_better_than_chance():
     report = {
         "images": 100,
