@@ -75,13 +75,10 @@ class PixelModel(nn.Module):
             return flip.logits_and_features(net, x)  # (B, K), (B, D)
         views = flip.two_views(x) if net.two_views else x  # (B or 2B, 3, H, W): with flip_tta, the mirrors too
         tokens, attns = net.forward_features(views, return_attn=True)
-        logits, features = self.merged(net.logits_and_features(tokens))  # (B, K), (B, D)
-        attns = net.merge_maps(attns, x) if net.two_views else attns
+        logits, features = net.logits_and_features(tokens)  # (B or 2B, K), (B or 2B, D)
+        if net.two_views:  # one row per image: the mean of its two views, the mirror's maps mirrored back
+            logits, features, attns = flip.mean_of_views(logits), flip.mean_of_views(features), net.merge_maps(attns, x)
         return logits, torch.stack(attns), features  # (B, K), (depth, B, nh, N, N), (B, D)
-
-    def merged(self, outputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-        """Each output of the views' batch as one row per image (the mean of its two views with flip_tta)."""
-        return tuple(map(flip.mean_of_views, outputs)) if self.net.two_views else outputs
 
 
 class GradientModel(nn.Module):
