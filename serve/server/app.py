@@ -24,7 +24,7 @@ from starlette.concurrency import run_in_threadpool
 from serve.runtime.classifier import OnnxClassifier
 from serve.runtime.images import PixelBudget
 from serve.server.api.openapi import describe
-from serve.server.api.v1 import classify_endpoint, v1_router
+from serve.server.api.v1 import classify_endpoint, classify_openapi, v1_router
 from serve.server.api.v2 import v2_router
 from serve.server.engine import Engine, judge_rows
 from serve.server.http.errors import add_error_handlers, add_fallback_routes
@@ -88,7 +88,7 @@ def build_app(
         app.include_router(router)
     add_fallback_routes(app, routers)
     default, layout, names = ui_layout(models, single, settings.default_model, with_ui)
-    describe(app, limits, default, auth=bool(settings.api_key.get_secret_value()))
+    describe(app, limits, default, auth=bool(settings.api_key.get_secret_value()), plain=classify_openapi())
     if with_ui:
         from serve.server.ui.blocks import mount_ui
 

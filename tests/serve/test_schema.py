@@ -47,6 +47,27 @@ def test_errors_are_documented_with_the_body_they_really_have(server):
     assert r.status_code in (415, 422) and set(r.json()) == {"error"}
 
 
+def test_each_classify_route_is_documented_with_its_parameters_and_answer(server):
+    """The classify routes are plain routes, which FastAPI leaves out: `classify_openapi` writes them."""
+    doc = httpx.get(server.url + "/openapi.json").json()
+    paths = {
+        "/v1/classify": [],
+        "/v1/models/{name}/classify": ["name"],
+        "/v1/models/{name}/versions/{version}/classify": ["name", "version"],
+    }
+    for path, in_path in paths.items():
+        op = doc["paths"][path]["post"]
+        where = {p["name"]: p["in"] for p in op["parameters"]}
+        assert {name: "path" for name in in_path}.items() <= where.items()
+        assert {"top_k", "explain", "head_fusion", "discard_ratio", "coverage"} <= set(where)
+        assert op["responses"]["200"]["content"]["application/json"]["schema"] == {
+            "$ref": "#/components/schemas/Predictions"
+        }
+        assert ("404" in op["responses"]) == bool(in_path)
+    assert len({doc["paths"][p]["post"]["operationId"] for p in paths}) == 3
+    assert {"Prediction", "Predictions"} <= set(doc["components"]["schemas"])
+
+
 def schemathesis(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     """`schemathesis ARGS` with bounded, reproducible examples; its report is in the result's stdout."""
     exe = str(SCHEMATHESIS if SCHEMATHESIS.exists() else shutil.which("schemathesis"))

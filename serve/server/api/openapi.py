@@ -1,7 +1,8 @@
 """The OpenAPI document, made to tell the truth: every body the server sends and every error it can answer.
 
 FastAPI's generated document knows neither our error body (it documents 422 as `{"detail": ...}`) nor
-the errors raised outside its validation (404, 405, 413, ...), and thinks `/metrics` is JSON.
+the errors raised outside its validation (404, 405, 413, ...), thinks `/metrics` is JSON, and leaves out the plain
+classify routes (`serve.server.api.v1`).
 `describe(app, ...)` replaces `app.openapi` with the generated document corrected on each of those points,
 with the server's upload limits in the classify routes' descriptions.
 """
@@ -58,12 +59,20 @@ WHY = {
 }
 
 
-def describe(app: FastAPI, limits: RequestLimits, model_name: str, auth: bool) -> None:
-    """Make `app.openapi()` return the corrected document (built once, on first use)."""
+def describe(app: FastAPI, limits: RequestLimits, model_name: str, auth: bool, plain: tuple[dict, dict]) -> None:
+    """Make `app.openapi()` return the corrected document (built once, on first use).
+
+    Args:
+        plain: (path items, the schemas they refer to) of the plain Starlette routes, which FastAPI does not
+            describe (`serve.server.api.v1.classify_openapi`).
+    """
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
             doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            paths, schemas = plain
+            doc["paths"] = {**paths, **doc["paths"]}
+            doc.setdefault("components", {}).setdefault("schemas", {}).update(schemas)
             app.openapi_schema = corrected(doc, limits, model_name, auth)
         return app.openapi_schema
 

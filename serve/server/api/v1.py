@@ -10,7 +10,7 @@ GET  /metrics              Prometheus
 
 from __future__ import annotations
 
-import functools
+import re
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Literal
 
@@ -38,7 +38,7 @@ from serve.server.settings import RequestLimits
 # up to 1 MP, a few milliseconds of decoding and resizing, are decoded on the loop or the model's thread.
 INLINE_DECODE_PIXELS = 1_000_000
 BINARY = {"type": "string", "format": "binary"}
-IMAGE_BODY = {  # read by the route itself: FastAPI cannot say "a multipart field or the raw body"
+IMAGE_BODY = {  # read by the route itself: a multipart field or the raw body
     "required": True,
     "content": {
         "multipart/form-data": {"schema": {"type": "object", "required": ["file"], "properties": {"file": BINARY}}},
@@ -160,7 +160,12 @@ def check_coverage(classifier, coverage: float | None) -> None:
         raise ApiError("bad_request", str(e)) from None
 
 
-CLASSIFY_PATHS = ("/v1/classify", "/v1/models/{name}/classify", "/v1/models/{name}/versions/{version}/classify")
+CLASSIFY_ROUTES = {  # path: (summary, OpenAPI operation ID)
+    "/v1/classify": ("Classify one image with the default model", "classify"),
+    "/v1/models/{name}/classify": ("Classify one image with a model's latest version", "classify_model"),
+    "/v1/models/{name}/versions/{version}/classify": ("Classify one image with one version", "classify_version"),
+}
+REF = "#/components/schemas/"
 
 
 def classify_endpoint(
@@ -197,27 +202,46 @@ def classify_endpoint(
 
 def v1_router(repository: ModelRepository, metrics: Metrics, classify: Callable[..., Awaitable[Response]]) -> APIRouter:
     """`/v1/classify` (the default model), `/v1/models/<name>[/versions/<version>]/classify` answered by `classify`
-    (`classify_endpoint`), `/healthz`, `/readyz` and `/metrics` over the repository's versions."""
+    (`classify_endpoint`), `/healthz`, `/readyz` and `/metrics` over the repository's versions.
+
+    The classify paths are plain Starlette routes, each the only route of its path: the route reads its body and
+    parameters itself, so FastAPI's parameter machinery would have nothing to do there but cost the request
+    (BENCHMARKS.md, "The model server: plain classify routes"). `classify_openapi` describes them.
+    """
     router = APIRouter()
-    answers = {200: {"description": "the top classes, best first"}}
-    extra = {"parameters": query_parameters(), "requestBody": IMAGE_BODY}  # what the route reads itself
-    route = functools.partial(router.post, response_model=Predictions, responses=answers, openapi_extra=extra)
 
-    @route(CLASSIFY_PATHS[0], summary="Classify one image with the default model", operation_id="classify")
-    async def classify_default(request: Request):
-        """An image (JPEG, PNG, GIF, BMP, WebP or TIFF) as the multipart field `file` or as the raw body."""
-        return await classify(request)
+    async def classify_route(request: Request) -> Response:
+        return await classify(request, request.path_params.get("name"), request.path_params.get("version"))
 
-    @route(CLASSIFY_PATHS[1], summary="Classify one image with a model's latest version")
-    async def classify_model(name: str, request: Request):
-        return await classify(request, name)
-
-    @route(CLASSIFY_PATHS[2], summary="Classify one image with one version")
-    async def classify_version(name: str, version: str, request: Request):
-        return await classify(request, name, version)
-
+    for path in CLASSIFY_ROUTES:
+        router.add_route(path, classify_route, methods=["POST"])
     add_status_routes(router, repository, metrics)
     return router
+
+
+def classify_openapi() -> tuple[dict[str, Any], dict[str, Any]]:
+    """(the classify routes' OpenAPI path items, the schemas they refer to): FastAPI writes its own routes only."""
+    predictions = Predictions.model_json_schema(ref_template=REF + "{model}", mode="serialization")
+    schemas = {**predictions.pop("$defs", {}), "Predictions": predictions}
+    answer = {"application/json": {"schema": {"$ref": REF + "Predictions"}}}
+    paths = {}
+    for path, (summary, operation_id) in CLASSIFY_ROUTES.items():
+        in_path = [
+            {"name": name, "in": "path", "required": True, "schema": {"type": "string", "title": name.title()}}
+            for name in re.findall(r"{(\w+)}", path)
+        ]
+        paths[path] = {
+            "post": {
+                "summary": summary,
+                "description": "An image (JPEG, PNG, GIF, BMP, WebP or TIFF) as the multipart field `file` or as the "
+                "raw body.",
+                "operationId": operation_id,
+                "parameters": in_path + query_parameters(),
+                "requestBody": IMAGE_BODY,
+                "responses": {"200": {"description": "the top classes, best first", "content": answer}},
+            }
+        }
+    return paths, schemas
 
 
 async def decoded(served: ModelVersion, img, size: int, limits: RequestLimits, budget: PixelBudget | None):
