@@ -24,7 +24,7 @@ from starlette.concurrency import run_in_threadpool
 from serve.runtime.classifier import OnnxClassifier
 from serve.runtime.images import PixelBudget
 from serve.server.api.openapi import describe
-from serve.server.api.v1 import classify_endpoint, classify_openapi, v1_router
+from serve.server.api.v1 import add_v1_routes, classify_endpoint, classify_openapi
 from serve.server.api.v2 import v2_router
 from serve.server.engine import Engine, judge_rows
 from serve.server.http.errors import add_error_handlers, add_fallback_routes
@@ -80,13 +80,10 @@ def build_app(
     limits = settings.request_limits()
     budget = PixelBudget(settings.decode_pixel_budget)  # shared by the API and the UI
     classify = classify_endpoint(repository, limits, budget, payloads)
-    routers = [
-        v1_router(repository, metrics, classify),
-        v2_router(repository, limits, metrics, payloads),
-    ]
-    for router in routers:
-        app.include_router(router)
-    add_fallback_routes(app, routers)
+    add_v1_routes(app.router, repository, metrics, classify)
+    v2 = v2_router(repository, limits, metrics, payloads)
+    app.include_router(v2)
+    add_fallback_routes(app, [*app.router.routes, *v2.routes])
     default, layout, names = ui_layout(models, single, settings.default_model, with_ui)
     describe(app, limits, default, auth=bool(settings.api_key.get_secret_value()), plain=classify_openapi())
     if with_ui:

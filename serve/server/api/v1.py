@@ -176,7 +176,7 @@ def classify_endpoint(
 ) -> Callable[..., Awaitable[Response]]:
     """`classify(request, name=None, version=None)`: the answer to a classify request for a model's version (None:
     the default model, its latest version); large uploads hold `budget` while they decode; each answer is recorded
-    in `payloads` (None: nowhere). The routes of `v1_router` call it."""
+    in `payloads` (None: nowhere). The routes of `add_v1_routes` call it."""
 
     async def classify(request: Request, name: str | None = None, version: str | None = None) -> Response:
         with repository.hold(name, version, lambda n, v: resolve(repository, n, v)) as served:
@@ -200,15 +200,17 @@ def classify_endpoint(
     return classify
 
 
-def v1_router(repository: ModelRepository, metrics: Metrics, classify: Callable[..., Awaitable[Response]]) -> APIRouter:
+def add_v1_routes(
+    router: APIRouter, repository: ModelRepository, metrics: Metrics, classify: Callable[..., Awaitable[Response]]
+) -> None:
     """`/v1/classify` (the default model), `/v1/models/<name>[/versions/<version>]/classify` answered by `classify`
-    (`classify_endpoint`), `/healthz`, `/readyz` and `/metrics` over the repository's versions.
+    (`classify_endpoint`), `/healthz`, `/readyz` and `/metrics` over the repository's versions, on `router` (the
+    app's own: a router included in it costs each request one more lookup).
 
     The classify paths are plain Starlette routes, each the only route of its path: the route reads its body and
     parameters itself, so FastAPI's parameter machinery would have nothing to do there but cost the request
     (BENCHMARKS.md, "The model server: plain classify routes"). `classify_openapi` describes them.
     """
-    router = APIRouter()
 
     async def classify_route(request: Request) -> Response:
         return await classify(request, request.path_params.get("name"), request.path_params.get("version"))
@@ -216,7 +218,6 @@ def v1_router(repository: ModelRepository, metrics: Metrics, classify: Callable[
     for path in CLASSIFY_ROUTES:
         router.add_route(path, classify_route, methods=["POST"])
     add_status_routes(router, repository, metrics)
-    return router
 
 
 def classify_openapi() -> tuple[dict[str, Any], dict[str, Any]]:

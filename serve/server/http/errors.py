@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import logging
 
-from fastapi import APIRouter, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
-from starlette.routing import Match
+from starlette.routing import BaseRoute, Match, Route
 
 from serve.server.errors import ERROR_STATUS, ApiError, error_body
 
@@ -63,14 +63,15 @@ def response_for(err: Exception, request: Request, retry_after_s: int) -> Respon
     return error_response(err, retry_after_s)
 
 
-def add_fallback_routes(app: FastAPI, routers: list[APIRouter]) -> None:
+def add_fallback_routes(app: FastAPI, api_routes: list[BaseRoute]) -> None:
     """Any other /v1 or /v2 request gets a JSON 404 or 405 (the UI at `/` would otherwise answer it).
 
     Args:
-        app: the app, which holds `routers` already.
-        routers: the API's routers: their routes are the paths that exist, and the methods they take.
+        app: the app, which holds `api_routes` already.
+        api_routes: the API's routes: the paths that exist, and the methods they take (any other entry, such as
+            an included router, is passed over).
     """
-    api_routes = [route for router in routers for route in router.routes]
+    api_routes = [route for route in api_routes if isinstance(route, Route)]
 
     async def no_such_route(request: Request):
         path = request.url.path
