@@ -48,6 +48,7 @@ def main() -> None:
         help="run each server (all its threads) on the first CPU and the load generator on the others: "
         "throughput then follows the server's CPU per request, not how the scheduler shares the cores",
     )  # fmt: skip
+    p.add_argument("--name", help="the result's name (default: serve_ab[_VARIANT][_pinned])")
     p.add_argument(
         "--modules", nargs=2, default=["serve.server", "serve.server"],
         help="each tree's server module (`python -m ...`): 'serve' before serve/ was split into sub-packages",
@@ -126,7 +127,8 @@ def report(args: argparse.Namespace, model: Path, rps: dict, p99: dict, cost: di
         "server args": args.server_args,
         "pinned": args.pin,
     }
-    result_name = f"serve_ab_{args.variant}" if args.variant else "serve_ab"  # one result per model
+    variant, pinned = f"_{args.variant}" if args.variant else "", "_pinned" if args.pin else ""
+    result_name = args.name or f"serve_ab{variant}{pinned}"  # one result per model and mode, unless named
     result = Result(result_name, setting, packages=("onnxruntime", "uvicorn"), results=args.results)
     columns = ["side", "req/s median", "ratio", "ratio range", "each round", "p99 ms (median)", "server CPU µs/req"]
     formats = {"req/s median": "{:,.0f}", "ratio": "{:.2f}x", "p99 ms (median)": "{:.2f}"}
