@@ -1,4 +1,4 @@
-"""Is one version of the server slower than another? Two source trees served side by side, rounds alternating.
+"""Is one version of the server slower than another? Two or three source trees served side by side, rounds alternating.
 
 Each tree (a checkout of an older commit, say) runs its own `vit-serve --no-ui` on the same model, and rounds of
 `benchmarks.servers.http_load` alternate between them. Per tree: the median req/s, the ratio's range over the
@@ -33,7 +33,7 @@ IN_PROCESS = "in-process OnnxClassifier (decode + batch of {})"
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("trees", nargs="+", type=Path, help="one or two source trees (the first is the baseline)")
+    p.add_argument("trees", nargs="+", type=Path, help="one to three source trees (the first is the baseline)")
     p.add_argument("--model", type=Path, default=Path("artifacts/sample.onnx"))
     p.add_argument("--variant", help="instead of --model: this vit.create_model variant with random weights")
     p.add_argument("--data", type=Path, default=Path("data/digits"), help="sample images (one is posted)")
@@ -50,12 +50,12 @@ def main() -> None:
     )  # fmt: skip
     p.add_argument("--name", help="the result's name (default: serve_ab[_VARIANT][_pinned])")
     p.add_argument(
-        "--modules", nargs=2, default=["serve.server", "serve.server"],
+        "--modules", nargs="+", default=["serve.server"] * 3,
         help="each tree's server module (`python -m ...`): 'serve' before serve/ was split into sub-packages",
     )  # fmt: skip
     args = add_results_option(p).parse_args()
-    if len(args.trees) > 2 or (len(args.trees) == 1 and not args.in_process):
-        p.error("give two trees, or one tree with --in-process")
+    if len(args.trees) > 3 or (len(args.trees) == 1 and not args.in_process):
+        p.error("give two or three trees, or one tree with --in-process")
     if args.pin and args.in_process:
         p.error("--in-process shares the cores with the server; it cannot run --pin (one core for the servers)")
     tmp = Path(tempfile.mkdtemp(prefix="serve_ab-"))

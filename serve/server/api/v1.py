@@ -209,7 +209,8 @@ def add_v1_routes(
 
     The classify paths are plain Starlette routes, each the only route of its path: the route reads its body and
     parameters itself, so FastAPI's parameter machinery would have nothing to do there but cost the request
-    (BENCHMARKS.md, "The model server: plain classify routes"). `classify_openapi` describes them.
+    (BENCHMARKS.md, "The server against an older one": `bebd696` had FastAPI's routes). `classify_openapi`
+    describes them.
     """
 
     async def classify_route(request: Request) -> Response:
