@@ -78,8 +78,8 @@ NOT_RUN: dict[str, str] = {
     "nvcr.io/nvidia/tritonserver:24.08-py3 tritonserver --model-repository=/models":
         "Docker: no container engine runs here",
     # docs/benchmarks: how each figure was taken, on a quiet machine; `make bench` reruns the benchmarks
-    "mkdir -p /tmp/vitscope-9382f68 && git archive 9382f68 | tar -x -C /tmp/vitscope-9382f68": "a benchmark's "
-        "old tree, unpacked outside the clone",
+    "for c in 9382f68 bebd696; do mkdir -p /tmp/vitscope-$c && git archive $c | tar -x -C /tmp/vitscope-$c; done":
+        "a benchmark's old trees, unpacked outside the clone",
     "sudo apt-get install dataset-fashion-mnist && vit-fashion-mnist --out data/fmnist": "installs a system "
         "package as root: this script changes nothing outside its scratch folder",
     "vit-train fit --config configs/small_images.yaml --config runs/openset_budget.yaml --data.root data/fmnist8 "
