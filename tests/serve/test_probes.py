@@ -17,7 +17,7 @@ import time
 import httpx
 import pytest
 
-from serve.server.http.probes import MAX_CONNECTIONS, ProbeServer
+from serve.server.http.probes import MAX_CONNECTIONS, MAX_HEAD_BYTES, ProbeServer
 from serve.server.testing import free_port, wait_until
 
 
@@ -66,7 +66,7 @@ def test_readiness_follows_the_server_and_liveness_fails_while_its_loop_is_wedge
 def test_the_probe_process_goes_when_the_server_is_killed():
     code = (
         "import sys, time\n"
-        "from serve.server.http.probes import MAX_CONNECTIONS, ProbeServer\n"
+        "from serve.server.http.probes import MAX_CONNECTIONS, MAX_HEAD_BYTES, ProbeServer\n"
         "p = ProbeServer('127.0.0.1', 0, lambda: True).start()\n"
         "print(p.port, p.proc.pid, flush=True)\n"
         "time.sleep(600)\n"
@@ -123,6 +123,31 @@ def test_an_accept_error_does_not_end_the_probe_process(capfd):
             resource.prlimit(pid, resource.RLIMIT_NOFILE, (soft, hard))
             wait_until(lambda: answers(probes.port), 5, "/healthz once descriptors are free")
         assert probes.proc.pid == pid
+    finally:
+        probes.stop()
+
+
+def _status_of_head(port: int, head: bytes, pieces: int) -> int | None:
+    """The status the probe port answers to `head` sent in `pieces` writes (None: it closed without one)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+        step = -(-len(head) // pieces)
+        for i in range(0, len(head), step):
+            s.sendall(head[i : i + step])
+        answer = s.recv(65536)
+    return int(answer.split(b" ")[1]) if answer else None
+
+
+@pytest.mark.parametrize("pieces", [1, 2])
+def test_a_request_head_over_the_limit_is_refused_however_it_arrives(pieces):
+    """The limit holds for the whole head, not only for a head still arriving: one that comes complete in
+    one read (h11 bounds only an incomplete one) is refused too, with 431."""
+    probes = ProbeServer("127.0.0.1", 0, lambda: True).start()
+    try:
+        small = b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Pad: " + b"a" * (MAX_HEAD_BYTES // 2) + b"\r\n\r\n"
+        assert _status_of_head(probes.port, small, pieces) == 200
+        big = b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Pad: " + b"a" * (2 * MAX_HEAD_BYTES) + b"\r\n\r\n"
+        assert _status_of_head(probes.port, big, pieces) == 431
+        assert answers(probes.port)  # and the port goes on answering
     finally:
         probes.stop()
 

@@ -191,6 +191,12 @@ def _answer(method: bytes, target: bytes, state: mmap.mmap, stale_s: float) -> t
     return 404, {"error": {"code": "not_found", "message": f"the probe port answers {[*LIVE, *READY]}"}}
 
 
+def _head_bytes(request: h11.Request) -> int:
+    """The size of a request's head as it came: request line and headers."""
+    line = len(request.method) + len(request.target) + len(b" HTTP/1.1\r\n") + 1
+    return line + sum(len(name) + len(value) + 4 for name, value in request.headers) + 2
+
+
 class _ProbeConnection(asyncio.Protocol):
     """One probe connection: HTTP/1.1 parsed by h11 (keep-alive and pipelining included), dropped when it has
     not sent a whole request within PROBE_TIMEOUT_S of connecting or of its last answer."""
@@ -218,6 +224,10 @@ class _ProbeConnection(asyncio.Protocol):
         self.http.receive_data(data)
         try:
             while (event := self.http.next_event()) is not h11.NEED_DATA:
+                if isinstance(event, h11.Request) and _head_bytes(event) > MAX_HEAD_BYTES:
+                    self._send(431, b"")  # complete in one read: h11 bounds only a head still arriving
+                    self.transport.close()
+                    return
                 if isinstance(event, h11.Request):
                     self._respond(event)  # a body, if any, is read and ignored
                 elif isinstance(event, h11.EndOfMessage):
