@@ -45,6 +45,11 @@ def test_errors_are_documented_with_the_body_they_really_have(server):
     assert set(doc["paths"]["/metrics"]["get"]["responses"]["200"]["content"]) == {"text/plain"}
     r = httpx.post(server.url + "/v1/classify?top_k=0", content=b"x")
     assert r.status_code in (415, 422) and set(r.json()) == {"error"}
+    r = httpx.get(server.url + "/v2/models/nope")  # /v2 answers in the KServe v2 protocol's shape
+    assert r.status_code == 404 and isinstance(r.json()["error"], str)
+    assert set(r.json()) <= set(doc["components"]["schemas"]["KServeError"]["properties"])
+    load = doc["paths"]["/v2/repository/models/{name}/load"]["post"]["responses"]["400"]["description"]
+    assert "Host" in load and "failed to load" in load  # a model that fails its checks is a 400 too
 
 
 def test_each_classify_route_is_documented_with_its_parameters_and_answer(server):

@@ -57,6 +57,7 @@ WHY = {
     503: "busy, not ready, shutting down or too many connections (see Retry-After)",
     504: "no result in time",
 }
+LOAD_FAILED = "; or the model failed to load (the answer gives its reason: a broken file, a bad config.pbtxt, ...)"
 
 
 def describe(app: FastAPI, limits: RequestLimits, model_name: str, auth: bool, plain: tuple[dict, dict]) -> None:
@@ -113,6 +114,7 @@ def error_responses(path: str, method: str, op: dict[str, Any], auth: bool) -> d
     if method == "post":
         statuses |= {413, 415, 422, 504}
     schema = V2_ERROR if path.startswith("/v2/") else ERROR
+    why = {**WHY, 400: WHY[400] + LOAD_FAILED} if path.endswith("/load") else WHY
     return {
-        str(s): {"description": WHY[s], "content": {"application/json": {"schema": schema}}} for s in sorted(statuses)
+        str(s): {"description": why[s], "content": {"application/json": {"schema": schema}}} for s in sorted(statuses)
     }
