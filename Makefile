@@ -134,7 +134,7 @@ $(SERVE_ONLY)/tiny.onnx: tests/helpers.py $(EXPORTER) | $(VENV)/.installed
 	rm -rf $(SERVE_ONLY)/models
 	$(PYTHON) -m tests.helpers --tiny-onnx $@ --tiny-repo $(SERVE_ONLY)/models
 
-demo: install $(ONNX)
+demo: $(VENV)/.installed $(ONNX)  # not onnxruntime-web from npm: only the browser page needs it
 	$(BIN)/vit-serve $(ONNX) --host $(HOST) --port $(PORT)
 
 serve: demo
