@@ -36,6 +36,7 @@ from serve.server.metrics import Metrics
 from serve.server.payload_log import CloudEventsSink, FileSink, PayloadLog
 from serve.server.repository.layout import scan
 from serve.server.repository.repository import ModelRepository, model_order
+from serve.server.repository.version import LoadFailure
 from serve.server.settings import ServeSettings
 
 log = logging.getLogger(__name__)
@@ -140,7 +141,11 @@ def lifespan_of(repository: ModelRepository, grpc, payloads, graceful_timeout_s:
     async def lifespan(app: FastAPI):
         app.state.loop = asyncio.get_running_loop()  # the probe port's liveness watches it turn
         try:
-            await run_in_threadpool(repository.start)
+            try:
+                await run_in_threadpool(repository.start)
+            except LoadFailure as e:  # --exit-on-error: `vit-serve` ends its output with the reason
+                app.state.startup_error = e
+                raise
             log.info("models %s warmed up; ready", ", ".join(sorted(repository.serving)))
             if grpc is not None:
                 await run_in_threadpool(grpc.start)

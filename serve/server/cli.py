@@ -22,6 +22,7 @@ from pathlib import Path
 
 import uvicorn
 from pydantic import ValidationError
+from uvicorn.config import STARTUP_FAILURE
 
 from serve.server.http.guard import LOOPBACK_HOSTS
 from serve.server.http.probes import ProbeServer
@@ -137,15 +138,33 @@ def main(argv: list[str] | None = None) -> int:
             ).start()
         # uvicorn re-raises SIGTERM after its graceful shutdown: exit 0 if everything drained, else 1
         signal.signal(signal.SIGTERM, lambda signum, frame: _exit_after_drain(server, app))
-        server.run()
+        logging.getLogger("uvicorn.error").addFilter(_reason_of_a_failed_load)
+        try:
+            server.run()
+        except SystemExit:  # uvicorn's when the start-up fails: a model with --exit-on-error, a port in use
+            if server.started:
+                raise
         if not server.started:
-            print("vit-serve: the models did not load (see the log above)", file=sys.stderr)
-            return 2
+            why = getattr(app.state, "startup_error", None) or "see the log above"
+            print(f"vit-serve: did not start: {why}", file=sys.stderr)
+            return STARTUP_FAILURE
     finally:
         if probes is not None:
             probes.stop()
         shutil.rmtree(temp_dir, ignore_errors=True)
     return 0
+
+
+def _reason_of_a_failed_load(record: logging.LogRecord) -> bool:
+    """uvicorn logs the traceback of a failed start-up; when a model failed to load with --exit-on-error (the
+    user's file, not a fault of the server), the reason alone, its last line, says what to fix."""
+    from serve.server.repository.version import LoadFailure  # the server's modules load once the cli has parsed
+
+    text = record.getMessage()
+    last = text.rstrip().rsplit("\n", 1)[-1]
+    if text.startswith("Traceback") and last.startswith(f"{LoadFailure.__module__}.LoadFailure: "):
+        record.msg, record.args = last.split(": ", 1)[1], ()
+    return True
 
 
 def uvicorn_config(app, settings: ServeSettings, log_level: str) -> uvicorn.Config:

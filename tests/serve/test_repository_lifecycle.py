@@ -5,6 +5,8 @@ in place is reloaded without a failed request, and the default model stays where
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import httpx
@@ -135,6 +137,22 @@ def test_exit_on_error_refuses_to_start_with_a_bad_model(exported, tmp_path):  #
     drop_version(repo / "garbage", 1, b"\x08\x07not a model")
     with pytest.raises(RuntimeError, match="garbage"):
         ServerProcess(repo, *FAST, "--exit-on-error").wait_ready(120)
+
+
+def test_exit_on_error_says_why_in_one_line_and_exits_3(exported, tmp_path):  # noqa: F811
+    """A bad file is the user's to fix, not a fault of the server: its reason ends the output, without a
+    Python traceback, and the exit status is uvicorn's for a failed start-up (3), as for a port in use."""
+    repo = tmp_path / "models"
+    add_model(repo, exported, "beta", [1])
+    add_model(repo, exported, "garbage", [])
+    drop_version(repo / "garbage", 1, b"\x08\x07not a model")
+    args = [sys.executable, "-m", "serve.server", str(repo), *FAST, "--exit-on-error", "--port", "0"]
+    run = subprocess.run(args, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 3
+    out = run.stdout + run.stderr
+    assert "Traceback" not in out
+    last = run.stderr.strip().splitlines()[-1]
+    assert last.startswith("vit-serve: did not start:") and "garbage" in last and "--exit-on-error" in last
 
 
 def test_any_exception_in_one_load_is_that_models_failure(exported, tmp_path):  # noqa: F811
