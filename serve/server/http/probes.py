@@ -191,12 +191,6 @@ def _answer(method: bytes, target: bytes, state: mmap.mmap, stale_s: float) -> t
     return 404, {"error": {"code": "not_found", "message": f"the probe port answers {[*LIVE, *READY]}"}}
 
 
-def _head_bytes(request: h11.Request) -> int:
-    """The size of a request's head as it came: request line and headers."""
-    line = len(request.method) + len(request.target) + len(b" HTTP/1.1\r\n") + 1
-    return line + sum(len(name) + len(value) + 4 for name, value in request.headers) + 2
-
-
 class _ProbeConnection(asyncio.Protocol):
     """One probe connection: HTTP/1.1 parsed by h11 (keep-alive and pipelining included), dropped when it has
     not sent a whole request within PROBE_TIMEOUT_S of connecting or of its last answer."""
@@ -223,9 +217,13 @@ class _ProbeConnection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         self.http.receive_data(data)
         try:
-            while (event := self.http.next_event()) is not h11.NEED_DATA:
-                if isinstance(event, h11.Request) and _head_bytes(event) > MAX_HEAD_BYTES:
-                    self._send(431, b"")  # complete in one read: h11 bounds only a head still arriving
+            while True:
+                unread = len(self.http.trailing_data[0])
+                if (event := self.http.next_event()) is h11.NEED_DATA:
+                    break
+                # the head's bytes as sent (h11 bounds only a head still arriving, and strips what it parses)
+                if isinstance(event, h11.Request) and unread - len(self.http.trailing_data[0]) > MAX_HEAD_BYTES:
+                    self._send(431, b"")
                     self.transport.close()
                     return
                 if isinstance(event, h11.Request):
