@@ -1,7 +1,7 @@
 """What every transport shares about failures: `ApiError` values with a code, and `ERROR_STATUS`, the one place
 that maps codes to HTTP statuses (gRPC maps the same codes in `serve.server.grpc.service`). Every error body is
 JSON: {"error": {"code": ..., "message": ...}}, but for the /v2 routes' own, in the KServe v2 protocol's shape
-{"error": message, "code": ...} (`serve.server.api.v2`).
+{"error": "message", "code": "..."} (`serve.server.api.v2`).
 """
 
 from __future__ import annotations
