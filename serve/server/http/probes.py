@@ -223,9 +223,7 @@ class _ProbeConnection(asyncio.Protocol):
                     break
                 # the head's bytes as sent (h11 bounds only a head still arriving, and strips what it parses)
                 if isinstance(event, h11.Request) and unread - len(self.http.trailing_data[0]) > MAX_HEAD_BYTES:
-                    self._send(431, b"")
-                    self.transport.close()
-                    return
+                    raise h11.RemoteProtocolError("request head too large", error_status_hint=431)
                 if isinstance(event, h11.Request):
                     self._respond(event)  # a body, if any, is read and ignored
                 elif isinstance(event, h11.EndOfMessage):
