@@ -5,6 +5,7 @@ in place is reloaded without a failed request, and the default model stays where
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -12,7 +13,16 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.helpers import CLASS_NAMES, ClientLoop, ServerProcess, png_bytes, quadrant_images, rss_mib, wait_until
+from tests.helpers import (
+    CLASS_NAMES,
+    ClientLoop,
+    ServerProcess,
+    free_port,
+    png_bytes,
+    quadrant_images,
+    rss_mib,
+    wait_until,
+)
 from tests.serve.test_repository import add_model, drop_version, exported  # noqa: F401 (a fixture)
 
 FAST = ("--no-ui", "--preferred-batch-size", "1", "--graceful-timeout-s", "1")
@@ -146,9 +156,12 @@ def test_exit_on_error_says_why_in_one_line_and_exits_3(exported, tmp_path):  # 
     add_model(repo, exported, "beta", [1])
     add_model(repo, exported, "garbage", [])
     drop_version(repo / "garbage", 1, b"\x08\x07not a model")
+    probe_port = free_port()
     args = [sys.executable, "-m", "serve.server", str(repo), *FAST, "--exit-on-error", "--port", "0"]
-    run = subprocess.run(args, capture_output=True, text=True, timeout=120)
+    run = subprocess.run([*args, "--probe-port", str(probe_port)], capture_output=True, text=True, timeout=120)
     assert run.returncode == 3
+    with pytest.raises(OSError):  # its probe process went with it
+        socket.create_connection(("127.0.0.1", probe_port), timeout=2).close()
     out = run.stdout + run.stderr
     assert "Traceback" not in out
     last = run.stderr.strip().splitlines()[-1]
