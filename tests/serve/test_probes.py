@@ -60,10 +60,10 @@ def test_readiness_follows_the_server_and_liveness_fails_while_its_loop_is_wedge
         assert httpx.get(f"http://127.0.0.1:{probes.port}/nowhere", timeout=2).status_code == 404
     finally:
         probes.stop()
-    assert probes.proc.poll() is not None and not os.path.exists(probes.state_path)
+    assert probes.proc.poll() is not None
 
 
-def test_the_probe_process_goes_when_the_server_is_killed():
+def test_the_probe_process_and_its_state_go_when_the_server_is_killed(tmp_path):
     code = (
         "import sys, time\n"
         "from serve.server.http.probes import MAX_CONNECTIONS, ProbeServer\n"
@@ -71,7 +71,8 @@ def test_the_probe_process_goes_when_the_server_is_killed():
         "print(p.port, p.proc.pid, flush=True)\n"
         "time.sleep(600)\n"
     )
-    server = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    env = {**os.environ, "TMPDIR": str(tmp_path)}  # where the server's temporary files would go
+    server = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=env)
     port, child = map(int, server.stdout.readline().split())
     assert status(port, "/healthz") == 200
     server.send_signal(signal.SIGKILL)  # no chance to stop its probe process
@@ -85,6 +86,7 @@ def test_the_probe_process_goes_when_the_server_is_killed():
             return True
 
     wait_until(gone, 10, "the probe process exiting after its server")
+    assert not list(tmp_path.iterdir())  # a pod killed a thousand times leaves no file behind
 
 
 def test_a_probe_port_in_use_is_a_clear_error():

@@ -16,11 +16,12 @@ has not sent a whole request within PROBE_TIMEOUT_S of connecting (or of its las
 head past MAX_HEAD_BYTES is refused; a client that reads no answers is no longer read. The process raises
 its soft descriptor limit to fit the cap, within the hard limit (the cap shrinks to fit when it cannot).
 
-The server tells it two things through a 16-byte shared file, four times a second: when its event loop
-last ran a callback (a thread asks the loop to stamp the time, so a wedged loop stops the stamps), and
-whether it is ready. The probe process exits when the server does, and the server starts another on the same
-port when it dies (the OOM killer, a stray kill); a failed accept (out of descriptors, a connection reset
-before it was accepted) is logged and skipped, never the end of the process.
+The server tells it two things through a 16-byte shared file with no name (so nothing is left behind, however
+the server ends), four times a second: when its event loop last ran a callback (a thread asks the loop to stamp
+the time, so a wedged loop stops the stamps), and whether it is ready. The probe process exits when the server
+does, and the server starts another on the same port when it dies (the OOM killer, a stray kill); a failed
+accept (out of descriptors, a connection reset before it was accepted) is logged and skipped,
+never the end of the process.
 
     GET|HEAD /healthz, /v2/health/live     200 while the loop turned within LIVENESS_STALE_S, else 503
     GET|HEAD /readyz, /v2/health/ready     200 when live and ready to take requests, else 503
@@ -92,10 +93,11 @@ class ProbeServer:
     ):
         self.host, self.port, self.ready, self.loop, self.stale_s = host, port, ready, loop, stale_s
         self.max_connections = max_connections
-        fd, self.state_path = tempfile.mkstemp(prefix="vitscope-probes-")
-        os.ftruncate(fd, STATE.size)
-        self._state = mmap.mmap(fd, STATE.size)
-        os.close(fd)
+        # shared with the probe process by descriptor, never by name: the file has none, so a server killed by
+        # anything (SIGKILL, the OOM killer) leaves nothing behind
+        self._state_file = tempfile.TemporaryFile(prefix="vitscope-probes-")
+        os.ftruncate(self._state_file.fileno(), STATE.size)
+        self._state = mmap.mmap(self._state_file.fileno(), STATE.size)
         self._stamp()
         self._stop = threading.Event()
         self._lock = threading.Lock()  # one of stop and a restart at a time
@@ -123,10 +125,10 @@ class ProbeServer:
 
     def _spawn(self) -> None:
         """Start a probe process on `self.port`; once it has bound the port, `self.port` is the real one."""
-        args = [self.host, str(self.port), self.state_path, str(os.getpid()), str(self.stale_s)]
-        args.append(str(self.max_connections))
+        fd = self._state_file.fileno()
+        args = [self.host, str(self.port), str(fd), str(os.getpid()), str(self.stale_s), str(self.max_connections)]
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "serve.server.http.probes", *args], stdout=subprocess.PIPE, text=True
+            [sys.executable, "-m", "serve.server.http.probes", *args], stdout=subprocess.PIPE, text=True, pass_fds=[fd]
         )
         line = self.proc.stdout.readline().strip()  # "port N", or why not
         self.proc.stdout.close()
@@ -169,11 +171,8 @@ class ProbeServer:
         except RuntimeError:  # the loop closed: the server is shutting down
             self._stamp()
 
-    def _close_state(self) -> None:
-        try:
-            os.unlink(self.state_path)
-        except FileNotFoundError:
-            pass
+    def _close_state(self) -> None:  # the mapping stays: a beat already queued on the loop may still stamp it
+        self._state_file.close()
 
 
 def _answer(method: bytes, target: bytes, state: mmap.mmap, stale_s: float) -> tuple[int, dict]:
@@ -328,10 +327,10 @@ def _fd_budget(cap: int) -> int:
     return cap if soft == resource.RLIM_INFINITY else max(1, min(cap, soft - FD_RESERVE))
 
 
-def _serve(host: str, port: int, state_path: str, parent: int, stale_s: float, max_connections: int) -> int:
+def _serve(host: str, port: int, state_fd: int, parent: int, stale_s: float, max_connections: int) -> int:
     """The probe process: bind, say the port on stdout, answer until the server process is gone."""
-    with open(state_path, "rb") as f:
-        state = mmap.mmap(f.fileno(), STATE.size, access=mmap.ACCESS_READ)
+    state = mmap.mmap(state_fd, STATE.size, access=mmap.ACCESS_READ)
+    os.close(state_fd)  # the mapping keeps the state: one descriptor more for the connections
     cap = _fd_budget(max_connections)
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     try:
@@ -346,5 +345,5 @@ def _serve(host: str, port: int, state_path: str, parent: int, stale_s: float, m
 
 
 if __name__ == "__main__":
-    host, port, state_path, parent, stale_s, max_connections = sys.argv[1:7]
-    sys.exit(_serve(host, int(port), state_path, int(parent), float(stale_s), int(max_connections)))
+    host, port, state_fd, parent, stale_s, max_connections = sys.argv[1:7]
+    sys.exit(_serve(host, int(port), int(state_fd), int(parent), float(stale_s), int(max_connections)))
