@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -69,3 +70,13 @@ def tiny_onnx(request, tmp_path_factory) -> Path:
 
     folder = built_once(tmp_path_factory, "tiny_onnx", lambda f: export_onnx(checkpoint, f / "tiny.onnx"))
     return folder / "tiny.onnx"
+
+
+@pytest.fixture
+def ui_client(tmp_path, monkeypatch) -> Callable[..., object]:
+    """`gradio_client.Client(url, **kwargs)` that downloads into the test's own folder: the client passes each
+    download through a new folder in the system's temporary directory and leaves that folder behind."""
+    from gradio_client import Client
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    return lambda url, **kwargs: Client(url, verbose=False, download_files=tmp_path / "downloads", **kwargs)

@@ -209,13 +209,13 @@ def test_connections_over_the_cap_get_503_and_the_server_keeps_serving(server):
 
 
 @pytest.mark.slow
-def test_gradio_client_works_with_the_key_in_its_headers(server, tmp_path):
+def test_gradio_client_works_with_the_key_in_its_headers(server, tmp_path, ui_client):
     import numpy as np
-    from gradio_client import Client, handle_file
+    from gradio_client import handle_file
     from PIL import Image
 
     image = tmp_path / "square.png"
     Image.fromarray(np.full((32, 32, 3), 200, np.uint8)).save(image)
-    client = Client(server.url + "/", headers={"X-API-Key": KEY}, verbose=False)
+    client = ui_client(server.url + "/", headers={"X-API-Key": KEY})
     label, *_ = client.predict(handle_file(str(image)), "mean", 0.0, 0, 2, 0.5, "inferno", api_name="/classify")
     assert label["label"] in {"top_left", "top_right", "bottom_left", "bottom_right"}

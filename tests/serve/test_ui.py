@@ -32,13 +32,13 @@ def image_file(tmp_path):
 
 
 @pytest.mark.slow
-def test_gradio_client_classify_returns_labels_overlay_and_deletion_score(ui_server, image_file, tiny_onnx):
-    from gradio_client import Client, handle_file
+def test_gradio_client_classify_returns_labels_overlay_and_deletion_score(ui_server, image_file, tiny_onnx, ui_client):
+    from gradio_client import handle_file
 
     from serve.runtime.classifier import OnnxClassifier
 
     clf = OnnxClassifier(tiny_onnx)
-    client = Client(ui_server.url + "/", verbose=False)
+    client = ui_client(ui_server.url + "/")
     names = set(client.view_api(print_info=False, return_format="dict")["named_endpoints"])
     assert {"/classify", "/attention", "/gradient_rollout"} <= names
 
@@ -59,13 +59,13 @@ def test_gradio_client_classify_returns_labels_overlay_and_deletion_score(ui_ser
 
 
 @pytest.mark.slow
-def test_gradient_rollout_for_a_chosen_class_or_a_clear_reason_why_not(ui_server, image_file, tiny_onnx):
-    from gradio_client import Client, handle_file
+def test_gradient_rollout_for_a_chosen_class_or_a_clear_reason_why_not(ui_server, image_file, tiny_onnx, ui_client):
+    from gradio_client import handle_file
 
     from serve.runtime.classifier import OnnxClassifier
 
     clf = OnnxClassifier(tiny_onnx)
-    client = Client(ui_server.url + "/", verbose=False)
+    client = ui_client(ui_server.url + "/")
     args = (handle_file(str(image_file)), clf.labels[-1], 0.5, "inferno")
     if not clf.supports_gradients:
         with pytest.raises(Exception, match="no gradient graph"):
@@ -77,10 +77,10 @@ def test_gradient_rollout_for_a_chosen_class_or_a_clear_reason_why_not(ui_server
 
 
 @pytest.mark.slow
-def test_gradio_client_gets_a_clear_error_for_a_bad_block_range(ui_server, image_file):
-    from gradio_client import Client, handle_file
+def test_gradio_client_gets_a_clear_error_for_a_bad_block_range(ui_server, image_file, ui_client):
+    from gradio_client import handle_file
 
-    client = Client(ui_server.url + "/", verbose=False)
+    client = ui_client(ui_server.url + "/")
     with pytest.raises(Exception, match="block range"):
         client.predict(handle_file(str(image_file)), "mean", 0.0, 1, 1, 0.5, "inferno", api_name="/classify")
     assert client.predict(handle_file(str(image_file)), "max", 0.5, 0, 1, 0.5, "inferno", api_name="/classify")
