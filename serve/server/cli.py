@@ -138,14 +138,14 @@ def main(argv: list[str] | None = None) -> int:
             ).start()
         # uvicorn re-raises SIGTERM after its graceful shutdown: exit 0 if everything drained, else 1
         signal.signal(signal.SIGTERM, lambda signum, frame: _exit_after_drain(server, app))
-        logging.getLogger("uvicorn.error").addFilter(_reason_of_a_failed_load)
+        logging.getLogger("uvicorn.error").addFilter(startup := StartupReason())
         try:
             server.run()
         except SystemExit:  # uvicorn's when the start-up fails: a model with --exit-on-error, a port in use
             if server.started:
                 raise
         if not server.started:
-            why = getattr(app.state, "startup_error", None) or "see the log above"
+            why = getattr(app.state, "startup_error", None) or startup.reason or "see the log above"
             print(f"vit-serve: did not start: {why}", file=sys.stderr)
             return STARTUP_FAILURE
     finally:
@@ -155,16 +155,28 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _reason_of_a_failed_load(record: logging.LogRecord) -> bool:
-    """uvicorn logs the traceback of a failed start-up; when a model failed to load with --exit-on-error (the
-    user's file, not a fault of the server), the reason alone, its last line, says what to fix."""
-    from serve.server.repository.version import LoadFailure  # the server's modules load once the cli has parsed
+class StartupReason(logging.Filter):
+    """On uvicorn's log: `reason` is the first error it logged (a traceback's last line), which `main` repeats as
+    the last line of a server that did not start, whatever stopped it (a model with --exit-on-error, a port in use).
+    When a model failed to load (the user's file, not a fault of the server), its traceback is logged as that
+    reason alone: it says what to fix."""
 
-    text = record.getMessage()
-    last = text.rstrip().rsplit("\n", 1)[-1]
-    if text.startswith("Traceback") and last.startswith(f"{LoadFailure.__module__}.LoadFailure: "):
-        record.msg, record.args = last.split(": ", 1)[1], ()
-    return True
+    def __init__(self):
+        super().__init__()
+        self.reason: str | None = None
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        from serve.server.repository.version import LoadFailure  # the server's modules load once the cli has parsed
+
+        if record.levelno < logging.ERROR:
+            return True
+        text = record.getMessage()
+        last = text.rstrip().rsplit("\n", 1)[-1]
+        if text.startswith("Traceback") and last.startswith(f"{LoadFailure.__module__}.LoadFailure: "):
+            last = last.split(": ", 1)[1]
+            record.msg, record.args = last, ()
+        self.reason = self.reason or last
+        return True
 
 
 def uvicorn_config(app, settings: ServeSettings, log_level: str) -> uvicorn.Config:

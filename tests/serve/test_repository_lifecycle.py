@@ -168,6 +168,21 @@ def test_exit_on_error_says_why_in_one_line_and_exits_3(exported, tmp_path):  # 
     assert last.startswith("vit-serve: did not start:") and "garbage" in last and "--exit-on-error" in last
 
 
+def test_a_port_in_use_is_named_in_the_last_line(exported, tmp_path):  # noqa: F811
+    """The last line of a server that did not start says why, whatever stopped it: here another process's port."""
+    repo = tmp_path / "models"
+    add_model(repo, exported, "beta", [1])
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        args = [sys.executable, "-m", "serve.server", str(repo), *FAST, "--port", str(port)]
+        run = subprocess.run(args, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 3
+    last = run.stderr.strip().splitlines()[-1]
+    assert last.startswith("vit-serve: did not start:") and str(port) in last and "in use" in last
+
+
 def test_any_exception_in_one_load_is_that_models_failure(exported, tmp_path):  # noqa: F811
     """An error the loader did not foresee (here from the engine factory) is one model's LoadFailure."""
     from serve.server.engine import Engine
