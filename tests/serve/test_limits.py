@@ -118,6 +118,29 @@ def test_concurrent_tiny_files_declaring_40_mp_keep_the_server_small(server):
     assert peak[0] - base < 1024  # MiB; 16 such files without a budget took several GB
 
 
+def peak_mib(pid: int) -> float:
+    """The process's peak resident memory (VmHWM) since it started or since `reset_peak`."""
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024
+
+
+def reset_peak(pid: int) -> None:
+    with open(f"/proc/{pid}/clear_refs", "w") as f:
+        f.write("5")  # the kernel's reset of VmHWM
+
+
+@pytest.mark.slow
+def test_an_image_a_million_pixels_tall_costs_its_crop_not_gigabytes(server):
+    """A 4 kB PNG one pixel wide: scaled whole to the model's size it was a 32 x 32,000,000 image, 3 GB, resized
+    on the event loop for seconds."""
+    data = encoded(Image.new("RGB", (1, 1_000_000), (220, 40, 40)), "PNG")
+    reset_peak(server.proc.pid)
+    base = peak_mib(server.proc.pid)
+    r = httpx.post(server.url + "/v1/classify", content=data, headers={"Content-Type": "image/png"}, timeout=120)
+    assert r.status_code == 200, r.text
+    assert peak_mib(server.proc.pid) - base < 200  # MiB: the decoded million pixels, not the resize
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("path", ["/v1/classify", "/v2/models/tiny_test/infer"])
 def test_urllib_writing_a_whole_oversized_body_gets_the_413_not_a_reset(server, path):

@@ -131,6 +131,42 @@ def test_the_pages_resampling_is_pillows_pixel_for_pixel(site, browser, interpol
             np.testing.assert_array_equal(np.array(got, np.uint8).reshape(nh, nw, 3), want)
 
 
+@pytest.mark.parametrize("interpolation", ["bicubic", "bilinear", "lanczos", "nearest"])
+def test_the_pages_resize_and_crop_is_preprocess_pixel_for_pixel(site, browser, interpolation):
+    """Preprocess.resize_crop resamples only the part its crop keeps (an image a million pixels tall would be
+    gigabytes resized whole): the page does the same, to the byte, tall and wide images included."""
+    from serve.runtime.images import Preprocess
+
+    rng = np.random.default_rng(1)
+    with StaticSite(site) as server:
+        page = browser.open(server.url)
+        for (w, h), side, crop_pct in [
+            ((50, 40), 28, 1.0),
+            ((3, 700), 32, 0.875),
+            ((700, 3), 28, 0.9),
+            ((28, 28), 28, 1.0),
+            ((33, 41), 32, 1.0),
+            ((640, 480), 32, 0.875),
+        ]:
+            src = rng.integers(0, 256, (h, w, 3), dtype=np.uint8)
+            pre = Preprocess((side, side), crop_pct, interpolation)
+            want = np.asarray(pre.resize_crop(Image.fromarray(src)))
+            got = page.evaluate(
+                """async ([b64, w, h, pre]) => {
+                  const m = await import('./vitscope.js');
+                  const src = Uint8Array.from(atob(b64), (c) => c.charCodeAt(0));
+                  const g = m.resizeCrop(w, h, pre);
+                  if (g.newW === w && g.newH === h) return null;  // the crop alone: toPixels copies it
+                  return Array.from(m.resize(src, w, h, g.W, g.H, pre.interpolation, g.box));
+                }""",
+                [base64.b64encode(src.tobytes()).decode(), w, h, pre.to_dict()],
+            )
+            if got is None:
+                left, top = (w - side) // 2, (h - side) // 2
+                got = src[top : top + side, left : left + side]
+            np.testing.assert_array_equal(np.array(got, np.uint8).reshape(side, side, 3), want, err_msg=f"{w}x{h}")
+
+
 def test_a_dropped_image_shows_its_top5_and_overlay_and_a_broken_one_an_error_not_the_last_answer(site, browser):
     clf = OnnxClassifier(site / "model.onnx")
     good = (site / "samples" / "2.png").read_bytes()

@@ -112,22 +112,24 @@ function sinc(x) {
   return Math.sin(x) / x;
 }
 
-function coefficients(inSize, outSize, [support0, filter]) {
-  // for each output index: the first input index, how many, and their fixed-point weights
-  const scale = inSize / outSize;
+function coefficients(inSize, in0, in1, outSize, [support0, filter]) {
+  // Pillow's precompute_coeffs: for each output index, the first input index, how many, and their fixed-point
+  // weights; [in0, in1) is the part of the input resampled (the box, float32 as Pillow holds it)
+  const scale = Math.fround(in1 - in0) / outSize;
   const filterscale = Math.max(scale, 1);
+  const invFilterscale = 1 / filterscale;
   const support = support0 * filterscale;
   const ksize = Math.ceil(support) * 2 + 1;
   const bounds = new Int32Array(outSize * 2);
   const kk = new Int32Array(outSize * ksize);
   const w = new Float64Array(ksize);
   for (let xx = 0; xx < outSize; xx++) {
-    const center = (xx + 0.5) * scale;
+    const center = in0 + (xx + 0.5) * scale;
     const xmin = Math.max(0, Math.trunc(center - support + 0.5));
     const n = Math.min(inSize, Math.trunc(center + support + 0.5)) - xmin;
     let ww = 0;
     for (let x = 0; x < n; x++) {
-      w[x] = filter((x + xmin - center + 0.5) / filterscale);
+      w[x] = filter((x + xmin - center + 0.5) * invFilterscale);
       ww += w[x];
     }
     for (let x = 0; x < n; x++) {
@@ -144,9 +146,8 @@ function clip8(ss) {
   return Math.min(255, Math.max(0, Math.floor(ss / 2 ** PRECISION_BITS)));
 }
 
-function resamplePass(src, w, h, outSize, filter, horizontal) {
-  // one pass over an RGB image (3 bytes a pixel): along x (horizontal) or along y
-  const { bounds, kk, ksize } = coefficients(horizontal ? w : h, outSize, filter);
+function resamplePass(src, w, h, outSize, { bounds, kk, ksize }, horizontal) {
+  // one pass over an RGB image (3 bytes a pixel): along x (horizontal) or along y, with `coefficients`
   const [ow, oh] = horizontal ? [outSize, h] : [w, outSize];
   const out = new Uint8Array(ow * oh * 3);
   const half = 2 ** (PRECISION_BITS - 1);
@@ -172,41 +173,73 @@ function resamplePass(src, w, h, outSize, filter, horizontal) {
   return out;
 }
 
-function nearest(src, w, h, newW, newH) {
+function nearest(src, w, h, newW, newH, [x0, y0, x1, y1]) {
   // Pillow's NEAREST resize is an affine scale (ImagingScaleAffine): the source position of each output
   // pixel's centre, stepped by the scale, truncated
   const out = new Uint8Array(newW * newH * 3);
-  const ax = w / newW;
-  const ay = h / newH;
+  const ax = Math.fround(x1 - x0) / newW;
+  const ay = Math.fround(y1 - y0) / newH;
   const xin = new Int32Array(newW);
-  for (let x = 0, xo = ax * 0.5; x < newW; x++, xo += ax) xin[x] = Math.min(w - 1, Math.trunc(xo));
-  for (let y = 0, yo = ay * 0.5; y < newH; y++, yo += ay) {
+  for (let x = 0, xo = x0 + ax * 0.5; x < newW; x++, xo += ax) xin[x] = Math.min(w - 1, Math.trunc(xo));
+  for (let y = 0, yo = y0 + ay * 0.5; y < newH; y++, yo += ay) {
     const sy = Math.min(h - 1, Math.trunc(yo));
     for (let x = 0; x < newW; x++) out.set(src.subarray((sy * w + xin[x]) * 3, (sy * w + xin[x]) * 3 + 3), (y * newW + x) * 3);
   }
   return out;
 }
 
-export function resize(src, w, h, newW, newH, interpolation = "bicubic") {
-  // Image.resize((newW, newH), interpolation) of an RGB image held as (h, w, 3) bytes
-  if (newW === w && newH === h) return src;
-  if (interpolation === "nearest") return nearest(src, w, h, newW, newH);
+function resample(src, w, h, newW, newH, interpolation, box) {
+  // Pillow's resize in C (_imaging.c): the box as 32-bit floats; a whole-pixel box of the output's size is a crop,
+  // NEAREST an affine scale, the other filters ImagingResample (only the rows the box needs are resampled)
+  const [x0, y0, x1, y1] = box.map(Math.fround);
+  if (Number.isInteger(x0) && Number.isInteger(y0) && x1 - x0 === newW && y1 - y0 === newH) {
+    const out = new Uint8Array(newW * newH * 3);
+    for (let y = 0; y < newH; y++) out.set(src.subarray(((y + y0) * w + x0) * 3, ((y + y0) * w + x0 + newW) * 3), y * newW * 3);
+    return out;
+  }
+  if (interpolation === "nearest") return nearest(src, w, h, newW, newH, [x0, y0, x1, y1]);
   const filter = FILTERS[interpolation];
   if (!filter) throw new Error(`the model's preprocessing asks for ${interpolation} resampling, which this page lacks`);
+  const vertical = coefficients(h, y0, y1, newH, filter);
   let out = src;
-  if (newW !== w) out = resamplePass(out, w, h, newW, filter, true);
-  if (newH !== h) out = resamplePass(out, newW, h, newH, filter, false);
+  let rows = h;
+  if (newW !== w || x0 !== 0 || x1 !== newW) {
+    // the rows the vertical pass reads, and only those, resampled along x first
+    const first = vertical.bounds[0];
+    rows = vertical.bounds[newH * 2 - 2] + vertical.bounds[newH * 2 - 1] - first;
+    for (let i = 0; i < newH; i++) vertical.bounds[i * 2] -= first;
+    const horizontal = coefficients(w, x0, x1, newW, filter);
+    out = resamplePass(src.subarray(first * w * 3, (first + rows) * w * 3), w, rows, newW, horizontal, true);
+  }
+  if (newH !== h || y0 !== 0 || y1 !== newH) out = resamplePass(out, newW, rows, newH, vertical, false);
   return out;
 }
 
+export function resize(src, w, h, newW, newH, interpolation = "bicubic", box = [0, 0, w, h]) {
+  // Image.resize((newW, newH), interpolation, box) of an RGB image held as (h, w, 3) bytes: only the box's part of
+  // the image is resampled
+  if (newW === w && newH === h && box[0] === 0 && box[1] === 0 && box[2] === w && box[3] === h) return src;
+  if (h > w * 100 && newH < h) {
+    // Pillow (12.2 on) shrinks an image over 100 times taller than wide along y first, then along x
+    const tall = resample(src, w, h, w, newH, interpolation, [0, box[1], w, box[3]]);
+    return resample(tall, w, newH, newW, newH, interpolation, [box[0], 0, box[2], newH]);
+  }
+  return resample(src, w, h, newW, newH, interpolation, box);
+}
+
 export function resizeCrop(w, h, preprocess) {
-  // Preprocess.resize_crop's geometry: the size that covers img_size / crop_pct (aspect kept), a centred crop
+  // Preprocess.resize_crop's geometry: the size that covers img_size / crop_pct (aspect kept), a centred crop, and
+  // that crop in the source image (the box, the only part resampled)
   const [H, W] = preprocess.img_size;
   const crop = preprocess.crop_pct;
   const scale = Math.max(H / crop / h, W / crop / w);
   const newW = Math.max(W, Math.floor(w * scale + 0.5));
   const newH = Math.max(H, Math.floor(h * scale + 0.5));
-  return { newW, newH, left: Math.floor((newW - W) / 2), top: Math.floor((newH - H) / 2), W, H };
+  const left = Math.floor((newW - W) / 2);
+  const top = Math.floor((newH - H) / 2);
+  const sx = w / newW;
+  const sy = h / newH;
+  return { newW, newH, left, top, W, H, box: [left * sx, top * sy, (left + W) * sx, (top + H) * sy] };
 }
 
 async function decode(source) {
@@ -258,15 +291,19 @@ export function toPixels(bitmap, preprocess) {
   const w = bitmap.width;
   const h = bitmap.height;
   const g = resizeCrop(w, h, preprocess);
-  const resized = resize(rgb, w, h, g.newW, g.newH, preprocess.interpolation);
+  // as Preprocess.resize_crop: the crop alone when the image has the size already, else the box resampled
+  const [src, stride, left, top] =
+    g.newW === w && g.newH === h
+      ? [rgb, w, g.left, g.top]
+      : [resize(rgb, w, h, g.W, g.H, preprocess.interpolation, g.box), g.W, 0, 0];
   const out = new Uint8Array(g.W * g.H * 3);
   const rgba = new ImageData(g.W, g.H);
   for (let y = 0; y < g.H; y++) {
     for (let x = 0; x < g.W; x++) {
-      const p = ((y + g.top) * g.newW + x + g.left) * 3;
+      const p = ((y + top) * stride + x + left) * 3;
       const o = y * g.W + x;
-      out.set(resized.subarray(p, p + 3), o * 3);
-      rgba.data.set([resized[p], resized[p + 1], resized[p + 2], 255], o * 4);
+      out.set(src.subarray(p, p + 3), o * 3);
+      rgba.data.set([src[p], src[p + 1], src[p + 2], 255], o * 4);
     }
   }
   return { rgb: out, rgba, width: g.W, height: g.H };
