@@ -25,6 +25,9 @@ IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".ti
 # PIL plugin stays off for untrusted input (EPS, for one, would run Ghostscript).
 FORMATS = ("JPEG", "PNG", "BMP", "GIF", "WEBP", "TIFF")
 DEFAULT_MAX_PIXELS = 40_000_000  # about 40 MP: any phone photo, well short of a decompression bomb
+# Each scan of a progressive JPEG is decoded in full: encoders write about ten, and a crafted 60 kB file of
+# thousands took seconds of CPU. libjpeg-turbo's tools take such a cap as an option (djpeg -maxscans).
+MAX_JPEG_SCANS = 100
 INTERPOLATIONS = {
     "bicubic": Image.Resampling.BICUBIC,
     "bilinear": Image.Resampling.BILINEAR,
@@ -129,7 +132,20 @@ def open_image(source: str | Path | bytes | bytearray, max_pixels: int | None = 
     except Exception as e:  # a header PIL recognises but cannot parse: any error at all means a broken file
         raise ImageError(f"{name} could not be read: {e}", "corrupt") from None
     _check_pixels(img, max_pixels)
+    if img.format == "JPEG" and img.info.get("progressive"):
+        _check_scans(img, source if isinstance(source, (bytes, bytearray)) else Path(source).read_bytes(), name)
     return img
+
+
+def _check_scans(img: Image.Image, data: bytes | bytearray, name: str) -> None:
+    scans = data.count(b"\xff\xda")  # each scan's start marker: JPEG escapes 0xFF in the data that follows
+    if scans > MAX_JPEG_SCANS:
+        img.close()
+        raise ImageError(
+            f"{name} is a progressive JPEG of {scans:,} scans, over the limit of {MAX_JPEG_SCANS} (encoders write "
+            "about ten): save it again as a baseline JPEG or a PNG",
+            "unsupported",
+        )
 
 
 def _check_pixels(img: Image.Image, max_pixels: int | None) -> None:

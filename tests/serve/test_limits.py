@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from serve.runtime.images import PixelBudget, Preprocess, load_image, load_reduced
+from serve.runtime.images import ImageError, PixelBudget, Preprocess, load_image, load_reduced, open_image
 from tests.helpers import ServerProcess, encoded, read_response, rss_mib, server_has_read, tiny_gif, wait_until
 
 
@@ -58,6 +58,22 @@ def test_non_finite_pixels_are_refused():
     with pytest.raises(Exception, match="NaN or infinite") as err:
         load_image(encoded(Image.fromarray(bad, "F"), "TIFF"))
     assert err.value.kind == "non_finite"
+
+
+def jpeg_with_scans(n: int) -> bytes:
+    """A 1000 x 1000 progressive JPEG whose last scan is repeated until it has `n`: libjpeg decodes every one."""
+    data = encoded(Image.new("L", (1000, 1000), 128), "JPEG", progressive=True, quality=90)
+    last = data[data.rfind(b"\xff\xda") : -2]  # the last scan, up to the end-of-image marker
+    return data[:-2] + last * (n - data.count(b"\xff\xda")) + b"\xff\xd9"
+
+
+def test_a_jpeg_of_thousands_of_scans_is_refused_before_it_is_decoded():
+    """60 kB whose decoding took 3 s of CPU (on the event loop, for an upload that small): encoders write a
+    dozen scans at most, libjpeg-turbo's tools cap them on request, and so do we."""
+    with pytest.raises(ImageError, match="4,000 scans") as err:
+        open_image(jpeg_with_scans(4000))
+    assert err.value.kind == "unsupported"
+    assert open_image(jpeg_with_scans(40)).size == (1000, 1000)  # more than any encoder writes, still fine
 
 
 def test_the_pixel_budget_lets_only_what_fits_decode_at_once():
@@ -127,6 +143,12 @@ def peak_mib(pid: int) -> float:
 def reset_peak(pid: int) -> None:
     with open(f"/proc/{pid}/clear_refs", "w") as f:
         f.write("5")  # the kernel's reset of VmHWM
+
+
+@pytest.mark.slow
+def test_a_jpeg_of_thousands_of_scans_gets_415_and_the_limit(server):
+    r = httpx.post(server.url + "/v1/classify", content=jpeg_with_scans(4000), headers={"Content-Type": "image/jpeg"})
+    assert r.status_code == 415 and "4,000 scans, over the limit of 100" in r.json()["error"]["message"]
 
 
 @pytest.mark.slow
