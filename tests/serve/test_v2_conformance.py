@@ -138,11 +138,13 @@ def test_binary_sizes_that_do_not_add_up_are_refused(server, model):
         b'{"inputs": [{"name": "pixels", "datatype": "UINT8", "shape": [1, 32, 32, 3], '
         b'"parameters": {"binary_data_size": 3072}}]}'
     )
-    for extra, length in [(b"\0" * 3071, len(header)), (b"\0" * 3073, len(header)), (b"\0" * 3072, 10**6)]:
+    n = str(len(header)).encode()
+    superscript_two = "\u00b2".encode("latin-1")  # a digit to str.isdigit, not to int()
+    for extra, length in [(3071, n), (3073, n), (3072, b"1000000"), (3072, superscript_two), (3072, b"-5")]:
         r = httpx.post(
             f"{server.url}/v2/models/{model}/infer",
-            content=header + extra,
-            headers={"Inference-Header-Content-Length": str(length)},
+            content=header + b"\0" * extra,
+            headers={"Inference-Header-Content-Length": length},
         )
         assert r.status_code == 422, r.text
 

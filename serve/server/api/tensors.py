@@ -17,6 +17,7 @@ binary tensor holds exactly `shape`'s number of elements.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from itertools import chain
 from typing import Any
@@ -82,7 +83,7 @@ def split_body(body: bytes, header_length: str | None) -> tuple[Any, bytes]:
     when the whole body is JSON)."""
     if header_length is None:
         return read_json(body, "request body"), b""
-    if not header_length.strip().isdigit() or int(header_length) > len(body):
+    if not re.fullmatch(r"\s*[0-9]+\s*", header_length) or int(header_length) > len(body):
         raise bad(f"{HEADER_LENGTH} must be the JSON header's byte length (at most {len(body)}), got {header_length!r}")
     n = int(header_length)
     return read_json(body[:n], "JSON header"), body[n:]

@@ -31,7 +31,7 @@ async def read_body(request: Request, limits: RequestLimits) -> bytes:
     """
     max_bytes, discard_bytes = limits.max_bytes, limits.discard_bytes
     declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+    if declared is not None and declared.isascii() and declared.isdigit() and int(declared) > max_bytes:
         if int(declared) <= discard_bytes:
             await _discard(request, discard_bytes)
         raise ApiError("body_too_large", f"the body is {int(declared):,} bytes, over the {max_bytes:,}-byte limit")

@@ -370,7 +370,7 @@ class ModelRepository:
 
 
 def _order(version: str) -> tuple[int, str]:
-    return (int(version), "") if version.isdigit() else (0, version)
+    return (int(version), "") if version.isascii() and version.isdigit() else (0, version)
 
 
 def _described(e: Exception, limit: int = 500) -> str:

@@ -135,7 +135,7 @@ class UploadLimit:
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http" and scope["path"].startswith("/gradio_api/") and scope["method"] in BODY_METHODS:
             declared = dict(scope["headers"]).get(b"content-length", b"")
-            if not declared.isdigit():
+            if not (declared.isascii() and declared.isdigit()):
                 return await send_error(send, "length_required", "requests to the UI must declare their Content-Length")
             if int(declared) > self.max_bytes:
                 message = (
