@@ -174,6 +174,19 @@ def test_urllib_writing_a_whole_oversized_body_gets_the_413_not_a_reset(server, 
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("path", ["/v1/classify", "/v2/models/tiny_test/infer"])
+def test_a_client_that_expects_100_continue_for_an_oversized_body_gets_the_413_at_once(server, path):
+    """curl asks before it sends a large body: answering 100 Continue invited 50 MB only to refuse them."""
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as s:
+        s.sendall(
+            f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/octet-stream\r\n"
+            "Content-Length: 50000000\r\nExpect: 100-continue\r\n\r\n".encode()
+        )
+        answer = read_response(s)
+    assert answer.startswith(b"HTTP/1.1 413 ") and b"body_too_large" in answer
+
+
+@pytest.mark.slow
 def test_a_chunked_body_over_the_limit_in_its_last_piece_gets_the_413(server):
     body = b"\x00" * (1024 * 1024 + 1)  # one byte over --max-bytes, no Content-Length, in one write
     head = b"POST /v1/classify HTTP/1.1\r\nHost: 127.0.0.1\r\nTransfer-Encoding: chunked\r\n\r\n"
