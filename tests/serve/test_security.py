@@ -94,6 +94,17 @@ def test_a_foreign_host_header_is_refused_so_dns_rebinding_reaches_nothing(serve
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("hosts", [("127.0.0.1", "attacker.example"), ("attacker.example", "127.0.0.1")])
+def test_a_request_with_two_host_headers_is_refused(server, hosts):
+    """RFC 9112 asks for a 400: a proxy that reads the other one would route what the allow-list never saw."""
+    key = "".join(f"{k}: {v}\r\n" for k, v in AUTH.items())
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as s:
+        s.sendall(f"GET /v2/models/tiny_test HTTP/1.1\r\nHost: {hosts[0]}\r\nHost: {hosts[1]}\r\n{key}\r\n".encode())
+        answer = read_response(s)
+    assert answer.startswith(b"HTTP/1.1 400 ") and b"more than one Host header" in answer
+
+
+@pytest.mark.slow
 def test_readyz_tells_the_model_only_to_a_client_with_the_key(server):
     """Probes send no key: /readyz answers them its status alone, not which model and version the server runs."""
     for headers in ({}, {"Authorization": "Bearer wrong"}):

@@ -60,6 +60,9 @@ class HostAllowList(TrustedHostMiddleware):
     async def __call__(self, scope, receive, send):
         if scope["type"] not in ("http", "websocket") or scope["path"] in HEALTH_PATHS:
             return await self.inner(scope, receive, send)
+        if sum(name == b"host" for name, _ in scope["headers"]) > 1:  # RFC 9112: a 400, as nginx answers
+            message = "the request has more than one Host header: send one"
+            return await _Refusal(scope, send).refuse(message)
         await super().__call__(scope, receive, _Refusal(scope, send))
 
     async def _through(self, scope, receive, send: _Refusal) -> None:
@@ -77,17 +80,19 @@ class _Refusal:
     async def __call__(self, message) -> None:
         if not message["type"].endswith("http.response.start"):
             return  # the library's body: ours went out with the start
-        if self.scope["type"] == "websocket":
-            return await self.send({"type": "websocket.close", "code": 1008})
-        given = dict(self.scope["headers"]).get(b"host", b"").decode("latin-1")
+        given = next((value for name, value in self.scope["headers"] if name == b"host"), b"").decode("latin-1")
         try:
             host = urlsplit("//" + given).hostname or given
         except ValueError:
             host = given
-        message = (
+        await self.refuse(
             f"Host {host!r} is not served here; start vit-serve with --allowed-hosts {host or 'NAME'} "
             "if this name is meant to reach it"
         )
+
+    async def refuse(self, message: str) -> None:
+        if self.scope["type"] == "websocket":
+            return await self.send({"type": "websocket.close", "code": 1008})
         await send_error(self.send, "bad_host", message)
 
 
