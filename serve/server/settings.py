@@ -9,10 +9,11 @@ over the environment, the environment over the defaults. Each field's descriptio
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Literal
 
-from pydantic import Field, SecretStr, model_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 ENV_PREFIX = "VITSCOPE_"
@@ -125,7 +126,7 @@ class ServeSettings(BaseSettings):
     )
     api_key: SecretStr = Field(
         SecretStr(""),
-        description="key every request must carry as 'Authorization: Bearer <key>' or 'X-API-Key: <key>' (the "
+        description="key (visible ASCII) every request must carry as 'Authorization: Bearer <key>' or 'X-API-Key: <key>' (the "
         "UI asks for it as a password); health routes need none. Empty: no key. Prefer the environment "
         "variable to the option, which other users of the machine can read in the process list",
     )
@@ -269,6 +270,17 @@ class ServeSettings(BaseSettings):
         "sink at a typical rate, or six of the largest uploads with --payload-log-images image, and keeps the "
         "log's memory bounded whatever the images weigh",
     )
+
+    @field_validator("api_key")
+    @classmethod
+    def _key_clients_can_send(cls, key: SecretStr) -> SecretStr:
+        """HTTP headers and gRPC metadata carry visible ASCII: any other key would match no client's."""
+        if not re.fullmatch(r"[!-~]*", key.get_secret_value()):
+            raise ValueError(
+                "the API key must be visible ASCII (no spaces, tabs or accents): clients send it in "
+                "HTTP headers and gRPC metadata"
+            )
+        return key
 
     @model_validator(mode="after")
     def _batch_sizes_fit(self) -> ServeSettings:

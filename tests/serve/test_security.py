@@ -45,6 +45,18 @@ def test_the_key_is_read_from_bearer_x_api_key_or_basic_auth():
     assert key_of({b"authorization": b"Basic !!!"}) is None and key_of({}) is None
 
 
+@pytest.mark.parametrize("key", ["clé-secrète", "two words", "tab\there"])
+def test_a_key_no_client_can_send_is_refused_at_start_up(key, capsys):
+    """HTTP headers and gRPC metadata carry visible ASCII: a key with 'é' was taken, then no client's key
+    matched it, and gRPC could not send it at all."""
+    from serve.server.cli import main
+
+    assert main(["model.onnx", "--api-key", key]) == 2
+    err = capsys.readouterr().err
+    assert "api_key" in err and "visible ASCII" in err
+    assert ServeSettings(api_key="k3y-of_visible.ASCII~+/=").api_key.get_secret_value()
+
+
 def test_binding_beyond_loopback_without_a_key_warns(caplog):
     with caplog.at_level(logging.WARNING):
         _warn_if_exposed(ServeSettings(host="0.0.0.0"))

@@ -27,8 +27,9 @@ async def read_body(request: Request, limits: RequestLimits) -> bytes:
     The rest of an oversized body is read and thrown away (up to `limits.discard_bytes` in all) before
     the 413 goes out: a client that writes its whole body before reading the answer (Python's urllib
     does) would otherwise find the connection reset under it instead. A client that declared a body over
-    the limit and expects 100-continue (curl does, for large bodies) gets the 413 at once, in place of the 100. Read from `request.receive` in a
-    plain loop: `request.stream()`, an async generator, costs the event loop a hook call per request.
+    the limit and expects 100-continue (curl does, for large bodies) gets the 413 at once, in place of the 100.
+    Read from `request.receive` in a plain loop: `request.stream()`, an async generator, costs the event loop a
+    hook call per request.
     """
     max_bytes, discard_bytes = limits.max_bytes, limits.discard_bytes
     declared = request.headers.get("content-length")
