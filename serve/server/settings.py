@@ -126,9 +126,9 @@ class ServeSettings(BaseSettings):
     )
     api_key: SecretStr = Field(
         SecretStr(""),
-        description="key (visible ASCII) every request must carry as 'Authorization: Bearer <key>' or 'X-API-Key: <key>' (the "
-        "UI asks for it as a password); health routes need none. Empty: no key. Prefer the environment "
-        "variable to the option, which other users of the machine can read in the process list",
+        description="key (visible ASCII) every request must carry as 'Authorization: Bearer <key>' or "
+        "'X-API-Key: <key>' (the UI asks for it as a password); health routes need none. Empty: no key. Prefer the "
+        "environment variable to the option, which other users of the machine can read in the process list",
     )
     allowed_hosts: str = Field(
         "",
