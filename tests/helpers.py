@@ -260,6 +260,12 @@ def server_has_read(port: int, connections: int = 1) -> bool:
     return len(served) >= connections and not any(served) and not any(sent)
 
 
+def server_holds(port: int, client_port: int) -> bool:
+    """Whether the server on `port` still holds the connection from the client socket on `client_port` (once the
+    server has let go, the kernel may still be sending it what was written: the client's side looks open)."""
+    return any((local, remote) == (port, client_port) for local, remote, _, _ in _tcp_connections())
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description="Build test fixtures that need torch, for a venv without it.")
     p.add_argument("--tiny-onnx", type=Path, required=True, help="where to write the tiny model's .onnx file")

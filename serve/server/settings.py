@@ -107,8 +107,9 @@ class ServeSettings(BaseSettings):
     body_timeout_s: float = Field(
         60.0,
         gt=0,
-        description="time a client has to send the whole body once the head arrived (10 MiB at 1.5 Mbit/s); "
-        "then the connection closes. With header_timeout_s, a slow client cannot hold a connection forever",
+        description="time a client has to send the whole body once the head arrived (10 MiB at 1.5 Mbit/s), "
+        "and to read again once its answers stopped draining; then the connection closes. With header_timeout_s, "
+        "a slow client cannot hold a connection forever",
     )
     keep_alive_s: int = Field(5, ge=1, description="how long an idle keep-alive connection stays open")
     max_connections: int = Field(

@@ -15,7 +15,16 @@ import pytest
 from PIL import Image
 
 from serve.runtime.images import ImageError, PixelBudget, Preprocess, load_image, load_reduced, open_image
-from tests.helpers import ServerProcess, encoded, read_response, rss_mib, server_has_read, tiny_gif, wait_until
+from tests.helpers import (
+    ServerProcess,
+    encoded,
+    read_response,
+    rss_mib,
+    server_has_read,
+    server_holds,
+    tiny_gif,
+    wait_until,
+)
 
 
 def smooth_photo(h: int, w: int) -> np.ndarray:
@@ -100,7 +109,8 @@ def test_the_pixel_budget_lets_only_what_fits_decode_at_once():
 
 @pytest.fixture(scope="module")
 def server(tiny_onnx):
-    with ServerProcess(tiny_onnx, "--no-ui", "--max-bytes", "1048576", "--graceful-timeout-s", "3") as s:
+    args = ["--no-ui", "--max-bytes", "1048576", "--graceful-timeout-s", "3", "--body-timeout-s", "5"]
+    with ServerProcess(tiny_onnx, *args) as s:
         yield s
 
 
@@ -184,6 +194,20 @@ def test_a_client_that_expects_100_continue_for_an_oversized_body_gets_the_413_a
         )
         answer = read_response(s)
     assert answer.startswith(b"HTTP/1.1 413 ") and b"body_too_large" in answer
+
+
+@pytest.mark.slow
+def test_a_client_that_reads_none_of_its_answers_is_closed_after_the_body_timeout(server):
+    """As nginx's send_timeout: answers that stop draining held the connection's slot (and the app's task) for
+    ever, past every timeout, so such clients could hold every connection the server takes."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a small window, full at once
+        s.connect(("127.0.0.1", server.port))
+        s.sendall(b"GET /openapi.json HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n" * 300)  # and never read an answer
+        port = s.getsockname()[1]
+        wait_until(lambda: not server_holds(server.port, port), 20, "the server dropping the connection")
+    assert httpx.get(server.url + "/healthz").status_code == 200
+    assert not any("Traceback" in line for line in server.lines)  # the requests still queued on it end quietly
 
 
 @pytest.mark.slow

@@ -6,7 +6,9 @@ connection until the process runs out of file descriptors. Here each connection:
 - answers 431 and closes once its request head passes `max_header_bytes`;
 - answers 408 and closes when the head is not complete `header_timeout_s` after its first byte (or
   after the connection opened), and closes when the body is not complete `body_timeout_s` after the
-  head (the app then sees a client that went away); deadlines are checked a few times a second;
+  head (the app then sees a client that went away);
+- is dropped when its answers stop draining (the client reads none) for `body_timeout_s`, as nginx's
+  `send_timeout`; deadlines are checked a few times a second;
 - is answered 503 and closed at once when `max_connections` are open already.
 
 The limits are read from `config.limits` (a `ConnectionLimits`), set by `serve.server.cli`.
@@ -72,6 +74,8 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self.refused = False
         self.deadline = 0.0  # time.monotonic() by which the head or the body must be in; 0: none
         self.too_slow = self._head_too_slow  # what happens then
+        self.write_deadline = 0.0  # by which answers that stopped draining must drain again; 0: they drain
+        self.cycles = []  # the requests of this connection not answered yet (several, when they are pipelined)
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
@@ -88,8 +92,24 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             self.server_state.deadline_sweep = self.loop.call_later(every, _sweep, self.loop, self.server_state, every)
 
     def connection_lost(self, exc) -> None:
-        self.deadline = 0.0
+        self.deadline = self.write_deadline = 0.0
+        # uvicorn marks only the last request read as gone: a pipelined one still being answered would then
+        # write to the closed transport (a RuntimeError and its traceback for every such request)
+        for cycle in self.cycles:
+            cycle.disconnected = cycle.disconnected or not cycle.response_complete
         super().connection_lost(exc)
+
+    def pause_writing(self) -> None:  # the transport's buffer is full: the client is not reading
+        super().pause_writing()
+        self.write_deadline = time.monotonic() + self.body_timeout
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        self.write_deadline = 0.0
+
+    def _reader_too_slow(self) -> None:
+        log.info("dropping a connection whose answers did not drain for %s s", self.body_timeout)
+        self.transport.abort()  # close() would wait for the buffer to drain: never
 
     def data_received(self, data: bytes) -> None:
         if self.refused:
@@ -117,6 +137,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self.in_head = False
         self._arm(self.body_timeout, self._body_too_slow)  # cleared at once by a request without a body
         super().on_headers_complete()
+        self.cycles = [c for c in self.cycles if not c.response_complete] + ([self.cycle] if self.cycle else [])
 
     def on_body(self, body: bytes) -> None:
         if not self.refused:
@@ -161,13 +182,16 @@ def _sweep(loop, server_state, every: float) -> None:
     now = time.monotonic()
     try:
         for conn in list(server_state.connections):
-            deadline = getattr(conn, "deadline", 0.0)
-            if deadline and deadline <= now:
-                conn.deadline = 0.0
-                try:
+            deadline, write_deadline = getattr(conn, "deadline", 0.0), getattr(conn, "write_deadline", 0.0)
+            try:
+                if deadline and deadline <= now:
+                    conn.deadline = 0.0
                     conn.too_slow()
-                except Exception:  # one connection's failure must not end the deadlines of all the others
-                    log.exception("closing a connection past its deadline failed")
+                if write_deadline and write_deadline <= now:
+                    conn.write_deadline = 0.0
+                    conn._reader_too_slow()
+            except Exception:  # one connection's failure must not end the deadlines of all the others
+                log.exception("closing a connection past its deadline failed")
     finally:
         again = server_state.connections
         server_state.deadline_sweep = loop.call_later(every, _sweep, loop, server_state, every) if again else None
