@@ -7,7 +7,9 @@ log record, formats it and writes it with the root logger's handlers (each burst
 halves of the work count on 2 cores: the stock `Logger.info` + `QueueHandler` on the loop and a wake-up per
 line cost the sample model a measurable share of its requests per second (`benchmarks.serve_ab`). Lines are
 written only while `vitscope.access` logs INFO (not with `--log-level warning`). HTTP and gRPC share
-`ACCESS_LOG`: a second instance would add a second listener, and every line would be written twice.
+`ACCESS_LOG`: a second instance would add a second listener, and every line would be written twice. At most
+`MAX_LINES` lines wait: past that (a stderr piped to a reader that stopped) lines are dropped, and the listener
+says how many once it writes again, so a stalled log costs bounded memory.
 
 Every field a client chooses (the path, the method, a request ID) has its control characters written as `\\xNN`
 (and Unicode's line separators as `\\uNNNN`), so that `%0a` in a URL cannot end the line and forge another,
@@ -29,6 +31,7 @@ from logging.handlers import QueueListener
 log = logging.getLogger("vitscope.access")
 FORMAT = '%s "%s %s" %s %.1fms id=%s'
 FLUSH_S = 0.1  # once the queue is empty, the listener sleeps this long: lines reach the log at most this late
+MAX_LINES = 10_000  # lines waiting for a log that cannot keep up (a few MB); more are dropped, and counted
 ESCAPES = {c: f"\\x{c:02x}" for c in [*range(0x20), *range(0x7F, 0xA0)]}  # C0, DEL and C1 (NEL among them)
 ESCAPES |= {c: f"\\u{c:04x}" for c in (0x2028, 0x2029)}  # the line and paragraph separators editors break on
 ESCAPES |= {c: f"\\x{c:02x}" for c in b'"\\'}  # the field's quote, and the escape character itself
@@ -44,7 +47,24 @@ def escaped(field: object) -> object:
 
 class _Listener(QueueListener):
     """Turns the queued (time, fields) into `vitscope.access` records and hands them to the handlers, which
-    write each burst of lines with one flush (`burst_writer`)."""
+    write each burst of lines with one flush (`burst_writer`); says how many lines were dropped, once it can."""
+
+    def __init__(self, access: AccessLog, *handlers: logging.Handler):
+        super().__init__(access.queue, *handlers, respect_handler_level=True)
+        self.access = access
+
+    def handle(self, record: logging.LogRecord) -> None:
+        self.note_drops()
+        super().handle(record)
+
+    def note_drops(self) -> None:
+        dropped = self.access.take_dropped()
+        if dropped:
+            message = "%s access log lines dropped: the log did not take them as fast as requests came"
+            record = log.makeRecord(log.name, logging.WARNING, __file__, 0, message, (f"{dropped:,}",), None)
+            for handler in self.handlers:  # as they are: `prepare` is for the queued fields
+                if record.levelno >= handler.level:
+                    handler.handle(record)
 
     def prepare(self, item: tuple[float, tuple]) -> logging.LogRecord:
         created, args = item
@@ -57,6 +77,7 @@ class _Listener(QueueListener):
         try:
             return self.queue.get_nowait()
         except queue.Empty:  # drained: a busy server's lines wait a little and go out as one burst
+            self.note_drops()
             self.flush()
             time.sleep(FLUSH_S)
             return self.queue.get(block)
@@ -67,6 +88,7 @@ class _Listener(QueueListener):
 
     def stop(self) -> None:
         super().stop()
+        self.note_drops()
         self.flush()
 
 
@@ -108,10 +130,11 @@ class AccessLog:
     """Writes `client "METHOD path" status 1.2ms id=...` lines through a queue and a listener thread (gRPC calls:
     `client "gRPC /inference.GRPCInferenceService/ModelInfer" OK 1.2ms id=...`)."""
 
-    def __init__(self):
+    def __init__(self, max_lines: int = MAX_LINES):
         self.queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.max_lines, self.dropped = max_lines, 0
         self.listener: QueueListener | None = None
-        self.lock = threading.Lock()  # HTTP and gRPC write from two threads: one listener
+        self.lock = threading.Lock()  # HTTP and gRPC write from two threads: one listener, one drop count
 
     def write(self, client: str, method: str, path: str, status: int | str, ms: float, request_id: str) -> None:
         """One request's line; the listener thread starts with the first one (after logging is configured)."""
@@ -121,12 +144,22 @@ class AccessLog:
             with self.lock:
                 if self.listener is None:
                     self._start()
+        if self.queue.qsize() >= self.max_lines:  # the log does not keep up (a stalled stderr): memory stays bounded
+            with self.lock:
+                self.dropped += 1
+            return
         self.queue.put_nowait((time.time(), (client, method, path, status, ms, request_id)))
+
+    def take_dropped(self) -> int:
+        """The lines dropped since the last call."""
+        with self.lock:
+            dropped, self.dropped = self.dropped, 0
+        return dropped
 
     def _start(self) -> None:
         # the listener writes with whatever handlers the root logger has (vit-serve's basicConfig: stderr)
         handlers = [burst_writer(h) for h in logging.getLogger().handlers]
-        self.listener = _Listener(self.queue, *handlers, respect_handler_level=True)
+        self.listener = _Listener(self, *handlers)
         self.listener.start()
         atexit.register(self.stop)
 

@@ -4,6 +4,8 @@ and a request cannot write a line of its own into it."""
 from __future__ import annotations
 
 import logging
+import threading
+import time
 
 import httpx
 import pytest
@@ -31,6 +33,41 @@ def test_every_line_reaches_the_root_handlers_file_in_its_format_once_the_log_st
         handler.close()
     lines = path.read_text().splitlines()
     assert lines == [f'INFO vitscope.access: 127.0.0.1 "POST /v1/classify" 200 1.2ms id=id{i}' for i in range(500)]
+
+
+class StuckHandler(logging.Handler):
+    """A log that cannot be written while `stuck` is set (a full pipe nobody reads), then keeps what it gets."""
+
+    def __init__(self):
+        super().__init__()
+        self.stuck, self.lines = threading.Event(), []
+        self.stuck.set()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        while self.stuck.is_set():
+            time.sleep(0.01)
+        self.lines.append(record.getMessage())
+
+
+def test_a_log_that_cannot_be_written_holds_a_bounded_queue_and_says_what_it_dropped():
+    """stderr into a pipe nobody read: every request's line waited in memory, 0.5 kB a request for ever."""
+    root, handler = logging.getLogger(), StuckHandler()
+    saved, level = root.handlers[:], root.level
+    root.handlers[:] = [handler]
+    root.setLevel(logging.INFO)
+    try:
+        access = AccessLog(max_lines=100)
+        for i in range(1000):
+            access.write("127.0.0.1", "GET", "/healthz", 200, 0.1, f"id{i}")
+        assert access.queue.qsize() <= 100
+        handler.stuck.clear()
+        access.stop()
+    finally:
+        root.handlers[:] = saved
+        root.setLevel(level)
+    dropped = [line for line in handler.lines if "dropped" in line]
+    written = len(handler.lines) - len(dropped)
+    assert dropped and int(dropped[0].split()[0].replace(",", "")) == 1000 - written, dropped
 
 
 @pytest.fixture(scope="module")
