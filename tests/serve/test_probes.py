@@ -4,6 +4,7 @@ and comes back when it turns again, the process goes when the server is killed, 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import resource
 import selectors
@@ -213,4 +214,20 @@ def test_healthz_answers_while_a_thousand_connections_are_held_open(cap, room_fo
     finally:
         for s in held:
             s.close()
+        probes.stop()
+
+
+def test_a_wrong_method_gets_405_with_allow_and_garbage_a_json_400():
+    """As the API port answers them: a method the path lacks is 405 naming the ones it has, and a request that
+    is not HTTP gets a JSON error body, not an empty body labelled JSON."""
+    probes = ProbeServer("127.0.0.1", 0, lambda: True).start()
+    try:
+        r = httpx.post(f"http://127.0.0.1:{probes.port}/healthz", timeout=2)
+        assert r.status_code == 405 and r.headers["allow"] == "GET, HEAD"
+        assert r.json()["error"]["code"] == "method_not_allowed"
+        with socket.create_connection(("127.0.0.1", probes.port), timeout=5) as s:
+            s.sendall(b"\x16\x03\x01 not HTTP at all\r\n\r\n")  # a TLS hello, say
+            head, _, body = s.recv(65536).partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 400 ") and json.loads(body)["error"]["code"] == "bad_request"
+    finally:
         probes.stop()

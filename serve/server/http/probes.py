@@ -178,7 +178,7 @@ class ProbeServer:
 def _answer(method: bytes, target: bytes, state: mmap.mmap, stale_s: float) -> tuple[int, dict]:
     """The status and JSON body for one probe request, from the state the server last stamped."""
     if method not in (b"GET", b"HEAD"):
-        return 501, {"error": {"code": "not_implemented", "message": "the probe port answers GET and HEAD only"}}
+        return 405, {"error": {"code": "method_not_allowed", "message": "the probe port answers GET and HEAD only"}}
     path = target.split(b"?", 1)[0].decode("ascii", "replace")
     beat, ready = STATE.unpack_from(state, 0)
     live = time.monotonic() - beat < stale_s
@@ -233,7 +233,8 @@ class _ProbeConnection(asyncio.Protocol):
                     return
         except h11.RemoteProtocolError as e:  # not HTTP, or a head past MAX_HEAD_BYTES
             if self.http.our_state in (h11.IDLE, h11.SEND_RESPONSE):
-                self._send(e.error_status_hint, b"")
+                code = "headers_too_large" if e.error_status_hint == 431 else "bad_request"
+                self._send(e.error_status_hint, json.dumps({"error": {"code": code, "message": str(e)}}).encode())
             self.transport.close()
 
     def _respond(self, request: h11.Request) -> None:
@@ -243,6 +244,8 @@ class _ProbeConnection(asyncio.Protocol):
     def _send(self, status: int, data: bytes, head: bool = False) -> None:
         """Write one answer; to HEAD, its headers only (h11 frames a HEAD answer without a body)."""
         headers = [("content-type", "application/json"), ("content-length", str(len(data))), ("server", "vitscope")]
+        if status == 405:
+            headers.append(("allow", "GET, HEAD"))
         out = self.http.send(h11.Response(status_code=status, headers=headers, reason=HTTPStatus(status).phrase))
         if data and not head:
             out += self.http.send(h11.Data(data=data))
