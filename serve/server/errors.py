@@ -18,6 +18,7 @@ ERROR_STATUS = {
     "bad_request": 422,  # a parameter or a tensor that does not fit
     "non_finite": 422,  # NaN or infinite pixel values
     "bad_host": 400,  # a Host header not in --allowed-hosts
+    "malformed_request": 400,  # not a request HTTP/1.1 can parse
     "bad_upload": 400,  # a UI upload Gradio cannot read (Gradio's own status for a malformed one)
     "unauthorized": 401,  # no API key, or a wrong one
     "not_an_image": 415,  # no image header at all

@@ -3,6 +3,7 @@ abandoned uploads, wrong methods. Image decoding in process; the HTTP cases agai
 
 from __future__ import annotations
 
+import json
 import socket
 import threading
 import time
@@ -208,6 +209,16 @@ def test_a_client_that_reads_none_of_its_answers_is_closed_after_the_body_timeou
         wait_until(lambda: not server_holds(server.port, port), 20, "the server dropping the connection")
     assert httpx.get(server.url + "/healthz").status_code == 200
     assert not any("Traceback" in line for line in server.lines)  # the requests still queued on it end quietly
+
+
+@pytest.mark.slow
+def test_a_request_that_is_not_http_gets_the_json_error_body(server):
+    """Every error of the API has the same JSON body: uvicorn's own 400 for an unparsable request was plain text."""
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as s:
+        s.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: -1\r\n\r\n")
+        head, _, body = read_response(s).partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400 ") and b"application/json" in head
+    assert json.loads(body)["error"]["code"] == "malformed_request"
 
 
 @pytest.mark.slow

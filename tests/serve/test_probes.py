@@ -228,6 +228,6 @@ def test_a_wrong_method_gets_405_with_allow_and_garbage_a_json_400():
         with socket.create_connection(("127.0.0.1", probes.port), timeout=5) as s:
             s.sendall(b"\x16\x03\x01 not HTTP at all\r\n\r\n")  # a TLS hello, say
             head, _, body = s.recv(65536).partition(b"\r\n\r\n")
-        assert head.startswith(b"HTTP/1.1 400 ") and json.loads(body)["error"]["code"] == "bad_request"
+        assert head.startswith(b"HTTP/1.1 400 ") and json.loads(body)["error"]["code"] == "malformed_request"
     finally:
         probes.stop()

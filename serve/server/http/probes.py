@@ -233,7 +233,7 @@ class _ProbeConnection(asyncio.Protocol):
                     return
         except h11.RemoteProtocolError as e:  # not HTTP, or a head past MAX_HEAD_BYTES
             if self.http.our_state in (h11.IDLE, h11.SEND_RESPONSE):
-                code = "headers_too_large" if e.error_status_hint == 431 else "bad_request"
+                code = "headers_too_large" if e.error_status_hint == 431 else "malformed_request"
                 self._send(e.error_status_hint, json.dumps({"error": {"code": code, "message": str(e)}}).encode())
             self.transport.close()
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import resource
 import time
+from http import HTTPStatus
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
@@ -46,10 +47,9 @@ def connection_cap(wanted: int) -> int:
 def error_bytes(code: str, message: str) -> bytes:
     """A complete HTTP/1.1 error answer with our JSON body, that closes the connection."""
     status, body = ERROR_STATUS[code], error_body(code, message)
-    reason = {408: "Request Timeout", 431: "Request Header Fields Too Large", 503: "Service Unavailable"}[status]
     head = (
-        f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
-        "connection: close\r\n\r\n"
+        f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\ncontent-type: application/json\r\n"
+        f"content-length: {len(body)}\r\nconnection: close\r\n\r\n"
     )
     return head.encode() + body
 
@@ -98,6 +98,9 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         for cycle in self.cycles:
             cycle.disconnected = cycle.disconnected or not cycle.response_complete
         super().connection_lost(exc)
+
+    def send_400_response(self, msg: str) -> None:  # a request httptools cannot parse: our JSON body, not text
+        self._refuse("malformed_request", f"{msg} Send a well-formed HTTP/1.1 request.")
 
     def pause_writing(self) -> None:  # the transport's buffer is full: the client is not reading
         super().pause_writing()
