@@ -36,7 +36,7 @@ from train.module import ViTClassifier
 from train.recipe import auto_recipe_args
 from train.review import REVIEW_HELP, review_parser
 from train.review import main as review_main
-from train.run_dir import CKPT_DIR, check_ckpt_owner, check_writable, is_remote, resolve_ckpt_path
+from train.run_dir import CKPT_DIR, check_ckpt_owner, check_writable, is_remote, lock_run_dir, resolve_ckpt_path
 from train.shards import PREPARE_HELP, prepare_parser
 from train.shards import main as prepare_main
 
@@ -193,6 +193,8 @@ class VitCLI(LightningCLI):
         config = init.get("trainer") or {}
         run_dir = Path(config.get("default_root_dir") or os.getcwd())
         check_writable(run_dir)
+        if self.subcommand == "fit":  # before anything in it is touched: the partial saves are another fit's
+            self._run_lock = lock_run_dir(run_dir)
         remove_partial_saves(run_dir / CKPT_DIR)
         kwargs["plugins"] = _with_atomic_checkpoint_io(config.get("plugins"))
         if config.get("logger") in (None, True):  # default loggers live in the run directory
@@ -220,6 +222,14 @@ class VitCLI(LightningCLI):
             callbacks += [last, KeepBestScore()]
         kwargs["callbacks"] = [*callbacks, LabelIssuesReport()]  # reports/label_issues.csv at the end of fit
         return super().instantiate_trainer(**kwargs)
+
+    def _run_subcommand(self, subcommand: str) -> None:
+        try:
+            super()._run_subcommand(subcommand)
+        finally:  # the run directory is free for the next fit, also one in this process (a notebook, a test)
+            if getattr(self, "_run_lock", None) is not None:
+                self._run_lock.close()
+                self._run_lock = None
 
     def instantiate_classes(self) -> None:
         try:

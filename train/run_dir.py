@@ -10,18 +10,22 @@ Each refusal is one `SetupError` line that names what can be used instead. The c
                      run's checkpoints that can be used instead
     a URL (http...)  loaded into memory with `weights_only=True`, like every other checkpoint
 `fit --ckpt_path` into a run directory that holds checkpoints must resume that run's own checkpoint,
-unless --overwrite true.
+unless --overwrite true. One fit at a time writes a run directory (`lock_run_dir`).
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
+import socket
 import zipfile
 from pathlib import Path
+from typing import IO
 
 from train.errors import SetupError, first_line
 
 CKPT_DIR = "checkpoints"
+LOCK_FILE = ".lock"  # held by the fit that writes the run directory (`lock_run_dir`)
 
 
 def is_remote(path: str | os.PathLike) -> bool:
@@ -94,6 +98,35 @@ def check_ckpt_owner(ckpt_path: str | None, run_dir: Path, overwrite: bool) -> N
             f"{where}, and --ckpt_path {ckpt_path} is not one of its checkpoints: fitting from it would replace "
             "them. Give a new --trainer.default_root_dir, or replace this run with --overwrite true"
         )
+
+
+def lock_run_dir(run_dir: Path) -> IO[str] | None:
+    """Hold `run_dir/.lock` until this process ends (however it ends: the kernel lets go of the lock): a second fit
+    into the same run directory is refused at once, rather than both running and the last to write winning.
+
+    DDP's other processes (a nonzero RANK, LOCAL_RANK or NODE_RANK) share the run of rank 0, which holds the lock.
+
+    Raises:
+        SetupError: another process holds it; the message says which, and what to do.
+    """
+    if any(os.environ.get(name, "0") != "0" for name in ("RANK", "LOCAL_RANK", "NODE_RANK")):
+        return None
+    f = open(run_dir / LOCK_FILE, "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip() or "another process"
+        f.close()
+        raise SetupError(
+            f"{run_dir} is in use by another fit ({holder}); wait for it to end, or give this one its own "
+            "--trainer.default_root_dir"
+        ) from None
+    f.seek(0)
+    f.truncate()
+    f.write(f"process {os.getpid()} on {socket.gethostname()}\n")
+    f.flush()
+    return f
 
 
 def check_writable(run_dir: Path) -> None:

@@ -142,3 +142,20 @@ def test_fit_refuses_to_replace_an_existing_run_unless_told(shapes_folder: Path,
     main([*args, "--overwrite", "true"])
     assert best.stat().st_mtime_ns > before  # written again
     assert yaml.safe_load((run / "config.yaml").read_text())["overwrite"] is False  # the permission is not saved
+
+
+def test_a_second_fit_into_a_run_directory_in_use_is_refused_at_once(shapes_folder: Path, tmp_path: Path, capsys):
+    """Two fits started into one fresh run directory both ran, and the last to write won: one run's checkpoints,
+    split and reports were silently the other's. The run directory is locked while a fit holds it."""
+    import fcntl
+
+    run = tmp_path / "run"
+    run.mkdir()
+    with open(run / ".lock", "a+") as other_fit:  # as the first fit holds it
+        fcntl.flock(other_fit, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        args = ["fit", "--config", "configs/sample.yaml", "--data.root", str(shapes_folder)]
+        with pytest.raises(SystemExit) as exit_info:
+            main([*args, "--trainer.default_root_dir", str(run), "--trainer.max_epochs", "1"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "in use by another fit" in err and "--trainer.default_root_dir" in err
+    assert sorted(p.name for p in run.iterdir()) == [".lock"]  # nothing of its own was written
