@@ -26,11 +26,12 @@ from lightning.pytorch.callbacks import Callback, EarlyStopping, ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.plugins import CheckpointIO
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from train.callbacks import KeepBestScore
 from train.checkpoint_io import AtomicCheckpointIO, load_error, remove_partial_saves
 from train.datamodule import ImageFolderDataModule
-from train.errors import SetupError, TrainingError
+from train.errors import SetupError, TrainingError, first_line
 from train.label_issues import LabelIssuesReport
 from train.module import ViTClassifier
 from train.recipe import auto_recipe_args
@@ -221,7 +222,13 @@ class VitCLI(LightningCLI):
             last.dirpath = os.path.realpath(run_dir / CKPT_DIR)
             callbacks += [last, KeepBestScore()]
         kwargs["callbacks"] = [*callbacks, LabelIssuesReport()]  # reports/label_issues.csv at the end of fit
-        return super().instantiate_trainer(**kwargs)
+        try:
+            trainer = super().instantiate_trainer(**kwargs)
+        except MisconfigurationException as e:  # Lightning's check of a --trainer.* value
+            raise SetupError(f"--trainer: {first_line(e)}") from None
+        if self.subcommand == "fit" and trainer.max_epochs == 0 and trainer.max_steps in (None, -1):
+            raise SetupError("--trainer.max_epochs 0 trains nothing: give 1 or more (or -1 with --trainer.max_steps)")
+        return trainer
 
     def _run_subcommand(self, subcommand: str) -> None:
         try:

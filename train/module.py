@@ -9,6 +9,7 @@ precision and recall written into the run directory.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 import os
@@ -62,6 +63,11 @@ def build_network(
     pretrained: str | None,
 ) -> VisionTransformer:
     """A named variant (fresh weights) or pretrained timm weights with a fresh head for `num_classes`."""
+    known = set(inspect.signature(VisionTransformer).parameters)
+    unknown = sorted(set(net_args or {}) - known)
+    if unknown:
+        takes = ", ".join(sorted(known))
+        raise ValueError(f"--model.net_args: no option {', '.join(unknown)}; the network takes {takes}")
     overrides = {**(net_args or {}), "num_classes": num_classes, "img_size": img_size}
     if pretrained is None:
         return create_model(variant, **overrides)
@@ -148,6 +154,19 @@ class ViTClassifier(pl.LightningModule):
             raise ValueError(f"lr must be a positive number, got {lr}")
         if not (math.isfinite(min_lr) and 0 <= min_lr):
             raise ValueError(f"min_lr must be zero or a positive number, got {min_lr}")
+        in_range = {  # name: (value, lowest, highest, whether the highest is allowed)
+            "ema_decay": (ema_decay or 0.0, 0.0, 1.0, False),  # 1 never moves, above 1 diverges
+            "label_smoothing": (label_smoothing, 0.0, 1.0, False),
+            "mix_prob": (mix_prob, 0.0, 1.0, True),
+            "distill_weight": (distill_weight, 0.0, 1.0, True),
+            "weight_decay": (weight_decay, 0.0, math.inf, False),
+            "mixup_alpha": (mixup_alpha, 0.0, math.inf, False),
+            "cutmix_alpha": (cutmix_alpha, 0.0, math.inf, False),
+            "warmup_epochs": (warmup_epochs, 0.0, math.inf, False),
+        }
+        for name, (value, low, high, high_ok) in in_range.items():
+            if not (low <= value < high or (high_ok and value == high)):
+                raise ValueError(f"--model.{name} must be in [{low:g}, {high:g}{']' if high_ok else ')'}, got {value}")
         if balance is not None and balance not in METHODS:
             raise ValueError(f"balance must be one of {', '.join(METHODS)} or None, got {balance!r}")
         if balance in LOSS_METHODS and (not class_counts or len(class_counts) != num_classes):

@@ -52,6 +52,15 @@ class Augment:
     re_prob: float = 0.25
     re_mode: str = "pixel"
 
+    def __post_init__(self):
+        for name in ("crop_scale", "crop_ratio"):
+            low, high = getattr(self, name)
+            if not 0 < low <= high:
+                raise ValueError(f"--data.augment.{name} must be [low, high] with 0 < low <= high, got {[low, high]}")
+        for name in ("hflip", "vflip", "re_prob"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise ValueError(f"--data.augment.{name} is a probability, in [0, 1]; got {getattr(self, name)}")
+
 
 class EvalTransform:
     """RGB PIL image -> (3, H, W) float32 tensor via `Preprocess.__call__` (the serving transform).

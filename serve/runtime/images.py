@@ -305,6 +305,8 @@ class Preprocess:
 
     def __post_init__(self):
         self.img_size = (self.img_size, self.img_size) if isinstance(self.img_size, int) else tuple(self.img_size)
+        if not all(isinstance(side, int) and side >= 1 for side in self.img_size):
+            raise ValueError(f"img_size must be a positive number of pixels, got {list(self.img_size)}")
         self.mean, self.std = tuple(map(float, self.mean)), tuple(map(float, self.std))
         if self.interpolation not in INTERPOLATIONS:
             raise ValueError(f"interpolation must be one of {list(INTERPOLATIONS)}, got {self.interpolation!r}")

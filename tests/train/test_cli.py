@@ -159,3 +159,26 @@ def test_a_second_fit_into_a_run_directory_in_use_is_refused_at_once(shapes_fold
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and "in use by another fit" in err and "--trainer.default_root_dir" in err
     assert sorted(p.name for p in run.iterdir()) == [".lock"]  # nothing of its own was written
+
+
+@pytest.mark.parametrize(
+    "option, value, named",
+    [
+        ("--model.ema_decay", "1.5", "ema_decay"),  # trained on, to a NaN validation loss and a chance-level model
+        ("--model.label_smoothing", "2", "label_smoothing"),
+        ("--data.img_size", "0", "img_size"),
+        ("--data.img_size", "-4", "img_size"),
+        ("--data.augment.crop_scale", "[0.9, 0.1]", "crop_scale"),
+        ("--trainer.max_epochs", "-5", "max_epochs"),
+        ("--trainer.max_epochs", "0", "max_epochs"),  # "Training finished." with no checkpoint
+        ("--model.net_args", "{drop_path_rat: 0.1}", "drop_path_rat"),  # a typo
+    ],
+)
+def test_an_option_out_of_its_range_is_one_line_before_any_work(option, value, named, shapes_folder, tmp_path, capsys):
+    run = tmp_path / "run"
+    args = ["fit", "--config", "configs/sample.yaml", "--data.root", str(shapes_folder)]
+    with pytest.raises(SystemExit) as exit_info:
+        main([*args, "--trainer.default_root_dir", str(run), option, value])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and named in err and "Traceback" not in err, err
+    assert not (run / "checkpoints").exists()
