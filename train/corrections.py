@@ -18,6 +18,8 @@ import logging
 import os
 from pathlib import Path
 
+from serve.runtime.images import FILE_NAME_ERRORS
+
 log = logging.getLogger(__name__)
 
 HEADER = ["path", "label"]
@@ -47,7 +49,8 @@ def load_corrections(file: str | Path, root: str | Path, classes: list[str]) -> 
     file, root = Path(file).expanduser(), Path(root).expanduser().resolve()
     if not file.is_file():
         raise FileNotFoundError(f"corrections file not found: {file} (a CSV with the header path,label)")
-    with open(file, newline="", encoding="utf-8-sig") as f:  # utf-8-sig: spreadsheets save a byte-order mark
+    # utf-8-sig: spreadsheets save a byte-order mark
+    with open(file, newline="", encoding="utf-8-sig", errors=FILE_NAME_ERRORS) as f:
         rows = list(csv.reader(f))
     if not rows or [c.strip().lower() for c in rows[0][:2]] != HEADER:
         found = ",".join(rows[0]) if rows else "an empty file"

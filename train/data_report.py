@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, TextIO
 import numpy as np
 from PIL import Image
 
+from serve.runtime.images import FILE_NAME_ERRORS
 from train.balance import AUTO_RATIO, imbalance_ratio, resolve_balance
 from train.parallel import parallel_map
 
@@ -117,7 +118,7 @@ def write_data_report(scan: FolderScan, run_dir: Path, balance: str, dedupe: str
     out = run_dir / REPORTS
     out.mkdir(parents=True, exist_ok=True)
     report = build_report(scan, balance, dedupe)
-    with open(out / "duplicates.csv", "w", newline="") as f:
+    with open(out / "duplicates.csv", "w", newline="", encoding="utf-8", errors=FILE_NAME_ERRORS) as f:
         report["duplicates"]["across_splits"] = write_duplicates_csv(scan, f)
     (out / "data.json").write_text(json.dumps(report, indent=1))
     for line in summary_lines(report):

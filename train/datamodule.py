@@ -24,7 +24,7 @@ from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset, RandomSampler
 
-from serve.runtime.images import Preprocess
+from serve.runtime.images import FILE_NAME_ERRORS, Preprocess
 from train.balance import BALANCE_CHOICES, balanced_sampler, resolve_balance
 from train.data_report import class_counts, write_data_report
 from train.dataset import BatchCollate, ImageListDataset, fill_cache, usable_cores
@@ -271,7 +271,7 @@ class ImageFolderDataModule(pl.LightningDataModule):
         else:
             self.scan.write_split(run_dir / "split.json")
             write_data_report(self.scan, run_dir, self.balance, self.dedupe)
-        with open(run_dir / "bad_files.csv", "w", newline="") as f:
+        with open(run_dir / "bad_files.csv", "w", newline="", encoding="utf-8", errors=FILE_NAME_ERRORS) as f:
             w = csv.writer(f)
             w.writerow(["file", "reason"])
             w.writerows((b.path, b.reason) for b in self.scan.bad)

@@ -171,6 +171,14 @@ def check_headers(paths: list[str], workers: int | None = None, chunk: int = 2_0
 def _scan_classes(folder: Path, classes: list[str] | None, verify: bool, bad: list[BadFile]) -> dict[str, list[str]]:
     dirs = class_dirs(folder)
     names = [d.name for d in dirs]
+    for name in names:  # the label the model answers, in JSON and in the ONNX file's metadata: text
+        try:
+            name.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError(
+                f"the class folder {os.fsencode(name)!r} in {folder} is not named in UTF-8 (its name is the label "
+                "the model answers): rename it"
+            ) from None
     if classes is not None and names != classes:
         raise ValueError(
             f"{folder} has class folders {names}, but the training folder has {classes}; "
@@ -292,6 +300,8 @@ def scan_folder(
     """
     start = time.perf_counter()
     root = Path(root).expanduser().resolve()
+    if root.is_file():
+        raise ValueError(f"{root} is a file: give the image folder that holds it (root/<class>/<image> files)")
     if not root.is_dir():
         raise FileNotFoundError(f"image folder not found: {root} (expected root/<class>/<image> files)")
     bad: list[BadFile] = []
@@ -375,6 +385,8 @@ def _done(scan: FolderScan, start: float) -> FolderScan:
 def folder_classes(root: str | Path) -> list[str]:
     """The class names of an image folder from its folder names alone (no file is read)."""
     root = Path(root).expanduser()
+    if root.is_file():
+        raise ValueError(f"{root} is a file: give the image folder that holds it (root/<class>/<image> files)")
     if not root.is_dir():
         raise FileNotFoundError(f"image folder not found: {root} (expected root/<class>/<image> files)")
     base = root / "train" if (root / "train").is_dir() and (root / "val").is_dir() else root

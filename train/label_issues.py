@@ -32,7 +32,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from serve.runtime.calibration import fit_temperature, softmax
-from serve.runtime.images import Preprocess
+from serve.runtime.images import FILE_NAME_ERRORS, Preprocess
 from train.dataset import ImageListDataset
 from train.transforms import EvalTransform
 
@@ -149,7 +149,7 @@ def calibrated_probs(logits: np.ndarray, labels: np.ndarray, calib: np.ndarray) 
 def write_label_issues(path: Path, items: list[tuple[str, int]], classes: list[str], issues: LabelIssues) -> None:
     """Write `path,given,suggested,score` rows (class names, score to 4 decimals), most likely wrong first."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w", newline="") as f:
+    with open(path, "w", newline="", encoding="utf-8", errors=FILE_NAME_ERRORS) as f:
         w = csv.writer(f)
         w.writerow(COLUMNS)
         for i, k, s in zip(issues.index.tolist(), issues.suggested.tolist(), issues.score.tolist(), strict=True):

@@ -28,7 +28,7 @@ import torch
 from PIL import Image
 
 from serve.runtime import calibration as cal
-from serve.runtime.images import ImageError, load_image
+from serve.runtime.images import FILE_NAME_ERRORS, ImageError, load_image
 from train.checkpoint_format import load_network
 from train.errors import SetupError
 from vit import flip
@@ -152,7 +152,7 @@ class ReviewRun:
     def _read_label_issues(self, file: Path) -> list[Item]:
         if not file.is_file():
             return []
-        with open(file, newline="", encoding="utf-8") as f:
+        with open(file, newline="", encoding="utf-8", errors=FILE_NAME_ERRORS) as f:
             rows = list(csv.DictReader(f))
         items = [
             Item(r["path"], self._name(r["given"]), self._name(r["suggested"]) or None, float(r["score"] or 0), "")
@@ -177,7 +177,7 @@ class ReviewRun:
             return []
         every = _joined(scored.values())
         top = dict(zip(every["paths"], [self.labels[k] for k in every["probs"].argmax(-1)], strict=True))
-        with open(file, newline="", encoding="utf-8") as f:
+        with open(file, newline="", encoding="utf-8", errors=FILE_NAME_ERRORS) as f:
             rows = list(csv.DictReader(f))
         return [
             Item(r["path"], self._given(r["path"]), top.get(r["path"]), float(r["group"]),

@@ -13,6 +13,7 @@ import os
 import threading
 from pathlib import Path
 
+from serve.runtime.images import FILE_NAME_ERRORS
 from train.corrections import HEADER
 
 CORRECTIONS_FILE = "corrections.csv"
@@ -26,7 +27,7 @@ def read_decisions(path: str | Path) -> dict[str, str | None]:
     path = Path(path)
     if not path.is_file():
         return {}
-    with open(path, newline="", encoding="utf-8-sig") as f:
+    with open(path, newline="", encoding="utf-8-sig", errors=FILE_NAME_ERRORS) as f:
         rows = list(csv.reader(f))
     if rows and [c.strip().lower() for c in rows[0][:2]] != HEADER:
         raise ValueError(f"{path} must start with the header line path,label: fix or move it, then review again")
@@ -69,7 +70,7 @@ def _write_atomically(file: Path, decided: dict[str, str | None]) -> None:
     writer.writerow(HEADER)
     writer.writerows([p, label or ""] for p, label in decided.items())
     tmp = file.with_name(f".{file.name}.tmp")
-    with open(tmp, "w", encoding="utf-8", newline="") as f:
+    with open(tmp, "w", encoding="utf-8", errors=FILE_NAME_ERRORS, newline="") as f:
         f.write(buf.getvalue())
         f.flush()
         os.fsync(f.fileno())

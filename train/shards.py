@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from jsonargparse import ArgumentParser
 
-from serve.runtime.images import ImageError, load_image
+from serve.runtime.images import FILE_NAME_ERRORS, ImageError, load_image
 from train.balance import resolve_balance
 from train.data_report import REPORTS, build_report, class_counts, write_duplicates_csv
 from train.dataset import usable_cores
@@ -108,11 +108,11 @@ def prepare(
 def _write_text(out: str, name: str, text: str) -> None:
     if "://" not in out:
         Path(out).mkdir(parents=True, exist_ok=True)
-        (Path(out) / name).write_text(text)
+        (Path(out) / name).write_text(text, encoding="utf-8", errors=FILE_NAME_ERRORS)
         return
     import fsspec  # remote outputs: the object store's fsspec driver (s3fs, gcsfs)
 
-    with fsspec.open(f"{out.rstrip('/')}/{name}", "w") as f:
+    with fsspec.open(f"{out.rstrip('/')}/{name}", "w", encoding="utf-8", errors=FILE_NAME_ERRORS) as f:
         f.write(text)
 
 

@@ -21,6 +21,10 @@ import numpy as np
 from PIL import ExifTags, Image, ImageOps, UnidentifiedImageError
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff")
+# Linux file names are bytes: one that is not UTF-8 reaches Python as a str holding surrogates (PEP 383). Text files
+# that list image paths (CSV reports, corrections) are written and read with this error handler: such a name is
+# kept as its bytes, so each row still names its file, and a UTF-8 name is written as plain UTF-8.
+FILE_NAME_ERRORS = "surrogateescape"
 # The decoders PIL may use: the formats above (JPEG's includes the MPO files of many phones). Every other
 # PIL plugin stays off for untrusted input (EPS, for one, would run Ghostscript).
 FORMATS = ("JPEG", "PNG", "BMP", "GIF", "WEBP", "TIFF")

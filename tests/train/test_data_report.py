@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import logging
+import os
 import shutil
 from pathlib import Path
 
@@ -101,3 +102,27 @@ def test_prepare_applies_corrections_and_keeps_the_report_for_fit(long_tail: Pat
     assert report["balance"]["method"] == dm.balance_method and report["corrections"]["left_out"] == 1
     with pytest.raises(ValueError, match="vit-train prepare --data.corrections"):
         ImageFolderDataModule(str(out), corrections=str(fixes))
+
+
+def test_file_names_that_are_not_utf8_are_reported_as_they_are_on_disk(long_tail: Path, tmp_path: Path):
+    """Linux file names are bytes: a copied image named b'bad\\xff.png' ended training before its first step,
+    writing duplicates.csv; an unreadable one left bad_files.csv holding its header alone."""
+    cat = os.fsencode(long_tail / "cat")
+    shutil.copy(long_tail / "cat" / "001.png", os.fsdecode(cat + b"/copy\xff.png"))  # a copy: in duplicates.csv
+    Path(os.fsdecode(cat + b"/broken\xfe.png")).write_bytes(b"not an image")  # in bad_files.csv
+    _setup(long_tail, tmp_path / "run")
+    with open(tmp_path / "run" / "bad_files.csv", newline="", encoding="utf-8", errors="surrogateescape") as f:
+        bad = [row["file"] for row in csv.DictReader(f)]
+    with open(
+        tmp_path / "run" / "reports" / "duplicates.csv", newline="", encoding="utf-8", errors="surrogateescape"
+    ) as f:
+        copies = [row["path"] for row in csv.DictReader(f)]
+    assert [os.fsencode(Path(p).name) for p in bad] == [b"broken\xfe.png"] and all(map(os.path.exists, bad))
+    assert b"copy\xff.png" in [os.fsencode(Path(p).name) for p in copies] and all(map(os.path.exists, copies))
+
+
+def test_a_class_folder_whose_name_is_not_utf8_is_refused_naming_it(long_tail: Path, tmp_path: Path):
+    """Its name is the label the model answers, in JSON and in the ONNX file's metadata: text, so UTF-8."""
+    os.rename(long_tail / "dog", os.fsdecode(os.fsencode(long_tail) + b"/caf\xe9"))
+    with pytest.raises(ValueError, match=r"caf\\xe9.*rename"):
+        _setup(long_tail, tmp_path / "run")
