@@ -112,10 +112,16 @@ def class_dirs(folder: Path) -> list[Path]:
 def find_image_files(folder: Path, bad: list[BadFile] | None = None) -> list[str]:
     """Absolute paths of the visible files with an image suffix under `folder`, sorted (one `scandir` per folder).
 
-    A subfolder that cannot be listed would hide its images silently: it goes to `bad` instead.
+    Linked folders are followed, as torchvision's `ImageFolder` does, each real folder once (a link back up the
+    tree ends there). A subfolder that cannot be listed would hide its images silently: it goes to `bad` instead.
     """
-    found, errors = [], []
-    for top, dirs, files in os.walk(folder.resolve(), onerror=errors.append):
+    found, errors, seen = [], [], set()
+    for top, dirs, files in os.walk(folder.resolve(), onerror=errors.append, followlinks=True):
+        st = os.stat(top)
+        if (st.st_dev, st.st_ino) in seen:  # walked already, through a link
+            dirs[:] = []
+            continue
+        seen.add((st.st_dev, st.st_ino))
         dirs[:] = [d for d in dirs if not d.startswith(".")]
         found += [os.path.join(top, f) for f in files if not f.startswith(".") and _has_image_suffix(f)]
     if bad is not None:

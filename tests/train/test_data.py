@@ -239,3 +239,20 @@ def test_a_pool_given_little_or_no_work_returns_at_once_every_time():
 
 def _reciprocal(x: int) -> float:
     return 1 / x
+
+
+def test_a_symlinked_folder_inside_a_class_is_followed_once_and_a_loop_ends(tmp_path: Path):
+    """As torchvision's ImageFolder follows links: a linked sub-folder's 40 images were silently left out, while a
+    real sub-folder's were in. A link back up the tree is walked once, not for ever."""
+    from train.folder_scan import scan_folder
+
+    root = tmp_path / "shapes"
+    write_shapes(root, per_class=4)
+    outside = tmp_path / "more"
+    write_shapes(outside, per_class=3, seed=1)
+    classes = sorted(p.name for p in root.iterdir())
+    (root / classes[0] / "linked").symlink_to(outside / classes[0], target_is_directory=True)
+    (root / classes[1] / "loop").symlink_to(root / classes[1], target_is_directory=True)
+    scan = scan_folder(root, val_fraction=0.25, seed=0)
+    per_class = Counter(y for _, y in scan.train + scan.val + scan.calib)
+    assert per_class[0] == 4 + 3 and per_class[1] == 4  # the loop adds nothing
