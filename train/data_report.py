@@ -81,17 +81,21 @@ def _split_of(scan: FolderScan) -> dict[str, str]:
     return where
 
 
-def write_duplicates_csv(scan: FolderScan, f: TextIO) -> int:
-    """Write `group,path,kind,split` for every image in a group to `f`; returns the groups the folder itself put
-    in two splits (the user's train/ and val/: `left_out` counts as val)."""
-    where, across = _split_of(scan), 0
+def write_duplicates_csv(scan: FolderScan, f: TextIO) -> dict[str, int]:
+    """Write `group,path,kind,split,label` for every image in a group to `f`; returns `across_splits` (the groups
+    the folder itself put in two splits: the user's train/ and val/, `left_out` counting as val) and
+    `conflicting_labels` (the groups whose images carry different classes: one of the labels is wrong)."""
+    where, across, conflicting = _split_of(scan), 0, 0
+    label = {p: scan.classes[y] for name in ("train", "val", "calib") for p, y in getattr(scan, name)}
     w = csv.writer(f)
-    w.writerow(["group", "path", "kind", "split"])
+    w.writerow(["group", "path", "kind", "split", "label"])
     for g, group in enumerate(scan.duplicates.groups if scan.duplicates else [], start=1):
         splits = {where.get(p, "") for p in group}
         across += len({"val" if s == "left_out" else s for s in splits}) > 1
-        w.writerows((g, p, scan.duplicates.kind(p), where.get(p, "")) for p in group)
-    return across
+        labels = [label.get(p, Path(p).parent.name) for p in group]  # one left out of val: its folder's class
+        conflicting += len(set(labels)) > 1
+        w.writerows((g, p, scan.duplicates.kind(p), where.get(p, ""), y) for p, y in zip(group, labels, strict=True))
+    return {"across_splits": across, "conflicting_labels": conflicting}
 
 
 def build_report(scan: FolderScan, balance: str, dedupe: str) -> dict:
@@ -105,7 +109,13 @@ def build_report(scan: FolderScan, balance: str, dedupe: str) -> dict:
         "splits": {"train": len(scan.train), "val": len(scan.val), "calib": len(scan.calib)},
         "imbalance_ratio": imbalance_ratio(counts),
         "balance": {"requested": balance, "method": resolve_balance(balance, counts)},
-        "duplicates": {"searched": dedupe != "none", **dups, "across_splits": 0, "left_out_of_val": len(scan.left_out)},
+        "duplicates": {
+            "searched": dedupe != "none",
+            **dups,
+            "across_splits": 0,
+            "left_out_of_val": len(scan.left_out),
+            "conflicting_labels": 0,
+        },
         **stats,
         "corrections": corrections,
         "unreadable": len(scan.bad),
@@ -119,7 +129,7 @@ def write_data_report(scan: FolderScan, run_dir: Path, balance: str, dedupe: str
     out.mkdir(parents=True, exist_ok=True)
     report = build_report(scan, balance, dedupe)
     with open(out / "duplicates.csv", "w", newline="", encoding="utf-8", errors=FILE_NAME_ERRORS) as f:
-        report["duplicates"]["across_splits"] = write_duplicates_csv(scan, f)
+        report["duplicates"].update(write_duplicates_csv(scan, f))
     (out / "data.json").write_text(json.dumps(report, indent=1))
     for line in summary_lines(report):
         log.info(line)
@@ -148,6 +158,12 @@ def summary_lines(report: dict) -> list[str]:
             f"copies: {d['exact_groups']} groups of exact copies and {d['near_groups']} of near-copies "
             f"(reports/duplicates.csv); each group is kept to one split"
             + (f"; {d['left_out_of_val']} val image(s) with a copy in train/ left out" if d["left_out_of_val"] else "")
+        )
+    if d.get("conflicting_labels"):  # a report of an older version has none
+        lines.append(
+            f"conflicting labels: {d['conflicting_labels']} copy groups hold the same image under different classes "
+            "(the label column of reports/duplicates.csv), so one label of each is wrong: correct them with "
+            "vit-train review RUN_DIR, or --data.corrections"
         )
     if report["small_classes"]:
         named = ", ".join(f"{c!r} ({counts[c]})" for c in report["small_classes"][:5])

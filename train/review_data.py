@@ -4,7 +4,7 @@
 network once over the split's images and makes four lists of `Item`s:
 
 - likely wrong labels: `reports/label_issues.csv` (`path,given,suggested,score`), as the run wrote it;
-- copies: `reports/duplicates.csv` (`group,path,kind,split`), one row per image of each group;
+- copies: `reports/duplicates.csv` (`group,path,kind,split,label`), one row per image of each group;
 - unknown-looking images: the Mahalanobis OOD score on the network's pre-logit features (the score `vit-export`
   calibrates by default), Gaussian fitted on the training images; listed above the score that accepts 95 % of the
   held-out images (calibration split, else validation);

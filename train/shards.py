@@ -96,7 +96,7 @@ def prepare(
     meta["class_counts"] = class_counts(scan)
     meta["report"] = build_report(scan, "auto", dedupe)
     buf = io.StringIO()
-    meta["report"]["duplicates"]["across_splits"] = write_duplicates_csv(scan, buf)
+    meta["report"]["duplicates"].update(write_duplicates_csv(scan, buf))
     _write_text(out, "duplicates.csv", buf.getvalue())
     _write_text(out, META, json.dumps(meta, indent=1))
     buf = io.StringIO()

@@ -52,7 +52,8 @@ def test_data_json_and_duplicates_csv_are_written_at_setup(long_tail: Path, tmp_
     assert report["balance"] == {"requested": "auto", "method": resolve_balance("auto", counts)}
     assert report["balance"]["method"] is not None and dm.balance_method == report["balance"]["method"]
     assert report["duplicates"] == {
-        "searched": True, "exact_groups": 1, "near_groups": 0, "across_splits": 0, "left_out_of_val": 0
+        "searched": True, "exact_groups": 1, "near_groups": 0, "across_splits": 0, "left_out_of_val": 0,
+        "conflicting_labels": 0,
     }  # fmt: skip
     assert report["image_modes"] == {"RGB": 106, "L": 1}  # one image left out by the corrections
     assert report["image_sizes"]["most_common"] == {"40x40": 106, "48x48": 1}
@@ -126,3 +127,21 @@ def test_a_class_folder_whose_name_is_not_utf8_is_refused_naming_it(long_tail: P
     os.rename(long_tail / "dog", os.fsdecode(os.fsencode(long_tail) + b"/caf\xe9"))
     with pytest.raises(ValueError, match=r"caf\\xe9.*rename"):
         _setup(long_tail, tmp_path / "run")
+
+
+def test_the_same_image_under_two_classes_is_reported_as_conflicting_labels(long_tail: Path, tmp_path: Path, caplog):
+    """Copies that disagree on their class were reported as mere copies: one of the two labels is wrong."""
+    for i in range(3):
+        shutil.copy(long_tail / "cat" / f"{10 + i:03d}.png", long_tail / "dog" / f"from_cat_{i}.png")
+    with caplog.at_level(logging.INFO, logger="train.data_report"):
+        _setup(long_tail, tmp_path / "run")
+    report = json.loads((tmp_path / "run" / "reports" / "data.json").read_text())
+    assert report["duplicates"]["conflicting_labels"] == 3
+    with open(tmp_path / "run" / "reports" / "duplicates.csv") as f:
+        rows = list(csv.DictReader(f))
+    groups = {}
+    for r in rows:
+        groups.setdefault(r["group"], set()).add(r["label"])
+    assert sorted(map(sorted, groups.values())).count(["cat", "dog"]) == 3
+    text = "\n".join(r.getMessage() for r in caplog.records)
+    assert "3 copy groups" in text and "vit-train review" in text
