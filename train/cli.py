@@ -236,7 +236,6 @@ class VitCLI(LightningCLI):
         finally:  # the run directory is free for the next fit, also one in this process (a notebook, a test)
             if getattr(self, "_run_lock", None) is not None:
                 self._run_lock.close()
-                self._run_lock = None
 
     def instantiate_classes(self) -> None:
         try:

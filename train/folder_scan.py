@@ -177,14 +177,10 @@ def check_headers(paths: list[str], workers: int | None = None, chunk: int = 2_0
 def _scan_classes(folder: Path, classes: list[str] | None, verify: bool, bad: list[BadFile]) -> dict[str, list[str]]:
     dirs = class_dirs(folder)
     names = [d.name for d in dirs]
-    for name in names:  # the label the model answers, in JSON and in the ONNX file's metadata: text
-        try:
-            name.encode("utf-8")
-        except UnicodeEncodeError:
-            raise ValueError(
-                f"the class folder {os.fsencode(name)!r} in {folder} is not named in UTF-8 (its name is the label "
-                "the model answers): rename it"
-            ) from None
+    # a class name is the label the model answers, in JSON and in the ONNX metadata: text, not stray bytes (PEP 383)
+    if strays := [n for n in names if any("\udc80" <= c <= "\udcff" for c in n)]:
+        what = f"the class folder {os.fsencode(strays[0])!r} in {folder} is not named in UTF-8"
+        raise ValueError(f"{what} (its name is the label the model answers): rename it")
     if classes is not None and names != classes:
         raise ValueError(
             f"{folder} has class folders {names}, but the training folder has {classes}; "
@@ -304,12 +300,7 @@ def scan_folder(
         ValueError: fewer than 2 classes, an empty class folder (the message names it), a class too small
             to give calibration images, or a corrections file that names no class or empties one.
     """
-    start = time.perf_counter()
-    root = Path(root).expanduser().resolve()
-    if root.is_file():
-        raise ValueError(f"{root} is a file: give the image folder that holds it (root/<class>/<image> files)")
-    if not root.is_dir():
-        raise FileNotFoundError(f"image folder not found: {root} (expected root/<class>/<image> files)")
+    start, root = time.perf_counter(), _image_root(root)
     bad: list[BadFile] = []
     pool = not ((root / "train").is_dir() and (root / "val").is_dir())
     parts = [_scan_classes(root if pool else root / "train", None, verify, bad)]
@@ -335,6 +326,15 @@ def scan_folder(
     scan = FolderScan(root, classes, train, val, bad, "pool" if pool else "train_val", calib=calib)
     scan.corrections, scan.duplicates, scan.image_stats, scan.left_out = record, dups, stats, left_out
     return _done(scan, start)
+
+
+def _image_root(root: str | Path) -> Path:
+    root = Path(root).expanduser().resolve()
+    if root.is_file():
+        raise ValueError(f"{root} is a file: give the image folder that holds it (root/<class>/<image> files)")
+    if not root.is_dir():
+        raise FileNotFoundError(f"image folder not found: {root} (expected root/<class>/<image> files)")
+    return root
 
 
 def _dedupe(parts: list[dict[str, list[str]]], bad: list[BadFile]) -> tuple[list, Duplicates, dict]:

@@ -9,7 +9,6 @@ precision and recall written into the run directory.
 
 from __future__ import annotations
 
-import inspect
 import logging
 import math
 import os
@@ -34,11 +33,12 @@ from torchmetrics.classification import (
 )
 
 from serve.runtime.images import Preprocess
-from train.balance import LOSS_METHODS, METHODS, BalancedLoss
+from train.balance import LOSS_METHODS, BalancedLoss
 from train.checkpoint_format import META_KEY, RNG_KEY, check_class_names, rng_states, set_rng_states
 from train.distill import distillation_loss, load_teacher, student_net_args
 from train.errors import first_line
 from train.finite_checks import check_finite_loss, check_finite_weights
+from train.options import check_balance, check_model_options, check_net_args
 from train.reports import write_confusion_csv, write_confusion_png, write_per_class_csv
 from vit.model import VisionTransformer, create_model
 from vit.timm_compat import from_timm
@@ -63,11 +63,7 @@ def build_network(
     pretrained: str | None,
 ) -> VisionTransformer:
     """A named variant (fresh weights) or pretrained timm weights with a fresh head for `num_classes`."""
-    known = set(inspect.signature(VisionTransformer).parameters)
-    unknown = sorted(set(net_args or {}) - known)
-    if unknown:
-        takes = ", ".join(sorted(known))
-        raise ValueError(f"--model.net_args: no option {', '.join(unknown)}; the network takes {takes}")
+    check_net_args(net_args)
     overrides = {**(net_args or {}), "num_classes": num_classes, "img_size": img_size}
     if pretrained is None:
         return create_model(variant, **overrides)
@@ -150,27 +146,12 @@ class ViTClassifier(pl.LightningModule):
         """Check the arguments (above) and build the parts. It reads better whole: its length is the signature, one
         argument a line as LightningCLI lists them, and the body builds the parts in the order training uses them."""
         super().__init__()
-        if not (math.isfinite(lr) and lr > 0):
-            raise ValueError(f"lr must be a positive number, got {lr}")
-        if not (math.isfinite(min_lr) and 0 <= min_lr):
-            raise ValueError(f"min_lr must be zero or a positive number, got {min_lr}")
-        in_range = {  # name: (value, lowest, highest, whether the highest is allowed)
-            "ema_decay": (ema_decay or 0.0, 0.0, 1.0, False),  # 1 never moves, above 1 diverges
-            "label_smoothing": (label_smoothing, 0.0, 1.0, False),
-            "mix_prob": (mix_prob, 0.0, 1.0, True),
-            "distill_weight": (distill_weight, 0.0, 1.0, True),
-            "weight_decay": (weight_decay, 0.0, math.inf, False),
-            "mixup_alpha": (mixup_alpha, 0.0, math.inf, False),
-            "cutmix_alpha": (cutmix_alpha, 0.0, math.inf, False),
-            "warmup_epochs": (warmup_epochs, 0.0, math.inf, False),
-        }
-        for name, (value, low, high, high_ok) in in_range.items():
-            if not (low <= value < high or (high_ok and value == high)):
-                raise ValueError(f"--model.{name} must be in [{low:g}, {high:g}{']' if high_ok else ')'}, got {value}")
-        if balance is not None and balance not in METHODS:
-            raise ValueError(f"balance must be one of {', '.join(METHODS)} or None, got {balance!r}")
-        if balance in LOSS_METHODS and (not class_counts or len(class_counts) != num_classes):
-            raise ValueError(f"balance {balance!r} needs class_counts of {num_classes} classes, got {class_counts}")
+        check_model_options(
+            lr, min_lr, ema_decay=ema_decay or 0.0, label_smoothing=label_smoothing, mix_prob=mix_prob,
+            distill_weight=distill_weight, weight_decay=weight_decay, mixup_alpha=mixup_alpha,
+            cutmix_alpha=cutmix_alpha, warmup_epochs=warmup_epochs,
+        )  # fmt: skip
+        check_balance(balance, class_counts, num_classes)
         self.save_hyperparameters()
         net_args = student_net_args(net_args, teacher, distill_weight)
         self.net = build_network(num_classes, img_size, variant, net_args, pretrained)
