@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from serve.runtime.images import IMAGE_SUFFIXES
+from serve.runtime.images import walk_image_files
 from train.corrections import correct_folder
 from train.data_report import image_stats
 from train.duplicates import Duplicates, find_duplicates, follow_anchors, without_members
@@ -110,27 +110,12 @@ def class_dirs(folder: Path) -> list[Path]:
 
 
 def find_image_files(folder: Path, bad: list[BadFile] | None = None) -> list[str]:
-    """Absolute paths of the visible files with an image suffix under `folder`, sorted (one `scandir` per folder).
-
-    Linked folders are followed, as torchvision's `ImageFolder` does, each real folder once (a link back up the
-    tree ends there). A subfolder that cannot be listed would hide its images silently: it goes to `bad` instead.
-    """
-    found, errors, seen = [], [], set()
-    for top, dirs, files in os.walk(folder.resolve(), onerror=errors.append, followlinks=True):
-        st = os.stat(top)
-        if (st.st_dev, st.st_ino) in seen:  # walked already, through a link
-            dirs[:] = []
-            continue
-        seen.add((st.st_dev, st.st_ino))
-        dirs[:] = [d for d in dirs if not d.startswith(".")]
-        found += [os.path.join(top, f) for f in files if not f.startswith(".") and _has_image_suffix(f)]
+    """Absolute paths of the visible files with an image suffix under `folder`, sorted (`walk_image_files`: linked
+    folders followed once). A subfolder that cannot be listed would hide its images silently: it goes to `bad`."""
+    found, errors = walk_image_files(folder.resolve())
     if bad is not None:
         bad += [BadFile(str(Path(e.filename).resolve()), f"folder cannot be read: {e.strerror}") for e in errors]
-    return sorted(found)
-
-
-def _has_image_suffix(name: str) -> bool:
-    return os.path.splitext(name)[1].lower() in IMAGE_SUFFIXES
+    return found
 
 
 # Leading bytes of every format we decode (serve.runtime.images.FORMATS); RIFF needs WEBP at bytes 8-12.

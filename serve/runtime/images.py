@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import math
+import os
 import re
 import threading
 import warnings
@@ -59,6 +60,26 @@ def is_image_file(path: str | Path) -> bool:
     """True for a visible file whose suffix (any case) is an image type we read."""
     p = Path(path)
     return p.suffix.lower() in IMAGE_SUFFIXES and not p.name.startswith(".")
+
+
+def walk_image_files(folder: str | Path) -> tuple[list[str], list[OSError]]:
+    """The image files under `folder` (`is_image_file`: hidden files and folders left out), sorted, and the errors
+    of the folders that could not be listed (they would hide their images: the caller reports them).
+
+    Linked folders are followed, as torchvision's `ImageFolder` does, each real folder once (a link back up the
+    tree ends there). Paths start with `folder` as given. Training (`train.folder_scan`) and `vit-predict`
+    (`serve.runtime.jobs`) both find their images here, so a folder holds the same images for both.
+    """
+    found, errors, seen = [], [], set()
+    for top, dirs, files in os.walk(folder, onerror=errors.append, followlinks=True):
+        st = os.stat(top)
+        if (st.st_dev, st.st_ino) in seen:  # walked already, through a link
+            dirs[:] = []
+            continue
+        seen.add((st.st_dev, st.st_ino))
+        dirs[:] = [d for d in dirs if not d.startswith(".")]
+        found += [os.path.join(top, f) for f in files if is_image_file(f)]
+    return sorted(found), errors
 
 
 def load_image(source: ImageSource, max_pixels: int | None = DEFAULT_MAX_PIXELS) -> Image.Image:

@@ -7,10 +7,16 @@ Inputs are local files and folders (searched recursively), and URIs (`s3://...`,
 read through fsspec when it is installed, a prefix standing for every image file below it. Decoding runs
 in a pool of threads a few batches ahead of the model, so while onnxruntime classifies one batch (it
 releases the GIL) the next ones are being read, decoded and resized: the model, not the loader, sets the pace.
+
+A folder is searched as training searches one (`train.folder_scan.find_image_files`): hidden files and folders
+(`.DS_Store`, `.ipynb_checkpoints/`) are not inputs, and a link whose target is gone is one, so that reading it
+reports it like any other unreadable image.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
@@ -21,7 +27,7 @@ from typing import Any, TextIO
 import numpy as np
 from tqdm import tqdm
 
-from serve.runtime.images import ImageError, is_image_file
+from serve.runtime.images import ImageError, is_image_file, walk_image_files
 from serve.runtime.outputs import PartStore
 
 # Shapes: B batch, H/W the model's input, K classes.
@@ -53,6 +59,24 @@ def _expand_uri(uri: str) -> list[str]:
     return [uri] if fs.exists(path) else []
 
 
+def find_images(folder: str | Path, errors: TextIO) -> tuple[list[str], int]:
+    """The image files under `folder` (recursive, sorted), hidden files and folders left out, as training finds them.
+
+    A link whose target is gone (or that loops) stays in: reading it fails, and it is reported with the reason,
+    as a broken image is, rather than dropped without a word. Other entries that are not files (a FIFO, a socket)
+    are left out: reading one could block.
+
+    Returns:
+        (files, problems): a folder that cannot be listed would hide its images, so it is reported on `errors`
+        and counted.
+    """
+    paths, unlisted = walk_image_files(folder)
+    found = [p for p in paths if os.path.isfile(p) or not os.path.exists(p)]  # exists() is False for a dead link
+    for e in unlisted:
+        print(f"{e.filename}: folder cannot be read: {e.strerror}", file=errors)
+    return found, len(unlisted)
+
+
 def collect_sources(
     paths: Sequence[str | Path], errors: TextIO, from_list: Path | None = None
 ) -> tuple[list[Source], int]:
@@ -60,35 +84,44 @@ def collect_sources(
 
     Args:
         paths: local files, folders and URIs.
-        errors: where a missing path or an empty folder is reported, one line each.
-        from_list: a text file of paths or URIs, one a line (blank lines and `#` comments skipped).
+        errors: where a missing path, an empty folder or one that cannot be listed is reported, one line each.
+        from_list: a text file of paths or URIs, one a line (blank lines and `#` comments skipped); read as the
+            file system's bytes (`os.fsdecode`), so that it may name a file whose name is not UTF-8.
 
     Returns:
-        (sources, problems): each input once, in order; problems counts the missing and empty ones.
+        (sources, problems): each input once, in order; problems counts the missing, empty and unlisted ones.
     """
     items = [str(p) for p in paths]
     if from_list is not None:
-        lines = Path(from_list).read_text().splitlines()
+        lines = map(os.fsdecode, Path(from_list).read_bytes().splitlines())
         items += [s.strip() for s in lines if s.strip() and not s.lstrip().startswith("#")]
     sources: dict[str, None] = {}  # ordered and each input once: a file named twice is still one row
     problems = 0
     for item in items:
+        unlisted = 0
         if is_uri(item):
             found = _expand_uri(item)
             if not found:
                 print(f"{item}: no such object, or no image files under this prefix", file=errors)
         elif Path(item).is_dir():
-            found = sorted(str(f) for f in Path(item).rglob("*") if f.is_file() and is_image_file(f))
-            if not found:
+            found, unlisted = find_images(item, errors)
+            if not found and not unlisted:
                 print(f"{item}: no image files in this folder", file=errors)
         elif Path(item).exists():
             found = [item]
         else:
             found = []
             print(f"{item}: no such file or folder", file=errors)
-        problems += not found
+        problems += unlisted or not found
         sources.update(dict.fromkeys(found))
     return list(sources), problems
+
+
+def why_unreadable(source: Source, error: Exception) -> str:
+    """The reason reported for an input that could not be read: the error's, or for a link to nothing, that."""
+    if not is_uri(source) and os.path.islink(source) and not os.path.exists(source):
+        return f"a symbolic link to {os.readlink(source)}, which does not exist (or loops)"
+    return str(error)
 
 
 def read_source(source: Source) -> str | bytes:
@@ -115,7 +148,7 @@ def decoded_batches(
                 pixels.append(prepare(read_source(s)))
                 ok.append(s)
             except (ImageError, OSError) as e:  # OSError: unreadable, vanished, or a storage error
-                failed.append((s, str(e)))
+                failed.append((s, why_unreadable(s, e)))
         return ok, (np.stack(pixels) if pixels else None), failed
 
     groups = (sources[i : i + batch_size] for i in range(0, len(sources), batch_size))
@@ -134,6 +167,58 @@ def default_decode_workers() -> int:
     return max(1, min(8, os.cpu_count() or 1))
 
 
+def file_sha256(path: Path) -> str:
+    """The hex sha256 of a file's bytes, read in chunks (a model file can be a few GiB)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def job_record(model: Path, top_k: int, coverage: float | None) -> dict[str, Any]:
+    """What decides a job's rows, kept with its parts so that --resume can refuse to go on under another.
+
+    The model is known by its content, not its name or time: a model exported again in place gives other answers,
+    a copy of it the same ones. --top-k sets the columns and --coverage adds some. The format is the suffix of
+    --out, which names the parts folder itself; --batch-size, --threads, --decode-threads and --part-size change
+    no row, so a resume may change them.
+    """
+    return {"model_sha256": file_sha256(model), "--top-k": top_k, "--coverage": coverage}
+
+
+def _mismatch(out: Path, parts: Path, model: Path, was: dict[str, Any], now: dict[str, Any]) -> str:
+    """One line: what differs between the job the parts were written under and this run's, and what to do."""
+    key = next(k for k in [*now, *was] if was.get(k) != now.get(k))  # the model first
+    option = lambda value: f"no {key}" if value is None else f"{key} {value}"
+    if key == "model_sha256":
+        what = f"another model file (sha256 {str(was.get(key))[:12]}; {model} is now {str(now[key])[:12]})"
+    else:
+        what = f"{option(was.get(key))}, this run has {option(now.get(key))}"
+    return (
+        f"--resume: {out} was started with {what}: resume it with the model and options it started with, or run "
+        f"without --resume and with a new --out (or remove {parts}) to start over"
+    )
+
+
+def _open_parts(out: Path, resume: bool, job: dict[str, Any] | None, model: Path, errors: TextIO) -> PartStore | None:
+    """The parts of `out` this run goes on with, checked before any input is read; None when `out` is complete.
+
+    Raises:
+        ValueError: `out` exists without `resume`, names no known format, or was started under another `job`.
+    """
+    store = PartStore(out)
+    if store.exists() and not resume:
+        raise ValueError(f"{out} (or its parts) exists: add --resume to finish that run, or remove it to start over")
+    if resume and store.out.exists() and not store.dir.exists():
+        store.remove_old_parts()  # a run killed after its merge, while it deleted its parts
+        print(f"{out} is complete: nothing to resume (remove it to score again)", file=errors)
+        return None
+    if job is not None and (was := store.record(job)) != (now := json.loads(json.dumps(job))):
+        raise ValueError(_mismatch(out, store.dir, model, was, now))
+    return store
+
+
 def score_to_file(
     clf,
     sources: Sequence[Source],
@@ -144,31 +229,30 @@ def score_to_file(
     workers: int | None = None,
     part_size: int = DEFAULT_PART_SIZE,
     errors: TextIO | None = None,
+    job: dict[str, Any] | None = None,
 ) -> tuple[int, int]:
     """Classify `sources` into `out` in committed parts; with `resume`, only those no earlier run finished.
 
     Args:
-        clf: an `OnnxClassifier` (anything with `prepare`).
+        clf: an `OnnxClassifier` (anything with `prepare`, and the `path` of its model file).
         rows_for: (paths, pixels (B, H, W, 3)) -> one output row per path, as vit-predict prints them (it runs
             the model: `serve.runtime.predict.rows_for`).
         resume: continue the parts an earlier run left; without it, an existing output is an error.
         workers: decoding threads (None: `default_decode_workers`).
         part_size: images per part.
+        job: what decides the rows (`job_record`), recorded by the first run; a resume under another is refused
+            before any input is read: its rows would not fit those of the parts, or would mix two models.
 
     Returns:
         (classified, failed): over the whole job, earlier runs included.
 
     Raises:
-        ValueError: `out` exists without `resume`, or names no known format.
+        ValueError: `out` exists without `resume`, names no known format, or was started under another `job`.
     """
     errors = errors or sys.stderr
-    store = PartStore(out)
-    if store.exists() and not resume:
-        raise ValueError(f"{out} (or its parts) exists: add --resume to finish that run, or remove it to start over")
-    if resume and store.out.exists() and not store.dir.exists():
-        store.remove_old_parts()  # a run killed after its merge, while it deleted its parts
-        print(f"{out} is complete: nothing to resume (remove it to score again)", file=errors)
-        return store.count_rows(), 0
+    store = _open_parts(out, resume, job, clf.path, errors)
+    if store is None:
+        return PartStore(out).count_rows(), 0
     done, failed = store.committed()
     for source, reason in failed:  # an earlier run's unreadable files, reported again with this run's result
         print(f"{source}: {reason}", file=errors)

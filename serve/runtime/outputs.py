@@ -12,6 +12,10 @@ disk and renamed, and the folder is flushed after the rename, so that the rename
 the manifest's rename is the commit. A run killed at any instant leaves whole committed parts and, at most, an
 uncommitted one that the next run deletes: nothing is lost or written twice.
 
+The first run also writes `job.json` in the parts folder: what decides the rows (the model file's content, the
+options that change columns or values; `serve.runtime.jobs.job_record`). A run that resumes reads it back, and its
+caller refuses to go on under another model or other options: the parts it would add would not fit those there.
+
 The end is ordered so that a kill at any step leaves something `--resume` completes: the parts are merged into
 `preds.parquet.tmp`, which is renamed to `preds.parquet`; then the whole parts folder is renamed out of the way
 (`preds.parquet.parts.old/`) in one step and only then deleted. Until that rename, `--resume` merges the same
@@ -26,6 +30,14 @@ Formats, chosen by the suffix of `--out`: `.parquet` (needs pyarrow: `pip instal
 and whatever other fields the run adds); the table formats flatten it to one row per image with columns
 `path, label_1, score_1, ..., label_k, score_k` and the other fields as they are (nested values as JSON
 text in CSV). Ray's writer (`serve.cluster`) uses the same `table_row`, so both give the same columns.
+
+File names on Linux are bytes, and Python holds one that is not UTF-8 as a str with surrogate escapes ('\\udcff'
+for the byte 0xff). Each format keeps such a path and every other row: JSON Lines writes the escape (`"\\udcff"`,
+which `json.loads` gives back as the same str, and `os.fsencode` as the same bytes); CSV writes the name's own
+bytes, as `ls` does (read it back with `open(..., errors="surrogateescape")`, or pandas'
+`encoding_errors="surrogateescape"`, to get the same str); Parquet, whose strings must be UTF-8, writes each such
+byte as the four characters `\\xff` (Python's backslashreplace: readable, but a name that holds a real backslash
+followed by `x` and two hex digits reads the same).
 """
 
 from __future__ import annotations
@@ -44,6 +56,7 @@ from typing import Any
 FORMATS = (".parquet", ".csv", ".jsonl")
 PARTS_SUFFIX = ".parts"
 DONE_SUFFIX = ".old"  # the parts folder of a merged output, renamed before it is deleted
+JOB_FILE = "job.json"  # in the parts folder: what decides the rows, so that a resume can check it is the same job
 _PART = re.compile(r"part-(\d{5,})\.json$")
 
 
@@ -129,8 +142,15 @@ def _write_atomic(path: Path, data: bytes) -> None:
     _replace_durably(tmp, path)
 
 
+def _utf8(value: Any) -> Any:
+    """A str as valid UTF-8 for Parquet: the bytes of a file name that is not UTF-8 as `\\xff` (backslashreplace)."""
+    if isinstance(value, str):
+        return value.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+    return value
+
+
 def encode_rows(rows: list[dict[str, Any]], fmt: str, header: bool = True) -> bytes:
-    """Rows in the format's bytes (one part's data file)."""
+    """Rows in the format's bytes (one part's data file); a path that is not UTF-8 as the module says."""
     if fmt == ".jsonl":
         return "".join(json.dumps(r, allow_nan=False) + "\n" for r in rows).encode()
     flat = [table_row(r) for r in rows]
@@ -141,10 +161,10 @@ def encode_rows(rows: list[dict[str, Any]], fmt: str, header: bool = True) -> by
             writer.writeheader()
         for r in flat:
             writer.writerow({k: json.dumps(v) if isinstance(v, (list, dict)) else v for k, v in r.items()})
-        return text.getvalue().encode()
+        return text.getvalue().encode("utf-8", "surrogateescape")  # a name's own bytes, as the file system has them
     pa = require_pyarrow()
     sink = pa.BufferOutputStream()
-    pa.parquet.write_table(pa.Table.from_pylist(flat), sink)
+    pa.parquet.write_table(pa.Table.from_pylist([{k: _utf8(v) for k, v in r.items()} for r in flat]), sink)
     return sink.getvalue().to_pybytes()
 
 
@@ -166,6 +186,23 @@ class PartStore:
     def exists(self) -> bool:
         """True when an earlier run left the output or its parts."""
         return self.out.exists() or self.dir.exists()
+
+    def record(self, job: dict[str, Any]) -> dict[str, Any]:
+        """Make the parts folder and record `job` in it (what decides the rows), or read what an earlier run recorded.
+
+        Returns:
+            The job the parts were written under, as JSON reads it back, to compare with this run's: `job` itself
+            on a first run, and on a folder without a record (a run killed before it wrote one, which committed no
+            part, or a vitscope from before records, whose parts cannot be checked).
+        """
+        _refuse_link(self.dir)
+        if not self.dir.exists():
+            self.dir.mkdir(parents=True)
+            _sync_folder(self.dir.parent)
+        path = self.dir / JOB_FILE
+        if not path.exists():
+            _write_atomic(path, json.dumps(job).encode())
+        return json.loads(path.read_text())
 
     def committed(self) -> tuple[set[str], list[tuple[str, str]]]:
         """Clear away an unfinished part, then read the committed manifests.

@@ -39,8 +39,16 @@ import numpy as np
 from tqdm import tqdm
 
 from serve.runtime.classifier import OnnxClassifier
-from serve.runtime.images import ImageError, is_image_file
-from serve.runtime.jobs import DEFAULT_PART_SIZE, collect_sources, is_uri, score_to_file
+from serve.runtime.images import ImageError
+from serve.runtime.jobs import (
+    DEFAULT_PART_SIZE,
+    collect_sources,
+    find_images,
+    is_uri,
+    job_record,
+    score_to_file,
+    why_unreadable,
+)
 from serve.runtime.trust import Prediction
 
 PROGRESS_MIN_FILES = 20  # a bar for a handful of files is noise
@@ -56,20 +64,21 @@ class OutputError(Exception):
 
 
 def collect_files(paths: list[Path], errors: TextIO) -> tuple[list[Path], int]:
-    """Files as given, and the image files under folders (recursive, sorted).
+    """Files as given, and the image files under folders as the --out job finds them (`jobs.find_images`).
 
     Returns:
-        (files, problems): a missing path or a folder without images is reported and counted.
+        (files, problems): a missing path, a folder without images or one that cannot be listed is reported
+        and counted.
     """
     files: list[Path] = []
     problems = 0
     for p in paths:
         if p.is_dir():
-            found = sorted(f for f in p.rglob("*") if f.is_file() and is_image_file(f))
-            if not found:
+            found, unlisted = find_images(p, errors)
+            if not found and not unlisted:
                 print(f"{p}: no image files in this folder", file=errors)
-                problems += 1
-            files.extend(found)
+            problems += unlisted or not found
+            files.extend(map(Path, found))
         elif p.exists():
             files.append(p)
         else:
@@ -181,7 +190,7 @@ def run(
                     ok.append(f)
                 except (ImageError, OSError) as e:
                     failed += 1
-                    tqdm.write(f"{f}: {e}", file=errors)  # one line per file, path first
+                    tqdm.write(f"{f}: {why_unreadable(str(f), e)}", file=errors)  # one line per file, path first
             if pixels:
                 answers = clf.predictions(clf.assess(np.stack(pixels), coverage), top_k)
                 for f, top in zip(ok, answers, strict=True):
@@ -276,6 +285,7 @@ def _run_to_file(args: argparse.Namespace) -> tuple[int, int]:
         resume=args.resume,
         workers=args.decode_threads,
         part_size=args.part_size,
+        job=job_record(args.model, args.top_k, args.coverage),
     )
     return done, failed + missing
 

@@ -302,3 +302,130 @@ def test_every_rename_is_fsynced_before_and_its_folder_after(tiny_onnx, tmp_path
         src = events[i][1]
         assert ("fsync", src) in events[:i], f"{src} renamed before its data reached the disk"
         assert events[i + 1] == ("fsync", os.path.dirname(src)), f"{src}'s rename not made durable"
+
+
+def _killed_after(parts: int, argv: list[str], monkeypatch) -> None:
+    """Run vit-predict `argv` in this process and stop it dead once `parts` parts are committed, as SIGKILL would."""
+    commit = PartStore.commit
+
+    def commit_then_die(self, rows, failed):
+        commit(self, rows, failed)
+        if self.next_index >= parts:
+            raise Killed(f"after part {self.next_index}")
+
+    with monkeypatch.context() as mp:
+        mp.setattr(PartStore, "commit", commit_then_die)
+        with pytest.raises(Killed):
+            main(argv)
+
+
+def _snapshot(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+
+@pytest.mark.parametrize("suffix", OUT_SUFFIXES)
+def test_resume_with_another_top_k_is_refused_before_any_image_is_read(
+    tiny_onnx, tmp_path, capsys, monkeypatch, suffix
+):
+    """The parts hold 1 label per row: a resume with --top-k 3 would append rows of 3 (a malformed CSV, a Parquet
+    merge that fails after all the work); it is refused up front, and the same command still finishes the job."""
+    from serve.runtime.classifier import OnnxClassifier
+
+    folder = tmp_path / "photos"
+    _images(folder, 6)
+    out = tmp_path / f"pk2{suffix}"
+    args = [str(tiny_onnx), str(folder), "--out", str(out), "--batch-size", "2", "--part-size", "2"]
+    _killed_after(1, [*args, "--top-k", "1"], monkeypatch)
+    parts = out.with_name(out.name + ".parts")
+    before = _snapshot(parts)
+    reads = []
+    prepare = OnnxClassifier.prepare
+    monkeypatch.setattr(OnnxClassifier, "prepare", lambda self, s: reads.append(s) or prepare(self, s))
+    capsys.readouterr()
+
+    assert main([*args, "--top-k", "3", "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert "--top-k 1" in err and "--top-k 3" in err and "without --resume" in err, err
+    assert len(err.splitlines()) == 1 and reads == []
+    assert _snapshot(parts) == before and not out.exists()
+
+    assert main([*args, "--top-k", "1", "--resume"]) == 0  # the options it started with: finished as ever
+    rows = _read(out)
+    assert len(rows) == 6 and all("label_2" not in r for r in rows) and len(reads) == 4
+
+
+def test_resume_after_the_model_file_changed_is_refused(tiny_onnx, tmp_path, capsys, monkeypatch):
+    """A model re-exported in place gives other answers: a resume would mix two models' rows in one table."""
+    pytest.importorskip("onnx")  # edits the file
+    import shutil
+
+    from .broken_models import with_metadata
+
+    folder = tmp_path / "photos"
+    _images(folder, 4)
+    model = tmp_path / "model.onnx"
+    shutil.copyfile(tiny_onnx, model)
+    out = tmp_path / "preds.csv"
+    args = [str(model), str(folder), "--out", str(out), "--batch-size", "2", "--part-size", "2", "--top-k", "2"]
+    _killed_after(1, args, monkeypatch)
+    with_metadata(tiny_onnx, model, class_names=json.dumps(CLASS_NAMES[::-1]))  # the same file name, other labels
+    capsys.readouterr()
+    assert main([*args, "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert "model" in err and str(model) in err and "without --resume" in err and len(err.splitlines()) == 1, err
+    assert not out.exists()
+
+
+def _non_utf8_folder(tmp_path: Path) -> tuple[Path, str]:
+    """Images in a folder, one under a name that is not UTF-8 (bytes b'bad\\xff.png', as Linux allows)."""
+    folder = tmp_path / "photos"
+    _images(folder, 3)
+    bad = os.fsdecode(os.fsencode(folder) + b"/bad\xff.png")  # '...bad\udcff.png': Python's str for those bytes
+    os.rename(folder / "0000_top_left.png", bad)
+    return folder, bad
+
+
+@pytest.mark.parametrize("suffix", OUT_SUFFIXES)
+def test_a_file_name_that_is_not_utf8_is_written_faithfully_with_every_other_row(tiny_onnx, tmp_path, capsys, suffix):
+    folder, bad = _non_utf8_folder(tmp_path)
+    out = tmp_path / f"preds{suffix}"
+    assert main([str(tiny_onnx), str(folder), "--out", str(out), "--part-size", "2"]) == 0, capsys.readouterr().err
+    if suffix == ".csv":  # the name's own bytes: read back with surrogateescape, as Python reads file names
+        with open(out, newline="", errors="surrogateescape") as f:
+            paths = [r["path"] for r in csv.DictReader(f)]
+        assert bad in paths and os.path.exists(bad)
+    elif suffix == ".parquet":  # Parquet strings are UTF-8: the byte that is not is written as \xff
+        paths = [r["path"] for r in _read(out)]
+        assert bad.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace") in paths
+    else:
+        paths = [r["path"] for r in _read(out)]
+        assert bad in paths
+    assert len(paths) == 3
+
+
+def test_hidden_files_and_folders_are_skipped_and_a_dangling_link_is_reported(tiny_onnx, tmp_path, capsys):
+    """As training scans a folder: `.ipynb_checkpoints/` and `.name.png` are not inputs, and a link whose target is
+    gone is an unreadable image (reported, counted, exit 1), not silently dropped."""
+    folder = tmp_path / "photos"
+    _images(folder, 3)
+    _images(folder / ".ipynb_checkpoints", 2)
+    (folder / ".thumb.png").write_bytes((folder / "0000_top_left.png").read_bytes())
+    (folder / "gone.png").symlink_to(tmp_path / "deleted.png")
+    out = tmp_path / "preds.jsonl"
+    assert main([str(tiny_onnx), str(folder), "--out", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert f"{folder / 'gone.png'}: " in err and "classified 3 images; 1 input(s) could not be read" in err, err
+    assert [r["path"] for r in _read(out)] == [str(p) for p in sorted(folder.glob("0*.png"))]
+
+
+def test_a_run_with_a_non_utf8_name_killed_and_resumed_keeps_every_row(tiny_onnx, tmp_path, capsys, monkeypatch):
+    """The part manifests hold the name too: a resume must find it done, and a list file may name it."""
+    folder, bad = _non_utf8_folder(tmp_path)
+    listing = tmp_path / "inputs.txt"
+    listing.write_bytes(os.fsencode(bad) + b"\n" + b"".join(os.fsencode(p) + b"\n" for p in sorted(folder.glob("0*"))))
+    out = tmp_path / "preds.csv"
+    args = [str(tiny_onnx), "--from-list", str(listing), "--out", str(out), "--batch-size", "1", "--part-size", "1"]
+    _killed_after(1, args, monkeypatch)
+    assert main([*args, "--resume"]) == 0, capsys.readouterr().err
+    with open(out, newline="", errors="surrogateescape") as f:
+        assert [r["path"] for r in csv.DictReader(f)] == [bad, *map(str, sorted(folder.glob("0*")))]

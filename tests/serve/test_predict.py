@@ -174,3 +174,19 @@ def test_a_model_with_a_character_string_for_class_names_is_a_clear_error(tiny_o
     assert main([str(edited), str(_folder(tmp_path, n=1))]) == 2
     err = capsys.readouterr().err
     assert "invalid class_names metadata" in err and "export it again" in err
+
+
+def test_hidden_files_and_folders_are_skipped_and_a_dangling_link_is_reported(tiny_onnx, tmp_path, capsys):
+    """As training scans a folder: hidden files and folders are not inputs; a link to nothing is an unreadable image."""
+    folder = _folder(tmp_path, n=2)
+    hidden = folder / ".ipynb_checkpoints"
+    hidden.mkdir()
+    (hidden / "0_top_left-checkpoint.png").write_bytes((folder / "0_top_left.png").read_bytes())
+    (folder / ".thumb.png").write_bytes((folder / "0_top_left.png").read_bytes())
+    (folder / "gone.png").symlink_to(tmp_path / "deleted.png")
+    assert main([str(tiny_onnx), str(folder)]) == 1
+    out, err = capsys.readouterr()
+    assert sorted(json.loads(line)["path"] for line in out.splitlines()) == sorted(
+        str(p) for p in folder.rglob("[0-9]*.png") if ".ipynb_checkpoints" not in p.parts
+    )
+    assert f"{folder / 'gone.png'}: " in err and "classified 2 images; 1 input(s) could not be read" in err, err
