@@ -26,11 +26,13 @@ page that runs the portable target in the browser with onnxruntime-web (`serve.e
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import logging
 import os
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -166,10 +168,10 @@ def export_onnx(
         int8_maps = int8 and target == "portable"
         return parity.check(net, path, sample, preprocess, int8, int8_maps=int8_maps) if check_parity else None
 
-    report = _write_checked(model, output, gate)
     folder = None
-    if logits_only is not None:
-        folder = triton.write_repo(logits_only, list(meta["class_names"]), triton_repo, name)
+    with _write_checked(model, output, gate) as report:  # `output` comes last: once there, the export is whole
+        if logits_only is not None:
+            folder = triton.write_repo(logits_only, list(meta["class_names"]), triton_repo, name)
     return ExportResult(output, metadata, report, graphs.quant_report, folder, calibration, png)
 
 
@@ -196,21 +198,19 @@ def _check_writable(folder: Path) -> None:
         ) from None
 
 
-def _write_checked(model: onnx.ModelProto, output: Path, gate: Any) -> dict[str, Any] | None:
-    """Write `model` to a temporary file next to `output`, run `gate(tmp)` on it, then move it into place."""
-    fd, tmp = tempfile.mkstemp(suffix=".onnx", dir=output.parent, prefix=f".{output.stem}.")
-    os.close(fd)
-    tmp = Path(tmp)
+@contextlib.contextmanager
+def _write_checked(model: onnx.ModelProto, output: Path, gate: Any) -> Iterator[dict[str, Any] | None]:
+    """Write `model` to a temporary file next to `output` and yield `gate(tmp)`; the file is moved into place
+    when the block ends without an error (removed otherwise), whole, as `serve.export.triton` writes its files."""
+    triton.remove_stale_temporaries(output.parent)
+    tmp = output.with_name(triton.temporary_name(output.name))
     try:
-        tmp.write_bytes(model.SerializeToString())
-        report = gate(tmp)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes it owner-only; a model file is for every reader
+        triton.write_new(tmp, model.SerializeToString())
+        yield gate(tmp)
         os.replace(tmp, output)
+        triton.sync_folder(output.parent)
     finally:
         tmp.unlink(missing_ok=True)
-    return report
 
 
 def _parser() -> argparse.ArgumentParser:

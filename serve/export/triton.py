@@ -10,11 +10,22 @@ Triton client reads them as vit-serve answers them, without knowing the calibrat
 Triton gets the logits path alone: its auto-complete misreads the explain outputs (rank 5, batch on the
 second axis), and a server answers classification requests. The config is written out in full
 from the graph itself (names, datatypes, dims without the batch axis), so Triton needs no guessing.
+
+A server may poll the repository while it is written (Triton's `--model-control-mode=poll`, `vit-serve DIR`),
+so each piece is written whole or not at all: config.pbtxt and labels.txt first, each through a temporary file
+renamed over it, then the version, whose folder is built under a temporary name and renamed into place (or,
+when version 1 is there already, whose file is renamed over the old one). A reader sees the old model or the
+new one, and never a version without its config. Temporaries are hidden names, never a version number,
+and never a folder of the repository itself (Triton takes every folder there, hidden or not, for a model);
+those a killed export left are removed by the next one (`remove_stale_temporaries`).
 """
 
 from __future__ import annotations
 
+import os
 import re
+import secrets
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -168,7 +179,7 @@ def write_repo(
     name: str,
     max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
 ) -> Path:
-    """Write `repo/<name>/` (config, labels, version 1 of the model) and return that folder.
+    """Write `repo/<name>/` (config, labels, version 1 of the model), each piece whole, and return that folder.
 
     Args:
         model: the logits-only model, input `pixels` (B, H, W, 3) uint8, outputs `logits` (B, K) first, then
@@ -184,8 +195,88 @@ def write_repo(
     if any("\n" in c for c in class_names):
         raise ValueError("class names with line breaks cannot be written to labels.txt")
     folder = Path(repo) / name
-    (folder / "1").mkdir(parents=True, exist_ok=True)
-    (folder / "1" / "model.onnx").write_bytes(model.SerializeToString())
-    (folder / "labels.txt").write_text("".join(f"{c}\n" for c in class_names), encoding="utf-8")
-    (folder / "config.pbtxt").write_text(config_pbtxt(model, name, max_batch_size), encoding="utf-8")
+    folder.mkdir(parents=True, exist_ok=True)
+    sync_folder(folder.parent)
+    remove_stale_temporaries(folder)
+    # the model's files before its version: vit-serve checks a new version file against the labels there
+    replace_file(folder / "labels.txt", "".join(f"{c}\n" for c in class_names).encode())
+    replace_file(folder / "config.pbtxt", config_pbtxt(model, name, max_batch_size).encode())
+    version = folder / "1"
+    if version.is_dir():  # its file is replaced: a folder cannot be renamed over one that holds files
+        remove_stale_temporaries(version)
+        replace_file(version / "model.onnx", model.SerializeToString())
+        return folder
+    staged = folder / temporary_name(version.name)
+    try:
+        staged.mkdir()
+        write_new(staged / "model.onnx", model.SerializeToString())
+        sync_folder(staged)
+        staged.rename(version)
+    finally:
+        shutil.rmtree(staged, ignore_errors=True)
+    sync_folder(folder)
     return folder
+
+
+# Written whole or not at all, here and for the main file (`serve.export.cli`): a temporary named
+# `.<name>.vit-export-<pid>-<random>` beside the target, flushed to the disk, renamed over it, the folder flushed.
+TEMPORARY = re.compile(r"\..+\.vit-export-([1-9][0-9]*)-[0-9a-f]+")
+
+
+def temporary_name(name: str) -> str:
+    """A hidden name for a temporary that will become `name`, unique to this process (`TEMPORARY`)."""
+    return f".{name}.vit-export-{os.getpid()}-{secrets.token_hex(4)}"
+
+
+def write_new(path: Path, data: bytes) -> None:
+    """Create `path` holding `data`, flushed to the disk; its mode is the umask's, as for any new file."""
+    with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def sync_folder(folder: Path) -> None:
+    """Flush a folder's entries to the disk, so that a new or renamed entry in it survives a power cut."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def replace_file(path: Path, data: bytes) -> None:
+    """Write `path` whole or not at all: a reader sees the old file or the new one."""
+    tmp = path.with_name(temporary_name(path.name))
+    try:
+        write_new(tmp, data)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    sync_folder(path.parent)
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)  # signal 0 sends nothing: it asks whether the process exists
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        return True
+    return True
+
+
+def remove_stale_temporaries(folder: Path) -> None:
+    """Remove the temporaries (`TEMPORARY`) in `folder` of exports that no longer run: those a kill left.
+
+    A process id means nothing on another machine: an export writing into a shared folder from elsewhere may
+    lose its temporary, and then fails at its rename, with its target left whole.
+    """
+    for path in folder.iterdir():
+        match = TEMPORARY.fullmatch(path.name)
+        if match is None or _running(int(match[1])):
+            continue
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)

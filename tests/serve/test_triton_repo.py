@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -11,7 +15,8 @@ import pytest
 
 from serve.export.cli import main
 from serve.runtime.classifier import OnnxClassifier
-from tests.helpers import CLASS_NAMES, quadrant_images
+from serve.server.repository.layout import parse_config, scan
+from tests.helpers import CLASS_NAMES, REPO, quadrant_images, wait_until
 
 NUMPY_DTYPES = {"TYPE_UINT8": np.uint8, "TYPE_FP32": np.float32}
 
@@ -101,3 +106,76 @@ def test_the_portable_target_gives_triton_standard_ops(tiny_checkpoint, tmp_path
     assert {n.domain for n in model.graph.node} == {""}
     assert [o.name for o in model.graph.output] == ["logits", "features", "probs"]
     assert _config(tmp_path / "tiny-portable").name == "tiny-portable"
+
+
+def _export_args(checkpoint: Path, root: Path) -> list[str]:
+    """`vit-export` writing root/tiny.onnx and the model `tiny` in root/models."""
+    return [str(checkpoint), "-o", str(root / "tiny.onnx"), "--triton-repo", str(root / "models"), "--no-gradients"]
+
+
+def _kill_export_when(args: list[str], moment: Callable[[], object], what: str) -> None:
+    """Run `vit-export args` in a child and SIGKILL it as soon as `moment()` is true (or it has ended)."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen([sys.executable, "-m", "serve.export.cli", *args], env=env, stdout=subprocess.DEVNULL)
+    try:
+        wait_until(lambda: moment() or proc.poll() is not None, 300, what, interval=0)  # the moment is brief
+    finally:
+        proc.kill()
+        proc.wait(30)
+
+
+def _stamp(path: Path) -> tuple[int, int, int] | None:
+    """A file's inode, size and modification time (None: it is not there)."""
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        return None
+    return st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def _assert_whole(root: Path, versions: list[int]) -> None:
+    """root/models/tiny is whole as vit-serve scans it (config, labels, `versions` that load) and nothing of
+    an export is left half: the main file, once in place, loads too."""
+    model = scan(root / "models")["tiny"]
+    assert model.error == "" and sorted(model.files) == versions
+    config = model.folder / "config.pbtxt"
+    assert config.is_file(), f"a version without its config: {sorted(model.folder.rglob('*'))}"
+    assert parse_config(config.read_text()).name == "tiny"
+    for path in model.files.values():
+        assert model.labels() == OnnxClassifier(path).labels == CLASS_NAMES
+    if (root / "tiny.onnx").exists():
+        assert OnnxClassifier(root / "tiny.onnx").labels == CLASS_NAMES
+
+
+def _hidden(root: Path) -> list[Path]:
+    return sorted(root.rglob(".*"))
+
+
+@pytest.mark.slow
+def test_a_new_model_killed_as_its_version_appears_is_whole_and_the_next_export_leaves_no_temporaries(
+    tiny_checkpoint, tmp_path
+):
+    args = _export_args(tiny_checkpoint, tmp_path)
+    version = tmp_path / "models" / "tiny" / "1" / "model.onnx"
+    _kill_export_when(args, version.exists, "the version file appears")
+    _assert_whole(tmp_path, [1])  # a server polling the repository never sees a version without its config
+    assert main(args) == 0
+    _assert_whole(tmp_path, [1])
+    assert (tmp_path / "tiny.onnx").is_file() and _hidden(tmp_path) == []
+
+
+@pytest.mark.slow
+def test_a_model_rewritten_in_place_and_killed_as_its_version_changes_stays_whole(tiny_checkpoint, tmp_path):
+    args = _export_args(tiny_checkpoint, tmp_path)
+    assert main(args) == 0
+    folder = tmp_path / "models" / "tiny"
+    version = folder / "1" / "model.onnx"
+    before = _stamp(version)
+    _kill_export_when(args, lambda: _stamp(version) != before, "the version file changes")
+    _assert_whole(tmp_path, [1])
+    (folder / "1").rename(folder / "2")  # another version beside the one the exporter writes: left as it is
+    stale = tmp_path / f".tiny.onnx.vit-export-{os.getpid()}-0123abcd"  # a live process's: not stale
+    stale.touch()
+    assert main(args) == 0
+    _assert_whole(tmp_path, [1, 2])
+    assert _hidden(tmp_path) == [stale]
