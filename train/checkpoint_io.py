@@ -25,6 +25,7 @@ import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.fabric.utilities.cloud_io import get_filesystem
 
+from serve.runtime.outputs import sync_folder
 from train.checkpoint_format import META_KEY
 from train.errors import SetupError, TrainingError, first_line
 from train.run_dir import is_remote, usable_checkpoints
@@ -32,14 +33,6 @@ from train.run_dir import is_remote, usable_checkpoints
 log = logging.getLogger(__name__)
 
 PARTIAL_SUFFIX = ".partial"  # `.<name>.<pid>.partial`: never matches the run's `*.ckpt` globs
-
-
-def _fsync_dir(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def atomic_torch_save(obj: Any, path: str | Path) -> None:
@@ -57,7 +50,7 @@ def atomic_torch_save(obj: Any, path: str | Path) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-        _fsync_dir(path.parent)
+        sync_folder(path.parent)
     except (OSError, RuntimeError) as e:  # torch's zip writer reports a failed write (ENOSPC, EFBIG) as RuntimeError
         tmp.unlink(missing_ok=True)
         kept = " (the previous one is kept)" if path.exists() else ""

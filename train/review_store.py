@@ -14,6 +14,7 @@ import threading
 from pathlib import Path
 
 from serve.runtime.images import FILE_NAME_ERRORS
+from serve.runtime.outputs import sync_folder
 from train.corrections import HEADER
 
 CORRECTIONS_FILE = "corrections.csv"
@@ -75,8 +76,4 @@ def _write_atomically(file: Path, decided: dict[str, str | None]) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, file)
-    folder = os.open(file.parent, os.O_RDONLY)
-    try:
-        os.fsync(folder)
-    finally:
-        os.close(folder)
+    sync_folder(file.parent)

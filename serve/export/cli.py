@@ -43,6 +43,7 @@ from serve.export import targets, triton, web
 from serve.export.merge import set_metadata
 from serve.export.metadata import build_metadata
 from serve.export.trace import DEFAULT_OPSET
+from serve.runtime.outputs import sync_folder
 from train.checkpoint_format import load_network
 
 log = logging.getLogger(__name__)
@@ -208,7 +209,7 @@ def _write_checked(model: onnx.ModelProto, output: Path, gate: Any) -> Iterator[
         triton.write_new(tmp, model.SerializeToString())
         yield gate(tmp)
         os.replace(tmp, output)
-        triton.sync_folder(output.parent)
+        sync_folder(output.parent)
     finally:
         tmp.unlink(missing_ok=True)
 

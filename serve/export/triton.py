@@ -34,6 +34,7 @@ from onnx import helper, numpy_helper
 
 from serve.export.merge import set_metadata
 from serve.runtime import calibration as cal
+from serve.runtime.outputs import sync_folder
 
 # Shapes: B batch, H/W image, K classes, D features.
 
@@ -234,15 +235,6 @@ def write_new(path: Path, data: bytes) -> None:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
-
-
-def sync_folder(folder: Path) -> None:
-    """Flush a folder's entries to the disk, so that a new or renamed entry in it survives a power cut."""
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def replace_file(path: Path, data: bytes) -> None:

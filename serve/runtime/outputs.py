@@ -118,7 +118,7 @@ def _create(path: Path):
     return os.fdopen(fd, "wb")
 
 
-def _sync_folder(folder: Path) -> None:
+def sync_folder(folder: Path) -> None:
     """Flush a folder's entries to disk, so that a rename or a new file in it survives a power cut."""
     fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
     try:
@@ -129,7 +129,7 @@ def _sync_folder(folder: Path) -> None:
 
 def _replace_durably(tmp: Path, path: Path) -> None:
     os.replace(tmp, path)
-    _sync_folder(path.parent)
+    sync_folder(path.parent)
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
@@ -198,7 +198,7 @@ class PartStore:
         _refuse_link(self.dir)
         if not self.dir.exists():
             self.dir.mkdir(parents=True)
-            _sync_folder(self.dir.parent)
+            sync_folder(self.dir.parent)
         path = self.dir / JOB_FILE
         if not path.exists():
             _write_atomic(path, json.dumps(job).encode())
@@ -213,7 +213,7 @@ class PartStore:
         _refuse_link(self.dir)
         if not self.dir.exists():
             self.dir.mkdir(parents=True)
-            _sync_folder(self.dir.parent)
+            sync_folder(self.dir.parent)
         done: set[str] = set()
         failed: list[tuple[str, str]] = []
         indices = []
@@ -275,7 +275,7 @@ class PartStore:
         _replace_durably(tmp, self.out)  # the output is complete: from here on the parts are not needed
         self.remove_old_parts()
         os.rename(self.dir, self.old_dir)
-        _sync_folder(self.dir.parent)
+        sync_folder(self.dir.parent)
         self.remove_old_parts()
 
     def remove_old_parts(self) -> None:
