@@ -26,7 +26,7 @@ class ReviewActions:
 
     def __init__(self, run: ReviewRun):
         self.run = run
-        self.decisions = Decisions(run.run_dir / CORRECTIONS_FILE)
+        self.decisions = Decisions(run.run_dir / CORRECTIONS_FILE, run.trained_with)
         roots = {str(Path(p).parent.parent) for p in run.given}  # <root>/<class>/<image>: paths shown from the root
         self.root = os.path.commonpath(list(roots)) if roots else ""
 

@@ -30,6 +30,7 @@ from PIL import Image
 from serve.runtime import calibration as cal
 from serve.runtime.images import FILE_NAME_ERRORS, ImageError, load_image
 from train.checkpoint_format import load_network
+from train.corrections import load_corrections
 from train.errors import SetupError
 from vit import flip
 from vit.rollout import attention_rollout
@@ -90,6 +91,7 @@ class ReviewRun:
         self.labels: list[str] = list(meta["class_names"])
         self.preprocess = meta["preprocess"]
         split = json.loads(split_file.read_text())
+        self.trained_with = self._corrections(split)
         parts = {key: [(e["path"], int(e["label"])) for e in split.get(key, [])] for key in ("train", "val", "calib")}
         self.given = {p: self.labels[y] for entries in parts.values() for p, y in entries}
         self.limit = limit
@@ -106,6 +108,17 @@ class ReviewRun:
             LISTS[2]: self._unknown(scored),
             LISTS[3]: self._worst_errors(scored),
         }
+
+    def _corrections(self, split: dict) -> dict[str, str | None]:
+        """The corrections the run was trained with (absolute path -> label), {} without any or when their file is
+        gone (then said: the review cannot carry them on)."""
+        file = split.get("corrections")
+        if not file:
+            return {}
+        if not Path(file).is_file():
+            log.warning("the run was trained with the corrections of %s, which is gone: review without them", file)
+            return {}
+        return load_corrections(file, split["root"], self.labels)
 
     def _pixels(self, path: str) -> np.ndarray:
         """(H, W, 3) uint8: the model's input crop of one image."""

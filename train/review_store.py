@@ -40,11 +40,16 @@ class Decisions:
 
     Args:
         file: the corrections CSV; the decisions it already holds are the review's starting point.
+        earlier: where a first review starts when `file` does not exist yet: the corrections the run was trained
+            with (absolute path -> label), written into `file` at once. Corrections then add up from one round
+            to the next: a fit on `file` keeps every earlier round's, not only this review's.
     """
 
-    def __init__(self, file: str | Path):
+    def __init__(self, file: str | Path, earlier: dict[str, str | None] | None = None):
         self.file = Path(file)
         self._lock = threading.Lock()  # Gradio runs each click on a thread of its own
+        if earlier and not self.file.exists():
+            _write_atomically(self.file, earlier)
         self._decided = read_decisions(self.file)
 
     def get(self, path: str) -> tuple[bool, str | None]:

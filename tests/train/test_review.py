@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -174,3 +175,24 @@ def test_keep_records_the_given_label_and_a_class_the_run_does_not_know_cannot_b
     with pytest.raises(gr.Error, match="relabel it or leave it out"):
         on.decide(LISTS[1], 1, "keep", None)
     assert on.decisions.all() == {copy.path: copy.given}
+
+
+def test_a_review_starts_from_the_corrections_its_run_was_trained_with(tmp_path):
+    """Round one's corrections trained run two; its review wrote only round two's decisions, and the fit on them put
+    round one's relabelled and left-out images back as they were, without a word. The review now carries them on."""
+    pytest.importorskip("gradio")
+    from train.review_app import ReviewActions
+    from train.review_data import ReviewRun
+
+    run = _write_run(tmp_path / "run")
+    split = json.loads((run / "split.json").read_text())
+    relabelled, left_out, new = (split[k][i]["path"] for k, i in (("train", 7), ("train", 8), ("val", 3)))
+    earlier = tmp_path / "round1.csv"  # relative to the data root, as a person writes one
+    rel = lambda p: os.path.relpath(p, split["root"])
+    earlier.write_text(f"path,label\n{rel(relabelled)},top_left\n{rel(left_out)},\n")
+    (run / "split.json").write_text(json.dumps({**split, "corrections": str(earlier)}))
+    on = ReviewActions(ReviewRun(run, limit=2))
+    assert on.decisions.all() == {relabelled: "top_left", left_out: None}
+    on.decisions.decide(new, "bottom_left")
+    every = load_corrections(run / "corrections.csv", split["root"], CLASS_NAMES)
+    assert every == {relabelled: "top_left", left_out: None, new: "bottom_left"}  # round one's and round two's
