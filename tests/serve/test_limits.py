@@ -222,6 +222,19 @@ def test_a_request_that_is_not_http_gets_the_json_error_body(server):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("coding", ["gzip, chunked", "gzip"])
+def test_a_transfer_coding_other_than_chunked_gets_501(server, coding):
+    """RFC 9112 asks for a 501: the gzipped body was read as if it were not compressed, and answered 200."""
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as s:
+        s.sendall(
+            f"POST /v1/classify HTTP/1.1\r\nHost: 127.0.0.1\r\nTransfer-Encoding: {coding}\r\n\r\n".encode()
+            + b"5\r\nhello\r\n0\r\n\r\n"
+        )
+        head, _, body = read_response(s).partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 501 ") and json.loads(body)["error"]["code"] == "not_implemented"
+
+
+@pytest.mark.slow
 def test_a_chunked_body_over_the_limit_in_its_last_piece_gets_the_413(server):
     body = b"\x00" * (1024 * 1024 + 1)  # one byte over --max-bytes, no Content-Length, in one write
     head = b"POST /v1/classify HTTP/1.1\r\nHost: 127.0.0.1\r\nTransfer-Encoding: chunked\r\n\r\n"

@@ -131,6 +131,10 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
     def on_headers_complete(self) -> None:
         if self.refused:
             return
+        codings = b",".join(value for name, value in self.headers if name == b"transfer-encoding")
+        if codings and codings.replace(b" ", b"").lower() != b"chunked":  # RFC 9112: a 501, not a body misread
+            message = f"Transfer-Encoding {codings.decode('latin-1')!r} is not understood: send the body as it is"
+            return self._refuse("not_implemented", message + " (chunked, or with a Content-Length)")
         # the whole head, exactly, before the app sees it (also when it came in one read)
         head = len(self.url) + sum(len(name) + len(value) + 4 for name, value in self.headers)
         self.head_bytes = max(self.head_bytes, head)
