@@ -88,7 +88,7 @@ class LastCheckpoint(ModelCheckpoint):
         due = bool(self.every_steps) and step % self.every_steps == 0 and step != self._saved_step
         epoch_end = batch_idx + 1 >= trainer.num_training_batches  # the epoch's own save follows, after validation
         if due and not epoch_end and not trainer.sanity_checking:
-            trainer.save_checkpoint(self.format_checkpoint_name({}))
+            trainer.save_checkpoint(self.format_checkpoint_name({}), weights_only=False)  # whole: it is resumed
             self._saved_step = step
 
 
