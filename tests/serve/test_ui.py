@@ -288,3 +288,36 @@ def test_ui_uploads_live_in_a_folder_of_the_servers_own_removed_at_exit(small_ui
     assert path.is_file()
     assert small_ui.stop() == 0
     assert not folder.exists()
+
+
+def _peak_mib(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("upload", ["data_url", "not_an_image"])
+def test_an_image_is_checked_from_its_header_before_gradio_decodes_it(ui_server, upload):
+    """A 16000 x 10000 PNG sent as a data: URL (a few hundred kB) was decoded whole by Gradio, 1.5 GB, before the
+    pixel limit refused it; a file that is no image got Gradio's error, naming the server's temporary path."""
+    import base64
+    import io
+    import json
+
+    import httpx
+
+    if upload == "data_url":
+        buf = io.BytesIO()
+        Image.new("L", (16000, 10000)).save(buf, "PNG")  # 160 MP: over the 40 MP limit, under Pillow's own
+        image, said = {"url": "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()}, "over the limit"
+    else:
+        path = httpx.post(ui_server.url + "/gradio_api/upload", files={"files": ("a.png", b"no image")}).json()[0]
+        image, said = {"path": path}, "not an image"
+    with open(f"/proc/{ui_server.proc.pid}/clear_refs", "w") as f:
+        f.write("5")  # the kernel's reset of the peak memory (VmHWM)
+    base = _peak_mib(ui_server.proc.pid)
+    data = [{**image, "meta": {"_type": "gradio.FileData"}}, "mean", 0.0, 0, 2, 0.5, "inferno"]
+    event = httpx.post(ui_server.url + "/gradio_api/call/classify", json={"data": data}, timeout=60).json()
+    stream = httpx.get(f"{ui_server.url}/gradio_api/call/classify/{event['event_id']}", timeout=120).text
+    assert "event: error" in stream and said in stream and "/tmp" not in stream, stream[:500]
+    assert _peak_mib(ui_server.proc.pid) - base < 300  # MiB: the header read, not the pixels

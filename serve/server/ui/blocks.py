@@ -15,8 +15,9 @@ Endpoints for `gradio_client` (``Client(url).predict(..., api_name=...)``):
 
 from __future__ import annotations
 
+import base64
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,7 @@ import numpy as np
 from fastapi import FastAPI
 
 from serve.runtime.faithfulness import mean_fill
-from serve.runtime.images import IMAGE_SUFFIXES, ImageError, PixelBudget
+from serve.runtime.images import IMAGE_SUFFIXES, ImageError, PixelBudget, open_image
 from serve.runtime.rollout import HEAD_FUSIONS
 from serve.server.explain import (
     COLORMAPS,
@@ -252,6 +253,31 @@ def build_ui(repository, classifier, settings, budget: PixelBudget | None = None
     return demo
 
 
+def checked_upload(preprocess: Callable[[Any], Any], max_pixels: int) -> Callable[[Any], Any]:
+    """`gr.Image.preprocess`, after the upload's header is checked as the API checks one (`open_image`: an image,
+    within `max_pixels`): Gradio decodes an image sent as a data: URL whole (a few hundred kB of PNG can be 160 MP,
+    1.5 GB) before any of our limits, and its error for a file that is no image names the server's temporary path.
+    A refusal is our message, as a `gr.Error`."""
+
+    def checked(payload):
+        if payload is None:
+            return None
+        url, path = getattr(payload, "url", None), getattr(payload, "path", None)
+        try:
+            if url and url.startswith("data:"):  # bounded by the request's --max-bytes, like any upload
+                data = base64.b64decode(url.partition(",")[2])
+            else:
+                data = Path(path).read_bytes() if path else b""
+            open_image(data, max_pixels).close()  # the header only
+        except ImageError as e:
+            raise gr.Error(str(e)) from None
+        except (OSError, ValueError):  # a path gone from the cache, a data: URL that is not base64
+            raise gr.Error("the upload could not be read: upload the image again") from None
+        return preprocess(payload)
+
+    return checked
+
+
 def _rollout_panel(on: UiActions, settings, picked):
     """The image, the prediction and the rollout overlay with its controls; returns the widgets the tabs share."""
     with gr.Row(equal_height=True):
@@ -262,6 +288,7 @@ def _rollout_panel(on: UiActions, settings, picked):
             label="Image (upload, paste or webcam)",
             height=300,
         )
+        image.preprocess = checked_upload(image.preprocess, settings.max_pixels)
         seen = gr.Image(type="numpy", label="What the model sees", interactive=False, height=300)
         overlay = gr.Image(type="numpy", label="Attention rollout", interactive=False, elem_id="overlay", height=300)
     with gr.Row():
