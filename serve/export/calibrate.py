@@ -27,8 +27,8 @@ import numpy as np
 import onnxruntime as ort
 
 from serve.runtime import calibration as cal
-from serve.runtime.classifier import session_options
 from serve.runtime.images import ImageError, Preprocess, load_image
+from serve.runtime.session import session_options
 from serve.runtime.trust import FEATURES_OUTPUT, METADATA_KEY, Trust
 from train.folder_scan import class_dirs, find_image_files
 

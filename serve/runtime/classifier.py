@@ -28,52 +28,13 @@ from serve.runtime.calibration import ranked
 from serve.runtime.images import ImageSource, Preprocess, load_image
 from serve.runtime.model_file import ModelFileError, metadata_value
 from serve.runtime.rollout import attention_rollout, rollout_from_gradients
+from serve.runtime.session import default_providers, default_threads, session_options
 from serve.runtime.trust import FEATURES_OUTPUT, UNCALIBRATED, Assessment, Prediction, Trust, feature_width
 
 # Shapes: B batch, H/W image, K classes, nh heads, N tokens, Gh/Gw patch grid, L = Gh * Gw.
 
 FORMAT_KEY = "vitscope_format"
 FORMAT_VERSION = "1"
-# Intra-op threads when the caller does not say:
-# more threads speed up 224-px models, while a tiny model such as the digits sample gains nothing: its
-# matmuls are too small to split, and a second thread only takes the core the server's event loop needs.
-# So: one thread below SMALL_MODEL_GFLOPS, otherwise onnxruntime's default (every physical core).
-SMALL_MODEL_GFLOPS = 0.25
-PREFERRED_PROVIDERS = ("TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider")
-
-
-def default_providers() -> list[str]:
-    """TensorRT, then CUDA, when this onnxruntime build has them; the CPU always."""
-    available = set(ort.get_available_providers())
-    return [p for p in PREFERRED_PROVIDERS if p in available] or ["CPUExecutionProvider"]
-
-
-def default_threads(metadata: dict[str, str]) -> int:
-    """1 for a small model, 0 (onnxruntime's default: every physical core) for a large one; see above.
-
-    The size is the export's `gflops_per_image` (`VisionTransformer.flops_per_image`); without it, 1.
-    """
-    try:
-        gflops = float(metadata["gflops_per_image"])
-    except (KeyError, TypeError, ValueError):
-        return 1
-    return 1 if gflops < SMALL_MODEL_GFLOPS else 0
-
-
-def session_options(threads: int) -> ort.SessionOptions:
-    """onnxruntime session options for `threads` intra-op threads (0: every physical core), as served.
-
-    Idle intra-op threads keep onnxruntime's default spinning: capping the spin made ViT-Ti/16 at batch 1
-    slower, because the threads fell asleep between the graph's
-    many small parallel sections. Where the cores are shared with other busy processes, fewer threads is
-    the better cure.
-    """
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = threads
-    options.inter_op_num_threads = 1
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    options.log_severity_level = 3  # `explain` is an input with a default on purpose: no warning about it
-    return options
 
 
 def softmax(logits: np.ndarray) -> np.ndarray:
@@ -140,6 +101,7 @@ class OnnxClassifier:
         self.explain_feeds: dict[str, np.ndarray] = {"explain": np.array(True)} if "explain" in inputs else {}
         self._check_metadata()
         outputs = {o.name: o.shape for o in self.session.get_outputs()}
+        self.supports_attention: bool = "attns" in outputs  # a Triton repository's file has the logits path alone
         self.trust: Trust | None = Trust.from_metadata(m, len(self.labels), feature_width(outputs))
         self._fast_outputs = ["logits", FEATURES_OUTPUT] if FEATURES_OUTPUT in outputs else ["logits"]
         if self.trust is not None and self.trust.needs_features and len(self._fast_outputs) == 1:
@@ -312,12 +274,21 @@ class OnnxClassifier:
         rows = probs.tolist()  # plain floats: no numpy scalar per item
         return [[(self.labels[j], row[j]) for j in order] for order, row in zip(ranked(probs, k), rows, strict=True)]
 
+    def check_attention(self) -> None:
+        """ValueError unless the file has the attention output that rollouts and attention maps read."""
+        if not self.supports_attention:
+            raise ValueError(
+                f"{self.path.name} has no attention output (a Triton repository's file, logits alone): serve the "
+                ".onnx file vit-export wrote beside the repository to explain"
+            )
+
     def attentions(self, batch: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Probabilities and every block's attention maps (the explain branch, explicit softmax).
 
         Returns:
             (probs (B, K), attns (depth, B, nh, N, N) float32).
         """
+        self.check_attention()
         logits, attns = self.session.run(
             ["logits", "attns"], {"pixels": self._check_batch(batch), **self.explain_feeds}
         )

@@ -128,7 +128,7 @@ def test_a_model_with_external_data_is_refused_before_loading(tiny_onnx, tmp_pat
 
 
 def test_session_options_set_the_intra_op_threads_only():
-    from serve.runtime.classifier import session_options
+    from serve.runtime.session import session_options
 
     options = session_options(2)
     assert options.intra_op_num_threads == 2 and options.inter_op_num_threads == 1

@@ -103,7 +103,8 @@ def test_numpy_gradient_rollout_follows_the_torch_math():
 
 
 def test_thread_default_follows_model_size(tiny_onnx):
-    from serve.runtime.classifier import OnnxClassifier, default_threads
+    from serve.runtime.classifier import OnnxClassifier
+    from serve.runtime.session import default_threads
     from vit import create_model
 
     sample = create_model("vit_micro_patch4_32")  # ~0.02 GFLOP: one thread

@@ -8,10 +8,12 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+import httpx
 import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
+from PIL import Image
 
 from serve.export.cli import main
 from serve.runtime.classifier import OnnxClassifier
@@ -179,3 +181,25 @@ def test_a_model_rewritten_in_place_and_killed_as_its_version_changes_stays_whol
     assert main(args) == 0
     _assert_whole(tmp_path, [1, 2])
     assert _hidden(tmp_path) == [stale]
+
+
+@pytest.mark.slow
+def test_vit_serve_of_the_repository_classifies_and_says_why_it_cannot_explain(repo, tmp_path, ui_client):
+    """The repository's file has the logits path alone: every UI call and /v1/classify?explain=true failed on the
+    missing attention output (a Gradio traceback, a 500). It classifies, and says where explanations are."""
+    from gradio_client import handle_file
+
+    from tests.helpers import ServerProcess
+
+    image = tmp_path / "square.png"
+    Image.fromarray(np.full((32, 32, 3), 200, np.uint8)).save(image)
+    with ServerProcess(repo[0], "--examples-dir", "", "--graceful-timeout-s", "3") as server:
+        plain = httpx.post(server.url + "/v1/classify", content=image.read_bytes(), timeout=60)
+        assert plain.status_code == 200
+        r = httpx.post(server.url + "/v1/classify?explain=true", content=image.read_bytes(), timeout=60)
+        assert r.status_code == 422 and "no attention" in r.json()["error"]["message"], r.text
+        client = ui_client(server.url + "/")
+        label, overlay, text, *_ = client.predict(
+            handle_file(str(image)), "mean", 0.0, 0, 2, 0.5, "inferno", api_name="/classify"
+        )
+        assert label["label"] == plain.json()["predictions"][0]["label"] and overlay is None and "no attention" in text

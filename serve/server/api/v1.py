@@ -152,6 +152,14 @@ def query_parameters() -> list[dict[str, Any]]:
     ]
 
 
+def check_attention(classifier) -> None:
+    """`ApiError("bad_request")` (422) unless the file can explain (its attention output)."""
+    try:
+        classifier.check_attention()
+    except ValueError as e:
+        raise ApiError("bad_request", str(e)) from None
+
+
 def check_coverage(classifier, coverage: float | None) -> None:
     """`ApiError("bad_request")` (422) unless the file can build prediction sets at `coverage`."""
     try:
@@ -186,6 +194,8 @@ def classify_endpoint(
             params = classify_params(request.query_params, form)
             top_k, coverage = params.top_k or limits.top_k, params.coverage
             check_coverage(classifier, coverage)
+            if params.explain:
+                check_attention(classifier)
             img = open_upload(data, limits.max_pixels)  # the header: not an image, or too many pixels, fails here
             if params.explain:  # the explain pass computes the probabilities too: no second forward pass
                 answers, explanation, rows = await explained(served, img, params, limits, budget)

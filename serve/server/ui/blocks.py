@@ -133,6 +133,11 @@ class UiActions:
         blocks = None if (start, stop) == (0, self.depth) else (start, stop)
         with self.held(model) as served:
             pixels = self.pixels_of(path, served.classifier)
+            if (why := no_attention(served.classifier)) is not None:  # it classifies, and says why no overlay
+                probs = served.engine.run_sync(served.classifier.predict_pixels, pixels[None])[0]
+                label = {self.labels[i]: float(p) for i, p in enumerate(probs)}
+                no_grid = np.zeros(served.classifier.grid_size, np.float32)
+                return label, None, why, render_overlay(pixels, no_grid, 0.0), None
             args = (served.classifier, pixels, head_fusion, float(discard_ratio), blocks, self.fill, self.limits)
             ex = served.engine.run_sync(explain_pixels, *args)
         overlay = render_overlay(pixels, ex["grid"], float(opacity), colormap)
@@ -196,6 +201,8 @@ class UiActions:
             raise gr.Error(f"block must be in 0..{self.depth - 1} and head in 0..{self.nh - 1}")
         with self.held(model) as served:
             clf, pixels = served.classifier, self.pixels_of(path, served.classifier)
+            if (why := no_attention(clf)) is not None:
+                raise gr.Error(why)
 
             def run():
                 probs, grid = cls_attention(clf, pixels, b, h)
@@ -251,6 +258,15 @@ def build_ui(repository, classifier, settings, budget: PixelBudget | None = None
         if examples:
             gr.Examples(examples, inputs=[image], label="Sample images")
     return demo
+
+
+def no_attention(classifier) -> str | None:
+    """Why the file cannot explain (no attention output), or None when it can."""
+    try:
+        classifier.check_attention()
+    except ValueError as e:
+        return str(e)
+    return None
 
 
 def checked_upload(preprocess: Callable[[Any], Any], max_pixels: int) -> Callable[[Any], Any]:
