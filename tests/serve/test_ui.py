@@ -302,7 +302,6 @@ def test_an_image_is_checked_from_its_header_before_gradio_decodes_it(ui_server,
     pixel limit refused it; a file that is no image got Gradio's error, naming the server's temporary path."""
     import base64
     import io
-    import json
 
     import httpx
 
