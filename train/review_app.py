@@ -15,6 +15,7 @@ from pathlib import Path
 import gradio as gr
 
 from serve.runtime.images import ImageError
+from train.corrections import load_corrections
 from train.review_data import LISTS, Item, ReviewRun
 from train.review_store import CORRECTIONS_FILE, Decisions
 
@@ -27,6 +28,8 @@ class ReviewActions:
     def __init__(self, run: ReviewRun):
         self.run = run
         self.decisions = Decisions(run.run_dir / CORRECTIONS_FILE, run.trained_with)
+        if self.decisions.file.is_file():  # fit's rules, now: a label that is no class would be written back
+            load_corrections(self.decisions.file, run.run_dir, run.labels)
         roots = {str(Path(p).parent.parent) for p in run.given}  # <root>/<class>/<image>: paths shown from the root
         self.root = os.path.commonpath(list(roots)) if roots else ""
 

@@ -8,7 +8,9 @@ the old one, so a crash or a power cut leaves either the old file or the new one
 from __future__ import annotations
 
 import csv
+import fcntl
 import io
+import logging
 import os
 import threading
 from pathlib import Path
@@ -18,6 +20,7 @@ from serve.runtime.outputs import sync_folder
 from train.corrections import HEADER
 
 CORRECTIONS_FILE = "corrections.csv"
+log = logging.getLogger(__name__)
 
 
 def read_decisions(path: str | Path) -> dict[str, str | None]:
@@ -49,8 +52,11 @@ class Decisions:
         self.file = Path(file)
         self._lock = threading.Lock()  # Gradio runs each click on a thread of its own
         if earlier and not self.file.exists():
-            _write_atomically(self.file, earlier)
-        self._decided = read_decisions(self.file)
+            try:
+                _write_atomically(self.file, earlier)
+            except OSError as e:  # a read-only run: the page opens, and each click says it cannot record
+                log.warning("cannot write %s (%s): the review shows the run's corrections, records nothing", file, e)
+        self._decided = read_decisions(self.file) if self.file.exists() else dict(earlier or {})
 
     def get(self, path: str) -> tuple[bool, str | None]:
         """(whether `path` was decided, its label: None when left out)."""
@@ -62,11 +68,20 @@ class Decisions:
             return dict(self._decided)
 
     def decide(self, path: str, label: str | None) -> None:
-        """Record `label` for `path` (None: leave it out), on disk before this returns."""
+        """Record `label` for `path` (None: leave it out), on disk before this returns.
+
+        The file is read again, under a lock other processes honour too, and this decision added to what it
+        holds: a row added by hand, or another review's decisions on the same run, stay.
+        """
         with self._lock:
-            decided = {**self._decided, path: label}
-            _write_atomically(self.file, decided)
-            self._decided = decided
+            folder = os.open(self.file.parent, os.O_RDONLY)  # the lock: the file itself is replaced at each write
+            try:
+                fcntl.flock(folder, fcntl.LOCK_EX)
+                decided = {**read_decisions(self.file), path: label}
+                _write_atomically(self.file, decided)
+                self._decided = decided
+            finally:
+                os.close(folder)  # and the lock with it
 
 
 def _write_atomically(file: Path, decided: dict[str, str | None]) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,7 @@ from PIL import Image
 from tests.helpers import CLASS_NAMES, TINY_NET, free_port, quadrant_images, wait_until
 from tests.serve.test_browser import CHROMIUM, CHROMIUM_ARGS
 from train.corrections import load_corrections
-from train.review_store import Decisions
+from train.review_store import Decisions, read_decisions
 
 
 def _write_run(root: Path) -> Path:
@@ -196,3 +197,38 @@ def test_a_review_starts_from_the_corrections_its_run_was_trained_with(tmp_path)
     on.decisions.decide(new, "bottom_left")
     every = load_corrections(run / "corrections.csv", split["root"], CLASS_NAMES)
     assert every == {relabelled: "top_left", left_out: None, new: "bottom_left"}  # round one's and round two's
+
+
+def test_a_decision_keeps_what_another_review_or_a_hand_edit_wrote_since(tmp_path):
+    """Each click wrote back the file as the review read it at start: a row added by hand, or another review's
+    decisions on the same run, were gone after one click."""
+    file = tmp_path / "corrections.csv"
+    mine, other = Decisions(file), Decisions(file)  # two reviews of one run
+    mine.decide("/data/cat/1.png", "dog")
+    other.decide("/data/cat/2.png", None)
+    with open(file, "a") as f:
+        f.write("/data/dog/3.png,cat\n")  # by hand, while both run
+    mine.decide("/data/dog/4.png", "dog")
+    assert read_decisions(file) == {
+        "/data/cat/1.png": "dog", "/data/cat/2.png": None, "/data/dog/3.png": "cat", "/data/dog/4.png": "dog"
+    }  # fmt: skip
+
+
+def test_a_read_only_run_trained_with_corrections_still_opens(tmp_path):
+    """Its review could not write the corrections it starts from, and ended before the page opened."""
+    (tmp_path / "run").write_text("")  # a file where the folder should be: no write can succeed there, even as root
+    decisions = Decisions(tmp_path / "run" / "corrections.csv", {"/data/cat/1.png": "dog"})
+    assert decisions.all() == {"/data/cat/1.png": "dog"}
+
+
+def test_a_corrections_file_with_a_label_that_is_no_class_is_refused_when_the_review_starts(review_run, tmp_path):
+    """The review took 'Four' for a decision and wrote it back; the next fit then refused the whole file."""
+    pytest.importorskip("gradio")
+    from train.review_app import ReviewActions
+    from train.review_data import ReviewRun
+
+    run = tmp_path / "run"
+    shutil.copytree(review_run, run)
+    (run / "corrections.csv").write_text("path,label\n/data/4/0004.png,Four\n")
+    with pytest.raises(ValueError, match="line 2: label 'Four' is not a class"):
+        ReviewActions(ReviewRun(run, limit=2))
