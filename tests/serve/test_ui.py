@@ -320,3 +320,25 @@ def test_an_image_is_checked_from_its_header_before_gradio_decodes_it(ui_server,
     stream = httpx.get(f"{ui_server.url}/gradio_api/call/classify/{event['event_id']}", timeout=120).text
     assert "event: error" in stream and said in stream and "/tmp" not in stream, stream[:500]
     assert _peak_mib(ui_server.proc.pid) - base < 300  # MiB: the header read, not the pixels
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "api, args, said",
+    [
+        ("classify", ["mean", 0.0, 0, 2, float("nan"), "inferno"], "opacity"),  # an all-black overlay
+        ("classify", ["mean", 0.0, 0.5, 2, 0.5, "inferno"], "whole number"),  # silently block 0
+        ("attention", [float("nan"), 0, 0.5, "inferno"], "whole number"),  # "cannot convert float NaN to integer"
+    ],
+)
+def test_a_number_the_ui_cannot_use_is_refused_saying_which(ui_server, image_file, api, args, said):
+    import json
+
+    import httpx
+
+    path = httpx.post(ui_server.url + "/gradio_api/upload", files={"files": ("a.png", image_file.read_bytes())}).json()
+    data = json.dumps({"data": [{"path": path[0], "meta": {"_type": "gradio.FileData"}}, *args]})  # NaN as JSON has it
+    headers = {"Content-Type": "application/json"}
+    event = httpx.post(f"{ui_server.url}/gradio_api/call/{api}", content=data, headers=headers, timeout=60).json()
+    stream = httpx.get(f"{ui_server.url}/gradio_api/call/{api}/{event['event_id']}", timeout=120).text
+    assert "event: error" in stream and said in stream, stream[:400]

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import base64
 import logging
+import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -127,7 +128,7 @@ class UiActions:
             raise gr.Error(str(e)) from None
 
     def classify(self, path, head_fusion, discard_ratio, block_start, block_stop, opacity, colormap, model=None):
-        start, stop = int(block_start), int(block_stop)
+        start, stop, opacity = whole(block_start, "first block"), whole(block_stop, "last block"), share(opacity)
         if not 0 <= start < stop <= self.depth:
             raise gr.Error(f"the block range must satisfy 0 <= first < last <= {self.depth}; got {start} to {stop}")
         blocks = None if (start, stop) == (0, self.depth) else (start, stop)
@@ -140,7 +141,7 @@ class UiActions:
                 return label, None, why, render_overlay(pixels, no_grid, 0.0), None
             args = (served.classifier, pixels, head_fusion, float(discard_ratio), blocks, self.fill, self.limits)
             ex = served.engine.run_sync(explain_pixels, *args)
-        overlay = render_overlay(pixels, ex["grid"], float(opacity), colormap)
+        overlay = render_overlay(pixels, ex["grid"], opacity, colormap)
         seen_big = render_overlay(pixels, ex["grid"], 0.0)  # the input crop at display size
         last = (pixels, ex["grid"])  # kept in the page's state: restyling needs no model call
         label = {self.labels[i]: float(p) for i, p in enumerate(np.asarray(ex["probs"]))}
@@ -193,10 +194,10 @@ class UiActions:
         if last is None:
             return gr.update()
         pixels, grid = last
-        return render_overlay(pixels, grid, float(opacity), colormap)
+        return render_overlay(pixels, grid, share(opacity), colormap)
 
     def attention(self, path, block, head, opacity, colormap, model=None):
-        b, h = int(block), int(head)
+        b, h = whole(block, "block"), whole(head, "head")
         if not (0 <= b < self.depth and 0 <= h < self.nh):
             raise gr.Error(f"block must be in 0..{self.depth - 1} and head in 0..{self.nh - 1}")
         with self.held(model) as served:
@@ -227,7 +228,7 @@ class UiActions:
         return self._shown(ex, pixels, opacity, colormap)
 
     def _shown(self, ex, pixels, opacity, colormap):
-        return render_overlay(pixels, ex["grid"], float(opacity), colormap), deletion_text(ex["deletion"], self.labels)
+        return render_overlay(pixels, ex["grid"], share(opacity), colormap), deletion_text(ex["deletion"], self.labels)
 
 
 def build_ui(repository, classifier, settings, budget: PixelBudget | None = None, models=()) -> gr.Blocks:
@@ -258,6 +259,28 @@ def build_ui(repository, classifier, settings, budget: PixelBudget | None = None
         if examples:
             gr.Examples(examples, inputs=[image], label="Sample images")
     return demo
+
+
+def whole(value: Any, name: str) -> int:
+    """A slider's block or head index: a whole number, or a `gr.Error` naming it (Gradio passes NaN and 0.5 on)."""
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        number = math.nan
+    if not (math.isfinite(number) and number == int(number)):
+        raise gr.Error(f"the {name} must be a whole number, got {value}")
+    return int(number)
+
+
+def share(value: Any, name: str = "opacity") -> float:
+    """A value in [0, 1], or a `gr.Error` naming it (NaN drew an all-black overlay)."""
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        number = math.nan
+    if not 0.0 <= number <= 1.0:
+        raise gr.Error(f"the {name} must be in [0, 1], got {value}")
+    return number
 
 
 def no_attention(classifier) -> str | None:
