@@ -59,14 +59,15 @@ class ReviewActions:
             return None, None, None, empty, gr.update(value=None), -1
         index = min(max(int(index), 0), len(items) - 1)
         item = items[index]
-        try:
-            pixels, probs, overlay = self.run.explain(item.path)
-        except (ImageError, OSError) as e:
-            raise gr.Error(f"cannot read {self.shown_path(item.path)}: {e}") from None
         about = [
             f"**{which}**, {index + 1} of {len(items)}: `{self.shown_path(item.path)}`",
             f"Given label **{item.given}**; suggested **{item.suggested or '(none)'}**; {item.why}.",
         ]
+        try:
+            pixels, probs, overlay = self.run.explain(item.path)
+        except (ImageError, OSError) as e:  # moved or deleted since the run: it can still be decided (left out)
+            pixels = probs = overlay = None
+            about.append(f"**Cannot read it** ({e}): moved or deleted since the run? Leave it out, or put it back.")
         earlier = self.decision_text(item)
         about.append(f"Decision: **{earlier}**" if earlier else "Not decided yet.")
         choice = item.suggested if item.suggested in self.run.labels else item.given

@@ -232,3 +232,24 @@ def test_a_corrections_file_with_a_label_that_is_no_class_is_refused_when_the_re
     (run / "corrections.csv").write_text("path,label\n/data/4/0004.png,Four\n")
     with pytest.raises(ValueError, match="line 2: label 'Four' is not a class"):
         ReviewActions(ReviewRun(run, limit=2))
+
+
+def test_an_image_gone_since_the_run_is_shown_as_such_and_can_be_left_out(review_run, tmp_path):
+    """A moved image made the page answer an error for the click that had just been saved, and it could never be
+    chosen, so never left out."""
+    pytest.importorskip("gradio")
+    from train.review_app import ReviewActions
+    from train.review_data import LISTS, ReviewRun
+
+    run = tmp_path / "run"
+    shutil.copytree(review_run, run)
+    on = ReviewActions(ReviewRun(run, limit=3))
+    items = on.run.lists[LISTS[0]]
+    Path(items[1].path).rename(tmp_path / "moved.png")
+    try:
+        rows, pixels, overlay, probs, about, choice, index, status = on.decide(LISTS[0], 0, "leave", None)
+        assert index == 1 and pixels is None and "Cannot read it" in about and "left out" in status
+        *_, status = on.decide(LISTS[0], 1, "leave", None)
+        assert on.decisions.all()[items[1].path] is None and "left out" in status
+    finally:
+        (tmp_path / "moved.png").rename(items[1].path)
