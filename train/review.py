@@ -44,6 +44,9 @@ def review_parser() -> ArgumentParser:
     return parser
 
 
+MAX_UPLOAD = 1024  # bytes: the page takes no upload, and Gradio's upload route would keep any in /tmp
+
+
 def main(argv: list[str]) -> None:
     """`vit-train review`: see `review_parser` for its options."""
     args = review_parser().parse_args(argv)
@@ -85,6 +88,7 @@ def launch_review(
     log.info("review: %s; decisions go to %s", counts, run.run_dir / "corrections.csv")
     app.queue(default_concurrency_limit=1)  # one network, one decisions file: one click at a time
     app.launch(
-        server_name=host, server_port=port, share=share, show_error=True, prevent_thread_lock=not block, quiet=not block
-    )
+        server_name=host, server_port=port, share=share, show_error=True, prevent_thread_lock=not block,
+        quiet=not block, max_file_size=MAX_UPLOAD,
+    )  # fmt: skip
     return app
