@@ -39,6 +39,7 @@ ERROR_STATUS = {
     "not_ready": 503,
     "timeout": 504,
     "internal": 500,
+    "insufficient_storage": 507,  # the UI's upload folder is at --ui-cache-bytes
     "not_implemented": 501,  # a transfer coding other than chunked
 }
 

@@ -145,6 +145,13 @@ class ServeSettings(BaseSettings):
     ui_cache_s: int = Field(
         3600, ge=60, description="UI uploads and results older than this are deleted (checked as often)"
     )
+    ui_cache_bytes: int = Field(
+        1 << 30,
+        ge=1 << 20,
+        description="bytes the UI's uploads and results may take on disk together; an upload past it is refused "
+        "(507) until older files are deleted (ui_cache_s). Each upload is bounded by max_bytes, and uploads need no "
+        "key on a server without one: this bounds the disk they can fill",
+    )
     top_k: int = Field(5, ge=1, description="predictions returned when the client does not ask for a number")
     deletion_steps: int = Field(
         16, ge=1, description="points on the deletion curve (patches removed in this many steps)"

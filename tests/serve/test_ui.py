@@ -342,3 +342,20 @@ def test_a_number_the_ui_cannot_use_is_refused_saying_which(ui_server, image_fil
     event = httpx.post(f"{ui_server.url}/gradio_api/call/{api}", content=data, headers=headers, timeout=60).json()
     stream = httpx.get(f"{ui_server.url}/gradio_api/call/{api}/{event['event_id']}", timeout=120).text
     assert "event: error" in stream and said in stream, stream[:400]
+
+
+@pytest.mark.slow
+def test_uploads_past_the_ui_cache_cap_are_refused_until_old_ones_go(tiny_onnx, tmp_path):
+    """Each upload was bounded by --max-bytes and kept an hour, with no bound on the folder: a client could fill
+    the disk at the request rate. --ui-cache-bytes bounds it."""
+    import httpx
+
+    args = ["--examples-dir", "", "--graceful-timeout-s", "3", "--ui-cache-bytes", "3000000"]
+    with ServerProcess(tiny_onnx, *args) as server:
+        post = lambda i: httpx.post(server.url + "/gradio_api/upload", files={"files": (f"{i}.bin", bytes(1_000_000))})
+        assert [post(i).status_code for i in range(2)] == [200, 200]
+        for i in range(2, 6):  # results the UI wrote may share the folder: a few more, until it is full
+            if (r := post(i)).status_code != 200:
+                break
+        assert r.status_code == 507 and "--ui-cache-bytes" in r.json()["error"]["message"], r.text
+        assert httpx.get(server.url + "/healthz").status_code == 200

@@ -72,7 +72,8 @@ def mount_ui(app: FastAPI, repository, classifier, settings, budget: PixelBudget
     )
     ui.has_launched = True  # what launch() sets: Gradio's processing_utils._check_allowed reads it
     ui.config["version"] = ui.config["version"].split(".")[0]  # gradio_client needs the major; no more
-    app.add_middleware(UploadLimit, max_bytes=settings.max_bytes)
+    folder, most = gr.utils.get_upload_folder(), settings.ui_cache_bytes  # the folder: GRADIO_TEMP_DIR, the server's
+    app.add_middleware(UploadLimit, max_bytes=settings.max_bytes, folder=folder, folder_bytes=most)
     app.add_middleware(UiCallErrorsAsJson)
     app.add_middleware(NoVersionInGradioOpenapi)
     return app
@@ -263,10 +264,7 @@ def build_ui(repository, classifier, settings, budget: PixelBudget | None = None
 
 def whole(value: Any, name: str) -> int:
     """A slider's block or head index: a whole number, or a `gr.Error` naming it (Gradio passes NaN and 0.5 on)."""
-    try:
-        number = float(value)
-    except (TypeError, ValueError):
-        number = math.nan
+    number = float(value) if isinstance(value, (int, float)) else math.nan  # a JSON number, as sliders send
     if not (math.isfinite(number) and number == int(number)):
         raise gr.Error(f"the {name} must be a whole number, got {value}")
     return int(number)
@@ -274,10 +272,7 @@ def whole(value: Any, name: str) -> int:
 
 def share(value: Any, name: str = "opacity") -> float:
     """A value in [0, 1], or a `gr.Error` naming it (NaN drew an all-black overlay)."""
-    try:
-        number = float(value)
-    except (TypeError, ValueError):
-        number = math.nan
+    number = float(value) if isinstance(value, (int, float)) else math.nan  # a JSON number, as sliders send
     if not 0.0 <= number <= 1.0:
         raise gr.Error(f"the {name} must be in [0, 1], got {value}")
     return number

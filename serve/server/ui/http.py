@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 
 from serve.server.http.errors import send_error
 
@@ -127,10 +128,12 @@ class NoVersionInGradioOpenapi:
 class UploadLimit:
     """ASGI middleware: every request with a body to Gradio's routes (its upload route, and the call and queue
     routes, whose JSON Gradio reads whole) must declare its length, within `max_bytes` in all (Gradio's own limit
-    is per uploaded file, and one request may carry many files; its JSON routes have none)."""
+    is per uploaded file, and one request may carry many files; its JSON routes have none); and an upload that would
+    take the UI's `folder` past `folder_bytes` is refused (507) until older files are deleted."""
 
-    def __init__(self, app, max_bytes: int):
+    def __init__(self, app, max_bytes: int, folder: str | None = None, folder_bytes: int | None = None):
         self.app, self.max_bytes = app, max_bytes + FORM_OVERHEAD
+        self.folder, self.folder_bytes = folder, folder_bytes
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http" and scope["path"].startswith("/gradio_api/") and scope["method"] in BODY_METHODS:
@@ -142,4 +145,24 @@ class UploadLimit:
                     f"a request of {int(declared):,} bytes is over the {self.max_bytes:,}-byte limit (--max-bytes)"
                 )
                 return await send_error(send, "body_too_large", message)
+            if scope["path"] == UPLOAD_ROUTE and self.folder and self.folder_bytes:
+                used = folder_size(self.folder)  # one walk per upload: uploads are few beside the API's requests
+                if used + int(declared) > self.folder_bytes:
+                    message = (
+                        f"the UI's upload folder holds {used:,} bytes, and this upload would take it past "
+                        f"{self.folder_bytes:,} (--ui-cache-bytes): retry once older files go (--ui-cache-s)"
+                    )
+                    return await send_error(send, "insufficient_storage", message)
         await self.app(scope, receive, send)
+
+
+def folder_size(folder: str) -> int:
+    """The bytes of the files under `folder` (files deleted while it is walked count as none)."""
+    total = 0
+    for top, _, files in os.walk(folder):
+        for name in files:
+            try:
+                total += os.stat(os.path.join(top, name), follow_symlinks=False).st_size
+            except OSError:
+                continue
+    return total
