@@ -51,7 +51,9 @@ __all__ = [
     "png_bytes",
     "quadrant_images",
     "read_metric",
+    "peak_mib",
     "read_response",
+    "reset_peak",
     "rss_mib",
     "server_has_read",
     "shape_image",
@@ -249,6 +251,17 @@ def _tcp_connections() -> list[tuple[int, int, int, int]]:
             unacked, unread = (int(q, 16) for q in queues.split(":"))
             rows.append((int(local.rsplit(":", 1)[1], 16), int(remote.rsplit(":", 1)[1], 16), unacked, unread))
     return rows
+
+
+def peak_mib(pid: int) -> float:
+    """The process's peak resident memory (VmHWM) since it started or since `reset_peak`."""
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024
+
+
+def reset_peak(pid: int) -> None:
+    with open(f"/proc/{pid}/clear_refs", "w") as f:
+        f.write("5")  # the kernel's reset of VmHWM
 
 
 def server_has_read(port: int, connections: int = 1) -> bool:

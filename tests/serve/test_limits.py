@@ -19,7 +19,9 @@ from serve.runtime.images import ImageError, PixelBudget, Preprocess, load_image
 from tests.helpers import (
     ServerProcess,
     encoded,
+    peak_mib,
     read_response,
+    reset_peak,
     rss_mib,
     server_has_read,
     server_holds,
@@ -143,17 +145,6 @@ def test_concurrent_tiny_files_declaring_40_mp_keep_the_server_small(server):
         done.set()
         watcher.join()
     assert peak[0] - base < 1024  # MiB; 16 such files without a budget took several GB
-
-
-def peak_mib(pid: int) -> float:
-    """The process's peak resident memory (VmHWM) since it started or since `reset_peak`."""
-    with open(f"/proc/{pid}/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024
-
-
-def reset_peak(pid: int) -> None:
-    with open(f"/proc/{pid}/clear_refs", "w") as f:
-        f.write("5")  # the kernel's reset of VmHWM
 
 
 @pytest.mark.slow

@@ -11,7 +11,7 @@ from PIL import Image
 
 from serve.server.explain import cls_attention, render_overlay
 from serve.server.ui.blocks import example_files
-from tests.helpers import ServerProcess, server_has_read, wait_until
+from tests.helpers import ServerProcess, peak_mib, reset_peak, server_has_read, wait_until
 from tests.serve.test_repository import add_model, drop_version, exported  # noqa: F401 (a fixture)
 
 
@@ -290,11 +290,6 @@ def test_ui_uploads_live_in_a_folder_of_the_servers_own_removed_at_exit(small_ui
     assert not folder.exists()
 
 
-def _peak_mib(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("upload", ["data_url", "not_an_image"])
 def test_an_image_is_checked_from_its_header_before_gradio_decodes_it(ui_server, upload):
@@ -312,14 +307,13 @@ def test_an_image_is_checked_from_its_header_before_gradio_decodes_it(ui_server,
     else:
         path = httpx.post(ui_server.url + "/gradio_api/upload", files={"files": ("a.png", b"no image")}).json()[0]
         image, said = {"path": path}, "not an image"
-    with open(f"/proc/{ui_server.proc.pid}/clear_refs", "w") as f:
-        f.write("5")  # the kernel's reset of the peak memory (VmHWM)
-    base = _peak_mib(ui_server.proc.pid)
+    reset_peak(ui_server.proc.pid)
+    base = peak_mib(ui_server.proc.pid)
     data = [{**image, "meta": {"_type": "gradio.FileData"}}, "mean", 0.0, 0, 2, 0.5, "inferno"]
     event = httpx.post(ui_server.url + "/gradio_api/call/classify", json={"data": data}, timeout=60).json()
     stream = httpx.get(f"{ui_server.url}/gradio_api/call/classify/{event['event_id']}", timeout=120).text
     assert "event: error" in stream and said in stream and "/tmp" not in stream, stream[:500]
-    assert _peak_mib(ui_server.proc.pid) - base < 300  # MiB: the header read, not the pixels
+    assert peak_mib(ui_server.proc.pid) - base < 300  # MiB: the header read, not the pixels
 
 
 @pytest.mark.slow
