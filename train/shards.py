@@ -79,6 +79,7 @@ def prepare(
     """
     from litdata import optimize
 
+    check_out_apart(root, out)
     scan = scan_folder(root, val_fraction, seed, verify=True, corrections=corrections, dedupe=dedupe != "none")
     workers = workers or usable_cores()
     paths = [p for p, _ in scan.train + scan.val] if scan.duplicates is None else []  # dedupe decoded them all
@@ -103,6 +104,19 @@ def prepare(
     csv.writer(buf).writerows([["file", "reason"], *bad])
     _write_text(out, "bad_files.csv", buf.getvalue())
     return meta
+
+
+def check_out_apart(root: str, out: str) -> None:
+    """A `ValueError` when the local `out` is `root`, inside it or around it: the chunks, `train/` and `val/` would
+    be written into the image folder, and the next scan would read them as classes."""
+    if "://" in out:
+        return
+    images, chunks = Path(root).expanduser().resolve(), Path(out).expanduser().resolve()
+    if images == chunks or images in chunks.parents or chunks in images.parents:
+        raise ValueError(
+            f"--out must be a folder outside --data.root: {out} would write the chunks into {root}; "
+            "choose another folder, e.g. shards/<name>"
+        )
 
 
 def _write_text(out: str, name: str, text: str) -> None:

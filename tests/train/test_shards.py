@@ -39,6 +39,18 @@ def test_prepare_says_what_is_wrong_in_one_line_with_exit_code_2(tmp_path: Path,
     assert e.value.code == 2 and "image folder not found" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("where", ["the folder", "inside it", "around it"])
+def test_prepare_refuses_an_out_that_overlaps_the_image_folder_before_any_work(tmp_path: Path, capsys, where):
+    root = tmp_path / "images" / "train"
+    write_shapes(root, per_class=2)
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    out = {"the folder": root, "inside it": root / "shards", "around it": tmp_path / "images"}[where]
+    with pytest.raises(SystemExit) as e:  # it used to write train/, val/ and chunks into the images
+        main(["prepare", "--data.root", str(root), "--out", str(out), "--workers", "1"])
+    assert e.value.code == 2 and "--out must be a folder outside --data.root" in capsys.readouterr().err
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+
+
 def test_vit_train_help_lists_prepare_beside_the_trainer_subcommands(capsys):
     with pytest.raises(SystemExit) as e:
         main(["--help"])
