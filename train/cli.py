@@ -37,7 +37,7 @@ from train.module import ViTClassifier
 from train.recipe import auto_recipe_args
 from train.review import REVIEW_HELP, review_parser
 from train.review import main as review_main
-from train.run_dir import CKPT_DIR, check_ckpt_owner, check_writable, is_remote, lock_run_dir, resolve_ckpt_path
+from train.run_dir import CKPT_DIR, check_ckpt_owner, check_run_dir, is_remote, lock_run_dir, resolve_ckpt_path
 from train.shards import PREPARE_HELP, prepare_parser
 from train.shards import main as prepare_main
 
@@ -193,7 +193,7 @@ class VitCLI(LightningCLI):
         init = self.config_init.get(str(self.subcommand), self.config_init)
         config = init.get("trainer") or {}
         run_dir = Path(config.get("default_root_dir") or os.getcwd())
-        check_writable(run_dir)
+        check_run_dir(run_dir, getattr(self.datamodule, "root", None))
         if self.subcommand == "fit":  # before anything in it is touched: the partial saves are another fit's
             self._run_lock = lock_run_dir(run_dir)
         remove_partial_saves(run_dir / CKPT_DIR)

@@ -1,7 +1,8 @@
 """The run directory's rules: which checkpoint `--ckpt_path` may name, whose run a fit may continue.
 
 Each refusal is one `SetupError` line that names what can be used instead. The checkpoints live in
-`<run_dir>/checkpoints` (`CKPT_DIR`), and `check_writable` fails a read-only run directory before any work.
+`<run_dir>/checkpoints` (`CKPT_DIR`), and `check_run_dir` fails a read-only run directory, or one in the image
+folder, before any work.
 
 `--ckpt_path` (`resolve_ckpt_path`, `check_ckpt_owner`):
     last / best      this run's `checkpoints/last.ckpt` / `best.ckpt`; refused when missing, with the
@@ -129,8 +130,15 @@ def lock_run_dir(run_dir: Path) -> IO[str] | None:
     return f
 
 
-def check_writable(run_dir: Path) -> None:
-    """Create `run_dir` and a file in it now, so a read-only place fails in one line before any work."""
+def check_run_dir(run_dir: Path, data_root: str | None) -> None:
+    """Create `run_dir` and a file in it now, so a read-only place fails in one line before any work; refuse it
+    in the image folder `data_root`, where its reports (`confusion_matrix.png`) would be a class of the next scan."""
+    images = None if not data_root or is_remote(data_root) else Path(data_root).expanduser().resolve()
+    if images is not None and (run_dir.resolve() == images or images in run_dir.resolve().parents):
+        raise SetupError(
+            f"--trainer.default_root_dir must be outside --data.root: {run_dir} is in the image folder {data_root}, "
+            "whose next scan would read the run as a class; use e.g. runs/<name>"
+        )
     probe = run_dir / f".write-test-{os.getpid()}"
     try:
         run_dir.mkdir(parents=True, exist_ok=True)

@@ -129,6 +129,13 @@ def test_impossible_settings_are_one_line_errors(extra, expected, small_folder, 
     assert expected in one_line_error(args(small_folder, tmp_path / "run", *extra), capsys)
 
 
+@pytest.mark.parametrize("inside", ["runs", "."])
+def test_a_run_directory_inside_the_image_folder_is_refused_before_it_is_made(small_folder, capsys, inside):
+    run_dir = small_folder / inside  # its confusion_matrix.png made the next fit read a class "runs"
+    err = one_line_error(args(small_folder, run_dir), capsys)
+    assert "--trainer.default_root_dir must be outside --data.root" in err and not (small_folder / "runs").exists()
+
+
 def test_a_pretrained_file_that_is_not_weights_is_a_one_line_error(small_folder, tmp_path, capsys):
     bad = tmp_path / "weights.safetensors"
     bad.write_text("not weights\n")
