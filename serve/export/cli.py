@@ -39,7 +39,7 @@ from typing import Any
 import onnx
 
 from serve.export import calibrate as calib
-from serve.export import targets, triton, web
+from serve.export import preflight, targets, triton, web
 from serve.export.merge import set_metadata
 from serve.export.metadata import build_metadata
 from serve.export.trace import DEFAULT_OPSET
@@ -120,6 +120,7 @@ def export_onnx(
     from serve.export import parity
 
     checkpoint, output = Path(checkpoint), Path(output)
+    preflight.check_output(checkpoint, output)
     targets.check_opset(opset)
     if target not in targets.TARGETS:
         raise ValueError(f"target must be one of {', '.join(targets.TARGETS)}, got {target!r}")

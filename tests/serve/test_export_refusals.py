@@ -1,0 +1,72 @@
+"""What vit-export refuses before the slow export starts, in one line and exit 2: an output that would replace the
+checkpoint or is a folder."""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from serve.export import targets  # noqa: E402  (after the skip: the [serve]-only venv has no torch)
+from serve.export.cli import main  # noqa: E402
+
+
+@pytest.fixture
+def no_export(monkeypatch):
+    """Every refusal comes before the export: a test that reaches it fails at once instead of exporting."""
+
+    def started(*args, **kwargs):
+        raise AssertionError("the export started: the refusal should have come before it")
+
+    monkeypatch.setattr(targets, "build", started)
+
+
+def _refused(capsys, argv: list[str]) -> str:
+    """Run vit-export with `argv`; it must answer 2 with one line and no traceback. Returns that line."""
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("vit-export: ") and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    return err.strip()
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@pytest.fixture
+def own_run(tiny_checkpoint, tmp_path) -> Path:
+    """A copy of the tiny run's checkpoint and split in a folder of its own: a test may damage it."""
+    (tmp_path / "run" / "checkpoints").mkdir(parents=True)
+    shutil.copy(tiny_checkpoint.parent.parent / "split.json", tmp_path / "run" / "split.json")
+    shutil.copy(tiny_checkpoint, tmp_path / "run" / "checkpoints" / "best.ckpt")
+    return tmp_path / "run"
+
+
+@pytest.mark.parametrize("spelling", ["same", "dotted", "symlink"])
+def test_an_output_that_is_the_checkpoint_itself_is_refused_and_the_checkpoint_kept(
+    own_run, capsys, no_export, spelling
+):
+    checkpoint = own_run / "checkpoints" / "best.ckpt"
+    before = _sha256(checkpoint)
+    output = {
+        "same": checkpoint,
+        "dotted": own_run / "checkpoints" / ".." / "checkpoints" / "best.ckpt",
+        "symlink": own_run / "best.onnx",
+    }[spelling]
+    if spelling == "symlink":
+        output.symlink_to(checkpoint)
+    line = _refused(capsys, [str(checkpoint), "-o", str(output)])
+    assert "is the checkpoint itself" in line and "best.onnx" in line  # and where to write instead
+    assert _sha256(checkpoint) == before
+
+
+def test_an_output_that_is_a_folder_is_refused_before_the_export(own_run, tmp_path, capsys, no_export):
+    folder = tmp_path / "artifacts"
+    folder.mkdir()
+    line = _refused(capsys, [str(own_run / "checkpoints" / "best.ckpt"), "-o", str(folder)])
+    assert f"-o {folder} is a folder" in line and str(folder / "model.onnx") in line
+    assert list(folder.iterdir()) == []
