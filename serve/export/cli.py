@@ -44,7 +44,6 @@ from serve.export.merge import set_metadata
 from serve.export.metadata import build_metadata
 from serve.export.trace import DEFAULT_OPSET
 from serve.runtime.outputs import sync_folder
-from train.checkpoint_format import load_network
 
 log = logging.getLogger(__name__)
 
@@ -127,7 +126,7 @@ def export_onnx(
     if quantize not in (None, "int8"):
         raise ValueError(f"quantize must be None or 'int8', got {quantize!r}")
     name = triton.model_name(triton_name or output.stem) if triton_repo is not None else None
-    net, meta = load_network(checkpoint)  # a wrong checkpoint path creates no output folder
+    net, meta = preflight.load_network(checkpoint)  # a wrong checkpoint path creates no output folder
     _check_writable(output.parent)
     if triton_repo is not None:
         _check_writable(Path(triton_repo))

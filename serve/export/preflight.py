@@ -1,6 +1,8 @@
 """What `vit-export` refuses before the slow export starts, so that a mistake costs a second, not a minute.
 
-- the output: the checkpoint itself (writing would replace the trained weights), or a folder.
+- the output: the checkpoint itself (writing would replace the trained weights), or a folder;
+- the checkpoint: metadata that cannot rebuild its network (another architecture, missing or unknown entries),
+  or class names that do not name the head's outputs one to one.
 
 Each refusal is a ValueError whose message says what is wrong and what to do: `vit-export` prints it in one
 line and answers 2 (1 means the parity gate failed).
@@ -8,8 +10,14 @@ line and answers 2 (1 means the parity gate failed).
 
 from __future__ import annotations
 
+import collections
 import os
 from pathlib import Path
+from typing import Any
+
+from train import checkpoint_format
+from train.errors import first_line
+from vit.model import VisionTransformer
 
 
 def check_output(checkpoint: Path, output: Path) -> None:
@@ -24,3 +32,57 @@ def check_output(checkpoint: Path, output: Path) -> None:
         )
     if output.is_dir():
         raise ValueError(f"-o {output} is a folder; name the file to write in it, e.g. -o {output / 'model.onnx'}")
+
+
+def load_network(checkpoint: Path) -> tuple[VisionTransformer, dict[str, Any]]:
+    """`train.checkpoint_format.load_network`, with a checkpoint that cannot be exported refused in one line.
+
+    Raises:
+        ValueError: metadata that cannot rebuild the network, weights that do not fit it, or class names that
+            do not name the head's outputs one to one.
+    """
+    key = checkpoint_format.META_KEY
+    retrain = "export the best.ckpt that vit-train wrote for the run, unedited, or train the run again"
+    try:
+        net, meta = checkpoint_format.load_network(checkpoint)
+    except KeyError as e:  # an entry the network or its preprocessing is rebuilt from
+        raise ValueError(f"{checkpoint} has no {e.args[0]!r} entry in its '{key}' metadata; {retrain}") from None
+    except TypeError as e:  # model_config or preprocess from another version: an argument this one does not take
+        raise ValueError(
+            f"{checkpoint}: its '{key}' metadata does not fit this version of vitscope ({first_line(e)}); export "
+            "it with the vitscope version that trained it (its 'versions' entry), or train the run again"
+        ) from None
+    except RuntimeError as e:  # load_state_dict: the weights are another architecture's
+        details = [line.strip() for line in str(e).splitlines()[1:] if line.strip()] or [first_line(e)]
+        first, more = details[0][:200].rstrip("."), f"; and {len(details) - 1} more" if len(details) > 1 else ""
+        raise ValueError(
+            f"{checkpoint}: its weights do not fit the network its model_config describes ({first}{more}); {retrain}"
+        ) from None
+    check_class_names(checkpoint, meta.get("class_names"), net.num_classes)
+    return net, meta
+
+
+def check_class_names(checkpoint: Path, names: Any, outputs: int) -> None:
+    """Refuse class names that do not name each of the head's `outputs` once: the file would label them wrongly."""
+    key = checkpoint_format.META_KEY
+    if names is None:
+        raise ValueError(
+            f"{checkpoint} has no 'class_names' entry in its '{key}' metadata; export the best.ckpt vit-train wrote"
+        )
+    names = list(names) if isinstance(names, (list, tuple)) else [names]
+    if len(names) != outputs:
+        raise ValueError(
+            f"{checkpoint} has {len(names)} class names, but its head has {outputs} outputs: each output needs "
+            "one name; export the best.ckpt that vit-train wrote for the run, unedited"
+        )
+    for i, name in enumerate(names, 1):
+        if not isinstance(name, str):
+            raise ValueError(f"{checkpoint}: class name {i} of {outputs} is not text ({name!r}); name each class")
+        if not name.strip():
+            raise ValueError(f"{checkpoint}: class name {i} of {outputs} is empty; name each class")
+    repeated = sorted(n for n, count in collections.Counter(names).items() if count > 1)
+    if repeated:
+        raise ValueError(
+            f"{checkpoint} names {', '.join(map(repr, repeated))} more than once: each of the {outputs} outputs "
+            "needs a name of its own, or the file would give two classes one label"
+        )

@@ -1,8 +1,9 @@
 """What vit-export refuses before the slow export starts, in one line and exit 2: an output that would replace the
-checkpoint or is a folder."""
+checkpoint or is a folder, and a checkpoint whose metadata does not fit its weights."""
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import shutil
 from pathlib import Path
@@ -13,6 +14,7 @@ torch = pytest.importorskip("torch")
 
 from serve.export import targets  # noqa: E402  (after the skip: the [serve]-only venv has no torch)
 from serve.export.cli import main  # noqa: E402
+from tests.helpers import CLASS_NAMES  # noqa: E402
 
 
 @pytest.fixture
@@ -70,3 +72,40 @@ def test_an_output_that_is_a_folder_is_refused_before_the_export(own_run, tmp_pa
     line = _refused(capsys, [str(own_run / "checkpoints" / "best.ckpt"), "-o", str(folder)])
     assert f"-o {folder} is a folder" in line and str(folder / "model.onnx") in line
     assert list(folder.iterdir()) == []
+
+
+def _edited(checkpoint: Path, folder: Path, edit) -> Path:
+    """A copy of `checkpoint` (in a run folder with its split) with `edit(meta)` applied to its "vitscope" entry."""
+    ckpt = torch.load(checkpoint, map_location="cpu", weights_only=True)
+    meta = copy.deepcopy(ckpt["vitscope"])
+    edit(meta)
+    ckpt["vitscope"] = meta
+    out = folder / "checkpoints" / "best.ckpt"
+    torch.save(ckpt, out)
+    return out
+
+
+EDITS = {  # what was done to the checkpoint's metadata -> what the one line must say
+    "another_architecture": (lambda m: m["model_config"].update(embed_dim=48), "weights do not fit"),
+    "no_model_config": (lambda m: m.pop("model_config"), "no 'model_config' entry"),
+    "unknown_argument": (lambda m: m["model_config"].update(bogus_kw=1), "unexpected keyword argument 'bogus_kw'"),
+    "no_preprocess": (lambda m: m.pop("preprocess"), "no 'preprocess' entry"),
+    "fewer_names": (lambda m: m.update(class_names=["a", "b"]), "2 class names, but its head has 4 outputs"),
+    "more_names": (lambda m: m.update(class_names=[*CLASS_NAMES, "extra"]), "5 class names, but its head has 4"),
+    "no_names": (lambda m: m.pop("class_names"), "no 'class_names' entry"),
+    "repeated_name": (lambda m: m.update(class_names=["a", "b", "a", "c"]), "names 'a' more than once"),
+    "empty_name": (lambda m: m.update(class_names=["a", "", "b", "c"]), "class name 2 of 4 is empty"),
+    "name_not_text": (lambda m: m.update(class_names=["a", 1, "b", "c"]), "class name 2 of 4 is not text"),
+}
+
+
+@pytest.mark.parametrize("case", EDITS)
+def test_a_checkpoint_whose_metadata_does_not_fit_its_weights_is_refused_in_one_line(
+    own_run, tmp_path, capsys, no_export, case
+):
+    edit, says = EDITS[case]
+    checkpoint = _edited(own_run / "checkpoints" / "best.ckpt", own_run, edit)
+    out = tmp_path / "out" / "model.onnx"
+    line = _refused(capsys, [str(checkpoint), "-o", str(out)])
+    assert says in line and str(checkpoint) in line
+    assert not out.parent.exists()  # refused before the output folder was made
