@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
+from serve.export.preflight import check_image_folder
 from serve.runtime import calibration as cal
 from serve.runtime.images import ImageError, Preprocess, load_image
 from serve.runtime.session import session_options
@@ -57,8 +58,7 @@ def calibration_entries(checkpoint: Path, class_names: list[str], calib_dir: Pat
     index = {name: i for i, name in enumerate(class_names)}
     if calib_dir is not None:
         calib_dir = Path(calib_dir)
-        if not calib_dir.is_dir():
-            raise ValueError(f"--calibrate {calib_dir}: no such folder (expected DIR/<class>/<image> files)")
+        check_image_folder("--calibrate", calib_dir)
         entries = []
         for d in class_dirs(calib_dir):
             if d.name not in index:

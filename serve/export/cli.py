@@ -114,12 +114,15 @@ def export_onnx(
 
     Raises:
         ParityError: torch and onnxruntime disagree beyond the thresholds; nothing is written.
-        ValueError: bad arguments, or an output folder that cannot be written.
+        ValueError: bad arguments or a checkpoint that cannot be exported, refused before the export
+            (`serve.export.preflight`), or an output folder that cannot be written.
     """
     from serve.export import parity
 
     checkpoint, output = Path(checkpoint), Path(output)
     preflight.check_output(checkpoint, output)
+    preflight.check_parity_options(parity_samples, val_dir)
+    preflight.check_image_folder("--calibrate", calib_dir)
     targets.check_opset(opset)
     if target not in targets.TARGETS:
         raise ValueError(f"target must be one of {', '.join(targets.TARGETS)}, got {target!r}")
@@ -127,6 +130,8 @@ def export_onnx(
         raise ValueError(f"quantize must be None or 'int8', got {quantize!r}")
     name = triton.model_name(triton_name or output.stem) if triton_repo is not None else None
     net, meta = preflight.load_network(checkpoint)  # a wrong checkpoint path creates no output folder
+    if calib_dir is not None and calibrate is not False:  # folders of other classes, refused now
+        calib.calibration_entries(checkpoint, meta["class_names"], calib_dir)
     _check_writable(output.parent)
     if triton_repo is not None:
         _check_writable(Path(triton_repo))

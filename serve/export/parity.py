@@ -84,9 +84,10 @@ def validation_sample(
         except (ImageError, FileNotFoundError) as err:
             log.warning("parity sample: skipping %s (%s)", p, err)
     if not pixels:
+        looked = ([f"{split}'s val split"] if split.is_file() else []) + ([str(val_dir)] if val_dir is not None else [])
+        where = f"in {' or '.join(looked)}" if looked else "(no split.json next to the checkpoint's run, no --val-dir)"
         warnings.warn(
-            "no validation images found (no split.json next to the checkpoint's run and no --val-dir): "
-            "the parity gate runs on 32 random images instead",
+            f"no validation images found {where}: the parity gate runs on 32 random images instead",
             stacklevel=2,
         )
         H, W = preprocess.img_size

@@ -1,6 +1,8 @@
 """What `vit-export` refuses before the slow export starts, so that a mistake costs a second, not a minute.
 
 - the output: the checkpoint itself (writing would replace the trained weights), or a folder;
+- the options: a parity gate of fewer than one image, a `--val-dir` or `--calibrate` folder that is not there
+  (the gate would run on random images, or calibration would fail after the export);
 - the checkpoint: metadata that cannot rebuild its network (another architecture, missing or unknown entries),
   or class names that do not name the head's outputs one to one.
 
@@ -32,6 +34,22 @@ def check_output(checkpoint: Path, output: Path) -> None:
         )
     if output.is_dir():
         raise ValueError(f"-o {output} is a folder; name the file to write in it, e.g. -o {output / 'model.onnx'}")
+
+
+def check_image_folder(option: str, folder: Path | None) -> None:
+    """Refuse a labelled image folder (DIR/<class>/<image>) given as `option` that is not there."""
+    if folder is not None and not Path(folder).is_dir():
+        raise ValueError(f"{option} {folder}: no such folder (expected DIR/<class>/<image> files)")
+
+
+def check_parity_options(parity_samples: int, val_dir: Path | None) -> None:
+    """Refuse options that would leave the parity gate without validation images (it would run on random ones)."""
+    if parity_samples < 1:
+        raise ValueError(
+            f"--parity-samples must be at least 1, got {parity_samples}: the parity gate compares torch and "
+            "onnxruntime on that many validation images (default 256)"
+        )
+    check_image_folder("--val-dir", val_dir)
 
 
 def load_network(checkpoint: Path) -> tuple[VisionTransformer, dict[str, Any]]:

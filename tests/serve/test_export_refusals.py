@@ -1,5 +1,6 @@
 """What vit-export refuses before the slow export starts, in one line and exit 2: an output that would replace the
-checkpoint or is a folder, and a checkpoint whose metadata does not fit its weights."""
+checkpoint or is a folder, options that would leave the parity gate on random images, and a checkpoint whose
+metadata does not fit its weights."""
 
 from __future__ import annotations
 
@@ -109,3 +110,46 @@ def test_a_checkpoint_whose_metadata_does_not_fit_its_weights_is_refused_in_one_
     line = _refused(capsys, [str(checkpoint), "-o", str(out)])
     assert says in line and str(checkpoint) in line
     assert not out.parent.exists()  # refused before the output folder was made
+
+
+@pytest.mark.parametrize(
+    "option, says",
+    [
+        (["--parity-samples", "0"], "--parity-samples must be at least 1, got 0"),
+        (["--parity-samples", "-5"], "--parity-samples must be at least 1, got -5"),
+        (["--val-dir", "/nonexistent"], "--val-dir /nonexistent: no such folder"),
+        (["--calibrate", "/nonexistent"], "--calibrate /nonexistent: no such folder"),
+    ],
+    ids=["no_parity_images", "negative_parity_images", "missing_val_dir", "missing_calibrate_dir"],
+)
+def test_options_that_would_leave_the_parity_gate_or_calibration_without_images_are_refused_before_the_export(
+    own_run, tmp_path, capsys, no_export, option, says
+):
+    out = tmp_path / "out" / "model.onnx"
+    line = _refused(capsys, [str(own_run / "checkpoints" / "best.ckpt"), "-o", str(out), *option])
+    assert line.startswith(f"vit-export: {says}")
+    assert not out.parent.exists()
+
+
+def test_a_calibration_folder_of_other_classes_is_refused_before_the_export(own_run, tmp_path, capsys, no_export):
+    (tmp_path / "calib" / "cats").mkdir(parents=True)
+    out = tmp_path / "out" / "model.onnx"
+    line = _refused(
+        capsys, [str(own_run / "checkpoints" / "best.ckpt"), "-o", str(out), "--calibrate", str(tmp_path / "calib")]
+    )
+    assert "folder 'cats' is not one of the model's classes" in line
+
+
+def test_the_random_image_warning_says_where_it_looked_for_validation_images(own_run, tmp_path):
+    from serve.export import parity
+    from serve.runtime.images import Preprocess
+
+    (own_run / "split.json").write_text('{"train": [], "val": [], "calib": []}')
+    (tmp_path / "empty").mkdir()
+    with pytest.warns(UserWarning, match="no validation images found") as caught:
+        sample = parity.validation_sample(
+            own_run / "checkpoints" / "best.ckpt", CLASS_NAMES, Preprocess(img_size=(32, 32)), tmp_path / "empty"
+        )
+    said = str(caught[0].message)
+    assert f"in {own_run / 'split.json'}'s val split or {tmp_path / 'empty'}" in said and "no split.json" not in said
+    assert sample.source == "random images"
