@@ -272,9 +272,8 @@ def calibrate(
     class_names: list[str],
     preprocess: Preprocess,
     calib_dir: Path | None,
-    report_png: Path | None,
     **options,
-) -> dict[str, Any]:
+) -> tuple[dict[str, Any], np.ndarray, np.ndarray]:
     """The `calibration` entry for a built graph: images found, logits run, everything fitted.
 
     Args:
@@ -283,25 +282,24 @@ def calibrate(
         class_names: the model's classes.
         preprocess: the serving preprocessing.
         calib_dir: a labelled folder to calibrate on instead of the split.
-        report_png: write the reliability diagram here (None: none).
         options: `fit`'s keyword arguments.
+
+    Returns:
+        (entry, logits (n, K), labels (n,)): the logits and labels it was fitted on, for the reliability diagram.
     """
     entries, source = calibration_entries(checkpoint, class_names, calib_dir)
     pixels, labels = load_pixels(entries, preprocess)
     logits, features = graph_outputs(model_bytes, pixels)
     if features is None and options.get("ood_kind", DEFAULT_OOD_SCORE) == "mahalanobis":
         options["ood_kind"] = "energy"  # a graph without features (built elsewhere): the best score the logits give
-    entry = fit(logits, labels, features, source=source, **options)
-    if report_png is not None:
-        write_reliability_png(logits, labels, entry, report_png)
-    return entry
+    return fit(logits, labels, features, source=source, **options), logits, labels
 
 
 def for_export(
     model, checkpoint: Path, output: Path, class_names, preprocess, wanted, calib_dir, **options
 ) -> tuple[dict[str, Any] | None, Path | None]:
     """`vit-export`'s calibration: the entry and the reliability diagram's path (None, None for an uncalibrated
-    file); the run's reports/ gain calibration.json and reliability.png.
+    file); the run's reports/ gain calibration.json and reliability.png, or a warning when they cannot (None then).
 
     Args:
         wanted: False writes an uncalibrated file; True requires calibration images; None calibrates when it
@@ -313,16 +311,27 @@ def for_export(
     reports = run_dir / "reports" if (run_dir / "split.json").is_file() else None
     png = (reports / "reliability.png") if reports is not None else output.with_suffix(".reliability.png")
     try:
-        entry = calibrate(model.SerializeToString(), checkpoint, class_names, preprocess, calib_dir, png, **options)
+        entry, logits, labels = calibrate(
+            model.SerializeToString(), checkpoint, class_names, preprocess, calib_dir, **options
+        )
     except ValueError as e:
         if wanted or calib_dir is not None:
             raise
         log.warning("writing an UNCALIBRATED file (raw softmax, no prediction sets, no unknown verdict): %s", e)
         return None, None
-    if reports is not None:
-        summary = {k: v for k, v in entry.items() if k not in ("conformal", "drift")}
-        summary["ood"] = {k: v for k, v in entry["ood"].items() if k not in ("means", "precision")}
-        (reports / "calibration.json").write_text(json.dumps(summary, indent=1))
+    try:  # side reports: the model is the product, and a run folder may be read-only or full
+        write_reliability_png(logits, labels, entry, png)
+        if reports is not None:
+            summary = {k: v for k, v in entry.items() if k not in ("conformal", "drift")}
+            summary["ood"] = {k: v for k, v in entry["ood"].items() if k not in ("means", "precision")}
+            (reports / "calibration.json").write_text(json.dumps(summary, indent=1))
+    except OSError as e:
+        log.warning(
+            "could not write the calibration reports to %s (%s: %s); the model is written all the same, "
+            "with its calibration",
+            png.parent, e.strerror or e, e.filename or png,
+        )  # fmt: skip
+        return entry, None
     return entry, png
 
 

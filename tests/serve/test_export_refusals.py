@@ -1,11 +1,12 @@
 """What vit-export refuses before the slow export starts, in one line and exit 2: an output that would replace the
 checkpoint or is a folder, options that would leave the parity gate on random images, and a checkpoint whose
-metadata does not fit its weights."""
+metadata does not fit its weights. The side reports in the run's folder are best effort: the model is the product."""
 
 from __future__ import annotations
 
 import copy
 import hashlib
+import logging
 import shutil
 from pathlib import Path
 
@@ -138,6 +139,29 @@ def test_a_calibration_folder_of_other_classes_is_refused_before_the_export(own_
         capsys, [str(own_run / "checkpoints" / "best.ckpt"), "-o", str(out), "--calibrate", str(tmp_path / "calib")]
     )
     assert "folder 'cats' is not one of the model's classes" in line
+
+
+def test_calibration_reports_the_run_folder_cannot_take_are_a_warning_and_the_calibration_is_kept(
+    own_run, tiny_onnx, tmp_path, caplog
+):
+    import onnx
+
+    from serve.export import calibrate as calib
+    from train.checkpoint_format import load_network
+
+    # root ignores permissions, so the run's reports/ is made unwritable by what it is: a file
+    (own_run / "reports").write_text("not a folder")
+    checkpoint = own_run / "checkpoints" / "best.ckpt"
+    _, meta = load_network(checkpoint)
+    model = onnx.load(tiny_onnx)  # the graph the export built: calibration runs it
+    with caplog.at_level(logging.WARNING, logger="serve.export"):
+        entry, png = calib.for_export(
+            model, checkpoint, tmp_path / "model.onnx", meta["class_names"], meta["preprocess"], None, None
+        )
+    assert entry is not None and entry["temperature"] > 0 and png is None
+    warning = " ".join(r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
+    assert f"could not write the calibration reports to {own_run / 'reports'}" in warning
+    assert "the model is written all the same" in warning
 
 
 def test_the_random_image_warning_says_where_it_looked_for_validation_images(own_run, tmp_path):
