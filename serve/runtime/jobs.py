@@ -95,7 +95,7 @@ def collect_sources(
     if from_list is not None:
         lines = map(os.fsdecode, Path(from_list).read_bytes().splitlines())
         items += [s.strip() for s in lines if s.strip() and not s.lstrip().startswith("#")]
-    sources: dict[str, None] = {}  # ordered and each input once: a file named twice is still one row
+    sources: dict[str, str] = {}  # ordered and each input once: a file named twice (`a/x.png`, `./a/x.png`) is one row
     problems = 0
     for item in items:
         unlisted = 0
@@ -113,8 +113,14 @@ def collect_sources(
             found = []
             print(f"{item}: no such file or folder", file=errors)
         problems += unlisted or not found
-        sources.update(dict.fromkeys(found))
-    return list(sources), problems
+        for f in found:
+            sources.setdefault(source_key(f), f)
+    return list(sources.values()), problems
+
+
+def source_key(source: Source) -> str:
+    """What names the same input however it is written: a URI as it is, a path made absolute and normal."""
+    return source if is_uri(source) else os.path.abspath(source)
 
 
 def why_unreadable(source: Source, error: Exception) -> str:
@@ -152,7 +158,8 @@ def decoded_batches(
         return ok, (np.stack(pixels) if pixels else None), failed
 
     groups = (sources[i : i + batch_size] for i in range(0, len(sources), batch_size))
-    with ThreadPoolExecutor(workers, thread_name_prefix="decode") as pool:
+    pool = ThreadPoolExecutor(workers, thread_name_prefix="decode")
+    try:
         pending: list[Future] = []
         for group in groups:
             pending.append(pool.submit(decode, group))
@@ -160,6 +167,8 @@ def decoded_batches(
                 yield pending.pop(0).result()
         for future in pending:
             yield future.result()
+    finally:  # stopped early (Ctrl-C, a full disk): the batches not yet started are dropped, not decoded
+        pool.shutdown(cancel_futures=True)
 
 
 def default_decode_workers() -> int:
@@ -214,9 +223,18 @@ def _open_parts(out: Path, resume: bool, job: dict[str, Any] | None, model: Path
         store.remove_old_parts()  # a run killed after its merge, while it deleted its parts
         print(f"{out} is complete: nothing to resume (remove it to score again)", file=errors)
         return None
+    store.lock()
     if job is not None and (was := store.record(job)) != (now := json.loads(json.dumps(job))):
         raise ValueError(_mismatch(out, store.dir, model, was, now))
     return store
+
+
+def _not_done(sources: Sequence[Source], finished: set[str], out: Path, errors: TextIO) -> list[Source]:
+    """The sources no earlier run finished, however either names them (`photos/a.png`, `./photos//a.png`)."""
+    finished = {source_key(s) for s in finished}
+    if others := len(finished - {source_key(s) for s in sources}):
+        print(f"{out}: {others:,} earlier result(s) are of inputs this run was not given; they stay in it", file=errors)
+    return [s for s in sources if source_key(s) not in finished]
 
 
 def score_to_file(
@@ -256,8 +274,7 @@ def score_to_file(
     done, failed = store.committed()
     for source, reason in failed:  # an earlier run's unreadable files, reported again with this run's result
         print(f"{source}: {reason}", file=errors)
-    finished = done | {s for s, _ in failed}
-    todo = [s for s in sources if s not in finished]
+    todo = _not_done(sources, done | {s for s, _ in failed}, out, errors)
     classified = len(done)
     rows: list[dict[str, Any]] = []
     part_failed: list[tuple[str, str]] = []

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import csv
 import errno
+import fcntl
 import io
 import json
 import os
@@ -58,6 +59,7 @@ PARTS_SUFFIX = ".parts"
 DONE_SUFFIX = ".old"  # the parts folder of a merged output, renamed before it is deleted
 JOB_FILE = "job.json"  # in the parts folder: what decides the rows, so that a resume can check it is the same job
 _PART = re.compile(r"part-(\d{5,})\.json$")
+_HELD: dict[str, int] = {}  # the parts folders this process has locked (`PartStore.lock`), each once
 
 
 def output_format(out: Path) -> str:
@@ -183,6 +185,29 @@ class PartStore:
         self.next_index = 0
         _refuse_link(self.dir)
 
+    def lock(self) -> None:
+        """Make the parts folder and hold it until this process ends (the kernel lets go however it ends): a second
+        run on the same output, a retry while the first still goes, would delete the other's temporary files.
+
+        Raises:
+            ValueError: another run holds it.
+        """
+        _refuse_link(self.dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        key = os.path.realpath(self.dir)
+        if key in _HELD:  # by this process already (a run in it that stopped early): its lock, as a process has one
+            return
+        held = os.open(self.dir, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            _HELD[key] = held
+        except BlockingIOError:
+            os.close(held)
+            raise ValueError(
+                f"another vit-predict is writing {self.out} (its parts folder {self.dir} is in use): wait for it to "
+                "end, or give this run another --out"
+            ) from None
+
     def exists(self) -> bool:
         """True when an earlier run left the output or its parts."""
         return self.out.exists() or self.dir.exists()
@@ -277,6 +302,8 @@ class PartStore:
         os.rename(self.dir, self.old_dir)
         sync_folder(self.dir.parent)
         self.remove_old_parts()
+        if (held := _HELD.pop(os.path.realpath(self.dir), None)) is not None:
+            os.close(held)
 
     def remove_old_parts(self) -> None:
         """Delete the parts folder of an output already merged, if a killed run left it."""

@@ -14,7 +14,7 @@ read are reported on stderr, one per line, and the run goes on. Exit status: 0 w
 classified; 1 when some could not be read (every other image's result is still written), so scripts
 notice; 2 for a bad model file or arguments, or when stdout cannot be written (a full disk). When
 the reader of stdout goes away (`| head`), vit-predict stops quietly with 141, like a Unix tool
-ended by SIGPIPE.
+ended by SIGPIPE; Ctrl-C ends it with 130 (with --out, what it wrote is kept for --resume).
 
 With --out (.parquet, .csv or .jsonl) the job is written in committed parts (`serve.runtime.outputs`) and a
 killed run goes on with the same command plus --resume; inputs may then also be URIs and a --from-list
@@ -53,6 +53,8 @@ from serve.runtime.trust import Prediction
 
 PROGRESS_MIN_FILES = 20  # a bar for a handful of files is noise
 EXIT_BROKEN_PIPE = 128 + 13  # what a shell reports for a process ended by SIGPIPE
+EXIT_INTERRUPTED = 128 + 2  # and by SIGINT (Ctrl-C)
+MAX_DECODE_THREADS = 256  # more than cores pays only for reads that wait (object storage); beyond this, memory
 
 
 class OutputError(Exception):
@@ -249,6 +251,11 @@ def run_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         p.error("give image files or folders, or --from-list FILE")
     if args.out is None and (args.from_list or args.resume or any(is_uri(s) for s in args.paths)):
         p.error("--from-list, URIs and --resume need --out FILE")
+    cores = len(os.sched_getaffinity(0))
+    if args.threads is not None and not 0 <= args.threads <= cores:  # 1,000 took a minute for one image
+        p.error(f"--threads must be 0 (every core) to {cores} (this machine's cores), got {args.threads}")
+    if args.decode_threads is not None and not 1 <= args.decode_threads <= MAX_DECODE_THREADS:
+        p.error(f"--decode-threads must be 1 to {MAX_DECODE_THREADS}, got {args.decode_threads}")
     try:
         if args.out is not None:
             done, failed = _run_to_file(args)
@@ -267,6 +274,14 @@ def run_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         _drop_stdout()
         print(f"vit-predict: cannot write the results to stdout: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # the model, a list or the --out folder that cannot be read or written, a full disk
+        kept = "; the parts written so far are kept: run it again with --resume" if args.out is not None else ""
+        print(f"vit-predict: {e.filename or ''}{': ' if e.filename else ''}{e.strerror or e}{kept}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        kept = f": the parts written so far are kept, run the same command with --resume to finish {args.out}"
+        print(f"vit-predict: interrupted{kept if args.out is not None else ''}", file=sys.stderr)
+        return EXIT_INTERRUPTED
     if failed:
         print(f"vit-predict: classified {done} images; {failed} input(s) could not be read", file=sys.stderr)
     return 1 if failed or not done else 0

@@ -429,3 +429,100 @@ def test_a_run_with_a_non_utf8_name_killed_and_resumed_keeps_every_row(tiny_onnx
     assert main([*args, "--resume"]) == 0, capsys.readouterr().err
     with open(out, newline="", errors="surrogateescape") as f:
         assert [r["path"] for r in csv.DictReader(f)] == [bad, *map(str, sorted(folder.glob("0*")))]
+
+
+def test_a_resume_that_names_the_inputs_another_way_scores_each_image_once(tiny_onnx, tmp_path, capsys, monkeypatch):
+    """`photos` and `./photos/` are the same images: the resume used to score them all again, under new paths."""
+    _images(tmp_path / "photos", 6)
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "preds.jsonl"
+    options = ["--out", str(out), "--batch-size", "2", "--part-size", "2"]
+    _killed_after(2, [str(tiny_onnx), "photos", *options], monkeypatch)
+    assert main([str(tiny_onnx), "./photos/", *options, "--resume"]) == 0
+    rows = _read(out)
+    assert len(rows) == 6 and len({os.path.normpath(r["path"]) for r in rows}) == 6, [r["path"] for r in rows]
+
+
+@pytest.mark.parametrize(
+    "extra, says",
+    [
+        (["--threads", "-7"], "--threads must be"),
+        (["--threads", "100000"], "--threads must be"),
+        (["--decode-threads", "-1"], "--decode-threads must be"),
+        (["--decode-threads", "0"], "--decode-threads must be"),
+    ],
+)
+def test_thread_counts_out_of_range_are_refused_before_anything_is_made(tiny_onnx, tmp_path, capsys, extra, says):
+    """--threads 1000 took a minute for one image; --decode-threads -1 failed after making the parts folder, which
+    then refused the corrected command."""
+    folder = tmp_path / "photos"
+    _images(folder, 1)
+    with pytest.raises(SystemExit) as e:
+        main([str(tiny_onnx), str(folder), "--out", str(tmp_path / "x.csv"), *extra])
+    assert e.value.code == 2 and says in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["photos"]
+
+
+def test_output_and_input_errors_of_the_system_are_one_line_with_exit_2(tiny_onnx, tmp_path, capsys):
+    """A list that is a folder, an --out under a file: tracebacks and exit 1 (which means "some images
+    unreadable") before."""
+    folder = tmp_path / "photos"
+    _images(folder, 1)
+    (tmp_path / "file").write_text("")
+    for extra in (
+        ["--from-list", str(folder), "--out", str(tmp_path / "a.csv")],
+        ["--out", str(tmp_path / "file/a.csv")],
+    ):
+        assert main([str(tiny_onnx), str(folder), *extra]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("vit-predict: ") and len(err.splitlines()) == 1, err
+
+
+def test_a_folder_nested_deeper_than_pythons_recursion_limit_is_searched(tiny_onnx, tmp_path, capsys):
+    """Python 3.11's os.walk recurses: 1,100 folders deep ended the run with a RecursionError."""
+    folder = tmp_path / "photos"
+    _images(folder, 1)
+    chain = [folder]
+    for _ in range(1100):  # one by one: pathlib's mkdir(parents=True) recurses too
+        chain.append(chain[-1] / "d")
+        chain[-1].mkdir()
+    _images(chain[-1], 1)
+    try:
+        assert main([str(tiny_onnx), str(folder), "--out", str(tmp_path / "preds.jsonl")]) == 0
+        assert len(_read(tmp_path / "preds.jsonl")) == 2
+    finally:  # from the bottom up: shutil.rmtree (pytest's clean-up of old temporary folders) recurses as well
+        for image in chain[-1].iterdir():
+            image.unlink()
+        for sub in reversed(chain[1:]):
+            sub.rmdir()
+
+
+def test_a_second_run_on_the_same_out_is_refused_and_ctrl_c_ends_the_first_in_one_line(tiny_onnx, tmp_path, capsys):
+    """A retry started while the first run still goes used to delete the first's temporary files; Ctrl-C printed a
+    traceback and no word of --resume."""
+    paths = _images(tmp_path / "photos", 8)
+    stuck = tmp_path / "stuck.png"
+    os.mkfifo(stuck)  # reading it blocks the run after its first parts
+    out = tmp_path / "preds.jsonl"
+    args = [str(tiny_onnx), *map(str, paths), f"file://{stuck}", "--out", str(out), "--batch-size", "4"]
+    proc = _predict(*args, "--part-size", "4", "--decode-threads", "1")
+    parts = out.with_name(out.name + ".parts")
+    deadline = time.monotonic() + 60
+    while len(list(parts.glob("part-*.json"))) < 2:
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.05)
+
+    assert main([*args, "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert "another vit-predict is writing" in err and len(err.splitlines()) == 1, err
+
+    proc.send_signal(signal.SIGINT)
+    os.close(os.open(stuck, os.O_WRONLY | os.O_NONBLOCK))  # the blocked read ends (an empty file)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and "Traceback" not in err, err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("vit-predict: interrupted") and "--resume" in last, err
+    os.unlink(stuck)
+    stuck.write_bytes(b"")
+    assert main([*args, "--resume"]) == 1  # the lock went with the process; an empty file is unreadable
+    assert len(_read(out)) == 8
