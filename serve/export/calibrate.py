@@ -68,10 +68,15 @@ def calibration_entries(checkpoint: Path, class_names: list[str], calib_dir: Pat
             entries += [(Path(p), index[d.name]) for p in find_image_files(d)]
         return entries, str(calib_dir)
     split = Path(checkpoint).resolve().parent.parent / "split.json"
-    if split.is_file():
-        entries = [(Path(e["path"]), int(e["label"])) for e in json.loads(split.read_text()).get("calib", [])]
-        if entries:
-            return entries, f"{split} (calibration split)"
+    if not split.is_file():  # a run on a prepared dataset (`vit-train prepare`) keeps none
+        raise ValueError(
+            f"no calibration images: {split} is not there (a run on a prepared LitData dataset, or a checkpoint out "
+            "of its run folder, has no calibration split): give --calibrate DIR, a folder of held-out images per "
+            "class; or pass --no-calibration for an uncalibrated file"
+        )
+    entries = [(Path(e["path"]), int(e["label"])) for e in json.loads(split.read_text()).get("calib", [])]
+    if entries:
+        return entries, f"{split} (calibration split)"
     raise ValueError(
         "no calibration images: the run's split.json has no calibration split (train with --data.calib_fraction "
         "0.1, the default) and no --calibrate DIR was given; or pass --no-calibration for an uncalibrated file"
@@ -361,7 +366,7 @@ def _coverage_lines(entry: dict[str, Any], names: list[str]) -> list[str]:
 def format_report(entry: dict[str, Any] | None, names: list[str] | None = None) -> str:
     """The calibration's figures as a few lines for the terminal (`names`: the class names, for per-class lines)."""
     if entry is None:
-        return "calibration: none (--no-calibration): raw softmax scores, no prediction sets, no unknown verdict"
+        return "calibration: none: raw softmax scores, no prediction sets, no unknown verdict"
     m = entry["metrics"]
     return "\n".join(
         [

@@ -177,3 +177,16 @@ def test_the_random_image_warning_says_where_it_looked_for_validation_images(own
     said = str(caught[0].message)
     assert f"in {own_run / 'split.json'}'s val split or {tmp_path / 'empty'}" in said and "no split.json" not in said
     assert sample.source == "random images"
+
+
+def test_a_run_without_split_json_is_told_to_give_calibrate_and_no_flag_is_claimed(tmp_path):
+    """A run on a prepared LitData dataset keeps no split.json: the message told it to train with the default it had
+    used, and the report blamed a --no-calibration nobody passed."""
+    from serve.export.calibrate import calibration_entries, format_report
+
+    checkpoint = tmp_path / "run" / "checkpoints" / "best.ckpt"
+    checkpoint.parent.mkdir(parents=True)
+    checkpoint.write_bytes(b"")
+    with pytest.raises(ValueError, match=r"split\.json is not there .*--calibrate DIR"):
+        calibration_entries(checkpoint, CLASS_NAMES, None)
+    assert "--no-calibration" not in format_report(None)
