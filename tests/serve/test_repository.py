@@ -235,6 +235,11 @@ def test_the_repository_extension_unloads_and_loads_a_model(exported, tmp_path):
         assert gone.status_code == 404
         metrics = httpx.get(url + "/metrics", headers=AUTH).text
         assert 'vitscope_model_load_failures_total{model="beta",reason="unreadable",version="1"} 1.0' in metrics
+        for name in ("alpha", "beta"):  # /readyz then said a model was "loading or warming up"
+            assert httpx.post(url + f"/v2/repository/models/{name}/unload", headers=AUTH).status_code == 200
+        for path in ("/readyz", "/v2/health/ready"):
+            none = httpx.get(url + path, headers=AUTH)
+            assert none.status_code == 503 and "no model is served" in none.text and "/load" in none.text, none.text
 
 
 @pytest.mark.slow

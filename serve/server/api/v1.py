@@ -46,7 +46,8 @@ IMAGE_BODY = {  # read by the route itself: a multipart field or the raw body
         "application/octet-stream": {"schema": BINARY},
     },
 }
-NO_DEFAULT = "the default model has no version loaded (unloaded?): load one with POST /v2/repository/models/<name>/load"
+LOAD_HINT = "load one with POST /v2/repository/models/<name>/load"
+NO_DEFAULT = f"the default model has no version loaded (unloaded?): {LOAD_HINT}"
 
 
 def encode_response(served, answers: Assessment, top_k: int, explanation: dict | None = None) -> dict[str, Any]:
@@ -63,6 +64,15 @@ def encode_response(served, answers: Assessment, top_k: int, explanation: dict |
     if explanation is not None:
         out["explanation"] = explanation
     return out
+
+
+def not_ready(repository: ModelRepository) -> ApiError:
+    """The 503 of a server that is not ready, saying why: starting, stopping, a model loading, or none served."""
+    if not repository.started or repository.stopping:
+        return ApiError("not_ready", "the models are loading or warming up (or the server is stopping)")
+    if not repository.serving:
+        return ApiError("not_ready", f"no model is served: each was unloaded or failed to load ({LOAD_HINT})")
+    return ApiError("not_ready", "a model is still loading (POST /v2/repository/index lists each model's state)")
 
 
 def request_id_of(request: Request) -> str:
@@ -304,7 +314,7 @@ def add_status_routes(router: APIRouter, repository: ModelRepository, metrics: M
         model's name, version and batch size (null while it is unloaded). Probes send no key, and what the server
         runs is not theirs to learn."""
         if not repository.ready:
-            raise ApiError("not_ready", "a model is loading or warming up (or the server is stopping)")
+            raise not_ready(repository)
         if not authorized(request.scope):
             return {"status": "ready"}
         try:  # the server is ready while it serves any model, also when the default one was unloaded

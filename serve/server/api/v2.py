@@ -39,7 +39,7 @@ from serve.server.api.tensors import (
     read_json,
     tensor_specs,
 )
-from serve.server.api.v1 import request_id_of, resolve
+from serve.server.api.v1 import not_ready, request_id_of, resolve
 from serve.server.engine import judge_rows
 from serve.server.errors import ApiError
 from serve.server.http.errors import error_response
@@ -119,7 +119,7 @@ def v2_router(
 
     def check_ready() -> None:
         if not repository.ready:
-            raise ApiError("not_ready", "a model is loading or warming up (or the server is stopping)")
+            raise not_ready(repository)
 
     @router.get("")
     async def v2_server():
