@@ -118,7 +118,7 @@ def test_bad_models_are_refused_at_start_up_and_the_good_one_serves(exported, tm
         reasons = unavailable(url)
         assert sorted(reasons) == sorted(bad)
         for name, word in bad.items():
-            assert word in reasons[name], reasons[name]
+            assert word in reasons[name] and reasons[name].count(str(repo)) == 1, reasons[name]  # the path once
             assert server.metric("vitscope_model_load_failures_total", model=name) == 1
             assert httpx.get(f"{url}/v2/models/{name}/ready").status_code == 404
         refused = httpx.post(url + "/v2/repository/models/garbage/load", timeout=60)

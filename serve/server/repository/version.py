@@ -167,8 +167,8 @@ def load_version(
         stamp = _stamp(path)
         try:
             classifier = OnnxClassifier(path, threads=threads)
-        except (OSError, ValueError) as e:
-            raise LoadFailure("unreadable", f"{path}: {e}") from None
+        except (OSError, ValueError) as e:  # the path once: the runtime's messages mostly name it already
+            raise LoadFailure("unreadable", str(e) if str(path) in str(e) else f"{path}: {e}") from None
         if labels is not None and labels != classifier.labels:
             raise LoadFailure(
                 "labels", f"{path}: its class names differ from {path.parent.parent}/labels.txt; export both again"
