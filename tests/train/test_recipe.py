@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
+import logging
+import re
 from pathlib import Path
 
 import pytest
 import yaml
 
 from train.cli import main
+from train.folder_scan import scan_folder
 from train.recipe import Survey, auto_recipe_args, choose, survey
 
 
 def test_small_images_get_the_small_recipe_at_their_own_side(shapes_folder: Path):
     s = survey(shapes_folder)
-    assert (s.classes, s.train_images, s.median_side) == (3, 72, 32)
+    assert (s.classes, s.train_images, s.median_side) == (3, 66, 32)
     config, why = choose(s)
     assert config["data"]["img_size"] == 32 and config["model"]["net_args"]["stem"] == "conv"
     assert config["data"]["batch_size"] <= 16  # a few batches an epoch, even for 72 images
@@ -29,6 +32,33 @@ def test_large_images_are_trained_small_on_cpu_and_at_224_on_a_gpu():
     assert gpu["data"]["img_size"] == 224 and gpu["model"]["variant"] == "vit_tiny_patch16_224"
     assert gpu["trainer"]["precision"] == "bf16-mixed" and gpu["data"]["batch_size"] == 128
     assert cpu["model"]["compile"] is True and "compile" not in gpu["model"]  # measured on CPU only
+
+
+def test_the_survey_counts_the_images_as_the_data_module_splits_them(shapes_folder: Path):
+    s = survey(shapes_folder, split=(0.2, 0.1, 42))
+    scan = scan_folder(shapes_folder, 0.2, 42, verify=False, calib_fraction=0.1)
+    assert (s.images, s.train_images, s.val_images, s.calib_images) == (
+        90,
+        *map(len, (scan.train, scan.val, scan.calib)),
+    )
+
+
+def test_the_printout_names_each_chosen_value_before_its_reason(shapes_folder: Path, tmp_path: Path, caplog):
+    run_dir = tmp_path / "run"
+    with caplog.at_level(logging.INFO, logger="train.recipe"):
+        auto_recipe_args(["fit", "--data.root", str(shapes_folder), "--trainer.default_root_dir", str(run_dir)])
+    setting = re.compile(r"  ([\w.]+): (.*)")  # "  data.batch_size: 16 (why)"
+    printed = dict(m.groups() for m in map(setting.fullmatch, caplog.text.splitlines()) if m)
+    config = yaml.safe_load((run_dir / "auto_recipe.yaml").read_text())
+    assert printed["data.batch_size"].startswith(f"{config['data']['batch_size']} (")
+    assert "66 training images" in printed["data.batch_size"]  # the images the split trains on, as the scan counts them
+    assert printed["trainer.max_epochs"].startswith(f"{config['trainer']['max_epochs']} (")
+    assert printed["model.lr"].startswith(f"{config['model']['lr']:g} (")
+    assert printed["data.img_size"].startswith(f"{config['data']['img_size']} (")
+    assert printed["early_stopping.patience"].startswith(f"{config['early_stopping']['patience']} (")
+    assert all(line.endswith(")") for line in printed.values())
+    assert "90 images in 3 classes: 66 to train on, 18 for validation and 6 for calibration" in caplog.text
+    assert config["recipe"] == printed  # config.yaml keeps what was printed
 
 
 def test_a_command_with_a_config_or_without_a_folder_is_left_alone(tmp_path: Path):
