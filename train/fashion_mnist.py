@@ -26,6 +26,7 @@ DEBIAN_DIR = "/usr/share/datasets/fashion-mnist"
 CLASSES = ("tshirt_top", "trouser", "pullover", "dress", "coat", "sandal", "shirt", "sneaker", "bag", "ankle_boot")
 SPLITS = {"train": "train", "val": "t10k"}  # our folder name -> the idx file prefix
 MARKER = ".complete"
+SIDE = 28  # pixels: every image is 28 x 28
 
 
 def read_idx(path: str | Path) -> np.ndarray:
@@ -83,7 +84,9 @@ def write_fashion_mnist(out: str | Path, source: str | Path = DEBIAN_DIR, force:
         for i, (img, label) in enumerate(zip(images, labels, strict=True)):
             Image.fromarray(img, "L").save(out / split / CLASSES[label] / f"{i:05d}.png")
         counts[split] = len(images)
-    (out / MARKER).write_text(f"{counts['train']} train, {counts['val']} val (official test) images, 28 x 28 grey\n")
+    (out / MARKER).write_text(
+        f"{counts['train']} train, {counts['val']} val (official test) images, {SIDE} x {SIDE} grey\n"
+    )
     return out
 
 
@@ -101,7 +104,9 @@ def main(argv: list[str] | None = None) -> None:
     except (FileNotFoundError, ValueError) as e:
         print(f"vit-fashion-mnist: {e}", file=sys.stderr)
         raise SystemExit(2) from None
-    print(f"Fashion-MNIST in {out}: train with vit-train fit --config configs/small_images.yaml --data.root {out}")
+    # the guide's run (docs/guide/train.md): at the images' own 28 px, where the config's default is 32
+    train = f"vit-train fit --config configs/small_images.yaml --data.root {out} --data.img_size {SIDE}"
+    print(f"Fashion-MNIST in {out}: train with {train} --trainer.default_root_dir runs/fmnist")
 
 
 if __name__ == "__main__":
