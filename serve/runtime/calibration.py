@@ -137,7 +137,12 @@ def reliability(probs: np.ndarray, labels: np.ndarray, bins: int = ECE_BINS) -> 
     return conf, acc, count
 
 
-def fit_temperature(logits: np.ndarray, labels: np.ndarray, lo: float = 0.05, hi: float = 20.0) -> float:
+MIN_TEMPERATURE, MAX_TEMPERATURE = 0.05, 20.0  # the search range of `fit_temperature`; a file's is checked against it
+
+
+def fit_temperature(
+    logits: np.ndarray, labels: np.ndarray, lo: float = MIN_TEMPERATURE, hi: float = MAX_TEMPERATURE
+) -> float:
     """The temperature that minimises the NLL of `labels`: golden-section search on log T in [lo, hi].
 
     The NLL of a temperature-scaled softmax is convex in 1/T, so a 1-D search finds its minimum.

@@ -78,7 +78,12 @@ class OnnxClassifier:
 
     def _read_metadata(self, raw: dict[str, str]) -> None:
         """Every fact the file states about itself, each checked (`ModelFileError` names the first bad one)."""
-        if raw.get(FORMAT_KEY) != FORMAT_VERSION:
+        if raw.get(FORMAT_KEY, FORMAT_VERSION) != FORMAT_VERSION:
+            raise ModelFileError(
+                f"{self.path} has {FORMAT_KEY} {raw[FORMAT_KEY]!r}, and this vitscope reads {FORMAT_VERSION!r}: serve "
+                "it with the vitscope that exported it, or export the checkpoint again with this one's vit-export"
+            )
+        if FORMAT_KEY not in raw:
             raise ModelFileError(
                 f"{self.path} has no vitscope metadata (class names, preprocessing); "
                 "export the checkpoint with vit-export to get a self-describing model"

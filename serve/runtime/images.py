@@ -33,11 +33,9 @@ DEFAULT_MAX_PIXELS = 40_000_000  # about 40 MP: any phone photo, well short of a
 # Each scan of a progressive JPEG is decoded in full: encoders write about ten, a crafted 60 kB file thousands
 MAX_JPEG_SCANS = 100  # (seconds of CPU); libjpeg-turbo's tools take such a cap as an option (djpeg -maxscans)
 INTERPOLATIONS = {
-    "bicubic": Image.Resampling.BICUBIC,
-    "bilinear": Image.Resampling.BILINEAR,
-    "nearest": Image.Resampling.NEAREST,
-    "lanczos": Image.Resampling.LANCZOS,
+    name: getattr(Image.Resampling, name.upper()) for name in ("bicubic", "bilinear", "nearest", "lanczos")
 }
+MIN_CROP_PCT = 0.1  # a smaller crop resizes the image past 10x its side to keep a sliver of it
 
 ImageSource = Union[str, Path, bytes, bytearray, Image.Image, np.ndarray]
 
@@ -344,8 +342,8 @@ class Preprocess:
         self.mean, self.std = tuple(map(float, self.mean)), tuple(map(float, self.std))
         if self.interpolation not in INTERPOLATIONS:
             raise ValueError(f"interpolation must be one of {list(INTERPOLATIONS)}, got {self.interpolation!r}")
-        if not 0.0 < self.crop_pct <= 1.0:
-            raise ValueError(f"crop_pct must be in (0, 1], got {self.crop_pct}")
+        if not MIN_CROP_PCT <= self.crop_pct <= 1.0:
+            raise ValueError(f"crop_pct must be in [{MIN_CROP_PCT}, 1], got {self.crop_pct}")
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)

@@ -214,12 +214,13 @@ def shown(value: Any, limit: int = 60) -> str:
 
 def class_names_of(value: Any, path: Path) -> list[str]:
     """The metadata's class names: a JSON list of strings, never a bare string read one label per character."""
-    if not isinstance(value, list) or not value or not all(isinstance(c, (str, int)) for c in value):
+    names = [str(c) for c in value] if isinstance(value, list) and all(isinstance(c, (str, int)) for c in value) else []
+    if not names or len(set(names)) < len(names) or not all(n.strip() for n in names):
         raise ModelFileError(
-            f"{path} has invalid class_names metadata {shown(value)}: expected a JSON list of names, "
-            f'e.g. ["cat", "dog"]; {AGAIN}'
+            f"{path} has invalid class_names metadata {shown(value)}: expected a JSON list of distinct names, "
+            f'none empty, e.g. ["cat", "dog"]; {AGAIN}'
         )
-    return [str(c) for c in value]
+    return names
 
 
 def parse_metadata(raw: dict[str, str], name: str = "model") -> dict[str, Any]:

@@ -55,12 +55,33 @@ def _read(entry: Any, path: str, convert: Callable[[Any], Any], default: Any = .
         ) from None
 
 
+def _number(value: Any) -> float:
+    """A JSON number as a float; a string or a boolean (which `float` would take) is a TypeError."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError("not a number")
+    return float(value)
+
+
+def _flag(value: Any) -> bool:
+    if not isinstance(value, bool):  # bool("false") is True
+        raise TypeError("not true or false")
+    return value
+
+
+def _whole_numbers(value: Any) -> np.ndarray:
+    array = np.asarray(value)
+    if array.size and array.dtype.kind not in "iu":  # np.int64 of 0.5 is 0
+        raise TypeError("not whole numbers")
+    return array.astype(np.int64)
+
+
 def feature_width(outputs: dict[str, list | None]) -> int | None:
     """D, the width of the graph's features output (by output name, its shape), when the graph fixes it."""
     dims = list(outputs.get(FEATURES_OUTPUT) or [])[1:2]
     return dims[0] if len(dims) == 1 and isinstance(dims[0], int) else None
 
 
+TEMPERATURE_RANGE = f"a number in [{cal.MIN_TEMPERATURE}, {cal.MAX_TEMPERATURE}], the range vit-export fits it in"
 DRIFT = ("confidence", "predicted", "ood_score")  # the drift entry's histograms
 
 
@@ -134,12 +155,12 @@ class Trust:
         cmap = _read(entry, "confidence_map", dict, None)
         knots = lambda c: floats([c["confidence"], c["accuracy"]])  # noqa: E731
         trust = cls(
-            _read(entry, "temperature", float),
+            _read(entry, "temperature", _number),
             None if cmap is None else _read(entry, "confidence_map", knots),
             _read(entry, "conformal.method", str),
             _read(entry, "conformal.scores", floats),
-            _read(entry, "conformal.labels", lambda v: np.asarray(v, np.int64)),
-            _read(entry, "conformal.class_conditional", bool, False),
+            _read(entry, "conformal.labels", _whole_numbers),
+            _read(entry, "conformal.class_conditional", _flag, False),
             _read(entry, "ood.score", str),
             _read(entry, "ood.threshold", float),
             num_classes,
@@ -157,7 +178,7 @@ class Trust:
         K, n = self.num_classes, len(self.scores)
         finite = lambda a: bool(np.isfinite(a).all())  # noqa: E731
         checks = [
-            ("temperature", math.isfinite(self.temperature) and self.temperature > 0, "a finite number above 0"),
+            ("temperature", cal.MIN_TEMPERATURE <= self.temperature <= cal.MAX_TEMPERATURE, TEMPERATURE_RANGE),
             ("conformal.method", self.method in cal.CONFORMAL_METHODS, f"one of {cal.CONFORMAL_METHODS}"),
             ("conformal.scores", self.scores.ndim == 1 and n > 0 and finite(self.scores), "finite numbers"),
             ("conformal.scores", bool((np.diff(self.scores) >= 0).all()), "sorted, smallest first"),
@@ -169,7 +190,8 @@ class Trust:
         if self.confidence_map is not None:
             c = self.confidence_map
             ok = c.ndim == 2 and c.shape[1] >= 1 and finite(c) and bool((np.diff(c[0]) > 0).all())
-            checks.append(("confidence_map", ok, "finite confidence and accuracy lists, confidence increasing"))
+            ok = ok and bool(((c >= 0) & (c <= 1)).all())
+            checks.append(("confidence_map", ok, "confidence and accuracy lists in [0, 1], confidence increasing"))
         if self.needs_features:
             means, precision = self.gaussian.get("means"), self.gaussian.get("precision")
             D = features_dim or (means.shape[-1] if means is not None and means.ndim == 2 else 0)

@@ -103,6 +103,10 @@ def test_a_missing_metadata_key_is_a_model_file_error_naming_it(tiny_onnx, tmp_p
         ("class_names", '["a", ["b"], "c", "d"]'),
         ("patch_size", '"eight"'),
         ("mean", '"grey"'),
+        ("class_names", '["a", "a", "b", "c"]'),  # labelled a 9 as the other "0"
+        ("class_names", '["a", "", "b", "c"]'),
+        ("preprocess", '{"img_size": [32, 32], "crop_pct": 1e-9}'),  # resized to gigapixels, then cropped
+        ("vitscope_format", '"2"'),
     ],
 )
 def test_malformed_metadata_is_only_ever_a_model_file_error(tiny_onnx, tmp_path, key, value):
@@ -145,6 +149,13 @@ def _set(path: str, value):
         ("temperature", _set("temperature", math.nan)),
         ("temperature", _set("temperature", 0.0)),
         ("temperature", _set("temperature", "warm")),
+        ("temperature", _set("temperature", "1")),  # read as 1.0
+        ("temperature", _set("temperature", True)),
+        ("temperature", _set("temperature", 1e300)),  # every probability 0.1, and the top class changed
+        ("temperature", _set("temperature", 1e-9)),
+        ("conformal.class_conditional", _set("conformal.class_conditional", "false")),  # read as True
+        ("conformal.labels", _set("conformal.labels", lambda labels: [0.5] * len(labels))),  # read as 0
+        ("confidence_map", _set("confidence_map", {"confidence": [0.5, 0.9], "accuracy": [-5.0, 7.0]})),
         ("conformal.scores", _set("conformal.scores", lambda s: s[::-1])),  # unsorted: wrong sets
         ("conformal.scores", _set("conformal.scores", lambda s: [*s[:-1], math.nan])),
         ("conformal.scores", _set("conformal.scores", [])),
