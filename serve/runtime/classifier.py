@@ -16,7 +16,7 @@ patch grid. Its input is (B, H, W, 3) uint8 pixels already resized and cropped b
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -63,7 +63,8 @@ class OnnxClassifier:
         options = session_options(default_threads(mf.read_metadata(data)) if threads is None else threads)
         self.threads = options.intra_op_num_threads
         try:
-            self.session = ort.InferenceSession(data, options, providers=list(providers or default_providers()))
+            providers = [providers] if isinstance(providers, str) else list(providers or default_providers())
+            self.session = ort.InferenceSession(data, options, providers=providers)
         except Exception as e:  # onnxruntime's own errors are long; keep the first line
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise ModelFileError(f"{self.path} could not be loaded by onnxruntime: {first}; {mf.AGAIN}") from None
@@ -176,8 +177,11 @@ class OnnxClassifier:
         if batch.ndim == 3:
             batch = batch[None]
         H, W = self.input_size
-        if batch.dtype != np.uint8 or batch.ndim != 4 or batch.shape[1:] != (H, W, 3):
-            raise ValueError(f"expected (B, {H}, {W}, 3) uint8 pixels from prepare(), got {batch.shape} {batch.dtype}")
+        if batch.dtype != np.uint8 or batch.ndim != 4 or batch.shape[1:] != (H, W, 3) or not len(batch):
+            raise ValueError(
+                f"expected (B, {H}, {W}, 3) uint8 pixels from prepare(), at least one image, got {batch.shape} "
+                f"{batch.dtype}"
+            )
         return np.ascontiguousarray(batch)
 
     @property
@@ -252,12 +256,13 @@ class OnnxClassifier:
             ValueError: a coverage outside (0, 1), finer than the calibration split allows, or asked of a file
                 without calibration.
         """
-        if isinstance(images, (list, tuple)):
-            sources = list(images)
-        else:
-            sources = [images]
+        sources = list(images) if isinstance(images, (list, tuple, Iterator)) else [images]
         self.check_coverage(coverage)
-        k = max(1, min(int(top_k), len(self.labels)))
+        if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
+            raise ValueError(f"top_k must be a whole number of at least 1, got {top_k!r}")
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be a whole number of at least 1, got {batch_size!r}")
+        k = min(top_k, len(self.labels))
         results = []
         for i in range(0, len(sources), batch_size):
             pixels = np.stack([self.prepare(s) for s in sources[i : i + batch_size]])
@@ -365,6 +370,8 @@ class OnnxClassifier:
         B = len(batch)
         if target is None:
             target = self.predict_pixels(batch).argmax(axis=-1)
+        if np.asarray(target).dtype.kind not in "iu":  # np.int64 of 2.5 is 2
+            raise ValueError(f"target must be class indices (whole numbers), got {np.asarray(target).tolist()}")
         target = np.broadcast_to(np.asarray(target, dtype=np.int64), (B,)).copy()
         if target.min() < 0 or target.max() >= len(self.labels):
             raise ValueError(f"target classes must be in [0, {len(self.labels)}), got {target.tolist()}")

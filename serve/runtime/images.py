@@ -305,6 +305,8 @@ def _to_rgb(img: Image.Image) -> Image.Image:
 
 
 def _from_array(a: np.ndarray) -> Image.Image:
+    if a.size == 0:
+        raise ImageError(f"the image array is empty (shape {a.shape})", "empty")
     if a.dtype != np.uint8:
         raise ImageError(f"image arrays must be uint8 (0-255), got {a.dtype}", "unsupported")
     if a.ndim == 2:

@@ -92,6 +92,28 @@ def test_a_wrongly_shaped_batch_is_refused_with_the_expected_shape(tiny_onnx):
         clf.predict(b"not an image at all")
 
 
+def test_out_of_range_arguments_are_refused_and_a_generator_of_images_is_classified(tiny_onnx):
+    """batch_size=-1 returned [] (every result lost), top_k=0 was read as 1, a 0 x 0 array divided by zero, an empty
+    batch failed in numpy, target=2.5 explained class 2, and a generator was taken for one path."""
+    clf = OnnxClassifier(tiny_onnx)
+    image = np.full((32, 32, 3), 200, np.uint8)
+    for kwargs, says in [
+        ({"batch_size": -1}, "batch_size"),
+        ({"batch_size": 0}, "batch_size"),
+        ({"top_k": 0}, "top_k"),
+    ]:
+        with pytest.raises(ValueError, match=says):
+            clf.predict([image] * 3, **kwargs)
+    with pytest.raises(ImageError, match="empty"):
+        clf.predict(np.zeros((0, 0, 3), np.uint8))
+    with pytest.raises(ValueError, match="at least one image"):
+        clf.predict_pixels(np.zeros((0, 32, 32, 3), np.uint8))
+    if clf.supports_gradients:
+        with pytest.raises(ValueError, match="target"):
+            clf.gradient_rollout(image[None], target=2.5)
+    assert len(clf.predict(img for img in [image, image])) == 2
+
+
 def test_a_truncated_model_file_is_refused_clearly(tiny_onnx, tmp_path):
     bad = tmp_path / "truncated.onnx"
     bad.write_bytes(tiny_onnx.read_bytes()[: tiny_onnx.stat().st_size // 2])
