@@ -1,6 +1,7 @@
 """What `vit-export` refuses before the slow export starts, so that a mistake costs a second, not a minute.
 
-- the output: the checkpoint itself (writing would replace the trained weights), or a folder;
+- the output: the checkpoint itself (writing would replace the trained weights), another file that is not an ONNX
+  model (`last.ckpt`, `split.json`), or a folder;
 - the options: a parity gate of fewer than one image, a `--val-dir` or `--calibrate` folder that is not there
   (the gate would run on random images, or calibration would fail after the export);
 - the checkpoint: metadata that cannot rebuild its network (another architecture, missing or unknown entries),
@@ -34,6 +35,17 @@ def check_output(checkpoint: Path, output: Path) -> None:
         )
     if output.is_dir():
         raise ValueError(f"-o {output} is a folder; name the file to write in it, e.g. -o {output / 'model.onnx'}")
+    if output.is_file() and not _looks_like_onnx(output):
+        raise ValueError(
+            f"-o {output} exists and is not an ONNX model (a checkpoint, a report?): writing the model there would "
+            "replace it; name another file, or remove it first"
+        )
+
+
+def _looks_like_onnx(path: Path) -> bool:
+    """An ONNX file's first byte is its ir_version field's tag (field 1, a varint: 0x08); an empty file is no loss."""
+    with open(path, "rb") as f:
+        return f.read(1) in (b"\x08", b"")
 
 
 def check_image_folder(option: str, folder: Path | None) -> None:

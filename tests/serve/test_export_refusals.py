@@ -76,6 +76,17 @@ def test_an_output_that_is_a_folder_is_refused_before_the_export(own_run, tmp_pa
     assert list(folder.iterdir()) == []
 
 
+@pytest.mark.parametrize("other", ["split.json", "checkpoints/last.ckpt"])
+def test_an_output_that_would_replace_a_file_that_is_no_model_is_refused(own_run, capsys, no_export, other):
+    """-o split.json or -o last.ckpt replaced the run's split or its other checkpoint with the model."""
+    checkpoint, target = own_run / "checkpoints" / "best.ckpt", own_run / other
+    if not target.exists():
+        shutil.copy(checkpoint, target)
+    before = _sha256(target)
+    line = _refused(capsys, [str(checkpoint), "-o", str(target)])
+    assert "is not an ONNX model" in line and _sha256(target) == before
+
+
 def _edited(checkpoint: Path, folder: Path, edit) -> Path:
     """A copy of `checkpoint` (in a run folder with its split) with `edit(meta)` applied to its "vitscope" entry."""
     ckpt = torch.load(checkpoint, map_location="cpu", weights_only=True)
