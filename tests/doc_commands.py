@@ -106,6 +106,13 @@ PLACEHOLDERS: list[tuple[str, str | None, str]] = [
         "images) keep the 100-epoch, 224-px recipes to minutes on CPU",
     ),
     (
+        "path/to/held-out",
+        "make --quiet sample && for c in 0 1 2 3; do mkdir -p path/to/held-out/$c && "
+        "cp $(ls -d data/digits/$c/*.png | tail -6) path/to/held-out/$c/; done",
+        "a labelled folder that training never saw, for vit-export --calibrate: 6 other sample digits in each of "
+        "path/to/images' 4 classes",
+    ),
+    (
         "weights/vit_small_patch16_224.safetensors",
         'mkdir -p weights && python -c "import timm, safetensors.torch as st; st.save_file(timm.create_model('
         "'vit_small_patch16_224').state_dict(), 'weights/vit_small_patch16_224.safetensors')\"",
