@@ -248,6 +248,7 @@ def score_to_file(
     part_size: int = DEFAULT_PART_SIZE,
     errors: TextIO | None = None,
     job: dict[str, Any] | None = None,
+    template: dict[str, Any] | None = None,
 ) -> tuple[int, int]:
     """Classify `sources` into `out` in committed parts; with `resume`, only those no earlier run finished.
 
@@ -260,6 +261,7 @@ def score_to_file(
         part_size: images per part.
         job: what decides the rows (`job_record`), recorded by the first run; a resume under another is refused
             before any input is read: its rows would not fit those of the parts, or would mix two models.
+        template: a row of the columns and types `rows_for` gives, for the header of a job no image reached.
 
     Returns:
         (classified, failed): over the whole job, earlier runs included.
@@ -293,5 +295,5 @@ def score_to_file(
                 rows, part_failed = [], []
             bar.update(len(ok) + len(bad))
     store.commit(rows, part_failed)
-    store.finish()
+    store.finish(template)
     return classified + len(rows), len(failed) + len(part_failed)

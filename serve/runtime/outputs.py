@@ -280,15 +280,21 @@ class PartStore:
         """The committed parts' data files, in the order they were written."""
         return sorted(p for p in self.dir.glob(f"part-*{self.fmt}") if (self.dir / f"{p.stem}.json").exists())
 
-    def finish(self) -> None:
+    def finish(self, template: dict[str, Any] | None = None) -> None:
         """Merge the parts into `out` (written under a temporary name, flushed, then renamed) and remove the
-        parts: the folder is renamed away in one step before it is deleted, so a kill leaves it whole or gone."""
+        parts: the folder is renamed away in one step before it is deleted, so a kill leaves it whole or gone.
+
+        Args:
+            template: a row of the job's columns and types: the header of a table no image reached.
+        """
         _refuse_link(self.dir)
         tmp = self.out.with_name(self.out.name + ".tmp")
         parts = self.data_files()
         with _create(tmp) as dst:
             if self.fmt == ".parquet":
-                _merge_parquet(parts, dst)
+                _merge_parquet(parts, dst, template)
+            elif not parts and template is not None and self.fmt == ".csv":
+                dst.write(encode_rows([template], self.fmt).splitlines(keepends=True)[0])  # the header alone
             else:
                 for i, part in enumerate(parts):
                     with open(part, "rb") as src:
@@ -312,12 +318,14 @@ class PartStore:
             shutil.rmtree(self.old_dir)
 
 
-def _merge_parquet(parts: list[Path], dest) -> None:
-    """Parquet parts -> one file, part by part, under the schema they all fit (a part of nulls fits any)."""
+def _merge_parquet(parts: list[Path], dest, template: dict[str, Any] | None) -> None:
+    """Parquet parts -> one file, part by part, under the schema they all fit (a part of nulls fits any); no
+    parts: no rows, under the `template` row's columns."""
     pa = require_pyarrow()
     pq = pa.parquet
     if not parts:
-        pq.write_table(pa.table({"path": pa.array([], pa.string())}), dest)
+        empty = pa.table({"path": pa.array([], pa.string())})
+        pq.write_table(empty if template is None else pa.Table.from_pylist([table_row(template)]).slice(0, 0), dest)
         return
     schema = pa.unify_schemas([pq.read_schema(p) for p in parts], promote_options="permissive")
     with pq.ParquetWriter(dest, schema) as writer:

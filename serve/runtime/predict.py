@@ -109,6 +109,12 @@ def result_row(path: str | Path, top: list[tuple[str, float]] | Prediction) -> d
     return row
 
 
+def template_row(k: int, coverage: float | None) -> dict:
+    """A row of the columns and types `rows_for` writes, for the header of an output no image reached."""
+    top = [("", 0.0)] * k
+    return result_row("", top if coverage is None else Prediction(top, [""], False, 0.0))
+
+
 def rows_for(clf: OnnxClassifier, top_k: int, coverage: float | None = None):
     """(paths, pixels (B, H, W, 3)) -> their result rows: what `jobs.score_to_file` and the Ray job write. With
     `coverage`, each row also holds its prediction set, unknown verdict and OOD score (`result_row`)."""
@@ -301,6 +307,7 @@ def _run_to_file(args: argparse.Namespace) -> tuple[int, int]:
         workers=args.decode_threads,
         part_size=args.part_size,
         job=job_record(args.model, args.top_k, args.coverage),
+        template=template_row(min(args.top_k, len(clf.labels)), args.coverage),
     )
     return done, failed + missing
 

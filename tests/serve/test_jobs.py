@@ -213,10 +213,10 @@ def _kill_at(step: int, monkeypatch) -> list[int]:
     for name in ("replace", "rename", "unlink", "rmdir"):
         killable(name)
 
-    def watched(self):
+    def watched(self, *args):
         active[0] = True
         try:
-            return finish(self)
+            return finish(self, *args)
         finally:
             active[0] = False
 
@@ -526,3 +526,25 @@ def test_a_second_run_on_the_same_out_is_refused_and_ctrl_c_ends_the_first_in_on
     stuck.write_bytes(b"")
     assert main([*args, "--resume"]) == 1  # the lock went with the process; an empty file is unreadable
     assert len(_read(out)) == 8
+
+
+@pytest.mark.parametrize("suffix", [pytest.param(".parquet", marks=NEEDS_PYARROW), ".csv"])
+def test_a_job_in_which_no_image_could_be_read_still_writes_its_columns(tiny_onnx, tmp_path, capsys, suffix):
+    """The CSV was 0 bytes and the Parquet file had a `path` column alone: a reader of the columns failed."""
+    folder = tmp_path / "photos"
+    folder.mkdir()
+    (folder / "broken.png").write_bytes(b"not an image")
+    out = tmp_path / f"preds{suffix}"
+    assert main([str(tiny_onnx), str(folder), "--out", str(out), "--top-k", "2", "--coverage", "0.9"]) == 1
+    columns = ["path", "label_1", "score_1", "label_2", "score_2", "prediction_set", "unknown", "ood_score"]
+    if suffix == ".csv":
+        assert out.read_text().splitlines() == [",".join(columns)]
+    else:
+        import pyarrow.parquet as pq
+
+        table = pq.read_table(out)
+        assert (
+            table.num_rows == 0
+            and table.column_names == columns
+            and str(table.schema.field("score_1").type) == "double"
+        )
