@@ -1,6 +1,8 @@
-"""`python -m train` is `vit-train`."""
+"""`python -m train` is `vit-train` (through its launcher: without torch, one line that says what to install)."""
 
-from train.cli import main
+import sys
+
+from train.launch import main
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
