@@ -27,6 +27,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from serve.runtime.classifier import FORMAT_KEY
 from serve.runtime.model_file import MAX_METADATA_VALUE_CHARS
 
 EXPLAIN_INPUT = "explain"
@@ -190,13 +191,15 @@ def _as_branch(
 
 
 def set_metadata(model: onnx.ModelProto, metadata: dict[str, Any]) -> None:
-    """Write `metadata` into `metadata_props`: strings as they are, everything else as JSON.
+    """Write `metadata` into `metadata_props`: strings as they are, everything else as JSON, the format entry last
+    (the file's last bytes: a copy cut short between two entries has lost it, and the runtime refuses it).
 
     Raises:
         ValueError: a value longer than the runtime reads (`MAX_METADATA_VALUE_CHARS`): the file would be refused.
     """
     del model.metadata_props[:]
-    for k, v in metadata.items():
+    last = {FORMAT_KEY: metadata[FORMAT_KEY]} if FORMAT_KEY in metadata else {}  # a copy cut short loses it first
+    for k, v in ({k: v for k, v in metadata.items() if k != FORMAT_KEY} | last).items():
         p = model.metadata_props.add()
         p.key, p.value = k, v if isinstance(v, str) else json.dumps(v)
         if len(p.value) > MAX_METADATA_VALUE_CHARS:  # the Mahalanobis Gaussian of a wide model with many classes

@@ -84,6 +84,11 @@ class OnnxClassifier:
                 f"{self.path} has {FORMAT_KEY} {raw[FORMAT_KEY]!r}, and this vitscope reads {FORMAT_VERSION!r}: serve "
                 "it with the vitscope that exported it, or export the checkpoint again with this one's vit-export"
             )
+        if FORMAT_KEY not in raw and "class_names" in raw:  # vit-export writes the format entry last
+            raise ModelFileError(
+                f"{self.path} was cut short: its metadata ends before the last entry vit-export writes (a copy that "
+                "stopped early, or a full disk); copy it again, or export it again with vit-export"
+            )
         if FORMAT_KEY not in raw:
             raise ModelFileError(
                 f"{self.path} has no vitscope metadata (class names, preprocessing); "

@@ -114,6 +114,22 @@ def test_malformed_metadata_is_only_ever_a_model_file_error(tiny_onnx, tmp_path,
         OnnxClassifier(edited(tiny_onnx, tmp_path / "bad.onnx", **{key: value}))
 
 
+def test_a_copy_cut_short_between_two_metadata_entries_is_refused(tiny_onnx, tmp_path):
+    """A cut that fell just before the `calibration` entry parsed as a whole file and served uncalibrated scores:
+    vit-export writes the format entry last, so any cut in the metadata takes it, and the file says it was cut."""
+    data = tiny_onnx.read_bytes()
+    keys = [p.key for p in onnx.load(tiny_onnx).metadata_props]
+    assert keys[-1] == "vitscope_format"  # written last
+    m = onnx.load(tiny_onnx)
+    del m.metadata_props[keys.index("calibration") :]  # every entry from the calibration on
+    cut = m.SerializeToString()
+    if not m.functions:  # metadata_props is the file's last field: this is a prefix of it, as a copy cut short is
+        assert data.startswith(cut)
+    (tmp_path / "cut.onnx").write_bytes(cut)
+    with pytest.raises(ModelFileError, match="cut short"):
+        OnnxClassifier(tmp_path / "cut.onnx")
+
+
 def test_truncated_and_foreign_files_are_model_file_errors(tiny_onnx, tmp_path):
     data = tiny_onnx.read_bytes()
     for name, body in [("cut.onnx", data[: len(data) // 2]), ("text.onnx", b"not a model at all\n" * 10)]:
