@@ -268,5 +268,5 @@ def test_a_model_file_with_class_names_that_are_not_a_json_list_is_refused(tiny_
 
     # four characters for four logits: read as a string, it would become four one-letter labels
     edited = with_metadata(tiny_onnx, tmp_path / "edited.onnx", class_names="abcd")
-    with pytest.raises(ValueError, match=r"invalid class_names metadata 'abcd': expected a JSON list of distinct names"):
+    with pytest.raises(ValueError, match=r"invalid class_names metadata 'abcd': expected a JSON list of distinct"):
         OnnxClassifier(edited)
