@@ -67,7 +67,8 @@ def test_a_log_that_cannot_be_written_holds_a_bounded_queue_and_says_what_it_dro
         root.setLevel(level)
     dropped = [line for line in handler.lines if "dropped" in line]
     written = len(handler.lines) - len(dropped)
-    assert dropped and int(dropped[0].split()[0].replace(",", "")) == 1000 - written, dropped
+    # one note, or a few when the listener wrote one as the queue filled: together they count every line lost
+    assert dropped and sum(int(line.split()[0].replace(",", "")) for line in dropped) == 1000 - written, dropped
 
 
 @pytest.fixture(scope="module")
