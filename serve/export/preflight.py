@@ -18,6 +18,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from serve.runtime.images import walk_image_files
 from train import checkpoint_format
 from train.errors import first_line
 from vit.model import VisionTransformer
@@ -62,6 +63,8 @@ def check_parity_options(parity_samples: int, val_dir: Path | None) -> None:
             "onnxruntime on that many validation images (default 256)"
         )
     check_image_folder("--val-dir", val_dir)
+    if val_dir is not None and not walk_image_files(val_dir)[0]:  # the gate would run on random images
+        raise ValueError(f"--val-dir {val_dir} holds no image files (expected DIR/<class>/<image> files)")
 
 
 def load_network(checkpoint: Path) -> tuple[VisionTransformer, dict[str, Any]]:

@@ -143,6 +143,15 @@ def test_options_that_would_leave_the_parity_gate_or_calibration_without_images_
     assert not out.parent.exists()
 
 
+def test_a_val_dir_without_images_is_refused_before_the_export(own_run, tmp_path, capsys, no_export):
+    """The parity gate fell back to random images, and passed, on a --val-dir whose class folders were empty."""
+    (tmp_path / "val" / "top_left").mkdir(parents=True)
+    (tmp_path / "val" / "top_left" / "notes.txt").write_text("not an image")
+    out = tmp_path / "out" / "model.onnx"
+    argv = [str(own_run / "checkpoints" / "best.ckpt"), "-o", str(out), "--val-dir", str(tmp_path / "val")]
+    assert "holds no image files" in _refused(capsys, argv) and not out.parent.exists()
+
+
 def test_a_calibration_folder_of_other_classes_is_refused_before_the_export(own_run, tmp_path, capsys, no_export):
     (tmp_path / "calib" / "cats").mkdir(parents=True)
     out = tmp_path / "out" / "model.onnx"
