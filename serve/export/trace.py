@@ -37,6 +37,10 @@ EXPLAIN_OUTPUTS = ["logits", "attns", "features"]
 GRADIENT_OUTPUTS = ["logits", "attns", "grads", "features"]
 
 DEFAULT_OPSET = 18
+# torch's exporter writes no older opset: asked for 17, it tried the onnx version converter, which fails on this
+# graph and printed three tracebacks. The graphs are exported at 18 and `pin_versions` (`serve.export.targets`)
+# brings them down to the asked opset, as it did after those failures.
+TORCH_MIN_OPSET = 18
 
 
 class PixelModel(nn.Module):
@@ -127,7 +131,7 @@ def export_gradient_graph(
                 input_names=["pixels", "target"],
                 output_names=GRADIENT_OUTPUTS,
                 dynamic_shapes=({0: batch}, {0: batch}),
-                opset_version=opset,
+                opset_version=max(opset, TORCH_MIN_OPSET),
                 dynamo=True,
                 external_data=False,
                 verbose=False,
@@ -151,7 +155,7 @@ def export_graph(module: nn.Module, img_size: tuple[int, int], opset: int = DEFA
             input_names=["pixels"],
             output_names=names,
             dynamic_shapes={"pixels": {0: torch.export.Dim("batch", min=1, max=4096)}},
-            opset_version=opset,
+            opset_version=max(opset, TORCH_MIN_OPSET),
             dynamo=True,
             external_data=False,
             verbose=False,
