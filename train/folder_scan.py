@@ -188,6 +188,13 @@ def _scan_classes(folder: Path, classes: list[str] | None, verify: bool, bad: li
                 f"class folder {d} holds no readable images (jpg, png, webp, bmp, gif or tiff); "
                 "add images or remove the folder"
             )
+    if classes is None and all(Path(p).parent != d.resolve() for d in dirs for p in files[d.name]):
+        inner = sorted({Path(p).relative_to(d.resolve()).parts[0] for d in dirs[:1] for p in files[d.name]})
+        log.warning(
+            "no class folder of %s holds images of its own: %s keeps them in %s. If those are the classes, the "
+            "folder is one folder too high: give --data.root %s",
+            folder, dirs[0].name, ", ".join(inner[:5]), dirs[0],
+        )  # fmt: skip
     return files
 
 

@@ -256,3 +256,15 @@ def test_a_symlinked_folder_inside_a_class_is_followed_once_and_a_loop_ends(tmp_
     scan = scan_folder(root, val_fraction=0.25, seed=0)
     per_class = Counter(y for _, y in scan.train + scan.val + scan.calib)
     assert per_class[0] == 4 + 3 and per_class[1] == 4  # the loop adds nothing
+
+
+def test_a_root_one_folder_too_high_is_said_in_a_warning(tmp_path, caplog):
+    """A folder of datasets given as --data.root trained on "classes" that were whole datasets, without a word."""
+    for dataset in ("birds", "pets"):
+        write_shapes(tmp_path / "datasets" / dataset, per_class=2, classes=("bar", "square"))
+    scan_folder(tmp_path / "datasets", verify=False)
+    warned = [r.getMessage() for r in caplog.records if "one folder too high" in r.getMessage()]
+    assert warned and "birds" in warned[0] and "bar" in warned[0], caplog.text
+    caplog.clear()
+    scan_folder(tmp_path / "datasets" / "pets", verify=False)  # the right root: no warning
+    assert "one folder too high" not in caplog.text
