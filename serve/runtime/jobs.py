@@ -210,11 +210,11 @@ def _mismatch(out: Path, parts: Path, model: Path, was: dict[str, Any], now: dic
     )
 
 
-def _open_parts(out: Path, resume: bool, job: dict[str, Any] | None, model: Path, errors: TextIO) -> PartStore | None:
+def _open_parts(out: Path, resume: bool, errors: TextIO) -> PartStore | None:
     """The parts of `out` this run goes on with, checked before any input is read; None when `out` is complete.
 
     Raises:
-        ValueError: `out` exists without `resume`, names no known format, or was started under another `job`.
+        ValueError: `out` exists without `resume`, or names no known format.
     """
     store = PartStore(out)
     if store.exists() and not resume:
@@ -223,10 +223,13 @@ def _open_parts(out: Path, resume: bool, job: dict[str, Any] | None, model: Path
         store.remove_old_parts()  # a run killed after its merge, while it deleted its parts
         print(f"{out} is complete: nothing to resume (remove it to score again)", file=errors)
         return None
-    store.lock()
-    if job is not None and (was := store.record(job)) != (now := json.loads(json.dumps(job))):
-        raise ValueError(_mismatch(out, store.dir, model, was, now))
     return store
+
+
+def _check_job(store: PartStore, job: dict[str, Any] | None, model: Path) -> None:
+    """Record `job` with a first run's parts, or refuse to go on with parts written under another."""
+    if job is not None and (was := store.record(job)) != (now := json.loads(json.dumps(job))):
+        raise ValueError(_mismatch(store.out, store.dir, model, was, now))
 
 
 def _not_done(sources: Sequence[Source], finished: set[str], out: Path, errors: TextIO) -> list[Source]:
@@ -270,19 +273,29 @@ def score_to_file(
         ValueError: `out` exists without `resume`, names no known format, or was started under another `job`.
     """
     errors = errors or sys.stderr
-    store = _open_parts(out, resume, job, clf.path, errors)
+    store = _open_parts(out, resume, errors)
     if store is None:
         return PartStore(out).count_rows(), 0
+    store.lock()
+    try:
+        _check_job(store, job, clf.path)
+        return _fill(store, clf.prepare, sources, rows_for, batch_size, workers, part_size, errors, template)
+    finally:  # finished, refused, failed or stopped: the next run may go on
+        store.unlock()
+
+
+def _fill(store: PartStore, prepare, sources, rows_for: RowsFor, batch_size, workers, part_size, errors, template):
+    """`score_to_file`'s work, on the locked `store`: (classified, failed) over the whole job."""
     done, failed = store.committed()
     for source, reason in failed:  # an earlier run's unreadable files, reported again with this run's result
         print(f"{source}: {reason}", file=errors)
-    todo = _not_done(sources, done | {s for s, _ in failed}, out, errors)
+    todo = _not_done(sources, done | {s for s, _ in failed}, store.out, errors)
     classified = len(done)
     rows: list[dict[str, Any]] = []
     part_failed: list[tuple[str, str]] = []
     show = len(sources) >= PROGRESS_MIN_FILES
     with tqdm(total=len(sources), initial=len(sources) - len(todo), unit="img", file=errors, disable=not show) as bar:
-        for ok, pixels, bad in decoded_batches(todo, clf.prepare, batch_size, workers or default_decode_workers()):
+        for ok, pixels, bad in decoded_batches(todo, prepare, batch_size, workers or default_decode_workers()):
             for source, reason in bad:
                 tqdm.write(f"{source}: {reason}", file=errors)  # one line per file, path first
             if pixels is not None:

@@ -59,7 +59,6 @@ PARTS_SUFFIX = ".parts"
 DONE_SUFFIX = ".old"  # the parts folder of a merged output, renamed before it is deleted
 JOB_FILE = "job.json"  # in the parts folder: what decides the rows, so that a resume can check it is the same job
 _PART = re.compile(r"part-(\d{5,})\.json$")
-_HELD: dict[str, int] = {}  # the parts folders this process has locked (`PartStore.lock`), each once
 
 
 def output_format(out: Path) -> str:
@@ -183,30 +182,35 @@ class PartStore:
         self.dir = self.out.with_name(self.out.name + PARTS_SUFFIX)
         self.old_dir = self.dir.with_name(self.dir.name + DONE_SUFFIX)
         self.next_index = 0
+        self._held: int | None = None  # the parts folder, while `lock` holds it
         _refuse_link(self.dir)
 
     def lock(self) -> None:
-        """Make the parts folder and hold it until this process ends (the kernel lets go however it ends): a second
-        run on the same output, a retry while the first still goes, would delete the other's temporary files.
+        """Make the parts folder and hold it until `unlock` (or until this process ends, however it ends: the kernel
+        lets go): a second run on the same output, a retry while the first still goes, would delete the other's
+        temporary files.
 
         Raises:
             ValueError: another run holds it.
         """
         _refuse_link(self.dir)
         self.dir.mkdir(parents=True, exist_ok=True)
-        key = os.path.realpath(self.dir)
-        if key in _HELD:  # by this process already (a run in it that stopped early): its lock, as a process has one
-            return
         held = os.open(self.dir, os.O_RDONLY | os.O_DIRECTORY)
         try:
             fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            _HELD[key] = held
         except BlockingIOError:
             os.close(held)
             raise ValueError(
                 f"another vit-predict is writing {self.out} (its parts folder {self.dir} is in use): wait for it to "
                 "end, or give this run another --out"
             ) from None
+        self._held = held
+
+    def unlock(self) -> None:
+        """Let go of the parts folder `lock` took (whether the run finished, failed or was stopped)."""
+        if self._held is not None:
+            os.close(self._held)
+            self._held = None
 
     def exists(self) -> bool:
         """True when an earlier run left the output or its parts."""
@@ -308,8 +312,6 @@ class PartStore:
         os.rename(self.dir, self.old_dir)
         sync_folder(self.dir.parent)
         self.remove_old_parts()
-        if (held := _HELD.pop(os.path.realpath(self.dir), None)) is not None:
-            os.close(held)
 
     def remove_old_parts(self) -> None:
         """Delete the parts folder of an output already merged, if a killed run left it."""

@@ -348,6 +348,8 @@ def test_resume_with_another_top_k_is_refused_before_any_image_is_read(
     assert "--top-k 1" in err and "--top-k 3" in err and "without --resume" in err, err
     assert len(err.splitlines()) == 1 and reads == []
     assert _snapshot(parts) == before and not out.exists()
+    (free := PartStore(out)).lock()  # the refused run let go of the parts folder: it held it until the process ended
+    free.unlock()
 
     assert main([*args, "--top-k", "1", "--resume"]) == 0  # the options it started with: finished as ever
     rows = _read(out)
