@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from serve.runtime.classifier import OnnxClassifier
-from serve.runtime.images import ImageError, Preprocess, is_image_file, load_image
+from serve.runtime.images import ImageError, Preprocess, load_image, walk_image_files
 from vit.model import VisionTransformer
 from vit.rollout import attention_rollout, gradient_rollout
 
@@ -70,9 +70,8 @@ def validation_sample(
             entries.append((p, index.get(label, -1) if isinstance(label, str) else int(label)))
         source = str(split)
     if not entries and val_dir is not None:
-        for p in sorted(Path(val_dir).rglob("*")):
-            if p.is_file() and is_image_file(p):
-                entries.append((p, index.get(p.parent.name, -1)))
+        for p in map(Path, walk_image_files(val_dir)[0]):  # as --val-dir was checked: linked folders followed
+            entries.append((p, index.get(p.parent.name, -1)))
         source = str(val_dir)
     if len(entries) > limit:  # evenly spread, deterministic
         entries = [entries[i] for i in np.linspace(0, len(entries) - 1, limit).round().astype(int)]

@@ -210,3 +210,18 @@ def test_a_run_without_split_json_is_told_to_give_calibrate_and_no_flag_is_claim
     with pytest.raises(ValueError, match=r"split\.json is not there .*--calibrate DIR"):
         calibration_entries(checkpoint, CLASS_NAMES, None)
     assert "--no-calibration" not in format_report(None)
+
+
+def test_a_val_dir_of_linked_class_folders_is_the_parity_gates_sample(tmp_path):
+    """The check followed the links and passed; the gate did not, and ran on random images."""
+    from serve.export.parity import validation_sample
+    from serve.runtime.images import Preprocess
+    from tests.helpers import write_shapes
+
+    real = write_shapes(tmp_path / "real", per_class=2, classes=("bar", "square"))
+    for name in ("bar", "square"):
+        (tmp_path / "val" / name).parent.mkdir(exist_ok=True)
+        (tmp_path / "val" / name).symlink_to(real / name)
+    checkpoint = tmp_path / "run" / "checkpoints" / "best.ckpt"  # no split.json beside it
+    sample = validation_sample(checkpoint, ["bar", "square"], Preprocess((32, 32), 1.0), tmp_path / "val")
+    assert sample.source == str(tmp_path / "val") and sorted(sample.labels.tolist()) == [0, 0, 1, 1]
