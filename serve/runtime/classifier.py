@@ -16,6 +16,7 @@ patch grid. Its input is (B, H, W, 3) uint8 pixels already resized and cropped b
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -263,11 +264,10 @@ class OnnxClassifier:
         """
         sources = list(images) if isinstance(images, (list, tuple, Iterator)) else [images]
         self.check_coverage(coverage)
-        if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
-            raise ValueError(f"top_k must be a whole number of at least 1, got {top_k!r}")
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"batch_size must be a whole number of at least 1, got {batch_size!r}")
-        k = min(top_k, len(self.labels))
+        for name, value in (("top_k", top_k), ("batch_size", batch_size)):  # numpy's integers are whole numbers too
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+                raise ValueError(f"{name} must be a whole number of at least 1, got {value!r}")
+        k, batch_size = min(int(top_k), len(self.labels)), int(batch_size)
         results = []
         for i in range(0, len(sources), batch_size):
             pixels = np.stack([self.prepare(s) for s in sources[i : i + batch_size]])

@@ -72,12 +72,12 @@ def walk_image_files(folder: str | Path) -> tuple[list[str], list[OSError]]:
             if (st.st_dev, st.st_ino) in seen:  # walked already, through a link
                 continue
             seen.add((st.st_dev, st.st_ino))
-            with os.scandir(top) as listing:
-                entries = [(e.name, e.path, _is_folder(e)) for e in listing]
+            with os.scandir(top) as listing:  # in name order: of two names for one folder, the first is kept
+                entries = sorted((e.name, e.path, _is_folder(e)) for e in listing)
         except OSError as e:
             errors.append(e)
             continue
-        folders += [path for name, path, is_dir in entries if is_dir and not name.startswith(".")]
+        folders += [path for name, path, is_dir in reversed(entries) if is_dir and not name.startswith(".")]
         found += [path for name, path, is_dir in entries if not is_dir and is_image_file(name)]  # a dead link too
     return sorted(found), errors
 

@@ -190,3 +190,10 @@ def test_hidden_files_and_folders_are_skipped_and_a_dangling_link_is_reported(ti
         str(p) for p in folder.rglob("[0-9]*.png") if ".ipynb_checkpoints" not in p.parts
     )
     assert f"{folder / 'gone.png'}: " in err and "classified 2 images; 1 input(s) could not be read" in err, err
+
+
+def test_vit_predict_runs_where_the_os_has_no_sched_getaffinity(tiny_onnx, tmp_path, capsys, monkeypatch):
+    """macOS and Windows have none: the --threads check failed every run there with an AttributeError."""
+    folder = _folder(tmp_path, n=1)
+    monkeypatch.delattr(os, "sched_getaffinity", raising=False)
+    assert main([str(tiny_onnx), str(folder)]) == 0 and len(capsys.readouterr().out.splitlines()) == 1

@@ -112,6 +112,19 @@ def test_out_of_range_arguments_are_refused_and_a_generator_of_images_is_classif
         with pytest.raises(ValueError, match="target"):
             clf.gradient_rollout(image[None], target=2.5)
     assert len(clf.predict(img for img in [image, image])) == 2
+    assert len(clf.predict([image] * 3, top_k=np.int64(2), batch_size=np.int64(2))) == 3  # numpy's ints are whole
+
+
+def test_a_folder_reached_twice_is_listed_under_its_first_name(tmp_path):
+    from serve.runtime.images import walk_image_files
+
+    (tmp_path / "a" / "sub").mkdir(parents=True)
+    for path in (tmp_path / "a" / "1.png", tmp_path / "a" / "sub" / "2.png"):
+        Image.new("RGB", (4, 4)).save(path)
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "link_a").symlink_to(tmp_path / "a")
+    found, errors = walk_image_files(tmp_path)
+    assert found == [str(tmp_path / "a" / "1.png"), str(tmp_path / "a" / "sub" / "2.png")] and errors == []
 
 
 def test_a_truncated_model_file_is_refused_clearly(tiny_onnx, tmp_path):
