@@ -134,7 +134,9 @@ def check_run_dir(run_dir: Path, data_root: str | None) -> None:
     """Create `run_dir` and a file in it now, so a read-only place fails in one line before any work; refuse it
     in the image folder `data_root`, where its reports (`confusion_matrix.png`) would be a class of the next scan."""
     images = None if not data_root or is_remote(data_root) else Path(data_root).expanduser().resolve()
-    if images is not None and (run_dir.resolve() == images or images in run_dir.resolve().parents):
+    own = images is not None and (images / "train").is_dir() and (images / "val").is_dir()
+    scanned = [images / "train", images / "val"] if own else [images] if images is not None else []
+    if any(run_dir.resolve() == s or s in run_dir.resolve().parents for s in scanned):
         raise SetupError(
             f"--trainer.default_root_dir must be outside --data.root: {run_dir} is in the image folder {data_root}, "
             "whose next scan would read the run as a class; use e.g. runs/<name>"

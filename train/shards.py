@@ -107,12 +107,13 @@ def prepare(
 
 
 def check_out_apart(root: str, out: str) -> None:
-    """A `ValueError` when the local `out` is `root`, inside it or around it: the chunks, `train/` and `val/` would
-    be written into the image folder, and the next scan would read them as classes."""
+    """A `ValueError` when the local `out` is `root` or inside it, or `root` is in `out/train` or `out/val`: the chunks
+    would be written into the image folder, and the next scan would read them as classes."""
     if "://" in out:
         return
     images, chunks = Path(root).expanduser().resolve(), Path(out).expanduser().resolve()
-    if images == chunks or images in chunks.parents or chunks in images.parents:
+    written = [chunks / "train", chunks / "val"]  # what `optimize` overwrites: the images must not be in either
+    if images == chunks or images in chunks.parents or any(w == images or w in images.parents for w in written):
         raise ValueError(
             f"--out must be a folder outside --data.root: {out} would write the chunks into {root}; "
             "choose another folder, e.g. shards/<name>"

@@ -252,3 +252,13 @@ def test_a_checkpoint_vit_train_did_not_write_is_a_one_line_error(small_folder, 
     torch.save({"epoch": 0, "weights": torch.zeros(3)}, foreign)  # loads weights-only, but is not a run's checkpoint
     err = one_line_error(args(small_folder, tmp_path / "run", "--ckpt_path", str(foreign), command="validate"), capsys)
     assert f"checkpoint {foreign} is not one vit-train wrote" in err
+
+
+def test_a_run_directory_beside_a_folders_own_train_and_val_is_not_refused(tmp_path):
+    """root/train and root/val are what is scanned there: root/runs is never read as a class."""
+    from train.run_dir import check_run_dir
+
+    write_shapes(tmp_path / "flowers" / "train", per_class=1)
+    write_shapes(tmp_path / "flowers" / "val", per_class=1)
+    check_run_dir(tmp_path / "flowers" / "runs", str(tmp_path / "flowers"))
+    assert (tmp_path / "flowers" / "runs").is_dir()

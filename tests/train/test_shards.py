@@ -180,3 +180,11 @@ def test_a_killed_streaming_run_resumes_mid_epoch_and_sees_each_sample_of_it_onc
     summary = json.loads((run / "summary.json").read_text())
     assert summary["epochs"] == 2 and summary["best_val_acc"] is not None
     assert "broken.png" in (run / "bad_files.csv").read_text()  # the prepared dataset's bad files, in the run
+
+
+def test_an_out_beside_the_images_is_not_refused(tmp_path):
+    """--out ds/pets for images in ds/pets/images writes ds/pets/train and val beside them: no harm, no refusal."""
+    from train.shards import check_out_apart
+
+    (tmp_path / "pets" / "images").mkdir(parents=True)
+    check_out_apart(str(tmp_path / "pets" / "images"), str(tmp_path / "pets"))
