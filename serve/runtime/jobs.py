@@ -234,10 +234,10 @@ def _check_job(store: PartStore, job: dict[str, Any] | None, model: Path) -> Non
 
 def _not_done(sources: Sequence[Source], finished: set[str], out: Path, errors: TextIO) -> list[Source]:
     """The sources no earlier run finished, however either names them (`photos/a.png`, `./photos//a.png`)."""
-    finished = {source_key(s) for s in finished}
-    if others := len(finished - {source_key(s) for s in sources}):
+    finished, keys = {source_key(s) for s in finished}, [source_key(s) for s in sources]  # each path made absolute once
+    if others := len(finished - set(keys)):
         print(f"{out}: {others:,} earlier result(s) are of inputs this run was not given; they stay in it", file=errors)
-    return [s for s in sources if source_key(s) not in finished]
+    return [s for s, key in zip(sources, keys, strict=True) if key not in finished]
 
 
 def score_to_file(
