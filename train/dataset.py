@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import random
 from collections.abc import Callable
 from pathlib import Path
@@ -21,6 +20,7 @@ from PIL import Image
 from torch.utils.data import Dataset, get_worker_info
 
 from serve.runtime.images import ImageError, load_image, open_image
+from serve.runtime.jobs import usable_cores
 from train.parallel import parallel_map
 
 log = logging.getLogger(__name__)
@@ -168,11 +168,3 @@ def fill_cache(
     bad = {p for p, _ in failed}
     readable = np.array([p not in bad for p in paths], dtype=bool)
     return pixels, readable, failed
-
-
-def usable_cores() -> int:
-    """CPU cores this process may run on (the affinity mask, not the machine's count)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1

@@ -171,9 +171,17 @@ def decoded_batches(
         pool.shutdown(cancel_futures=True)
 
 
+def usable_cores() -> int:
+    """CPU cores this process may run on (the affinity mask where the OS has one, not the machine's count)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS, Windows
+        return os.cpu_count() or 1
+
+
 def default_decode_workers() -> int:
     """Decoding threads: one per core, at most 8 (beyond that the model is the bottleneck anyway)."""
-    return max(1, min(8, os.cpu_count() or 1))
+    return max(1, min(8, usable_cores()))
 
 
 def file_sha256(path: Path) -> str:

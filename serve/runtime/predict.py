@@ -47,6 +47,7 @@ from serve.runtime.jobs import (
     is_uri,
     job_record,
     score_to_file,
+    usable_cores,
     why_unreadable,
 )
 from serve.runtime.trust import Prediction
@@ -257,7 +258,7 @@ def run_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         p.error("give image files or folders, or --from-list FILE")
     if args.out is None and (args.from_list or args.resume or any(is_uri(s) for s in args.paths)):
         p.error("--from-list, URIs and --resume need --out FILE")
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1  # Linux's
+    cores = usable_cores()
     if args.threads is not None and not 0 <= args.threads <= cores:  # 1,000 took a minute for one image
         p.error(f"--threads must be 0 (every core) to {cores} (this machine's cores), got {args.threads}")
     if args.decode_threads is not None and not 1 <= args.decode_threads <= MAX_DECODE_THREADS:

@@ -103,7 +103,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         settings = settings_from(args)
     except ValidationError as e:
-        where = "; ".join(f"{'.'.join(map(str, err['loc'])) or 'settings'}: {err['msg']}" for err in e.errors())
+        where = "; ".join(
+            f"{'.'.join(map(str, err['loc'])) or 'settings'}: {err['msg'].removeprefix('Value error, ')}"
+            for err in e.errors()
+        )
         print(f"vit-serve: {where}", file=sys.stderr)
         return 2
 

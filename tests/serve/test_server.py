@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import subprocess
@@ -143,3 +144,14 @@ def test_a_missing_model_file_fails_fast_with_a_clear_message(tmp_path):
         [sys.executable, "-m", "serve.server", str(tmp_path / "nope.onnx")], cwd=ROOT, capture_output=True, text=True
     )
     assert r.returncode == 2 and "nope.onnx" in r.stderr and "not found" in r.stderr
+
+
+def test_more_threads_than_cores_is_refused_before_the_model_loads(tiny_onnx):
+    """1,000 intra-op threads started 1,008 threads and made one request take 3.4 s on two cores."""
+    cores = len(os.sched_getaffinity(0))
+    r = subprocess.run(
+        [sys.executable, "-m", "serve.server", str(tiny_onnx), "--threads", str(cores + 1), "--no-ui", "--port", "0"],
+        cwd=ROOT, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert r.returncode == 2, r.stderr[-500:]
+    assert f"threads: must be 0 (by model size) to {cores} (this machine's cores), got {cores + 1}" in r.stderr
