@@ -58,8 +58,8 @@ def choose_batch_size(seconds_per_image: dict[int, float], tolerance: float = 0.
     """The smallest batch size whose time per image is within `tolerance` of the best one.
 
     3%, not more: each batch also costs the server a hand-over between the event loop and this
-    thread, which the timing alone does not see (the sample model served 1,800 req/s at batch 2,
-    whose time per image was 4% over the best, against 2,300-2,400 at batch 4 or 8).
+    thread, which the timing alone does not see: a smaller batch that times a few percent over the best
+    costs more hand-overs per image under load.
     """
     best = min(seconds_per_image.values())
     return min(bs for bs, t in seconds_per_image.items() if t <= best * (1 + tolerance))

@@ -295,7 +295,7 @@ class ServeSettings(BaseSettings):
     @field_validator("threads")
     @classmethod
     def _threads_fit_the_cores(cls, threads: int) -> int:
-        """More intra-op threads than cores only queue for them: 1,000 made one request take 3.4 s on two cores."""
+        """More intra-op threads than cores only queue for them, each one a thread of the server."""
         if threads > (cores := usable_cores()):
             raise ValueError(f"must be 0 (by model size) to {cores} (this machine's cores), got {threads}")
         return threads

@@ -4,7 +4,7 @@ saturated, and liveness fails when the server's event loop stops turning.
 Under a thousand busy clients the event loop that serves the API has hundreds of callbacks ready at each
 turn, and a probe on the API port waits its turn behind them (`benchmarks.probes`). A thread in
 the server process does better but still needs the interpreter lock, which the loop and the batcher hold
-most of the time: its p99 was 270 ms under that load on 2 cores (docs/benchmarks/model-server.md). So the
+most of the time (BENCHMARKS.md, "/healthz under 1,000 busy clients"). So the
 probes are answered by a process that does nothing else (`python -m serve.server.http.probes`, the standard
 library and h11 (uvicorn's HTTP/1.1 parser), about 10 MB), which the kernel schedules as soon as a probe
 arrives.
