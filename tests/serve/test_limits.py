@@ -4,6 +4,7 @@ abandoned uploads, wrong methods. Image decoding in process; the HTTP cases agai
 from __future__ import annotations
 
 import json
+import re
 import socket
 import threading
 import time
@@ -19,6 +20,7 @@ from serve.runtime.images import ImageError, PixelBudget, Preprocess, load_image
 from tests.helpers import (
     ServerProcess,
     encoded,
+    noise_png,
     peak_mib,
     read_response,
     reset_peak,
@@ -210,6 +212,35 @@ def test_a_request_that_is_not_http_gets_the_json_error_body(server):
         head, _, body = read_response(s).partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 400 ") and b"application/json" in head
     assert json.loads(body)["error"]["code"] == "malformed_request"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "refused, status",
+    [
+        (b"GARBAGE\r\n\r\n", 400),
+        (b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Big: " + b"a" * 70_000 + b"\r\n\r\n", 431),
+        (b"POST /v1/classify HTTP/1.1\r\nHost: 127.0.0.1\r\nTransfer-Encoding: gzip\r\n\r\n", 501),
+    ],
+    ids=["malformed", "head too large", "unknown coding"],
+)
+def test_a_refused_request_pipelined_behind_a_good_one_is_answered_after_it(server, refused, status):
+    """The refusal closed the connection while the good request was still being classified: its answer was lost."""
+    png = noise_png()
+    good = b"POST /v1/classify HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: image/png\r\n"
+    with socket.create_connection(("127.0.0.1", server.port), timeout=15) as s:
+        s.sendall(good + b"Content-Length: %d\r\n\r\n" % len(png) + png + refused)
+        data = b""
+        while chunk := s.recv(65536):  # until the server closes: nothing after the refused request is read
+            data += chunk
+    answers = []
+    while data:
+        head, _, data = data.partition(b"\r\n\r\n")
+        length = int(re.search(rb"(?i)content-length: *(\d+)", head).group(1))
+        answers.append((int(head.split(b" ", 2)[1]), data[:length]))
+        data = data[length:]
+    assert [code for code, _ in answers] == [200, status]
+    assert json.loads(answers[0][1])["predictions"]
 
 
 @pytest.mark.slow

@@ -76,6 +76,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self.too_slow = self._head_too_slow  # what happens then
         self.write_deadline = 0.0  # by which answers that stopped draining must drain again; 0: they drain
         self.cycles = []  # the requests of this connection not answered yet (several, when they are pipelined)
+        self.refusal = b""  # a refused request's answer, written once those pipelined before it are answered
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
@@ -169,13 +170,29 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self.transport.close()  # the app sees a disconnect (499); a response may already be on its way
 
     def _refuse(self, code: str, message: str) -> None:
-        """Write the error answer (unless one is under way) and close; the parser reads nothing more."""
+        """Write the error answer (unless one is under way) and close; the parser reads nothing more.
+
+        Requests read before the refused one (pipelined on the connection) are answered first, in order, as
+        nginx does: the refusal waits for their answers (`on_response_complete`).
+        """
         self.deadline = 0.0
+        if self.refused:  # the parser's complaint about what follows a refused head: the first answer stands
+            return
         self.refused = True
+        if self.pipeline or any(not c.response_complete and not c.disconnected for c in self.cycles):
+            self.refusal = error_bytes(code, message)
+            return
         cycle = self.cycle  # on a keep-alive connection, the previous request's until this one's head is in
         if cycle is None or cycle.response_complete or not cycle.response_started:
             self.transport.write(error_bytes(code, message))
         self.transport.close()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if self.refusal and not self.transport.is_closing() and not self.pipeline:
+            if all(c.response_complete or c.disconnected for c in self.cycles):
+                self.transport.write(self.refusal)
+                self.transport.close()
 
     def _arm(self, seconds: float, too_slow) -> None:
         self.deadline, self.too_slow = time.monotonic() + seconds, too_slow
