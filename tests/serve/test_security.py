@@ -117,6 +117,20 @@ def test_a_request_with_two_host_headers_is_refused(server, hosts):
 
 
 @pytest.mark.slow
+def test_a_request_without_host_is_refused_in_http_1_1_and_served_in_http_1_0(server):
+    """RFC 9112 makes Host mandatory in HTTP/1.1 only; HTTP/1.0 clients (old health checkers) send none, and no
+    browser, so no DNS-rebinding page, ever omits it. Both got a 400 that told them to admit the name ''."""
+    key = "".join(f"{k}: {v}\r\n" for k, v in AUTH.items())
+    answers = {}
+    for version in ("1.0", "1.1"):
+        with socket.create_connection(("127.0.0.1", server.port), timeout=10) as s:
+            s.sendall(f"GET /v2/models/tiny_test HTTP/{version}\r\n{key}\r\n".encode())
+            answers[version] = read_response(s)
+    assert answers["1.0"].startswith(b"HTTP/1.1 200 ")
+    assert answers["1.1"].startswith(b"HTTP/1.1 400 ") and b"no Host header" in answers["1.1"]
+
+
+@pytest.mark.slow
 def test_readyz_tells_the_model_only_to_a_client_with_the_key(server):
     """Probes send no key: /readyz answers them its status alone, not which model and version the server runs."""
     for headers in ({}, {"Authorization": "Bearer wrong"}):

@@ -60,9 +60,13 @@ class HostAllowList(TrustedHostMiddleware):
     async def __call__(self, scope, receive, send):
         if scope["type"] not in ("http", "websocket") or scope["path"] in HEALTH_PATHS:
             return await self.inner(scope, receive, send)
-        if sum(name == b"host" for name, _ in scope["headers"]) > 1:  # RFC 9112: a 400, as nginx answers
-            message = "the request has more than one Host header: send one"
-            return await _Refusal(scope, send).refuse(message)
+        hosts = sum(name == b"host" for name, _ in scope["headers"])
+        if hosts > 1:  # RFC 9112: a 400, as nginx answers
+            return await _Refusal(scope, send).refuse("the request has more than one Host header: send one")
+        if not hosts:  # mandatory in HTTP/1.1 only; no browser (so no DNS-rebinding page) leaves it out
+            if scope.get("http_version") == "1.0":
+                return await self.inner(scope, receive, send)
+            return await _Refusal(scope, send).refuse("the request has no Host header, which HTTP/1.1 requires")
         await super().__call__(scope, receive, _Refusal(scope, send))
 
     async def _through(self, scope, receive, send: _Refusal) -> None:
