@@ -150,9 +150,9 @@ class ServeSettings(BaseSettings):
     ui_cache_bytes: int = Field(
         1 << 30,
         ge=1 << 20,
-        description="bytes the UI's uploads and results may take on disk together; an upload past it is refused "
-        "(507) until older files are deleted (ui_cache_s). Each upload is bounded by max_bytes, and uploads need no "
-        "key on a server without one: this bounds the disk they can fill",
+        description="bytes the UI's uploads and results may take on disk together; an upload or call past it is "
+        "refused (507) until older files are deleted (ui_cache_s). Each upload is bounded by max_bytes, and "
+        "uploads need no key on a server without one: this bounds the disk they can fill",
     )
     top_k: int = Field(5, ge=1, description="predictions returned when the client does not ask for a number")
     deletion_steps: int = Field(

@@ -339,7 +339,7 @@ def test_a_number_the_ui_cannot_use_is_refused_saying_which(ui_server, image_fil
 
 
 @pytest.mark.slow
-def test_uploads_past_the_ui_cache_cap_are_refused_until_old_ones_go(tiny_onnx, tmp_path):
+def test_uploads_and_calls_past_the_ui_cache_cap_are_refused_until_old_ones_go(tiny_onnx, tmp_path):
     """Each upload was bounded by --max-bytes and kept an hour, with no bound on the folder: a client could fill
     the disk at the request rate. --ui-cache-bytes bounds it."""
     import httpx
@@ -351,5 +351,13 @@ def test_uploads_past_the_ui_cache_cap_are_refused_until_old_ones_go(tiny_onnx, 
         for i in range(2, 6):  # results the UI wrote may share the folder: a few more, until it is full
             if (r := post(i)).status_code != 200:
                 break
+        assert r.status_code == 507 and "--ui-cache-bytes" in r.json()["error"]["message"], r.text
+        post = lambda i: httpx.post(server.url + "/gradio_api/upload", files={"files": (f"{i}.bin", bytes(400_000))})
+        while post(i := i + 1).status_code == 200:  # within 400 kB of the cap
+            assert i < 20
+        # a call writes its results (and its data: URL images) into the same folder: refused as well, where each
+        # distinct setting of an uploaded image's overlay added a file past the cap
+        data = {"data": [{"url": "data:image/png;base64,", "meta": {"_type": "gradio.FileData"}}]}
+        r = httpx.post(server.url + "/gradio_api/call/classify", json=data)
         assert r.status_code == 507 and "--ui-cache-bytes" in r.json()["error"]["message"], r.text
         assert httpx.get(server.url + "/healthz").status_code == 200

@@ -11,6 +11,7 @@ from serve.server.http.errors import send_error
 log = logging.getLogger(__name__)
 
 FORM_OVERHEAD = 64 * 1024  # multipart boundaries and headers around the file itself
+CALL_RESULT_BYTES = 512 * 1024  # what a call writes: two images at display size (256 px), under this uncompressed
 
 
 # Gradio's routes that make a call: direct (`run`, `api`), queued (`call`, with its event stream) and the
@@ -128,8 +129,9 @@ class NoVersionInGradioOpenapi:
 class UploadLimit:
     """ASGI middleware: every request with a body to Gradio's routes (its upload route, and the call and queue
     routes, whose JSON Gradio reads whole) must declare its length, within `max_bytes` in all (Gradio's own limit
-    is per uploaded file, and one request may carry many files; its JSON routes have none); and an upload that would
-    take the UI's `folder` past `folder_bytes` is refused (507) until older files are deleted."""
+    is per uploaded file, and one request may carry many files; its JSON routes have none); and an upload or a call
+    that would take the UI's `folder` past `folder_bytes` is refused (507) until older files are deleted. A call
+    is let through with room for its results (`CALL_RESULT_BYTES`), which are written after the check."""
 
     def __init__(self, app, max_bytes: int, folder: str | None = None, folder_bytes: int | None = None):
         self.app, self.max_bytes = app, max_bytes + FORM_OVERHEAD
@@ -145,11 +147,13 @@ class UploadLimit:
                     f"a request of {int(declared):,} bytes is over the {self.max_bytes:,}-byte limit (--max-bytes)"
                 )
                 return await send_error(send, "body_too_large", message)
-            if scope["path"] == UPLOAD_ROUTE and self.folder and self.folder_bytes:
-                used = folder_size(self.folder)  # one walk per upload: uploads are few beside the API's requests
-                if used + int(declared) > self.folder_bytes:
+            if self.folder and self.folder_bytes and scope["path"].startswith((UPLOAD_ROUTE, *CALL_ROUTES)):
+                # an upload's files and a call's results (and its data: URL images) both go to the folder; one walk
+                # per request: the UI's requests are few beside the API's
+                used, results = folder_size(self.folder), 0 if scope["path"] == UPLOAD_ROUTE else CALL_RESULT_BYTES
+                if used + int(declared) + results > self.folder_bytes:
                     message = (
-                        f"the UI's upload folder holds {used:,} bytes, and this upload would take it past "
+                        f"the UI's upload folder holds {used:,} bytes, and this request would take it past "
                         f"{self.folder_bytes:,} (--ui-cache-bytes): retry once older files go (--ui-cache-s)"
                     )
                     return await send_error(send, "insufficient_storage", message)
