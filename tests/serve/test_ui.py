@@ -59,6 +59,24 @@ def test_gradio_client_classify_returns_labels_overlay_and_deletion_score(ui_ser
 
 
 @pytest.mark.slow
+def test_identical_results_fetched_while_another_call_writes_them_arrive_whole(ui_server, image_file, ui_client):
+    """Gradio rewrote a result file named by its content in place at each identical call: a client fetching it
+    meanwhile got a cut-off file (`Response content shorter than Content-Length`, a dropped connection)."""
+    from gradio_client import handle_file
+
+    def calls(_):
+        client = ui_client(ui_server.url + "/")
+        for _ in range(6):
+            _, overlay, _, seen = client.predict(handle_file(str(image_file)), api_name="/classify")
+            Image.open(overlay).load(), Image.open(seen).load()  # whole images, or PIL raises
+
+    lines = len(ui_server.lines)
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(calls, range(4)))
+    assert not any("Content-Length" in line for line in ui_server.lines[lines:])
+
+
+@pytest.mark.slow
 def test_gradient_rollout_for_a_chosen_class_or_a_clear_reason_why_not(ui_server, image_file, tiny_onnx, ui_client):
     from gradio_client import handle_file
 

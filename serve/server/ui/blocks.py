@@ -41,6 +41,7 @@ from serve.server.explain import (
 from serve.server.repository.repository import UnknownModel
 from serve.server.repository.version import Retired
 from serve.server.ui.http import NoVersionInGradioOpenapi, UiCallErrorsAsJson, UploadLimit
+from serve.server.ui.images import cached_image
 
 log = logging.getLogger(__name__)
 
@@ -139,11 +140,11 @@ class UiActions:
                 probs = served.engine.run_sync(served.classifier.predict_pixels, pixels[None])[0]
                 label = {self.labels[i]: float(p) for i, p in enumerate(probs)}
                 no_grid = np.zeros(served.classifier.grid_size, np.float32)
-                return label, None, why, render_overlay(pixels, no_grid, 0.0), None
+                return label, None, why, cached_image(render_overlay(pixels, no_grid, 0.0)), None
             args = (served.classifier, pixels, head_fusion, float(discard_ratio), blocks, self.fill, self.limits)
             ex = served.engine.run_sync(explain_pixels, *args)
-        overlay = render_overlay(pixels, ex["grid"], opacity, colormap)
-        seen_big = render_overlay(pixels, ex["grid"], 0.0)  # the input crop at display size
+        overlay = cached_image(render_overlay(pixels, ex["grid"], opacity, colormap))
+        seen_big = cached_image(render_overlay(pixels, ex["grid"], 0.0))  # the input crop at display size
         last = (pixels, ex["grid"])  # kept in the page's state: restyling needs no model call
         label = {self.labels[i]: float(p) for i, p in enumerate(np.asarray(ex["probs"]))}
         return label, overlay, deletion_text(ex["deletion"], self.labels), seen_big, last
@@ -195,7 +196,7 @@ class UiActions:
         if last is None:
             return gr.update()
         pixels, grid = last
-        return render_overlay(pixels, grid, share(opacity), colormap)
+        return cached_image(render_overlay(pixels, grid, share(opacity), colormap))
 
     def attention(self, path, block, head, opacity, colormap, model=None):
         b, h = whole(block, "block"), whole(head, "head")
@@ -229,7 +230,8 @@ class UiActions:
         return self._shown(ex, pixels, opacity, colormap)
 
     def _shown(self, ex, pixels, opacity, colormap):
-        return render_overlay(pixels, ex["grid"], share(opacity), colormap), deletion_text(ex["deletion"], self.labels)
+        overlay = cached_image(render_overlay(pixels, ex["grid"], share(opacity), colormap))
+        return overlay, deletion_text(ex["deletion"], self.labels)
 
 
 def build_ui(repository, classifier, settings, budget: PixelBudget | None = None, models=()) -> gr.Blocks:
