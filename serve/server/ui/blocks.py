@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import base64
 import logging
-import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -42,6 +41,7 @@ from serve.server.repository.repository import UnknownModel
 from serve.server.repository.version import Retired
 from serve.server.ui.http import NoVersionInGradioOpenapi, UiCallErrorsAsJson, UploadLimit
 from serve.server.ui.images import cached_image
+from serve.server.ui.inputs import share, whole
 
 log = logging.getLogger(__name__)
 
@@ -262,22 +262,6 @@ def build_ui(repository, classifier, settings, budget: PixelBudget | None = None
         if examples:
             gr.Examples(examples, inputs=[image], label="Sample images")
     return demo
-
-
-def whole(value: Any, name: str) -> int:
-    """A slider's block or head index: a whole number, or a `gr.Error` naming it (Gradio passes NaN and 0.5 on)."""
-    number = float(value) if isinstance(value, (int, float)) else math.nan  # a JSON number, as sliders send
-    if not (math.isfinite(number) and number == int(number)):
-        raise gr.Error(f"the {name} must be a whole number, got {value}")
-    return int(number)
-
-
-def share(value: Any, name: str = "opacity") -> float:
-    """A value in [0, 1], or a `gr.Error` naming it (NaN drew an all-black overlay)."""
-    number = float(value) if isinstance(value, (int, float)) else math.nan  # a JSON number, as sliders send
-    if not 0.0 <= number <= 1.0:
-        raise gr.Error(f"the {name} must be in [0, 1], got {value}")
-    return number
 
 
 def no_attention(classifier) -> str | None:
