@@ -341,19 +341,25 @@ def test_an_image_is_checked_from_its_header_before_gradio_decodes_it(ui_server,
         ("classify", ["mean", 0.0, 0, 2, float("nan"), "inferno"], "opacity"),  # an all-black overlay
         ("classify", ["mean", 0.0, 0.5, 2, 0.5, "inferno"], "whole number"),  # silently block 0
         ("attention", [float("nan"), 0, 0.5, "inferno"], "whole number"),  # "cannot convert float NaN to integer"
+        ("classify", ["mean", 0.0, 0, 2, 0.5, None], "colormap must be one of"),  # matplotlib's KeyError, 200 names
+        ("attention", [0, 0, 0.5, ["inferno"]], "colormap must be one of"),  # "unhashable type: 'list'"
+        ("classify", [None, 0.0, 0, 2, 0.5, "inferno"], "head fusion must be one of"),  # a bare ValueError
+        ("classify", ["mean", float("nan"), 0, 2, 0.5, "inferno"], "discard ratio must be in"),  # a bare ValueError
     ],
 )
-def test_a_number_the_ui_cannot_use_is_refused_saying_which(ui_server, image_file, api, args, said):
+def test_a_value_the_ui_cannot_use_is_refused_saying_which(ui_server, image_file, api, args, said):
     import json
 
     import httpx
 
+    lines = len(ui_server.lines)
     path = httpx.post(ui_server.url + "/gradio_api/upload", files={"files": ("a.png", image_file.read_bytes())}).json()
     data = json.dumps({"data": [{"path": path[0], "meta": {"_type": "gradio.FileData"}}, *args]})  # NaN as JSON has it
     headers = {"Content-Type": "application/json"}
     event = httpx.post(f"{ui_server.url}/gradio_api/call/{api}", content=data, headers=headers, timeout=60).json()
     stream = httpx.get(f"{ui_server.url}/gradio_api/call/{api}/{event['event_id']}", timeout=120).text
     assert "event: error" in stream and said in stream, stream[:400]
+    assert not any("Traceback" in line for line in ui_server.lines[lines:])  # the caller's mistake: no server fault
 
 
 @pytest.mark.slow

@@ -41,10 +41,11 @@ from serve.server.repository.repository import UnknownModel
 from serve.server.repository.version import Retired
 from serve.server.ui.http import NoVersionInGradioOpenapi, UiCallErrorsAsJson, UploadLimit
 from serve.server.ui.images import cached_image
-from serve.server.ui.inputs import share, whole
+from serve.server.ui.inputs import Refused, choice, share, whole
 
 log = logging.getLogger(__name__)
 
+MAX_DISCARD = 0.95  # the discard ratio's slider: the rollout needs some attention left in each row
 NO_GRADIENTS = "this model file has no gradient graph (vit-export --no-gradients); re-export it without that flag"
 
 
@@ -117,22 +118,24 @@ class UiActions:
             with self.repository.hold(model or None) as served:
                 yield served
         except (UnknownModel, Retired) as e:
-            raise gr.Error(str(e)) from None
+            raise Refused(str(e)) from None
 
     def pixels_of(self, path: str | None, classifier) -> np.ndarray:
         if not path:
-            raise gr.Error("upload, paste or take a picture first")
+            raise Refused("upload, paste or take a picture first")
         try:
             # the bytes, not the path: an error then says "upload", never where the server keeps files
             data = Path(path).read_bytes()
             return classifier.preprocess.load_pixels(data, self.limits.max_pixels, self.budget)
         except ImageError as e:
-            raise gr.Error(str(e)) from None
+            raise Refused(str(e)) from None
 
     def classify(self, path, head_fusion, discard_ratio, block_start, block_stop, opacity, colormap, model=None):
         start, stop, opacity = whole(block_start, "first block"), whole(block_stop, "last block"), share(opacity)
+        fusion, colormap = choice(head_fusion, HEAD_FUSIONS, "head fusion"), choice(colormap, COLORMAPS, "colormap")
+        discard = share(discard_ratio, "discard ratio", MAX_DISCARD)
         if not 0 <= start < stop <= self.depth:
-            raise gr.Error(f"the block range must satisfy 0 <= first < last <= {self.depth}; got {start} to {stop}")
+            raise Refused(f"the block range must satisfy 0 <= first < last <= {self.depth}; got {start} to {stop}")
         blocks = None if (start, stop) == (0, self.depth) else (start, stop)
         with self.held(model) as served:
             pixels = self.pixels_of(path, served.classifier)
@@ -141,7 +144,7 @@ class UiActions:
                 label = {self.labels[i]: float(p) for i, p in enumerate(probs)}
                 no_grid = np.zeros(served.classifier.grid_size, np.float32)
                 return label, None, why, cached_image(render_overlay(pixels, no_grid, 0.0)), None
-            args = (served.classifier, pixels, head_fusion, float(discard_ratio), blocks, self.fill, self.limits)
+            args = (served.classifier, pixels, fusion, discard, blocks, self.fill, self.limits)
             ex = served.engine.run_sync(explain_pixels, *args)
         overlay = cached_image(render_overlay(pixels, ex["grid"], opacity, colormap))
         seen_big = cached_image(render_overlay(pixels, ex["grid"], 0.0))  # the input crop at display size
@@ -164,15 +167,18 @@ class UiActions:
             try:
                 answers = served.engine.run_sync(clf.assess, pixels[None], float(coverage))
             except ValueError as e:
-                raise gr.Error(str(e)) from None
+                raise Refused(str(e)) from None
         (p,) = clf.predictions(answers, 1)
         label, prob = p[0]
-        shown = ", ".join(p.prediction_set) if p.prediction_set else "(empty: no class reaches the bar)"
+        at = f"{float(coverage):.0%}"
+        if p.prediction_set:
+            shown = f"{', '.join(p.prediction_set)}. Sets at this coverage hold the true class {at} of the time."
+        else:  # an empty set holds no class: it is one of the misses the coverage allows
+            shown = f"empty: no class reaches the bar, so this set misses (at most {1 - float(coverage):.0%} do)."
         lines = [
             f"**Calibrated confidence**: {label} {prob:.1%}. Of the images given this score, about this share are "
             "right.",
-            f"**Prediction set at {float(coverage):.0%}**: {shown}. Sets like this one hold the true class "
-            f"{float(coverage):.0%} of the time.",
+            f"**Prediction set at {at}**: {shown}",
         ]
         if p.unknown:
             lines.append(
@@ -193,19 +199,20 @@ class UiActions:
         return self.classify(path, *controls)
 
     def restyle(self, last, opacity, colormap):
+        colormap = choice(colormap, COLORMAPS, "colormap")
         if last is None:
             return gr.update()
         pixels, grid = last
         return cached_image(render_overlay(pixels, grid, share(opacity), colormap))
 
     def attention(self, path, block, head, opacity, colormap, model=None):
-        b, h = whole(block, "block"), whole(head, "head")
+        b, h, colormap = whole(block, "block"), whole(head, "head"), choice(colormap, COLORMAPS, "colormap")
         if not (0 <= b < self.depth and 0 <= h < self.nh):
-            raise gr.Error(f"block must be in 0..{self.depth - 1} and head in 0..{self.nh - 1}")
+            raise Refused(f"block must be in 0..{self.depth - 1} and head in 0..{self.nh - 1}")
         with self.held(model) as served:
             clf, pixels = served.classifier, self.pixels_of(path, served.classifier)
             if (why := no_attention(clf)) is not None:
-                raise gr.Error(why)
+                raise Refused(why)
 
             def run():
                 probs, grid = cls_attention(clf, pixels, b, h)
@@ -215,8 +222,9 @@ class UiActions:
         return self._shown(ex, pixels, opacity, colormap)
 
     def gradient(self, path, label, opacity, colormap, model=None):
+        colormap = choice(colormap, COLORMAPS, "colormap")
         if not self.grads:
-            raise gr.Error(NO_GRADIENTS)
+            raise Refused(NO_GRADIENTS)
         target = self.labels.index(label) if label in self.labels else None
         with self.held(model) as served:
             clf, pixels = served.classifier, self.pixels_of(path, served.classifier)
@@ -290,9 +298,9 @@ def checked_upload(preprocess: Callable[[Any], Any], max_pixels: int) -> Callabl
                 data = Path(path).read_bytes() if path else b""
             open_image(data, max_pixels).close()  # the header only
         except ImageError as e:
-            raise gr.Error(str(e)) from None
+            raise Refused(str(e)) from None
         except (OSError, ValueError):  # a path gone from the cache, a data: URL that is not base64
-            raise gr.Error("the upload could not be read: upload the image again") from None
+            raise Refused("the upload could not be read: upload the image again") from None
         return preprocess(payload)
 
     return checked
@@ -320,7 +328,7 @@ def _rollout_panel(on: UiActions, settings, picked):
         faith = gr.Markdown(elem_id="faithfulness")
     with gr.Row():
         fusion = gr.Radio(list(HEAD_FUSIONS), value=HEAD_FUSIONS[0], label="Head fusion")
-        discard = gr.Slider(0.0, 0.95, value=0.0, step=0.05, label="Discard ratio (lowest attentions dropped)")
+        discard = gr.Slider(0.0, MAX_DISCARD, value=0.0, step=0.05, label="Discard ratio (lowest attentions dropped)")
         opacity = gr.Slider(0.0, 1.0, value=0.5, step=0.05, label="Overlay opacity")
         cmap = gr.Dropdown(list(COLORMAPS), value=COLORMAPS[0], label="Colormap")
     with gr.Row():
