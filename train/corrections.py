@@ -6,8 +6,13 @@ The file is a CSV with the header `path,label`, one image a row:
     /data/pets/cat/0042.jpg,dog        relabel: train it as a dog
     cat/0043.jpg,                      an empty label leaves the image out
 
-A path is absolute (as in `split.json`, and as `vit-train review` writes it) or relative to the data root.
-When a path comes twice, the later row holds: a review that changes its mind appends its new decision.
+A path is absolute (as in `split.json`, and as `vit-train review` writes it) or relative to the data root; the
+same image named both ways is one image. When an image comes twice, the later row holds: a review that changes
+its mind appends its new decision. Further columns (a note) are allowed, and kept by the review.
+A label and a path are read exactly as written, so a class folder named `dog ` keeps its space; spaces typed
+around a value (`cat/0043.jpg, dog`) are dropped only where the exact value names no class, or no file.
+A row that is not a path and a label (no label column, no path, a value running over several lines: a stray
+quote) is refused with its line, as is a label that is no class.
 The scan applies the file before the split, so a relabelled image is split (and stratified) as its new class.
 """
 
@@ -16,6 +21,7 @@ from __future__ import annotations
 import csv
 import logging
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 from serve.runtime.images import FILE_NAME_ERRORS
@@ -23,9 +29,25 @@ from serve.runtime.images import FILE_NAME_ERRORS
 log = logging.getLogger(__name__)
 
 HEADER = ["path", "label"]
+STRAY_QUOTE = 'a field that starts with a quote (") runs to the next quote, across lines: close or remove it'
 
 
-def _absolute(path: str, root: Path) -> str:
+@dataclass
+class CorrectionsTable:
+    """A corrections file as read.
+
+    Attributes:
+        header: its first row as written: `path,label` and any further columns.
+        rows: absolute path -> the latest row naming that image, as written, in the order of those rows.
+        labels: absolute path -> its class name, or None to leave the image out.
+    """
+
+    header: list[str]
+    rows: dict[str, list[str]]
+    labels: dict[str, str | None]
+
+
+def absolute_path(path: str, root: Path) -> str:
     """`path` as the scan writes it: absolute, the root resolved (relative paths are taken from `root`)."""
     p = Path(path).expanduser()
     return os.path.normpath(p if p.is_absolute() else root / p)
@@ -44,30 +66,91 @@ def load_corrections(file: str | Path, root: str | Path, classes: list[str]) -> 
 
     Raises:
         FileNotFoundError: `file` does not exist.
-        ValueError: no `path,label` header, or a label that is not a class (one line: where, what, what to do).
+        ValueError: no `path,label` header, a row that is not a path and a label, or a label that is not a class
+            (one line: where, what, what to do).
     """
+    return read_corrections(file, root, classes).labels
+
+
+def read_corrections(file: str | Path, root: str | Path, classes: list[str]) -> CorrectionsTable:
+    """Read a corrections file, its rows as written beside what they mean (see `load_corrections`)."""
     file, root = Path(file).expanduser(), Path(root).expanduser().resolve()
-    if not file.is_file():
+    if not file.exists():
         raise FileNotFoundError(f"corrections file not found: {file} (a CSV with the header path,label)")
-    # utf-8-sig: spreadsheets save a byte-order mark
-    with open(file, newline="", encoding="utf-8-sig", errors=FILE_NAME_ERRORS) as f:
-        rows = list(csv.reader(f))
-    if not rows or [c.strip().lower() for c in rows[0][:2]] != HEADER:
-        found = ",".join(rows[0]) if rows else "an empty file"
-        raise ValueError(f"{file} must start with the header line path,label (found {found!r})")
-    known = set(classes)
-    fixes: dict[str, str | None] = {}
-    for line, row in enumerate(rows[1:], start=2):
-        if not row or not row[0].strip():
+    if not file.is_file():
+        raise ValueError(f"{file} is not a file: give a CSV with the header path,label, or move it away")
+    rows = _read_rows(file)
+    if not rows or [c.strip().lower() for c in rows[0][2][:2]] != HEADER:
+        found = _shown(",".join(rows[0][2])) if rows else "an empty file"
+        raise ValueError(f"{file} must start with the header line path,label (found {found})")
+    table, known = CorrectionsTable(rows[0][2], {}, {}), set(classes)
+    for start, end, row in rows[1:]:
+        if not any(c.strip() for c in row):
             continue
-        path, label = row[0].strip(), (row[1].strip() if len(row) > 1 else "")
-        if label and label not in known:
+        where = f"{file} line {start}"
+        runs = f"; the row runs to line {end}: {STRAY_QUOTE}" if end > start else ""
+        path, label = _parse(row, root, known, where, runs)
+        if label is False:
             raise ValueError(
-                f"{file} line {line}: label {label!r} is not a class (classes: {', '.join(classes)}); "
+                f"{where}: label {_shown(row[1])} is not a class (classes: {', '.join(map(repr, classes))}){runs}; "
                 "correct it, or leave the label empty to leave the image out"
             )
-        fixes[_absolute(path, root)] = label or None
-    return fixes
+        table.rows.pop(path, None)  # an image's place is that of its latest row
+        table.rows[path], table.labels[path] = row, label
+    return table
+
+
+def _read_rows(file: Path) -> list[tuple[int, int, list[str]]]:
+    """(first line, last line, row) of each row of `file`; what the csv module cannot read is a ValueError."""
+    out, start = [], 1
+    # utf-8-sig: spreadsheets save a byte-order mark
+    with open(file, newline="", encoding="utf-8-sig", errors=FILE_NAME_ERRORS) as f:
+        reader = csv.reader(f)
+        while True:
+            try:
+                row = next(reader)
+            except StopIteration:
+                return out
+            except csv.Error as e:  # a field over the csv module's limit: a quote left open long before
+                raise ValueError(f"{file} line {start}: cannot read it as CSV ({e}): {STRAY_QUOTE}") from None
+            out.append((start, reader.line_num, row))
+            start = reader.line_num + 1
+
+
+def _parse(row: list[str], root: Path, known: set[str], where: str, runs: str) -> tuple[str, str | None | bool]:
+    """(absolute path, class name: None to leave the image out, False when no class) of a row that is not blank.
+
+    `where` names the row's file and line, and `runs` says how far it runs when that is over several lines.
+    """
+    if not row[0].strip():
+        raise ValueError(f"{where}: no path before the label {_shown(row[1])}{runs}; write path,label")
+    if len(row) < 2:
+        quoted = runs or (f"; {STRAY_QUOTE}" if "," in row[0] else "")  # a comma inside one field: it was quoted
+        raise ValueError(
+            f"{where}: no label column after {_shown(row[0])}{quoted}; write path,class to relabel the image, or "
+            "path, (the label empty) to leave it out"
+        )
+    path = _image_path(row[0], root)
+    if "\n" in row[0] and not os.path.isfile(path):  # a file name may hold a newline: only then is it one
+        raise ValueError(f"{where}: the path {_shown(row[0])} names no file{runs}")
+    for label in (row[1], row[1].strip()):
+        if not label or label in known:
+            return path, label or None
+    return path, False
+
+
+def _image_path(text: str, root: Path) -> str:
+    """`text` as an absolute path; the text less its outer spaces only where that names a file and `text` not."""
+    exact = absolute_path(text, root)
+    if text.strip() == text or os.path.isfile(exact):
+        return exact
+    stripped = absolute_path(text.strip(), root)
+    return stripped if os.path.isfile(stripped) else exact
+
+
+def _shown(text: str, most: int = 80) -> str:
+    """`text` quoted on one line, cut to `most` characters."""
+    return repr(text[:most]) + (f" (and {len(text) - most} more characters)" if len(text) > most else "")
 
 
 def apply_corrections(

@@ -15,7 +15,6 @@ from pathlib import Path
 import gradio as gr
 
 from serve.runtime.images import ImageError
-from train.corrections import load_corrections
 from train.review_data import LISTS, Item, ReviewRun
 from train.review_store import CORRECTIONS_FILE, Decisions
 
@@ -27,9 +26,8 @@ class ReviewActions:
 
     def __init__(self, run: ReviewRun):
         self.run = run
-        self.decisions = Decisions(run.run_dir / CORRECTIONS_FILE, run.trained_with)
-        if self.decisions.file.is_file():  # fit's rules, now: a label that is no class would be written back
-            load_corrections(self.decisions.file, run.run_dir, run.labels)
+        # read by fit's rules: a file fit would refuse is refused now, not written back
+        self.decisions = Decisions(run.run_dir / CORRECTIONS_FILE, run.data_root, run.labels, run.trained_with)
         roots = {str(Path(p).parent.parent) for p in run.given}  # <root>/<class>/<image>: paths shown from the root
         self.root = os.path.commonpath(list(roots)) if roots else ""
 
@@ -95,6 +93,8 @@ class ReviewActions:
             self.decisions.decide(item.path, chosen)
         except OSError as e:
             raise gr.Error(f"could not write {self.decisions.file}: {e}; nothing was recorded") from None
+        except ValueError as e:  # the file was broken since (by hand): fit would refuse it too
+            raise gr.Error(f"{e}; nothing was recorded") from None
         said = "left out" if chosen is None else "kept" if chosen == item.given else f"relabelled {chosen}"
         status = f"`{self.shown_path(item.path)}`: {said} (saved in {self.decisions.file})"
         return self.rows(which), *self.show(which, int(index) + 1), status

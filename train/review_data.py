@@ -91,6 +91,7 @@ class ReviewRun:
         self.labels: list[str] = list(meta["class_names"])
         self.preprocess = meta["preprocess"]
         split = json.loads(split_file.read_text())
+        self.data_root = Path(split["root"])  # relative paths in a corrections file start here, as in fit
         self.trained_with = self._corrections(split)
         parts = {key: [(e["path"], int(e["label"])) for e in split.get(key, [])] for key in ("train", "val", "calib")}
         self.given = {p: self.labels[y] for entries in parts.values() for p, y in entries}
@@ -176,8 +177,11 @@ class ReviewRun:
         return items
 
     def _name(self, label: str) -> str:
-        """A label as a class name (reports may hold the class index)."""
-        label = (label or "").strip()
+        """A label as a class name (reports may hold the class index); a class name is kept as it is ('dog ')."""
+        label = label or ""
+        if label in self.labels:
+            return label
+        label = label.strip()
         return self.labels[int(label)] if label.isdigit() and label not in self.labels else label
 
     def _given(self, path: str) -> str:

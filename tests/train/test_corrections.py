@@ -94,3 +94,66 @@ def test_corrections_apply_to_the_users_own_train_and_val(tmp_path: Path):
     assert val[str(root / "val" / "bar" / "000.png")] == "square"
     assert str(root / "train" / "column" / "001.png") not in _everything(scan)
     assert json.loads(json.dumps(scan.to_split_dict()))["corrections"] == str(file.resolve())
+
+
+def test_labels_and_paths_are_read_as_written_and_spaces_typed_around_them_are_forgiven(folder: Path, tmp_path: Path):
+    """A class folder 'bar ': the trailing space was stripped from its label, and fit refused the review's own
+    file ("label 'bar' is not a class"). Spaces a person types after a comma still work."""
+    (folder / "bar").rename(folder / "bar ")
+    spaced = folder.resolve() / "bar " / "000.png"
+    file = tmp_path / "fix.csv"
+    file.write_text(f"path,label\n{spaced},bar \ncolumn/000.png, square\n square/001.png ,column\n")
+    assert load_corrections(file, folder, ["bar ", "column", "square"]) == {
+        str(spaced): "bar ",
+        str(folder.resolve() / "column" / "000.png"): "square",
+        str(folder.resolve() / "square" / "001.png"): "column",
+    }
+
+
+def _stray_quote(file: Path, folder: Path, rows: int) -> Path:
+    """`rows` rows, the third of which opens a quote it never closes (line 4)."""
+    paths = [str(folder.resolve() / "column" / f"{i:03d}.png") for i in range(6)]
+    lines = ["path,label"] + [f"{paths[i % 6]}{'/.' * 20},square" for i in range(rows)]
+    lines[3] = '"' + lines[3]
+    file.write_text("\n".join(lines) + "\n")
+    return file
+
+
+@pytest.mark.parametrize("rows", [20, 3000], ids=["rows-swallowed", "field-over-csv-limit"])
+def test_a_stray_quote_is_refused_with_the_file_and_line(folder: Path, tmp_path: Path, rows: int):
+    """The rows after a `"` became one path, whose image was then "not found" (a warning), or, past 128 kB, the
+    csv module raised an error that no caller reported."""
+    file = _stray_quote(tmp_path / "fix.csv", folder, rows)
+    with pytest.raises(ValueError) as e:
+        load_corrections(file, folder, ["bar", "column", "square"])
+    message = str(e.value)
+    assert message.startswith(f"{file} line 4") and 'quote (")' in message and "\n" not in message
+
+
+def test_a_corrections_file_over_the_csv_field_limit_stops_fit_in_one_line(folder: Path, tmp_path: Path, capsys):
+    from train.cli import main
+
+    file = _stray_quote(tmp_path / "fix.csv", folder, 3000)
+    args = ["--data.root", str(folder), "--data.corrections", str(file), "--trainer.default_root_dir", str(tmp_path)]
+    with pytest.raises(SystemExit) as e:
+        main(["fit", "--config", "configs/sample.yaml", *args])
+    err = capsys.readouterr().err  # after Lightning's "Seed set to 0"
+    assert e.value.code == 2 and "csv.Error" not in err
+    assert err.splitlines()[-1].startswith(f"vit-train: {file} line 4") and 'quote (")' in err
+
+
+@pytest.mark.parametrize(
+    "row, line, says",
+    [
+        ("bar/000.png\n", 2, "no label"),  # a leave-out is `path,` with the comma
+        (",square\n", 2, "no path"),
+        ('bar/000.png,"square\nbar/001.png,\n', 2, 'quote (")'),  # over two lines: a stray quote
+    ],
+    ids=["no-label-column", "no-path", "label-over-lines"],
+)
+def test_a_row_that_is_not_path_and_label_is_refused_with_what_to_fix(folder, tmp_path, row, line, says):
+    file = tmp_path / "fix.csv"
+    file.write_text("path,label\n" + row)
+    with pytest.raises(ValueError) as e:
+        load_corrections(file, folder, ["bar", "column", "square"])
+    assert str(e.value).startswith(f"{file} line {line}") and says in str(e.value) and "\n" not in str(e.value)

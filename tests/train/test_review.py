@@ -15,32 +15,32 @@ from PIL import Image
 from tests.helpers import CLASS_NAMES, TINY_NET, free_port, quadrant_images, wait_until
 from tests.serve.test_browser import CHROMIUM, CHROMIUM_ARGS
 from train.corrections import load_corrections
-from train.review_store import Decisions, read_decisions
+from train.review_store import Decisions
 
 
-def _write_run(root: Path) -> Path:
+def write_review_run(root: Path, classes: list[str] = CLASS_NAMES) -> Path:
     """A run directory as fit leaves it: checkpoints/best.ckpt (a seeded, untrained tiny ViT in the contract
-    format: wrong often enough to give every list images), split.json over real PNGs, and reports/ with the two
-    lists the run writes (label issues, copies)."""
+    format: wrong often enough to give every list images), split.json over real PNGs in one folder per class of
+    `classes`, and reports/ with the two lists the run writes (label issues, copies)."""
     import torch
 
     from vit import VisionTransformer
 
     torch.manual_seed(0)
     net = VisionTransformer(**TINY_NET).eval()
-    split = {"root": str(root / "data"), "classes": CLASS_NAMES}
+    split = {"root": str(root / "data"), "classes": classes}
     for key, seed, n in (("train", 0, 24), ("val", 1, 12), ("calib", 2, 24)):
         images, labels = quadrant_images(n, seed=seed)
         split[key] = []
         for i, (img, y) in enumerate(zip(images, labels, strict=True)):
-            path = root / "data" / CLASS_NAMES[y] / f"{key}{i:02d}.png"
+            path = root / "data" / classes[y] / f"{key}{i:02d}.png"
             path.parent.mkdir(parents=True, exist_ok=True)
             Image.fromarray(img).save(path)
             split[key].append({"path": str(path), "label": int(y)})
     (root / "split.json").write_text(json.dumps(split))
     meta = {
         "model_config": net.config,
-        "class_names": CLASS_NAMES,
+        "class_names": classes,
         "preprocess": {"img_size": [32, 32], "crop_pct": 1.0, "interpolation": "bicubic"},
         "weights_prefix": "net.",
         "variant": "tiny_test",
@@ -53,7 +53,7 @@ def _write_run(root: Path) -> Path:
         w = csv.writer(f)
         w.writerow(["path", "given", "suggested", "score"])
         for i, e in enumerate(split["train"][:3]):
-            w.writerow([e["path"], CLASS_NAMES[e["label"]], CLASS_NAMES[(e["label"] + 1) % 4], 0.9 - i / 10])
+            w.writerow([e["path"], classes[e["label"]], classes[(e["label"] + 1) % 4], 0.9 - i / 10])
     with open(root / "reports" / "duplicates.csv", "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["group", "path", "kind", "split"])
@@ -64,20 +64,7 @@ def _write_run(root: Path) -> Path:
 @pytest.fixture(scope="module")
 def review_run(tmp_path_factory) -> Path:
     pytest.importorskip("torch")
-    return _write_run(tmp_path_factory.mktemp("review") / "run")
-
-
-def test_each_decision_is_on_disk_at_once_and_fit_reads_the_latest(tmp_path):
-    file = tmp_path / "corrections.csv"
-    a, b = str(tmp_path / "cat" / "1.png"), str(tmp_path / "cat" / "2.png")
-    decisions = Decisions(file)
-    decisions.decide(a, "dog")
-    assert load_corrections(file, tmp_path, ["cat", "dog"]) == {a: "dog"}  # written before decide returned
-    decisions.decide(b, None)
-    decisions.decide(a, "cat")  # a change of mind
-    assert load_corrections(file, tmp_path, ["cat", "dog"]) == {a: "cat", b: None}
-    assert [p.name for p in tmp_path.iterdir()] == ["corrections.csv"]  # no temporary file left behind
-    assert Decisions(file).all() == {a: "cat", b: None}  # a restarted review starts from them
+    return write_review_run(tmp_path_factory.mktemp("review") / "run")
 
 
 def test_review_refuses_a_run_without_checkpoints_or_reports_and_names_missing_lists(review_run, tmp_path, capsys):
@@ -171,7 +158,7 @@ def test_keep_records_the_given_label_and_a_class_the_run_does_not_know_cannot_b
     from train.review_data import LISTS, Item, ReviewRun
 
     on = ReviewActions(ReviewRun(review_run, limit=2))
-    on.decisions = Decisions(tmp_path / "corrections.csv")
+    on.decisions = Decisions(tmp_path / "corrections.csv", on.run.data_root, on.run.labels)
     copy = on.run.lists[LISTS[1]][0]
     on.decide(LISTS[1], 0, "keep", None)
     assert on.decisions.all() == {copy.path: copy.given}
@@ -188,7 +175,7 @@ def test_a_review_starts_from_the_corrections_its_run_was_trained_with(tmp_path)
     from train.review_app import ReviewActions
     from train.review_data import ReviewRun
 
-    run = _write_run(tmp_path / "run")
+    run = write_review_run(tmp_path / "run")
     split = json.loads((run / "split.json").read_text())
     relabelled, left_out, new = (split[k][i]["path"] for k, i in (("train", 7), ("train", 8), ("val", 3)))
     earlier = tmp_path / "round1.csv"  # relative to the data root, as a person writes one
@@ -200,28 +187,6 @@ def test_a_review_starts_from_the_corrections_its_run_was_trained_with(tmp_path)
     on.decisions.decide(new, "bottom_left")
     every = load_corrections(run / "corrections.csv", split["root"], CLASS_NAMES)
     assert every == {relabelled: "top_left", left_out: None, new: "bottom_left"}  # round one's and round two's
-
-
-def test_a_decision_keeps_what_another_review_or_a_hand_edit_wrote_since(tmp_path):
-    """Each click wrote back the file as the review read it at start: a row added by hand, or another review's
-    decisions on the same run, were gone after one click."""
-    file = tmp_path / "corrections.csv"
-    mine, other = Decisions(file), Decisions(file)  # two reviews of one run
-    mine.decide("/data/cat/1.png", "dog")
-    other.decide("/data/cat/2.png", None)
-    with open(file, "a") as f:
-        f.write("/data/dog/3.png,cat\n")  # by hand, while both run
-    mine.decide("/data/dog/4.png", "dog")
-    assert read_decisions(file) == {
-        "/data/cat/1.png": "dog", "/data/cat/2.png": None, "/data/dog/3.png": "cat", "/data/dog/4.png": "dog"
-    }  # fmt: skip
-
-
-def test_a_read_only_run_trained_with_corrections_still_opens(tmp_path):
-    """Its review could not write the corrections it starts from, and ended before the page opened."""
-    (tmp_path / "run").write_text("")  # a file where the folder should be: no write can succeed there, even as root
-    decisions = Decisions(tmp_path / "run" / "corrections.csv", {"/data/cat/1.png": "dog"})
-    assert decisions.all() == {"/data/cat/1.png": "dog"}
 
 
 def test_a_corrections_file_with_a_label_that_is_no_class_is_refused_when_the_review_starts(review_run, tmp_path):

@@ -1,0 +1,132 @@
+"""The review page's callbacks (`train.review_app.ReviewActions`) on a real run directory, and the page's server."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import CLASS_NAMES
+from tests.train.test_review import write_review_run
+from train.corrections import load_corrections
+
+gr = pytest.importorskip("gradio")
+pytest.importorskip("torch")
+
+from train.review_app import ReviewActions  # noqa: E402
+from train.review_data import LISTS, ReviewRun  # noqa: E402
+
+FLAGGED = LISTS[0]  # likely wrong labels: three images of the run's training split
+
+
+@pytest.fixture(scope="module")
+def review_run(tmp_path_factory) -> Path:
+    return write_review_run(tmp_path_factory.mktemp("review-app") / "run")
+
+
+@pytest.fixture
+def run(review_run: Path, tmp_path: Path) -> Path:
+    """A copy of the run directory (its images stay where they are): a corrections file of its own."""
+    return Path(shutil.copytree(review_run, tmp_path / "run"))
+
+
+def _rows(file: Path) -> list[list[str]]:
+    with open(file, newline="", encoding="utf-8") as f:
+        return list(csv.reader(f))
+
+
+def _data_root(run: Path) -> str:
+    return json.loads((run / "split.json").read_text())["root"]
+
+
+def test_class_names_with_spaces_come_back_as_written_after_a_restart(tmp_path: Path):
+    """Folders named 'top_right ' or ' top_left': the review wrote the names as they are and read them back
+    stripped, so a restarted review and fit refused the file ("label 'top_right' is not a class") and the table
+    said "relabelled top_right" for an image that was only kept."""
+    classes = [" top_left", "top_right ", " bottom_left ", "bottom_right"]
+    run = write_review_run(tmp_path / "run", classes)
+    on = ReviewActions(ReviewRun(run, limit=3))
+    items = on.run.lists[FLAGGED]
+    target = next(c for c in classes if c != items[1].given and c.strip() != c)
+    on.decide(FLAGGED, 0, "keep", None)
+    on.decide(FLAGGED, 1, "relabel", target)
+    again = ReviewActions(ReviewRun(run, limit=3))
+    assert [row[-1] for row in again.rows(FLAGGED)][:2] == ["kept", f"relabelled {target}"]
+    fixes = load_corrections(run / "corrections.csv", _data_root(run), classes)
+    assert fixes == {items[0].path: items[0].given, items[1].path: target}
+
+
+def test_the_newest_decision_wins_over_an_older_hand_row_naming_the_image_relative_to_the_data_root(run: Path):
+    """A relabel rewrote the file with the review's row first and an older hand row (`class/image.png,label`,
+    relative to the data root) after it, so fit trained the hand row's label."""
+    on = ReviewActions(ReviewRun(run, limit=3))
+    items = on.run.lists[FLAGGED]
+    path, other = items[0].path, items[1].path
+    relative = os.path.relpath(path, _data_root(run))
+    (run / "corrections.csv").write_text(
+        f"path,label\n{path},{CLASS_NAMES[1]}\n{other},\n{relative},{CLASS_NAMES[2]}\n"
+    )  # the review's decision, then a row added by hand
+    on = ReviewActions(on.run)
+    assert on.decisions.get(path) == (True, CLASS_NAMES[2])  # as fit reads it: the later row
+    on.decide(FLAGGED, 0, "relabel", CLASS_NAMES[3])
+    assert load_corrections(run / "corrections.csv", _data_root(run), CLASS_NAMES)[path] == CLASS_NAMES[3]
+    assert _rows(run / "corrections.csv") == [["path", "label"], [other, ""], [path, CLASS_NAMES[3]]]
+
+
+def test_a_decision_keeps_the_columns_a_person_added(run: Path):
+    """`path,label,note`: the first click wrote the file back with two columns, and the notes were gone."""
+    on = ReviewActions(ReviewRun(run, limit=3))
+    first, second = (it.path for it in on.run.lists[FLAGGED][:2])
+    (run / "corrections.csv").write_text(f"path,label,note\n{first},{CLASS_NAMES[3]},checked by Ann\n")
+    on.decide(FLAGGED, 1, "leave", None)
+    on.decide(FLAGGED, 0, "relabel", CLASS_NAMES[2])
+    assert _rows(run / "corrections.csv") == [
+        ["path", "label", "note"], [second, "", ""], [first, CLASS_NAMES[2], "checked by Ann"]
+    ]  # fmt: skip
+
+
+def _stray_quote_file(file: Path, paths: list[str], rows: int) -> int:
+    """`rows` decisions, one of whose paths opens a quote it never closes; returns the line of that row."""
+    lines = ["path,label"] + [f"{paths[i % len(paths)]},{CLASS_NAMES[i % 4]}" for i in range(rows)]
+    lines[3] = '"' + lines[3]
+    file.write_text("\n".join(lines) + "\n")
+    return 4
+
+
+@pytest.mark.parametrize("rows", [100, 3000], ids=["rows-swallowed", "field-over-csv-limit"])
+def test_a_stray_quote_in_the_decisions_file_is_refused_with_its_line(run: Path, rows: int):
+    """A `"` opening a path: in a small file every later row became part of that path and the decisions vanished
+    without a word; past 128 kB the csv module's field limit raised an error that was no ValueError."""
+    split = json.loads((run / "split.json").read_text())
+    line = _stray_quote_file(run / "corrections.csv", [e["path"] for e in split["train"]], rows)
+    with pytest.raises(ValueError) as e:
+        ReviewActions(ReviewRun(run, limit=3))
+    message = str(e.value)
+    assert "\n" not in message and 'quote (")' in message
+    assert message.startswith(f"{run / 'corrections.csv'} line {line}")
+
+
+def test_a_decisions_file_over_the_csv_field_limit_stops_the_review_in_one_line(run: Path, capsys):
+    """It ended `vit-train review` in a traceback (csv's "field larger than field limit")."""
+    from train.review import main
+
+    split = json.loads((run / "split.json").read_text())
+    line = _stray_quote_file(run / "corrections.csv", [e["path"] for e in split["train"]], 3000)
+    with pytest.raises(SystemExit) as e:
+        main([str(run)])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "Traceback" not in err and err.count("\n") == 1
+    assert err.startswith(f"vit-train review: {run / 'corrections.csv'} line {line}")
+
+
+def test_a_decisions_file_broken_while_the_page_is_open_is_said_and_nothing_recorded(run: Path):
+    on = ReviewActions(ReviewRun(run, limit=3))
+    (run / "corrections.csv").write_text(f'path,label\n"{on.run.lists[FLAGGED][0].path},top_left\n')
+    before = (run / "corrections.csv").read_text()
+    with pytest.raises(gr.Error, match="line 2"):
+        on.decide(FLAGGED, 1, "leave", None)
+    assert (run / "corrections.csv").read_text() == before

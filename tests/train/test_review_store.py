@@ -1,0 +1,56 @@
+"""`train.review_store.Decisions`: the review's decisions file, written at each click and read as fit reads it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from train.corrections import load_corrections
+from train.review_store import Decisions
+
+CLASSES = ["cat", "dog"]
+
+
+def test_each_decision_is_on_disk_at_once_and_fit_reads_the_latest(tmp_path: Path):
+    file = tmp_path / "corrections.csv"
+    a, b = str(tmp_path / "cat" / "1.png"), str(tmp_path / "cat" / "2.png")
+    decisions = Decisions(file, tmp_path, CLASSES)
+    decisions.decide(a, "dog")
+    assert load_corrections(file, tmp_path, CLASSES) == {a: "dog"}  # written before decide returned
+    decisions.decide(b, None)
+    decisions.decide(a, "cat")  # a change of mind
+    assert load_corrections(file, tmp_path, CLASSES) == {a: "cat", b: None}
+    assert [p.name for p in tmp_path.iterdir()] == ["corrections.csv"]  # no temporary file left behind
+    assert Decisions(file, tmp_path, CLASSES).all() == {a: "cat", b: None}  # a restarted review starts from them
+
+
+def test_a_decision_keeps_what_another_review_or_a_hand_edit_wrote_since(tmp_path: Path):
+    """Each click wrote back the file as the review read it at start: a row added by hand, or another review's
+    decisions on the same run, were gone after one click."""
+    file = tmp_path / "corrections.csv"
+    mine, other = Decisions(file, "/data", CLASSES), Decisions(file, "/data", CLASSES)  # two reviews of one run
+    mine.decide("/data/cat/1.png", "dog")
+    other.decide("/data/cat/2.png", None)
+    with open(file, "a") as f:
+        f.write("/data/dog/3.png,cat\n")  # by hand, while both run
+    mine.decide("/data/dog/4.png", "dog")
+    assert load_corrections(file, "/data", CLASSES) == {
+        "/data/cat/1.png": "dog", "/data/cat/2.png": None, "/data/dog/3.png": "cat", "/data/dog/4.png": "dog"
+    }  # fmt: skip
+
+
+def test_an_image_named_two_ways_is_one_image_and_its_newest_decision_is_the_last_row(tmp_path: Path):
+    """The review's absolute row and an older hand row naming the image from the data root were kept both, the
+    hand row last: fit trained its label, not the review's newest one."""
+    file = tmp_path / "corrections.csv"
+    file.write_text("path,label\n/data/cat/1.png,dog\n/data/cat/2.png,\ncat/../cat/1.png,cat\n")
+    decisions = Decisions(file, "/data", CLASSES)
+    assert decisions.get("/data/cat/1.png") == (True, "cat")  # the later row, as fit reads it
+    decisions.decide("/data/cat/1.png", None)
+    assert file.read_text() == "path,label\n/data/cat/2.png,\n/data/cat/1.png,\n"
+
+
+def test_a_read_only_run_trained_with_corrections_still_opens(tmp_path: Path):
+    """Its review could not write the corrections it starts from, and ended before the page opened."""
+    (tmp_path / "run").write_text("")  # a file where the folder should be: no write can succeed there, even as root
+    decisions = Decisions(tmp_path / "run" / "corrections.csv", "/data", CLASSES, {"/data/cat/1.png": "dog"})
+    assert decisions.all() == {"/data/cat/1.png": "dog"}
