@@ -72,7 +72,12 @@ class ReviewActions:
         return pixels, overlay, probs, "\n\n".join(about), gr.update(value=choice), index
 
     def load(self, which: str):
-        """A page (re)load: the table from the decisions file, and the list's first image."""
+        """A page (re)load: the table from the decisions file, read again (another review of the run may have
+        written it since), and the list's first image."""
+        try:
+            self.decisions.reload()
+        except (ValueError, OSError) as e:
+            raise gr.Error(f"cannot read the decisions: {e}") from None
         return self.rows(which), *self.show(which, 0)
 
     def pick(self, which: str, evt: gr.SelectData):

@@ -63,6 +63,12 @@ class Decisions:
         with self._lock:
             return dict(self._table.labels)
 
+    def reload(self) -> None:
+        """Read the file again: what another review of the run, or a hand edit, decided since shows too."""
+        table = self._read()
+        with self._lock:
+            self._table = table
+
     def decide(self, path: str, label: str | None) -> None:
         """Record `label` for `path` (None: leave it out), on disk before this returns.
 

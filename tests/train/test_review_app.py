@@ -89,6 +89,16 @@ def test_a_decision_keeps_the_columns_a_person_added(run: Path):
     ]  # fmt: skip
 
 
+def test_a_page_load_shows_the_decisions_another_review_of_the_run_made(run: Path):
+    """Two pages on one run (two `vit-train review` of it): one's decisions never showed in the other, even after
+    a reload, because the table was read from memory."""
+    scored = ReviewRun(run, limit=3)
+    mine, other = ReviewActions(scored), ReviewActions(scored)
+    other.decide(FLAGGED, 0, "leave", None)
+    table, *_ = mine.load(FLAGGED)  # a reload of the page
+    assert table[0][-1] == "left out"
+
+
 def _stray_quote_file(file: Path, paths: list[str], rows: int) -> int:
     """`rows` decisions, one of whose paths opens a quote it never closes; returns the line of that row."""
     lines = ["path,label"] + [f"{paths[i % len(paths)]},{CLASS_NAMES[i % 4]}" for i in range(rows)]
@@ -129,4 +139,6 @@ def test_a_decisions_file_broken_while_the_page_is_open_is_said_and_nothing_reco
     before = (run / "corrections.csv").read_text()
     with pytest.raises(gr.Error, match="line 2"):
         on.decide(FLAGGED, 1, "leave", None)
+    with pytest.raises(gr.Error, match="line 2"):
+        on.load(FLAGGED)
     assert (run / "corrections.csv").read_text() == before
