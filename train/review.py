@@ -44,7 +44,7 @@ def review_parser() -> ArgumentParser:
     return parser
 
 
-MAX_UPLOAD = 1024  # bytes: the page takes no upload, and Gradio's upload route would keep any in /tmp
+MAX_UPLOAD = 1024  # bytes: the page takes no upload; what Gradio's upload route takes goes (review_app.CACHE_S)
 
 
 def main(argv: list[str]) -> None:

@@ -19,6 +19,9 @@ from train.review_data import LISTS, Item, ReviewRun
 from train.review_store import CORRECTIONS_FILE, Decisions
 
 HEADERS = ["#", "image", "given", "suggested", "score", "why", "decision"]
+# The page takes no upload, yet Gradio's upload route accepts small ones (train.review.MAX_UPLOAD) into its shared
+# temp folder: they, and the images the page shows, go after this many seconds (checked as often) and at exit.
+CACHE_S = 600
 
 
 class ReviewActions:
@@ -112,7 +115,8 @@ def build_review_app(run: ReviewRun) -> gr.Blocks:
     calibrated = f"temperature {run.temperature:.3f} fitted on the calibration split" if run.calibrated else (
         "uncalibrated (the run has no calibration split)"
     )  # fmt: skip
-    with gr.Blocks(title=f"vitscope review: {run.run_dir.name}", analytics_enabled=False) as demo:
+    title = f"vitscope review: {run.run_dir.name}"
+    with gr.Blocks(title=title, analytics_enabled=False, delete_cache=(CACHE_S, CACHE_S)) as demo:
         gr.Markdown(
             f"# vitscope review: {run.run_dir}\n"
             f"Checkpoint `{run.checkpoint.name}`, {len(run.labels)} classes; probabilities {calibrated}. "

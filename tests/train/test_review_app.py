@@ -8,9 +8,10 @@ import os
 import shutil
 from pathlib import Path
 
+import httpx
 import pytest
 
-from tests.helpers import CLASS_NAMES
+from tests.helpers import CLASS_NAMES, free_port, wait_until
 from tests.train.test_review import write_review_run
 from train.corrections import load_corrections
 
@@ -142,3 +143,20 @@ def test_a_decisions_file_broken_while_the_page_is_open_is_said_and_nothing_reco
     with pytest.raises(gr.Error, match="line 2"):
         on.load(FLAGGED)
     assert (run / "corrections.csv").read_text() == before
+
+
+@pytest.mark.slow
+def test_what_is_uploaded_to_the_page_is_deleted_when_it_closes(run: Path):
+    """The page takes no upload, yet Gradio's upload route kept each one under 1 KiB in /tmp/gradio for ever."""
+    from train.review import launch_review
+
+    port = free_port()
+    app = launch_review(run, port=port, limit=3, block=False)
+    try:
+        upload = httpx.post(f"http://127.0.0.1:{port}/gradio_api/upload", files={"files": ("a.bin", bytes(512))})
+        assert upload.status_code == 200
+        (kept,) = upload.json()
+        assert Path(kept).is_file()
+    finally:
+        app.close()
+    wait_until(lambda: not Path(kept).exists(), 10, "the upload deleted")
