@@ -332,6 +332,21 @@ def test_exit_on_error_refuses_a_repository_with_a_bad_model(mixed_repository):
     assert "config.pbtxt" in str(refused.value) and "labels.txt" in str(refused.value)
 
 
+@pytest.mark.parametrize("kind", ["missing", "cut short"])
+def test_a_model_file_that_cannot_load_is_one_line_before_ray_starts(tiny_onnx, tmp_path, kind):
+    """Each replica failed to load it in a traceback of its own: 330 log lines and exit 1 after 15 s."""
+    import subprocess
+    import sys
+
+    model = tmp_path / "model.onnx"
+    if kind == "cut short":
+        model.write_bytes(tiny_onnx.read_bytes()[:1000])
+    args = [sys.executable, "-m", "serve.server", str(model), "--ray", "--port", "18999"]
+    r = subprocess.run(args, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stderr.startswith(f"vit-serve: cannot load {model}: "), r.stderr[-800:]
+    assert len(r.stderr.splitlines()) == 1 and "Traceback" not in r.stderr
+
+
 def test_a_version_rewritten_in_place_rolls_out(repository_server, repository):
     url, image = repository_server.url, quadrant_images(1, seed=3)[0][0]
     path = repository / "alpha" / "1" / "model.onnx"

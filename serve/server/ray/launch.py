@@ -43,6 +43,12 @@ class OneModel:
     """One .onnx file as one application (`serve.server.ray.deployment`); arguments as for `deployment`."""
 
     def __init__(self, model: str, settings: ServeSettings, replicas: int, max_replicas: int | None, cpus: float):
+        from serve.runtime.classifier import OnnxClassifier
+
+        try:  # the file's checks, as `vit-serve FILE` makes them: each replica would fail in a traceback of its own
+            OnnxClassifier(model, threads=1)
+        except (FileNotFoundError, ValueError) as e:
+            raise ValueError(f"cannot load {model}: {e}") from None
         self.app = deployment(model, settings, replicas, max_replicas, cpus)  # checks the counts before Ray starts
         self.replicas = replicas
 
