@@ -13,6 +13,7 @@ place rolls out as a new version does.
 
 from __future__ import annotations
 
+import os
 import shutil
 import threading
 import time
@@ -366,3 +367,27 @@ def test_a_version_rewritten_in_place_rolls_out(repository_server, repository):
     assert not failed, f"{len(failed)} failed requests while the rewrite rolled out, e.g. {failed[:3]}"
     assert {a[1] for a in loop.answers} == {"1"}
     assert {a[2] for a in loop.answers[:rewritten]} == {old} and {a[2] for a in loop.answers[settled:]} == {new}
+
+
+def test_replicas_that_cannot_fit_are_refused_or_waited_for_until_ctrl_c(servers, cluster, driver, tiny_onnx):
+    """Ray waits for ever for replicas no node has room for: vit-serve --ray hung 12 minutes, deaf to Ctrl-C and
+    SIGTERM. On a cluster started here it is refused at once; on one joined (which may add nodes) Ctrl-C stops."""
+    import signal
+    import subprocess
+    import sys
+
+    servers.stop()  # one Ray Serve application at `/` per cluster
+    args = ["--ray", "--replica-cpus", "64", "--ray-address", cluster.address]
+    joined = ServerProcess(tiny_onnx, *args)
+    try:
+        wait_until(lambda: "waiting for it to add nodes" in joined.output, 120, "the warning", interval=0.5)
+        joined.proc.send_signal(signal.SIGINT)
+        assert joined.proc.wait(timeout=60) == 130, joined.output[-2000:]
+    finally:
+        joined.stop()
+    from ray import serve
+
+    assert "vitscope" not in serve.status().applications  # the half-deployed application went
+    own = [sys.executable, "-m", "serve.server", str(tiny_onnx), "--ray", "--replica-cpus", "64", "--port", "18998"]
+    r = subprocess.run(own, capture_output=True, text=True, timeout=180, env={**os.environ, "RAY_ADDRESS": ""})
+    assert r.returncode == 2 and "reserve 64 CPUs" in r.stderr and "--replica-cpus" in r.stderr, r.stderr[-1500:]

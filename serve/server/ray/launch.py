@@ -25,6 +25,8 @@ from serve.server.settings import ServeSettings
 
 log = logging.getLogger(__name__)
 
+EXIT_INTERRUPTED = 130  # what a shell reports for a process ended by Ctrl-C
+
 
 def wait_for_replicas(count: int, timeout_s: float = 300.0) -> None:
     """Block until `count` model replicas run (`serve.run` returns once the application is deployed)."""
@@ -50,7 +52,7 @@ class OneModel:
         except (FileNotFoundError, ValueError) as e:
             raise ValueError(f"cannot load {model}: {e}") from None
         self.app = deployment(model, settings, replicas, max_replicas, cpus)  # checks the counts before Ray starts
-        self.replicas = replicas
+        self.replicas, self.cpus = replicas, cpus
 
     def deploy(self) -> None:
         serve.run(self.app, name=APP_NAME, route_prefix="/")
@@ -58,6 +60,9 @@ class OneModel:
 
     def describe(self) -> str:
         return f"{self.replicas} model replicas"
+
+    def cpus_needed(self) -> float:
+        return self.replicas * self.cpus
 
     def sync(self) -> None:
         """A file is deployed once: nothing to follow."""
@@ -102,11 +107,18 @@ def run(
     on_loopback = {"_node_ip_address": host} if host.startswith("127.") else {}
     dashboard = False if address is None else None
     ray.init(address=address, logging_level=logging.WARNING, include_dashboard=dashboard, **on_loopback)
-    stop = threading.Event()
+    stop, deployed = threading.Event(), threading.Event()
+
+    def on_signal(*_) -> None:
+        stop.set()
+        if not deployed.is_set():  # serve.run may be waiting for replicas the cluster has no room for
+            raise KeyboardInterrupt
+
     for sig in (signal.SIGTERM, signal.SIGINT):  # after ray.init, which installs handlers of its own
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, on_signal)
     controller = serve_controller()
     try:
+        check_room(target.cpus_needed(), address)
         # one proxy, on the head node, at the URL printed below (a load balancer over every node's proxy
         # is the multi-machine alternative: proxy_location="EveryNode")
         serve.start(proxy_location="HeadOnly", http_options={"host": settings.host, "port": settings.port})
@@ -114,18 +126,39 @@ def run(
         if port != settings.port:
             raise ValueError(f"Ray Serve on this cluster listens on port {port} already: pass --port {port}")
         target.deploy()
+        deployed.set()
         host = "127.0.0.1" if settings.host in ("0.0.0.0", "") else settings.host
         print(f"vitscope is ready: http://{host}:{port}/ (Ray Serve, {target.describe()})", flush=True)
         follow(target, stop, settings.repository_poll_s)
         log.info("stopping: deleting the applications")
-        target.delete()
+    except KeyboardInterrupt:
+        log.warning("stopped before every replica was up")
+        return EXIT_INTERRUPTED
     finally:
         if controller is None:  # Serve was started here: leave the cluster as it was found
             serve.shutdown()
-        elif not stop.is_set():  # failed on a cluster whose Serve runs other applications too
+        else:  # a cluster whose Serve runs other applications too: ours go, whatever happened
             target.delete()
         ray.shutdown()
     return 0
+
+
+def check_room(cpus: float, address: str | None) -> None:
+    """Refuse replicas that do not fit the CPUs of a cluster started here (Ray would wait for them for ever);
+    on a cluster joined, which may add nodes, only warn.
+
+    Raises:
+        ValueError: they do not fit, and `address` is None.
+    """
+    import ray
+
+    have = ray.cluster_resources().get("CPU", 0.0)
+    if cpus <= have:
+        return
+    why = f"the model replicas reserve {cpus:g} CPUs (--replicas x --replica-cpus, each model) and Ray has {have:g}"
+    if address is None:
+        raise ValueError(f"{why}: lower --replicas or --replica-cpus")
+    log.warning("%s: waiting for it to add nodes (Ctrl-C stops)", why)
 
 
 def target_of(model: str, settings: ServeSettings, replicas: int, max_replicas: int | None, cpus: float, models):

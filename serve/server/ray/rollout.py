@@ -98,6 +98,10 @@ class RepositoryRollout:
         each = f"{self.replicas} replica{'s' * (self.replicas > 1)} each"
         return f"models {', '.join(sorted(self.held))}, {each}" + (f"; not serving {failed}" if failed else "")
 
+    def cpus_needed(self) -> float:
+        """The CPUs the model replicas reserve at start: `replicas` x `cpus` for each model."""
+        return len(self.models or scan(self.root)) * self.replicas * self.cpus
+
     def deploy(self) -> None:
         """Deploy each model's application, then the ingress, which finds them. A model with no version that
         passes its checks is logged with its reasons and not deployed; the others serve.
