@@ -312,6 +312,14 @@ def test_a_new_version_rolls_out_through_ray_serve_with_no_failed_request(reposi
         "versions": ["2"],
         "platform": "onnxruntime_onnx",
     }
+    # the version served deleted: version 1 serves again (its new replicas could not load version 2, and the
+    # update failed at every poll, the ingress sending requests to the version whose file was gone)
+    switched = "beta: the ingress sends requests to versions ['1']"
+    before = repository_server.output.count(switched)  # as at start
+    shutil.rmtree(repository / "beta" / "2")
+    wait_until(lambda: repository_server.output.count(switched) > before, 120, "version 1 back", interval=0.5)
+    r = httpx.post(url + "/v1/models/beta/classify", content=png_bytes(image), headers={"content-type": "image/png"})
+    assert r.status_code == 200 and r.json()["version"] == "1" and r.json()["predictions"][0]["label"] == old
 
 
 @pytest.fixture(scope="module")

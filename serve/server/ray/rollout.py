@@ -157,7 +157,14 @@ class RepositoryRollout:
         as a new one is, and the ingress reloads its copy."""
         held, routed = self.held.get(model, {}), self.routed.get(model, {})
         if fresh or not versions.keys() <= held.keys():
-            self.deploy_model(model, {**routed, **versions}, labels)
+            gone = sorted(v for v, path in routed.items() if v not in versions and not Path(path).is_file())
+            if gone:  # a new replica could not load it: the update would fail at every poll
+                log.warning(
+                    "%s: the file of version(s) %s, which the ingress sends requests to, is gone; the new replicas "
+                    "hold %s only, and requests sent to the old versions while they start may fail",
+                    model, ", ".join(gone), by_number(versions),
+                )  # fmt: skip
+            self.deploy_model(model, {**{v: p for v, p in routed.items() if v not in gone}, **versions}, labels)
         if fresh or versions.keys() != routed.keys():
             self.route(model, versions)
         keep = {v: path for v, path in self.held[model].items() if v in versions or v in self.routed.get(model, {})}
