@@ -4,9 +4,10 @@
 
 Ray Data holds the list of inputs in blocks and feeds them, a batch of `--batch-size` paths at a time, to
 a pool of `--workers` actors. Each actor holds one onnxruntime session with `--cpus-per-worker` intra-op
-threads, reads its images (local paths or fsspec URIs, as `serve.runtime.jobs.read_source` does), decodes
-them and classifies them. Rows are the ones the local run writes (`serve.runtime.predict.rows_for`,
-flattened by `serve.runtime.outputs.table_row`); `write_parquet` writes them as the parts of `--out`.
+threads, and reads and decodes its images as the local job does (`serve.runtime.jobs.decoded_batches`: local
+paths or fsspec URIs, an unreadable one reported with the same reason), then classifies them. Rows are the ones
+the local run writes (`serve.runtime.predict.rows_for`, flattened by `serve.runtime.outputs.table_row`);
+`write_parquet` writes them as the parts of `--out`.
 
 Fault tolerance is Ray Data's: an actor that dies is restarted and its batch given again, and a batch's
 rows are kept only once it finished, so nothing is lost or written twice. The results (not the images)
@@ -25,8 +26,7 @@ from typing import TextIO
 import numpy as np
 
 from serve.runtime.classifier import OnnxClassifier
-from serve.runtime.images import ImageError
-from serve.runtime.jobs import read_source
+from serve.runtime.jobs import decoded_batches
 from serve.runtime.outputs import table_row
 from serve.runtime.predict import rows_for
 
@@ -56,15 +56,12 @@ class Scorer:
         self.columns = [*table_row(probe), ERROR]  # every batch has them all, even one of failures only
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, list]:
-        ok, pixels, rows = [], [], []
-        for source in batch["path"].tolist():
-            try:
-                pixels.append(self.clf.prepare(read_source(source)))
-                ok.append(source)
-            except (ImageError, OSError) as e:
-                rows.append({"path": source, ERROR: str(e)})
-        if pixels:
-            rows.extend({**table_row(r), ERROR: None} for r in self.rows(ok, np.stack(pixels)))
+        sources = batch["path"].tolist()
+        rows = []
+        for ok, pixels, failed in decoded_batches(sources, self.clf.prepare, max(1, len(sources)), workers=1):
+            rows += [{"path": source, ERROR: reason} for source, reason in failed]
+            if pixels is not None:
+                rows += [{**table_row(r), ERROR: None} for r in self.rows(ok, pixels)]
         return {k: [r.get(k) for r in rows] for k in self.columns}
 
 

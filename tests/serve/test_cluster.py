@@ -37,7 +37,7 @@ def cluster():
 
 @pytest.fixture(scope="module")
 def photos(tmp_path_factory) -> Path:
-    """240 images in two folders, and three files that cannot be read."""
+    """240 images in two folders, and four files that cannot be read (a link to nothing among them)."""
     folder = tmp_path_factory.mktemp("photos")
     images, labels = quadrant_images(240, seed=11)
     for i, (img, label) in enumerate(zip(images, labels, strict=True)):
@@ -48,6 +48,7 @@ def photos(tmp_path_factory) -> Path:
     (folder / "a" / "truncated.png").write_bytes(good[: len(good) // 2])
     (folder / "b" / "notes.jpg").write_text("not an image")
     (folder / "b" / "empty.png").write_bytes(b"")
+    (folder / "a" / "dead.png").symlink_to("/nonexistent.png")
     return folder
 
 
@@ -90,8 +91,9 @@ def test_ray_run_writes_the_local_runs_predictions_image_for_image(cluster, tiny
     assert out.is_dir() and len(list(out.glob("*.parquet"))) >= 1
     _check_same_as_local(out, local_rows)
     reported = sorted(line.split(":")[0].rsplit("/", 1)[1] for line in err.splitlines() if line.startswith(str(photos)))
-    assert reported == ["empty.png", "notes.jpg", "truncated.png"]
-    assert "classified 240 images; 3 input(s) could not be read" in err
+    assert reported == ["dead.png", "empty.png", "notes.jpg", "truncated.png"]
+    assert f"{photos}/a/dead.png: a symbolic link to /nonexistent.png, which does not exist (or loops)" in err
+    assert "classified 240 images; 4 input(s) could not be read" in err
 
 
 def _actor_pids() -> list[int]:
