@@ -9,6 +9,11 @@ paths or fsspec URIs, an unreadable one reported with the same reason), then cla
 the local run writes (`serve.runtime.predict.rows_for`, flattened by `serve.runtime.outputs.table_row`);
 `write_parquet` writes them as the parts of `--out`.
 
+Paths travel to the actors as the file system's bytes and come back as text the way the local Parquet output
+writes them (a byte that is not UTF-8 as `\\xff`): Arrow holds neither a str with surrogate escapes nor bytes
+as text, and a block it cannot convert is pickled, so that one part's `path` would be binary and the table
+unreadable.
+
 Fault tolerance is Ray Data's: an actor that dies is restarted and its batch given again, and a batch's
 rows are kept only once it finished, so nothing is lost or written twice. The results (not the images)
 are materialised once, so that the unreadable inputs can be reported and left out of the table: a few
@@ -27,6 +32,7 @@ import numpy as np
 
 from serve.runtime.classifier import OnnxClassifier
 from serve.runtime.jobs import decoded_batches
+from serve.runtime.outputs import _utf8 as parquet_text  # the local Parquet output's spelling of a name
 from serve.runtime.outputs import table_row
 from serve.runtime.predict import rows_for
 
@@ -34,7 +40,7 @@ ERROR = "error"  # the column that carries an unreadable input's reason until th
 
 
 class Scorer:
-    """One actor: one onnxruntime session, fed batches of {"path": [...]} by Ray Data.
+    """One actor: one onnxruntime session, fed batches of {"path": [file system bytes, ...]} by Ray Data.
 
     Args:
         model: the .onnx file's bytes (shipped through the object store, so workers need no shared disk).
@@ -56,13 +62,13 @@ class Scorer:
         self.columns = [*table_row(probe), ERROR]  # every batch has them all, even one of failures only
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, list]:
-        sources = batch["path"].tolist()
+        sources = [os.fsdecode(p) for p in batch["path"].tolist()]
         rows = []
         for ok, pixels, failed in decoded_batches(sources, self.clf.prepare, max(1, len(sources)), workers=1):
             rows += [{"path": source, ERROR: reason} for source, reason in failed]
             if pixels is not None:
                 rows += [{**table_row(r), ERROR: None} for r in self.rows(ok, pixels)]
-        return {k: [r.get(k) for r in rows] for k in self.columns}
+        return {k: [parquet_text(r.get(k)) for r in rows] for k in self.columns}
 
 
 def run_ray(
@@ -108,7 +114,7 @@ def run_ray(
         ctx = ray.data.DataContext.get_current()
         ctx.enable_progress_bars = True
         blocks = max(1, min(len(sources) // batch_size, 64 * workers)) if sources else 1
-        ds = ray.data.from_items([{"path": s} for s in sources], override_num_blocks=blocks)
+        ds = ray.data.from_items([{"path": os.fsencode(s)} for s in sources], override_num_blocks=blocks)
         scored = ds.map_batches(
             Scorer,
             fn_constructor_args=(model_bytes, max(1, int(cpus_per_worker)), top_k, coverage),

@@ -1,7 +1,7 @@
 """`vit-predict --ray` on a local Ray cluster started here (a head and a worker node, one CPU each).
 
-The Parquet directory holds the local run's rows, image for image, unreadable files left out and reported
-the same way; an actor killed mid-job loses and duplicates nothing.
+The Parquet directory holds the local run's rows, image for image (a name that is not UTF-8 included),
+unreadable files left out and reported the same way; an actor killed mid-job loses and duplicates nothing.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from tests.helpers import CLASS_NAMES, quadrant_images
 
 ray = pytest.importorskip("ray.data")
 pq = pytest.importorskip("pyarrow.parquet")
+pd = pytest.importorskip("pandas")
 from serve.server.testing import LocalRayCluster  # noqa: E402 (after the skip when ray is absent)
 
 pytestmark = pytest.mark.slow
@@ -37,7 +38,8 @@ def cluster():
 
 @pytest.fixture(scope="module")
 def photos(tmp_path_factory) -> Path:
-    """240 images in two folders, and four files that cannot be read (a link to nothing among them)."""
+    """241 images in two folders, one named with a byte that is not UTF-8, and four files that cannot be read
+    (a link to nothing among them)."""
     folder = tmp_path_factory.mktemp("photos")
     images, labels = quadrant_images(240, seed=11)
     for i, (img, label) in enumerate(zip(images, labels, strict=True)):
@@ -48,6 +50,7 @@ def photos(tmp_path_factory) -> Path:
     (folder / "a" / "truncated.png").write_bytes(good[: len(good) // 2])
     (folder / "b" / "notes.jpg").write_text("not an image")
     (folder / "b" / "empty.png").write_bytes(b"")
+    (folder / "a" / "zz\udcffname.png").write_bytes(good)  # the file system's name is b"zz\xffname.png"
     (folder / "a" / "dead.png").symlink_to("/nonexistent.png")
     return folder
 
@@ -70,6 +73,7 @@ def _ray_predict(model: Path, photos: Path, out: Path, address: str, *args: str)
 
 def _check_same_as_local(out: Path, local_rows: dict[str, dict]) -> None:
     table = pq.read_table(out)
+    assert len(pd.read_parquet(out)) == len(local_rows)  # how a user reads it: every part's path is text
     assert table.column_names == list(next(iter(local_rows.values())))  # the same columns, in the same order
     rows = table.to_pylist()
     assert sorted(r["path"] for r in rows) == sorted(local_rows)  # every image once, no unreadable one
@@ -90,10 +94,11 @@ def test_ray_run_writes_the_local_runs_predictions_image_for_image(cluster, tiny
     assert proc.returncode == 1, err  # 1: some inputs could not be read
     assert out.is_dir() and len(list(out.glob("*.parquet"))) >= 1
     _check_same_as_local(out, local_rows)
+    assert str(photos / "a" / "zz\\xffname.png") in local_rows  # the local run's spelling, which Ray's rows match
     reported = sorted(line.split(":")[0].rsplit("/", 1)[1] for line in err.splitlines() if line.startswith(str(photos)))
     assert reported == ["dead.png", "empty.png", "notes.jpg", "truncated.png"]
     assert f"{photos}/a/dead.png: a symbolic link to /nonexistent.png, which does not exist (or loops)" in err
-    assert "classified 240 images; 4 input(s) could not be read" in err
+    assert "classified 241 images; 4 input(s) could not be read" in err
 
 
 def _actor_pids() -> list[int]:
