@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 
 from serve.runtime.jobs import collect_sources
-from serve.runtime.predict import build_parser, run_args
+from serve.runtime.predict import EXIT_INTERRUPTED, build_parser, run_args
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -41,9 +41,12 @@ def main(argv: list[str] | None = None) -> int:
             args.ray_address,
             coverage=args.coverage,
         )
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, OSError) as e:  # OSError: the model or --out's folder cannot be read or written
         print(f"vit-predict: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"vit-predict: interrupted: {args.out} was not written (--ray runs the whole job again)", file=sys.stderr)
+        return EXIT_INTERRUPTED
     failed += missing
     if failed:
         print(f"vit-predict: classified {done} images; {failed} input(s) could not be read", file=sys.stderr)

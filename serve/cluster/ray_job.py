@@ -17,7 +17,8 @@ unreadable.
 Fault tolerance is Ray Data's: an actor that dies is restarted and its batch given again, and a batch's
 rows are kept only once it finished, so nothing is lost or written twice. The results (not the images)
 are materialised once, so that the unreadable inputs can be reported and left out of the table: a few
-hundred bytes per image, held in the object store.
+hundred bytes per image, held in the object store. The parts are written beside --out and renamed into place
+once all are on disk (`serve.cluster.output`): a run stopped while it writes leaves no table with rows missing.
 """
 
 from __future__ import annotations
@@ -30,11 +31,12 @@ from typing import TextIO
 
 import numpy as np
 
+from serve.cluster.output import OutputFolder
 from serve.runtime.classifier import OnnxClassifier
 from serve.runtime.jobs import decoded_batches
 from serve.runtime.outputs import _utf8 as parquet_text  # the local Parquet output's spelling of a name
 from serve.runtime.outputs import table_row
-from serve.runtime.predict import rows_for
+from serve.runtime.predict import rows_for, template_row
 
 ERROR = "error"  # the column that carries an unreadable input's reason until the table is written
 
@@ -83,7 +85,8 @@ def run_ray(
     errors: TextIO | None = None,
     coverage: float | None = None,
 ) -> tuple[int, int]:
-    """Classify `sources` on Ray and write `out` as a directory of Parquet parts.
+    """Classify `sources` on Ray and write `out` as a directory of Parquet parts, renamed into place once whole
+    (`serve.cluster.output`); with no sources, Ray is not started and `out` holds the columns alone.
 
     Args:
         address: a cluster to join ("auto": the one `ray start` runs here); None starts a local Ray.
@@ -94,30 +97,53 @@ def run_ray(
         (classified, failed).
 
     Raises:
-        ValueError: `out` exists, or is not named .parquet.
+        ValueError: `out` exists, is not named .parquet, or another run is writing it.
+    """
+    errors = errors or sys.stderr
+    folder = OutputFolder(out)
+    clf = OnnxClassifier(model, threads=1)  # loads once here: a bad file or coverage fails early
+    clf.check_coverage(coverage)
+    folder.take(errors)
+    try:
+        done, failed = (0, 0)
+        if sources:
+            scorer = (clf.path.read_bytes(), max(1, int(cpus_per_worker)), top_k, coverage)  # `Scorer`'s arguments
+            done, failed = _score(sources, folder.tmp, scorer, batch_size, workers, cpus_per_worker, address, errors)
+        folder.publish(template_row(min(top_k, len(clf.labels)), coverage))
+    finally:
+        folder.release()
+    return done, failed
+
+
+def _score(
+    sources: list[str],
+    folder: Path,
+    scorer: tuple,
+    batch_size: int,
+    workers: int,
+    cpus_per_worker: float,
+    address: str | None,
+    errors: TextIO,
+) -> tuple[int, int]:
+    """`run_ray`'s work on Ray: the rows of the images `Scorer(*scorer)` classified, written into `folder`.
+
+    Returns:
+        (classified, failed).
     """
     import ray
     import ray.data
 
-    errors = errors or sys.stderr
-    if out.suffix.lower() != ".parquet":
-        raise ValueError(f"--ray writes a directory of Parquet parts: name it .parquet, not {out.name}")
-    if out.exists():
-        raise ValueError(f"{out} exists: remove it to score again (--resume is for runs on one machine)")
-    clf = OnnxClassifier(model, threads=1)  # loads once here: a bad file or coverage fails early
-    clf.check_coverage(coverage)
-    model_bytes = clf.path.read_bytes()
     started = not ray.is_initialized()
     if started:
         ray.init(address=address, log_to_driver=False, include_dashboard=False, logging_level="WARNING")
     try:
         ctx = ray.data.DataContext.get_current()
         ctx.enable_progress_bars = True
-        blocks = max(1, min(len(sources) // batch_size, 64 * workers)) if sources else 1
+        blocks = max(1, min(len(sources) // batch_size, 64 * workers))
         ds = ray.data.from_items([{"path": os.fsencode(s)} for s in sources], override_num_blocks=blocks)
         scored = ds.map_batches(
             Scorer,
-            fn_constructor_args=(model_bytes, max(1, int(cpus_per_worker)), top_k, coverage),
+            fn_constructor_args=scorer,
             batch_size=batch_size,
             compute=ray.data.ActorPoolStrategy(size=workers),
             num_cpus=cpus_per_worker,  # Ray Data's actors restart and retry their batch without end by default
@@ -125,9 +151,10 @@ def run_ray(
         failed = scored.filter(lambda r: r[ERROR] is not None).take_all()
         for row in failed:
             print(f"{row['path']}: {row[ERROR]}", file=errors)
-        good = scored.filter(lambda r: r[ERROR] is None).drop_columns([ERROR])
-        good.write_parquet(str(out.resolve()))
-        return good.count(), len(failed)
+        done = scored.count() - len(failed)
+        if done:  # none: `publish` writes the columns, which Ray cannot know from no rows
+            scored.filter(lambda r: r[ERROR] is None).drop_columns([ERROR]).write_parquet(str(folder.resolve()))
+        return done, len(failed)
     finally:
         if started:
             ray.shutdown()

@@ -1,7 +1,8 @@
 """`vit-predict --ray` on a local Ray cluster started here (a head and a worker node, one CPU each).
 
 The Parquet directory holds the local run's rows, image for image (a name that is not UTF-8 included),
-unreadable files left out and reported the same way; an actor killed mid-job loses and duplicates nothing.
+unreadable files left out and reported the same way; an actor killed mid-job loses and duplicates nothing; a
+run killed while it writes leaves no table at --out, and a job no image reached writes the local run's columns.
 """
 
 from __future__ import annotations
@@ -17,12 +18,17 @@ import pytest
 from PIL import Image
 
 from serve.runtime.predict import main as predict_local
-from tests.helpers import CLASS_NAMES, quadrant_images
+from tests.helpers import CLASS_NAMES, quadrant_images, wait_until
 
 ray = pytest.importorskip("ray.data")
 pq = pytest.importorskip("pyarrow.parquet")
 pd = pytest.importorskip("pandas")
-from serve.server.testing import LocalRayCluster  # noqa: E402 (after the skip when ray is absent)
+import ray as ray_core  # noqa: E402 (after the skip when ray is absent)
+
+from serve.cluster import ray_job  # noqa: E402
+from serve.cluster.cli import main as vit_predict  # noqa: E402
+from serve.cluster.output import OutputFolder  # noqa: E402
+from serve.server.testing import LocalRayCluster  # noqa: E402
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
@@ -63,9 +69,9 @@ def local_rows(tiny_onnx, photos, tmp_path_factory) -> dict[str, dict]:
     return {r["path"]: r for r in pq.read_table(out).to_pylist()}
 
 
-def _ray_predict(model: Path, photos: Path, out: Path, address: str, *args: str) -> subprocess.Popen:
+def _ray_predict(model: Path, inputs: list[Path], out: Path, address: str, *args: str) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "RAY_AUTH_MODE": "disabled"}
-    cmd = [sys.executable, "-m", "serve.cluster.cli", str(model), str(photos), "--ray", "--ray-address", address]
+    cmd = [sys.executable, "-m", "serve.cluster.cli", str(model), *map(str, inputs), "--ray", "--ray-address", address]
     cmd += ["--out", str(out), "--top-k", "3", "--coverage", COVERAGE]
     cmd += ["--workers", "2", "--cpus-per-worker", "1", *args]
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -89,7 +95,7 @@ def _check_same_as_local(out: Path, local_rows: dict[str, dict]) -> None:
 
 def test_ray_run_writes_the_local_runs_predictions_image_for_image(cluster, tiny_onnx, photos, local_rows, tmp_path):
     out = tmp_path / "preds.parquet"
-    proc = _ray_predict(tiny_onnx, photos, out, cluster.address, "--batch-size", "16")
+    proc = _ray_predict(tiny_onnx, [photos], out, cluster.address, "--batch-size", "16")
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 1, err  # 1: some inputs could not be read
     assert out.is_dir() and len(list(out.glob("*.parquet"))) >= 1
@@ -115,7 +121,7 @@ def _actor_pids() -> list[int]:
 
 def test_an_actor_killed_mid_job_loses_and_duplicates_nothing(cluster, tiny_onnx, photos, local_rows, tmp_path):
     out = tmp_path / "preds.parquet"
-    proc = _ray_predict(tiny_onnx, photos, out, cluster.address, "--batch-size", "2")  # many small batches
+    proc = _ray_predict(tiny_onnx, [photos], out, cluster.address, "--batch-size", "2")  # many small batches
     deadline = time.monotonic() + 240
     while not (pids := _actor_pids()):
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
@@ -125,3 +131,57 @@ def test_an_actor_killed_mid_job_loses_and_duplicates_nothing(cluster, tiny_onnx
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 1, err
     _check_same_as_local(out, local_rows)
+
+
+def test_a_run_killed_while_writing_leaves_no_table_and_the_next_run_starts_over(
+    cluster, tiny_onnx, photos, local_rows, tmp_path
+):
+    out = tmp_path / "preds.parquet"
+    proc = _ray_predict(tiny_onnx, [photos], out, cluster.address, "--batch-size", "2")  # a part for each 2 images
+    wait_until(lambda: list(tmp_path.glob("*/*.parquet")) or proc.poll() is not None, 240, "the first part written")
+    proc.kill()  # SIGKILL while the parts are being written: no handler of ours runs
+    assert proc.wait(timeout=60) == -signal.SIGKILL, proc.communicate()
+    assert not out.exists()  # not a table that reads as complete with rows missing
+    # the same --out again, here of files that cannot be read: Ray scores none, and the table has the columns alone
+    unreadable = [photos / "a" / "truncated.png", photos / "b" / "notes.jpg"]
+    proc = _ray_predict(tiny_onnx, unreadable, out, cluster.address, "--workers", "1")
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 1, err
+    assert f"{out}.incomplete: deleting the parts of a stopped --ray run" in err
+    assert "classified 0 images; 2 input(s) could not be read" in err
+    assert pq.read_table(out).column_names == list(next(iter(local_rows.values()))) and len(pd.read_parquet(out)) == 0
+    assert [p.name for p in tmp_path.iterdir()] == [out.name]  # nothing else left beside it
+
+
+def test_a_job_no_image_reached_writes_the_local_runs_columns_without_starting_ray(tiny_onnx, tmp_path, monkeypatch):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    args = [str(tiny_onnx), str(empty), "--top-k", "3", "--coverage", COVERAGE]
+    assert predict_local([*args, "--out", str(tmp_path / "local.parquet")]) == 1
+    monkeypatch.setattr(ray_core, "init", lambda *a, **kw: pytest.fail("Ray started for a job of no inputs"))
+    assert vit_predict([*args, "--ray", "--out", str(tmp_path / "ray.parquet")]) == 1
+    local, remote = pq.read_table(tmp_path / "local.parquet"), pq.read_table(tmp_path / "ray.parquet")
+    assert remote.num_rows == 0 and remote.schema.equals(local.schema)  # the header: names and types
+
+
+def test_ctrl_c_leaves_neither_out_nor_its_parts(tiny_onnx, photos, tmp_path, monkeypatch, capsys):
+    out = tmp_path / "preds.parquet"
+
+    def interrupted(sources, folder, *args):
+        (folder / "part-0.parquet").write_bytes(b"a part Ray wrote before the interrupt")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ray_job, "_score", interrupted)
+    assert vit_predict([str(tiny_onnx), str(photos), "--ray", "--out", str(out)]) == 130
+    assert f"interrupted: {out} was not written" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_second_run_on_the_same_out_is_refused_while_the_first_writes_it(tmp_path):
+    first, second = OutputFolder(tmp_path / "preds.parquet"), OutputFolder(tmp_path / "preds.parquet")
+    first.take(sys.stderr)
+    (first.tmp / "part-0.parquet").write_bytes(b"the first run's part")
+    with pytest.raises(ValueError, match="another vit-predict is writing"):
+        second.take(sys.stderr)
+    assert (first.tmp / "part-0.parquet").exists()  # not deleted as a stopped run's
+    first.release()
