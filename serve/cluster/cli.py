@@ -23,6 +23,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--ray needs --out DIR.parquet (and runs the whole job: no --resume)")
     if args.workers < 1 or args.cpus_per_worker <= 0:
         p.error("--workers must be at least 1 and --cpus-per-worker above 0")
+    if args.threads is not None or args.decode_threads is not None:  # each actor's threads are its CPUs
+        p.error("--threads and --decode-threads are for runs on one machine: with --ray, give --cpus-per-worker")
     try:
         from serve.cluster.ray_job import run_ray
     except ImportError as e:

@@ -185,3 +185,13 @@ def test_a_second_run_on_the_same_out_is_refused_while_the_first_writes_it(tmp_p
         second.take(sys.stderr)
     assert (first.tmp / "part-0.parquet").exists()  # not deleted as a stopped run's
     first.release()
+
+
+@pytest.mark.parametrize("option", ["--threads", "--decode-threads"])
+def test_ray_refuses_the_thread_options_it_would_ignore_before_ray_starts(option, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(ray_core, "init", lambda *a, **kw: pytest.fail("Ray started for arguments it cannot run"))
+    with pytest.raises(SystemExit) as stopped:
+        vit_predict(
+            [str(tmp_path / "model.onnx"), str(tmp_path), option, "2", "--ray", "--out", str(tmp_path / "p.parquet")]
+        )
+    assert stopped.value.code == 2 and "with --ray, give --cpus-per-worker" in capsys.readouterr().err
