@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 
 from serve.runtime.jobs import collect_sources
-from serve.runtime.predict import EXIT_INTERRUPTED, build_parser, run_args
+from serve.runtime.predict import EXIT_INTERRUPTED, build_parser, check_args, run_args
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -19,6 +19,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if not args.ray:
         return run_args(p, args)
+    check_args(p, args)  # the local run's usage errors, before Ray starts
     if args.out is None or args.resume:
         p.error("--ray needs --out DIR.parquet (and runs the whole job: no --resume)")
     if args.workers < 1 or args.cpus_per_worker <= 0:

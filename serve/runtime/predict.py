@@ -250,8 +250,9 @@ def main(argv: list[str] | None = None) -> int:
     return run_args(p, p.parse_args(argv))
 
 
-def run_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    """Check the arguments `p` parsed, run the job (to stdout or to --out) and return the exit status."""
+def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse arguments no job can run with a usage error (exit 2), before any work; `serve.cluster.cli` checks a
+    --ray job with it too, before Ray starts."""
     if args.top_k < 1 or args.batch_size < 1 or args.part_size < 1:
         p.error("--top-k, --batch-size and --part-size must be at least 1")
     if not args.paths and not args.from_list:
@@ -263,6 +264,11 @@ def run_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         p.error(f"--threads must be 0 (every core) to {cores} (this machine's cores), got {args.threads}")
     if args.decode_threads is not None and not 1 <= args.decode_threads <= MAX_DECODE_THREADS:
         p.error(f"--decode-threads must be 1 to {MAX_DECODE_THREADS}, got {args.decode_threads}")
+
+
+def run_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """Check the arguments `p` parsed (`check_args`), run the job (to stdout or to --out) and return the exit status."""
+    check_args(p, args)
     try:
         if args.out is not None:
             done, failed = _run_to_file(args)
