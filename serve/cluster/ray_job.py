@@ -34,8 +34,7 @@ import numpy as np
 from serve.cluster.output import OutputFolder
 from serve.runtime.classifier import OnnxClassifier
 from serve.runtime.jobs import decoded_batches
-from serve.runtime.outputs import _utf8 as parquet_text  # the local Parquet output's spelling of a name
-from serve.runtime.outputs import table_row
+from serve.runtime.outputs import parquet_text, table_row
 from serve.runtime.predict import rows_for, template_row
 
 ERROR = "error"  # the column that carries an unreadable input's reason until the table is written

@@ -143,7 +143,7 @@ def _write_atomic(path: Path, data: bytes) -> None:
     _replace_durably(tmp, path)
 
 
-def _utf8(value: Any) -> Any:
+def parquet_text(value: Any) -> Any:
     """A str as valid UTF-8 for Parquet: the bytes of a file name that is not UTF-8 as `\\xff` (backslashreplace)."""
     if isinstance(value, str):
         return value.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
@@ -165,7 +165,7 @@ def encode_rows(rows: list[dict[str, Any]], fmt: str, header: bool = True) -> by
         return text.getvalue().encode("utf-8", "surrogateescape")  # a name's own bytes, as the file system has them
     pa = require_pyarrow()
     sink = pa.BufferOutputStream()
-    pa.parquet.write_table(pa.Table.from_pylist([{k: _utf8(v) for k, v in r.items()} for r in flat]), sink)
+    pa.parquet.write_table(pa.Table.from_pylist([{k: parquet_text(v) for k, v in r.items()} for r in flat]), sink)
     return sink.getvalue().to_pybytes()
 
 
