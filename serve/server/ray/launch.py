@@ -119,17 +119,7 @@ def run(
     controller = serve_controller()
     try:
         check_room(target.cpus_needed(), address)
-        # one proxy, on the head node, at the URL printed below (a load balancer over every node's proxy
-        # is the multi-machine alternative: proxy_location="EveryNode")
-        serve.start(proxy_location="HeadOnly", http_options={"host": settings.host, "port": settings.port})
-        port = ray.get(serve_controller().get_http_config.remote()).port
-        if port != settings.port:
-            raise ValueError(f"Ray Serve on this cluster listens on port {port} already: pass --port {port}")
-        target.deploy()
-        deployed.set()
-        host = "127.0.0.1" if settings.host in ("0.0.0.0", "") else settings.host
-        print(f"vitscope is ready: http://{host}:{port}/ (Ray Serve, {target.describe()})", flush=True)
-        follow(target, stop, settings.repository_poll_s)
+        deploy_and_follow(target, settings, stop, deployed)
         log.info("stopping: deleting the applications")
     except KeyboardInterrupt:
         log.warning("stopped before every replica was up")
@@ -141,6 +131,28 @@ def run(
             target.delete()
         ray.shutdown()
     return 0
+
+
+def deploy_and_follow(target, settings: ServeSettings, stop: threading.Event, deployed: threading.Event) -> None:
+    """Start Ray Serve's proxy, deploy `target` (then set `deployed`), print the URL, and follow the folder until
+    `stop` is set.
+
+    Raises:
+        ValueError: Ray Serve runs on this cluster at another port.
+    """
+    import ray
+
+    # one proxy, on the head node, at the URL printed below (a load balancer over every node's proxy
+    # is the multi-machine alternative: proxy_location="EveryNode")
+    serve.start(proxy_location="HeadOnly", http_options={"host": settings.host, "port": settings.port})
+    port = ray.get(serve_controller().get_http_config.remote()).port
+    if port != settings.port:
+        raise ValueError(f"Ray Serve on this cluster listens on port {port} already: pass --port {port}")
+    target.deploy()
+    deployed.set()
+    host = "127.0.0.1" if settings.host in ("0.0.0.0", "") else settings.host
+    print(f"vitscope is ready: http://{host}:{port}/ (Ray Serve, {target.describe()})", flush=True)
+    follow(target, stop, settings.repository_poll_s)
 
 
 def check_room(cpus: float, address: str | None) -> None:
