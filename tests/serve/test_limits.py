@@ -244,6 +244,17 @@ def test_a_refused_request_pipelined_behind_a_good_one_is_answered_after_it(serv
 
 
 @pytest.mark.slow
+def test_a_malformed_chunk_gets_its_400_at_once(server):
+    """The request whose body is malformed is the one refused: waiting for its own answer first hung it."""
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as s:
+        s.sendall(
+            b"POST /v1/classify HTTP/1.1\r\nHost: 127.0.0.1\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\nzz\r\n"
+        )
+        answer = read_response(s)
+    assert answer.startswith(b"HTTP/1.1 400 ") and b"malformed_request" in answer
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("coding", ["gzip, chunked", "gzip"])
 def test_a_transfer_coding_other_than_chunked_gets_501(server, coding):
     """RFC 9112 asks for a 501: the gzipped body was read as if it were not compressed, and answered 200."""

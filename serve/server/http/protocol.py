@@ -172,14 +172,16 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
     def _refuse(self, code: str, message: str) -> None:
         """Write the error answer (unless one is under way) and close; the parser reads nothing more.
 
-        Requests read before the refused one (pipelined on the connection) are answered first, in order, as
-        nginx does: the refusal waits for their answers (`on_response_complete`).
+        Requests read whole before the refused one (pipelined on the connection) are answered first, in order, as
+        nginx does: the refusal waits for their answers (`on_response_complete`). A request refused in its own
+        body (a malformed chunk) is answered at once: it would wait for the rest of a body that never comes.
         """
         self.deadline = 0.0
         if self.refused:  # the parser's complaint about what follows a refused head: the first answer stands
             return
         self.refused = True
-        if self.pipeline or any(not c.response_complete and not c.disconnected for c in self.cycles):
+        reading = self.cycle is not None and self.cycle.more_body  # the refused bytes are this request's own body
+        if not reading and (self.pipeline or any(not c.response_complete and not c.disconnected for c in self.cycles)):
             self.refusal = error_bytes(code, message)
             return
         cycle = self.cycle  # on a keep-alive connection, the previous request's until this one's head is in
