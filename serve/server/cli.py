@@ -24,6 +24,7 @@ import uvicorn
 from pydantic import ValidationError
 from uvicorn.config import STARTUP_FAILURE
 
+from serve.runtime.jobs import usable_cores
 from serve.server.http.guard import LOOPBACK_HOSTS
 from serve.server.http.probes import ProbeServer
 from serve.server.http.protocol import LimitedHttpToolsProtocol
@@ -110,21 +111,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"vit-serve: {where}", file=sys.stderr)
         return 2
 
-    if args.ray:
+    if args.ray:  # the replicas' threads run on the cluster's nodes, not here
         return _run_on_ray(args, settings)
-    from serve.runtime.classifier import OnnxClassifier
-    from serve.server.app import build_app
-    from serve.server.repository.repository import model_order
-
     try:
-        if args.model.is_dir():
-            model_order(args.model, settings.default_model)  # the layout, checked before anything loads
-            models = args.model
-        else:
-            models = OnnxClassifier(args.model, threads=settings.threads or None)
-    except (FileNotFoundError, ValueError) as e:
-        print(f"vit-serve: cannot load {args.model}: {e}", file=sys.stderr)
+        models = _loaded(args.model, settings)
+    except ValueError as e:
+        print(f"vit-serve: {e}", file=sys.stderr)
         return 2
+    from serve.server.app import build_app
+
     _warn_if_exposed(settings)
     _return_freed_memory()
     # Gradio's uploads and results go to a folder of this server's own, deleted when it exits. Gradio reads
@@ -156,6 +151,28 @@ def main(argv: list[str] | None = None) -> int:
             probes.stop()
         shutil.rmtree(temp_dir, ignore_errors=True)
     return 0
+
+
+def _loaded(model: Path, settings: ServeSettings):
+    """What `main` serves: the model file loaded, or the repository folder with its layout checked.
+
+    Raises:
+        ValueError: more onnxruntime threads than cores (they would only queue for them, each a thread), or a
+            model that cannot load (the message says which).
+    """
+    from serve.runtime.classifier import OnnxClassifier
+    from serve.server.repository.repository import model_order
+
+    if settings.threads > (cores := usable_cores()):
+        limit = f"0 (by model size) to {cores} (this machine's cores)"
+        raise ValueError(f"threads: must be {limit}, got {settings.threads}")
+    try:
+        if model.is_dir():
+            model_order(model, settings.default_model)  # the layout, checked before anything loads
+            return model
+        return OnnxClassifier(model, threads=settings.threads or None)
+    except (FileNotFoundError, ValueError) as e:
+        raise ValueError(f"cannot load {model}: {e}") from None
 
 
 class StartupReason(logging.Filter):

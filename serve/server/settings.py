@@ -16,8 +16,6 @@ from typing import Literal
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from serve.runtime.jobs import usable_cores
-
 ENV_PREFIX = "VITSCOPE_"
 
 
@@ -62,7 +60,7 @@ class ServeSettings(BaseSettings):
         ge=0,
         description="intra-op threads for ONNX Runtime (0: by model size, see serve.runtime.classifier."
         "default_threads: one for small models, which leaves the other core to the event loop, every core for "
-        "large ones); at most the cores this process may run on",
+        "large ones); vit-serve takes at most the cores it may run on (with --ray, a replica's node's)",
     )
     max_bytes: int = Field(
         10 * 1024 * 1024,
@@ -291,14 +289,6 @@ class ServeSettings(BaseSettings):
                 "HTTP headers and gRPC metadata"
             )
         return key
-
-    @field_validator("threads")
-    @classmethod
-    def _threads_fit_the_cores(cls, threads: int) -> int:
-        """More intra-op threads than cores only queue for them, each one a thread of the server."""
-        if threads > (cores := usable_cores()):
-            raise ValueError(f"must be 0 (by model size) to {cores} (this machine's cores), got {threads}")
-        return threads
 
     @model_validator(mode="after")
     def _batch_sizes_fit(self) -> ServeSettings:
