@@ -341,6 +341,14 @@ def test_exit_on_error_refuses_a_repository_with_a_bad_model(mixed_repository):
     assert "config.pbtxt" in str(refused.value) and "labels.txt" in str(refused.value)
 
 
+def test_only_the_models_that_serve_count_against_the_cpus(mixed_repository):
+    """A refused model is not deployed: counting it refused a repository whose good models fit a local Ray."""
+    from serve.server.ray.rollout import RepositoryRollout
+    from serve.server.settings import ServeSettings
+
+    assert RepositoryRollout(mixed_repository, ServeSettings(), cpus=0.5).cpus_needed() == 0.5  # `good` alone
+
+
 @pytest.mark.parametrize("kind", ["missing", "cut short"])
 def test_a_model_file_that_cannot_load_is_one_line_before_ray_starts(tiny_onnx, tmp_path, kind):
     """Each replica failed to load it in a traceback of its own: 330 log lines and exit 1 after 15 s."""

@@ -90,6 +90,7 @@ class RepositoryRollout:
         self.failures: dict[tuple[str, str], tuple[object, str]] = {}
         self.checked: dict[tuple[str, str], Stamp] = {}  # (model, version) -> the stamp of its file that passed
         self.stamps: dict[str, dict[str, Stamp | None]] = {}  # model -> version -> the file its replicas hold
+        self.deploying: set[str] = set()  # the models whose application was given to Ray, held or not yet
         self.check_settings = settings.model_copy(update={"preferred_batch_size": 1})  # a check, not a measurement
 
     def describe(self) -> str:
@@ -99,8 +100,10 @@ class RepositoryRollout:
         return f"models {', '.join(sorted(self.held))}, {each}" + (f"; not serving {failed}" if failed else "")
 
     def cpus_needed(self) -> float:
-        """The CPUs the model replicas reserve at start: `replicas` x `cpus` for each model."""
-        return len(self.models or scan(self.root)) * self.replicas * self.cpus
+        """The CPUs the model replicas reserve at start: `replicas` x `cpus` for each model that has a version to
+        serve (the checks' verdicts are kept: `deploy` does not repeat them)."""
+        servable = [model for model, (versions, _, _) in self.wanted().items() if versions]
+        return len(servable) * self.replicas * self.cpus
 
     def deploy(self) -> None:
         """Deploy each model's application, then the ingress, which finds them. A model with no version that
@@ -148,6 +151,7 @@ class RepositoryRollout:
             self.route(model, {})
             serve.delete(model_app_name(model))
             del self.held[model], self.stamps[model]
+            self.deploying.discard(model)
             self.routed.pop(model, None)
             log.info("%s: removed from the repository, its application deleted", model)
 
@@ -175,6 +179,7 @@ class RepositoryRollout:
         """Deploy `model`'s application holding `versions`; returns once every old replica has stopped."""
         log.info("%s: rolling out replicas with versions %s", model, by_number(versions))
         app = model_app(model, versions, labels, self.settings, self.replicas, self.max_replicas, self.cpus)
+        self.deploying.add(model)  # `delete` deletes it even if stopped while Ray waits for its replicas
         serve.run(app, name=model_app_name(model), route_prefix=None)
         self.held[model] = dict(versions)
         self.stamps[model] = {v: self.checked.get((model, v)) for v in versions}
@@ -194,7 +199,7 @@ class RepositoryRollout:
     def delete(self) -> None:
         """Delete the ingress, then each model's application."""
         serve.delete(APP_NAME)
-        for model in sorted(self.held):
+        for model in sorted(set(self.held) | self.deploying):
             serve.delete(model_app_name(model))
 
     def wanted(self) -> dict[str, tuple[Versions, list[str] | None, set[str]]]:
