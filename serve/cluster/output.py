@@ -23,13 +23,12 @@ not there at all. A job no image reached writes one part of no rows under the lo
 from __future__ import annotations
 
 import errno
-import fcntl
 import os
 import shutil
 from pathlib import Path
 from typing import Any, TextIO
 
-from serve.runtime.outputs import require_pyarrow, sync_folder, table_row
+from serve.runtime.outputs import lock_folder, require_pyarrow, sync_folder, table_row
 
 INCOMPLETE_SUFFIX = ".incomplete"
 EMPTY_PART = "columns.parquet"  # the part of a job no image reached: its columns and no rows
@@ -77,15 +76,8 @@ class OutputFolder:
                     f"{self.tmp} is not a folder of vit-predict's: remove it, or give another --out"
                 ) from None
             raise
-        try:
-            fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(held)
-            raise ValueError(
-                f"another vit-predict is writing {self.out} (into {self.tmp}): wait for it to end, or give this run "
-                "another --out"
-            ) from None
-        self._held = held
+        busy = f"another vit-predict is writing {self.out} (into {self.tmp}): wait for it to end, or give another --out"
+        self._held = lock_folder(held, busy)
         if left:
             print(
                 f"{self.tmp}: deleting the parts of a stopped --ray run (it did not finish, and a --ray job is not "

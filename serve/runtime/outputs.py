@@ -169,6 +169,20 @@ def encode_rows(rows: list[dict[str, Any]], fmt: str, header: bool = True) -> by
     return sink.getvalue().to_pybytes()
 
 
+def lock_folder(fd: int, busy: str) -> int:
+    """`fd`, an open folder, locked for this process alone (the kernel lets go however the process ends).
+
+    Raises:
+        ValueError: `busy`, when another process holds the lock (`fd` is then closed).
+    """
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise ValueError(busy) from None
+    return fd
+
+
 class PartStore:
     """The parts of one output file: commit them one by one, read back what was done, merge at the end.
 
@@ -195,16 +209,11 @@ class PartStore:
         """
         _refuse_link(self.dir)
         self.dir.mkdir(parents=True, exist_ok=True)
-        held = os.open(self.dir, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(held)
-            raise ValueError(
-                f"another vit-predict is writing {self.out} (its parts folder {self.dir} is in use): wait for it to "
-                "end, or give this run another --out"
-            ) from None
-        self._held = held
+        busy = (
+            f"another vit-predict is writing {self.out} (its parts folder {self.dir} is in use): wait for it to "
+            "end, or give this run another --out"
+        )
+        self._held = lock_folder(os.open(self.dir, os.O_RDONLY | os.O_DIRECTORY), busy)
 
     def unlock(self) -> None:
         """Let go of the parts folder `lock` took (whether the run finished, failed or was stopped)."""
