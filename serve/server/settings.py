@@ -60,7 +60,7 @@ class ServeSettings(BaseSettings):
         ge=0,
         description="intra-op threads for ONNX Runtime (0: by model size, see serve.runtime.classifier."
         "default_threads: one for small models, which leaves the other core to the event loop, every core for "
-        "large ones); vit-serve takes at most the cores it may run on (with --ray, a replica's node's)",
+        "large ones); at most the cores vit-serve may run on (not checked with --ray: its replicas run on other nodes)",
     )
     max_bytes: int = Field(
         10 * 1024 * 1024,

@@ -25,8 +25,6 @@ from serve.server.settings import ServeSettings
 
 log = logging.getLogger(__name__)
 
-EXIT_INTERRUPTED = 130  # what a shell reports for a process ended by Ctrl-C
-
 
 def wait_for_replicas(count: int, timeout_s: float = 300.0) -> None:
     """Block until `count` model replicas run (`serve.run` returns once the application is deployed)."""
@@ -123,6 +121,8 @@ def run(
         log.info("stopping: deleting the applications")
     except KeyboardInterrupt:
         log.warning("stopped before every replica was up")
+        from serve.runtime.predict import EXIT_INTERRUPTED  # the shell's status for Ctrl-C, as vit-predict exits
+
         return EXIT_INTERRUPTED
     finally:
         if controller is None:  # Serve was started here: leave the cluster as it was found
