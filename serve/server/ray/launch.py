@@ -20,6 +20,7 @@ from pathlib import Path
 
 from ray import serve
 
+from serve.runtime.predict import EXIT_INTERRUPTED  # the shell's status for Ctrl-C, as vit-predict exits
 from serve.server.ray.deployment import APP_NAME, deployment
 from serve.server.settings import ServeSettings
 
@@ -121,8 +122,6 @@ def run(
         log.info("stopping: deleting the applications")
     except KeyboardInterrupt:
         log.warning("stopped before every replica was up")
-        from serve.runtime.predict import EXIT_INTERRUPTED  # the shell's status for Ctrl-C, as vit-predict exits
-
         return EXIT_INTERRUPTED
     finally:
         if controller is None:  # Serve was started here: leave the cluster as it was found
