@@ -244,14 +244,21 @@ def test_a_refused_request_pipelined_behind_a_good_one_is_answered_after_it(serv
 
 
 @pytest.mark.slow
-def test_a_malformed_chunk_gets_its_400_at_once(server):
-    """The request whose body is malformed is the one refused: waiting for its own answer first hung it."""
+def test_a_malformed_chunk_gets_its_400_at_once_and_is_counted_as_400(server):
+    """The request whose body is malformed is the one refused: waiting for its own answer first hung it. The
+    metrics and the access log say the 400 the client got: they said 499, a client that went away."""
+    counted = lambda status: server.metric("vitscope_requests_total", route="/v1", status=status, default=0)
+    refused, gone = counted("400"), counted("499")
     with socket.create_connection(("127.0.0.1", server.port), timeout=10) as s:
         s.sendall(
             b"POST /v1/classify HTTP/1.1\r\nHost: 127.0.0.1\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\nzz\r\n"
         )
         answer = read_response(s)
     assert answer.startswith(b"HTTP/1.1 400 ") and b"malformed_request" in answer
+    wait_until(lambda: counted("400") == refused + 1, 10, "the refused request counted")
+    assert counted("499") == gone
+    logged = lambda: any('"POST /v1/classify" 400' in line for line in server.lines[-20:])
+    wait_until(logged, 10, "the access log line of the 400")
 
 
 @pytest.mark.slow

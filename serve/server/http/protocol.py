@@ -34,6 +34,7 @@ from serve.server.errors import ERROR_STATUS, error_body
 
 log = logging.getLogger(__name__)
 SPARE_FDS = 64  # descriptors left for the model file, logs, uploads and Gradio's temp files
+ANSWERED = "answered_by_connection"  # in scope["state"]: the status written here to a request refused in its body
 
 
 def connection_cap(wanted: int) -> int:
@@ -187,6 +188,8 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         cycle = self.cycle  # on a keep-alive connection, the previous request's until this one's head is in
         if cycle is None or cycle.response_complete or not cycle.response_started:
             self.transport.write(error_bytes(code, message))
+            if reading:  # the app sees a client that went away: the record counts the status the client got
+                cycle.scope["state"][ANSWERED] = ERROR_STATUS[code]
         self.transport.close()
 
     def on_response_complete(self) -> None:

@@ -2,8 +2,9 @@
 
 Each request gets an ID (the client's `X-Request-Id` when it is sane, else a new one: `serve.server.auth.RequestIds`),
 echoed in the response, written in one access log line (`serve.server.access_log`) and counted in the Prometheus
-metrics under its route, with the status the client got (499 when it went away first). It sits outside the
-Host and key checks (`serve.server.http.guard`), so that their refusals are counted and logged too.
+metrics under its route, with the status the client got: 499 when it went away first, the 400 of a malformed body
+that the connection answered itself (`serve.server.http.protocol`). It sits outside the Host and key checks
+(`serve.server.http.guard`), so that their refusals are counted and logged too.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from serve.server.access_log import ACCESS_LOG
 from serve.server.auth import RequestIds
 from serve.server.errors import ERROR_STATUS
 from serve.server.http.errors import send_error
+from serve.server.http.protocol import ANSWERED
 from serve.server.metrics import CLIENT_CLOSED, Metrics
 
 log = logging.getLogger(__name__)
@@ -71,6 +73,7 @@ class RequestRecord:
                 raise  # an answer already under way: uvicorn ends the connection and logs it
         finally:
             status = CLIENT_CLOSED if gone and status >= ERROR_STATUS["internal"] else status
+            status = scope["state"].get(ANSWERED, status)  # a malformed body, refused below the app (`protocol`)
             path = scope["path"]
             route = next((r for r in self.routes if path == r or path.startswith(r + "/")), None)
             if self.metrics is not None and route is not None:
