@@ -384,24 +384,35 @@ def test_a_version_rewritten_in_place_rolls_out(repository_server, repository):
     assert {a[2] for a in loop.answers[:rewritten]} == {old} and {a[2] for a in loop.answers[settled:]} == {new}
 
 
-def test_replicas_that_cannot_fit_are_refused_or_waited_for_until_ctrl_c(servers, cluster, driver, tiny_onnx):
+def test_replicas_that_cannot_fit_are_refused_or_waited_for_until_ctrl_c(
+    servers, cluster, driver, tiny_onnx, repository_server, repository
+):
     """Ray waits for ever for replicas no node has room for: vit-serve --ray hung 12 minutes, deaf to Ctrl-C and
-    SIGTERM. On a cluster started here it is refused at once; on one joined (which may add nodes) Ctrl-C stops."""
+    SIGTERM. On a cluster started here it is refused at once; on one joined (which may add nodes) Ctrl-C stops,
+    at start and when a later poll rolls out a model with no room (it was deaf to Ctrl-C there still)."""
     import signal
 
     from ray import serve
 
-    from serve.server.ray.launch import check_room
+    from serve.server.ray.launch import check_room, serve_controller
+    from serve.server.ray.repository import model_app_name
 
-    servers.stop()  # one Ray Serve application at `/` per cluster
-    args = ["--ray", "--replica-cpus", "64", "--ray-address", cluster.address]
-    joined = ServerProcess(tiny_onnx, *args)
-    try:
-        wait_until(lambda: "waiting for it to add nodes" in joined.output, 120, "the warning", interval=0.5)
-        joined.proc.send_signal(signal.SIGINT)
-        assert joined.proc.wait(timeout=60) == 130, joined.output[-2000:]
-    finally:
-        joined.stop()
-    assert "vitscope" not in serve.status().applications  # the half-deployed application went
+    def interrupted(joined: ServerProcess, waiting: Callable[[], bool], why: str) -> None:
+        try:
+            wait_until(waiting, 120, why, interval=0.5)
+            joined.proc.send_signal(signal.SIGINT)
+            assert joined.proc.wait(timeout=60) == 130, joined.output[-2000:]
+        finally:
+            joined.stop()
+        assert serve_controller() is None or not serve.status().applications  # half-deployed applications went
+
+    # the repository's two models take 1 of the 2 CPUs (0.5 each): two more fit, the third waits for room
+    for model in ("gamma", "delta", "epsilon"):
+        put_version(repository / model, 1, tiny_onnx)
+    full = lambda: model_app_name("epsilon") in serve.status().applications
+    servers.proc = servers.kind = None  # this test stops it, with Ctrl-C
+    interrupted(repository_server, full, "the third new model's rollout")
+    joined = ServerProcess(tiny_onnx, "--ray", "--ray-address", cluster.address, "--replica-cpus", "64")
+    interrupted(joined, lambda: "waiting for it to add nodes" in joined.output, "the warning")
     with pytest.raises(ValueError, match=r"reserve 64 CPUs .* Ray has \d+: lower --replicas or --replica-cpus"):
         check_room(64, None)  # what `run` asks of a Ray it started (this process's, joined to the cluster)

@@ -101,27 +101,24 @@ def run(
     if settings.grpc_port:  # each replica's app would bind the same port
         raise ValueError("--grpc-port is served without --ray only: run gRPC from a plain vit-serve")
     target = target_of(model, settings, replicas, max_replicas, cpus, models)  # checked before Ray starts
-    host = address.rsplit(":", 1)[0] if address and ":" in address else ""
-    # a cluster on loopback addresses (one machine): this driver joins it there too, not on the network
-    on_loopback = {"_node_ip_address": host} if host.startswith("127.") else {}
-    dashboard = False if address is None else None
-    ray.init(address=address, logging_level=logging.WARNING, include_dashboard=dashboard, **on_loopback)
-    stop, deployed = threading.Event(), threading.Event()
+    join_ray(address)
+    stop, deployed, busy = threading.Event(), threading.Event(), threading.Event()
+    busy.set()  # until the first deploy is done
 
     def on_signal(*_) -> None:
         stop.set()
-        if not deployed.is_set():  # serve.run may be waiting for replicas the cluster has no room for
+        if busy.is_set():  # a deploy or a poll: serve.run may be waiting for replicas the cluster has no room for
             raise KeyboardInterrupt
 
+    controller = serve_controller()
     for sig in (signal.SIGTERM, signal.SIGINT):  # after ray.init, which installs handlers of its own
         signal.signal(sig, on_signal)
-    controller = serve_controller()
     try:
         check_room(target.cpus_needed(), address)
-        deploy_and_follow(target, settings, stop, deployed)
+        deploy_and_follow(target, settings, stop, deployed, busy)
         log.info("stopping: deleting the applications")
     except KeyboardInterrupt:
-        log.warning("stopped before every replica was up")
+        log.warning("stopped before every replica %s up", "of a rollout was" if deployed.is_set() else "was")
         return EXIT_INTERRUPTED
     finally:
         if controller is None:  # Serve was started here: leave the cluster as it was found
@@ -132,9 +129,20 @@ def run(
     return 0
 
 
-def deploy_and_follow(target, settings: ServeSettings, stop: threading.Event, deployed: threading.Event) -> None:
-    """Start Ray Serve's proxy, deploy `target` (then set `deployed`), print the URL, and follow the folder until
-    `stop` is set.
+def join_ray(address: str | None) -> None:
+    """`ray.init` the cluster at `address` (None: a single-node Ray for this process, without its dashboard)."""
+    import ray
+
+    host = address.rsplit(":", 1)[0] if address and ":" in address else ""
+    # a cluster on loopback addresses (one machine): this driver joins it there too, not on the network
+    on_loopback = {"_node_ip_address": host} if host.startswith("127.") else {}
+    dashboard = False if address is None else None
+    ray.init(address=address, logging_level=logging.WARNING, include_dashboard=dashboard, **on_loopback)
+
+
+def deploy_and_follow(target, settings: ServeSettings, stop, deployed, busy: threading.Event) -> None:
+    """Start Ray Serve's proxy, deploy `target` (then clear `busy` and set `deployed`), print the URL, and follow the
+    folder until `stop` is set. While `busy` is set (a deploy, a poll), `serve.run` may wait for replicas' room.
 
     Raises:
         ValueError: Ray Serve runs on this cluster at another port.
@@ -148,10 +156,11 @@ def deploy_and_follow(target, settings: ServeSettings, stop: threading.Event, de
     if port != settings.port:
         raise ValueError(f"Ray Serve on this cluster listens on port {port} already: pass --port {port}")
     target.deploy()
+    busy.clear()
     deployed.set()
     host = "127.0.0.1" if settings.host in ("0.0.0.0", "") else settings.host
     print(f"vitscope is ready: http://{host}:{port}/ (Ray Serve, {target.describe()})", flush=True)
-    follow(target, stop, settings.repository_poll_s)
+    follow(target, stop, settings.repository_poll_s, busy)
 
 
 def check_room(cpus: float, address: str | None) -> None:
@@ -183,14 +192,18 @@ def target_of(model: str, settings: ServeSettings, replicas: int, max_replicas: 
     return OneModel(model, settings, replicas, max_replicas, cpus)
 
 
-def follow(target, stop: threading.Event, poll_s: float) -> None:
-    """Until `stop` is set, `target.sync()` every `poll_s` seconds (0: never); a failed poll is logged, and the
-    next one tries again."""
+def follow(target, stop: threading.Event, poll_s: float, busy: threading.Event) -> None:
+    """Until `stop` is set, `target.sync()` every `poll_s` seconds (0: never), with `busy` set; a failed poll is
+    logged, and the next one tries again."""
     while not stop.wait(poll_s or None):
+        busy.set()
         try:
-            target.sync()
+            if not stop.is_set():  # a signal between the wait and `busy` did not interrupt: it is seen here
+                target.sync()
         except Exception:
             log.exception("the repository poll failed; what was deployed keeps serving")
+        finally:
+            busy.clear()
 
 
 def serve_controller():
