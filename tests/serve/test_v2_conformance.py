@@ -193,3 +193,22 @@ def test_repository_routes_refuse_a_body_over_max_bytes(server, model, path):
     r = httpx.post(url, content=b" " * (MAX_BYTES + 1), headers={"content-type": "application/json"}, timeout=30)
     assert r.status_code == 413 and "body_too_large" in r.text
     assert httpx.post(server.url + "/v2/repository/index", json={"ready": True}).status_code == 200
+
+
+def test_the_classification_extension_is_refused_alike_over_http_and_grpc(server, client, model):
+    """tritonclient's `class_count` asks for Triton's top classes; neither transport may answer raw logits to it."""
+    grpcclient = pytest.importorskip("tritonclient.grpc")
+    x = np.zeros((1, 32, 32, 3), np.uint8)
+    with pytest.raises(InferenceServerException) as over_http:
+        inp = tritonclient_http.InferInput("pixels", [1, 32, 32, 3], "UINT8")
+        inp.set_data_from_numpy(x)
+        client.infer(model, [inp], outputs=[tritonclient_http.InferRequestedOutput("logits", class_count=3)])
+    with grpcclient.InferenceServerClient(server.grpc_url) as c, pytest.raises(InferenceServerException) as over_grpc:
+        inp = grpcclient.InferInput("pixels", [1, 32, 32, 3], "UINT8")
+        inp.set_data_from_numpy(x)
+        c.infer(model, [inp], outputs=[grpcclient.InferRequestedOutput("logits", class_count=3)])
+    assert (
+        over_http.value.status() == "422" and "classification extension is not supported" in over_http.value.message()
+    )
+    assert over_grpc.value.status() == "StatusCode.INVALID_ARGUMENT"
+    assert over_grpc.value.message() == over_http.value.message()

@@ -204,9 +204,17 @@ def requested_output(out: Any, allowed: list[str], default_binary: bool) -> tupl
     if name not in allowed:
         raise bad(f"unknown output {name!r}; this model's outputs are {', '.join(map(repr, allowed))}")
     params = out.get("parameters") or {}
-    if isinstance(params, dict) and params.get("classification"):
-        raise bad("the classification extension is not supported; use /v1/classify?top_k=... for top classes")
+    if isinstance(params, dict):
+        refuse_classification(params)
     return name, bool_param(params, "binary_data") if "binary_data" in params else default_binary
+
+
+def refuse_classification(params: dict[str, Any]) -> None:
+    """422 when a requested output's parameters ask for Triton's classification extension (tritonclient's
+    `class_count`): the client would read the raw tensor answered instead as its top classes. gRPC checks here too.
+    """
+    if params.get("classification"):
+        raise bad("the classification extension is not supported; use /v1/classify?top_k=... for top classes")
 
 
 def once_each(names: list[str]) -> None:

@@ -3,15 +3,26 @@
 The tensors are the ones the KServe v2 HTTP routes speak (`serve.server.api.v2`): the input `pixels`,
 UINT8 [B, H, W, 3], sent as `raw_input_contents` (what `tritonclient.grpc` sends) or as `uint_contents`;
 the outputs `logits` (the default) and `probs`, FP32 [B, K], always answered as `raw_output_contents`
-(which every Triton and KServe client reads). Shapes and sizes are checked by the same functions as
-over HTTP, so both answer a tensor that does not fit with the same message.
+(which every Triton and KServe client reads). Shapes, sizes and the outputs' parameters (Triton's classification
+extension is refused) are checked by the same functions as over HTTP, so both answer a request that does not fit
+with the same message.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from serve.server.api.tensors import DTYPES, OUTPUT, PROBS, TensorSpec, bad, binary_tensor, check_shape, once_each
+from serve.server.api.tensors import (
+    DTYPES,
+    OUTPUT,
+    PROBS,
+    TensorSpec,
+    bad,
+    binary_tensor,
+    check_shape,
+    once_each,
+    refuse_classification,
+)
 from serve.server.grpc import grpc_predict_v2_pb2 as pb
 
 # Shapes: B batch, H/W image, K classes.
@@ -43,12 +54,20 @@ def parse_infer(request: pb.ModelInferRequest, pixels: TensorSpec, max_images: i
         arr = binary_tensor(raw[0], shape, pixels)
     else:
         arr = uint_tensor(tensor.contents.uint_contents, shape, pixels)
-    wanted = [o.name for o in request.outputs[: len(OUTPUTS) + 1]] or [OUTPUTS[0]]
+    asked = request.outputs[: len(OUTPUTS) + 1]
+    wanted = [o.name for o in asked] or [OUTPUTS[0]]
     unknown = [n for n in wanted if n not in OUTPUTS]
     if unknown:
         raise bad(f"unknown output {unknown[0]!r}; this model's outputs are {', '.join(map(repr, OUTPUTS))}")
+    for o in asked:  # refused as over HTTP, not answered with the raw tensor
+        refuse_classification(parameter_values(o.parameters))
     once_each(wanted)  # more entries than outputs: a repeat among the first ones
     return arr, wanted
+
+
+def parameter_values(parameters) -> dict:
+    """A message's `parameters` map -> {name: its bool, int64 or string value}, as JSON parameters read."""
+    return {k: getattr(p, which) for k, p in parameters.items() if (which := p.WhichOneof("parameter_choice"))}
 
 
 def uint_tensor(values, shape: list[int], spec: TensorSpec) -> np.ndarray:
