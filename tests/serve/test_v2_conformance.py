@@ -212,3 +212,12 @@ def test_the_classification_extension_is_refused_alike_over_http_and_grpc(server
     )
     assert over_grpc.value.status() == "StatusCode.INVALID_ARGUMENT"
     assert over_grpc.value.message() == over_http.value.message()
+
+
+def test_a_header_length_of_thousands_of_digits_is_a_422_not_a_crash(server, model):
+    """Python's int() refuses strings over 4,300 digits: such a header is a client's mistake, as a -5 is."""
+    for length in ("9" * 5000, "0" * 5000 + "5"):
+        r = httpx.post(
+            f"{server.url}/v2/models/{model}/infer", content=b"{}", headers={"Inference-Header-Content-Length": length}
+        )
+        assert r.status_code == 422 and "Inference-Header-Content-Length" in r.json()["error"], r.text

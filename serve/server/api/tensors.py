@@ -83,9 +83,11 @@ def split_body(body: bytes, header_length: str | None) -> tuple[Any, bytes]:
     when the whole body is JSON)."""
     if header_length is None:
         return read_json(body, "request body"), b""
-    if not re.fullmatch(r"\s*[0-9]+\s*", header_length) or int(header_length) > len(body):
+    # at most 18 digits after leading zeros: no body is 10**18 bytes, and int() refuses over 4,300 digits
+    digits = re.fullmatch(r"\s*0*([0-9]{1,18})\s*", header_length)
+    n = int(digits[1]) if digits else -1
+    if not 0 <= n <= len(body):
         raise bad(f"{HEADER_LENGTH} must be the JSON header's byte length (at most {len(body)}), got {header_length!r}")
-    n = int(header_length)
     return read_json(body[:n], "JSON header"), body[n:]
 
 
