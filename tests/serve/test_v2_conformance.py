@@ -195,6 +195,24 @@ def test_repository_routes_refuse_a_body_over_max_bytes(server, model, path):
     assert httpx.post(server.url + "/v2/repository/index", json={"ready": True}).status_code == 200
 
 
+def test_a_header_length_of_thousands_of_digits_is_a_422_not_a_crash(server, model):
+    """Python's int() refuses strings over 4,300 digits: such a header is a client's mistake, as a -5 is."""
+    for length in ("9" * 5000, "0" * 5000 + "5"):
+        r = httpx.post(
+            f"{server.url}/v2/models/{model}/infer", content=b"{}", headers={"Inference-Header-Content-Length": length}
+        )
+        assert r.status_code == 422 and "Inference-Header-Content-Length" in r.json()["error"], r.text
+
+
+@pytest.mark.parametrize("coverage", [10**400, -(10**400), 10**4000], ids=["huge", "huge-negative", "4000-digits"])
+def test_a_coverage_too_large_for_a_float_is_a_422_not_a_crash(server, model, coverage):
+    req = {"inputs": [{"name": "pixels", "datatype": "UINT8", "shape": [1, 32, 32, 3], "data": [0] * 3072}]}
+    body = json.dumps({**req, "parameters": {"coverage": coverage}, "outputs": [{"name": "in_set"}]})
+    r = httpx.post(f"{server.url}/v2/models/{model}/infer", content=body)
+    assert r.status_code == 422 and r.json()["code"] == "bad_request", r.text
+    assert "coverage must be a number between 0 and 1" in r.json()["error"]
+
+
 def test_the_classification_extension_is_refused_alike_over_http_and_grpc(server, client, model):
     """tritonclient's `class_count` asks for Triton's top classes; neither transport may answer raw logits to it."""
     grpcclient = pytest.importorskip("tritonclient.grpc")
@@ -212,12 +230,3 @@ def test_the_classification_extension_is_refused_alike_over_http_and_grpc(server
     )
     assert over_grpc.value.status() == "StatusCode.INVALID_ARGUMENT"
     assert over_grpc.value.message() == over_http.value.message()
-
-
-def test_a_header_length_of_thousands_of_digits_is_a_422_not_a_crash(server, model):
-    """Python's int() refuses strings over 4,300 digits: such a header is a client's mistake, as a -5 is."""
-    for length in ("9" * 5000, "0" * 5000 + "5"):
-        r = httpx.post(
-            f"{server.url}/v2/models/{model}/infer", content=b"{}", headers={"Inference-Header-Content-Length": length}
-        )
-        assert r.status_code == 422 and "Inference-Header-Content-Length" in r.json()["error"], r.text
