@@ -17,7 +17,6 @@ from typing import Any, Literal
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
-from starlette.concurrency import run_in_threadpool
 
 from serve.runtime.images import PixelBudget
 from serve.runtime.rollout import HEAD_FUSIONS
@@ -33,6 +32,7 @@ from serve.server.repository.repository import ModelRepository, UnknownModel
 from serve.server.repository.version import ModelVersion
 from serve.server.results import model_result
 from serve.server.settings import RequestLimits
+from serve.server.threads import DECODES, run_in
 
 # A small file can still declare a huge image (a flat 40 MP PNG compresses to kilobytes): only images
 # up to 1 MP, a few milliseconds of decoding and resizing, are decoded on the loop or the model's thread.
@@ -197,10 +197,12 @@ def classify_endpoint(
     in `payloads` (None: nowhere). The routes of `add_v1_routes` call it."""
 
     async def classify(request: Request, name: str | None = None, version: str | None = None) -> Response:
+        resolve(repository, name, version)  # an unknown model is told so before its upload is read
+        # the upload is read before the version is held: a slow one must not keep a retired version from draining
+        data, form = await decode_request(request, limits)
         with repository.hold(name, version, lambda n, v: resolve(repository, n, v)) as served:
             classifier, engine = served.classifier, served.engine
             model = (served.name, served.version, classifier.labels)  # as the payload log names it
-            data, form = await decode_request(request, limits)
             params = classify_params(request.query_params, form)
             top_k, coverage = params.top_k or limits.top_k, params.coverage
             check_coverage(classifier, coverage)
@@ -272,7 +274,7 @@ async def decoded(served: ModelVersion, img, size: int, limits: RequestLimits, b
     onnxruntime uses every core (decoding on the loop would fight its threads)."""
     small = size <= limits.inline_decode_bytes and img.width * img.height <= INLINE_DECODE_PIXELS
     if not small:  # in a thread of its own, so that it never holds up the loop or a batch
-        return await run_in_threadpool(decode_image, img, served.classifier, limits.max_pixels, budget)
+        return await run_in(DECODES, decode_image, img, served.classifier, limits.max_pixels, budget)
     if served.decode_on_worker:  # on the model's thread, right before its batch runs
         return img
     return decode_image(img, served.classifier, limits.max_pixels)  # on the loop, the model on the other core
@@ -281,7 +283,7 @@ async def decoded(served: ModelVersion, img, size: int, limits: RequestLimits, b
 async def explained(served: ModelVersion, img, params: ClassifyParams, limits: RequestLimits, budget):
     """/v1/classify?explain=true: (the answers, the explanation's JSON, the fast path's record)."""
     classifier, engine = served.classifier, served.engine
-    pixels = await run_in_threadpool(decode_image, img, classifier, limits.max_pixels, budget)
+    pixels = await run_in(DECODES, decode_image, img, classifier, limits.max_pixels, budget)
     fusion, discard = params.head_fusion, params.discard_ratio
     work = engine.run(explain_pixels, classifier, pixels, fusion, discard, None, served.fill, limits)
     ex = await model_result(work, limits.request_timeout_s)
@@ -289,7 +291,7 @@ async def explained(served: ModelVersion, img, params: ClassifyParams, limits: R
         "head_fusion": fusion,
         "discard_ratio": discard,
         "grid": ex["grid"].round(5).tolist(),
-        "overlay_png": await run_in_threadpool(overlay_png, pixels, ex["grid"]),  # a few ms: off the loop
+        "overlay_png": await run_in(DECODES, overlay_png, pixels, ex["grid"]),  # a few ms: off the loop
         "deletion": ex["deletion"].to_dict(),
     }
     # the unknown verdict needs the logits: one more pass of the fast path, small beside the explain one

@@ -25,7 +25,6 @@ import functools
 import numpy as np
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
-from starlette.concurrency import run_in_threadpool
 
 from serve.runtime.trust import Assessment
 from serve.server.api.tensors import (
@@ -50,6 +49,7 @@ from serve.server.repository.repository import ModelRepository, UnknownModel
 from serve.server.repository.version import LoadFailure, ModelVersion
 from serve.server.results import batch_results
 from serve.server.settings import RequestLimits
+from serve.server.threads import CHANGES, PARSES, run_in
 
 EXTENSIONS = ["binary_tensor_data"]
 
@@ -164,20 +164,20 @@ def add_infer_routes(
     @infer_route("/models/{name}/versions/{ver}/infer")
     @errors
     async def v2_infer(request: Request, name: str, ver: str | None = None):
-        with repository.hold(name, ver, lambda n, v: resolve(repository, n, v)) as served:
-            return await infer_with(served, request)
-
-    async def infer_with(served: ModelVersion, request: Request):
         encoding = request.headers.get("content-encoding", "identity").lower()
         if encoding != "identity":
             raise ApiError("unsupported_media_type", f"send the request uncompressed (Content-Encoding {encoding!r})")
-        body = await read_body(request, limits)
+        resolve(repository, name, ver)  # an unknown model is told so before its body is read
+        body = await read_body(request, limits)  # before the hold: a slow body must not keep a version from draining
+        with repository.hold(name, ver, lambda n, v: resolve(repository, n, v)) as served:
+            return await infer_with(served, request, body)
+
+    async def infer_with(served: ModelVersion, request: Request, body: bytes):
         # at most max_batch_size images per request, so one client cannot fill the whole queue
         header_length = request.headers.get(HEADER_LENGTH)
         pixels, _ = specs_of(served)
-        req = await run_in_threadpool(
-            parse_infer_request, body, header_length, pixels, [OUTPUT, PROBS, *TRUST_OUTPUTS], limits.max_batch_size
-        )
+        outputs = [OUTPUT, PROBS, *TRUST_OUTPUTS]
+        req = await run_in(PARSES, parse_infer_request, body, header_length, pixels, outputs, limits.max_batch_size)
         classifier = served.classifier
         check_trust_request(classifier, req)
         timeout = limits.request_timeout_s
@@ -260,7 +260,7 @@ def add_repository_routes(router: APIRouter, repository: ModelRepository, limits
     async def v2_repository_load(name: str, request: Request):
         await options(request)
         try:
-            await run_in_threadpool(repository.load, name)
+            await run_in(CHANGES, repository.load, name)
         except UnknownModel as e:
             raise ApiError("not_found", str(e)) from None
         except LoadFailure as e:
@@ -272,7 +272,7 @@ def add_repository_routes(router: APIRouter, repository: ModelRepository, limits
     async def v2_repository_unload(name: str, request: Request):
         await options(request)
         try:
-            await run_in_threadpool(repository.unload, name)
+            await run_in(CHANGES, repository.unload, name)
         except UnknownModel as e:
             raise ApiError("not_found", str(e)) from None
         return {}

@@ -1,0 +1,32 @@
+"""Blocking steps of a request, run off the event loop, each kind under a thread limit of its own.
+
+Starlette's `run_in_threadpool` shares anyio's 40 threads between every route. A step that may wait there holds
+its thread while it waits: a large image waits for its share of the pixel budget (`serve.runtime.images.
+PixelBudget`), a model load or unload waits for the one before it. Forty such requests left no thread for any
+other step, and a small KServe v2 request took seconds. Here each kind of step has its own `CapacityLimiter`:
+past it, requests wait on the event loop and hold no thread.
+
+    DECODES  large uploads decoding, the explain overlay: one per core, as the budget lets them run
+    PARSES   KServe v2 JSON bodies: one per core; each inflates many times in memory while it is parsed
+    CHANGES  repository loads and unloads: one at a time, as the repository makes them anyway
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TypeVar
+
+from anyio import CapacityLimiter, to_thread
+
+from serve.runtime.jobs import usable_cores
+
+T = TypeVar("T")
+
+DECODES = CapacityLimiter(usable_cores())
+PARSES = CapacityLimiter(usable_cores())
+CHANGES = CapacityLimiter(1)
+
+
+async def run_in(limiter: CapacityLimiter, fn: Callable[..., T], *args) -> T:
+    """`fn(*args)` in a worker thread once `limiter` has room; waiting for it holds no thread."""
+    return await to_thread.run_sync(fn, *args, limiter=limiter)
