@@ -3,7 +3,7 @@
 uvicorn (with httptools) takes request heads of any size, waits for them forever, and accepts every
 connection until the process runs out of file descriptors. Here each connection:
 
-- answers 431 and closes once its request head passes `max_header_bytes`;
+- answers 431 and closes once its request head passes `max_header_bytes` or `MAX_HEADER_FIELDS` fields;
 - answers 408 and closes when the head is not complete `header_timeout_s` after its first byte (or
   after the connection opened), and closes when the body is not complete `body_timeout_s` after the
   head (the app then sees a client that went away);
@@ -34,6 +34,8 @@ from serve.server.errors import ERROR_STATUS, error_body
 
 log = logging.getLogger(__name__)
 SPARE_FDS = 64  # descriptors left for the model file, logs, uploads and Gradio's temp files
+# Each header field costs about 130 bytes of Python objects: 6,000 tiny ones fit `max_header_bytes` and took 800 kB
+MAX_HEADER_FIELDS = 100  # a connection. Apache's LimitRequestFields is 100 too; browsers send about 20.
 ANSWERED = "answered_by_connection"  # in scope["state"]: the status written here to a request refused in its body
 
 
@@ -129,6 +131,15 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self.head_bytes, self.in_head = 0, True
         if not self.deadline:  # a keep-alive connection's next request: its clock starts now
             self._arm(self.head_timeout, self._head_too_slow)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if self.refused:
+            return
+        if len(self.headers) >= MAX_HEADER_FIELDS:
+            return self._refuse(
+                "headers_too_large", f"the request has over {MAX_HEADER_FIELDS} header fields; send fewer"
+            )
+        super().on_header(name, value)
 
     def on_headers_complete(self) -> None:
         if self.refused:
