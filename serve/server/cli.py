@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["GRADIO_TEMP_DIR"] = temp_dir
     try:
         app = build_app(models, settings, with_ui=not args.no_ui)
-        server = AnnouncingServer(uvicorn_config(app, settings, args.log_level))
+        server = AnnouncingServer(uvicorn_config(app, settings, args.log_level), app.state.repository)
         if settings.probe_port:
             ready, loop = (lambda: app.state.repository.ready), (lambda: getattr(app.state, "loop", None))
             probes = ProbeServer(
@@ -257,10 +257,21 @@ def _exit_after_drain(server: AnnouncingServer, app) -> None:
 
 
 class AnnouncingServer(uvicorn.Server):
-    """A uvicorn server that prints its URL once the model is warm and the socket listens, and knows whether
-    its shutdown drained every connection in time (`drained`)."""
+    """A uvicorn server that prints its URL once the model is warm and the socket listens, marks `repository` as
+    stopping (not ready) as soon as SIGTERM or Ctrl-C arrives, and knows whether its shutdown drained every
+    connection in time (`drained`)."""
 
     drained = False
+
+    def __init__(self, config: uvicorn.Config, repository=None):
+        super().__init__(config)
+        self.repository = repository
+
+    def handle_exit(self, sig, frame) -> None:
+        # not ready from the signal on (probes, load balancers, gRPC's ServerReady), not once the drain is done
+        if self.repository is not None:
+            self.repository.stopping = True
+        super().handle_exit(sig, frame)
 
     async def _wait_tasks_to_complete(self) -> None:
         # uvicorn cancels this wait when graceful_timeout_s runs out: reaching the end means drained

@@ -15,7 +15,7 @@ import httpx
 import numpy as np
 import pytest
 
-from tests.helpers import ServerProcess, noise_png, read_response, server_has_read, wait_until
+from tests.helpers import ServerProcess, free_port, noise_png, read_response, server_has_read, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -94,8 +94,13 @@ def test_bounded_load_has_no_errors_and_batches_requests(server):
 @pytest.mark.slow
 def test_sigterm_drains_requests_in_flight_then_exits(tiny_onnx):
     """Six uploads are in the server's hands, all but their last byte, when SIGTERM arrives: each is still read
-    to its end, classified (batched together, with a long batching delay) and answered 200, then it exits 0."""
-    s = ServerProcess(tiny_onnx, "--max-delay-ms", "500", "--max-batch-size", "64", "--no-ui")
+    to its end, classified (batched together, with a long batching delay) and answered 200, then it exits 0.
+    From the signal on, the probe port's /readyz says 503, so that no new request is sent here (it said ready
+    for the whole drain)."""
+    probes = free_port()
+    args = ("--max-delay-ms", "500", "--max-batch-size", "64", "--no-ui", "--probe-port", str(probes))
+    s = ServerProcess(tiny_onnx, *args)
+    ready = lambda: httpx.get(f"http://127.0.0.1:{probes}/readyz", timeout=5).status_code
     try:
         s.wait_ready()
         uploads = []
@@ -108,7 +113,9 @@ def test_sigterm_drains_requests_in_flight_then_exits(tiny_onnx):
             uploads.append((conn, body[-1:]))
         try:
             wait_until(lambda: server_has_read(s.port, 6), 10, "the server reading the six uploads")
+            assert ready() == 200
             s.proc.send_signal(signal.SIGTERM)
+            wait_until(lambda: ready() == 503, 5, "the probe's /readyz saying 503 while the server drains")
             for conn, last in uploads:
                 conn.sendall(last)
             heads = [read_response(conn).split(b"\r\n", 1)[0] for conn, _ in uploads]
