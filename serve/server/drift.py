@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
+from contextlib import suppress
 
 import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -100,6 +101,18 @@ class TrustMetrics:
         w = self.windows[model] = DriftWindow(trust, window)
         for signal in SIGNALS:
             self.drift.labels(model, signal).set_function(lambda s=signal: w.psi(s))
+
+    def forget(self, model: str) -> None:
+        """Drop one model's series and its drift window (it serves no version now)."""
+        self.windows.pop(model, None)
+        series = [(self.drift, (model, signal)) for signal in SIGNALS]
+        series += [(c, (model,)) for c in (self.confidence, self.ood, self.unknown)]
+        for key in [k for k in self._cache if k[0] == model]:  # the labels each version of it counted under
+            del self._cache[key]
+            series += [(self.predicted, (model, label)) for label in key[1]]
+        for collector, labels in series:
+            with suppress(KeyError):  # prometheus-client before 0.21 raises for a series never made
+                collector.remove(*labels)
 
     def record(self, model: str, labels: list[str], answers: Assessment) -> None:
         """Count a batch of answers (on the batcher's thread, once per batch)."""

@@ -2,12 +2,14 @@
 memory; per model what the answers say about the images (`serve.server.drift`); payload-log drops.
 
 Each app gets its own registry, so several apps (as in tests) never share counters. Requests are counted
-by `serve.server.http.record.RequestRecord`, the layer that sees what each client got.
+by `serve.server.http.record.RequestRecord`, the layer that sees what each client got. A version's series go when
+it is retired, and a model's when it serves no version any more (`forget_version`, `forget_model`).
 """
 
 from __future__ import annotations
 
 import time
+from contextlib import suppress
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -76,6 +78,18 @@ class Metrics:
             children = self._children[key] = (self.requests.labels(route, str(status)), self.latency.labels(route))
         children[0].inc()
         children[1].observe(time.perf_counter() - started)
+
+    def forget_version(self, model: str, version: str) -> None:
+        """Drop the series of a version that serves no more (its batch sizes, queue depth and memory): else each
+        rollout would leave its version's series in /metrics for good."""
+        for collector in (self.batch_size, self.queue_depth, self.model_memory):
+            with suppress(KeyError):  # prometheus-client before 0.21 raises for a series never made
+                collector.remove(model, version)
+
+    def forget_model(self, model: str) -> None:
+        """Drop the per-model series of a model that serves no version (unloaded or deleted), as Triton drops a
+        model's metrics on unload."""
+        self.trust.forget(model)
 
     def render(self) -> tuple[bytes, str]:
         """The text exposition format and its content type."""

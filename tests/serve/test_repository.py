@@ -254,3 +254,37 @@ def test_probes_on_their_own_port_answer_within_a_second_while_the_api_is_overlo
                 assert httpx.get(probe + "/healthz", timeout=1.0).json() == {"status": "live"}
                 assert httpx.get(probe + "/readyz", timeout=1.0).status_code == 200
         assert httpx.get(probe + "/v2/health/ready", timeout=1.0).json() == {"ready": True}
+
+
+@pytest.fixture(scope="module")
+def polled(exported, tmp_path_factory):
+    """A server on a repository of alpha, beta and gamma (version 1 each) that it scans every 0.1 s."""
+    repo = tmp_path_factory.mktemp("polled") / "models"
+    for name in ("alpha", "beta", "gamma"):
+        add_model(repo, exported, name, [1])
+    args = ("--no-ui", "--preferred-batch-size", "1", "--repository-poll-s", "0.1")
+    with ServerProcess(repo, *args, env=_env()) as server:
+        server.repo = repo
+        yield server
+
+
+def series_of(url: str, model: str) -> list[str]:
+    """The /metrics samples labelled with `model`."""
+    text = httpx.get(url + "/metrics", headers=AUTH).text
+    return [line for line in text.splitlines() if f'model="{model}"' in line and not line.startswith("#")]
+
+
+def test_retired_versions_and_removed_models_leave_no_series_in_the_metrics(polled, exported):
+    """As Triton drops a model's metrics on unload: rollouts and removals must not grow /metrics for good."""
+    url, repo = polled.url, polled.repo
+    for name in ("alpha", "beta", "gamma"):
+        assert classify(url, f"/v1/models/{name}/classify").status_code == 200  # each model's answer series
+    assert any('version="1"' in line for line in series_of(url, "alpha"))
+    drop_version(repo / "alpha", 2, exported / "alpha" / "1" / "model.onnx")
+    wait_for(lambda: not any('version="1"' in line for line in series_of(url, "alpha")), 10)
+    kept = series_of(url, "alpha")
+    assert any(line.startswith("vitscope_confidence_count") for line in kept), kept  # alpha still serves
+    assert any(line.startswith("vitscope_batch_size_count") and 'version="2"' in line for line in kept), kept
+    shutil.rmtree(repo / "beta")
+    assert httpx.post(url + "/v2/repository/models/gamma/unload", headers=AUTH).status_code == 200
+    wait_for(lambda: not series_of(url, "beta") and not series_of(url, "gamma"), 10)

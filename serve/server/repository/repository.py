@@ -6,9 +6,10 @@ the hold refuses it (`Retired`), and the request looks up the new table. A new v
 the poller runs every `poll_s` seconds, or asked for by `load`), or a served one whose file changed on disk (its
 size, modification time or inode: rewritten in place, or replaced by a rename), is loaded and checked off to the
 side (`load_version`); only then does the table name it, and new requests go to it. A version that leaves the
-table drains: it is stopped once the requests that resolved it have finished. A version that fails its
-checks never enters the table; it is logged, counted in /metrics and listed in `index` with its reason, and
-tried again when its file changes (a copy that was not finished).
+table drains: it is stopped once the requests that resolved it have finished, and its series leave /metrics (the
+model's own too, with its last version). A version that fails its checks never enters the table; it is logged,
+counted in /metrics and listed in `index` with its reason, and tried again when its file changes (a copy that was
+not finished).
 
 Whatever one model's folder holds (a truncated or garbage file, a labels.txt that is not text, a config that
 cannot be read, a file that makes the loader raise anything at all), it is that model's failure and no one
@@ -42,6 +43,7 @@ from serve.server.repository.version import (
     UNAVAILABLE,
     LoadFailure,
     ModelVersion,
+    file_changed,
     freeze_heap,
     hold_current,
     load_ready,
@@ -206,7 +208,7 @@ class ModelRepository:
         self._forget(name, keep=set(wanted))  # nor is the model's own failure ("") once it has a version
         for version, path in sorted(wanted.items(), key=lambda kv: int(kv[0])):
             served = self.serving.get(name, {}).get(version)
-            if served is None or _changed(served, path):
+            if served is None or file_changed(served, path):
                 self._try_load(name, version, path, labels)
         old = set(self.serving.get(name, {})) - set(wanted)
         if self.serving.get(name, {}).keys() - old:  # never leave a model with nothing to serve
@@ -338,12 +340,11 @@ class ModelRepository:
         mv = box.pop()
         drained = mv.drain(self.drain_s)
         name, version = mv.name, mv.version
-        if self.serving.get(name, {}).get(version) is None:  # not reloaded under the same number meanwhile
-            for gauge in (self.metrics.model_memory, self.metrics.queue_depth):
-                try:
-                    gauge.remove(name, version)
-                except KeyError:
-                    pass
+        with self._change:  # so that no load (under the same lock) adds a series between the check and the removal
+            if self.serving.get(name, {}).get(version) is None:  # not reloaded under the same number meanwhile
+                self.metrics.forget_version(name, version)
+            if name not in self.serving:  # its last version: the model's own series go too
+                self.metrics.forget_model(name)
         del mv  # the last reference: what reference counting can free goes now, its cycles below
         release_heap(self._heap)
         log.info("version %s of %s unloaded (%s)", version, name, "drained" if drained else "drain timed out")
@@ -389,11 +390,3 @@ def model_order(root: Path, default_model: str = "") -> list[str]:
     if default_model and default_model not in names:
         raise ValueError(f"--default-model {default_model!r} is not in {root}; it holds {', '.join(names)}")
     return [default_model, *(n for n in names if n != default_model)] if default_model else names
-
-
-def _changed(served: ModelVersion, path: Path) -> bool:
-    """Whether the file of a served version is no longer the one it was loaded from (False while it is gone)."""
-    try:
-        return served.path != path or stamp_of(path) != served.stamp
-    except OSError:
-        return False

@@ -210,6 +210,14 @@ def stamp_of(path: Path) -> tuple[int, int, int]:
     return st.st_size, st.st_mtime_ns, st.st_ino
 
 
+def file_changed(served: ModelVersion, path: Path) -> bool:
+    """Whether the file of a served version is no longer the one it was loaded from (False while it is gone)."""
+    try:
+        return served.path != path or stamp_of(path) != served.stamp
+    except OSError:
+        return False
+
+
 def _stamp(path: Path) -> tuple[int, int, int]:
     try:
         return stamp_of(path)
