@@ -4,6 +4,7 @@ repository extension, and probes on a port of their own."""
 
 from __future__ import annotations
 
+import http.client
 import os
 import shutil
 import time
@@ -266,6 +267,23 @@ def polled(exported, tmp_path_factory):
     with ServerProcess(repo, *args, env=_env()) as server:
         server.repo = repo
         yield server
+
+
+@pytest.mark.parametrize(
+    "name", ["a" * 300, "..", ".", ".staging", "%2E%2E"], ids=["too-long", "parent", "itself", "hidden", "escaped"]
+)
+def test_loading_a_name_that_is_no_model_of_the_repository_is_a_404(polled, exported, name):
+    """The scan's rule, not a path built from the name: no parent, hidden or staging folder, no name too long
+    for the file system."""
+    if not (polled.repo / ".staging").exists():
+        add_model(polled.repo, exported, ".staging", [1])  # a model folder a deployment has not renamed into place
+    conn = http.client.HTTPConnection("127.0.0.1", int(polled.url.rsplit(":", 1)[1]), timeout=30)
+    conn.request("POST", f"/v2/repository/models/{name}/load", headers=AUTH)  # ".." as it is, not normalised away
+    r = conn.getresponse()
+    body = r.read().decode()
+    conn.close()
+    assert (r.status, "the repository has no model" in body) == (404, True), body[:200]
+    assert httpx.post(polled.url + "/v2/repository/models/alpha/load", headers=AUTH, timeout=60).status_code == 200
 
 
 def series_of(url: str, model: str) -> list[str]:

@@ -218,12 +218,17 @@ class ModelRepository:
         """Load (or reload) one model from the folder, as the v2 repository extension asks.
 
         Raises:
-            UnknownModel: the folder has no such model.
+            UnknownModel: the folder has no such model, by `scan`'s rule (a hidden or staging folder, `..` or a name
+                too long for a path is none: no path is built from `name`).
             LoadFailure: none of its wanted versions passed the checks.
         """
-        if self.root is None or not (self.root / name).is_dir():
-            raise UnknownModel(f"the repository has no model {name!r}")
         with self._change:
+            try:
+                found = self.root is not None and name in scan(self.root)
+            except (OSError, ValueError):  # no folder, or no model in it
+                found = False
+            if not found:
+                raise UnknownModel(f"the repository has no model {name!r}")
             self.unloaded.discard(name)
             self.sync(only=name)
             failed = [e for (m, _), (_, e) in self.failures.items() if m == name]
