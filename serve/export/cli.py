@@ -132,7 +132,7 @@ def export_onnx(
     net, meta = preflight.load_network(checkpoint)  # a wrong checkpoint path creates no output folder
     if calib_dir is not None and calibrate is not False:  # folders of other classes, refused now
         calib.calibration_entries(checkpoint, meta["class_names"], calib_dir)
-    _check_writable(output.parent)
+    _check_writable(preflight.output_file(output).parent)
     if triton_repo is not None:
         _check_writable(Path(triton_repo))
     preprocess = _serving_preprocess(net, meta["preprocess"], img_size)
@@ -207,14 +207,16 @@ def _check_writable(folder: Path) -> None:
 @contextlib.contextmanager
 def _write_checked(model: onnx.ModelProto, output: Path, gate: Any) -> Iterator[dict[str, Any] | None]:
     """Write `model` to a temporary file next to `output` and yield `gate(tmp)`; the file is moved into place
-    when the block ends without an error (removed otherwise), whole, as `serve.export.triton` writes its files."""
-    triton.remove_stale_temporaries(output.parent)
-    tmp = output.with_name(triton.temporary_name(output.name))
+    when the block ends without an error (removed otherwise), whole, as `serve.export.triton` writes its files.
+    A link is written through: the temporary goes beside the file it names, and the link stays."""
+    target = preflight.output_file(output)
+    triton.remove_stale_temporaries(target.parent)
+    tmp = target.with_name(triton.temporary_name(target.name))
     try:
         triton.write_new(tmp, model.SerializeToString())
         yield gate(tmp)
-        os.replace(tmp, output)
-        sync_folder(output.parent)
+        os.replace(tmp, target)
+        sync_folder(target.parent)
     finally:
         tmp.unlink(missing_ok=True)
 

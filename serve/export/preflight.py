@@ -1,7 +1,8 @@
 """What `vit-export` refuses before the slow export starts, so that a mistake costs a second, not a minute.
 
 - the output: the checkpoint itself (writing would replace the trained weights), another file that is not an ONNX
-  model (`last.ckpt`, `split.json`), or a folder;
+  model (`last.ckpt`, `split.json`), a folder, or something that is no regular file (a device, a FIFO, a socket:
+  the rename would put a file in its place); a link to a regular file is written through, and stays a link;
 - the options: a parity gate of fewer than one image, a `--val-dir` or `--calibrate` folder that is not there
   (the gate would run on random images, or calibration would fail after the export);
 - the checkpoint: metadata that cannot rebuild its network (another architecture, missing or unknown entries),
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import os
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +27,7 @@ from vit.model import VisionTransformer
 
 
 def check_output(checkpoint: Path, output: Path) -> None:
-    """Refuse an output that is the checkpoint itself (by any spelling or link) or a folder."""
+    """Refuse an output that is the checkpoint itself (by any spelling or link), a folder or no regular file."""
     same = output.resolve() == checkpoint.resolve()
     if not same and output.exists() and checkpoint.exists():
         same = os.path.samefile(output, checkpoint)  # a hard link, or another mount of the same file
@@ -36,11 +38,35 @@ def check_output(checkpoint: Path, output: Path) -> None:
         )
     if output.is_dir():
         raise ValueError(f"-o {output} is a folder; name the file to write in it, e.g. -o {output / 'model.onnx'}")
+    output_file(output)
     if output.is_file() and not _looks_like_onnx(output):
         raise ValueError(
             f"-o {output} exists and is not an ONNX model (a checkpoint, a report?): writing the model there would "
             "replace it; name another file, or remove it first"
         )
+
+
+def output_file(output: Path) -> Path:
+    """The file to write for `-o output`: the file a link names (the link stays), else `output` itself.
+
+    Raises:
+        ValueError: `output` is (or links to) something that is not a regular file, which the rename would replace.
+    """
+    target = Path(os.path.realpath(output)) if output.is_symlink() else output
+    try:
+        mode = output.stat().st_mode  # through links, /proc/self/fd/1's too
+    except FileNotFoundError:
+        return target  # a new file, or the one a dangling link names
+    except OSError as e:  # a loop of links
+        raise ValueError(f"-o {output}: {e.strerror or e}; name a file to write, e.g. -o model.onnx") from None
+    if not stat.S_ISREG(mode) and not stat.S_ISDIR(mode):  # a folder gets check_output's own message
+        kind = "a FIFO" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode) else "a device"
+        via = " (through a link)" if output.is_symlink() else ""
+        raise ValueError(
+            f"-o {output} is {kind}{via}, not a regular file: the model would take its place; name a file to "
+            "write, e.g. -o model.onnx"
+        )
+    return target
 
 
 def _looks_like_onnx(path: Path) -> bool:

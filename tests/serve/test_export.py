@@ -69,8 +69,13 @@ def test_the_fast_and_explain_branches_share_one_copy_of_the_weights(tiny_checkp
 
     net, _ = load_network(tiny_checkpoint)
     n_params = sum(p.numel() for p in net.parameters())
-    out = tmp_path / "no_grad.onnx"
+    out, file = tmp_path / "no_grad.onnx", tmp_path / "files" / "no_grad.onnx"
+    file.parent.mkdir()
+    file.touch()
+    out.symlink_to(file)  # written through: the link stays, and names the model (it was replaced by the file)
     assert main([str(tiny_checkpoint), "-o", str(out), "--no-gradients"]) == 0
+    assert out.is_symlink() and out.resolve() == file and file.stat().st_size > 0
+    assert sorted(tmp_path.iterdir()) == [file.parent, out] and list(file.parent.iterdir()) == [file]
     stored = sum(int(np.prod(t.dims)) for t in onnx.load(out).graph.initializer)
     assert n_params <= stored < 1.3 * n_params
     clf = OnnxClassifier(out)

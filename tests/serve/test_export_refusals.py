@@ -7,7 +7,9 @@ from __future__ import annotations
 import copy
 import hashlib
 import logging
+import os
 import shutil
+import stat
 from pathlib import Path
 
 import pytest
@@ -85,6 +87,20 @@ def test_an_output_that_would_replace_a_file_that_is_no_model_is_refused(own_run
     before = _sha256(target)
     line = _refused(capsys, [str(checkpoint), "-o", str(target)])
     assert "is not an ONNX model" in line and _sha256(target) == before
+
+
+@pytest.mark.parametrize("link", [False, True], ids=["fifo", "link_to_a_fifo"])
+def test_an_output_that_is_no_regular_file_is_refused_and_left_as_it_is(own_run, tmp_path, capsys, no_export, link):
+    """-o /dev/null (as root), a FIFO or a link to one was replaced by a regular file: the rename took its place."""
+    fifo = tmp_path / "pipe.onnx"
+    os.mkfifo(fifo)
+    output = fifo
+    if link:
+        output = tmp_path / "link.onnx"
+        output.symlink_to(fifo)
+    line = _refused(capsys, [str(own_run / "checkpoints" / "best.ckpt"), "-o", str(output)])
+    assert f"-o {output} is a FIFO" in line and "not a regular file" in line
+    assert stat.S_ISFIFO(fifo.stat().st_mode) and output.is_symlink() == link
 
 
 def _edited(checkpoint: Path, folder: Path, edit) -> Path:
