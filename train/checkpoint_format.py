@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import pickle
 import random
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,7 @@ import torch
 
 from serve.runtime.images import Preprocess
 from train.errors import SetupError, first_line
+from train.run_dir import damaged_record
 from vit.model import VisionTransformer
 
 META_KEY = "vitscope"
@@ -46,6 +48,14 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
         raise ValueError(
             f"{path} is not a PyTorch checkpoint{onnx}; give the .ckpt file vit-train wrote, "
             "e.g. runs/<run>/checkpoints/best.ckpt"
+        )
+    try:
+        bad = damaged_record(path) if head[:2] == b"PK" else None
+    except (OSError, zipfile.BadZipFile) as e:
+        raise ValueError(f"{path} is damaged or truncated ({first_line(e)}); train or copy it again") from None
+    if bad:
+        raise ValueError(
+            f"{path} is damaged: its record {bad} fails its checksum (a disk or copy error); copy it again"
         )
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)

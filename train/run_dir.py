@@ -43,6 +43,14 @@ def is_intact(path: Path) -> bool:
         return False
 
 
+def damaged_record(path: Path) -> str | None:
+    """The first record of the `torch.save` file `path` whose bytes fail their zip checksum (None: all pass).
+
+    torch.load reads records without checking them: bytes changed by a bad disk or copy load as wrong weights."""
+    with zipfile.ZipFile(path) as z:
+        return z.testzip()
+
+
 def usable_checkpoints(ckpt_dir: Path, exclude: Path | None = None) -> list[Path]:
     """The intact `*.ckpt` files of `ckpt_dir` (sorted), leaving out `exclude`."""
     if not ckpt_dir.is_dir():
@@ -78,6 +86,8 @@ def resolve_ckpt_path(ckpt_path: str | None, run_dir: Path) -> str | None:
             raise SetupError(f"checkpoint not found: {path}; {_alternatives(ckpt_dir)}")
     if not is_intact(path):
         raise SetupError(f"{path} is damaged or truncated (not a whole checkpoint); {_alternatives(ckpt_dir, path)}")
+    if bad := damaged_record(path):
+        raise SetupError(f"{path} is damaged: its record {bad} fails its checksum; {_alternatives(ckpt_dir, path)}")
     return str(path.resolve())
 
 

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from tests.helpers import REPO, write_shapes
+from train.checkpoint_format import META_KEY, load_checkpoint
 from train.cli import main
 
 SAMPLE = str(REPO / "configs" / "sample.yaml")
@@ -176,6 +177,28 @@ def test_ckpt_path_last_without_a_last_ckpt_is_refused_naming_the_usable_files(s
 def test_ckpt_path_last_in_a_new_run_directory_says_there_is_nothing_to_resume(small_folder, tmp_path, capsys):
     err = one_line_error(args(small_folder, tmp_path / "run", "--ckpt_path", "last"), capsys)
     assert "holds no usable checkpoint: start without --ckpt_path" in err
+
+
+def _flip_weights(path: Path) -> None:
+    """Save a checkpoint at `path` whose weight record then has bytes changed in place, as a bad disk or copy does:
+    the zip and its directory stay whole, only the record's checksum tells."""
+    weights = torch.arange(1000, dtype=torch.float32)
+    torch.save({"epoch": 0, META_KEY: {}, "state_dict": {"net.w": weights}}, path)
+    data, raw = bytearray(path.read_bytes()), weights.numpy().tobytes()
+    at = data.index(raw) + 400
+    data[at : at + 64] = bytes(64)
+    path.write_bytes(bytes(data))
+
+
+def test_a_checkpoint_with_changed_bytes_is_refused_before_it_is_loaded(small_folder, tmp_path, capsys):
+    """It loaded without a word: a checkpoint with 64 bytes flipped in one weight exported with exit 0, and its
+    parity gate passed at chance accuracy against itself."""
+    ckpts = _fake_run(tmp_path / "run", "best.ckpt")
+    _flip_weights(ckpts / "last.ckpt")
+    err = one_line_error(args(small_folder, tmp_path / "run", "--ckpt_path", "last"), capsys)
+    assert "last.ckpt is damaged: its record" in err and "fails its checksum" in err and "best.ckpt" in err
+    with pytest.raises(ValueError, match=r"last.ckpt is damaged: its record .* fails its checksum"):
+        load_checkpoint(ckpts / "last.ckpt")
 
 
 def test_a_truncated_last_ckpt_is_one_line_naming_the_usable_files(small_folder, tmp_path, capsys):
