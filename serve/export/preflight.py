@@ -15,6 +15,7 @@ line and answers 2 (1 means the parity gate failed).
 from __future__ import annotations
 
 import collections
+import errno
 import os
 import stat
 from pathlib import Path
@@ -55,10 +56,10 @@ def output_file(output: Path) -> Path:
     target = Path(os.path.realpath(output)) if output.is_symlink() else output
     try:
         mode = output.stat().st_mode  # through links, /proc/self/fd/1's too
-    except FileNotFoundError:
-        return target  # a new file, or the one a dangling link names
-    except OSError as e:  # a loop of links
-        raise ValueError(f"-o {output}: {e.strerror or e}; name a file to write, e.g. -o model.onnx") from None
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise ValueError(f"-o {output}: {e.strerror}; name a file to write, e.g. -o model.onnx") from None
+        return target  # a new file, the one a dangling link names, or a folder that cannot be (`_check_writable`)
     if not stat.S_ISREG(mode) and not stat.S_ISDIR(mode):  # a folder gets check_output's own message
         kind = "a FIFO" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode) else "a device"
         via = " (through a link)" if output.is_symlink() else ""
