@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
-from serve.export.preflight import check_image_folder
+from serve.export.preflight import check_image_folder, split_path
 from serve.runtime import calibration as cal
 from serve.runtime.images import ImageError, Preprocess, load_image
 from serve.runtime.session import session_options
@@ -67,7 +67,7 @@ def calibration_entries(checkpoint: Path, class_names: list[str], calib_dir: Pat
                 )
             entries += [(Path(p), index[d.name]) for p in find_image_files(d)]
         return entries, str(calib_dir)
-    split = Path(checkpoint).resolve().parent.parent / "split.json"
+    split = split_path(checkpoint)
     if not split.is_file():  # a run on a prepared dataset (`vit-train prepare`) keeps none
         raise ValueError(
             f"no calibration images: {split} is not there (a run on a prepared LitData dataset, or a checkpoint out "

@@ -130,6 +130,7 @@ def export_onnx(
         raise ValueError(f"quantize must be None or 'int8', got {quantize!r}")
     name = triton.model_name(triton_name or output.stem) if triton_repo is not None else None
     net, meta = preflight.load_network(checkpoint)  # a wrong checkpoint path creates no output folder
+    preflight.check_split(checkpoint, meta["class_names"])  # the gate's and the calibration's images
     if calib_dir is not None and calibrate is not False:  # folders of other classes, refused now
         calib.calibration_entries(checkpoint, meta["class_names"], calib_dir)
     _check_writable(preflight.output_file(output).parent)

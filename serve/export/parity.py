@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from serve.export.preflight import split_path
 from serve.runtime.classifier import OnnxClassifier
 from serve.runtime.images import ImageError, Preprocess, load_image, walk_image_files
 from vit.model import VisionTransformer
@@ -58,7 +59,7 @@ def validation_sample(
     """The run's validation images (`<run>/split.json`), else `val_dir`, else random images with a warning."""
     entries: list[tuple[Path, int]] = []
     source = ""
-    split = Path(checkpoint).resolve().parent.parent / "split.json"
+    split = split_path(checkpoint)  # checked against the checkpoint's classes: `preflight.check_split`
     index = {name: i for i, name in enumerate(class_names)}
     if split.is_file():
         run_dir = split.parent

@@ -6,7 +6,10 @@
 - the options: a parity gate of fewer than one image, a `--val-dir` or `--calibrate` folder that is not there
   (the gate would run on random images, or calibration would fail after the export);
 - the checkpoint: metadata that cannot rebuild its network (another architecture, missing or unknown entries),
-  or class names that do not name the head's outputs one to one.
+  or class names that do not name the head's outputs one to one;
+- the run's `split.json` beside it (the parity gate's and the calibration's images) when it is another run's:
+  other classes, or labels that are not the checkpoint's (a refit killed before its first checkpoint leaves
+  the new split beside the old `best.ckpt`).
 
 Each refusal is a ValueError whose message says what is wrong and what to do: `vit-export` prints it in one
 line and answers 2 (1 means the parity gate failed).
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import collections
 import errno
+import json
 import os
 import stat
 from pathlib import Path
@@ -146,3 +150,44 @@ def check_class_names(checkpoint: Path, names: Any, outputs: int) -> None:
             f"{checkpoint} names {', '.join(map(repr, repeated))} more than once: each of the {outputs} outputs "
             "needs a name of its own, or the file would give two classes one label"
         )
+
+
+def split_path(checkpoint: Path) -> Path:
+    """The `split.json` of the checkpoint's run: `<run>/checkpoints/best.ckpt` -> `<run>/split.json`."""
+    return Path(checkpoint).resolve().parent.parent / "split.json"
+
+
+def check_split(checkpoint: Path, class_names: list[str]) -> None:
+    """Refuse a `split.json` beside the checkpoint that is not its run's: the parity gate and the calibration would
+    run on another run's images, labelled by its classes (a wrong temperature, or an IndexError)."""
+    split = split_path(checkpoint)
+    if not split.is_file():
+        return
+    elsewhere = (
+        f"export {checkpoint} from its own run folder, beside the split.json that trained it, or from a folder "
+        "without one, with --val-dir DIR and --calibrate DIR (or --no-calibration)"
+    )
+    K = len(class_names)
+    try:
+        data = json.loads(split.read_text())
+        classes = list(data.get("classes", class_names))
+        val = [e.get("label", -1) for e in data.get("val", [])]  # the gate takes a name, or -1 for unknown
+        calib = [e["label"] for e in data.get("calib", [])]
+        bad = [y for y in val if not (y in class_names or type(y) is int and -1 <= y < K)]
+        bad += [y for y in calib if not (type(y) is int and 0 <= y < K)]
+    except (OSError, ValueError, AttributeError, KeyError, TypeError):
+        raise ValueError(f"{split} is not a split.json that vit-train writes; {elsewhere}") from None
+    if classes != list(class_names):
+        raise ValueError(
+            f"{split} is another run's: its classes {_shown(classes)} are not the checkpoint's "
+            f"{_shown(class_names)}; {elsewhere}"
+        )
+    if bad:
+        raise ValueError(f"{split} labels an image {bad[0]!r}, not one of the checkpoint's {K} classes; {elsewhere}")
+
+
+def _shown(names: list, most: int = 5) -> str:
+    """At most `most` names, for a one-line message."""
+    names = list(names)
+    more = f" and {len(names) - most} more" if len(names) > most else ""
+    return f"[{', '.join(map(repr, names[:most]))}{more}]"

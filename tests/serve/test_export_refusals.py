@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import json
 import logging
 import os
 import shutil
@@ -175,6 +176,28 @@ def test_a_calibration_folder_of_other_classes_is_refused_before_the_export(own_
         capsys, [str(own_run / "checkpoints" / "best.ckpt"), "-o", str(out), "--calibrate", str(tmp_path / "calib")]
     )
     assert "folder 'cats' is not one of the model's classes" in line
+
+
+SPLITS = {  # what another run's split.json beside the checkpoint holds -> what the one line must say
+    "other_classes": (lambda d: d.update(classes=[str(i) for i in range(10)]), "is another run's: its classes ['0'"),
+    "label_out_of_range": (lambda d: d["calib"][0].update(label=7), "labels an image 7, not one of the checkpoint's"),
+    "not_a_split": (lambda d: d.update(calib="calib.txt"), "is not a split.json that vit-train writes"),
+}
+
+
+@pytest.mark.parametrize("case", SPLITS)
+def test_another_runs_split_beside_the_checkpoint_is_refused_before_the_export(
+    own_run, tmp_path, capsys, no_export, case
+):
+    """The parity gate and the calibration ran on another run's split: a wrong temperature, or an IndexError."""
+    edit, says = SPLITS[case]
+    split = json.loads((own_run / "split.json").read_text())
+    edit(split)
+    (own_run / "split.json").write_text(json.dumps(split))
+    out = tmp_path / "out" / "model.onnx"
+    line = _refused(capsys, [str(own_run / "checkpoints" / "best.ckpt"), "-o", str(out)])
+    assert f"{own_run / 'split.json'} " in line and says in line and "--val-dir DIR and --calibrate DIR" in line
+    assert not out.parent.exists()
 
 
 def test_calibration_reports_the_run_folder_cannot_take_are_a_warning_and_the_calibration_is_kept(
