@@ -131,6 +131,8 @@ def export_onnx(
     name = triton.model_name(triton_name or output.stem) if triton_repo is not None else None
     net, meta = preflight.load_network(checkpoint)  # a wrong checkpoint path creates no output folder
     preflight.check_split(checkpoint, meta["class_names"])  # the gate's and the calibration's images
+    if triton_repo is not None:
+        triton.check_labels(meta["class_names"])  # labels.txt, refused now rather than after the export
     if calib_dir is not None and calibrate is not False:  # folders of other classes, refused now
         calib.calibration_entries(checkpoint, meta["class_names"], calib_dir)
     _check_writable(preflight.output_file(output).parent)

@@ -58,6 +58,30 @@ def model_name(name: str) -> str:
     return cleaned
 
 
+def check_labels(class_names: list[str]) -> None:
+    """Refuse class names that labels.txt cannot hold one a line: a line break of any kind (a server splits the
+    file as `str.splitlines` does: \\r, \\x0b, \\x85, \\u2028, ...) or text that is not UTF-8 (a surrogate escape,
+    from a class folder whose name was not UTF-8).
+
+    Raises:
+        ValueError: the first such name, in one line.
+    """
+    for i, name in enumerate(class_names, 1):
+        try:
+            name.encode()
+        except UnicodeEncodeError:
+            what = "is not UTF-8 text (a class folder whose name was not UTF-8?)"
+        else:
+            if name.splitlines() == [name]:
+                continue
+            what = "holds a line break"
+        raise ValueError(
+            f"--triton-repo: class name {i} of {len(class_names)}, {name!r}, {what}: labels.txt holds one UTF-8 "
+            "name a line, and a server reading it would refuse the model; export without --triton-repo, or rename "
+            "that class folder and train again"
+        )
+
+
 def _tensor(value: onnx.ValueInfoProto, label_file: bool = False) -> str:
     """One `input`/`output` entry: the graph's name, datatype and dims after the batch axis."""
     t = value.type.tensor_type
@@ -193,8 +217,7 @@ def write_repo(
     outputs = [o.name for o in model.graph.output]
     if outputs[:1] != ["logits"] or not set(outputs) <= {"logits", "features", "probs"}:
         raise ValueError(f"the Triton model must be the logits-only graph (logits, features, probs), not {outputs}")
-    if any("\n" in c for c in class_names):
-        raise ValueError("class names with line breaks cannot be written to labels.txt")
+    check_labels(class_names)
     folder = Path(repo) / name
     folder.mkdir(parents=True, exist_ok=True)
     sync_folder(folder.parent)

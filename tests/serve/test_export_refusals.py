@@ -178,6 +178,20 @@ def test_a_calibration_folder_of_other_classes_is_refused_before_the_export(own_
     assert "folder 'cats' is not one of the model's classes" in line
 
 
+@pytest.mark.parametrize("name", ["top\rleft", "top\u2028left", "top\x1cleft", "top\udcffleft"])
+def test_class_names_labels_txt_cannot_hold_are_refused_before_the_export(own_run, tmp_path, capsys, no_export, name):
+    """A server splits labels.txt at any line break and refused the model; a name that is not UTF-8 failed after
+    the export, and left an empty model folder in the repository."""
+    names = [name, *CLASS_NAMES[1:]]
+    checkpoint = _edited(own_run / "checkpoints" / "best.ckpt", own_run, lambda m: m.update(class_names=names))
+    split = json.loads((own_run / "split.json").read_text())
+    (own_run / "split.json").write_text(json.dumps({**split, "classes": names}))
+    out, repo = tmp_path / "out" / "model.onnx", tmp_path / "models"
+    line = _refused(capsys, [str(checkpoint), "-o", str(out), "--triton-repo", str(repo)])
+    assert f"--triton-repo: class name 1 of 4, {name!r}, " in line and "export without --triton-repo" in line
+    assert not out.parent.exists() and not repo.exists()
+
+
 SPLITS = {  # what another run's split.json beside the checkpoint holds -> what the one line must say
     "other_classes": (lambda d: d.update(classes=[str(i) for i in range(10)]), "is another run's: its classes ['0'"),
     "label_out_of_range": (lambda d: d["calib"][0].update(label=7), "labels an image 7, not one of the checkpoint's"),
