@@ -12,20 +12,24 @@ second axis), and a server answers classification requests. The config is writte
 from the graph itself (names, datatypes, dims without the batch axis), so Triton needs no guessing.
 
 A server may poll the repository while it is written (Triton's `--model-control-mode=poll`, `vit-serve DIR`),
-so each piece is written whole or not at all: config.pbtxt and labels.txt first, each through a temporary file
-renamed over it, then the version, whose folder is built under a temporary name and renamed into place (or,
-when version 1 is there already, whose file is renamed over the old one). A reader sees the old model or the
-new one, and never a version without its config. Temporaries are hidden names, never a version number,
-and never a folder of the repository itself (Triton takes every folder there, hidden or not, for a model);
-those a killed export left are removed by the next one (`remove_stale_temporaries`).
+so each piece is written whole or not at all, and all of them before any is put in place: labels.txt,
+config.pbtxt and the model each go to a temporary file first (the version, when new, to a folder built under a
+temporary name), then they are renamed into place, labels.txt and config.pbtxt first and the version last. A
+full disk or an error replaces nothing, a reader never sees a version without its config, and a new model's
+folder that could not be filled is removed again (Triton would take it for a broken model). Temporaries are
+hidden names, never a version number, and never a folder of the repository itself (Triton takes every folder
+there, hidden or not, for a model); those a killed export left are removed by the next one
+(`remove_stale_temporaries`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import secrets
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -219,27 +223,69 @@ def write_repo(
         raise ValueError(f"the Triton model must be the logits-only graph (logits, features, probs), not {outputs}")
     check_labels(class_names)
     folder = Path(repo) / name
-    folder.mkdir(parents=True, exist_ok=True)
-    sync_folder(folder.parent)
-    remove_stale_temporaries(folder)
-    # the model's files before its version: vit-serve checks a new version file against the labels there
-    replace_file(folder / "labels.txt", "".join(f"{c}\n" for c in class_names).encode())
-    replace_file(folder / "config.pbtxt", config_pbtxt(model, name, max_batch_size).encode())
-    version = folder / "1"
-    if version.is_dir():  # its file is replaced: a folder cannot be renamed over one that holds files
-        remove_stale_temporaries(version)
-        replace_file(version / "model.onnx", model.SerializeToString())
-        return folder
-    staged = folder / temporary_name(version.name)
+    pieces = {  # renamed into place in this order: the version last (vit-serve checks it against the labels)
+        folder / "labels.txt": "".join(f"{c}\n" for c in class_names).encode(),
+        folder / "config.pbtxt": config_pbtxt(model, name, max_batch_size).encode(),
+        folder / "1" / "model.onnx": model.SerializeToString(),
+    }
+    created = not folder.exists()
     try:
-        staged.mkdir()
-        write_new(staged / "model.onnx", model.SerializeToString())
-        sync_folder(staged)
-        staged.rename(version)
-    finally:
-        shutil.rmtree(staged, ignore_errors=True)
-    sync_folder(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        _write_pieces(pieces)
+    except BaseException:
+        if created:  # a model folder without its files: Triton would take it for a broken model
+            shutil.rmtree(folder, ignore_errors=True)
+        raise
+    sync_folder(folder.parent)
     return folder
+
+
+def _write_pieces(pieces: dict[Path, bytes]) -> None:
+    """Write every piece to a temporary first, then rename them into place in order: a full disk or an error
+    replaces nothing, and a kill leaves at most the pieces before the version renamed. A version folder that is
+    not there yet is built whole under a temporary name and renamed last; an OSError names the piece it failed on.
+    """
+    *files, (model, model_bytes) = pieces.items()
+    version = model.parent
+    remove_stale_temporaries(version.parent)
+    staged: dict[Path, Path] = {}  # where each piece goes -> its temporary
+    try:
+        for path, data in files:
+            staged[path] = path.with_name(temporary_name(path.name))
+            with _naming(path):
+                write_new(staged[path], data)
+        if version.is_dir():  # its file is replaced: a folder cannot be renamed over one that holds files
+            remove_stale_temporaries(version)
+            staged[model] = model.with_name(temporary_name(model.name))
+            with _naming(model):
+                write_new(staged[model], model_bytes)
+        else:
+            staged[version] = version.with_name(temporary_name(version.name))
+            with _naming(model):
+                staged[version].mkdir()
+                write_new(staged[version] / model.name, model_bytes)
+                sync_folder(staged[version])
+        for path, tmp in staged.items():
+            with _naming(path):
+                os.replace(tmp, path)
+    finally:
+        for tmp in staged.values():
+            if tmp.is_dir():
+                shutil.rmtree(tmp, ignore_errors=True)
+            else:
+                tmp.unlink(missing_ok=True)
+    sync_folder(version)
+    sync_folder(version.parent)
+
+
+@contextlib.contextmanager
+def _naming(path: Path) -> Iterator[None]:
+    """An OSError in the block names `path`, the piece being written, not its temporary (or nothing: a full disk)."""
+    try:
+        yield
+    except OSError as e:
+        e.filename, e.filename2 = str(path), None
+        raise
 
 
 # Written whole or not at all, here and for the main file (`serve.export.cli`): a temporary named
@@ -258,17 +304,6 @@ def write_new(path: Path, data: bytes) -> None:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
-
-
-def replace_file(path: Path, data: bytes) -> None:
-    """Write `path` whole or not at all: a reader sees the old file or the new one."""
-    tmp = path.with_name(temporary_name(path.name))
-    try:
-        write_new(tmp, data)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    sync_folder(path.parent)
 
 
 def _running(pid: int) -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import subprocess
 import sys
@@ -108,6 +109,46 @@ def test_the_portable_target_gives_triton_standard_ops(tiny_checkpoint, tmp_path
     assert {n.domain for n in model.graph.node} == {""}
     assert [o.name for o in model.graph.output] == ["logits", "features", "probs"]
     assert _config(tmp_path / "tiny-portable").name == "tiny-portable"
+
+
+def _logits_only(K: int) -> onnx.ModelProto:
+    """A small graph with the Triton model's input and first output: pixels (B, 2, 2, 3) uint8 -> logits (B, K)."""
+    weights = onnx.numpy_helper.from_array(np.ones((12, K), np.float32), "w")
+    nodes = [
+        onnx.helper.make_node("Cast", ["pixels"], ["x"], to=onnx.TensorProto.FLOAT),
+        onnx.helper.make_node("Flatten", ["x"], ["flat"]),
+        onnx.helper.make_node("MatMul", ["flat", "w"], ["logits"]),
+    ]
+    pixels = onnx.helper.make_tensor_value_info("pixels", onnx.TensorProto.UINT8, [None, 2, 2, 3])
+    logits = onnx.helper.make_tensor_value_info("logits", onnx.TensorProto.FLOAT, [None, K])
+    return onnx.helper.make_model(onnx.helper.make_graph(nodes, "tiny", [pixels], [logits], [weights]))
+
+
+def _files(folder: Path) -> dict[Path, bytes]:
+    return {p: p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_a_write_that_fails_midway_replaces_nothing_names_its_file_and_leaves_no_empty_model(tmp_path, monkeypatch):
+    """A full disk while the model was written left the new labels.txt and config.pbtxt beside the old model, the
+    error named the main output, and a new model's folder stayed in the repository without its files."""
+    from serve.export import triton
+
+    folder = triton.write_repo(_logits_only(4), CLASS_NAMES, tmp_path, "tiny")
+    before = _files(folder)
+    new = _logits_only(3)
+    write_new = triton.write_new
+
+    def full_disk(path: Path, data: bytes) -> None:
+        if data == new.SerializeToString():
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        write_new(path, data)
+
+    monkeypatch.setattr(triton, "write_new", full_disk)
+    for name in ("tiny", "other"):  # a model rewritten, a new one
+        with pytest.raises(OSError) as failed:
+            triton.write_repo(new, ["a", "b", "c"], tmp_path, name)
+        assert failed.value.filename == str(tmp_path / name / "1" / "model.onnx")
+    assert _files(folder) == before and sorted(p.name for p in tmp_path.iterdir()) == ["tiny"]
 
 
 def _export_args(checkpoint: Path, root: Path) -> list[str]:
