@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import io
 import json
 import math
 import os
@@ -132,13 +133,16 @@ def rows_for(clf: OnnxClassifier, top_k: int, coverage: float | None = None):
 
 
 class _Writer:
-    """Results to `out` as JSON Lines or CSV; write errors become `OutputError` (BrokenPipeError stays itself)."""
+    """Results to `out` as JSON Lines or CSV; write errors become `OutputError` (BrokenPipeError stays itself).
+
+    A file name that is not UTF-8 (a str with surrogate escapes) goes into CSV as its own bytes, as the --out CSV
+    writes it (`serve.runtime.outputs`); JSON writes the escape.
+    """
 
     def __init__(self, fmt: str, out: TextIO):
         self.fmt, self.out = fmt, out
         if fmt == "csv":
-            self.csv = csv.writer(out, lineterminator="\n")
-            self._guard(self.csv.writerow, ["path", "rank", "label", "score", "in_set", "unknown", "ood_score"])
+            self._row(["path", "rank", "label", "score", "in_set", "unknown", "ood_score"])
 
     def write(self, path: Path, top: Prediction) -> None:
         if self.fmt == "csv":
@@ -146,11 +150,22 @@ class _Writer:
             unknown = "" if top.unknown is None else str(top.unknown).lower()
             for rank, (label, prob) in enumerate(top, start=1):
                 in_set = "" if top.prediction_set is None else str(label in top.prediction_set).lower()
-                row = [str(path), rank, label, f"{prob:.6f}", in_set, unknown, "" if ood is None else ood]
-                self._guard(self.csv.writerow, row)
+                self._row([str(path), rank, label, f"{prob:.6f}", in_set, unknown, "" if ood is None else ood])
         else:
             line = json.dumps(result_row(path, top), allow_nan=False)
             self._guard(self.out.write, line + "\n")
+
+    def _row(self, row: list) -> None:
+        text = io.StringIO()
+        csv.writer(text, lineterminator="\n").writerow(row)
+        try:
+            self._guard(self.out.write, text.getvalue())
+        except UnicodeEncodeError:  # a name's surrogate escapes: its own bytes, below the text layer
+            buffer = getattr(self.out, "buffer", None)
+            if buffer is None:
+                raise
+            self.flush()
+            self._guard(buffer.write, text.getvalue().encode(self.out.encoding, "surrogateescape"))
 
     def flush(self) -> None:
         self._guard(self.out.flush)

@@ -69,6 +69,19 @@ def test_csv_output_has_one_row_per_image_and_rank(tiny_onnx, tmp_path, capsys):
     assert np.all(np.diff(probs) <= 0) and 0 < probs.sum() <= 1.0001
 
 
+def test_csv_on_stdout_writes_a_name_that_is_not_utf8_as_its_bytes(tiny_onnx, tmp_path, monkeypatch):
+    """Under a UTF-8 locale (stdout's errors 'strict') the run stopped at the first such name with exit 2, and the
+    files after it were never classified; --out and JSON kept them."""
+    folder = _folder(tmp_path, n=3)
+    odd = (folder / "0_top_left.png").rename(folder / os.fsdecode(b"0_\xff.png"))  # listed first
+    stdout = io.TextIOWrapper(io.BytesIO(), encoding="utf-8", errors="strict")
+    monkeypatch.setattr(sys, "stdout", stdout)
+    assert main([str(tiny_onnx), str(folder), "--format", "csv", "--top-k", "1"]) == 0
+    stdout.flush()
+    rows = stdout.buffer.getvalue().splitlines()
+    assert len(rows) == 4 and sum(row.startswith(os.fsencode(odd) + b",1,") for row in rows) == 1
+
+
 def test_nothing_classifiable_exits_non_zero(tiny_onnx, tmp_path, capsys):
     bad = tmp_path / "bad.png"
     bad.write_bytes(b"\x89PNG\r\n\x1a\n broken")
