@@ -39,7 +39,7 @@ from typing import Any
 import onnx
 
 from serve.export import calibrate as calib
-from serve.export import preflight, targets, triton, web
+from serve.export import files, preflight, targets, triton, web
 from serve.export.merge import set_metadata
 from serve.export.metadata import build_metadata
 from serve.export.trace import DEFAULT_OPSET
@@ -211,13 +211,13 @@ def _check_writable(folder: Path) -> None:
 @contextlib.contextmanager
 def _write_checked(model: onnx.ModelProto, output: Path, gate: Any) -> Iterator[dict[str, Any] | None]:
     """Write `model` to a temporary file next to `output` and yield `gate(tmp)`; the file is moved into place
-    when the block ends without an error (removed otherwise), whole, as `serve.export.triton` writes its files.
+    when the block ends without an error (removed otherwise), whole (`serve.export.files`).
     A link is written through: the temporary goes beside the file it names, and the link stays."""
     target = preflight.output_file(output)
-    triton.remove_stale_temporaries(target.parent)
-    tmp = target.with_name(triton.temporary_name(target.name))
+    files.remove_stale_temporaries(target.parent)
+    tmp = target.with_name(files.temporary_name(target.name))
     try:
-        triton.write_new(tmp, model.SerializeToString())
+        files.write_new(tmp, model.SerializeToString())
         yield gate(tmp)
         os.replace(tmp, target)
         sync_folder(target.parent)

@@ -131,19 +131,19 @@ def _files(folder: Path) -> dict[Path, bytes]:
 def test_a_write_that_fails_midway_replaces_nothing_names_its_file_and_leaves_no_empty_model(tmp_path, monkeypatch):
     """A full disk while the model was written left the new labels.txt and config.pbtxt beside the old model, the
     error named the main output, and a new model's folder stayed in the repository without its files."""
-    from serve.export import triton
+    from serve.export import files, triton
 
     folder = triton.write_repo(_logits_only(4), CLASS_NAMES, tmp_path, "tiny")
     before = _files(folder)
     new = _logits_only(3)
-    write_new = triton.write_new
+    write_new = files.write_new
 
     def full_disk(path: Path, data: bytes) -> None:
         if data == new.SerializeToString():
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         write_new(path, data)
 
-    monkeypatch.setattr(triton, "write_new", full_disk)
+    monkeypatch.setattr(files, "write_new", full_disk)
     for name in ("tiny", "other"):  # a model rewritten, a new one
         with pytest.raises(OSError) as failed:
             triton.write_repo(new, ["a", "b", "c"], tmp_path, name)
