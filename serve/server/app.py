@@ -38,6 +38,7 @@ from serve.server.repository.layout import scan
 from serve.server.repository.repository import ModelRepository, model_order
 from serve.server.repository.version import LoadFailure
 from serve.server.settings import ServeSettings
+from serve.server.threads import Threads
 
 log = logging.getLogger(__name__)
 
@@ -80,9 +81,10 @@ def build_app(
     add_error_handlers(app, settings.retry_after_s)
     limits = settings.request_limits()
     budget = PixelBudget(settings.decode_pixel_budget)  # shared by the API and the UI
-    classify = classify_endpoint(repository, limits, budget, payloads)
+    threads = Threads()  # the app's own limits on blocking work (decodes, parses, model loads)
+    classify = classify_endpoint(repository, limits, budget, payloads, threads)
     add_v1_routes(app.router, repository, metrics, classify)
-    v2 = v2_router(repository, limits, metrics, payloads)
+    v2 = v2_router(repository, limits, metrics, payloads, threads)
     app.include_router(v2)
     add_fallback_routes(app, [*app.router.routes, *v2.routes])
     default, layout, names = ui_layout(models, single, settings.default_model, with_ui)

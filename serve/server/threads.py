@@ -6,9 +6,9 @@ PixelBudget`), a model load or unload waits for the one before it. Forty such re
 other step, and a small KServe v2 request took seconds. Here each kind of step has its own `CapacityLimiter`:
 past it, requests wait on the event loop and hold no thread.
 
-    DECODES  large uploads decoding, the explain overlay: one per core, as the budget lets them run
-    PARSES   KServe v2 JSON bodies: one per core; each inflates many times in memory while it is parsed
-    CHANGES  repository loads and unloads: one at a time, as the repository makes them anyway
+    decodes  large uploads decoding, the explain overlay: one per core, as the budget lets them run
+    parses   KServe v2 JSON bodies: one per core; each takes many times its size in memory while it is parsed
+    changes  repository loads and unloads: one at a time, as the repository makes them anyway
 """
 
 from __future__ import annotations
@@ -22,9 +22,18 @@ from serve.runtime.jobs import usable_cores
 
 T = TypeVar("T")
 
-DECODES = CapacityLimiter(usable_cores())
-PARSES = CapacityLimiter(usable_cores())
-CHANGES = CapacityLimiter(1)
+
+class Threads:
+    """The limiters of one app: `build_app` makes them, its routes share them (a limiter's waiters belong to the
+    event loop they wait in, so two apps, each on its own loop, must not share one).
+
+    Args:
+        cores: decodes and parses at a time (None: the cores this process may use).
+    """
+
+    def __init__(self, cores: int | None = None):
+        cores = cores or usable_cores()
+        self.decodes, self.parses, self.changes = CapacityLimiter(cores), CapacityLimiter(cores), CapacityLimiter(1)
 
 
 async def run_in(limiter: CapacityLimiter, fn: Callable[..., T], *args) -> T:

@@ -58,8 +58,9 @@ def test_requests_waiting_for_model_loads_leave_threads_for_v2_requests(server):
 
     def change(client: httpx.Client, i: int) -> None:
         while not stop.is_set():
+            started = time.perf_counter()
             client.post(f"/v2/repository/models/beta/{('load', 'unload')[i % 2]}")
-            changed.append(i)
+            changed.append(time.perf_counter() - started)
 
     with httpx.Client(base_url=server.url, timeout=60, limits=httpx.Limits(max_connections=100)) as client:
         changers = [threading.Thread(target=change, args=(client, i)) for i in range(80)]
@@ -77,4 +78,5 @@ def test_requests_waiting_for_model_loads_leave_threads_for_v2_requests(server):
             stop.set()
             for t in changers:
                 t.join(60)
-    assert statistics.median(seconds) < 0.25, seconds  # 0.5 to 0.8 s when the changes held the threads
+    # in line with the changes it waited about as long as they did (0.6 s against 1.0 s); now it waits for none
+    assert statistics.median(seconds) < statistics.median(changed) / 4, (seconds, statistics.median(changed))

@@ -32,7 +32,7 @@ from serve.server.repository.repository import ModelRepository, UnknownModel
 from serve.server.repository.version import ModelVersion
 from serve.server.results import model_result
 from serve.server.settings import RequestLimits
-from serve.server.threads import DECODES, run_in
+from serve.server.threads import Threads, run_in
 
 # A small file can still declare a huge image (a flat 40 MP PNG compresses to kilobytes): only images
 # up to 1 MP, a few milliseconds of decoding and resizing, are decoded on the loop or the model's thread.
@@ -191,10 +191,12 @@ def classify_endpoint(
     limits: RequestLimits,
     budget: PixelBudget | None = None,
     payloads: PayloadLog | None = None,
+    threads: Threads | None = None,
 ) -> Callable[..., Awaitable[Response]]:
     """`classify(request, name=None, version=None)`: the answer to a classify request for a model's version (None:
     the default model, its latest version); large uploads hold `budget` while they decode; each answer is recorded
-    in `payloads` (None: nowhere). The routes of `add_v1_routes` call it."""
+    in `payloads` (None: nowhere); large decodes run under `threads`' limit. The routes of `add_v1_routes` call it."""
+    threads = threads or Threads()
 
     async def classify(request: Request, name: str | None = None, version: str | None = None) -> Response:
         resolve(repository, name, version)  # an unknown model is told so before its upload is read
@@ -210,9 +212,9 @@ def classify_endpoint(
                 check_attention(classifier)
             img = open_upload(data, limits.max_pixels)  # the header: not an image, or too many pixels, fails here
             if params.explain:  # the explain pass computes the probabilities too: no second forward pass
-                answers, explanation, rows = await explained(served, img, params, limits, budget)
+                answers, explanation, rows = await explained(served, img, params, limits, budget, threads)
             else:
-                item = await decoded(served, img, len(data), limits, budget)
+                item = await decoded(served, img, len(data), limits, budget, threads)
                 rows = await model_result(engine.infer(item), limits.request_timeout_s)  # logits, probs, features
                 answers, explanation = judge_rows(classifier, rows[None], coverage), None
             if payloads is not None:
@@ -268,22 +270,22 @@ def classify_openapi() -> tuple[dict[str, Any], dict[str, Any]]:
     return paths, schemas
 
 
-async def decoded(served: ModelVersion, img, size: int, limits: RequestLimits, budget: PixelBudget | None):
+async def decoded(served: ModelVersion, img, size: int, limits: RequestLimits, budget, threads: Threads):
     """Decode small uploads where a core is free: on the event loop when onnxruntime runs on one thread
     (small models: the loop has the other core), on the model's thread right before its batch when
     onnxruntime uses every core (decoding on the loop would fight its threads)."""
     small = size <= limits.inline_decode_bytes and img.width * img.height <= INLINE_DECODE_PIXELS
     if not small:  # in a thread of its own, so that it never holds up the loop or a batch
-        return await run_in(DECODES, decode_image, img, served.classifier, limits.max_pixels, budget)
+        return await run_in(threads.decodes, decode_image, img, served.classifier, limits.max_pixels, budget)
     if served.decode_on_worker:  # on the model's thread, right before its batch runs
         return img
     return decode_image(img, served.classifier, limits.max_pixels)  # on the loop, the model on the other core
 
 
-async def explained(served: ModelVersion, img, params: ClassifyParams, limits: RequestLimits, budget):
+async def explained(served: ModelVersion, img, params: ClassifyParams, limits: RequestLimits, budget, threads):
     """/v1/classify?explain=true: (the answers, the explanation's JSON, the fast path's record)."""
     classifier, engine = served.classifier, served.engine
-    pixels = await run_in(DECODES, decode_image, img, classifier, limits.max_pixels, budget)
+    pixels = await run_in(threads.decodes, decode_image, img, classifier, limits.max_pixels, budget)
     fusion, discard = params.head_fusion, params.discard_ratio
     work = engine.run(explain_pixels, classifier, pixels, fusion, discard, None, served.fill, limits)
     ex = await model_result(work, limits.request_timeout_s)
@@ -291,7 +293,7 @@ async def explained(served: ModelVersion, img, params: ClassifyParams, limits: R
         "head_fusion": fusion,
         "discard_ratio": discard,
         "grid": ex["grid"].round(5).tolist(),
-        "overlay_png": await run_in(DECODES, overlay_png, pixels, ex["grid"]),  # a few ms: off the loop
+        "overlay_png": await run_in(threads.decodes, overlay_png, pixels, ex["grid"]),  # a few ms: off the loop
         "deletion": ex["deletion"].to_dict(),
     }
     # the unknown verdict needs the logits: one more pass of the fast path, small beside the explain one

@@ -49,7 +49,7 @@ from serve.server.repository.repository import ModelRepository, UnknownModel
 from serve.server.repository.version import LoadFailure, ModelVersion
 from serve.server.results import batch_results
 from serve.server.settings import RequestLimits
-from serve.server.threads import CHANGES, PARSES, run_in
+from serve.server.threads import Threads, run_in
 
 EXTENSIONS = ["binary_tensor_data"]
 
@@ -110,10 +110,15 @@ def trust_outputs(a: Assessment) -> dict[str, np.ndarray]:
 
 
 def v2_router(
-    repository: ModelRepository, limits: RequestLimits, metrics: Metrics, payloads: PayloadLog | None = None
+    repository: ModelRepository,
+    limits: RequestLimits,
+    metrics: Metrics,
+    payloads: PayloadLog | None = None,
+    threads: Threads | None = None,
 ) -> APIRouter:
     """The v2 routes, and the repository extension, over the repository's versions; each answered infer is
-    recorded in `payloads` (None: nowhere)."""
+    recorded in `payloads` (None: nowhere); bodies are parsed and models loaded under `threads`' limits."""
+    threads = threads or Threads()
     router = APIRouter(prefix="/v2")
     errors = kserve_errors(limits.retry_after_s)
 
@@ -140,8 +145,8 @@ def v2_router(
         return {"ready": True}
 
     add_model_routes(router, repository, errors)
-    add_infer_routes(router, repository, limits, metrics, payloads, errors)
-    add_repository_routes(router, repository, limits, errors)
+    add_infer_routes(router, repository, limits, metrics, payloads, errors, threads)
+    add_repository_routes(router, repository, limits, errors, threads)
     return router
 
 
@@ -153,7 +158,7 @@ def specs_of(served: ModelVersion) -> tuple[TensorSpec, TensorSpec]:
 
 
 def add_infer_routes(
-    router: APIRouter, repository: ModelRepository, limits: RequestLimits, metrics: Metrics, payloads, errors
+    router: APIRouter, repository: ModelRepository, limits: RequestLimits, metrics: Metrics, payloads, errors, threads
 ) -> None:
     """`POST /v2/models/{name}[/versions/{ver}]/infer`: binary or JSON tensors in, the asked outputs back."""
 
@@ -177,7 +182,9 @@ def add_infer_routes(
         header_length = request.headers.get(HEADER_LENGTH)
         pixels, _ = specs_of(served)
         outputs = [OUTPUT, PROBS, *TRUST_OUTPUTS]
-        req = await run_in(PARSES, parse_infer_request, body, header_length, pixels, outputs, limits.max_batch_size)
+        req = await run_in(
+            threads.parses, parse_infer_request, body, header_length, pixels, outputs, limits.max_batch_size
+        )
         classifier = served.classifier
         check_trust_request(classifier, req)
         timeout = limits.request_timeout_s
@@ -237,7 +244,9 @@ def model_entry(name: str, versions: dict) -> dict:
     return {"name": name, "versions": sorted(versions), "platform": "onnxruntime_onnx"}
 
 
-def add_repository_routes(router: APIRouter, repository: ModelRepository, limits: RequestLimits, errors) -> None:
+def add_repository_routes(
+    router: APIRouter, repository: ModelRepository, limits: RequestLimits, errors, threads: Threads
+) -> None:
     """Triton's model repository extension: the index, and loading and unloading a model (API key: as /v2).
 
     Each body is read through `read_body`, bounded by `--max-bytes` like every other, and must be JSON when
@@ -260,7 +269,7 @@ def add_repository_routes(router: APIRouter, repository: ModelRepository, limits
     async def v2_repository_load(name: str, request: Request):
         await options(request)
         try:
-            await run_in(CHANGES, repository.load, name)
+            await run_in(threads.changes, repository.load, name)
         except UnknownModel as e:
             raise ApiError("not_found", str(e)) from None
         except LoadFailure as e:
@@ -272,7 +281,7 @@ def add_repository_routes(router: APIRouter, repository: ModelRepository, limits
     async def v2_repository_unload(name: str, request: Request):
         await options(request)
         try:
-            await run_in(CHANGES, repository.unload, name)
+            await run_in(threads.changes, repository.unload, name)
         except UnknownModel as e:
             raise ApiError("not_found", str(e)) from None
         return {}
