@@ -7,8 +7,8 @@ folder, before any work.
 `--ckpt_path` (`resolve_ckpt_path`, `check_ckpt_owner`):
     last / best      this run's `checkpoints/last.ckpt` / `best.ckpt`; refused when missing, with the
                      files that are there
-    a local file     refused when missing or damaged (its zip directory cannot be read), naming the
-                     run's checkpoints that can be used instead
+    a local file     refused when missing or damaged (its zip directory cannot be read, or a record fails
+                     its checksum), naming the run's checkpoints that can be used instead
     a URL (http...)  loaded into memory with `weights_only=True`, like every other checkpoint
 `fit --ckpt_path` into a run directory that holds checkpoints must resume that run's own checkpoint,
 unless --overwrite true. One fit at a time writes a run directory (`lock_run_dir`).
@@ -46,7 +46,12 @@ def is_intact(path: Path) -> bool:
 def damaged_record(path: Path) -> str | None:
     """The first record of the `torch.save` file `path` whose bytes fail their zip checksum (None: all pass).
 
-    torch.load reads records without checking them: bytes changed by a bad disk or copy load as wrong weights."""
+    torch.load reads records without checking them: bytes changed by a bad disk or copy load as wrong weights.
+
+    Raises:
+        Exception: a record the zip reader cannot read at all (a flipped method or flag byte raises
+            NotImplementedError or RuntimeError, not only BadZipFile).
+    """
     with zipfile.ZipFile(path) as z:
         return z.testzip()
 
@@ -86,8 +91,13 @@ def resolve_ckpt_path(ckpt_path: str | None, run_dir: Path) -> str | None:
             raise SetupError(f"checkpoint not found: {path}; {_alternatives(ckpt_dir)}")
     if not is_intact(path):
         raise SetupError(f"{path} is damaged or truncated (not a whole checkpoint); {_alternatives(ckpt_dir, path)}")
-    if bad := damaged_record(path):
-        raise SetupError(f"{path} is damaged: its record {bad} fails its checksum; {_alternatives(ckpt_dir, path)}")
+    try:
+        bad = damaged_record(path)
+        why = f"its record {bad} fails its checksum" if bad else ""
+    except Exception as e:
+        why = f"a record cannot be read ({first_line(e)})"
+    if why:
+        raise SetupError(f"{path} is damaged: {why}; {_alternatives(ckpt_dir, path)}")
     return str(path.resolve())
 
 
