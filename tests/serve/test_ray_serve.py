@@ -406,10 +406,12 @@ def test_replicas_that_cannot_fit_are_refused_or_waited_for_until_ctrl_c(
             joined.stop()
         assert serve_controller() is None or not serve.status().applications  # half-deployed applications went
 
-    # the repository's two models take 1 of the 2 CPUs (0.5 each): two more fit, the third waits for room
+    # the repository's two models take 1 of the 2 CPUs (0.5 each): two more fit, the third waits for room (the
+    # module's last test: its repository and server are not used again)
     for model in ("gamma", "delta", "epsilon"):
         put_version(repository / model, 1, tiny_onnx)
-    full = lambda: model_app_name("epsilon") in serve.status().applications
+    epsilon = lambda: serve.status().applications.get(model_app_name("epsilon"))
+    full = lambda: epsilon() is not None and epsilon().status == "DEPLOYING"  # waiting for room it never gets
     servers.proc = servers.kind = None  # this test stops it, with Ctrl-C
     interrupted(repository_server, full, "the third new model's rollout")
     joined = ServerProcess(tiny_onnx, "--ray", "--ray-address", cluster.address, "--replica-cpus", "64")

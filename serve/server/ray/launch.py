@@ -52,6 +52,7 @@ class OneModel:
             raise ValueError(f"cannot load {model}: {e}") from None
         self.app = deployment(model, settings, replicas, max_replicas, cpus)  # checks the counts before Ray starts
         self.replicas, self.cpus = replicas, cpus
+        self.placing = threading.Event()  # never set: a file is deployed once, before `run`'s `deployed`
 
     def deploy(self) -> None:
         serve.run(self.app, name=APP_NAME, route_prefix="/")
@@ -102,12 +103,12 @@ def run(
         raise ValueError("--grpc-port is served without --ray only: run gRPC from a plain vit-serve")
     target = target_of(model, settings, replicas, max_replicas, cpus, models)  # checked before Ray starts
     join_ray(address)
-    stop, deployed, busy = threading.Event(), threading.Event(), threading.Event()
-    busy.set()  # until the first deploy is done
+    stop, deployed = threading.Event(), threading.Event()
 
     def on_signal(*_) -> None:
         stop.set()
-        if busy.is_set():  # a deploy or a poll: serve.run may be waiting for replicas the cluster has no room for
+        # the first deploy, or a later rollout's serve.run, may be waiting for replicas the cluster has no room for
+        if not deployed.is_set() or target.placing.is_set():
             raise KeyboardInterrupt
 
     controller = serve_controller()
@@ -115,7 +116,7 @@ def run(
         signal.signal(sig, on_signal)
     try:
         check_room(target.cpus_needed(), address)
-        deploy_and_follow(target, settings, stop, deployed, busy)
+        deploy_and_follow(target, settings, stop, deployed)
         log.info("stopping: deleting the applications")
     except KeyboardInterrupt:
         log.warning("stopped before every replica %s up", "of a rollout was" if deployed.is_set() else "was")
@@ -140,9 +141,9 @@ def join_ray(address: str | None) -> None:
     ray.init(address=address, logging_level=logging.WARNING, include_dashboard=dashboard, **on_loopback)
 
 
-def deploy_and_follow(target, settings: ServeSettings, stop, deployed, busy: threading.Event) -> None:
-    """Start Ray Serve's proxy, deploy `target` (then clear `busy` and set `deployed`), print the URL, and follow the
-    folder until `stop` is set. While `busy` is set (a deploy, a poll), `serve.run` may wait for replicas' room.
+def deploy_and_follow(target, settings: ServeSettings, stop: threading.Event, deployed: threading.Event) -> None:
+    """Start Ray Serve's proxy, deploy `target` (then set `deployed`), print the URL, and follow the folder until
+    `stop` is set.
 
     Raises:
         ValueError: Ray Serve runs on this cluster at another port.
@@ -156,11 +157,10 @@ def deploy_and_follow(target, settings: ServeSettings, stop, deployed, busy: thr
     if port != settings.port:
         raise ValueError(f"Ray Serve on this cluster listens on port {port} already: pass --port {port}")
     target.deploy()
-    busy.clear()
     deployed.set()
     host = "127.0.0.1" if settings.host in ("0.0.0.0", "") else settings.host
     print(f"vitscope is ready: http://{host}:{port}/ (Ray Serve, {target.describe()})", flush=True)
-    follow(target, stop, settings.repository_poll_s, busy)
+    follow(target, stop, settings.repository_poll_s)
 
 
 def check_room(cpus: float, address: str | None) -> None:
@@ -192,18 +192,14 @@ def target_of(model: str, settings: ServeSettings, replicas: int, max_replicas: 
     return OneModel(model, settings, replicas, max_replicas, cpus)
 
 
-def follow(target, stop: threading.Event, poll_s: float, busy: threading.Event) -> None:
-    """Until `stop` is set, `target.sync()` every `poll_s` seconds (0: never), with `busy` set; a failed poll is
-    logged, and the next one tries again."""
+def follow(target, stop: threading.Event, poll_s: float) -> None:
+    """Until `stop` is set, `target.sync()` every `poll_s` seconds (0: never); a failed poll is logged, and the
+    next one tries again."""
     while not stop.wait(poll_s or None):
-        busy.set()
         try:
-            if not stop.is_set():  # a signal between the wait and `busy` did not interrupt: it is seen here
-                target.sync()
+            target.sync()
         except Exception:
             log.exception("the repository poll failed; what was deployed keeps serving")
-        finally:
-            busy.clear()
 
 
 def serve_controller():

@@ -23,6 +23,7 @@ folder holds, it is that model's failure alone (`wanted`), at start too unless `
 from __future__ import annotations
 
 import logging
+import threading
 from pathlib import Path
 
 from ray import serve
@@ -91,6 +92,7 @@ class RepositoryRollout:
         self.checked: dict[tuple[str, str], Stamp] = {}  # (model, version) -> the stamp of its file that passed
         self.stamps: dict[str, dict[str, Stamp | None]] = {}  # model -> version -> the file its replicas hold
         self.deploying: set[str] = set()  # the models whose application was given to Ray, held or not yet
+        self.placing = threading.Event()  # set while serve.run waits for a model's new replicas
         self.check_settings = settings.model_copy(update={"preferred_batch_size": 1})  # a check, not a measurement
 
     def describe(self) -> str:
@@ -180,7 +182,11 @@ class RepositoryRollout:
         log.info("%s: rolling out replicas with versions %s", model, by_number(versions))
         app = model_app(model, versions, labels, self.settings, self.replicas, self.max_replicas, self.cpus)
         self.deploying.add(model)  # `delete` deletes it even if stopped while Ray waits for its replicas
-        serve.run(app, name=model_app_name(model), route_prefix=None)
+        self.placing.set()  # Ray may wait here for room no node has: Ctrl-C then stops the wait (`launch.run`)
+        try:
+            serve.run(app, name=model_app_name(model), route_prefix=None)
+        finally:
+            self.placing.clear()
         self.held[model] = dict(versions)
         self.stamps[model] = {v: self.checked.get((model, v)) for v in versions}
         log.info("%s: every replica holds versions %s", model, by_number(versions))
