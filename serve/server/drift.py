@@ -107,7 +107,8 @@ class TrustMetrics:
         self.windows.pop(model, None)
         series = [(self.drift, (model, signal)) for signal in SIGNALS]
         series += [(c, (model,)) for c in (self.confidence, self.ood, self.unknown)]
-        for key in [k for k in self._cache if k[0] == model]:  # the labels each version of it counted under
+        # the labels each version of it counted under; a copy of the keys: batcher threads add theirs meanwhile
+        for key in [k for k in list(self._cache) if k[0] == model]:
             del self._cache[key]
             series += [(self.predicted, (model, label)) for label in key[1]]
         for collector, labels in series:
