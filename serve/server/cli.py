@@ -19,6 +19,7 @@ import sys
 import tempfile
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import uvicorn
 from pydantic import ValidationError
@@ -29,6 +30,9 @@ from serve.server.http.guard import LOOPBACK_HOSTS
 from serve.server.http.probes import ProbeServer
 from serve.server.http.protocol import LimitedHttpToolsProtocol
 from serve.server.settings import ENV_PREFIX, ServeSettings
+
+if TYPE_CHECKING:  # the repository (and onnxruntime with it) is imported once the arguments are read
+    from serve.server.repository.repository import ModelRepository
 
 log = logging.getLogger("vitscope.serve")
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter (malloc.h)
@@ -263,7 +267,7 @@ class AnnouncingServer(uvicorn.Server):
 
     drained = False
 
-    def __init__(self, config: uvicorn.Config, repository=None):
+    def __init__(self, config: uvicorn.Config, repository: ModelRepository | None = None):
         super().__init__(config)
         self.repository = repository
 

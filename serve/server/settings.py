@@ -65,8 +65,8 @@ class ServeSettings(BaseSettings):
     max_bytes: int = Field(
         10 * 1024 * 1024,
         ge=1,
-        description="largest accepted request body, 10 MiB: any phone photo (a KServe v2 JSON body takes up to "
-        "25x its size while parsed, one per core at a time)",
+        description="largest accepted request body, 10 MiB: any phone photo (a KServe v2 JSON body takes many "
+        "times its size while parsed, one per core at a time)",
     )
     inline_decode_bytes: int = Field(
         64 * 1024,

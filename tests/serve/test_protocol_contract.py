@@ -1,6 +1,7 @@
 """The server extends two private pieces of uvicorn: `HttpToolsProtocol` (serve.server.http.protocol) and
-`Server._wait_tasks_to_complete` (serve.server.cli). pyproject.toml bounds uvicorn's version; these tests
-fail loudly when the code we extend changes, so that an upgrade is a decision, not a surprise."""
+`Server._wait_tasks_to_complete` (serve.server.cli), and overrides the public `Server.handle_exit` (readiness
+ends with the signal). pyproject.toml bounds uvicorn's version; these tests fail loudly when the code we extend
+changes, so that an upgrade is a decision, not a surprise."""
 
 from __future__ import annotations
 
@@ -38,6 +39,13 @@ def test_the_uvicorn_code_we_extend_is_the_code_we_reviewed():
     }
     changed = [name for name, sha in seen.items() if REVIEWED[version][name] != sha]
     assert not changed, f"uvicorn {version} changed {', '.join(changed)}: re-check the overrides before upgrading"
+
+
+def test_the_server_s_signal_handler_takes_what_uvicorn_passes_it():
+    from serve.server.cli import AnnouncingServer
+
+    theirs, ours = inspect.signature(uvicorn.Server.handle_exit), inspect.signature(AnnouncingServer.handle_exit)
+    assert list(theirs.parameters) == list(ours.parameters), f"uvicorn's handle_exit now takes {theirs}"
 
 
 def test_every_override_exists_in_uvicorn_with_the_same_parameters():
