@@ -110,7 +110,6 @@ def repository_of(models, single, settings: ServeSettings, metrics: Metrics, eng
     """The served models: one file (`single`) or a repository folder, each version with its own engine."""
 
     def make_engine(classifier, name: str, version: str) -> Engine:  # one batcher per model version
-        metrics.trust.watch(name, classifier.trust)  # the drift reference of the version now loading
         return engine_class(
             classifier,
             settings,

@@ -424,3 +424,36 @@ def test_the_default_model_stays_where_start_up_put_it_and_a_change_is_logged(ex
         wait_until(lambda: "WARNING" in server.output and "default model beta" in server.output, 10, "a warning")
         assert httpx.post(url + "/v2/repository/models/beta/load", timeout=60).status_code == 200
         assert bare_model(url) == "beta"
+
+
+def test_a_version_that_fails_its_warm_up_leaves_the_drift_reference_of_the_one_served(exported, tmp_path):  # noqa: F811
+    """The drift gauges compare answers with the reference of the version that answers them. A version whose
+    warm-up failed had already replaced that reference (the engine factory set it), so the version still serving
+    was judged against a file that never served."""
+    from serve.server.app import repository_of
+    from serve.server.engine import Engine
+    from serve.server.metrics import Metrics
+    from serve.server.settings import ServeSettings
+
+    repo = tmp_path / "models"
+    add_model(repo, exported, "alpha", [1])
+
+    class ChangedMidLoad(Engine):
+        def start(self) -> None:
+            super().start()
+            if self.classifier.path.parent.name == "2":  # a deployment rewrites version 2 during its warm-up
+                self.classifier.path.write_bytes(self.classifier.path.read_bytes())
+
+    settings, metrics = ServeSettings(preferred_batch_size=1, graceful_timeout_s=1), Metrics()
+    repository = repository_of(repo, None, settings, metrics, ChangedMidLoad)
+    repository.start()
+    try:
+        served = repository.resolve("alpha")
+        assert metrics.trust.windows["alpha"].ref is served.classifier.trust.drift
+        drop_version(repo / "alpha", 2, exported / "alpha" / "1" / "model.onnx")
+        repository.sync()
+        assert [r["version"] for r in repository.index() if r["state"] == "UNAVAILABLE"] == ["2"]
+        assert repository.resolve("alpha") is served
+        assert metrics.trust.windows["alpha"].ref is served.classifier.trust.drift, "judged against version 2"
+    finally:
+        repository.stop()

@@ -371,6 +371,9 @@ class ModelRepository:
                 log.warning("the default model %s serves the bare routes (/v1/classify) again", default)
             else:
                 log.warning("the default model %s is no longer served: the bare routes answer 503 until it is", default)
+        for name in self.serving:  # the drift reference: the latest version's, once it takes requests
+            if routes[(name, None)] is not self.routes.get((name, None)):
+                self.metrics.trust.watch(name, routes[(name, None)].classifier.trust)
         self.routes = routes  # one assignment: a request sees the old table or the new one
         self._settle()
 
