@@ -67,7 +67,23 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
         raise ValueError(f"{path} is damaged or truncated ({first_line(e)}); train or copy it again") from None
     if not isinstance(ckpt, dict) or META_KEY not in ckpt or "state_dict" not in ckpt:
         raise ValueError(f"{path} is not a vitscope checkpoint (no '{META_KEY}' entry); train it with vit-train")
+    check_mappings(path, ckpt)
     return ckpt
+
+
+def check_mappings(path: Path, ckpt: dict[str, Any]) -> None:
+    """`ValueError` naming the first entry that vit-train writes as a mapping and this checkpoint holds as
+    something else (an edited or foreign file): read as it is, a string `preprocess` gave timm's defaults."""
+    meta = ckpt[META_KEY]
+    entries = [(f"'{META_KEY}'", meta), ("'state_dict'", ckpt["state_dict"])]
+    if isinstance(meta, dict):
+        entries += [(f"'{META_KEY}.{k}'", meta[k]) for k in ("model_config", "preprocess") if k in meta]
+    for name, value in entries:
+        if not isinstance(value, dict):
+            raise ValueError(
+                f"{path}: its {name} entry is a {type(value).__name__}, not a mapping as vit-train writes it; "
+                "give the .ckpt file vit-train wrote, unedited"
+            )
 
 
 def load_network(path: str | Path) -> tuple[VisionTransformer, dict[str, Any]]:
@@ -84,7 +100,13 @@ def load_network(path: str | Path) -> tuple[VisionTransformer, dict[str, Any]]:
     state = {k[len(prefix) :]: v for k, v in ckpt["state_dict"].items() if k.startswith(prefix)}
     net.load_state_dict(state)
     meta["sha256"] = file_sha256(path)
-    meta["preprocess"] = Preprocess.from_dict(meta["preprocess"])
+    try:
+        meta["preprocess"] = Preprocess.from_dict(meta["preprocess"])
+    except (TypeError, ValueError) as e:  # a mean of text, a size of one number
+        raise ValueError(
+            f"{path}: its 'preprocess' entry cannot be read ({first_line(e)}); give the .ckpt file vit-train wrote, "
+            "unedited"
+        ) from None
     return net.eval(), meta
 
 

@@ -104,12 +104,12 @@ def test_an_output_that_is_no_regular_file_is_refused_and_left_as_it_is(own_run,
     assert stat.S_ISFIFO(fifo.stat().st_mode) and output.is_symlink() == link
 
 
-def _edited(checkpoint: Path, folder: Path, edit) -> Path:
-    """A copy of `checkpoint` (in a run folder with its split) with `edit(meta)` applied to its "vitscope" entry."""
+def _edited(checkpoint: Path, folder: Path, edit, whole: bool = False) -> Path:
+    """A copy of `checkpoint` (in a run folder with its split) with `edit(meta)` applied to its "vitscope" entry
+    (`whole`: `edit(checkpoint)` to the checkpoint itself)."""
     ckpt = torch.load(checkpoint, map_location="cpu", weights_only=True)
-    meta = copy.deepcopy(ckpt["vitscope"])
-    edit(meta)
-    ckpt["vitscope"] = meta
+    ckpt["vitscope"] = copy.deepcopy(ckpt["vitscope"])
+    edit(ckpt if whole else ckpt["vitscope"])
     out = folder / "checkpoints" / "best.ckpt"
     torch.save(ckpt, out)
     return out
@@ -126,15 +126,22 @@ EDITS = {  # what was done to the checkpoint's metadata -> what the one line mus
     "repeated_name": (lambda m: m.update(class_names=["a", "b", "a", "c"]), "names 'a' more than once"),
     "empty_name": (lambda m: m.update(class_names=["a", "", "b", "c"]), "class name 2 of 4 is empty"),
     "name_not_text": (lambda m: m.update(class_names=["a", 1, "b", "c"]), "class name 2 of 4 is not text"),
+    # exported at timm's default 224 x 224 for a 32 x 32 network, with exit 0
+    "preprocess_not_mapping": (lambda m: m.update(preprocess="abc"), "'vitscope.preprocess' entry is a str, not"),
+    "preprocess_bad_mean": (lambda m: m["preprocess"].update(mean="abc"), "'preprocess' entry cannot be read"),
+}
+WHOLE_EDITS = {  # edits of the checkpoint itself -> what the one line must say
+    "metadata_not_mapping": (lambda c: c.update(vitscope="abc"), "'vitscope' entry is a str, not a mapping"),
+    "weights_not_mapping": (lambda c: c.update(state_dict=[1]), "'state_dict' entry is a list, not a mapping"),
 }
 
 
-@pytest.mark.parametrize("case", EDITS)
+@pytest.mark.parametrize("case", [*EDITS, *WHOLE_EDITS])
 def test_a_checkpoint_whose_metadata_does_not_fit_its_weights_is_refused_in_one_line(
     own_run, tmp_path, capsys, no_export, case
 ):
-    edit, says = EDITS[case]
-    checkpoint = _edited(own_run / "checkpoints" / "best.ckpt", own_run, edit)
+    edit, says = EDITS[case] if case in EDITS else WHOLE_EDITS[case]
+    checkpoint = _edited(own_run / "checkpoints" / "best.ckpt", own_run, edit, whole=case in WHOLE_EDITS)
     out = tmp_path / "out" / "model.onnx"
     line = _refused(capsys, [str(checkpoint), "-o", str(out)])
     assert says in line and str(checkpoint) in line
