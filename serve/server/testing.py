@@ -108,11 +108,19 @@ def read_metric(text: str, name: str, *, default: float | None = None, **labels:
     return sum(found)
 
 
+_GIVEN: set[int] = set()  # the ports `free_port` handed out
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port on 127.0.0.1 that nothing listens on right now, and never one this process was given before: two
+    calls before either server binds (a gRPC port, then the HTTP one) could otherwise get the same port."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _GIVEN:
+            _GIVEN.add(port)
+            return port
 
 
 def terminate(proc: subprocess.Popen, timeout: float = 30.0) -> int:
