@@ -7,6 +7,7 @@ JSON: {"error": {"code": ..., "message": ...}}, but for the /v2 routes' own, in 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -44,10 +45,22 @@ ERROR_STATUS = {
 }
 
 
+ECHO_CHARS = 200  # the most of a quoted value (a name or parameter a client sent, echoed back) in a message
+QUOTED = re.compile("|".join(rf"{q}(?:[^{q}\\]|\\.){{{ECHO_CHARS + 1},}}{q}" for q in "'\""))  # a long repr
+
+
+def cut_echoes(message: str) -> str:
+    """`message` with each quoted value over `ECHO_CHARS` cut to its start and an ellipsis: a client that sends a
+    20 kB name gets an error that names its start, not 20 kB back."""
+    return QUOTED.sub(lambda m: m[0][: ECHO_CHARS + 1] + "…" + m[0][0], message)
+
+
 class ApiError(Exception):
-    """A failed request as a value: a code from `ERROR_STATUS` and a message the user can act on."""
+    """A failed request as a value: a code from `ERROR_STATUS` and a message the user can act on (the values it
+    quotes cut, `cut_echoes`)."""
 
     def __init__(self, code: str, message: str, headers: dict[str, str] | None = None):
+        message = cut_echoes(message)
         super().__init__(message)
         self.code, self.message, self.headers = code, message, headers or {}
 

@@ -230,3 +230,22 @@ def test_the_classification_extension_is_refused_alike_over_http_and_grpc(server
     )
     assert over_grpc.value.status() == "StatusCode.INVALID_ARGUMENT"
     assert over_grpc.value.message() == over_http.value.message()
+
+
+def test_a_long_value_the_client_sent_comes_back_cut_in_the_error(server, model):
+    """gRPC cut the names it echoes in an error; HTTP echoed 20 kB of name, data type or parameter whole."""
+    long = "n" * 20_000
+    pixels = {"name": "pixels", "datatype": "UINT8", "shape": [1, 32, 32, 3], "data": [0] * 3072}
+    requests = {
+        "model name": (f"/v2/models/{long}/infer", {"inputs": [pixels]}),
+        "input name": (f"/v2/models/{model}/infer", {"inputs": [{**pixels, "name": long}]}),
+        "data type": (f"/v2/models/{model}/infer", {"inputs": [{**pixels, "datatype": long}]}),
+        "output name": (f"/v2/models/{model}/infer", {"inputs": [pixels], "outputs": [{"name": long}]}),
+        "parameter": (f"/v2/models/{model}/infer", {"inputs": [pixels], "parameters": {"coverage": long}}),
+        "v1 model name": (f"/v1/models/{long}/classify", None),
+    }
+    for what, (path, body) in requests.items():
+        r = httpx.post(server.url + path, json=body) if body else httpx.post(server.url + path, content=b"x")
+        assert r.status_code in (404, 422), (what, r.status_code)
+        said = json.dumps(r.json(), ensure_ascii=False)
+        assert len(r.content) < 1000 and "n" * 100 in said and "n…'" in said, (what, said[:300])

@@ -13,7 +13,6 @@ import asyncio
 import contextvars
 import functools
 import logging
-import re
 import time
 from collections.abc import Awaitable, Callable
 
@@ -21,7 +20,7 @@ import grpc
 
 from serve.server.access_log import ACCESS_LOG
 from serve.server.auth import GRPC_KEY_HINT, SANE_REQUEST_ID, RequestIds, key_refusal
-from serve.server.errors import ApiError
+from serve.server.errors import ApiError, cut_echoes
 from serve.server.grpc import grpc_predict_v2_pb2 as pb
 from serve.server.grpc.codec import infer_response, metadata_response, parse_infer
 from serve.server.grpc.models import Models, ServedModel
@@ -56,8 +55,7 @@ RPCS = {  # name -> the Service method that answers it, the request message
 }
 PUBLIC = {f"/{SERVICE}/{name}" for name in ("ServerLive", "ServerReady")}  # no key needed, as the HTTP health routes
 NOT_READY = "the model is loading or warming up (or the server is stopping)"
-ECHO_CHARS, MESSAGE_CHARS = 200, 1000  # the most of a quoted value, and of a whole message, in a status
-QUOTED = re.compile("|".join(rf"{q}(?:[^{q}\\]|\\.){{{ECHO_CHARS + 1},}}{q}" for q in "'\""))  # a long repr
+MESSAGE_CHARS = 1000  # the most of a message in a status
 
 
 class Service:
@@ -204,11 +202,10 @@ class KeyCheck(grpc.aio.ServerInterceptor):
 
 
 def status_message(message: str) -> str:
-    """`message` fit to send as a status: each quoted value over `ECHO_CHARS` (a name a client sent, echoed back)
-    cut to its start and an ellipsis, and the whole to `MESSAGE_CHARS`. gRPC sends the message as a header, and a
-    client refuses headers past its metadata limit (16 KiB at most): a long echo would turn the answer into
-    RESOURCE_EXHAUSTED, hiding what was wrong."""
-    short = QUOTED.sub(lambda m: m[0][: ECHO_CHARS + 1] + "…" + m[0][0], message)
+    """`message` fit to send as a status: its quoted values cut (`cut_echoes`), and the whole to `MESSAGE_CHARS`.
+    gRPC sends the message as a header, and a client refuses headers past its metadata limit (16 KiB at most): a
+    long echo would turn the answer into RESOURCE_EXHAUSTED, hiding what was wrong."""
+    short = cut_echoes(message)
     return short if len(short) <= MESSAGE_CHARS else short[: MESSAGE_CHARS - 1] + "…"
 
 
