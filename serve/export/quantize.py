@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import shutil
 import tempfile
 import time
 from collections.abc import Iterator
@@ -28,6 +29,7 @@ import onnxruntime as ort
 import torch
 from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_dynamic, quantize_static
 
+from serve.export import files
 from serve.runtime.images import Preprocess
 from vit.model import VisionTransformer
 
@@ -134,6 +136,23 @@ def static_int8(fast: onnx.ModelProto, calibration: np.ndarray) -> onnx.ModelPro
             return None
 
 
+@contextlib.contextmanager
+def scratch_folder() -> Iterator[Path]:
+    """A folder in $TMPDIR for the quantisers' copies of the model, onnxruntime's own included (`tempfile.tempdir`
+    points at it meanwhile), removed afterwards. A kill leaves it behind, named as `serve.export.files` names a
+    temporary: the next quantisation removes it (a model's copies each time, 350 MB for ViT-B/16)."""
+    root = Path(tempfile.gettempdir())
+    files.remove_stale_temporaries(root)
+    folder = root / files.temporary_name("quantize")
+    folder.mkdir()
+    saved, tempfile.tempdir = tempfile.tempdir, str(folder)
+    try:
+        yield folder
+    finally:
+        tempfile.tempdir = saved
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 def quantize_int8(
     fast: onnx.ModelProto, sample: Any, net: VisionTransformer, preprocess: Preprocess, portable: bool = False
 ) -> tuple[onnx.ModelProto, dict[str, Any]]:
@@ -156,11 +175,12 @@ def quantize_int8(
             [net(torch.from_numpy(preprocess.normalize(pixels[i : i + 32]))).numpy() for i in range(0, len(pixels), 32)]
         ).argmax(-1)
     fp32_ms = _ms_per_image(_session(fast), pixels)
-    candidates = {"int8-dynamic": dynamic_int8(fast, portable)}
-    # The portable file stays `MatMulInteger`: QDQ's DequantizeLinear has no implementation before opset 19
-    # in onnx's reference evaluator, one of the runtimes that target is for, and a choice made by timing
-    # would make the file differ from one export to the next.
-    static = None if portable else static_int8(fast, pixels[:64])
+    with scratch_folder():
+        candidates = {"int8-dynamic": dynamic_int8(fast, portable)}
+        # The portable file stays `MatMulInteger`: QDQ's DequantizeLinear has no implementation before opset 19
+        # in onnx's reference evaluator, one of the runtimes that target is for, and a choice made by timing
+        # would make the file differ from one export to the next.
+        static = None if portable else static_int8(fast, pixels[:64])
     if static is not None:
         candidates["int8-static"] = static
     report: dict[str, Any] = {"fp32_ms_per_image": fp32_ms, "candidates": {}}

@@ -5,6 +5,9 @@ from __future__ import annotations
 import collections
 import json
 import os
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -147,13 +150,32 @@ def test_the_gate_catches_a_model_that_differs_from_the_checkpoint(tiny_onnx, ti
     assert err.value.report["max_logit_delta"] == pytest.approx(1.0, abs=1e-3)
 
 
+KILLED_MID_QUANTIZATION = """
+import os, tempfile
+from serve.export.quantize import scratch_folder
+with scratch_folder() as folder:
+    (folder / "fp32.onnx").write_bytes(bytes(1000))
+    tempfile.mkdtemp(prefix="ort.quant.")  # as onnxruntime's static quantiser makes its own
+    os.kill(os.getpid(), 9)
+"""
+
+
 @pytest.mark.slow
-def test_int8_export_runs_reports_and_keeps_the_answers(tiny_checkpoint, tmp_path, capsys):
+def test_int8_export_runs_reports_and_keeps_the_answers(tiny_checkpoint, tmp_path, capsys, monkeypatch):
+    """... and leaves no copy of the model in $TMPDIR, nor what an export killed while it quantised left there."""
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    env = {**os.environ, "TMPDIR": str(scratch)}
+    killed = subprocess.run([sys.executable, "-c", KILLED_MID_QUANTIZATION], env=env, timeout=120)
+    left = lambda: sorted(p.name for p in scratch.rglob("*") if p.is_dir() or p.suffix == ".onnx")
+    assert killed.returncode == -9 and left()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
     out = tmp_path / "int8.onnx"
     assert (
         main([str(tiny_checkpoint), "-o", str(out), "--quantize", "int8", "--img-size", "32", "32", "--no-gradients"])
         == 0
     )
+    assert not left()  # (onnxruntime keeps a small session file of its own there)
     printed = capsys.readouterr().out
     assert "int8-dynamic" in printed and "chosen: int8-" in printed and "PASSED" in printed
     clf = OnnxClassifier(out)
