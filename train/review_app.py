@@ -14,7 +14,7 @@ from pathlib import Path
 
 import gradio as gr
 
-from serve.runtime.images import ImageError
+from serve.runtime.images import FILE_NAME_ERRORS, ImageError
 from train.review_data import LISTS, Item, ReviewRun
 from train.review_store import CORRECTIONS_FILE, Decisions
 
@@ -22,6 +22,19 @@ HEADERS = ["#", "image", "given", "suggested", "score", "why", "decision"]
 # The page takes no upload, yet Gradio's upload route accepts small ones (train.review.MAX_UPLOAD) into its shared
 # temp folder: they, and the images the page shows, go after this many seconds (checked as often) and at exit.
 CACHE_S = 600
+
+
+def visible(text: str) -> str:
+    """`text` as the page can send it: the bytes of a file name that are not UTF-8 written out (`caf\\xe9.png`).
+
+    Paths are read with `FILE_NAME_ERRORS` (surrogateescape), so the server keeps, opens and writes an image's real
+    name; what goes to the browser is JSON, which must be UTF-8, and a surrogate in it fails the whole answer.
+    """
+    try:
+        raw = text.encode("utf-8", FILE_NAME_ERRORS)
+    except UnicodeEncodeError:  # a surrogate that no file name decoding made
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return raw.decode("utf-8", "backslashreplace")
 
 
 class ReviewActions:
@@ -35,7 +48,8 @@ class ReviewActions:
         self.root = os.path.commonpath(list(roots)) if roots else ""
 
     def shown_path(self, path: str) -> str:
-        return os.path.relpath(path, self.root) if self.root and path.startswith(self.root + os.sep) else path
+        """`path` as the page shows it: from the data root, its undecodable bytes written out (`visible`)."""
+        return visible(os.path.relpath(path, self.root) if self.root and path.startswith(self.root + os.sep) else path)
 
     def decision_text(self, item: Item) -> str:
         decided, label = self.decisions.get(item.path)
@@ -47,8 +61,8 @@ class ReviewActions:
 
     def rows(self, which: str) -> list[list]:
         return [
-            [i + 1, self.shown_path(it.path), it.given, it.suggested or "", round(it.score, 4), it.why,
-             self.decision_text(it)]
+            [i + 1, self.shown_path(it.path), visible(it.given), visible(it.suggested or ""), round(it.score, 4),
+             visible(it.why), visible(self.decision_text(it))]
             for i, it in enumerate(self.run.lists[which])
         ]  # fmt: skip
 
@@ -72,7 +86,7 @@ class ReviewActions:
         earlier = self.decision_text(item)
         about.append(f"Decision: **{earlier}**" if earlier else "Not decided yet.")
         choice = item.suggested if item.suggested in self.run.labels else item.given
-        return pixels, overlay, probs, "\n\n".join(about), gr.update(value=choice), index
+        return pixels, overlay, probs, visible("\n\n".join(about)), gr.update(value=choice), index
 
     def load(self, which: str):
         """A page (re)load: the table from the decisions file, read again (another review of the run may have
@@ -80,7 +94,7 @@ class ReviewActions:
         try:
             self.decisions.reload()
         except (ValueError, OSError) as e:
-            raise gr.Error(f"cannot read the decisions: {e}") from None
+            raise gr.Error(visible(f"cannot read the decisions: {e}")) from None
         return self.rows(which), *self.show(which, 0)
 
     def pick(self, which: str, evt: gr.SelectData):
@@ -100,11 +114,11 @@ class ReviewActions:
         try:
             self.decisions.decide(item.path, chosen)
         except OSError as e:
-            raise gr.Error(f"could not write {self.decisions.file}: {e}; nothing was recorded") from None
+            raise gr.Error(visible(f"could not write {self.decisions.file}: {e}; nothing was recorded")) from None
         except ValueError as e:  # the file was broken since (by hand): fit would refuse it too
-            raise gr.Error(f"{e}; nothing was recorded") from None
+            raise gr.Error(visible(f"{e}; nothing was recorded")) from None
         said = "left out" if chosen is None else "kept" if chosen == item.given else f"relabelled {chosen}"
-        status = f"`{self.shown_path(item.path)}`: {said} (saved in {self.decisions.file})"
+        status = visible(f"`{self.shown_path(item.path)}`: {said} (saved in {self.decisions.file})")
         return self.rows(which), *self.show(which, int(index) + 1), status
 
 
@@ -115,13 +129,15 @@ def build_review_app(run: ReviewRun) -> gr.Blocks:
     calibrated = f"temperature {run.temperature:.3f} fitted on the calibration split" if run.calibrated else (
         "uncalibrated (the run has no calibration split)"
     )  # fmt: skip
-    title = f"vitscope review: {run.run_dir.name}"
+    title = visible(f"vitscope review: {run.run_dir.name}")
     with gr.Blocks(title=title, analytics_enabled=False, delete_cache=(CACHE_S, CACHE_S)) as demo:
         gr.Markdown(
-            f"# vitscope review: {run.run_dir}\n"
-            f"Checkpoint `{run.checkpoint.name}`, {len(run.labels)} classes; probabilities {calibrated}. "
-            f"Each decision is saved at once in `{on.decisions.file}`; train on it with "
-            f"`vit-train fit ... --data.corrections {on.decisions.file}`."
+            visible(
+                f"# vitscope review: {run.run_dir}\n"
+                f"Checkpoint `{run.checkpoint.name}`, {len(run.labels)} classes; probabilities {calibrated}. "
+                f"Each decision is saved at once in `{on.decisions.file}`; train on it with "
+                f"`vit-train fit ... --data.corrections {on.decisions.file}`."
+            )
         )
         which = gr.Radio([(f"{name} ({len(run.lists[name])})", name) for name in LISTS], value=first, label="List")
         table = gr.Dataframe(headers=HEADERS, type="array", interactive=False, elem_id="items", max_height=320)

@@ -160,3 +160,46 @@ def test_what_is_uploaded_to_the_page_is_deleted_when_it_closes(run: Path):
     finally:
         app.close()
     wait_until(lambda: not Path(kept).exists(), 10, "the upload deleted")
+
+
+def _browser_safe(value) -> None:
+    """Every string in what a callback returns (table rows, gr.update dicts, Markdown) encodes as UTF-8, as the
+    page's messages must."""
+    if isinstance(value, str):
+        value.encode("utf-8")
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _browser_safe(k), _browser_safe(v)
+    elif isinstance(value, list | tuple):
+        for v in value:
+            _browser_safe(v)
+
+
+def test_an_image_name_that_is_not_utf8_is_shown_escaped_and_its_decisions_are_saved_as_named(tmp_path: Path):
+    """`caf\\xe9.png` (a Latin-1 archive unzipped on Linux): the table, the image's text and every click failed with
+    Gradio's "unexpected error" (`str is not valid UTF-8: surrogates not allowed`), the Leave-out click too, though
+    it was saved."""
+    run = write_review_run(tmp_path / "run")
+    split = json.loads((run / "split.json").read_text())
+    old = split["train"][0]["path"]  # the first likely wrong label
+    new = os.path.join(os.path.dirname(old), os.fsdecode(b"caf\xe9.png"))
+    os.rename(old, new)
+    split["train"][0]["path"] = new
+    (run / "split.json").write_text(json.dumps(split))
+    issues = run / "reports" / "label_issues.csv"
+    text = issues.read_text().replace(old, new)
+    issues.write_text(text, encoding="utf-8", errors="surrogateescape")
+
+    on = ReviewActions(ReviewRun(run, limit=3))
+    assert on.run.lists[FLAGGED][0].path == new
+    table, *shown = on.load(FLAGGED)
+    _browser_safe([table, shown])
+    assert table[0][1] == os.path.join(os.path.basename(os.path.dirname(new)), "caf\\xe9.png")
+    assert "caf\\xe9.png" in shown[3]  # the image's text (its Markdown)
+    _browser_safe(on.show(FLAGGED, 0))
+    answer = on.decide(FLAGGED, 0, "leave", None)
+    _browser_safe(answer)
+    assert "caf\\xe9.png" in answer[-1] and "left out" in answer[-1]
+    assert answer[0][0][-1] == "left out"
+    assert load_corrections(run / "corrections.csv", _data_root(run), CLASS_NAMES) == {new: None}
+    assert b"/caf\xe9.png," in (run / "corrections.csv").read_bytes()  # the real name, not the one shown
