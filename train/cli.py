@@ -34,6 +34,7 @@ from train.datamodule import ImageFolderDataModule
 from train.errors import SetupError, TrainingError, first_line
 from train.label_issues import LabelIssuesReport
 from train.module import ViTClassifier
+from train.options import check_data_settings, warn_on_mirrors_never_trained
 from train.recipe import auto_recipe_args
 from train.review import REVIEW_HELP, review_parser
 from train.review import main as review_main
@@ -321,28 +322,6 @@ class VitCLI(LightningCLI):
                 f"    vit-export {best} -o model.onnx",
             ]
         log.info("\n".join(lines))
-
-
-def check_data_settings(config: Any) -> None:
-    """Refuse data settings that would fail deep inside training (an empty batch, negative workers)."""
-    for key in ("data.batch_size", "data.eval_batch_size"):
-        value = config.get(key)
-        if value is not None and value < 1:
-            raise SetupError(f"--{key} must be at least 1, got {value}")
-    workers = config.get("data.num_workers")
-    if workers is not None and workers < 0:
-        raise SetupError(f"--data.num_workers must be 0 or more, got {workers}")
-
-
-def warn_on_mirrors_never_trained(config: Any) -> None:
-    """Say when the model will answer each image with its mirror (`flip_tta`) but trains on no mirror images."""
-    augment = config.get("data.augment")
-    hflip = getattr(augment, "hflip", None) if not isinstance(augment, dict) else augment.get("hflip")
-    if (config.get("model.net_args") or {}).get("flip_tta") and hflip == 0:
-        log.warning(
-            "--model.net_args.flip_tta is on but --data.augment.hflip is 0: the model will answer each image with "
-            "its mirror image, unlike anything it trained on; for digits or text set flip_tta false"
-        )
 
 
 def _with_atomic_checkpoint_io(plugins: Any) -> list[Any]:

@@ -1,14 +1,18 @@
-"""The model's options, checked before anything is built: a value out of its range is one `ValueError` line that
+"""The model's and the data's options, checked before anything is built: a value out of its range is one line that
 names the option (vit-train prints it without a traceback), not a run that trains to NaN or fails deep in torch."""
 
 from __future__ import annotations
 
 import inspect
+import logging
 import math
 from typing import Any
 
 from train.balance import LOSS_METHODS, METHODS
+from train.errors import SetupError
 from vit.model import VisionTransformer
+
+log = logging.getLogger(__name__)
 
 # option: (lowest, highest, whether the highest itself is allowed); every lowest is allowed
 RANGES = {
@@ -50,3 +54,25 @@ def check_net_args(net_args: dict[str, Any] | None) -> None:
     if unknown:
         takes = ", ".join(sorted(known))
         raise ValueError(f"--model.net_args: no option {', '.join(unknown)}; the network takes {takes}")
+
+
+def check_data_settings(config: Any) -> None:
+    """Refuse data settings that would fail deep inside training (an empty batch, negative workers)."""
+    for key in ("data.batch_size", "data.eval_batch_size"):
+        value = config.get(key)
+        if value is not None and value < 1:
+            raise SetupError(f"--{key} must be at least 1, got {value}")
+    workers = config.get("data.num_workers")
+    if workers is not None and workers < 0:
+        raise SetupError(f"--data.num_workers must be 0 or more, got {workers}")
+
+
+def warn_on_mirrors_never_trained(config: Any) -> None:
+    """Say when the model will answer each image with its mirror (`flip_tta`) but trains on no mirror images."""
+    augment = config.get("data.augment")
+    hflip = getattr(augment, "hflip", None) if not isinstance(augment, dict) else augment.get("hflip")
+    if (config.get("model.net_args") or {}).get("flip_tta") and hflip == 0:
+        log.warning(
+            "--model.net_args.flip_tta is on but --data.augment.hflip is 0: the model will answer each image with "
+            "its mirror image, unlike anything it trained on; for digits or text set flip_tta false"
+        )

@@ -84,7 +84,7 @@ def test_flip_tta_without_flips_in_training_is_said(shapes_folder: Path, tmp_pat
     args = ["fit", "--config", "configs/small_images.yaml", "--data.root", str(shapes_folder), "--data.img_size", "32"]
     args += ["--trainer.fast_dev_run", "1", "--trainer.default_root_dir", str(tmp_path / "run"), "--model.compile"]
     args += ["false", "--trainer.enable_progress_bar", "false", "--data.num_workers", "0", "--data.augment.hflip", "0"]
-    with caplog.at_level(logging.WARNING, logger="train.cli"):
+    with caplog.at_level(logging.WARNING, logger="train.options"):
         cli = build_cli(args)
     assert cli.model.net.flip_tta and "set flip_tta false" in caplog.text  # digits: mirrored, a 2 is no 2
 
