@@ -7,8 +7,9 @@ The file is a CSV with the header `path,label`, one image a row:
     cat/0043.jpg,                      an empty label leaves the image out
 
 A path is absolute (as in `split.json`, and as `vit-train review` writes it) or relative to the data root; the
-same image named both ways is one image. When an image comes twice, the later row holds: a review that changes
-its mind appends its new decision. Further columns (a note) are allowed, and kept by the review.
+same image named both ways, or through a linked folder (a data root or class folder that is a link), is one
+image. When an image comes twice, the later row holds: a review that changes its mind appends its new decision.
+Further columns (a note) are allowed, and kept by the review.
 A label and a path are read exactly as written, so a class folder named `dog ` keeps its space; spaces typed
 around a value (`cat/0043.jpg, dog`) are dropped only where the exact value names no class, or no file.
 A row that is not a path and a label (no label column, no path, a value running over several lines: a stray
@@ -48,9 +49,21 @@ class CorrectionsTable:
 
 
 def absolute_path(path: str, root: Path) -> str:
-    """`path` as the scan writes it: absolute, the root resolved (relative paths are taken from `root`)."""
+    """`path` as the scan writes it: absolute (relative paths are taken from `root`), its folders resolved."""
     p = Path(path).expanduser()
-    return os.path.normpath(p if p.is_absolute() else root / p)
+    return resolved_folder(os.path.normpath(p if p.is_absolute() else root / p))
+
+
+def resolved_folder(path: str, folders: dict[str, str] | None = None) -> str:
+    """An absolute path with the links among its folders resolved and its own name kept, so that two names of one
+    image compare alike: the scan follows linked folders (a data root or a class folder linked into place) and
+    lists an image that is a link under its own name. `folders` keeps each folder's resolved path for the next."""
+    head, name = os.path.split(path)
+    if folders is None:
+        return os.path.join(os.path.realpath(head), name)
+    if head not in folders:
+        folders[head] = os.path.realpath(head)
+    return os.path.join(folders[head], name)
 
 
 def load_corrections(file: str | Path, root: str | Path, classes: list[str]) -> dict[str, str | None]:
@@ -166,14 +179,15 @@ def apply_corrections(
         (the corrected files, {"relabelled": n, "left_out": n}, the paths of `fixes` found in `files`).
     """
     out: dict[str, list[str]] = {name: [] for name in files}
-    counts, seen = {"relabelled": 0, "left_out": 0}, set()
+    counts, seen, folders = {"relabelled": 0, "left_out": 0}, set(), {}
     for name, paths in files.items():
         for p in paths:
-            if p not in fixes:
+            key = resolved_folder(p, folders)  # a folder linked inside a class folder is listed as reached
+            if key not in fixes:
                 out[name].append(p)
                 continue
-            seen.add(p)
-            label = fixes[p]
+            seen.add(key)
+            label = fixes[key]
             if label is None:
                 counts["left_out"] += 1
             else:

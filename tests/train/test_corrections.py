@@ -157,3 +157,29 @@ def test_a_row_that_is_not_path_and_label_is_refused_with_what_to_fix(folder, tm
     with pytest.raises(ValueError) as e:
         load_corrections(file, folder, ["bar", "column", "square"])
     assert str(e.value).startswith(f"{file} line {line}") and says in str(e.value) and "\n" not in str(e.value)
+
+
+def test_corrections_name_images_through_linked_folders_as_the_scan_does(folder: Path, tmp_path: Path):
+    """A data root or a class folder that is a link (a /data mount linked into place): the scan keeps such folders
+    resolved, the rows were taken as written, and each of their corrections was "not an image of the folder"."""
+    link = tmp_path / "link"
+    link.symlink_to(folder)  # the data root, linked into place
+    (folder / "square").rename(tmp_path / "square")
+    (folder / "square").symlink_to(tmp_path / "square")  # a class folder on another disk
+    write_shapes(tmp_path / "extra", per_class=2, classes=("more",), seed=3)
+    (folder / "column" / "more").symlink_to(tmp_path / "extra" / "more")  # a linked folder inside a class
+    (folder / "bar" / "linked.png").symlink_to(tmp_path / "extra" / "more" / "001.png")  # a linked image
+    rows = [
+        (str(link / "bar" / "000.png"), "column"),  # absolute, through the linked root
+        ("square/001.png", ""),  # relative, in the linked class folder
+        (str(link / "column" / "more" / "000.png"), "bar"),
+        ("bar/linked.png", "square"),  # the link is the image, as in the scan, not the file it points to
+    ]
+    scan = scan_folder(link, 0.25, seed=0, corrections=str(_csv(tmp_path / "fix.csv", rows)))
+    assert {k: scan.corrections[k] for k in ("relabelled", "left_out", "not_found")} == {
+        "relabelled": 3, "left_out": 1, "not_found": 0
+    }  # fmt: skip
+    labels = _everything(scan)
+    assert labels[str(folder / "bar" / "000.png")] == "column"
+    assert str(tmp_path / "square" / "001.png") not in labels
+    assert labels[str(folder / "bar" / "linked.png")] == "square"
