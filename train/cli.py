@@ -32,6 +32,7 @@ from train.callbacks import KeepBestScore
 from train.checkpoint_io import AtomicCheckpointIO, load_error, remove_partial_saves
 from train.datamodule import ImageFolderDataModule
 from train.errors import SetupError, TrainingError, first_line
+from train.held_split import run_split
 from train.label_issues import LabelIssuesReport
 from train.module import ViTClassifier
 from train.options import check_data_settings, warn_on_mirrors_never_trained
@@ -169,6 +170,8 @@ class VitCLI(LightningCLI):
         warn_on_mirrors_never_trained(config)
         if config.get("num_threads"):
             torch.set_num_threads(config["num_threads"])
+        if self.subcommand == "fit" and config.get("ckpt_path") and not config.get("overwrite"):  # a resumed run
+            config["data.split"] = config.get("data.split") or run_split(config.get("trainer.default_root_dir"))
         if config.get("ckpt_path") and config.get("model.pretrained"):
             # the checkpoint holds every weight: resuming must not need the hub or the original file again
             config["model.pretrained"] = None

@@ -29,6 +29,7 @@ from train.balance import BALANCE_CHOICES, balanced_sampler, resolve_balance
 from train.data_report import class_counts, write_data_report
 from train.dataset import BatchCollate, ImageListDataset, fill_cache, usable_cores
 from train.folder_scan import BadFile, FolderScan, folder_classes, scan_folder
+from train.held_split import hold_split
 from train.shards import (
     is_streaming_root,
     read_meta,
@@ -79,6 +80,8 @@ class ImageFolderDataModule(pl.LightningDataModule):
             user's own train/ are left out; "none" skips the decoding and keeps every image where it falls.
         corrections: a CSV `path,label` applied before the split: a label relabels the image, an empty one
             leaves it out (`train.corrections`; `vit-train review` writes such a file in the run directory).
+        split: a `split.json` whose split to keep (`train.held_split`): each image it lists keeps its place, the
+            others are left out. A resumed fit passes its run's own (`--ckpt_path` in a run directory that holds one).
 
     Reports, written before the first training step into the run directory: `split.json`, `bad_files.csv`,
     `reports/data.json` and `reports/duplicates.csv` (docs/guide/reports.md explains each field).
@@ -106,6 +109,7 @@ class ImageFolderDataModule(pl.LightningDataModule):
         balance: str = "auto",
         dedupe: str = "auto",
         corrections: str | None = None,
+        split: str | None = None,
     ):
         super().__init__()
         self.root, self.val_fraction, self.seed = root, val_fraction, seed
@@ -122,7 +126,7 @@ class ImageFolderDataModule(pl.LightningDataModule):
         for name, value, choices in (("balance", balance, BALANCE_CHOICES), ("dedupe", dedupe, DEDUPE_CHOICES)):
             if value not in choices:
                 raise ValueError(f"--data.{name} must be one of {', '.join(choices)}, got {value!r}")
-        self.balance, self.dedupe, self.corrections = balance, dedupe, corrections
+        self.balance, self.dedupe, self.corrections, self.split = balance, dedupe, corrections, split
         if corrections is not None and is_streaming_root(root):
             raise ValueError(
                 f"{root} is a prepared (streamed) dataset, whose split is fixed in its chunks: apply the corrections "
@@ -146,10 +150,11 @@ class ImageFolderDataModule(pl.LightningDataModule):
         return self._scan
 
     def _scan_folder(self) -> FolderScan:
-        return scan_folder(
+        scan = scan_folder(
             self.root, self.val_fraction, self.seed, self.verify_images, self.calib_fraction,
             corrections=self.corrections, dedupe=self.dedupe != "none",
         )  # fmt: skip
+        return scan if self.split is None else hold_split(scan, self.split)
 
     def _shared_scan_path(self) -> Path | None:
         trainer = self.trainer

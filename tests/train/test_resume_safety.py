@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import hashlib
+import json
 import os
 import resource
 import shutil
@@ -85,6 +86,29 @@ def test_the_best_score_survives_a_resume_with_the_run_directory_spelled_differe
     assert sha(ckpts / "best.ckpt") == best  # not replaced by a worse epoch
 
 
+def _places(run_dir: Path) -> dict[str, str]:
+    """Each image of the run's split.json (relative to its root) -> train, val or calib."""
+    split = json.loads((run_dir / "split.json").read_text())
+    return {os.path.relpath(e["path"], split["root"]): k for k in ("train", "val", "calib") for e in split[k]}
+
+
+@pytest.mark.slow
+def test_a_resumed_run_keeps_its_split_when_the_folder_gained_lost_or_moved_images(shapes, tmp_path, caplog):
+    """Adding one image reshuffled its class: a resume validated and calibrated on images it had trained on."""
+    run = tmp_path / "run"
+    build_cli(fit_args(shapes, run, 1, "--data.calib_fraction", "0.2"))
+    before = _places(run)
+    moved = shutil.copytree(shapes, tmp_path / "moved")  # the same images, mounted elsewhere
+    shutil.copy(moved / "bar" / "000.png", moved / "bar" / "zzz_new.png")
+    gone = [next(p for p, k in sorted(before.items()) if k == where) for where in ("train", "val")]
+    for p in gone:
+        (moved / p).unlink()
+    build_cli(fit_args(moved, run, 2, "--ckpt_path", "last", "--data.calib_fraction", "0.3", "--data.seed", "7"))
+    after = _places(run)
+    assert after == {p: k for p, k in before.items() if p not in gone}
+    assert "1 image(s) added to the folder since it started are left out, and 2 it lists are gone" in caplog.text
+
+
 @pytest.mark.slow
 def test_a_non_finite_loss_stops_the_run_and_keeps_the_best_checkpoint(shapes, tmp_path, capsys):
     run = tmp_path / "run"
@@ -106,7 +130,7 @@ def test_resuming_on_a_folder_with_other_classes_is_refused(shapes, tmp_path, ca
     for root, count in ((renamed, 3), (more, 4)):
         assert exit_code(fit_args(root, run, 2, "--ckpt_path", "last")) == 2
         err = capsys.readouterr().err
-        assert "Traceback" not in err and "vit-train: the checkpoint was trained on 3 classes" in err
+        assert "Traceback" not in err and "was trained on 3 classes" in err  # said by the run's split
         assert f"the image folder has {count} classes" in err
     assert load_checkpoint(run / "checkpoints" / "last.ckpt")["epoch"] == 0
 

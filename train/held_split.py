@@ -1,0 +1,78 @@
+"""A split held from a `split.json`: a resumed run validates and calibrates on the images it did before.
+
+The folder scan splits each class by a seeded shuffle of its files, so one image added to a class moves others
+between train, val and calibration. A resumed fit (`--ckpt_path` in a run directory that holds a `split.json`)
+therefore keeps the run's own split (`vit-train fit` passes it as `--data.split`): each image keeps its place,
+matched by its path under the data root (so the same images mounted elsewhere match), and takes its label from the
+folder and the corrections as they are now. Images the split does not list are left out of the run; images it
+lists that the folder no longer holds are dropped. A warning gives both counts.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+
+from train.folder_scan import FolderScan
+
+log = logging.getLogger(__name__)
+PLACES = ("train", "val", "calib")
+
+
+def hold_split(scan: FolderScan, split_file: str | Path) -> FolderScan:
+    """`scan` with its images in the places `split_file` gives them (see the module's docstring).
+
+    Raises:
+        ValueError: the file cannot be read as a split, lists other classes, or lists none of the folder's images.
+    """
+    root, classes, place = _read(Path(split_file))
+    if classes != scan.classes:
+        raise ValueError(
+            f"the run was trained on {len(classes)} classes {classes} ({split_file}), but the image folder has "
+            f"{len(scan.classes)} classes {scan.classes}: resume on the folder it was trained on, or train a new run "
+            "on this one (without --ckpt_path)"
+        )
+    parts: dict[str, list[tuple[str, int]]] = {where: [] for where in PLACES}
+    new = 0
+    for path, label in [*scan.train, *scan.val, *scan.calib]:
+        where = place.get(os.path.relpath(path, scan.root))
+        if where is None:
+            new += 1
+        else:
+            parts[where].append((path, label))
+    kept = sum(map(len, parts.values()))
+    if not kept:
+        raise ValueError(
+            f"{split_file} lists none of the images of {scan.root}: resume on the folder the run was trained on, or "
+            "train a new run on this one (without --ckpt_path)"
+        )
+    if new or kept < len(place):
+        log.warning(
+            "the run keeps the split it started with (%s): %d image(s) added to the folder since it started are "
+            "left out, and %d it lists are gone or left out; train a new run to use the folder as it is now",
+            split_file, new, len(place) - kept,
+        )  # fmt: skip
+    scan.train, scan.val, scan.calib = (sorted(parts[where]) for where in PLACES)
+    return scan
+
+
+def _read(path: Path) -> tuple[str, list[str], dict[str, str]]:
+    """(its root, its classes, each image's path under the root -> its place)."""
+    try:
+        held = json.loads(path.read_text(encoding="utf-8"))
+        root = str(held["root"])
+        place = {os.path.relpath(str(e["path"]), root): where for where in PLACES for e in held.get(where, [])}
+        return root, list(held["classes"]), place
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(
+            f"{path} cannot be read as the split vit-train wrote ({e}): move it out of the run directory to resume "
+            "with a new split"
+        ) from None
+
+
+def run_split(run_dir: str | None) -> str | None:
+    """The `split.json` of the run directory `run_dir` (None: the working directory), or None if it holds none."""
+    split = Path(run_dir or os.getcwd()) / "split.json"
+    return str(split) if split.is_file() else None
