@@ -21,7 +21,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,15 +28,13 @@ from pathlib import Path
 from serve.runtime.images import walk_image_files
 from train.corrections import correct_folder
 from train.data_report import image_stats
-from train.duplicates import Duplicates, find_duplicates, follow_anchors, without_members
+from train.duplicates import Duplicates, find_duplicates, follow_anchors
 from train.parallel import parallel_map
+from train.splits import calibration_split, split_own, stratified_split
 
 log = logging.getLogger(__name__)
 
 PARALLEL_FROM = 5_000  # files; fewer are checked in this process (a pool costs more than it saves)
-# Below this many calibration images the temperature and thresholds rest on few images, and the finest
-# coverage a prediction set can promise is 1 - 1/(n + 1): the scan says so (one warning).
-FEW_CALIBRATION_IMAGES = 200
 
 
 @dataclass(frozen=True)
@@ -198,69 +195,6 @@ def _scan_classes(folder: Path, classes: list[str] | None, verify: bool, bad: li
     return files
 
 
-def stratified_split(
-    files: dict[str, list[str]], val_fraction: float, seed: int
-) -> tuple[list[tuple[str, int]], list[tuple[str, int]]]:
-    """Split each class separately so train and val keep the class proportions.
-
-    Each class with at least 2 images gives at least 1 to val and keeps at least 1 for training.
-    The same files, fraction and seed always give the same split.
-    """
-    if not 0.0 < val_fraction < 1.0:
-        raise ValueError(f"val_fraction must be between 0 and 1 (exclusive), got {val_fraction}")
-    train, val = [], []
-    for label, name in enumerate(sorted(files)):
-        paths = sorted(str(p) for p in files[name])
-        random.Random(f"{seed}/{name}").shuffle(paths)  # per-class seed: adding a class moves no other
-        n_val = min(max(1, round(len(paths) * val_fraction)), len(paths) - 1) if len(paths) > 1 else 0
-        val += [(p, label) for p in sorted(paths[:n_val])]
-        train += [(p, label) for p in sorted(paths[n_val:])]
-    return train, val
-
-
-def calibration_split(
-    train: list[tuple[str, int]], classes: list[str], fraction: float, seed: int
-) -> tuple[list[tuple[str, int]], list[tuple[str, int]]]:
-    """Hold back `fraction` of each class's training images for calibration, stratified and seeded.
-
-    Each class gives at least 1 image and keeps at least 1 for training. The validation split is made
-    first and is untouched, so the checkpoint chosen on it does not depend on this fraction.
-
-    Returns:
-        (train, calib), each a list of (path, label).
-
-    Raises:
-        ValueError: the fraction is outside [0, 1), or a class has too few training images to give one.
-    """
-    if not 0.0 <= fraction < 1.0:
-        raise ValueError(f"calib_fraction must be in [0, 1), got {fraction}; 0 holds back no calibration images")
-    if fraction == 0.0:
-        return train, []
-    by_class: dict[int, list[str]] = {}
-    for p, y in train:
-        by_class.setdefault(y, []).append(p)
-    kept, calib = [], []
-    for y in sorted(by_class):
-        paths = sorted(by_class[y])
-        if len(paths) < 2:
-            raise ValueError(
-                f"class {classes[y]!r} has {len(paths)} training image(s), too few to hold one back for calibration: "
-                "add images, or set --data.calib_fraction 0 and calibrate at export (vit-export --calibrate DIR)"
-            )
-        random.Random(f"{seed}/calib/{classes[y]}").shuffle(paths)
-        n = min(max(1, round(len(paths) * fraction)), len(paths) - 1)
-        calib += [(p, y) for p in sorted(paths[:n])]
-        kept += [(p, y) for p in sorted(paths[n:])]
-    if len(calib) < FEW_CALIBRATION_IMAGES:
-        log.warning(
-            "only %d calibration images (calib_fraction %.2f): temperature and thresholds rest on few images, and "
-            "prediction sets can promise a coverage of at most %.3f; hold back more or calibrate at export "
-            "(vit-export --calibrate DIR)",
-            len(calib), fraction, 1 - 1 / (len(calib) + 1),
-        )  # fmt: skip
-    return kept, calib
-
-
 def scan_folder(
     root: str | Path,
     val_fraction: float = 0.2,
@@ -337,38 +271,6 @@ def _dedupe(parts: list[dict[str, list[str]]], bad: list[BadFile]) -> tuple[list
     broken = {p for p, _ in facts.broken}
     parts = [{c: [p for p in paths if p not in broken] for c, paths in files.items()} for files in parts]
     return parts, dups, image_stats(facts.sizes, facts.modes)
-
-
-def split_own(
-    train: list[tuple[str, int]],
-    val: list[tuple[str, int]],
-    dups: Duplicates | None,
-    classes: list[str],
-    calib_fraction: float,
-    seed: int,
-) -> tuple[list, list, list, list[str]]:
-    """The user's own train/ and val/: val less its copies of train images, calibration drawn by group.
-
-    Returns:
-        (train, val, calib, the val paths left out because a copy of them is in train/).
-    """
-    if dups is None:
-        kept, calib = calibration_split(train, classes, calib_fraction, seed)
-        return kept, val, calib, []
-    in_train = {p for p, _ in train}
-    anchors, left = {}, set()
-    for group in dups.groups:
-        mine = [p for p in group if p in in_train]
-        anchors.update({p: mine[0] for p in mine[1:]})
-        left.update(p for p in group if mine and p not in in_train)
-    kept, calib = calibration_split(without_members(train, anchors), classes, calib_fraction, seed)
-    kept, calib = follow_anchors([kept, calib], [it for it in train if it[0] in anchors], anchors)
-    if left:
-        log.warning(
-            "%d image(s) of %s have a copy in train/: left out of validation, so they do not inflate its accuracy "
-            "(reports/duplicates.csv lists them; --data.dedupe none keeps them)", len(left), Path(val[0][0]).parents[1],
-        )  # fmt: skip
-    return kept, [(p, y) for p, y in val if p not in left], calib, sorted(left)
 
 
 def _done(scan: FolderScan, start: float) -> FolderScan:

@@ -22,8 +22,9 @@ import yaml
 from serve.runtime.images import ImageError, open_image
 from train.datamodule import ImageFolderDataModule
 from train.dataset import usable_cores
-from train.folder_scan import calibration_split, class_dirs, find_image_files, stratified_split
-from train.folder_scan import log as scan_log
+from train.folder_scan import class_dirs, find_image_files
+from train.splits import calibration_split, stratified_split
+from train.splits import log as split_log
 
 log = logging.getLogger(__name__)
 
@@ -94,11 +95,11 @@ def survey(root: str | Path, sample: int = 256, seed: int = 0, split: tuple[floa
 def _split_counts(
     by_class: dict[str, list[Path]], val_files: list[Path] | None, val_fraction: float, calib_fraction: float, seed: int
 ) -> tuple[int, int, int]:
-    """(train, val, calibration) image counts of the data module's split (`train.folder_scan`); `val_files` are
+    """(train, val, calibration) image counts of the data module's split (`train.splits`); `val_files` are
     those of the user's own val/ folder, if any."""
     classes = sorted(by_class)
-    level = scan_log.level
-    scan_log.setLevel(logging.ERROR)  # a warning about few calibration images comes from the scan itself, later
+    level = split_log.level
+    split_log.setLevel(logging.ERROR)  # a warning about few calibration images comes from the scan itself, later
     try:
         if val_files is not None:
             train, val = [(str(p), y) for y, c in enumerate(classes) for p in by_class[c]], val_files
@@ -108,7 +109,7 @@ def _split_counts(
     except ValueError:  # a fraction out of range, or a class too small to give an image: the scan says which
         return sum(map(len, by_class.values())), len(val_files or []), 0
     finally:
-        scan_log.setLevel(level)
+        split_log.setLevel(level)
     return len(kept), len(val), len(calib)
 
 

@@ -218,7 +218,7 @@ def test_a_class_too_small_to_give_calibration_images_is_refused_in_one_line(tmp
 
 
 def test_a_small_calibration_split_says_what_it_costs(shapes_folder: Path, caplog):
-    with caplog.at_level("WARNING", logger="train.folder_scan"):
+    with caplog.at_level("WARNING", logger="train.splits"):
         scan = scan_folder(shapes_folder, calib_fraction=0.1)
     assert len(scan.calib) == 6
     assert "only 6 calibration images" in caplog.text and "at most 0.857" in caplog.text
