@@ -12,8 +12,9 @@ image. When an image comes twice, the later row holds: a review that changes its
 Further columns (a note) are allowed, and kept by the review.
 A label and a path are read exactly as written, so a class folder named `dog ` keeps its space; spaces typed
 around a value (`cat/0043.jpg, dog`) are dropped only where the exact value names no class, or no file.
-A row that is not a path and a label (no label column, no path, a value running over several lines: a stray
-quote) is refused with its line, as is a label that is no class.
+A row that is not a path and a label (no label column, no path, a value running over several lines because of a
+stray quote) is refused with its line, as is a label that is no class; a value quoted as the csv module writes it
+may hold a newline (a file name can), and a path that names no file is warned about, as any other.
 The scan applies the file before the split, so a relabelled image is split (and stratified) as its new class.
 """
 
@@ -97,11 +98,11 @@ def read_corrections(file: str | Path, root: str | Path, classes: list[str]) -> 
         found = _shown(",".join(rows[0][2])) if rows else "an empty file"
         raise ValueError(f"{file} must start with the header line path,label (found {found})")
     table, known = CorrectionsTable(rows[0][2], {}, {}), set(classes)
-    for start, end, row in rows[1:]:
+    for start, end, row, well_formed in rows[1:]:
         if not any(c.strip() for c in row):
             continue
         where = f"{file} line {start}"
-        runs = f"; the row runs to line {end}: {STRAY_QUOTE}" if end > start else ""
+        runs = f"; the row runs to line {end}: {STRAY_QUOTE}" if end > start and not well_formed else ""
         path, label = _parse(row, root, known, where, runs)
         if label is False:
             raise ValueError(
@@ -113,12 +114,13 @@ def read_corrections(file: str | Path, root: str | Path, classes: list[str]) -> 
     return table
 
 
-def _read_rows(file: Path) -> list[tuple[int, int, list[str]]]:
-    """(first line, last line, row) of each row of `file`; what the csv module cannot read is a ValueError."""
-    out, start = [], 1
+def _read_rows(file: Path) -> list[tuple[int, int, list[str], bool]]:
+    """(first line, last line, row, whether it is well-formed CSV: its quotes closed, each just before a comma or the
+    row's end) of each row of `file`; what the csv module cannot read is a ValueError."""
+    out, start, lines = [], 1, []
     # utf-8-sig: spreadsheets save a byte-order mark
     with open(file, newline="", encoding="utf-8-sig", errors=FILE_NAME_ERRORS) as f:
-        reader = csv.reader(f)
+        reader = csv.reader(lines.append(line) or line for line in f)  # each row's text too: it reads line by line
         while True:
             try:
                 row = next(reader)
@@ -126,8 +128,20 @@ def _read_rows(file: Path) -> list[tuple[int, int, list[str]]]:
                 return out
             except csv.Error as e:  # a field over the csv module's limit: a quote left open long before
                 raise ValueError(f"{file} line {start}: cannot read it as CSV ({e}): {STRAY_QUOTE}") from None
-            out.append((start, reader.line_num, row))
-            start = reader.line_num + 1
+            end = reader.line_num
+            out.append((start, end, row, end == start or _well_formed("".join(lines), row)))
+            start, lines[:] = end + 1, []
+
+
+def _well_formed(text: str, row: list[str]) -> bool:
+    """Whether `text` reads as `row` with no leniency: a row over several lines then holds a quoted value with a
+    newline, as the csv module writes one (`"new\\nline.png",label`: a file name may hold a newline). A stray quote
+    that ran on into the rows after it is open to the end of the file, or closes at a quote followed by more text
+    (`"a.png,b\\n"c.png,d`), which only the lenient reading takes."""
+    try:
+        return list(csv.reader([text], strict=True)) == [row]
+    except csv.Error:
+        return False
 
 
 def _parse(row: list[str], root: Path, known: set[str], where: str, runs: str) -> tuple[str, str | None | bool]:
@@ -144,7 +158,7 @@ def _parse(row: list[str], root: Path, known: set[str], where: str, runs: str) -
             "path, (the label empty) to leave it out"
         )
     path = _image_path(row[0], root)
-    if "\n" in row[0] and not os.path.isfile(path):  # a file name may hold a newline: only then is it one
+    if "\n" in row[0] and runs and not os.path.isfile(path):  # a stray quote ran on, unless this names a file
         raise ValueError(f"{where}: the path {_shown(row[0])} names no file{runs}")
     for label in (row[1], row[1].strip()):
         if not label or label in known:

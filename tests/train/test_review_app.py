@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import logging
 import os
 import shutil
 from pathlib import Path
@@ -175,21 +176,29 @@ def _browser_safe(value) -> None:
             _browser_safe(v)
 
 
+def _rename_first_flagged(run: Path, name: str) -> str:
+    """Give the run's first likely wrong label the file name `name`, in its folder, split.json and report, as if
+    the run had found it so; returns its new path."""
+    split = json.loads((run / "split.json").read_text())
+    old = split["train"][0]["path"]
+    new = os.path.join(os.path.dirname(old), name)
+    os.rename(old, new)
+    split["train"][0]["path"] = new
+    (run / "split.json").write_text(json.dumps(split))
+    issues = run / "reports" / "label_issues.csv"
+    with open(issues, newline="", encoding="utf-8") as f:
+        rows = [[new if cell == old else cell for cell in row] for row in csv.reader(f)]
+    with open(issues, "w", newline="", encoding="utf-8", errors="surrogateescape") as f:
+        csv.writer(f).writerows(rows)
+    return new
+
+
 def test_an_image_name_that_is_not_utf8_is_shown_escaped_and_its_decisions_are_saved_as_named(tmp_path: Path):
     """`caf\\xe9.png` (a Latin-1 archive unzipped on Linux): the table, the image's text and every click failed with
     Gradio's "unexpected error" (`str is not valid UTF-8: surrogates not allowed`), the Leave-out click too, though
     it was saved."""
     run = write_review_run(tmp_path / "run")
-    split = json.loads((run / "split.json").read_text())
-    old = split["train"][0]["path"]  # the first likely wrong label
-    new = os.path.join(os.path.dirname(old), os.fsdecode(b"caf\xe9.png"))
-    os.rename(old, new)
-    split["train"][0]["path"] = new
-    (run / "split.json").write_text(json.dumps(split))
-    issues = run / "reports" / "label_issues.csv"
-    text = issues.read_text().replace(old, new)
-    issues.write_text(text, encoding="utf-8", errors="surrogateescape")
-
+    new = _rename_first_flagged(run, os.fsdecode(b"caf\xe9.png"))
     on = ReviewActions(ReviewRun(run, limit=3))
     assert on.run.lists[FLAGGED][0].path == new
     table, *shown = on.load(FLAGGED)
@@ -203,3 +212,26 @@ def test_an_image_name_that_is_not_utf8_is_shown_escaped_and_its_decisions_are_s
     assert answer[0][0][-1] == "left out"
     assert load_corrections(run / "corrections.csv", _data_root(run), CLASS_NAMES) == {new: None}
     assert b"/caf\xe9.png," in (run / "corrections.csv").read_bytes()  # the real name, not the one shown
+
+
+def test_a_decision_on_an_image_named_over_two_lines_stays_readable_once_the_image_is_gone(tmp_path: Path, caplog):
+    """`new\nline.png`: the review wrote a well-formed quoted row for it, and once the image was moved the review
+    (each click reads the file again) and fit refused the whole file ("names no file ... a field that starts with
+    a quote"), though a missing image is warned about, not refused."""
+    from train.folder_scan import scan_folder
+
+    run = write_review_run(tmp_path / "run")
+    new = _rename_first_flagged(run, "new\nline.png")
+    on = ReviewActions(ReviewRun(run, limit=3))
+    on.decide(FLAGGED, 0, "relabel", CLASS_NAMES[3])
+    os.remove(new)
+    table, *_ = on.load(FLAGGED)  # a page reload
+    assert table[0][-1] == f"relabelled {CLASS_NAMES[3]}"
+    *_, status = on.decide(FLAGGED, 1, "leave", None)
+    assert "left out" in status
+    again = ReviewActions(ReviewRun(run, limit=3))  # a restarted review
+    assert again.decisions.get(new) == (True, CLASS_NAMES[3])
+    with caplog.at_level(logging.WARNING, logger="train.corrections"):
+        scan = scan_folder(_data_root(run), 0.25, seed=0, corrections=run / "corrections.csv")  # as fit applies it
+    assert scan.corrections["not_found"] == 1 and scan.corrections["left_out"] == 1
+    assert any("not images of the folder" in r.getMessage() for r in caplog.records)
