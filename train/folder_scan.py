@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import stat
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -126,6 +127,8 @@ def header_error(path: str) -> str | None:
     when it is decoded, and skipped and reported then.
     """
     try:
+        if not stat.S_ISREG(os.stat(path).st_mode):  # reading a named pipe would wait for a writer for ever
+            return f"{path} is not a regular file (a named pipe, socket or device)"
         with open(path, "rb") as f:
             head = f.read(16)
     except OSError as e:
@@ -179,12 +182,7 @@ def _scan_classes(folder: Path, classes: list[str] | None, verify: bool, bad: li
         bad += [BadFile(p, reason) for p, reason in errors]
         failed = {p for p, _ in errors}
         files = {name: [p for p in paths if p not in failed] for name, paths in files.items()} if failed else files
-    for d in dirs:
-        if not files[d.name]:
-            raise ValueError(
-                f"class folder {d} holds no readable images (jpg, png, webp, bmp, gif or tiff); "
-                "add images or remove the folder"
-            )
+    refuse_empty(files, folder, bad)
     if classes is None and all(Path(p).parent != d.resolve() for d in dirs for p in files[d.name]):
         inner = sorted({Path(p).relative_to(d.resolve()).parts[0] for d in dirs[:1] for p in files[d.name]})
         log.warning(
@@ -193,6 +191,18 @@ def _scan_classes(folder: Path, classes: list[str] | None, verify: bool, bad: li
             folder, dirs[0].name, ", ".join(inner[:5]), dirs[0],
         )  # fmt: skip
     return files
+
+
+def refuse_empty(files: dict[str, list[str]], folder: Path, bad: list[BadFile]) -> None:
+    """`ValueError` naming the first class of `files` ({class: paths} of `folder`) left with no image, and why."""
+    for name, paths in files.items():
+        if not paths:
+            why = next((b.reason for b in bad if Path(b.path).is_relative_to(folder.resolve() / name)), None)
+            raise ValueError(
+                f"class folder {folder / name} holds no readable images (jpg, png, webp, bmp, gif or tiff)"
+                + (f"; its files were skipped (first: {why})" if why else "")
+                + "; add images or remove the folder"
+            )
 
 
 def scan_folder(
@@ -237,8 +247,10 @@ def scan_folder(
     if corrections is not None:
         parts, record = correct_folder(parts, corrections, root, classes)
     dups = stats = None
-    if dedupe:
+    if dedupe:  # decoding may leave a class with no image
         parts, dups, stats = _dedupe(parts, bad)
+        for files, folder in zip(parts, [root] if pool else [root / "train", root / "val"], strict=True):
+            refuse_empty(files, folder, bad)
     items = [[(p, y) for y, c in enumerate(classes) for p in files[c]] for files in parts]
     anchors = dups.anchors() if dups else {}
     left_out: list[str] = []

@@ -140,6 +140,8 @@ def open_image(source: str | Path | bytes | bytearray, max_pixels: int | None = 
     else:
         path = Path(source)
         if not path.is_file():
+            if path.exists():  # reading a named pipe would wait for a writer for ever
+                raise ImageError(f"{path} is not a regular file (a named pipe, socket or device)", "unsupported")
             raise FileNotFoundError(f"no such image file: {path}")
         if path.stat().st_size == 0:
             raise ImageError(f"{path} is empty (0 bytes)", "empty")

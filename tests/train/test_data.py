@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import os
 import shutil
 from collections import Counter
 from pathlib import Path
@@ -11,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from serve.runtime.images import Preprocess, load_image
+from serve.runtime.images import ImageError, Preprocess, load_image
 from tests.helpers import write_shapes
 from train.datamodule import ImageFolderDataModule
 from train.folder_scan import FolderScan, scan_folder
@@ -268,3 +269,24 @@ def test_a_root_one_folder_too_high_is_said_in_a_warning(tmp_path, caplog):
     caplog.clear()
     scan_folder(tmp_path / "datasets" / "pets", verify=False)  # the right root: no warning
     assert "one folder too high" not in caplog.text
+
+
+@pytest.mark.timeout(60)
+def test_a_named_pipe_with_an_image_name_is_reported_not_waited_on(tmp_path: Path):
+    """Reading its header waited for a writer for ever: the scan never ended."""
+    root = write_shapes(tmp_path / "shapes", per_class=4)
+    os.mkfifo(root / "bar" / "pipe.png")
+    scan = scan_folder(root)
+    assert [(Path(b.path).name, "not a regular file" in b.reason) for b in scan.bad] == [("pipe.png", True)]
+    with pytest.raises(ImageError, match="not a regular file"):
+        load_image(root / "bar" / "pipe.png")  # what training and vit-predict decode with
+
+
+def test_a_class_whose_every_image_fails_to_decode_is_refused_with_the_reason(tmp_path: Path):
+    """Files with a whole header but truncated further in were dropped by the decode, leaving a class of 0 images
+    that trained with exit 0."""
+    root = write_shapes(tmp_path / "shapes", per_class=4)
+    for f in (root / "square").iterdir():
+        f.write_bytes(f.read_bytes()[:60])
+    with pytest.raises(ValueError, match=r"class folder .*square holds no readable images.*its files were skipped"):
+        scan_folder(root, dedupe=True)
