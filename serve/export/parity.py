@@ -22,7 +22,8 @@ import torch
 
 from serve.export.preflight import split_path
 from serve.runtime.classifier import OnnxClassifier
-from serve.runtime.images import ImageError, Preprocess, load_image, walk_image_files
+from serve.runtime.image_files import walk_image_files
+from serve.runtime.images import ImageError, Preprocess, load_image
 from vit.model import VisionTransformer
 from vit.rollout import attention_rollout, gradient_rollout
 

@@ -25,7 +25,7 @@ import stat
 from pathlib import Path
 from typing import Any
 
-from serve.runtime.images import walk_image_files
+from serve.runtime.image_files import walk_image_files
 from train import checkpoint_format
 from train.errors import first_line
 from vit.model import VisionTransformer

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import io
 import math
-import os
 import re
 import threading
 import warnings
@@ -51,42 +50,6 @@ class ImageError(ValueError):
     def __init__(self, message: str, kind: str = "corrupt"):
         super().__init__(message)
         self.kind = kind
-
-
-def is_image_file(path: str | Path) -> bool:
-    """True for a visible file whose suffix (any case) is an image type we read."""
-    p = Path(path)
-    return p.suffix.lower() in IMAGE_SUFFIXES and not p.name.startswith(".")
-
-
-def walk_image_files(folder: str | Path) -> tuple[list[str], list[OSError]]:
-    """The image files under `folder` (`is_image_file`: hidden files and folders left out), sorted, and the errors
-    of the folders that could not be listed (they would hide their images: the caller reports them). Linked folders
-    are followed, as torchvision's `ImageFolder` does, each real folder once. Paths start with `folder` as given.
-    Training (`train.folder_scan`) and `vit-predict` (`serve.runtime.jobs`) both find their images here."""
-    found, errors, seen, folders = [], [], set(), [os.fspath(folder)]  # not os.walk: 3.11's recurses (1,000 deep)
-    while folders:
-        top = folders.pop()
-        try:
-            st = os.stat(top)
-            if (st.st_dev, st.st_ino) in seen:  # walked already, through a link
-                continue
-            seen.add((st.st_dev, st.st_ino))
-            with os.scandir(top) as listing:  # in name order: of two names for one folder, the first is kept
-                entries = sorted((e.name, e.path, _is_folder(e)) for e in listing)
-        except OSError as e:
-            errors.append(e)
-            continue
-        folders += [path for name, path, is_dir in reversed(entries) if is_dir and not name.startswith(".")]
-        found += [path for name, path, is_dir in entries if not is_dir and is_image_file(name)]  # a dead link too
-    return sorted(found), errors
-
-
-def _is_folder(entry: os.DirEntry) -> bool:  # a folder or a link to one; one that cannot be checked: a file
-    try:
-        return entry.is_dir()
-    except OSError:
-        return False
 
 
 def load_image(source: ImageSource, max_pixels: int | None = DEFAULT_MAX_PIXELS) -> Image.Image:

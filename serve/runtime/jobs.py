@@ -27,7 +27,8 @@ from typing import Any, TextIO
 import numpy as np
 from tqdm import tqdm
 
-from serve.runtime.images import ImageError, is_image_file, walk_image_files
+from serve.runtime.image_files import is_image_file, walk_image_files
+from serve.runtime.images import ImageError
 from serve.runtime.outputs import PartStore
 
 # Shapes: B batch, H/W the model's input, K classes.

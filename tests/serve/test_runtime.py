@@ -116,7 +116,7 @@ def test_out_of_range_arguments_are_refused_and_a_generator_of_images_is_classif
 
 
 def test_a_folder_reached_twice_is_listed_under_its_first_name(tmp_path):
-    from serve.runtime.images import walk_image_files
+    from serve.runtime.image_files import walk_image_files
 
     (tmp_path / "a" / "sub").mkdir(parents=True)
     for path in (tmp_path / "a" / "1.png", tmp_path / "a" / "sub" / "2.png"):
