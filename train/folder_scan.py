@@ -23,9 +23,11 @@ import logging
 import os
 import stat
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from serve.runtime.image_files import LINK_NOT_FOLLOWED as SKIPPED_LINK
 from serve.runtime.image_files import walk_image_files
 from train.corrections import correct_folder
 from train.data_report import image_stats
@@ -107,13 +109,27 @@ def class_dirs(folder: Path) -> list[Path]:
     return sorted((d for d in folder.iterdir() if d.is_dir() and _visible(d)), key=lambda d: d.name)
 
 
-def find_image_files(folder: Path, bad: list[BadFile] | None = None) -> list[str]:
+def find_image_files(folder: Path, bad: list[BadFile] | None = None, others: Sequence[Path] = ()) -> list[str]:
     """Absolute paths of the visible files with an image suffix under `folder`, sorted (`walk_image_files`: linked
-    folders followed once). A subfolder that cannot be listed would hide its images silently: it goes to `bad`."""
-    found, errors = walk_image_files(folder.resolve())
+    folders followed once). A subfolder that cannot be listed would hide its images silently: it goes to `bad`.
+
+    A link to a folder that holds `folder` (`ln -s ..`), or to one of `others` (the other class folders), is not
+    followed and goes to `bad`: it would give this class the images of every class, or of another one.
+    """
+    folder = folder.resolve()
+    skip = {(st.st_dev, st.st_ino) for st in map(os.stat, [*folder.parents, *others])}
+    found, errors = walk_image_files(folder, skip)
     if bad is not None:
-        bad += [BadFile(str(Path(e.filename).resolve()), f"folder cannot be read: {e.strerror}") for e in errors]
+        bad += [
+            BadFile(os.path.abspath(e.filename), LINK_NOT_FOLLOWED)
+            if e.strerror == SKIPPED_LINK
+            else BadFile(str(Path(e.filename).resolve()), f"folder cannot be read: {e.strerror}")
+            for e in errors
+        ]
     return found
+
+
+LINK_NOT_FOLLOWED = "a link to a folder that holds this class folder, or to another class folder: not followed"
 
 
 # Leading bytes of every format we decode (serve.runtime.images.FORMATS); RIFF needs WEBP at bytes 8-12.
@@ -176,7 +192,7 @@ def _scan_classes(folder: Path, classes: list[str] | None, verify: bool, bad: li
             f"{folder} must hold at least 2 class folders (one folder of images per class), found {len(dirs)}"
             + (f": {names}" if names else "")
         )
-    files = {d.name: find_image_files(d, bad) for d in dirs}
+    files = {d.name: find_image_files(d, bad, [o for o in dirs if o != d]) for d in dirs}
     if verify:
         errors = check_headers([p for paths in files.values() for p in paths])
         bad += [BadFile(p, reason) for p, reason in errors]

@@ -3,10 +3,14 @@ images and `vit-predict` (`serve.runtime.jobs`) all list folders here, alike."""
 
 from __future__ import annotations
 
+import errno
 import os
+from collections.abc import Collection
 from pathlib import Path
 
 from serve.runtime.images import IMAGE_SUFFIXES
+
+LINK_NOT_FOLLOWED = "a link into a folder walked on its own: not followed"
 
 
 def is_image_file(path: str | Path) -> bool:
@@ -15,16 +19,23 @@ def is_image_file(path: str | Path) -> bool:
     return p.suffix.lower() in IMAGE_SUFFIXES and not p.name.startswith(".")
 
 
-def walk_image_files(folder: str | Path) -> tuple[list[str], list[OSError]]:
+def walk_image_files(folder: str | Path, skip: Collection[tuple[int, int]] = ()) -> tuple[list[str], list[OSError]]:
     """The image files under `folder` (`is_image_file`: hidden files and folders left out), sorted, and the errors
     of the folders that could not be listed (they would hide their images: the caller reports them). Linked folders
     are followed, as torchvision's `ImageFolder` does, each real folder once. Paths start with `folder` as given.
-    Training (`train.folder_scan`) and `vit-predict` (`serve.runtime.jobs`) both find their images here."""
+    Training (`train.folder_scan`) and `vit-predict` (`serve.runtime.jobs`) both find their images here.
+
+    Args:
+        skip: (st_dev, st_ino) of folders a link must not lead into; such a link is an error (`LINK_NOT_FOLLOWED`).
+    """
     found, errors, seen, folders = [], [], set(), [os.fspath(folder)]  # not os.walk: 3.11's recurses (1,000 deep)
     while folders:
         top = folders.pop()
         try:
             st = os.stat(top)
+            if (st.st_dev, st.st_ino) in skip:
+                errors.append(OSError(errno.ELOOP, LINK_NOT_FOLLOWED, top))
+                continue
             if (st.st_dev, st.st_ino) in seen:  # walked already, through a link
                 continue
             seen.add((st.st_dev, st.st_ino))

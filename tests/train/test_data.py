@@ -290,3 +290,18 @@ def test_a_class_whose_every_image_fails_to_decode_is_refused_with_the_reason(tm
         f.write_bytes(f.read_bytes()[:60])
     with pytest.raises(ValueError, match=r"class folder .*square holds no readable images.*its files were skipped"):
         scan_folder(root, dedupe=True)
+
+
+def test_a_link_up_to_the_data_root_or_to_another_class_is_reported_not_followed(tmp_path: Path):
+    """`ln -s .. loop` inside a class folder gave that class the images of every class, under its label."""
+    root = write_shapes(tmp_path / "shapes", per_class=4)
+    (root / "square" / "loop").symlink_to("..")
+    (root / "bar" / "columns").symlink_to(root / "column")
+    (root / "column" / "more").symlink_to(write_shapes(tmp_path / "elsewhere", per_class=2, classes=("column",)))
+    scan = scan_folder(root, val_fraction=0.25)
+    counts = Counter(y for _, y in scan.train + scan.val)
+    assert [counts[i] for i in range(3)] == [4, 6, 4]  # bar, column (and its 2 linked from outside), square
+    assert sorted((Path(b.path).name, "not followed" in b.reason) for b in scan.bad) == [
+        ("columns", True),
+        ("loop", True),
+    ]
