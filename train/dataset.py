@@ -73,7 +73,9 @@ class ImageListDataset(Dataset):
     def __len__(self) -> int:
         return len(self.items)
 
-    def _load(self, i: int):
+    def load(self, i: int):
+        """Item `i`'s pixels before `transform` (`fixed`'s array, or the PIL image); `ImageError` or `OSError` when
+        it cannot be decoded (`__getitem__` then gives the next image, which scoring must not: `predict_logits`)."""
         if self.cache is not None:
             pixels, readable = self.cache
             if not readable[i]:
@@ -86,7 +88,7 @@ class ImageListDataset(Dataset):
         for offset in range(len(self.items)):
             j = (i + offset) % len(self.items)
             try:
-                img = self._load(j)
+                img = self.load(j)
             except (ImageError, OSError) as e:  # changed or removed since the scan: train on, say so
                 if self.cache is None:
                     log.warning("skipping %s: %s", self.items[j][0], e)

@@ -29,11 +29,11 @@ from pathlib import Path
 import lightning.pytorch as pl
 import numpy as np
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Dataset
 
 from serve.runtime.calibration import fit_temperature, softmax
-from serve.runtime.images import FILE_NAME_ERRORS, Preprocess
-from train.dataset import ImageListDataset
+from serve.runtime.images import FILE_NAME_ERRORS, ImageError, Preprocess
+from train.dataset import ImageListDataset, decode
 from train.transforms import EvalTransform
 
 log = logging.getLogger(__name__)
@@ -119,8 +119,9 @@ def baseline_issues(probs: np.ndarray, labels: np.ndarray, floor: float = 0.1) -
 @torch.no_grad()
 def predict_logits(
     net: torch.nn.Module, preprocess: Preprocess, items: list[tuple[str, int]], batch_size: int, workers: int = 0
-) -> np.ndarray:
-    """(N, K) float32 logits of `net` on `items`, unaugmented (the serving transform), in eval mode.
+) -> tuple[np.ndarray, np.ndarray]:
+    """(N, K) float32 logits of `net` on `items`, unaugmented (the serving transform), in eval mode, and (N,) bool
+    whether each image could be decoded (its logits are then the logits of zeros: leave them out).
 
     Args:
         net: images (B, 3, H, W) -> logits (B, K); a `ViTClassifier` runs its evaluated network.
@@ -130,14 +131,33 @@ def predict_logits(
         workers: DataLoader worker processes that decode.
     """
     evaluate = EvalTransform(preprocess)
-    loader = DataLoader(ImageListDataset(items, evaluate.resize, evaluate), batch_size, num_workers=workers)
+    images = _EachItsOwn(ImageListDataset(items, evaluate.resize, evaluate), (3, *preprocess.img_size))
+    loader = DataLoader(images, batch_size, num_workers=workers)
     device = next(net.parameters()).device
     was_training = net.training
     net.eval()
     try:
-        return torch.cat([net(x.to(device)).float().cpu() for x, _ in loader]).numpy()  # (N, K)
+        batches = [(net(x.to(device)).float().cpu(), readable) for x, readable in loader]
     finally:
         net.train(was_training)
+    return torch.cat([b for b, _ in batches]).numpy(), torch.cat([r for _, r in batches]).numpy()  # (N, K), (N,)
+
+
+class _EachItsOwn(Dataset):
+    """Each image's own evaluated pixels and whether it could be decoded (zeros where not): training's dataset
+    gives the next image in place of one it cannot decode, which would score one image with another's pixels."""
+
+    def __init__(self, images: ImageListDataset, shape: tuple[int, int, int]):
+        self.images, self.shape = images, shape
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, bool]:
+        try:
+            return self.images.transform(self.images.load(i)), True
+        except (ImageError, OSError):
+            return torch.zeros(self.shape), False
 
 
 def calibrated_probs(logits: np.ndarray, labels: np.ndarray, calib: np.ndarray) -> np.ndarray:
@@ -173,8 +193,39 @@ class LabelIssuesReport(pl.Callback):
             return
         labels = np.array([y for _, y in items], dtype=np.int64)
         calib = np.arange(len(items)) >= len(scan.train) + len(scan.val)
-        logits = predict_logits(pl_module, dm.preprocess, items, dm.eval_batch_size, dm.workers)
+        logits, readable = predict_logits(pl_module, dm.preprocess, items, dm.eval_batch_size, dm.workers)
+        if not readable.all():  # broken past their header: training skipped them too
+            add_bad_files(
+                Path(trainer.default_root_dir) / "bad_files.csv",
+                [p for (p, _), ok in zip(items, readable, strict=True) if not ok],
+            )
+            keep = np.flatnonzero(readable)
+            items, labels, calib, logits = [items[i] for i in keep], labels[keep], calib[keep], logits[keep]
         issues = find_label_issues(calibrated_probs(logits, labels, calib), labels)
         path = Path(trainer.default_root_dir) / "reports" / FILE
         write_label_issues(path, items, list(scan.classes), issues)
         log.info("label issues: %d of %d images may be wrongly labelled: %s", len(issues.index), len(items), path)
+
+
+def add_bad_files(path: Path, failed: list[str]) -> None:
+    """Add to the run's `bad_files.csv` the files of `failed` it does not list yet, each with why it cannot be
+    decoded: with no cache and no copy search, nothing decoded them before training, which skipped them."""
+    listed = set()
+    if path.is_file():
+        with open(path, newline="", encoding="utf-8", errors=FILE_NAME_ERRORS) as f:
+            listed = {row[0] for row in csv.reader(f) if row}
+    with open(path, "a", newline="", encoding="utf-8", errors=FILE_NAME_ERRORS) as f:
+        if not listed:
+            csv.writer(f).writerow(["file", "reason"])
+        for p in failed:
+            if p not in listed:
+                csv.writer(f).writerow([p, _decode_error(p)])
+    log.warning("%d image(s) could not be decoded, and were not trained on: listed in %s", len(failed), path)
+
+
+def _decode_error(path: str) -> str:
+    try:
+        decode(path)
+    except (ImageError, OSError) as e:
+        return str(e)
+    return "could not be decoded during the run (it decodes now: changed since?)"

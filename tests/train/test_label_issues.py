@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import os
 import shutil
 from pathlib import Path
 
@@ -80,8 +81,12 @@ def test_no_images_no_issues():
 
 @pytest.mark.slow
 def test_fit_writes_label_issues_with_the_moved_images_first(tmp_path: Path):
-    """A user's folder with 4 images in the wrong class folder: the run lists them, and them only."""
+    """A user's folder with 4 images in the wrong class folder: the run lists them, and them only. A file broken
+    past its header (read by no scan with --data.dedupe none) was scored with the next image's pixels, and missing
+    from bad_files.csv when no cache decoded it first."""
     root = _colour_folder(tmp_path / "colours", per_class=24)
+    broken = root / "blue" / "zz_broken.png"
+    broken.write_bytes((root / "red" / sorted(os.listdir(root / "red"))[0]).read_bytes()[:60])
     moved = []
     for n, (src, dst) in enumerate((("red", "green"), ("green", "blue"), ("blue", "red"), ("red", "blue"))):
         image = sorted((root / src).glob("*.png"))[n]
@@ -92,9 +97,12 @@ def test_fit_writes_label_issues_with_the_moved_images_first(tmp_path: Path):
     args = ["fit", "--config", str(REPO / "configs" / "sample.yaml"), "--data.root", str(root)]
     args += ["--trainer.default_root_dir", str(run), "--trainer.max_epochs", "6", "--data.batch_size", "16"]
     args += ["--trainer.enable_progress_bar", "false", "--model.warmup_epochs", "1.0", "--model.ema_decay", "0.9"]
-    build_cli(args)
+    build_cli([*args, "--data.dedupe", "none", "--data.cache_images", "false"])
     with open(run / "reports" / "label_issues.csv") as f:
         rows = list(csv.DictReader(f))
+    assert str(broken) not in [r["path"] for r in rows]
+    with open(run / "bad_files.csv") as f:
+        assert [r["file"] for r in csv.DictReader(f)] == [str(broken)]
     assert rows and list(rows[0]) == ["path", "given", "suggested", "score"]
     paths = [r["path"] for r in rows]
     assert set(moved) <= set(paths[: len(moved) + 1]), paths  # at most one clean image among the first
