@@ -112,4 +112,11 @@ def split_own(
             "%d image(s) of %s have a copy in train/: left out of validation, so they do not inflate its accuracy "
             "(reports/duplicates.csv lists them; --data.dedupe none keeps them)", len(left), Path(val[0][0]).parents[1],
         )  # fmt: skip
-    return kept, [(p, y) for p, y in val if p not in left], calib, sorted(left)
+    val_kept = [(p, y) for p, y in val if p not in left]
+    if emptied := sorted({classes[y] for _, y in val} - {classes[y] for _, y in val_kept}):
+        log.warning(
+            "no validation image of %s is left (each has a copy in train/): the balanced accuracy that chooses "
+            "best.ckpt averages the other classes only; add images that are not in train/ to val/%s/",
+            ", ".join(map(repr, emptied)), emptied[0],
+        )  # fmt: skip
+    return kept, val_kept, calib, sorted(left)

@@ -160,3 +160,16 @@ def test_the_process_pool_finds_what_one_process_finds(tmp_path: Path, workers: 
     root = _copy_heavy_folder(tmp_path / "pool")
     dups, facts = find_duplicates(sorted(str(p) for p in root.glob("*/*")), workers=workers)
     assert len(dups.groups) == 20 and len(facts.paths) == 80
+
+
+def test_a_class_whose_every_val_image_is_a_copy_of_a_train_image_is_said(tmp_path: Path, caplog):
+    """Its validation images all left out, the class silently dropped out of the metric that chooses best.ckpt."""
+    root = tmp_path / "tv"
+    _folder(root / "train", per_class=6)
+    _folder(root / "val", per_class=2, start=50)
+    for i, f in enumerate(sorted((root / "val" / "b").iterdir())):
+        shutil.copy(root / "train" / "b" / f"00{i}.png", f)
+    with caplog.at_level("WARNING", logger="train.splits"):
+        scan = scan_folder(root, dedupe=True)
+    assert {y for _, y in scan.val} == {0}
+    assert "no validation image of 'b' is left" in caplog.text and "val/b/" in caplog.text
