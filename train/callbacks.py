@@ -29,4 +29,16 @@ class KeepBestScore(Callback):
             here = os.path.realpath(cb.dirpath)
             resumed_here = ckpt_path is not None and os.path.realpath(os.path.dirname(str(ckpt_path))) == here
             if resumed_here or os.path.realpath(state["dirpath"]) == here:
-                state["dirpath"] = cb.dirpath
+                old, state["dirpath"] = state["dirpath"], cb.dirpath
+                # a run directory moved (or spelled otherwise) keeps its files' names, in its own folder
+                for key in {"best_model_path", "kth_best_model_path", "last_model_path"} & set(state):
+                    state[key] = _moved(state[key], old, cb.dirpath)
+                if isinstance(state.get("best_k_models"), dict):
+                    state["best_k_models"] = {_moved(k, old, cb.dirpath): v for k, v in state["best_k_models"].items()}
+
+
+def _moved(path: Any, old: str, new: str) -> Any:
+    """`path` in folder `new` when it was a file of folder `old` (as the checkpoint stored them); else as it is."""
+    if isinstance(path, str) and path and os.path.dirname(path) == old.rstrip("/"):
+        return os.path.join(new, os.path.basename(path))
+    return path

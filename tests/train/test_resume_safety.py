@@ -110,6 +110,18 @@ def test_a_resumed_run_keeps_its_split_when_the_folder_gained_lost_or_moved_imag
 
 
 @pytest.mark.slow
+def test_a_run_directory_moved_and_resumed_names_its_own_best_checkpoint(shapes, tmp_path):
+    """The restored best path was the old directory's: summary.json and the export hint named a file gone."""
+    build_cli(fit_args(shapes, tmp_path / "first", 1))
+    moved = tmp_path / "moved"
+    shutil.move(tmp_path / "first", moved)
+    cli = build_cli(fit_args(shapes, moved, 2, "--ckpt_path", "last"))
+    best = json.loads((moved / "summary.json").read_text())["best_checkpoint"]
+    assert Path(best).parent == (moved / "checkpoints").resolve() and Path(best).is_file()
+    assert Path(cli.trainer.checkpoint_callback.best_model_path).is_file()
+
+
+@pytest.mark.slow
 def test_a_non_finite_loss_stops_the_run_and_keeps_the_best_checkpoint(shapes, tmp_path, capsys):
     run = tmp_path / "run"
     code = exit_code(fit_args(shapes, run, 4, f"{FAULTS}PoisonBatch", "--trainer.callbacks.epoch", "1"))
