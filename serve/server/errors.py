@@ -46,13 +46,45 @@ ERROR_STATUS = {
 
 
 ECHO_CHARS = 200  # the most of a quoted value (a name or parameter a client sent, echoed back) in a message
-QUOTED = re.compile("|".join(rf"{q}(?:[^{q}\\]|\\.){{{ECHO_CHARS + 1},}}{q}" for q in "'\""))  # a long repr
+# a quote that opens a value: not an apostrophe (can't), not escaped
+OPENING = {q: re.compile(rf"(?<![\w'\"\\]){q}") for q in "'\""}
 
 
 def cut_echoes(message: str) -> str:
-    """`message` with each quoted value over `ECHO_CHARS` cut to its start and an ellipsis: a client that sends a
-    20 kB name gets an error that names its start, not 20 kB back."""
-    return QUOTED.sub(lambda m: m[0][: ECHO_CHARS + 1] + "…" + m[0][0], message)
+    """`message` with each quoted value over `ECHO_CHARS` (as `repr` quotes one) cut to its start and an ellipsis:
+    a client that sends a 20 kB name gets an error that names its start, not 20 kB back. One pass over the text."""
+    out, i, ahead = [], 0, {}  # quote -> where its next opening is (-1: none), from a search not yet passed
+    while True:
+        for q, pattern in OPENING.items():
+            at = ahead.get(q)
+            if at is None or 0 <= at < i:  # not looked for yet, or passed inside a value of the other kind
+                m = pattern.search(message, i)
+                ahead[q] = -1 if m is None else m.start()
+        starts = [at for at in ahead.values() if at >= 0]
+        if not starts:
+            break
+        start = min(starts)
+        end = _closing(message, start + 1, message[start])
+        if end < 0:  # never closed, nor will a later one of this kind be: look for the other kind only
+            ahead[message[start]] = -1
+            continue
+        value = message[start : end + 1]
+        out += [message[i:start], value if len(value) <= ECHO_CHARS + 2 else value[: ECHO_CHARS + 1] + "…" + value[0]]
+        i = end + 1
+    return "".join(out) + message[i:]
+
+
+def _closing(text: str, start: int, quote: str) -> int:
+    """The index of the first `quote` from `start` that no backslash escapes, or -1."""
+    k = text.find(quote, start)
+    while k >= 0:
+        backslashes = 0
+        while k - 1 - backslashes >= start and text[k - 1 - backslashes] == "\\":
+            backslashes += 1
+        if backslashes % 2 == 0:
+            return k
+        k = text.find(quote, k + 1)
+    return -1
 
 
 class ApiError(Exception):

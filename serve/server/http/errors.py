@@ -81,13 +81,14 @@ def add_fallback_routes(app: FastAPI, api_routes: list[BaseRoute]) -> None:
         if allowed:
             raise ApiError(
                 "method_not_allowed",
-                f"{path} takes {', '.join(allowed)}, not {request.method}",
+                f"{path!r} takes {', '.join(allowed)}, not {request.method}",
                 {"Allow": ", ".join(allowed)},
             )
         bare = {**request.scope, "path": path.rstrip("/")}
         if path.endswith("/") and any(r.matches(bare)[0] != Match.NONE for r in api_routes):
-            raise ApiError("not_found", f"no route {path}: drop the trailing slash ({path.rstrip('/')})")
-        raise ApiError("not_found", f"no route {path}: the API is POST /v1/classify and the KServe v2 paths under /v2")
+            raise ApiError("not_found", f"no route {path!r}: drop the trailing slash ({path.rstrip('/')!r})")
+        api = "the API is POST /v1/classify and the KServe v2 paths under /v2"
+        raise ApiError("not_found", f"no route {path!r}: {api}")
 
     async def any_method(scope, receive, send):  # a plain ASGI app: Starlette routes every method to it
         await no_such_route(Request(scope, receive))
