@@ -95,8 +95,12 @@ class TrustMetrics:
         self._cache: dict[tuple, tuple] = {}
 
     def watch(self, model: str, trust: Trust | None, window: int = DRIFT_WINDOW) -> None:
-        """Start the drift gauges of one model (nothing for a file without calibration)."""
+        """Start the drift gauges of one model (for a file without calibration: none, and its last file's go)."""
         if trust is None or not trust.drift:
+            self.windows.pop(model, None)
+            for signal in SIGNALS:
+                with suppress(KeyError):  # prometheus-client before 0.21 raises for a series never made
+                    self.drift.remove(model, signal)
             return
         w = self.windows[model] = DriftWindow(trust, window)
         for signal in SIGNALS:

@@ -426,10 +426,14 @@ def test_the_default_model_stays_where_start_up_put_it_and_a_change_is_logged(ex
         assert bare_model(url) == "beta"
 
 
-def test_a_version_that_fails_its_warm_up_leaves_the_drift_reference_of_the_one_served(exported, tmp_path):  # noqa: F811
+def test_a_version_that_fails_its_warm_up_leaves_the_drift_reference_of_the_one_served(
+    exported,  # noqa: F811
+    uncalibrated,
+    tmp_path,
+):
     """The drift gauges compare answers with the reference of the version that answers them. A version whose
     warm-up failed had already replaced that reference (the engine factory set it), so the version still serving
-    was judged against a file that never served."""
+    was judged against a file that never served; and an uncalibrated version kept its predecessor's."""
     from serve.server.app import repository_of
     from serve.server.engine import Engine
     from serve.server.metrics import Metrics
@@ -455,5 +459,8 @@ def test_a_version_that_fails_its_warm_up_leaves_the_drift_reference_of_the_one_
         assert [r["version"] for r in repository.index() if r["state"] == "UNAVAILABLE"] == ["2"]
         assert repository.resolve("alpha") is served
         assert metrics.trust.windows["alpha"].ref is served.classifier.trust.drift, "judged against version 2"
+        drop_version(repo / "alpha", 3, uncalibrated / "plain" / "1" / "model.onnx")
+        repository.sync()
+        assert repository.resolve("alpha").version == "3" and "alpha" not in metrics.trust.windows
     finally:
         repository.stop()
