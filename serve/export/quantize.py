@@ -139,10 +139,12 @@ def static_int8(fast: onnx.ModelProto, calibration: np.ndarray) -> onnx.ModelPro
 @contextlib.contextmanager
 def scratch_folder() -> Iterator[Path]:
     """A folder in $TMPDIR for the quantisers' copies of the model, onnxruntime's own included (`tempfile.tempdir`
-    points at it meanwhile), removed afterwards. A kill leaves it behind, named as `serve.export.files` names a
-    temporary: the next quantisation removes it (a model's copies each time, 350 MB for ViT-B/16)."""
+    points at it meanwhile: the export is single-threaded), removed afterwards. A kill leaves it behind, named as
+    `serve.export.files` names a temporary: the next quantisation removes it (a model's copies each time, 350 MB
+    for ViT-B/16)."""
     root = Path(tempfile.gettempdir())
-    files.remove_stale_temporaries(root)
+    with contextlib.suppress(OSError):  # a $TMPDIR that cannot be listed: nothing to tidy, the export goes on
+        files.remove_stale_temporaries(root)
     folder = root / files.temporary_name("quantize")
     folder.mkdir()
     saved, tempfile.tempdir = tempfile.tempdir, str(folder)
