@@ -56,6 +56,8 @@ class RunDirConfig(SaveConfigCallback):
         run_dir.mkdir(parents=True, exist_ok=True)
         config = self.config.clone()
         config.overwrite = False  # a permission for this command only: refitting the saved config must ask again
+        if config.get("data.split") == run_split(str(run_dir)):  # a resume's own: a refit into another run splits anew
+            config["data.split"] = None
         self.parser.save(config, run_dir / self.config_filename, skip_none=False, overwrite=True, multifile=False)
         self.already_saved = True
 

@@ -274,7 +274,8 @@ class ImageFolderDataModule(pl.LightningDataModule):
         if self.scan.layout == "litdata":
             write_streaming_report(self.root, run_dir, self.balance, self.class_counts)
         else:
-            self.scan.write_split(run_dir / "split.json")
+            if self.split is None or Path(self.split).resolve() != (run_dir / "split.json").resolve():
+                self.scan.write_split(run_dir / "split.json")  # a held split keeps the file it was read from whole
             write_data_report(self.scan, run_dir, self.balance, self.dedupe)
         with open(run_dir / "bad_files.csv", "w", newline="", encoding="utf-8", errors=FILE_NAME_ERRORS) as f:
             w = csv.writer(f)

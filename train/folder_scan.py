@@ -76,7 +76,10 @@ class FolderScan:
         }
 
     def write_split(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_split_dict(), indent=1))
+        """Write `split.json` atomically: a kill leaves the old file or the new one, which a resume reads."""
+        tmp = Path(path).with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.to_split_dict(), indent=1))
+        os.replace(tmp, path)
 
     def save(self, path: str | Path) -> None:
         """Write the whole scan (split, bad files, time) as JSON, atomically: other ranks read it."""

@@ -19,6 +19,9 @@ from train.folder_scan import FolderScan
 
 log = logging.getLogger(__name__)
 PLACES = ("train", "val", "calib")
+ELSEWHERE = (
+    "resume on the folder the run was trained on, or train a new run on this one (another --trainer.default_root_dir)"
+)
 
 
 def hold_split(scan: FolderScan, split_file: str | Path) -> FolderScan:
@@ -31,8 +34,7 @@ def hold_split(scan: FolderScan, split_file: str | Path) -> FolderScan:
     if classes != scan.classes:
         raise ValueError(
             f"the run was trained on {len(classes)} classes {classes} ({split_file}), but the image folder has "
-            f"{len(scan.classes)} classes {scan.classes}: resume on the folder it was trained on, or train a new run "
-            "on this one (without --ckpt_path)"
+            f"{len(scan.classes)} classes {scan.classes}: {ELSEWHERE}"
         )
     parts: dict[str, list[tuple[str, int]]] = {where: [] for where in PLACES}
     new = 0
@@ -44,10 +46,8 @@ def hold_split(scan: FolderScan, split_file: str | Path) -> FolderScan:
             parts[where].append((path, label))
     kept = sum(map(len, parts.values()))
     if not kept:
-        raise ValueError(
-            f"{split_file} lists none of the images of {scan.root}: resume on the folder the run was trained on, or "
-            "train a new run on this one (without --ckpt_path)"
-        )
+        raise ValueError(f"{split_file} lists none of the images of {scan.root}: {ELSEWHERE}")
+    _check_classes(parts, scan.classes, split_file)
     if new or kept < len(place):
         log.warning(
             "the run keeps the split it started with (%s): %d image(s) added to the folder since it started are "
@@ -56,6 +56,19 @@ def hold_split(scan: FolderScan, split_file: str | Path) -> FolderScan:
         )  # fmt: skip
     scan.train, scan.val, scan.calib = (sorted(parts[where]) for where in PLACES)
     return scan
+
+
+def _check_classes(parts: dict[str, list[tuple[str, int]]], classes: list[str], split_file) -> None:
+    """A class the held split leaves with no training image is refused; one with no validation image is said."""
+    for where in ("train", "val"):
+        missing = sorted(set(range(len(classes))) - {y for _, y in parts[where]})
+        if missing and where == "train":
+            raise ValueError(f"{split_file}: no training image of class {classes[missing[0]]!r} is left; {ELSEWHERE}")
+        if missing:
+            log.warning(
+                "%s: no validation image of %s is left, so the metric that chooses best.ckpt leaves it out",
+                split_file, ", ".join(repr(classes[y]) for y in missing),
+            )  # fmt: skip
 
 
 def _read(path: Path) -> tuple[str, list[str], dict[str, str]]:

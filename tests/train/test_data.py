@@ -305,3 +305,22 @@ def test_a_link_up_to_the_data_root_or_to_another_class_is_reported_not_followed
         ("columns", True),
         ("loop", True),
     ]
+
+
+def test_a_held_split_that_leaves_a_class_no_training_image_is_refused_and_no_val_image_is_said(tmp_path, caplog):
+    from train.held_split import hold_split
+
+    root = write_shapes(tmp_path / "shapes", per_class=6)
+    first = scan_folder(root, val_fraction=0.34)
+    first.write_split(tmp_path / "split.json")
+    for p, y in first.val:
+        if y == 0:
+            os.unlink(p)  # every validation image of 'bar' is gone
+    with caplog.at_level("WARNING", logger="train.held_split"):
+        held = hold_split(scan_folder(root, val_fraction=0.34), tmp_path / "split.json")
+    assert {y for _, y in held.val} == {1, 2} and "no validation image of 'bar' is left" in caplog.text
+    for p, y in first.train:
+        if y == 2:
+            os.unlink(p)
+    with pytest.raises(ValueError, match="no training image of class 'square' is left"):
+        hold_split(scan_folder(root, val_fraction=0.34), tmp_path / "split.json")

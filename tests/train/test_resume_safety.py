@@ -103,10 +103,13 @@ def test_a_resumed_run_keeps_its_split_when_the_folder_gained_lost_or_moved_imag
     gone = [next(p for p, k in sorted(before.items()) if k == where) for where in ("train", "val")]
     for p in gone:
         (moved / p).unlink()
-    build_cli(fit_args(moved, run, 2, "--ckpt_path", "last", "--data.calib_fraction", "0.3", "--data.seed", "7"))
-    after = _places(run)
+    cli = build_cli(fit_args(moved, run, 2, "--ckpt_path", "last", "--data.calib_fraction", "0.3", "--data.seed", "7"))
+    scan = cli.datamodule.scan
+    after = {os.path.relpath(p, moved): k for k in ("train", "val", "calib") for p, _ in getattr(scan, k)}
     assert after == {p: k for p, k in before.items() if p not in gone}
+    assert _places(run) == before  # the file stays whole: images a resume misses come back to the next one
     assert "1 image(s) added to the folder since it started are left out, and 2 it lists are gone" in caplog.text
+    assert "split: null" in (run / "config.yaml").read_text()  # refitting the saved config into a new run splits anew
 
 
 @pytest.mark.slow
