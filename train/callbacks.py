@@ -38,7 +38,9 @@ class KeepBestScore(Callback):
 
 
 def _moved(path: Any, old: str, new: str) -> Any:
-    """`path` in folder `new` when it was a file of folder `old` (as the checkpoint stored them); else as it is."""
+    """`path` in folder `new` when it was a file of folder `old` (as the checkpoint stored them) and `new` holds
+    it; else as it is."""
     if isinstance(path, str) and path and os.path.dirname(path) == old.rstrip("/"):
-        return os.path.join(new, os.path.basename(path))
+        moved = os.path.join(new, os.path.basename(path))
+        return moved if os.path.exists(moved) else path
     return path
