@@ -23,7 +23,6 @@ import logging
 import os
 import stat
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -112,16 +111,22 @@ def class_dirs(folder: Path) -> list[Path]:
     return sorted((d for d in folder.iterdir() if d.is_dir() and _visible(d)), key=lambda d: d.name)
 
 
-def find_image_files(folder: Path, bad: list[BadFile] | None = None, others: Sequence[Path] = ()) -> list[str]:
+def find_image_files(folder: Path, bad: list[BadFile] | None = None, root: Path | None = None) -> list[str]:
     """Absolute paths of the visible files with an image suffix under `folder`, sorted (`walk_image_files`: linked
     folders followed once). A subfolder that cannot be listed would hide its images silently: it goes to `bad`.
 
-    A link to a folder that holds `folder` (`ln -s ..`), or to one of `others` (the other class folders), is not
-    followed and goes to `bad`: it would give this class the images of every class, or of another one.
+    A link to a folder that holds `folder` (`ln -s ..`), or to any other folder under the data `root` (another
+    class, val/), is not followed and goes to `bad`: it would give this class images that are another class's, or
+    the validation images. Links out of the root (more images mounted elsewhere) are followed.
     """
     folder = folder.resolve()
-    skip = {(st.st_dev, st.st_ino) for st in map(os.stat, [*folder.parents, *others])}
-    found, errors = walk_image_files(folder, skip)
+    top = None if root is None else root.resolve()
+
+    def leave(real: str) -> bool:
+        p = Path(real)
+        return p in folder.parents or (top is not None and p.is_relative_to(top) and not p.is_relative_to(folder))
+
+    found, errors = walk_image_files(folder, leave)
     if bad is not None:
         bad += [
             BadFile(os.path.abspath(e.filename), LINK_NOT_FOLLOWED)
@@ -178,7 +183,9 @@ def check_headers(paths: list[str], workers: int | None = None, chunk: int = 2_0
     return [e for part in parallel_map(_header_errors, chunks, workers) for e in part]
 
 
-def _scan_classes(folder: Path, classes: list[str] | None, verify: bool, bad: list[BadFile]) -> dict[str, list[str]]:
+def _scan_classes(
+    folder: Path, classes: list[str] | None, verify: bool, bad: list[BadFile], root: Path
+) -> dict[str, list[str]]:
     dirs = class_dirs(folder)
     names = [d.name for d in dirs]
     # a class name is the label the model answers, in JSON and in the ONNX metadata: text, not stray bytes (PEP 383)
@@ -195,7 +202,7 @@ def _scan_classes(folder: Path, classes: list[str] | None, verify: bool, bad: li
             f"{folder} must hold at least 2 class folders (one folder of images per class), found {len(dirs)}"
             + (f": {names}" if names else "")
         )
-    files = {d.name: find_image_files(d, bad, [o for o in dirs if o != d]) for d in dirs}
+    files = {d.name: find_image_files(d, bad, root) for d in dirs}
     if verify:
         errors = check_headers([p for paths in files.values() for p in paths])
         bad += [BadFile(p, reason) for p, reason in errors]
@@ -258,10 +265,10 @@ def scan_folder(
     start, root = time.perf_counter(), _image_root(root)
     bad: list[BadFile] = []
     pool = not ((root / "train").is_dir() and (root / "val").is_dir())
-    parts = [_scan_classes(root if pool else root / "train", None, verify, bad)]
+    parts = [_scan_classes(root if pool else root / "train", None, verify, bad, root)]
     classes = sorted(parts[0])
     if not pool:
-        parts.append(_scan_classes(root / "val", classes, verify, bad))
+        parts.append(_scan_classes(root / "val", classes, verify, bad, root))
     record = None
     if corrections is not None:
         parts, record = correct_folder(parts, corrections, root, classes)

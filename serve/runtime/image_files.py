@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import errno
 import os
-from collections.abc import Collection
+from collections.abc import Callable
 from pathlib import Path
 
 from serve.runtime.images import IMAGE_SUFFIXES
@@ -19,21 +19,22 @@ def is_image_file(path: str | Path) -> bool:
     return p.suffix.lower() in IMAGE_SUFFIXES and not p.name.startswith(".")
 
 
-def walk_image_files(folder: str | Path, skip: Collection[tuple[int, int]] = ()) -> tuple[list[str], list[OSError]]:
+def walk_image_files(folder: str | Path, leave: Callable[[str], bool] | None = None) -> tuple[list[str], list[OSError]]:
     """The image files under `folder` (`is_image_file`: hidden files and folders left out), sorted, and the errors
     of the folders that could not be listed (they would hide their images: the caller reports them). Linked folders
     are followed, as torchvision's `ImageFolder` does, each real folder once. Paths start with `folder` as given.
     Training (`train.folder_scan`) and `vit-predict` (`serve.runtime.jobs`) both find their images here.
 
     Args:
-        skip: (st_dev, st_ino) of folders a link must not lead into; such a link is an error (`LINK_NOT_FOLLOWED`).
+        leave: given a folder's real path, whether a link must not lead into it; such a link is an error
+            (`LINK_NOT_FOLLOWED`).
     """
     found, errors, seen, folders = [], [], set(), [os.fspath(folder)]  # not os.walk: 3.11's recurses (1,000 deep)
     while folders:
         top = folders.pop()
         try:
             st = os.stat(top)
-            if (st.st_dev, st.st_ino) in skip:
+            if leave is not None and top != os.fspath(folder) and leave(os.path.realpath(top)):
                 errors.append(OSError(errno.ELOOP, LINK_NOT_FOLLOWED, top))
                 continue
             if (st.st_dev, st.st_ino) in seen:  # walked already, through a link

@@ -324,3 +324,16 @@ def test_a_held_split_that_leaves_a_class_no_training_image_is_refused_and_no_va
             os.unlink(p)
     with pytest.raises(ValueError, match="no training image of class 'square' is left"):
         hold_split(scan_folder(root, val_fraction=0.34), tmp_path / "split.json")
+
+
+def test_in_the_users_own_train_and_val_a_link_from_train_into_val_is_not_followed(tmp_path: Path):
+    """Only the class folders beside it were kept out: a link up into val/ trained on the validation images."""
+    root = tmp_path / "tv"
+    write_shapes(root / "train", per_class=4)
+    write_shapes(root / "val", per_class=2, seed=1)
+    (root / "val" / "square" / "deeper").mkdir()
+    (root / "train" / "bar" / "more").symlink_to("../../val")
+    (root / "train" / "column" / "sub").symlink_to(root / "val" / "square" / "deeper")
+    scan = scan_folder(root)
+    assert Counter(y for _, y in scan.train + scan.calib) == {0: 4, 1: 4, 2: 4}
+    assert sorted(Path(b.path).name for b in scan.bad) == ["more", "sub"]
