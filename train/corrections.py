@@ -137,7 +137,10 @@ def _well_formed(text: str, row: list[str]) -> bool:
     """Whether `text` reads as `row` with no leniency: a row over several lines then holds a quoted value with a
     newline, as the csv module writes one (`"new\\nline.png",label`: a file name may hold a newline). A stray quote
     that ran on into the rows after it is open to the end of the file, or closes at a quote followed by more text
-    (`"a.png,b\\n"c.png,d`), which only the lenient reading takes."""
+    (`"a.png,b\\n"c.png,d`), which only the lenient reading takes. A value over several lines that holds a comma is
+    rows a stray quote swallowed up to another (`"a.png,b\\nc.png",d`), unless it names a file (`_parse`)."""
+    if "\n" in row[0] and "," in row[0]:
+        return False
     try:
         return list(csv.reader([text], strict=True)) == [row]
     except csv.Error:

@@ -149,8 +149,9 @@ def test_a_corrections_file_over_the_csv_field_limit_stops_fit_in_one_line(folde
         (",square\n", 2, "no path"),
         ('bar/000.png,"square\nbar/001.png,\n', 2, 'quote (")'),  # over two lines: a stray quote
         ('"bar/000.png,square\nbar/"001.png,column\n', 2, 'quote (")'),  # closed by another, the row swallowed
+        ('"bar/000.png,square\nbar/001.png",column\n', 2, 'quote (")'),  # closed before a comma: rows swallowed
     ],
-    ids=["no-label-column", "no-path", "label-over-lines", "path-over-lines"],
+    ids=["no-label-column", "no-path", "label-over-lines", "path-over-lines", "rows-in-one-path"],
 )
 def test_a_row_that_is_not_path_and_label_is_refused_with_what_to_fix(folder, tmp_path, row, line, says):
     file = tmp_path / "fix.csv"
