@@ -223,7 +223,7 @@ def refuse_empty(files: dict[str, list[str]], folder: Path, bad: list[BadFile]) 
     """`ValueError` naming the first class of `files` ({class: paths} of `folder`) left with no image, and why."""
     for name, paths in files.items():
         if not paths:
-            why = next((b.reason for b in bad if Path(b.path).is_relative_to(folder.resolve() / name)), None)
+            why = next((b.reason for b in bad if Path(b.path).is_relative_to((folder / name).resolve())), None)
             raise ValueError(
                 f"class folder {folder / name} holds no readable images (jpg, png, webp, bmp, gif or tiff)"
                 + (f"; its files were skipped (first: {why})" if why else "")

@@ -217,10 +217,10 @@ def add_bad_files(path: Path, failed: list[str]) -> None:
     with open(path, "a", newline="", encoding="utf-8", errors=FILE_NAME_ERRORS) as f:
         if not listed:
             csv.writer(f).writerow(["file", "reason"])
-        for p in failed:
-            if p not in listed:
-                csv.writer(f).writerow([p, _decode_error(p)])
-    log.warning("%d image(s) could not be decoded, and were not trained on: listed in %s", len(failed), path)
+        new = [p for p in failed if p not in listed]
+        csv.writer(f).writerows([p, _decode_error(p)] for p in new)
+    if new:
+        log.warning("%d image(s) could not be decoded, and were not trained on: listed in %s", len(new), path)
 
 
 def _decode_error(path: str) -> str:
