@@ -26,7 +26,7 @@ from lightning.pytorch.callbacks import Callback, EarlyStopping, ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.plugins import CheckpointIO
-from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.utilities.exceptions import MisconfigurationException, SIGTERMException
 
 from train.callbacks import KeepBestScore
 from train.checkpoint_io import AtomicCheckpointIO, load_error, remove_partial_saves
@@ -35,11 +35,19 @@ from train.errors import SetupError, TrainingError, first_line
 from train.held_split import run_split
 from train.label_issues import LabelIssuesReport
 from train.module import ViTClassifier
-from train.options import check_data_settings, warn_on_mirrors_never_trained
+from train.options import check_data_settings, check_monitor, check_trainer_settings, warn_on_mirrors_never_trained
 from train.recipe import auto_recipe_args
 from train.review import REVIEW_HELP, review_parser
 from train.review import main as review_main
-from train.run_dir import CKPT_DIR, check_ckpt_owner, check_run_dir, is_remote, lock_run_dir, resolve_ckpt_path
+from train.run_dir import (
+    CKPT_DIR,
+    check_ckpt_owner,
+    check_run_dir,
+    is_remote,
+    lock_run_dir,
+    resolve_ckpt_path,
+    scored_ckpt_path,
+)
 from train.shards import PREPARE_HELP, prepare_parser
 from train.shards import main as prepare_main
 
@@ -50,12 +58,12 @@ class RunDirConfig(SaveConfigCallback):
     """Save the resolved config as `<run_dir>/config.yaml` (not inside a logger's version folder)."""
 
     def setup(self, trainer: Trainer, pl_module, stage: str) -> None:
-        if self.already_saved or not trainer.is_global_zero:
+        if self.already_saved or not trainer.is_global_zero or stage != "fit":  # validate & co. keep the fit's
             return
         run_dir = Path(trainer.default_root_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
         config = self.config.clone()
-        config.overwrite = False  # a permission for this command only: refitting the saved config must ask again
+        config.overwrite, config.ckpt_path = False, None  # this command's alone: a refit of config.yaml asks again
         if config.get("data.split") == run_split(str(run_dir)):  # a resume's own: a refit into another run splits anew
             config["data.split"] = None
         self.parser.save(config, run_dir / self.config_filename, skip_none=False, overwrite=True, multifile=False)
@@ -228,9 +236,10 @@ class VitCLI(LightningCLI):
             last.dirpath = os.path.realpath(run_dir / CKPT_DIR)
             callbacks += [last, KeepBestScore()]
         kwargs["callbacks"] = [*callbacks, LabelIssuesReport()]  # reports/label_issues.csv at the end of fit
+        check_trainer_settings(config, fit=self.subcommand == "fit")
         try:
             trainer = super().instantiate_trainer(**kwargs)
-        except MisconfigurationException as e:  # Lightning's check of a --trainer.* value
+        except (MisconfigurationException, TypeError) as e:  # Lightning's check of a --trainer.* value
             raise SetupError(f"--trainer: {first_line(e)}") from None
         if self.subcommand == "fit" and trainer.max_epochs == 0 and trainer.max_steps in (None, -1):
             raise SetupError("--trainer.max_epochs 0 trains nothing: give 1 or more (or -1 with --trainer.max_steps)")
@@ -250,9 +259,12 @@ class VitCLI(LightningCLI):
             raise SetupError(str(e)) from e
 
     def _check_ckpt_path(self, subcommand: str) -> str | None:
-        """Resolve --ckpt_path (last, best, a file or a URL) and have it loaded weights-only, whatever its source."""
-        kwargs = self.config_init[subcommand]
-        ckpt_path = resolve_ckpt_path(kwargs.get("ckpt_path"), Path(self.trainer.default_root_dir))
+        """Resolve --ckpt_path (last, best, a file or a URL; `scored_ckpt_path` for validate, test and predict) and
+        have it loaded weights-only, whatever its source."""
+        kwargs, run_dir = self.config_init[subcommand], Path(self.trainer.default_root_dir)
+        if subcommand != "fit":
+            kwargs["ckpt_path"] = scored_ckpt_path(subcommand, kwargs.get("ckpt_path"), run_dir, self.model)
+        ckpt_path = resolve_ckpt_path(kwargs.get("ckpt_path"), run_dir)
         kwargs["ckpt_path"] = ckpt_path
         if "weights_only" in kwargs:
             kwargs["weights_only"] = True
@@ -260,6 +272,7 @@ class VitCLI(LightningCLI):
 
     def before_fit(self) -> None:
         config = self.config.get("fit", self.config)
+        check_monitor(config.get("checkpoint.monitor"))
         ckpt_path = self._check_ckpt_path("fit")
         if not self.trainer.fast_dev_run:
             check_ckpt_owner(ckpt_path, Path(self.trainer.default_root_dir), bool(config.get("overwrite")))
@@ -378,6 +391,9 @@ def main(args: list[str] | None = None) -> None:
     except TrainingError as e:  # stopped on purpose; the checkpoints hold the last good state
         print(f"vit-train: {e}", file=sys.stderr)
         raise SystemExit(1) from None
+    except SIGTERMException:  # a scheduler stopping the job: not a success (Lightning's exception has no code)
+        print("vit-train: stopped by SIGTERM; the same command with --ckpt_path last resumes it", file=sys.stderr)
+        raise SystemExit(143) from None
 
 
 if __name__ == "__main__":

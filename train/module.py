@@ -147,9 +147,9 @@ class ViTClassifier(pl.LightningModule):
         argument a line as LightningCLI lists them, and the body builds the parts in the order training uses them."""
         super().__init__()
         check_model_options(
-            lr, min_lr, ema_decay=ema_decay or 0.0, label_smoothing=label_smoothing, mix_prob=mix_prob,
+            lr, min_lr, tuple(betas), ema_decay=ema_decay or 0.0, label_smoothing=label_smoothing, mix_prob=mix_prob,
             distill_weight=distill_weight, weight_decay=weight_decay, mixup_alpha=mixup_alpha,
-            cutmix_alpha=cutmix_alpha, warmup_epochs=warmup_epochs,
+            cutmix_alpha=cutmix_alpha, warmup_epochs=warmup_epochs, layer_decay=layer_decay or 0.0,
         )  # fmt: skip
         check_balance(balance, class_counts, num_classes)
         self.save_hyperparameters()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import inspect
 import logging
 import math
+import os
 from typing import Any
 
 from train.balance import LOSS_METHODS, METHODS
@@ -13,6 +14,9 @@ from train.errors import SetupError
 from vit.model import VisionTransformer
 
 log = logging.getLogger(__name__)
+# what `--checkpoint.monitor` (and early stopping) can watch: the metrics `ViTClassifier` logs
+MONITORED = ("val/balanced_acc", "val/acc", "val/acc5", "val/macro_f1", "val/loss", "train/loss")
+MAX_WORKERS = 64  # DataLoader workers a machine with few cores may still ask for (data on slow storage)
 
 # option: (lowest, highest, whether the highest itself is allowed); every lowest is allowed
 RANGES = {
@@ -24,19 +28,34 @@ RANGES = {
     "mixup_alpha": (0.0, math.inf, False),
     "cutmix_alpha": (0.0, math.inf, False),
     "warmup_epochs": (0.0, math.inf, False),
+    "layer_decay": (0.0, 1.0, True),  # each block's share of the next one's rate (0: off)
+}
+# the network's options (--model.net_args): (lowest, highest, whether the highest itself is allowed)
+NET_RANGES = {
+    **{k: (0.0, 1.0, False) for k in ("drop_rate", "pos_drop_rate", "proj_drop_rate", "attn_drop_rate")},
+    "drop_path_rate": (0.0, 1.0, False),  # 1 drops every block: the network would be its stem and head
+    **{k: (1, math.inf, False) for k in ("patch_size", "embed_dim", "depth", "num_heads")},
+    "mlp_ratio": (math.ulp(0.0), math.inf, False),
 }
 
 
-def check_model_options(lr: float, min_lr: float, **ranged: float) -> None:
-    """Refuse a learning rate that is not positive, and any of `RANGES` outside its range."""
+def check_model_options(lr: float, min_lr: float, betas: tuple[float, float] = (0.9, 0.999), **ranged: float) -> None:
+    """Refuse a learning rate that is not positive, a floor above it, betas outside [0, 1), and any of `RANGES`
+    outside its range."""
     if not (math.isfinite(lr) and lr > 0):
         raise ValueError(f"lr must be a positive number, got {lr}")
-    if not (math.isfinite(min_lr) and 0 <= min_lr):
-        raise ValueError(f"min_lr must be zero or a positive number, got {min_lr}")
+    if not (math.isfinite(min_lr) and 0 <= min_lr <= lr):
+        raise ValueError(f"min_lr must be zero or a positive number up to lr ({lr}), got {min_lr}")
+    if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
+        raise ValueError(f"--model.betas must be two numbers in [0, 1), as AdamW's (0.9, 0.999), got {list(betas)}")
     for name, value in ranged.items():
-        low, high, high_ok = RANGES[name]
-        if not (low <= value < high or (high_ok and value == high)):
-            raise ValueError(f"--model.{name} must be in [{low:g}, {high:g}{']' if high_ok else ')'}, got {value}")
+        _check_range(f"--model.{name}", value, RANGES[name])
+
+
+def _check_range(option: str, value: float, bounds: tuple[float, float, bool]) -> None:
+    low, high, high_ok = bounds
+    if not (low <= value < high or (high_ok and value == high)):
+        raise ValueError(f"{option} must be in [{low:g}, {high:g}{']' if high_ok else ')'}, got {value}")
 
 
 def check_balance(balance: str | None, class_counts: list[int] | None, num_classes: int) -> None:
@@ -54,6 +73,11 @@ def check_net_args(net_args: dict[str, Any] | None) -> None:
     if unknown:
         takes = ", ".join(sorted(known))
         raise ValueError(f"--model.net_args: no option {', '.join(unknown)}; the network takes {takes}")
+    for name, value in (net_args or {}).items():
+        if name in NET_RANGES:
+            if not isinstance(value, (int, float)) or isinstance(value, bool):
+                raise ValueError(f"--model.net_args.{name} must be a number, got {value!r}")
+            _check_range(f"--model.net_args.{name}", value, NET_RANGES[name])
 
 
 def check_data_settings(config: Any) -> None:
@@ -62,9 +86,28 @@ def check_data_settings(config: Any) -> None:
         value = config.get(key)
         if value is not None and value < 1:
             raise SetupError(f"--{key} must be at least 1, got {value}")
-    workers = config.get("data.num_workers")
+    workers, cores = config.get("data.num_workers"), len(os.sched_getaffinity(0))
     if workers is not None and workers < 0:
         raise SetupError(f"--data.num_workers must be 0 or more, got {workers}")
+    if workers is not None and workers > max(MAX_WORKERS, 8 * cores):  # each a process with its own memory
+        raise SetupError(f"--data.num_workers {workers} is far more than this machine's {cores} cores can use")
+
+
+def check_monitor(monitor: str | None) -> None:
+    """Refuse a `--checkpoint.monitor` the run never logs: Lightning finds out after the first epoch, saving nothing."""
+    if monitor is not None and monitor not in MONITORED:
+        raise SetupError(f"--checkpoint.monitor {monitor!r} is no metric the run logs: give one of {MONITORED}")
+
+
+def check_trainer_settings(trainer: Any, fit: bool) -> None:
+    """Refuse `--trainer.*` counts that Lightning divides by, which fail deep inside a run otherwise, and a `fit` that
+    would take no training step."""
+    for key in ("accumulate_grad_batches", "check_val_every_n_epoch"):
+        value = trainer.get(key)
+        if value is not None and value < 1:
+            raise SetupError(f"--trainer.{key} must be at least 1, got {value}")
+    if fit and trainer.get("limit_train_batches") == 0:
+        raise SetupError("--trainer.limit_train_batches 0 trains nothing: give a share in (0, 1] or a count")
 
 
 def warn_on_mirrors_never_trained(config: Any) -> None:

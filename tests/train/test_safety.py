@@ -20,6 +20,7 @@ from train.checkpoint_format import META_KEY, load_checkpoint
 from train.cli import main
 
 SAMPLE = str(REPO / "configs" / "sample.yaml")
+FAULTS = "--trainer.callbacks+=tests.train.faults."
 
 
 def args(root: Path, run_dir: Path, *extra: str, command: str = "fit") -> list[str]:
@@ -124,6 +125,18 @@ def test_a_local_checkpoint_holding_code_is_refused_the_same_way(small_folder, t
         (["--model.min_lr", "-1.0"], "min_lr must be zero or a positive number"),
         (["--data.batch_size", "0"], "--data.batch_size must be at least 1, got 0"),
         (["--data.num_workers", "-1"], "--data.num_workers must be 0 or more"),
+        # each of these trained, or failed deep in torch or Lightning, some only after an epoch
+        (["--data.num_workers", "100000"], "--data.num_workers 100000 is far more than"),  # the OOM killer
+        (["--model.min_lr", "1.0"], "min_lr must be zero or a positive number up to lr"),  # a rising schedule
+        (["--model.betas", "[2, -1]"], "--model.betas must be two numbers in [0, 1)"),
+        (["--model.layer_decay", "-0.5"], "--model.layer_decay must be in [0, 1]"),  # lr 0 for most blocks
+        (["--model.net_args", "{drop_path_rate: 2}"], "--model.net_args.drop_path_rate must be in [0, 1)"),
+        (["--model.net_args", "{depth: 0}"], "--model.net_args.depth must be in [1, inf)"),
+        (["--model.net_args", "{patch_size: 0}"], "--model.net_args.patch_size must be in [1, inf)"),
+        (["--trainer.accumulate_grad_batches", "0"], "--trainer.accumulate_grad_batches must be at least 1"),
+        (["--trainer.limit_train_batches", "0"], "--trainer.limit_train_batches 0 trains nothing"),
+        (["--trainer.devices", "-5"], "--trainer: "),
+        (["--checkpoint.monitor", "val/accuracy"], "--checkpoint.monitor 'val/accuracy' is no metric the run logs"),
     ],
 )
 def test_impossible_settings_are_one_line_errors(extra, expected, small_folder, tmp_path, capsys):
@@ -285,3 +298,20 @@ def test_a_run_directory_beside_a_folders_own_train_and_val_is_not_refused(tmp_p
     write_shapes(tmp_path / "flowers" / "val", per_class=1)
     check_run_dir(tmp_path / "flowers" / "runs", str(tmp_path / "flowers"))
     assert (tmp_path / "flowers" / "runs").is_dir()
+
+
+def test_validate_without_a_checkpoint_is_refused_rather_than_scoring_untrained_weights(small_folder, tmp_path, capsys):
+    """It scored the random network at chance with exit 0, and rewrote the run's config.yaml and reports."""
+    for command in ("validate", "test", "predict"):
+        err = one_line_error(args(small_folder, tmp_path / "empty", command=command), capsys)
+        assert f"vit-train {command} scores trained weights" in err and "--ckpt_path" in err
+
+
+@pytest.mark.slow
+def test_a_fit_stopped_by_sigterm_exits_143_and_says_how_to_resume(small_folder, tmp_path, capsys):
+    """Lightning's SIGTERM exit has no code: a scheduler read the stopped run as a success (exit 0)."""
+    run = tmp_path / "run"
+    argv = args(small_folder, run, "--trainer.max_epochs", "3", f"{FAULTS}Sigterm", "--trainer.callbacks.epoch", "1")
+    err = one_line_error(argv, capsys, code=143)
+    assert "stopped by SIGTERM" in err and "--ckpt_path last" in err
+    assert (run / "checkpoints" / "last.ckpt").is_file() and not (run / "summary.json").exists()
