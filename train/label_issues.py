@@ -133,11 +133,11 @@ def predict_logits(
     evaluate = EvalTransform(preprocess)
     images = _EachItsOwn(ImageListDataset(items, evaluate.resize, evaluate), (3, *preprocess.img_size))
     loader = DataLoader(images, batch_size, num_workers=workers)
-    device = next(net.parameters()).device
+    weight = next(net.parameters())  # its device and dtype (--trainer.precision bf16-true or 64-true: not float32)
     was_training = net.training
     net.eval()
     try:
-        batches = [(net(x.to(device)).float().cpu(), readable) for x, readable in loader]
+        batches = [(net(x.to(weight.device, weight.dtype)).float().cpu(), readable) for x, readable in loader]
     finally:
         net.train(was_training)
     return torch.cat([b for b, _ in batches]).numpy(), torch.cat([r for _, r in batches]).numpy()  # (N, K), (N,)

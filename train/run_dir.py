@@ -21,7 +21,7 @@ import os
 import socket
 import zipfile
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 from train.errors import SetupError, first_line
 
@@ -99,6 +99,23 @@ def resolve_ckpt_path(ckpt_path: str | None, run_dir: Path) -> str | None:
     if why:
         raise SetupError(f"{path} is damaged: {why}; {_alternatives(ckpt_dir, path)}")
     return str(path.resolve())
+
+
+def scored_ckpt_path(subcommand: str, ckpt_path: str | None, run_dir: Path, model: Any = None) -> str | None:
+    """`--ckpt_path` for validate, test or predict: as given, else the run's best.ckpt ("best"). Without either they
+    would score the untrained network, with exit 0; pretrained weights (`--model.pretrained`) are scored as they are.
+
+    Raises:
+        SetupError: no checkpoint given, none in the run, and no pretrained weights.
+    """
+    if ckpt_path or getattr(model, "hparams", {}).get("pretrained"):
+        return ckpt_path
+    if not (run_dir / CKPT_DIR / "best.ckpt").is_file():
+        raise SetupError(
+            f"vit-train {subcommand} scores trained weights, and {run_dir / CKPT_DIR} holds no best.ckpt: give "
+            "--ckpt_path (a .ckpt file), or the --trainer.default_root_dir of a trained run"
+        )
+    return "best"
 
 
 def check_ckpt_owner(ckpt_path: str | None, run_dir: Path, overwrite: bool) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from pathlib import Path
 
@@ -72,3 +74,14 @@ class LateStart(Callback):
     def on_train_start(self, trainer, pl_module) -> None:
         if trainer.global_rank == self.rank:
             time.sleep(self.seconds)  # the delay itself: the other process waits for this one at its first step
+
+
+class Sigterm(Callback):
+    """At the start of epoch `epoch`, the process gets SIGTERM, as from a scheduler or `docker stop`."""
+
+    def __init__(self, epoch: int = 1):
+        self.epoch = epoch
+
+    def on_train_epoch_start(self, trainer, pl_module) -> None:
+        if trainer.current_epoch == self.epoch:
+            os.kill(os.getpid(), signal.SIGTERM)
