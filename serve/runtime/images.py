@@ -197,6 +197,8 @@ def load_reduced(
         cover: (w, h) the caller resizes to (aspect kept, the image covering it), before cropping.
         max_pixels: refuse images with more pixels than this (None: no limit).
         budget: held for the pixels being decoded (None: no budget).
+
+    A PIL image given is closed once its pixels are taken: its full-size decode would outlive the budget's hold.
     """
     if isinstance(source, np.ndarray):
         return _from_array(source)
@@ -209,12 +211,14 @@ def load_reduced(
     with budget.hold(img.width * img.height) if budget is not None else nullcontext():
         try:
             img.load()
-            img = upright(img)
-            return _to_rgb(_reduce(img, factor) if factor >= 2 else img)
+            out = _to_rgb(_reduce(upright(img), factor) if factor >= 2 else upright(img))
         except ImageError:
             raise
         except Exception as e:  # as in load_image: any decoder error means a broken file
             raise ImageError(f"image data is corrupt or truncated: {e}", "corrupt") from None
+    if out is not img:  # the full-size pixels go with the budget: a caller's reference (a request's) kept them
+        img.close()
+    return out
 
 
 def upright(img: Image.Image) -> Image.Image:
