@@ -5,6 +5,7 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
 from PIL import Image
@@ -385,3 +386,11 @@ def test_uploads_and_calls_past_the_ui_cache_cap_are_refused_until_old_ones_go(t
         r = httpx.post(server.url + "/gradio_api/call/classify", json=data)
         assert r.status_code == 507 and "--ui-cache-bytes" in r.json()["error"]["message"], r.text
         assert httpx.get(server.url + "/healthz").status_code == 200
+
+
+def test_the_page_names_no_server_path_and_carries_no_calibration_arrays(ui_server):
+    """The Model tab put the file's whole calibration in the page: the path it was fitted from, and 370 kB of
+    arrays that Gradio copied into the state of each of up to 10,000 sessions."""
+    page = httpx.get(ui_server.url + "/config").text
+    assert '"temperature"' in page and '"source"' not in page and '"means"' not in page and '"scores"' not in page
+    assert len(page) < 60_000, len(page)

@@ -42,11 +42,14 @@ from serve.server.repository.version import Retired
 from serve.server.ui.http import NoVersionInGradioOpenapi, UiCallErrorsAsJson, UploadLimit
 from serve.server.ui.images import cached_image
 from serve.server.ui.inputs import Refused, choice, share, whole
+from serve.server.ui.metadata import page_metadata
 
 log = logging.getLogger(__name__)
 
 MAX_DISCARD = 0.95  # the discard ratio's slider: the rollout needs some attention left in each row
 NO_GRADIENTS = "this model file has no gradient graph (vit-export --no-gradients); re-export it without that flag"
+# sessions whose state Gradio keeps (its default is 10,000): each holds a copy of the page's components, ~100 kB
+UI_SESSIONS = 1000
 
 
 def mount_ui(app: FastAPI, repository, classifier, settings, budget: PixelBudget | None = None, models=()) -> FastAPI:
@@ -250,6 +253,7 @@ def build_ui(repository, classifier, settings, budget: PixelBudget | None = None
     # delete_cache: uploads and results older than ui_cache_s go, checked as often, and all at shutdown
     cache = (settings.ui_cache_s, settings.ui_cache_s)
     with gr.Blocks(title=f"vitscope: {classifier.name}", analytics_enabled=False, delete_cache=cache) as demo:
+        demo.state_session_capacity = UI_SESSIONS
         gr.Markdown(
             f"# vitscope: where did the transformer look?\n"
             f"Model **{classifier.name}** (version {classifier.version}), {len(labels)} classes: "
@@ -264,8 +268,7 @@ def build_ui(repository, classifier, settings, budget: PixelBudget | None = None
         _attention_tab(on, image, opacity, cmap, picked)
         _gradient_tab(on, image, opacity, cmap, picked)
         with gr.Tab("Model"):
-            meta = {k: v for k, v in dict(getattr(classifier, "metadata", {})).items() if k != "versions"}
-            gr.JSON(_jsonable(meta), label="Model metadata")  # no library versions: they tell attackers what to try
+            gr.JSON(page_metadata(getattr(classifier, "metadata", {})), label="Model metadata")
         examples = example_files(settings.examples_dir)
         if examples:
             gr.Examples(examples, inputs=[image], label="Sample images")
@@ -377,13 +380,3 @@ def _gradient_tab(on: UiActions, image, opacity, cmap, picked) -> None:
         grad_btn.click(
             on.gradient, [image, target, opacity, cmap, picked], [grad_img, grad_faith], api_name="gradient_rollout"
         )
-
-
-def _jsonable(meta: Any) -> Any:
-    if isinstance(meta, dict):
-        return {str(k): _jsonable(v) for k, v in meta.items()}
-    if isinstance(meta, (list, tuple)):
-        return [_jsonable(v) for v in meta]
-    if isinstance(meta, (str, int, float, bool)) or meta is None:
-        return meta
-    return str(meta)
