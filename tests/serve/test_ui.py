@@ -272,6 +272,9 @@ def test_malformed_calls_and_uploads_get_a_json_4xx_not_500(small_ui):
     r = httpx.post(small_ui.url + "/gradio_api/upload", files={"files": (None, "a field, not a file")}, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["code"] == "bad_upload"
     assert "named `files` with a filename" in r.json()["error"]["message"]
+    # a route for recordings, which the page has none of, wrote what it got to $TMPDIR, outside every limit
+    r = httpx.post(small_ui.url + "/gradio_api/process_recording", files={"video": ("a.webm", b"x" * 1000)})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
 
 
 @pytest.mark.slow

@@ -18,6 +18,9 @@ CALL_RESULT_BYTES = 512 * 1024  # what a call writes: two images at display size
 # browser's own (`queue/join`, `queue/data`); and its upload route
 CALL_ROUTES = ("/gradio_api/run/", "/gradio_api/api/", "/gradio_api/call/", "/gradio_api/queue/")
 UPLOAD_ROUTE = "/gradio_api/upload"
+# Gradio's routes that write what they are sent to $TMPDIR, outside the UI's folder and its limit, for components
+# the page has none of (a microphone or webcam recording)
+UNUSED_ROUTES = ("/gradio_api/process_recording",)
 BODY_METHODS = ("POST", "PUT", "PATCH")
 
 
@@ -138,6 +141,8 @@ class UploadLimit:
         self.folder, self.folder_bytes = folder, folder_bytes
 
     async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith(UNUSED_ROUTES):
+            return await send_error(send, "not_found", f"no route {scope['path']!r}: the UI takes no recordings")
         if scope["type"] == "http" and scope["path"].startswith("/gradio_api/") and scope["method"] in BODY_METHODS:
             declared = dict(scope["headers"]).get(b"content-length", b"")
             if not (declared.isascii() and declared.isdigit()):
