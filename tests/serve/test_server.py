@@ -103,6 +103,8 @@ def test_sigterm_drains_requests_in_flight_then_exits(tiny_onnx):
     ready = lambda: httpx.get(f"http://127.0.0.1:{probes}/readyz", timeout=5).status_code
     try:
         s.wait_ready()
+        # the probe port learns readiness from the server's next beat (four a second), a moment after the API does
+        wait_until(lambda: ready() == 200, 10, "the probe's /readyz saying 200 once the server is ready")
         uploads = []
         for i in range(6):
             body = noise_png(i)
@@ -113,7 +115,7 @@ def test_sigterm_drains_requests_in_flight_then_exits(tiny_onnx):
             uploads.append((conn, body[-1:]))
         try:
             wait_until(lambda: server_has_read(s.port, 6), 10, "the server reading the six uploads")
-            assert ready() == 200
+            assert ready() == 200  # six uploads in the server's hands change nothing
             s.proc.send_signal(signal.SIGTERM)
             wait_until(lambda: ready() == 503, 5, "the probe's /readyz saying 503 while the server drains")
             for conn, last in uploads:
