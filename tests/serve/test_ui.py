@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import socket
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -304,6 +307,25 @@ def test_an_abandoned_ui_upload_is_one_info_line_and_counted_as_499(small_ui):
 
 
 @pytest.mark.slow
+def test_the_partial_file_of_an_upload_dropped_midway_goes_once_stale(small_ui, image_file):
+    """Gradio's clean-up removes the files it finished: a client that left mid-body left its partial file in the UI
+    folder for good, counted against --ui-cache-bytes, until the folder refused every upload."""
+    uploaded = Path(upload(small_ui.url, image_file.read_bytes()))
+    folder = next(p for p in uploaded.parents if p.name.startswith("vitscope-ui-"))
+    files = lambda: {p for p in folder.iterdir() if p.is_file()}
+    before = files()
+    part = b'--b\r\nContent-Disposition: form-data; name="files"; filename="a.bin"\r\n\r\n' + bytes(150_000)
+    head = "POST /gradio_api/upload HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: multipart/form-data; boundary=b\r\n"
+    with socket.create_connection(("127.0.0.1", small_ui.port)) as conn:
+        conn.sendall(f"{head}Content-Length: {len(part) + 30_000}\r\n\r\n".encode() + part)
+        partial = wait_until(lambda: files() - before, 10, "the upload's partial file")
+    stale = time.time() - 2 * 3600  # past --ui-cache-s (an hour)
+    for p in partial:
+        os.utime(p, (stale, stale))
+    upload(small_ui.url, image_file.read_bytes())
+    assert not partial & files()
+
+
 def test_ui_uploads_live_in_a_folder_of_the_servers_own_removed_at_exit(small_ui, image_file):
     path = Path(upload(small_ui.url, image_file.read_bytes()))
     folder = next(p for p in path.parents if p.name.startswith("vitscope-ui-"))

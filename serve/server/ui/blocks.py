@@ -78,7 +78,9 @@ def mount_ui(app: FastAPI, repository, classifier, settings, budget: PixelBudget
     ui.has_launched = True  # what launch() sets: Gradio's processing_utils._check_allowed reads it
     ui.config["version"] = ui.config["version"].split(".")[0]  # gradio_client needs the major; no more
     folder, most = gr.utils.get_upload_folder(), settings.ui_cache_bytes  # the folder: GRADIO_TEMP_DIR, the server's
-    app.add_middleware(UploadLimit, max_bytes=settings.max_bytes, folder=folder, folder_bytes=most)
+    app.add_middleware(
+        UploadLimit, max_bytes=settings.max_bytes, folder=folder, folder_bytes=most, stale_s=settings.ui_cache_s
+    )
     app.add_middleware(UiCallErrorsAsJson)
     app.add_middleware(NoVersionInGradioOpenapi)
     return app

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 
 from serve.server.http.errors import send_error
 
@@ -136,9 +137,11 @@ class UploadLimit:
     that would take the UI's `folder` past `folder_bytes` is refused (507) until older files are deleted. A call
     is let through with room for its results (`CALL_RESULT_BYTES`), which are written after the check."""
 
-    def __init__(self, app, max_bytes: int, folder: str | None = None, folder_bytes: int | None = None):
+    def __init__(
+        self, app, max_bytes: int, folder: str | None = None, folder_bytes: int | None = None, stale_s: float = 3600
+    ):
         self.app, self.max_bytes = app, max_bytes + FORM_OVERHEAD
-        self.folder, self.folder_bytes = folder, folder_bytes
+        self.folder, self.folder_bytes, self.stale_s = folder, folder_bytes, stale_s
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http" and scope["path"].startswith(UNUSED_ROUTES):
@@ -155,7 +158,8 @@ class UploadLimit:
             if self.folder and self.folder_bytes and scope["path"].startswith((UPLOAD_ROUTE, *CALL_ROUTES)):
                 # an upload's files and a call's results (and its data: URL images) both go to the folder; one walk
                 # per request: the UI's requests are few beside the API's
-                used, results = folder_size(self.folder), 0 if scope["path"] == UPLOAD_ROUTE else CALL_RESULT_BYTES
+                used = folder_size(self.folder, self.stale_s)
+                results = 0 if scope["path"] == UPLOAD_ROUTE else CALL_RESULT_BYTES
                 if used + int(declared) + results > self.folder_bytes:
                     message = (
                         f"the UI's upload folder holds {used:,} bytes, and this request would take it past "
@@ -165,13 +169,19 @@ class UploadLimit:
         await self.app(scope, receive, send)
 
 
-def folder_size(folder: str) -> int:
-    """The bytes of the files under `folder` (files deleted while it is walked count as none)."""
-    total = 0
+def folder_size(folder: str, stale_s: float | None = None) -> int:
+    """The bytes of the files under `folder` (files deleted while it is walked count as none). With `stale_s`, the
+    files directly in `folder` unchanged for that long go first: the partial files of uploads whose client left
+    mid-body, which Gradio's own clean-up (of the files it finished, in their hash folders) never removes."""
+    total, now = 0, time.time()
     for top, _, files in os.walk(folder):
         for name in files:
             try:
-                total += os.stat(os.path.join(top, name), follow_symlinks=False).st_size
+                st = os.stat(path := os.path.join(top, name), follow_symlinks=False)
+                if stale_s is not None and top == folder and now - st.st_mtime > stale_s:
+                    os.unlink(path)
+                    continue
+                total += st.st_size
             except OSError:
                 continue
     return total
