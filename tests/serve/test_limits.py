@@ -331,3 +331,16 @@ def test_an_upload_decoded_for_the_model_keeps_no_full_size_pixels_in_the_reques
     assert pixels.shape == (28, 28, 3)
     with pytest.raises(ValueError, match="closed image"):
         img.getpixel((0, 0))  # its decoded pixels are gone with the budget's hold
+
+
+@pytest.mark.slow
+def test_an_explain_request_whose_client_left_during_the_decode_gets_no_explain_pass(server):
+    """Thirty explain requests, each dropped after 30 ms, kept a server busy for 14 s and were logged as 200."""
+    counted = lambda status: server.metric("vitscope_requests_total", route="/v1", status=status, default=0)
+    gone, answered = counted("499"), counted("200")
+    body = encoded(Image.fromarray(np.full((6000, 6000, 3), 90, np.uint8)), "PNG")  # 36 MP: a while to decode
+    head = f"POST /v1/classify?explain=true HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: {len(body)}\r\n\r\n"
+    with socket.create_connection(("127.0.0.1", server.port)) as s:
+        s.sendall(head.encode() + body)  # and away, before any answer
+    wait_until(lambda: counted("499") == gone + 1, 30, "the abandoned explain request counted as 499")
+    assert counted("200") == answered

@@ -17,6 +17,7 @@ from typing import Any, Literal
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.requests import ClientDisconnect
 
 from serve.runtime.images import PixelBudget
 from serve.runtime.rollout import HEAD_FUSIONS
@@ -212,7 +213,7 @@ def classify_endpoint(
                 check_attention(classifier)
             img = open_upload(data, limits.max_pixels)  # the header: not an image, or too many pixels, fails here
             if params.explain:  # the explain pass computes the probabilities too: no second forward pass
-                answers, explanation, rows = await explained(served, img, params, limits, budget, threads)
+                answers, explanation, rows = await explained(request, served, img, params, limits, budget, threads)
             else:
                 item = await decoded(served, img, len(data), limits, budget, threads)
                 rows = await model_result(engine.infer(item), limits.request_timeout_s)  # logits, probs, features
@@ -282,10 +283,16 @@ async def decoded(served: ModelVersion, img, size: int, limits: RequestLimits, b
     return decode_image(img, served.classifier, limits.max_pixels)  # on the loop, the model on the other core
 
 
-async def explained(served: ModelVersion, img, params: ClassifyParams, limits: RequestLimits, budget, threads):
-    """/v1/classify?explain=true: (the answers, the explanation's JSON, the fast path's record)."""
+async def explained(
+    request: Request, served: ModelVersion, img, params: ClassifyParams, limits: RequestLimits, budget, threads
+):
+    """/v1/classify?explain=true: (the answers, the explanation's JSON, the fast path's record). A client that left
+    while its image decoded gets no explain pass (`ClientDisconnect`: logged and counted as 499): abandoned explain
+    requests kept a server busy for seconds after their clients had gone."""
     classifier, engine = served.classifier, served.engine
     pixels = await run_in(threads.decodes, decode_image, img, classifier, limits.max_pixels, budget)
+    if await request.is_disconnected():
+        raise ClientDisconnect()
     fusion, discard = params.head_fusion, params.discard_ratio
     work = engine.run(explain_pixels, classifier, pixels, fusion, discard, None, served.fill, limits)
     ex = await model_result(work, limits.request_timeout_s)
