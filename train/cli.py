@@ -35,7 +35,7 @@ from train.errors import SetupError, TrainingError, first_line
 from train.held_split import run_split
 from train.label_issues import LabelIssuesReport
 from train.module import ViTClassifier
-from train.options import check_data_settings, check_monitor, check_trainer_settings, warn_on_mirrors_never_trained
+from train.options import check_data_settings, check_monitor, check_trainer_settings, warn_on_doubtful_settings
 from train.recipe import auto_recipe_args
 from train.review import REVIEW_HELP, review_parser
 from train.review import main as review_main
@@ -176,8 +176,8 @@ class VitCLI(LightningCLI):
 
     def before_instantiate_classes(self) -> None:
         config = self.config.get(str(self.subcommand), self.config)
+        warn_on_doubtful_settings(config)
         check_data_settings(config)
-        warn_on_mirrors_never_trained(config)
         if config.get("num_threads"):
             torch.set_num_threads(config["num_threads"])
         if self.subcommand == "fit" and config.get("ckpt_path") and not config.get("overwrite"):  # a resumed run

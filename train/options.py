@@ -110,6 +110,12 @@ def check_trainer_settings(trainer: Any, fit: bool) -> None:
         raise SetupError("--trainer.limit_train_batches 0 trains nothing: give a share in (0, 1] or a count")
 
 
+def warn_on_doubtful_settings(config: Any) -> None:
+    """Say which settings run but would not train as the user likely meant (each check below)."""
+    warn_on_mirrors_never_trained(config)
+    warn_on_warmup_past_the_run(config)
+
+
 def warn_on_mirrors_never_trained(config: Any) -> None:
     """Say when the model will answer each image with its mirror (`flip_tta`) but trains on no mirror images."""
     augment = config.get("data.augment")
@@ -118,4 +124,16 @@ def warn_on_mirrors_never_trained(config: Any) -> None:
         log.warning(
             "--model.net_args.flip_tta is on but --data.augment.hflip is 0: the model will answer each image with "
             "its mirror image, unlike anything it trained on; for digits or text set flip_tta false"
+        )
+
+
+def warn_on_warmup_past_the_run(config: Any) -> None:
+    """Say when the warm-up is as long as the run: the learning rate would rise until the last step, never anneal."""
+    warmup, epochs = config.get("model.warmup_epochs"), config.get("trainer.max_epochs")
+    if warmup and epochs and epochs > 0 and warmup >= epochs and not config.get("trainer.fast_dev_run"):
+        log.warning(
+            "--model.warmup_epochs %g is as long as the run's %d epochs: the learning rate would rise until the last "
+            "step and never anneal; give a warm-up shorter than --trainer.max_epochs",
+            warmup,
+            epochs,
         )

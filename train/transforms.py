@@ -19,6 +19,8 @@ from torchvision import transforms as T
 
 from serve.runtime.images import Preprocess
 
+RE_MODES = ("const", "rand", "pixel")  # random erasing's fills (`random_erase`)
+
 
 @dataclass
 class Augment:
@@ -60,6 +62,25 @@ class Augment:
         for name in ("hflip", "vflip", "re_prob"):
             if not 0 <= getattr(self, name) <= 1:
                 raise ValueError(f"--data.augment.{name} is a probability, in [0, 1]; got {getattr(self, name)}")
+        for name, high in (("rotate", 180.0), ("translate", 1.0), ("color_jitter", math.inf)):
+            if not 0 <= getattr(self, name) <= high:
+                raise ValueError(f"--data.augment.{name} must be in [0, {high:g}], got {getattr(self, name)}")
+        if self.scale is not None and not (len(self.scale) == 2 and 0 < self.scale[0] <= self.scale[1] < math.inf):
+            raise ValueError(
+                f"--data.augment.scale must be [low, high] with 0 < low <= high (or null), got {self.scale}"
+            )
+        if not (isinstance(self.fill, int) and 0 <= self.fill <= 255):
+            raise ValueError(f"--data.augment.fill is a grey level, 0 to 255; got {self.fill}")
+        if self.re_mode not in RE_MODES:
+            raise ValueError(f"--data.augment.re_mode must be one of {', '.join(RE_MODES)}, got {self.re_mode!r}")
+        if self.rand_augment:
+            try:
+                rand_augment_transform(self.rand_augment, {})
+            except Exception as e:  # timm asserts, or fails to read a number
+                raise ValueError(
+                    f"--data.augment.rand_augment {self.rand_augment!r} is not a RandAugment spec timm reads, such "
+                    f"as 'rand-m9-mstd0.5-inc1' (or null for none): {e}"
+                ) from None
 
 
 class EvalTransform:

@@ -311,6 +311,12 @@ class Preprocess:
         if not all(isinstance(side, int) and side >= 1 for side in self.img_size):
             raise ValueError(f"img_size must be a positive number of pixels, got {list(self.img_size)}")
         self.mean, self.std = tuple(map(float, self.mean)), tuple(map(float, self.std))
+        if len(self.mean) != 3 or not all(map(math.isfinite, self.mean)):
+            raise ValueError(f"mean must be three finite numbers (R, G, B), got {list(self.mean)}")
+        if len(self.std) != 3 or not all(math.isfinite(s) and s > 0 for s in self.std):
+            raise ValueError(
+                f"std must be three positive numbers (R, G, B): images are divided by it; got {list(self.std)}"
+            )
         if self.interpolation not in INTERPOLATIONS:
             raise ValueError(f"interpolation must be one of {list(INTERPOLATIONS)}, got {self.interpolation!r}")
         if not MIN_CROP_PCT <= self.crop_pct <= 1.0:

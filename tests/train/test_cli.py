@@ -89,6 +89,14 @@ def test_flip_tta_without_flips_in_training_is_said(shapes_folder: Path, tmp_pat
     assert cli.model.net.flip_tta and "set flip_tta false" in caplog.text  # digits: mirrored, a 2 is no 2
 
 
+def test_a_warm_up_as_long_as_the_run_is_said(shapes_folder: Path, tmp_path: Path, caplog):
+    args = ["fit", "--config", "configs/sample.yaml", "--data.root", str(shapes_folder), "--model.warmup_epochs", "3"]
+    args += ["--trainer.max_epochs", "3", "--trainer.default_root_dir", str(tmp_path / "run")]
+    with caplog.at_level(logging.WARNING, logger="train.options"), pytest.raises(SystemExit):
+        main([*args, "--data.num_workers", "-1"])  # refused once the warning is out: no run needed to see it
+    assert "warmup_epochs 3 is as long as the run's 3 epochs" in caplog.text
+
+
 @pytest.mark.slow
 def test_resuming_a_finetune_does_not_need_the_pretrained_weights_again(shapes_folder: Path, tmp_path: Path):
     weights = _tiny_timm_checkpoint(tmp_path / "vit_tiny.safetensors")
@@ -169,6 +177,17 @@ def test_a_second_fit_into_a_run_directory_in_use_is_refused_at_once(shapes_fold
         ("--data.img_size", "0", "img_size"),
         ("--data.img_size", "-4", "img_size"),
         ("--data.augment.crop_scale", "[0.9, 0.1]", "crop_scale"),
+        # augmentation values torchvision or timm refuse only once the transform is built or first drawn, in a worker
+        ("--data.augment.rotate", "-10", "rotate"),
+        ("--data.augment.translate", "1.5", "translate"),
+        ("--data.augment.scale", "[1.2, 0.8]", "scale"),
+        ("--data.augment.scale", "[0, 1]", "scale"),
+        ("--data.augment.fill", "300", "fill"),  # wrapped round to 44 in a uint8 image
+        ("--data.augment.color_jitter", "-0.2", "color_jitter"),
+        ("--data.augment.re_mode", "blur", "re_mode"),
+        ("--data.augment.rand_augment", "rand-q9", "rand_augment"),
+        ("--data.std", "[0, 0.2, 0.2]", "std"),  # a division by zero: a NaN loss blamed on the learning rate
+        ("--data.mean", "[0.5, .nan, 0.5]", "mean"),
         ("--trainer.max_epochs", "-5", "max_epochs"),
         ("--trainer.max_epochs", "0", "max_epochs"),  # "Training finished." with no checkpoint
         ("--model.net_args", "{drop_path_rat: 0.1}", "drop_path_rat"),  # a typo
