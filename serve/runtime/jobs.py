@@ -63,16 +63,15 @@ def _expand_uri(uri: str) -> list[str]:
 def find_images(folder: str | Path, errors: TextIO) -> tuple[list[str], int]:
     """The image files under `folder` (recursive, sorted), hidden files and folders left out, as training finds them.
 
-    A link whose target is gone (or that loops) stays in: reading it fails, and it is reported with the reason,
-    as a broken image is, rather than dropped without a word. Other entries that are not files (a FIFO, a socket)
-    are left out: reading one could block.
+    A link whose target is gone (or that loops), and an entry that is no regular file (a named pipe, a socket),
+    stay in: reading one fails without waiting (`serve.runtime.images.open_image`), and it is reported with the
+    reason, as a broken image is, rather than dropped without a word.
 
     Returns:
         (files, problems): a folder that cannot be listed would hide its images, so it is reported on `errors`
         and counted.
     """
-    paths, unlisted = walk_image_files(folder)
-    found = [p for p in paths if os.path.isfile(p) or not os.path.exists(p)]  # exists() is False for a dead link
+    found, unlisted = walk_image_files(folder)
     for e in unlisted:
         print(f"{e.filename}: folder cannot be read: {e.strerror}", file=errors)
     return found, len(unlisted)
@@ -132,10 +131,14 @@ def why_unreadable(source: Source, error: Exception) -> str:
 
 
 def read_source(source: Source) -> str | bytes:
-    """What `OnnxClassifier.prepare` takes: the path itself, or a URI's bytes."""
+    """What `OnnxClassifier.prepare` takes: the path itself (a `file://` URI's too: a named pipe is refused, not
+    waited on for ever, as for a plain path), or a URI's bytes."""
     if not is_uri(source):
         return source
-    with _fsspec().open(source, "rb") as f:
+    fs, path = _fsspec().core.url_to_fs(source)
+    if "file" in fs.protocol:
+        return path
+    with fs.open(path, "rb") as f:
         return f.read()
 
 
@@ -276,7 +279,8 @@ def score_to_file(
         template: a row of the columns and types `rows_for` gives, for the header of a job no image reached.
 
     Returns:
-        (classified, failed): over the whole job, earlier runs included.
+        (classified, failed): the inputs classified over the whole job, earlier runs included, and those that could
+        not be read in this run (an earlier run's are tried again).
 
     Raises:
         ValueError: `out` exists without `resume`, names no known format, or was started under another `job`.
@@ -295,12 +299,11 @@ def score_to_file(
 
 def _fill(store: PartStore, prepare, sources, rows_for: RowsFor, batch_size, workers, part_size, errors, template):
     """`score_to_file`'s work, on the locked `store`: (classified, failed) over the whole job."""
-    done, failed = store.committed()
-    for source, reason in failed:  # an earlier run's unreadable files, reported again with this run's result
-        print(f"{source}: {reason}", file=errors)
-    todo = _not_done(sources, done | {s for s, _ in failed}, store.out, errors)
+    done, _ = store.committed()  # an earlier run's unreadable inputs are tried again: a copy may have finished since
+    todo = _not_done(sources, done, store.out, errors)
     classified = len(done)
     rows: list[dict[str, Any]] = []
+    failed: list[tuple[str, str]] = []
     part_failed: list[tuple[str, str]] = []
     show = len(sources) >= PROGRESS_MIN_FILES
     with tqdm(total=len(sources), initial=len(sources) - len(todo), unit="img", file=errors, disable=not show) as bar:
@@ -311,11 +314,11 @@ def _fill(store: PartStore, prepare, sources, rows_for: RowsFor, batch_size, wor
                 rows.extend(rows_for(ok, pixels))
             part_failed.extend(bad)
             if len(rows) + len(part_failed) >= part_size:
-                store.commit(rows, part_failed)
+                store.commit(rows, part_failed, [source_key(r["path"]) for r in rows])
                 classified += len(rows)
                 failed.extend(part_failed)
                 rows, part_failed = [], []
             bar.update(len(ok) + len(bad))
-    store.commit(rows, part_failed)
+    store.commit(rows, part_failed, [source_key(r["path"]) for r in rows])  # keys: resumed from anywhere, the same
     store.finish(template)
     return classified + len(rows), len(failed) + len(part_failed)

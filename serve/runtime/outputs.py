@@ -240,7 +240,10 @@ class PartStore:
         path = self.dir / JOB_FILE
         if not path.exists():
             _write_atomic(path, json.dumps(job).encode())
-        return json.loads(path.read_text())
+        try:
+            return json.loads(path.read_text())
+        except ValueError as e:
+            raise ValueError(f"{path} is damaged ({e}): remove {self.dir} to score the inputs again") from None
 
     def committed(self) -> tuple[set[str], list[tuple[str, str]]]:
         """Clear away an unfinished part, then read the committed manifests.
@@ -259,9 +262,11 @@ class PartStore:
             found = _PART.match(manifest.name)
             if not found:
                 continue
-            entry = json.loads(manifest.read_text())
-            if entry["paths"] and not (self.dir / f"{manifest.stem}{self.fmt}").exists():
-                manifest.unlink()  # its rows are gone (the folder was damaged): not committed, score them again
+            entry = _manifest(manifest)
+            if entry is None or (
+                entry["paths"] and rows_in(self.dir / f"{manifest.stem}{self.fmt}", self.fmt) != len(entry["paths"])
+            ):
+                manifest.unlink()  # its rows are gone or cut short (a damaged or half-copied folder): score them again
                 continue
             done.update(entry["paths"])
             failed.extend((p, reason) for p, reason in entry["failed"])
@@ -273,12 +278,18 @@ class PartStore:
         self.next_index = max(indices, default=-1) + 1
         return done, failed
 
-    def commit(self, rows: list[dict[str, Any]], failed: Iterable[tuple[str, str]]) -> None:
-        """Write one part: its rows (if any), then its manifest, whose rename commits the part."""
+    def commit(
+        self, rows: list[dict[str, Any]], failed: Iterable[tuple[str, str]], keys: list[str] | None = None
+    ) -> None:
+        """Write one part: its rows (if any), then its manifest, whose rename commits the part.
+
+        Args:
+            keys: what names each row's input wherever the run is resumed from (absolute paths); None: the paths.
+        """
         name = f"part-{self.next_index:05d}"
         if rows:
             _write_atomic(self.dir / f"{name}{self.fmt}", encode_rows(rows, self.fmt))
-        manifest = {"paths": [r["path"] for r in rows], "failed": [list(f) for f in failed]}
+        manifest = {"paths": keys or [r["path"] for r in rows], "failed": [list(f) for f in failed]}
         _write_atomic(self.dir / f"{name}.json", json.dumps(manifest).encode())
         self.next_index += 1
 
@@ -327,6 +338,30 @@ class PartStore:
         if self.old_dir.exists() or self.old_dir.is_symlink():
             _refuse_link(self.old_dir)
             shutil.rmtree(self.old_dir)
+
+
+def _manifest(path: Path) -> dict[str, Any] | None:
+    """A part's manifest, or None when it is damaged (then its part was never committed, as far as a run can tell)."""
+    try:
+        entry = json.loads(path.read_bytes())
+        return entry if isinstance(entry.get("paths"), list) and isinstance(entry.get("failed"), list) else None
+    except (ValueError, AttributeError):
+        return None
+
+
+def rows_in(path: Path, fmt: str) -> int | None:
+    """The rows of a part's data file, or None when it is missing, cut short or cannot be read."""
+    try:
+        if fmt == ".parquet":
+            return require_pyarrow().parquet.read_metadata(path).num_rows
+        data = path.read_bytes()
+    except (OSError, ValueError):  # pyarrow's errors are ValueErrors
+        return None
+    if data and not data.endswith(b"\n"):  # cut off mid-row
+        return None
+    if fmt == ".jsonl":
+        return data.count(b"\n")
+    return sum(1 for _ in csv.reader(io.StringIO(data.decode("utf-8", "surrogateescape"), newline=""))) - 1
 
 
 def _merge_parquet(parts: list[Path], dest, template: dict[str, Any] | None) -> None:

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import csv
+import http.server
 import importlib.util
 import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -154,13 +157,54 @@ def _predict(*args: str, **kw) -> subprocess.Popen:
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
 
 
+@contextmanager
+def held_image(body: bytes):
+    """(`http://127.0.0.1:PORT/held.png` answering `body`, an Event that lets its reads go): an input on which
+    a run blocks halfway until the test says. fsspec reads a file in byte ranges, and only those wait: its listing
+    and size checks are answered at once."""
+    pytest.importorskip("aiohttp")  # fsspec's HTTP backend
+    release = threading.Event()
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def answer(self, with_body: bool) -> None:
+            if with_body and self.headers.get("Range"):
+                release.wait(60)
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            if with_body:
+                self.wfile.write(body)
+
+        def do_HEAD(self) -> None:
+            self.answer(False)
+
+        def do_GET(self) -> None:
+            self.answer(True)
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/held.png", release
+    finally:
+        release.set()
+        server.shutdown()
+        server.server_close()
+
+
 @pytest.mark.slow
 def test_a_run_killed_mid_job_resumes_with_every_image_exactly_once(tiny_onnx, tmp_path):
-    """SIGKILL a real run while it is blocked on one input (a FIFO that nobody writes yet), then resume."""
+    """SIGKILL a real run while it is blocked on one input (an image whose server has not answered yet), then
+    resume."""
     paths = _images(tmp_path / "photos", 120)
-    stuck = tmp_path / "stuck.png"
-    os.mkfifo(stuck)  # reading it blocks the run halfway, after its first parts are committed
-    sources = [str(p) for p in paths[:60]] + [f"file://{stuck}"] + [str(p) for p in paths[60:]]
+    with held_image(paths[0].read_bytes()) as (held, release):
+        _killed_mid_job_then_resumed(tiny_onnx, tmp_path, paths, held, release)
+
+
+def _killed_mid_job_then_resumed(tiny_onnx, tmp_path: Path, paths: list[Path], held: str, release) -> None:
+    sources = [str(p) for p in paths[:60]] + [held] + [str(p) for p in paths[60:]]
     (tmp_path / "inputs.txt").write_text("\n".join(sources) + "\n")
     out = tmp_path / ("preds.parquet" if HAS_PYARROW else "preds.jsonl")
     args = [str(tiny_onnx), "--from-list", str(tmp_path / "inputs.txt"), "--out", str(out), "--top-k", "2"]
@@ -174,8 +218,7 @@ def test_a_run_killed_mid_job_resumes_with_every_image_exactly_once(tiny_onnx, t
     proc.send_signal(signal.SIGKILL)
     proc.wait(30)
     assert not out.exists()
-    os.unlink(stuck)
-    Image.open(paths[0]).save(stuck, format="PNG")  # now a readable image, scored by the resumed run
+    release.set()  # now answered, and scored by the resumed run
 
     resumed = _predict(*args, "--resume")
     _, err = resumed.communicate(timeout=120)
@@ -308,8 +351,8 @@ def _killed_after(parts: int, argv: list[str], monkeypatch) -> None:
     """Run vit-predict `argv` in this process and stop it dead once `parts` parts are committed, as SIGKILL would."""
     commit = PartStore.commit
 
-    def commit_then_die(self, rows, failed):
-        commit(self, rows, failed)
+    def commit_then_die(self, *args):
+        commit(self, *args)
         if self.next_index >= parts:
             raise Killed(f"after part {self.next_index}")
 
@@ -420,6 +463,21 @@ def test_hidden_files_and_folders_are_skipped_and_a_dangling_link_is_reported(ti
     assert [r["path"] for r in _read(out)] == [str(p) for p in sorted(folder.glob("0*.png"))]
 
 
+@pytest.mark.timeout(60, method="thread")  # the defect was a hang: end the worker rather than the suite
+def test_a_named_pipe_with_an_image_name_is_reported_not_waited_on(tiny_onnx, tmp_path, capsys):
+    """A folder named as a path dropped the pipe without a word; named by a `file://` URI, the run waited for a
+    writer for ever, and one Ctrl-C did not end it."""
+    folder = tmp_path / "photos"
+    _images(folder, 2)
+    os.mkfifo(folder / "pipe.png")
+    for given in (str(folder), f"file://{folder}/", f"file://{folder}/pipe.png"):
+        out = tmp_path / f"preds-{len(given)}.jsonl"
+        assert main([str(tiny_onnx), given, "--out", str(out)]) == 1
+        err = capsys.readouterr().err
+        assert "pipe.png is not a regular file (a named pipe, socket or device)" in err, err
+    assert len(_read(out)) == 0 and len(_read(tmp_path / f"preds-{len(str(folder))}.jsonl")) == 2
+
+
 def test_a_run_with_a_non_utf8_name_killed_and_resumed_keeps_every_row(tiny_onnx, tmp_path, capsys, monkeypatch):
     """The part manifests hold the name too: a resume must find it done, and a list file may name it."""
     folder, bad = _non_utf8_folder(tmp_path)
@@ -443,6 +501,51 @@ def test_a_resume_that_names_the_inputs_another_way_scores_each_image_once(tiny_
     assert main([str(tiny_onnx), "./photos/", *options, "--resume"]) == 0
     rows = _read(out)
     assert len(rows) == 6 and len({os.path.normpath(r["path"]) for r in rows}) == 6, [r["path"] for r in rows]
+
+
+def test_a_run_resumed_from_another_folder_scores_each_image_once(tiny_onnx, tmp_path, capsys, monkeypatch):
+    """Started as `photos` and resumed by cron from elsewhere with the absolute path: the parts named the inputs as
+    given, so 4 of 6 images were scored again, two rows each, exit 0."""
+    _images(tmp_path / "photos", 6)
+    (tmp_path / "cron").mkdir()
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "preds.jsonl"
+    options = ["--out", str(out), "--batch-size", "2", "--part-size", "2"]
+    _killed_after(2, [str(tiny_onnx), "photos", *options], monkeypatch)
+    monkeypatch.chdir(tmp_path / "cron")
+    assert main([str(tiny_onnx), str(tmp_path / "photos"), *options, "--resume"]) == 0
+    rows = _read(out)
+    assert len(rows) == 6 and len({os.path.basename(r["path"]) for r in rows}) == 6, [r["path"] for r in rows]
+
+
+def test_an_input_that_could_not_be_read_is_tried_again_on_resume(tiny_onnx, tmp_path, capsys, monkeypatch):
+    """A half-copied image failed, the copy finished, and every resume still left it out (its old reason printed
+    again, exit 1): the only way to its row was to start over."""
+    paths = _images(tmp_path / "photos", 4)
+    late = tmp_path / "photos" / "0000_a_late.png"  # first in the folder: its failure is in the first part
+    late.write_bytes(b"")
+    out = tmp_path / "preds.jsonl"
+    argv = [str(tiny_onnx), str(tmp_path / "photos"), "--out", str(out), "--batch-size", "1", "--part-size", "1"]
+    _killed_after(2, argv, monkeypatch)
+    late.write_bytes(paths[0].read_bytes())  # the copy finished
+    assert main([*argv, "--resume"]) == 0
+    assert sorted(r["path"] for r in _read(out)) == sorted(map(str, [late, *paths]))
+
+
+def test_a_part_cut_short_or_a_damaged_manifest_is_scored_again(tiny_onnx, tmp_path, capsys, monkeypatch):
+    """A parts folder copied half-way (or damaged) was merged as it was: rows lost and a broken JSON line, exit 0;
+    a manifest that was not JSON stopped the resume with a bare `Expecting value`."""
+    _images(tmp_path / "photos", 8)
+    out = tmp_path / "preds.jsonl"
+    argv = [str(tiny_onnx), str(tmp_path / "photos"), "--out", str(out), "--batch-size", "2", "--part-size", "2"]
+    _killed_after(3, argv, monkeypatch)
+    parts = out.with_name(out.name + ".parts")
+    first = parts / "part-00000.jsonl"
+    first.write_bytes(first.read_bytes()[:50])  # cut off in its first row
+    (parts / "part-00001.json").write_text("{")
+    assert main([*argv, "--resume"]) == 0
+    rows = _read(out)  # every line JSON
+    assert sorted(r["path"] for r in rows) == sorted(str(p) for p in (tmp_path / "photos").iterdir())
 
 
 @pytest.mark.parametrize(
@@ -503,10 +606,13 @@ def test_a_second_run_on_the_same_out_is_refused_and_ctrl_c_ends_the_first_in_on
     """A retry started while the first run still goes used to delete the first's temporary files; Ctrl-C printed a
     traceback and no word of --resume."""
     paths = _images(tmp_path / "photos", 8)
-    stuck = tmp_path / "stuck.png"
-    os.mkfifo(stuck)  # reading it blocks the run after its first parts
+    with held_image(b"not an image") as (held, release):  # reading it blocks the run after its first parts
+        _a_second_run_refused_then_ctrl_c(tiny_onnx, tmp_path, paths, held, release, capsys)
+
+
+def _a_second_run_refused_then_ctrl_c(tiny_onnx, tmp_path: Path, paths: list[Path], held: str, release, capsys):
     out = tmp_path / "preds.jsonl"
-    args = [str(tiny_onnx), *map(str, paths), f"file://{stuck}", "--out", str(out), "--batch-size", "4"]
+    args = [str(tiny_onnx), *map(str, paths), held, "--out", str(out), "--batch-size", "4"]
     proc = _predict(*args, "--part-size", "4", "--decode-threads", "1")
     parts = out.with_name(out.name + ".parts")
     deadline = time.monotonic() + 60
@@ -519,14 +625,12 @@ def test_a_second_run_on_the_same_out_is_refused_and_ctrl_c_ends_the_first_in_on
     assert "another vit-predict is writing" in err and len(err.splitlines()) == 1, err
 
     proc.send_signal(signal.SIGINT)
-    os.close(os.open(stuck, os.O_WRONLY | os.O_NONBLOCK))  # the blocked read ends (an empty file)
+    release.set()  # the blocked read ends
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130 and "Traceback" not in err, err
     last = err.strip().splitlines()[-1]
     assert last.startswith("vit-predict: interrupted") and "--resume" in last, err
-    os.unlink(stuck)
-    stuck.write_bytes(b"")
-    assert main([*args, "--resume"]) == 1  # the lock went with the process; an empty file is unreadable
+    assert main([*args, "--resume"]) == 1  # the lock went with the process; the held input is no image
     assert len(_read(out)) == 8
 
 
