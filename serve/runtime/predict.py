@@ -51,6 +51,7 @@ from serve.runtime.jobs import (
     usable_cores,
     why_unreadable,
 )
+from serve.runtime.outputs import PARTS_SUFFIX
 from serve.runtime.trust import Prediction
 
 PROGRESS_MIN_FILES = 20  # a bar for a handful of files is noise
@@ -303,7 +304,7 @@ def run_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         print(f"vit-predict: cannot write the results to stdout: {e}", file=sys.stderr)
         return 2
     except OSError as e:  # the model, a list or the --out folder that cannot be read or written, a full disk
-        kept = "; the parts written so far are kept: run it again with --resume" if args.out is not None else ""
+        kept = "; the parts written so far are kept: run it again with --resume" if _has_parts(args.out) else ""
         print(f"vit-predict: {e.filename or ''}{': ' if e.filename else ''}{e.strerror or e}{kept}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
@@ -332,6 +333,11 @@ def _run_to_file(args: argparse.Namespace) -> tuple[int, int]:
         template=template_row(min(args.top_k, len(clf.labels)), args.coverage),
     )
     return done, failed + missing
+
+
+def _has_parts(out: Path | None) -> bool:
+    """Whether an --out job has committed parts that a --resume would go on from."""
+    return out is not None and any(Path(f"{out}{PARTS_SUFFIX}").glob("part-*.json"))
 
 
 def _drop_stdout() -> None:
