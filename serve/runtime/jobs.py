@@ -287,8 +287,15 @@ def score_to_file(
     """
     errors = errors or sys.stderr
     store = _open_parts(out, resume, errors)
-    if store is None:
-        return PartStore(out).count_rows(), 0
+    if store is None:  # finished by an earlier run: an input with no row in it is not passed off as done
+        rows = PartStore(out).count_rows()
+        if missing := max(0, len(sources) - rows):
+            print(
+                f"{out}: {missing:,} of this run's inputs have no row in it (unreadable then, or added since): "
+                "remove it to score them",
+                file=errors,
+            )
+        return rows, missing
     store.lock()
     try:
         _check_job(store, job, clf.path)

@@ -532,6 +532,25 @@ def test_an_input_that_could_not_be_read_is_tried_again_on_resume(tiny_onnx, tmp
     assert sorted(r["path"] for r in _read(out)) == sorted(map(str, [late, *paths]))
 
 
+def test_a_resume_of_a_finished_output_says_which_inputs_have_no_row_in_it(tiny_onnx, tmp_path, capsys):
+    """A finished job whose images failed (exit 1), or that was given more images since, resumed with exit 0 and
+    "nothing to resume": a retry loop or a pipeline that always adds --resume took the table for complete."""
+    folder = tmp_path / "photos"
+    _images(folder, 3)
+    (folder / "broken.png").write_bytes(b"")
+    out = tmp_path / "preds.csv"
+    argv = [str(tiny_onnx), str(folder), "--out", str(out)]
+    assert main(argv) == 1
+    capsys.readouterr()
+    assert main([*argv, "--resume"]) == 1
+    assert "1 of this run's inputs have no row in it" in capsys.readouterr().err
+    _images(tmp_path / "more", 2)
+    assert main([*argv[:2], str(tmp_path / "more"), *argv[2:], "--resume"]) == 1
+    assert "3 of this run's inputs have no row in it" in capsys.readouterr().err
+    (folder / "broken.png").unlink()
+    assert main([*argv, "--resume"]) == 0 and len(_read(out)) == 3
+
+
 def test_a_part_cut_short_or_a_damaged_manifest_is_scored_again(tiny_onnx, tmp_path, capsys, monkeypatch):
     """A parts folder copied half-way (or damaged) was merged as it was: rows lost and a broken JSON line, exit 0;
     a manifest that was not JSON stopped the resume with a bare `Expecting value`."""
