@@ -149,6 +149,17 @@ def test_a_dead_sink_loses_records_without_failing_requests(server, sink):
     assert httpx.get(server.url + "/readyz").status_code == 200
 
 
+@pytest.mark.parametrize("where", ["missing/payloads.jsonl", "."])
+def test_a_payload_log_in_a_missing_folder_or_on_a_folder_is_refused_in_one_line(where, tiny_onnx, tmp_path, capsys):
+    """The guide's `--payload-log /var/log/vitscope/payloads.jsonl` on a machine without that folder: a traceback."""
+    from serve.server.cli import main
+
+    assert main([str(tiny_onnx), "--no-ui", "--payload-log", str(tmp_path / where)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("vit-serve: payload_log: ") and len(err.splitlines()) == 1, err
+    assert ("mkdir -p" if "missing" in where else "is a folder") in err
+
+
 def test_a_line_still_being_written_is_not_read_as_a_record(tmp_path):
     path = tmp_path / "p.jsonl"
     assert json_lines(path) == []
