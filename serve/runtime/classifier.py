@@ -23,10 +23,11 @@ from typing import Any
 
 import numpy as np
 import onnxruntime as ort
+from PIL import Image
 
 from serve.runtime import model_file as mf
 from serve.runtime.calibration import ranked
-from serve.runtime.images import ImageSource, Preprocess, load_image
+from serve.runtime.images import ImageSource, PixelBudget, Preprocess, load_image
 from serve.runtime.model_file import ModelFileError, metadata_value
 from serve.runtime.rollout import attention_rollout, rollout_from_gradients
 from serve.runtime.session import default_providers, default_threads, session_options
@@ -167,8 +168,10 @@ class OnnxClassifier:
     def __repr__(self) -> str:
         return f"OnnxClassifier({str(self.path)!r}, classes={len(self.labels)}, input={self.input_size})"
 
-    def prepare(self, source: ImageSource) -> np.ndarray:
-        """Decode, resize and crop one image exactly like the evaluation transform.
+    def prepare(self, source: ImageSource, budget: PixelBudget | None = None) -> np.ndarray:
+        """Decode, resize and crop one image like the evaluation transform, as the server decodes an upload: an
+        image over four times the model's input on each side is decoded or reduced to twice it first
+        (`Preprocess.load_pixels`), and `budget` is held for the pixels while they decode.
 
         Returns:
             (H, W, 3) uint8.
@@ -176,7 +179,9 @@ class OnnxClassifier:
         Raises:
             ImageError: the input is not a usable image.
         """
-        return self.preprocess.to_uint8(load_image(source))
+        if isinstance(source, (Image.Image, np.ndarray)):  # decoded already (and the caller's to close)
+            return self.preprocess.to_uint8(load_image(source))
+        return self.preprocess.load_pixels(source, budget=budget)
 
     def _check_batch(self, batch: np.ndarray) -> np.ndarray:
         batch = np.asarray(batch)

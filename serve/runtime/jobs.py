@@ -28,13 +28,16 @@ import numpy as np
 from tqdm import tqdm
 
 from serve.runtime.image_files import is_image_file, walk_image_files
-from serve.runtime.images import ImageError
+from serve.runtime.images import ImageError, PixelBudget
 from serve.runtime.outputs import PartStore
 
 # Shapes: B batch, H/W the model's input, K classes.
 
 PROGRESS_MIN_FILES = 20  # a bar for a handful of files is noise
 DEFAULT_PART_SIZE = 4096  # images per committed part: a killed run redoes at most this many
+# pixels decoding at once across the decode threads, as the server's --decode-pixel-budget: a 90 kB PNG can declare
+# 40 MP of 16-bit pixels, about 600 MB to decode, and 8 threads each on one took 2 GB and more
+DECODE_PIXEL_BUDGET = 40_000_000
 Source = str  # a local path as given, or a URI
 RowsFor = Callable[[list[str], np.ndarray], list[dict[str, Any]]]  # (paths, (B, H, W, 3) pixels) -> rows
 
@@ -143,19 +146,21 @@ def read_source(source: Source) -> str | bytes:
 
 
 def decoded_batches(
-    sources: Sequence[Source], prepare: Callable[[Any], np.ndarray], batch_size: int, workers: int
+    sources: Sequence[Source], prepare: Callable[[Any, PixelBudget], np.ndarray], batch_size: int, workers: int
 ) -> Iterator[tuple[list[Source], np.ndarray | None, list[tuple[Source, str]]]]:
-    """Batches decoded by `workers` threads, up to 2 * workers batches ahead of the consumer, in order.
+    """Batches decoded by `workers` threads, up to 2 * workers batches ahead of the consumer, in order; the threads
+    share one budget of pixels decoding at once (`DECODE_PIXEL_BUDGET`).
 
     Yields:
         (ok, pixels (B, H, W, 3) uint8 or None when none of them decoded, failed [(source, reason)]).
     """
+    budget = PixelBudget(DECODE_PIXEL_BUDGET)
 
     def decode(group: Sequence[Source]):
         ok, pixels, failed = [], [], []
         for s in group:
             try:
-                pixels.append(prepare(read_source(s)))
+                pixels.append(prepare(read_source(s), budget))
                 ok.append(s)
             except (ImageError, OSError) as e:  # OSError: unreadable, vanished, or a storage error
                 failed.append((s, why_unreadable(s, e)))

@@ -15,6 +15,7 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
+import numpy as np
 import pytest
 from PIL import Image
 
@@ -383,7 +384,9 @@ def test_resume_with_another_top_k_is_refused_before_any_image_is_read(
     before = _snapshot(parts)
     reads = []
     prepare = OnnxClassifier.prepare
-    monkeypatch.setattr(OnnxClassifier, "prepare", lambda self, s: reads.append(s) or prepare(self, s))
+    monkeypatch.setattr(
+        OnnxClassifier, "prepare", lambda self, s, *budget: reads.append(s) or prepare(self, s, *budget)
+    )
     capsys.readouterr()
 
     assert main([*args, "--top-k", "3", "--resume"]) == 2
@@ -501,6 +504,33 @@ def test_a_resume_that_names_the_inputs_another_way_scores_each_image_once(tiny_
     assert main([str(tiny_onnx), "./photos/", *options, "--resume"]) == 0
     rows = _read(out)
     assert len(rows) == 6 and len({os.path.normpath(r["path"]) for r in rows}) == 6, [r["path"] for r in rows]
+
+
+@pytest.mark.slow
+def test_small_files_that_declare_huge_images_decode_within_a_bounded_memory(tiny_onnx, tmp_path):
+    """A 90 kB PNG declares 40 MP of 16-bit pixels: each decode took about 600 MB, one per decode thread (2 GB with
+    4 threads, and up to 256 are allowed), so a folder of them got a job killed for memory, and again on resume."""
+    folder = tmp_path / "huge"
+    folder.mkdir()
+    Image.fromarray(np.zeros((6300, 6300), np.uint16)).save(folder / "0.png")  # 39.7 MP, under the 40 MP limit
+    for i in (1, 2):
+        (folder / f"{i}.png").write_bytes((folder / "0.png").read_bytes())
+    measure = "import resource, subprocess, sys; subprocess.run(sys.argv[1:], check=True); "
+    measure += "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)"  # KiB, of vit-predict alone
+    argv = [
+        sys.executable,
+        "-m",
+        "serve.runtime.predict",
+        str(tiny_onnx),
+        str(folder),
+        "--out",
+        str(tmp_path / "o.csv"),
+    ]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    peak = subprocess.run([sys.executable, "-c", measure, *argv, "--batch-size", "1", "--decode-threads", "3"],
+        env=env, capture_output=True, text=True, check=True, timeout=120)  # fmt: skip
+    assert int(peak.stdout) < 700 * 1024, f"peak RSS {int(peak.stdout) // 1024} MiB"
+    assert len(_read(tmp_path / "o.csv")) == 3
 
 
 def test_a_run_resumed_from_another_folder_scores_each_image_once(tiny_onnx, tmp_path, capsys, monkeypatch):
