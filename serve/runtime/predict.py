@@ -31,8 +31,11 @@ import io
 import json
 import math
 import os
+import signal
 import sys
+import threading
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TextIO
 
@@ -57,6 +60,7 @@ from serve.runtime.trust import Prediction
 PROGRESS_MIN_FILES = 20  # a bar for a handful of files is noise
 EXIT_BROKEN_PIPE = 128 + 13  # what a shell reports for a process ended by SIGPIPE
 EXIT_INTERRUPTED = 128 + 2  # and by SIGINT (Ctrl-C)
+EXIT_TERMINATED = 128 + 15  # and by SIGTERM (`timeout`, systemd, a pod's stop)
 MAX_DECODE_THREADS = 256  # more than cores pays only for reads that wait (object storage); beyond this, memory
 
 
@@ -286,13 +290,14 @@ def run_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     """Check the arguments `p` parsed (`check_args`), run the job (to stdout or to --out) and return the exit status."""
     check_args(p, args)
     try:
-        if args.out is not None:
-            done, failed = _run_to_file(args)
-        else:
-            paths = [Path(s) for s in args.paths]
-            done, failed = run(
-                args.model, paths, args.top_k, args.format, args.batch_size, args.threads, coverage=args.coverage
-            )
+        with _sigterm_as_interrupt():
+            if args.out is not None:
+                done, failed = _run_to_file(args)
+            else:
+                paths = [Path(s) for s in args.paths]
+                done, failed = run(
+                    args.model, paths, args.top_k, args.format, args.batch_size, args.threads, coverage=args.coverage
+                )
     except (ValueError, FileNotFoundError) as e:
         print(f"vit-predict: {e}", file=sys.stderr)
         return 2
@@ -307,10 +312,10 @@ def run_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         kept = "; the parts written so far are kept: run it again with --resume" if _has_parts(args.out) else ""
         print(f"vit-predict: {e.filename or ''}{': ' if e.filename else ''}{e.strerror or e}{kept}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
         kept = f": the parts written so far are kept, run the same command with --resume to finish {args.out}"
-        print(f"vit-predict: interrupted{kept if args.out is not None else ''}", file=sys.stderr)
-        return EXIT_INTERRUPTED
+        print(f"vit-predict: {str(e) or 'interrupted'}{kept if args.out is not None else ''}", file=sys.stderr)
+        return EXIT_TERMINATED if isinstance(e, Terminated) else EXIT_INTERRUPTED
     if failed:
         print(f"vit-predict: classified {done} images; {failed} input(s) could not be read", file=sys.stderr)
     return 1 if failed or not done else 0
@@ -333,6 +338,27 @@ def _run_to_file(args: argparse.Namespace) -> tuple[int, int]:
         template=template_row(min(args.top_k, len(clf.labels)), args.coverage),
     )
     return done, failed + missing
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where Ctrl-C's KeyboardInterrupt would be, so that a job stops the same way."""
+
+
+def _terminate(signum, frame) -> None:
+    raise Terminated("terminated")
+
+
+@contextmanager
+def _sigterm_as_interrupt() -> Iterator[None]:
+    """SIGTERM (`timeout`, systemd, a pod's stop) ends the job as Ctrl-C does, parts kept and said, while it runs."""
+    if threading.current_thread() is not threading.main_thread():  # only the main thread may set a handler
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _has_parts(out: Path | None) -> bool:

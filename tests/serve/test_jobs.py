@@ -659,6 +659,26 @@ def test_a_second_run_on_the_same_out_is_refused_and_ctrl_c_ends_the_first_in_on
         _a_second_run_refused_then_ctrl_c(tiny_onnx, tmp_path, paths, held, release, capsys)
 
 
+def test_sigterm_ends_a_run_as_ctrl_c_does_with_its_resume_line(tiny_onnx, tmp_path):
+    """`timeout`, systemd and a pod's stop send SIGTERM: the run ended with 143 and no word of its parts."""
+    paths = _images(tmp_path / "photos", 4)
+    out = tmp_path / "preds.jsonl"
+    with held_image(paths[0].read_bytes()) as (held, release):
+        proc = _predict(
+            str(tiny_onnx), *map(str, paths), held, "--out", str(out), "--part-size", "4", "--batch-size", "4"
+        )
+        parts = out.with_name(out.name + ".parts")
+        deadline = time.monotonic() + 60
+        while not list(parts.glob("part-*.json")):  # blocked on the held input, its first part committed
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        release.set()  # the blocked read ends
+        _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143 and "Traceback" not in err, err
+    assert err.strip().splitlines()[-1].startswith("vit-predict: terminated: the parts written so far are kept")
+
+
 def _a_second_run_refused_then_ctrl_c(tiny_onnx, tmp_path: Path, paths: list[Path], held: str, release, capsys):
     out = tmp_path / "preds.jsonl"
     args = [str(tiny_onnx), *map(str, paths), held, "--out", str(out), "--batch-size", "4"]
