@@ -56,6 +56,10 @@ def read_model_bytes(path: str | Path, max_bytes: int = 4 << 30) -> bytes:
         ModelFileError: empty, truncated, not ONNX, or with external data references.
     """
     path = Path(path)
+    if path.is_dir():
+        raise ModelFileError(f"{path} is a folder, not a model file: give the .onnx file")
+    if path.exists() and not path.is_file():  # reading a named pipe would wait for a writer for ever
+        raise ModelFileError(f"{path} is not a regular file (a named pipe, socket or device): give the .onnx file")
     if not path.is_file():
         raise FileNotFoundError(f"model file not found: {path}")
     size = path.stat().st_size

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -136,6 +137,15 @@ def test_truncated_and_foreign_files_are_model_file_errors(tiny_onnx, tmp_path):
         (tmp_path / name).write_bytes(body)
         with pytest.raises(ModelFileError, match="vit-export"):
             OnnxClassifier(tmp_path / name)
+
+
+@pytest.mark.timeout(60, method="thread")  # a named pipe was opened and waited on for ever
+def test_a_folder_or_a_named_pipe_given_as_the_model_is_said_to_be_one(tmp_path):
+    """Both were "model file not found", for a path that is there."""
+    os.mkfifo(tmp_path / "pipe.onnx")
+    for path, says in [(tmp_path, "is a folder, not a model file"), (tmp_path / "pipe.onnx", "named pipe")]:
+        with pytest.raises(ModelFileError, match=says):
+            OnnxClassifier(path)
 
 
 def with_calibration(model: Path, out: Path, edit) -> Path:
