@@ -50,7 +50,8 @@ import json
 import os
 import re
 import shutil
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -136,11 +137,22 @@ def _replace_durably(tmp: Path, path: Path) -> None:
 def _write_atomic(path: Path, data: bytes) -> None:
     """Write `data` under a temporary name, flush it to disk and rename: `path` is whole or absent."""
     tmp = path.with_name(path.name + ".tmp")
-    with _create(tmp) as f:
+    with _create(tmp) as f, _removed_on_error(tmp):
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
     _replace_durably(tmp, path)
+
+
+@contextmanager
+def _removed_on_error(tmp: Path) -> Iterator[None]:
+    """Delete the temporary file this block writes if the block fails (a full disk): it would hold on to the space
+    the user must free, and none but a resume would ever remove it."""
+    try:
+        yield
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def parquet_text(value: Any) -> Any:
@@ -314,7 +326,7 @@ class PartStore:
         _refuse_link(self.dir)
         tmp = self.out.with_name(self.out.name + ".tmp")
         parts = self.data_files()
-        with _create(tmp) as dst:
+        with _create(tmp) as dst, _removed_on_error(tmp):
             if self.fmt == ".parquet":
                 _merge_parquet(parts, dst, template)
             elif not parts and template is not None and self.fmt == ".csv":

@@ -7,6 +7,7 @@ import http.server
 import importlib.util
 import json
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -531,6 +532,30 @@ def test_small_files_that_declare_huge_images_decode_within_a_bounded_memory(tin
         env=env, capture_output=True, text=True, check=True, timeout=120)  # fmt: skip
     assert int(peak.stdout) < 700 * 1024, f"peak RSS {int(peak.stdout) // 1024} MiB"
     assert len(_read(tmp_path / "o.csv")) == 3
+
+
+def _with_file_size_limit(limit: int):
+    """For a child process: files it writes may grow to `limit` bytes, then a write fails as on a full disk."""
+
+    def limit_files() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails (EFBIG) instead of the process being killed
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    return limit_files
+
+
+def test_a_merge_that_fails_for_space_leaves_no_temporary_file_and_resumes(tiny_onnx, tmp_path):
+    """The merged file's temporary copy stayed beside the output after a full disk, holding the space the user had
+    to free, until a resume; a part's did the same."""
+    paths = _images(tmp_path / "photos", 8)
+    out = tmp_path / "preds.jsonl"
+    args = [str(tiny_onnx), *map(str, paths), "--out", str(out), "--part-size", "2", "--batch-size", "2"]
+    full = _predict(*args, preexec_fn=_with_file_size_limit(1500))  # each part fits, the merged file does not
+    _, err = full.communicate(timeout=60)
+    assert full.returncode == 2 and "--resume" in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["photos", "preds.jsonl.parts"]
+    assert not list(out.with_name(out.name + ".parts").glob("*.tmp"))
+    assert main([*args, "--resume"]) == 0 and len(_read(out)) == 8
 
 
 def test_a_run_resumed_from_another_folder_scores_each_image_once(tiny_onnx, tmp_path, capsys, monkeypatch):
