@@ -139,7 +139,9 @@ def read_source(source: Source) -> str | bytes:
     if not is_uri(source):
         return source
     fs, path = _fsspec().core.url_to_fs(source)
-    if "file" in fs.protocol:
+    from fsspec.implementations.local import LocalFileSystem  # installed: _fsspec said so
+
+    if isinstance(fs, LocalFileSystem):
         return path
     with fs.open(path, "rb") as f:
         return f.read()
@@ -293,14 +295,15 @@ def score_to_file(
     errors = errors or sys.stderr
     store = _open_parts(out, resume, errors)
     if store is None:  # finished by an earlier run: an input with no row in it is not passed off as done
-        rows = PartStore(out).count_rows()
-        if missing := max(0, len(sources) - rows):
+        paths = PartStore(out).output_paths()
+        have = set(paths) | {source_key(p) for p in paths}  # as the rows name them, or where that is from here
+        if missing := [s for s in sources if s not in have and source_key(s) not in have]:
             print(
-                f"{out}: {missing:,} of this run's inputs have no row in it (unreadable then, or added since): "
-                "remove it to score them",
+                f"{out}: {len(missing):,} of this run's inputs have no row in it (unreadable then, or given since), "
+                f"such as {missing[0]}: remove it, or give another --out, to score them",
                 file=errors,
             )
-        return rows, missing
+        return len(paths), len(missing)
     store.lock()
     try:
         _check_job(store, job, clf.path)

@@ -50,6 +50,7 @@ import json
 import os
 import re
 import shutil
+import sys
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -170,10 +171,13 @@ def encode_rows(rows: list[dict[str, Any]], fmt: str, header: bool = True) -> by
     if fmt == ".csv":
         text = io.StringIO()
         writer = csv.DictWriter(text, fieldnames=list(flat[0]), lineterminator="\n")
+        # the "\n" terminator leaves a carriage return in a file name unquoted, which readers take for a line break
+        quoted = csv.DictWriter(text, fieldnames=list(flat[0]), lineterminator="\n", quoting=csv.QUOTE_ALL)
         if header:
             writer.writeheader()
         for r in flat:
-            writer.writerow({k: json.dumps(v) if isinstance(v, (list, dict)) else v for k, v in r.items()})
+            row = {k: json.dumps(v) if isinstance(v, (list, dict)) else v for k, v in r.items()}
+            (quoted if "\r" in str(row["path"]) else writer).writerow(row)
         return text.getvalue().encode("utf-8", "surrogateescape")  # a name's own bytes, as the file system has them
     pa = require_pyarrow()
     sink = pa.BufferOutputStream()
@@ -305,12 +309,19 @@ class PartStore:
         _write_atomic(self.dir / f"{name}.json", json.dumps(manifest).encode())
         self.next_index += 1
 
-    def count_rows(self) -> int:
-        """The rows in the finished `out` file."""
+    def output_paths(self) -> list[str]:
+        """The `path` of each row of the finished `out` file, as the rows name their inputs."""
         if self.fmt == ".parquet":
-            return require_pyarrow().parquet.read_metadata(self.out).num_rows
-        with open(self.out, "rb") as f:
-            return sum(1 for _ in f) - (self.fmt == ".csv")
+            return require_pyarrow().parquet.read_table(self.out, columns=["path"]).column("path").to_pylist()
+        if self.fmt == ".jsonl":
+            with open(self.out, "rb") as f:
+                return [json.loads(line)["path"] for line in f]
+        limit = csv.field_size_limit(sys.maxsize)  # a prediction set of thousands of classes is one long field
+        try:
+            with open(self.out, newline="", encoding="utf-8", errors="surrogateescape") as f:
+                return [row["path"] for row in csv.DictReader(f)]
+        finally:
+            csv.field_size_limit(limit)
 
     def data_files(self) -> list[Path]:
         """The committed parts' data files, in the order they were written."""
@@ -362,18 +373,23 @@ def _manifest(path: Path) -> dict[str, Any] | None:
 
 
 def rows_in(path: Path, fmt: str) -> int | None:
-    """The rows of a part's data file, or None when it is missing, cut short or cannot be read."""
-    try:
-        if fmt == ".parquet":
-            return require_pyarrow().parquet.read_metadata(path).num_rows
-        data = path.read_bytes()
-    except (OSError, ValueError):  # pyarrow's errors are ValueErrors
+    """The rows of a part's data file, or None when it is missing or cut short (an error reading it is raised: the
+    part may be whole, and a network disk's hiccup must not throw its work away)."""
+    if not path.is_file():
         return None
+    if fmt == ".parquet":
+        try:
+            return require_pyarrow().parquet.read_metadata(path).num_rows
+        except ValueError:  # pyarrow's ArrowInvalid: no footer, cut short
+            return None
+    data = path.read_bytes()
     if data and not data.endswith(b"\n"):  # cut off mid-row
         return None
-    if fmt == ".jsonl":
-        return data.count(b"\n")
-    return sum(1 for _ in csv.reader(io.StringIO(data.decode("utf-8", "surrogateescape"), newline=""))) - 1
+    if fmt == ".csv":  # a row ends at a line break outside quotes (a file name may hold line breaks)
+        data = re.sub(rb'"[^"]*"', b"", data)  # each quoted field, its doubled quotes too
+        if b'"' in data:  # a quote left open: cut inside a quoted field
+            return None
+    return data.count(b"\n") - (fmt == ".csv")
 
 
 def _merge_parquet(parts: list[Path], dest, template: dict[str, Any] | None) -> None:

@@ -51,7 +51,7 @@ def _read(out: Path) -> list[dict]:
 
         return pq.read_table(out).to_pylist()
     if out.suffix == ".csv":
-        with open(out) as f:
+        with open(out, newline="") as f:
             return list(csv.DictReader(f))
     return [table_row(json.loads(line)) for line in out.read_text().splitlines()]
 
@@ -549,12 +549,16 @@ def test_a_merge_that_fails_for_space_leaves_no_temporary_file_and_resumes(tiny_
     to free, until a resume; a part's did the same."""
     paths = _images(tmp_path / "photos", 8)
     out = tmp_path / "preds.jsonl"
-    args = [str(tiny_onnx), *map(str, paths), "--out", str(out), "--part-size", "2", "--batch-size", "2"]
-    full = _predict(*args, preexec_fn=_with_file_size_limit(1500))  # each part fits, the merged file does not
+    parts = out.with_name(out.name + ".parts")
+    args = [str(tiny_onnx), *map(str, paths), "--out", str(out), "--batch-size", "2"]
+    full = _predict(*args, "--part-size", "8", preexec_fn=_with_file_size_limit(1500))  # the one part does not fit
+    _, err = full.communicate(timeout=60)
+    assert full.returncode == 2 and not list(parts.glob("*.tmp")) and not list(parts.glob("part-*")), err
+    full = _predict(*args, "--part-size", "2", "--resume", preexec_fn=_with_file_size_limit(1500))  # the merge fails
     _, err = full.communicate(timeout=60)
     assert full.returncode == 2 and "--resume" in err, err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["photos", "preds.jsonl.parts"]
-    assert not list(out.with_name(out.name + ".parts").glob("*.tmp"))
+    assert not list(parts.glob("*.tmp")) and len(list(parts.glob("part-*.jsonl"))) == 4
     assert main([*args, "--resume"]) == 0 and len(_read(out)) == 8
 
 
@@ -588,10 +592,13 @@ def test_an_input_that_could_not_be_read_is_tried_again_on_resume(tiny_onnx, tmp
 
 
 def test_a_resume_of_a_finished_output_says_which_inputs_have_no_row_in_it(tiny_onnx, tmp_path, capsys):
-    """A finished job whose images failed (exit 1), or that was given more images since, resumed with exit 0 and
-    "nothing to resume": a retry loop or a pipeline that always adds --resume took the table for complete."""
+    """A finished job whose images failed (exit 1), or that was given other images since, resumed with exit 0 and
+    "nothing to resume": a retry loop or a pipeline that always adds --resume took the table for complete. File
+    names with a line break or a carriage return are rows as any other (the CSV left a carriage return unquoted)."""
     folder = tmp_path / "photos"
-    _images(folder, 3)
+    paths = _images(folder, 3)
+    paths[1].rename(folder / "line\nbreak.png")
+    paths[2].rename(folder / "carriage\rreturn.png")
     (folder / "broken.png").write_bytes(b"")
     out = tmp_path / "preds.csv"
     argv = [str(tiny_onnx), str(folder), "--out", str(out)]
@@ -602,8 +609,11 @@ def test_a_resume_of_a_finished_output_says_which_inputs_have_no_row_in_it(tiny_
     _images(tmp_path / "more", 2)
     assert main([*argv[:2], str(tmp_path / "more"), *argv[2:], "--resume"]) == 1
     assert "3 of this run's inputs have no row in it" in capsys.readouterr().err
+    assert main([str(tiny_onnx), str(tmp_path / "more"), *argv[2:], "--resume"]) == 1  # other images, fewer
+    assert "2 of this run's inputs have no row in it" in capsys.readouterr().err
     (folder / "broken.png").unlink()
-    assert main([*argv, "--resume"]) == 0 and len(_read(out)) == 3
+    assert main([*argv, "--resume"]) == 0
+    assert sorted(r["path"] for r in _read(out)) == sorted(map(str, folder.iterdir()))
 
 
 def test_a_part_cut_short_or_a_damaged_manifest_is_scored_again(tiny_onnx, tmp_path, capsys, monkeypatch):
@@ -617,6 +627,8 @@ def test_a_part_cut_short_or_a_damaged_manifest_is_scored_again(tiny_onnx, tmp_p
     first = parts / "part-00000.jsonl"
     first.write_bytes(first.read_bytes()[:50])  # cut off in its first row
     (parts / "part-00001.json").write_text("{")
+    third = parts / "part-00002.jsonl"
+    third.write_bytes(third.read_bytes().splitlines(keepends=True)[0])  # cut off between its rows
     assert main([*argv, "--resume"]) == 0
     rows = _read(out)  # every line JSON
     assert sorted(r["path"] for r in rows) == sorted(str(p) for p in (tmp_path / "photos").iterdir())
