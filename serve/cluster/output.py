@@ -28,7 +28,8 @@ import shutil
 from pathlib import Path
 from typing import Any, TextIO
 
-from serve.runtime.outputs import lock_folder, require_pyarrow, sync_folder, table_row
+from serve.runtime.outputs import lock_folder, sync_folder
+from serve.runtime.row_formats import require_pyarrow, table_row
 
 INCOMPLETE_SUFFIX = ".incomplete"
 EMPTY_PART = "columns.parquet"  # the part of a job no image reached: its columns and no rows

@@ -6,7 +6,7 @@ Ray Data holds the list of inputs in blocks and feeds them, a batch of `--batch-
 a pool of `--workers` actors. Each actor holds one onnxruntime session with `--cpus-per-worker` intra-op
 threads, and reads and decodes its images as the local job does (`serve.runtime.jobs.decoded_batches`: local
 paths or fsspec URIs, an unreadable one reported with the same reason), then classifies them. Rows are the ones
-the local run writes (`serve.runtime.predict.rows_for`, flattened by `serve.runtime.outputs.table_row`);
+the local run writes (`serve.runtime.predict.rows_for`, flattened by `serve.runtime.row_formats.table_row`);
 `write_parquet` writes them as the parts of `--out`.
 
 Paths travel to the actors as the file system's bytes and come back as text the way the local Parquet output
@@ -34,8 +34,8 @@ import numpy as np
 from serve.cluster.output import OutputFolder
 from serve.runtime.classifier import OnnxClassifier
 from serve.runtime.jobs import decoded_batches
-from serve.runtime.outputs import parquet_text, table_row
 from serve.runtime.predict import rows_for, template_row
+from serve.runtime.row_formats import parquet_text, table_row
 
 ERROR = "error"  # the column that carries an unreadable input's reason until the table is written
 

@@ -20,8 +20,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from serve.runtime.outputs import PartStore, table_row
+from serve.runtime.outputs import PartStore
 from serve.runtime.predict import main
+from serve.runtime.row_formats import table_row
 from tests.helpers import CLASS_NAMES, quadrant_images
 
 ROOT = Path(__file__).resolve().parents[2]
