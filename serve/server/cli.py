@@ -85,6 +85,20 @@ def settings_from(args: argparse.Namespace) -> ServeSettings:
     return ServeSettings(**given)
 
 
+def _check_payload_log(path: str) -> None:
+    """Refuse a payload log this server cannot create: its folder is the operator's to make, as for nginx's logs (a
+    missing one failed the start with a traceback). Not under --ray: the ingress writes it, on its own node."""
+    if path and os.path.isdir(path):
+        raise ValueError(
+            f"--payload-log {path} is a folder: give a file in it, such as {os.path.join(path, 'payloads.jsonl')}"
+        )
+    folder = os.path.dirname(os.path.abspath(path)) if path else ""
+    if folder and not os.path.isdir(folder):
+        raise ValueError(
+            f"--payload-log: the folder {folder} does not exist: create it (mkdir -p {folder}) or log elsewhere"
+        )
+
+
 def _run_on_ray(args, settings: ServeSettings) -> int:
     """`vit-serve --ray`: the file or repository on Ray Serve (`serve.server.ray.launch`)."""
     try:
@@ -118,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.ray:  # the replicas' threads run on the cluster's nodes, not here
         return _run_on_ray(args, settings)
     try:
+        _check_payload_log(settings.payload_log)
         models = _loaded(args.model, settings)
     except ValueError as e:
         print(f"vit-serve: {e}", file=sys.stderr)

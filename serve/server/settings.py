@@ -9,7 +9,6 @@ over the environment, the environment over the defaults. Each field's descriptio
 
 from __future__ import annotations
 
-import os
 import re
 from dataclasses import dataclass
 from typing import Literal
@@ -291,18 +290,6 @@ class ServeSettings(BaseSettings):
                 "HTTP headers and gRPC metadata"
             )
         return key
-
-    @field_validator("payload_log")
-    @classmethod
-    def _log_file_can_be_made(cls, path: str) -> str:
-        """A payload log in a folder that is missing failed the start with a traceback: the folder is the
-        operator's to make (as for nginx's and uvicorn's logs), and the message says so."""
-        folder = os.path.dirname(os.path.abspath(path))
-        if path and os.path.isdir(path):
-            raise ValueError(f"{path} is a folder: give a file in it, such as {os.path.join(path, 'payloads.jsonl')}")
-        if path and not os.path.isdir(folder):
-            raise ValueError(f"the folder {folder} does not exist: create it (mkdir -p {folder}) or log elsewhere")
-        return path
 
     @model_validator(mode="after")
     def _batch_sizes_fit(self) -> ServeSettings:

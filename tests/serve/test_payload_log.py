@@ -156,7 +156,7 @@ def test_a_payload_log_in_a_missing_folder_or_on_a_folder_is_refused_in_one_line
 
     assert main([str(tiny_onnx), "--no-ui", "--payload-log", str(tmp_path / where)]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("vit-serve: payload_log: ") and len(err.splitlines()) == 1, err
+    assert err.startswith("vit-serve: --payload-log") and len(err.splitlines()) == 1, err
     assert ("mkdir -p" if "missing" in where else "is a folder") in err
 
 
