@@ -62,7 +62,7 @@ class Augment:
         for name in ("hflip", "vflip", "re_prob"):
             if not 0 <= getattr(self, name) <= 1:
                 raise ValueError(f"--data.augment.{name} is a probability, in [0, 1]; got {getattr(self, name)}")
-        for name, high in (("rotate", 180.0), ("translate", 1.0), ("color_jitter", math.inf)):
+        for name, high in (("rotate", 360.0), ("translate", 1.0), ("color_jitter", math.inf)):
             if not 0 <= getattr(self, name) <= high:
                 raise ValueError(f"--data.augment.{name} must be in [0, {high:g}], got {getattr(self, name)}")
         if self.scale is not None and not (len(self.scale) == 2 and 0 < self.scale[0] <= self.scale[1] < math.inf):
@@ -71,6 +71,7 @@ class Augment:
             )
         if not (isinstance(self.fill, int) and 0 <= self.fill <= 255):
             raise ValueError(f"--data.augment.fill is a grey level, 0 to 255; got {self.fill}")
+        self.re_mode = self.re_mode.lower() or "const"  # as timm reads it: any case, and "" for a constant
         if self.re_mode not in RE_MODES:
             raise ValueError(f"--data.augment.re_mode must be one of {', '.join(RE_MODES)}, got {self.re_mode!r}")
         if self.rand_augment:

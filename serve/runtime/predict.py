@@ -314,7 +314,7 @@ def run_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         return 2
     except KeyboardInterrupt as e:
         kept = f": the parts written so far are kept, run the same command with --resume to finish {args.out}"
-        print(f"vit-predict: {str(e) or 'interrupted'}{kept if args.out is not None else ''}", file=sys.stderr)
+        print(f"vit-predict: {str(e) or 'interrupted'}{kept if _has_parts(args.out) else ''}", file=sys.stderr)
         return EXIT_TERMINATED if isinstance(e, Terminated) else EXIT_INTERRUPTED
     if failed:
         print(f"vit-predict: classified {done} images; {failed} input(s) could not be read", file=sys.stderr)
