@@ -17,6 +17,7 @@ import csv
 import io
 import json
 import logging
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -41,7 +42,8 @@ FORMAT = "vitscope-litdata/1"
 def is_streaming_root(root: str | Path) -> bool:
     """True for a local folder `prepare` wrote, or any remote URL (s3://, gs://): those are streamed."""
     text = str(root)
-    return "://" in text or (Path(text).expanduser() / META).is_file()
+    folder = Path(text).expanduser()
+    return "://" in text or (folder / META).is_file() or (folder / "train" / "index.json").is_file()  # or half-made
 
 
 def _decode_errors(paths: list[str]) -> list[tuple[str, str]]:
@@ -80,6 +82,7 @@ def prepare(
     from litdata import optimize
 
     check_out_apart(root, out)
+    check_chunk_bytes(chunk_bytes)
     scan = scan_folder(root, val_fraction, seed, verify=True, corrections=corrections, dedupe=dedupe != "none")
     workers = workers or usable_cores()
     paths = [p for p, _ in scan.train + scan.val] if scan.duplicates is None else []  # dedupe decoded them all
@@ -88,6 +91,7 @@ def prepare(
     broken = {p for p, _ in errors}
     bad = [(b.path, b.reason) for b in scan.bad] + errors
     meta = {"format": FORMAT, "root": str(scan.root), "layout": scan.layout, "classes": scan.classes}
+    _remove_meta(out)  # before any chunk is rewritten: a prepare stopped half-way must not pair them with it
     for split, items in (("train", scan.train), ("val", scan.val)):
         items = [it for it in items if it[0] not in broken]
         optimize(fn=_sample, inputs=items, output_dir=f"{out.rstrip('/')}/{split}", chunk_bytes=chunk_bytes,
@@ -120,6 +124,27 @@ def check_out_apart(root: str, out: str) -> None:
         )
 
 
+def check_chunk_bytes(chunk_bytes: int | str) -> None:
+    """A `ValueError` unless `chunk_bytes` is a positive size LitData reads (a number of bytes, or "64MB", "4kb"): a
+    wrong one failed inside LitData after the whole scan, with a traceback."""
+    size = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([tgmk]b?|b)\s*", str(chunk_bytes), re.IGNORECASE)
+    if not (chunk_bytes > 0 if isinstance(chunk_bytes, int) else size and float(size[1]) > 0):
+        raise ValueError(f"--chunk_bytes {chunk_bytes!r}: give a size with its unit, such as 64MB or 4kb")
+
+
+def _remove_meta(out: str) -> None:
+    """Delete an earlier prepare's `vitscope.json` from `out`: new chunks beside it, from a prepare stopped half-way,
+    trained on its old classes without a word (`read_meta` then says the prepare did not finish)."""
+    if "://" not in out:
+        (Path(out) / META).unlink(missing_ok=True)
+        return
+    import fsspec
+
+    fs, path = fsspec.core.url_to_fs(f"{out.rstrip('/')}/{META}")
+    if fs.exists(path):
+        fs.rm(path)
+
+
 def _write_text(out: str, name: str, text: str) -> None:
     if "://" not in out:
         Path(out).mkdir(parents=True, exist_ok=True)
@@ -133,13 +158,18 @@ def _write_text(out: str, name: str, text: str) -> None:
 
 def read_meta(root: str) -> dict:
     """`vitscope.json` of a prepared dataset (local or remote)."""
-    if "://" not in root:
-        meta = json.loads((Path(root).expanduser() / META).read_text())
-    else:
-        import fsspec
+    try:
+        if "://" not in root:
+            meta = json.loads((Path(root).expanduser() / META).read_text())
+        else:
+            import fsspec
 
-        with fsspec.open(f"{root.rstrip('/')}/{META}") as f:
-            meta = json.loads(f.read())
+            with fsspec.open(f"{root.rstrip('/')}/{META}") as f:
+                meta = json.loads(f.read())
+    except FileNotFoundError:
+        raise ValueError(
+            f"{root} has chunks but no {META}: its `vit-train prepare` did not finish; run it again"
+        ) from None
     if meta.get("format") != FORMAT:
         raise ValueError(f"{root} is not a dataset written by `vit-train prepare` (format {meta.get('format')!r})")
     return meta

@@ -33,10 +33,53 @@ def test_prepare_keeps_the_split_classes_and_reports_every_broken_file(messy_fol
     assert (out / "train" / "index.json").is_file() and (out / "val" / "index.json").is_file()
 
 
+def test_a_prepare_that_stops_half_way_over_an_earlier_one_leaves_a_folder_fit_refuses(messy_folder, tmp_path, capsys):
+    """Prepared again into the same --out and stopped while writing its chunks, the folder held the new chunks beside
+    the old vitscope.json: fit trained on them under the old classes, exit 0, every label wrong."""
+    out = tmp_path / "shards"
+    prepare(str(messy_folder), str(out), workers=1)
+    (out / "train").rename(tmp_path / "old-train")
+    (out / "train").write_text("")  # the chunks cannot be written: the prepare stops where they start
+    with pytest.raises(Exception):  # noqa: B017 (whatever LitData raises for it)
+        prepare(str(messy_folder), str(out), workers=1)
+    (out / "train").unlink()
+    (tmp_path / "old-train").rename(out / "train")  # chunks, as a prepare killed half-way leaves them
+    assert not (out / "vitscope.json").exists() and is_streaming_root(out)
+    with pytest.raises(SystemExit):
+        main(
+            [
+                "fit",
+                "--config",
+                "configs/sample.yaml",
+                "--data.root",
+                str(out),
+                "--trainer.default_root_dir",
+                str(tmp_path / "run"),
+            ]
+        )
+    assert "has chunks but no vitscope.json: its `vit-train prepare` did not finish" in capsys.readouterr().err
+
+
 def test_prepare_says_what_is_wrong_in_one_line_with_exit_code_2(tmp_path: Path, capsys):
     with pytest.raises(SystemExit) as e:
         main(["prepare", "--data.root", str(tmp_path / "missing"), "--out", str(tmp_path / "out")])
     assert e.value.code == 2 and "image folder not found" in capsys.readouterr().err
+    (tmp_path / "images").mkdir()
+    for size in ("abc", "1000", "0MB"):  # LitData's traceback after the whole scan, and an empty out/train
+        with pytest.raises(SystemExit) as e:
+            main(
+                [
+                    "prepare",
+                    "--data.root",
+                    str(tmp_path / "images"),
+                    "--out",
+                    str(tmp_path / "out"),
+                    "--chunk_bytes",
+                    size,
+                ]
+            )
+        assert e.value.code == 2 and "--chunk_bytes" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("where", ["the folder", "inside it", "around it"])
