@@ -66,6 +66,13 @@ def calibration_entries(checkpoint: Path, class_names: list[str], calib_dir: Pat
                     f"--calibrate {calib_dir}: folder {d.name!r} is not one of the model's classes {class_names}"
                 )
             entries += [(Path(p), index[d.name]) for p in find_image_files(d)]
+        if len(covered := {label for _, label in entries}) < min(2, len(class_names)):
+            only = ", ".join(class_names[i] for i in sorted(covered)) or "none"
+            raise ValueError(
+                f"--calibrate {calib_dir}: its images are of one class ({only}): the temperature, the prediction "
+                "sets and the unknown-input threshold are fitted to the images the model will meet, so give held-out "
+                "images of its classes (one folder per class)"
+            )
         return entries, str(calib_dir)
     split = split_path(checkpoint)
     if not split.is_file():  # a run on a prepared dataset (`vit-train prepare`) keeps none

@@ -126,6 +126,13 @@ def check_model_folder(folder: Path) -> str:
     """
     if not folder.is_dir():
         return ""
+    slot = folder / "1"
+    for path, must_be in ((slot, "folder"), (slot / "model.onnx", "file")):
+        if path.exists() and path.is_dir() != (must_be == "folder"):
+            raise ValueError(
+                f"--triton-repo: {path} is there but is no {must_be}, where the export writes version 1's "
+                "model: it would fail after labels.txt and config.pbtxt were replaced; move it away and export again"
+            )
     others = sorted(int(d.name) for d in folder.iterdir() if _is_version(d.name) and d.name != "1" and d.is_dir())
     if others:
         raise ValueError(

@@ -14,6 +14,7 @@ import stat
 from pathlib import Path
 
 import pytest
+from PIL import Image
 
 torch = pytest.importorskip("torch")
 
@@ -183,6 +184,34 @@ def test_a_calibration_folder_of_other_classes_is_refused_before_the_export(own_
         capsys, [str(own_run / "checkpoints" / "best.ckpt"), "-o", str(out), "--calibrate", str(tmp_path / "calib")]
     )
     assert "folder 'cats' is not one of the model's classes" in line
+
+
+def test_a_calibration_folder_of_one_class_is_refused_before_the_export(own_run, tmp_path, capsys, no_export):
+    """Calibrated on 183 images of one class: ECE 0.00 %, overconfident scores, and that class always 'unknown'."""
+    (tmp_path / "calib" / "top_left").mkdir(parents=True)
+    for i in range(25):
+        Image.new("RGB", (32, 32), (i, 0, 0)).save(tmp_path / "calib" / "top_left" / f"{i}.png")
+    out = tmp_path / "out" / "model.onnx"
+    argv = [str(own_run / "checkpoints" / "best.ckpt"), "-o", str(out), "--calibrate", str(tmp_path / "calib")]
+    assert "its images are of one class (top_left)" in _refused(capsys, argv)
+
+
+@pytest.mark.parametrize("slot", ["version_is_a_file", "model_is_a_folder", "o_is_the_version"])
+def test_a_triton_slot_the_export_would_fail_on_or_overwrite_is_refused_before_the_export(
+    own_run, tmp_path, capsys, no_export, slot
+):
+    """A version 1 that was a file failed after labels.txt and config.pbtxt were replaced (new labels beside the old
+    model); -o naming Triton's own model file replaced the logits-only graph with the full one, exit 0."""
+    repo, out = tmp_path / "models", tmp_path / "out" / "model.onnx"
+    (repo / "model").mkdir(parents=True)
+    if slot == "version_is_a_file":
+        (repo / "model" / "1").write_text("")
+    elif slot == "model_is_a_folder":
+        (repo / "model" / "1" / "model.onnx").mkdir(parents=True)
+    else:
+        out = repo / "model" / "1" / "model.onnx"
+    line = _refused(capsys, [str(own_run / "checkpoints" / "best.ckpt"), "-o", str(out), "--triton-repo", str(repo)])
+    assert ("is the model file --triton-repo writes" if slot == "o_is_the_version" else "is there but is no") in line
 
 
 @pytest.mark.parametrize("name", ["top\rleft", "top\u2028left", "top\x1cleft", "top\udcffleft"])
