@@ -134,11 +134,7 @@ def export_onnx(
     if triton_repo is not None:
         triton.check_labels(meta["class_names"])  # labels.txt, refused now rather than after the export
         triton.check_model_folder(Path(triton_repo) / name)
-        if preflight.output_file(output).resolve() == (Path(triton_repo) / name / "1" / "model.onnx").resolve():
-            raise ValueError(
-                f"-o {output} is the model file --triton-repo writes, and the full graph written there would replace "
-                "Triton's logits-only one: give -o another path"
-            )
+        triton.check_output_apart(preflight.output_file(output), Path(triton_repo) / name)
     if calib_dir is not None and calibrate is not False:  # folders of other classes, refused now
         calib.calibration_entries(checkpoint, meta["class_names"], calib_dir)
     _check_writable(preflight.output_file(output).parent)
@@ -306,9 +302,6 @@ def _add_calibration_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-WEB_OPTIONS = ("help", "web", "ort_web", "target")  # what `vit-export FILE.onnx --web DIR` takes
-
-
 def main(argv: list[str] | None = None) -> int:
     """Command line entry point (`vit-export`)."""
     from serve.export.parity import ParityError, format_report
@@ -318,12 +311,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.web is not None and args.target == "onnxruntime":
         parser.error("--web needs the portable target (the browser has no onnxruntime contrib ops): drop --target")
     if args.checkpoint.suffix == ".onnx" and args.web is not None:
-        unused = [a.option_strings[0] for a in parser._actions if a.option_strings and a.dest not in WEB_OPTIONS
-                  and getattr(args, a.dest) != a.default]  # fmt: skip
-        if unused:  # taken, and silently not applied
+        if unused := web.options_not_applied(parser, args):  # taken, and silently not applied
             parser.error(
-                f"{args.checkpoint} is exported already: --web packages it as it is, so {', '.join(unused)} would "
-                "change nothing; export from the checkpoint for those"
+                f"{args.checkpoint} is exported already, as --web packages it: {', '.join(unused)} would change nothing"
             )
         return _package_web(args.checkpoint, args.web, args.ort_web)  # a file exported before, for the browser
     if args.output is None and args.web is None:

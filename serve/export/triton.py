@@ -150,6 +150,13 @@ def check_model_folder(folder: Path) -> str:
         ) from None
 
 
+def check_output_apart(output: Path, folder: Path) -> None:
+    """A `ValueError` when -o names the model file the export writes into the Triton model `folder`: the full graph
+    written there would replace Triton's logits-only one."""
+    if output.resolve() == (folder / "1" / "model.onnx").resolve():
+        raise ValueError(f"-o {output} is the model file --triton-repo writes: give -o another path")
+
+
 def _is_version(name: str) -> bool:
     """A version folder's name, as Triton reads it: ASCII digits without a leading zero."""
     return name.isascii() and name.isdigit() and not name.startswith("0")

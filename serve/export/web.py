@@ -28,6 +28,18 @@ PAGE_FILES = ("index.html", "page.css", "page.js", "vitscope.js")
 ORT_FILES = ("ort.wasm.min.mjs", "ort-wasm-simd-threaded.mjs", "ort-wasm-simd-threaded.wasm")
 
 
+PACKAGING_OPTIONS = ("help", "web", "ort_web", "target")  # what `vit-export FILE.onnx --web DIR` applies
+
+
+def options_not_applied(parser, args) -> list[str]:
+    """The options given to `vit-export FILE.onnx --web DIR` that packaging an exported file cannot apply."""
+    return [
+        a.option_strings[0]
+        for a in parser._actions
+        if a.option_strings and a.dest not in PACKAGING_OPTIONS and getattr(args, a.dest) != a.default
+    ]
+
+
 def ort_web_version() -> str:
     """The onnxruntime-web version the page is built and tested with (pinned in web_page/package.json)."""
     return json.loads((PAGE_DIR / "package.json").read_text())["dependencies"]["onnxruntime-web"]

@@ -244,4 +244,8 @@ def test_web_export_refuses_what_the_browser_cannot_run_with_what_to_do(tiny_onn
     assert "npm ci --prefix" in capsys.readouterr().err
     assert export_main([str(tiny_onnx), "-o", str(tmp_path / "x.onnx")]) == 2  # an .onnx without --web
     assert "vit-export MODEL.onnx --web DIR packages" in capsys.readouterr().err
+    for option in (["--quantize", "int8"], ["-o", str(tmp_path / "x.onnx")], ["--calibrate", str(tmp_path)]):
+        with pytest.raises(SystemExit) as e:  # taken and not applied, exit 0
+            export_main([str(tiny_onnx), "--web", str(tmp_path / "d"), *option])
+        assert e.value.code == 2 and f"{option[0]} would change nothing" in capsys.readouterr().err
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
