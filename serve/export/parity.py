@@ -77,13 +77,19 @@ def validation_sample(
         source = str(val_dir)
     if len(entries) > limit:  # evenly spread, deterministic
         entries = [entries[i] for i in np.linspace(0, len(entries) - 1, limit).round().astype(int)]
-    pixels, labels = [], []
+    pixels, labels, unreadable = [], [], []
     for p, label in entries:
         try:
             pixels.append(preprocess.to_uint8(load_image(p)))
             labels.append(label)
         except (ImageError, FileNotFoundError) as err:
             log.warning("parity sample: skipping %s (%s)", p, err)
+            unreadable.append(f"{p} ({err})")
+    if unreadable and not pixels:  # the gate would pass on noise: say so, rather than export unchecked
+        raise ValueError(
+            f"none of the {len(unreadable)} parity images of {source} could be read, the first {unreadable[0]}: "
+            "restore them, or give --val-dir DIR, a folder of readable images per class"
+        )
     if not pixels:
         looked = ([f"{split}'s val split"] if split.is_file() else []) + ([str(val_dir)] if val_dir is not None else [])
         where = f"in {' or '.join(looked)}" if looked else "(no split.json next to the checkpoint's run, no --val-dir)"

@@ -168,6 +168,21 @@ def test_options_that_would_leave_the_parity_gate_or_calibration_without_images_
     assert not out.parent.exists()
 
 
+def test_a_split_whose_validation_images_are_all_unreadable_is_refused_before_the_export(
+    own_run, tmp_path, capsys, no_export
+):
+    """The parity gate fell back to random noise, passed, and the export went on, exit 0."""
+    split = json.loads((own_run / "split.json").read_text())
+    for i, entry in enumerate(split["val"]):
+        entry["path"] = str(tmp_path / f"gone-{i}.png")  # the images moved or deleted since the run
+    (tmp_path / "gone-0.png").write_bytes(b"\x89PNG\r\n\x1a\n broken")
+    (own_run / "split.json").write_text(json.dumps(split))
+    out = tmp_path / "out" / "model.onnx"
+    line = _refused(capsys, [str(own_run / "checkpoints" / "best.ckpt"), "-o", str(out)])
+    assert f"none of the {len(split['val'])} parity images of {own_run / 'split.json'} could be read" in line
+    assert not out.exists()
+
+
 def test_a_val_dir_without_images_is_refused_before_the_export(own_run, tmp_path, capsys, no_export):
     """The parity gate fell back to random images, and passed, on a --val-dir whose class folders were empty."""
     (tmp_path / "val" / "top_left").mkdir(parents=True)
