@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import sys
 
+from serve.runtime.interrupts import EXIT_INTERRUPTED
 from serve.runtime.jobs import collect_sources
-from serve.runtime.predict import EXIT_INTERRUPTED, build_parser, check_args, run_args
+from serve.runtime.predict import build_parser, check_args, run_args
 
 
 def main(argv: list[str] | None = None) -> int:

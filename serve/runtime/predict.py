@@ -31,11 +31,8 @@ import io
 import json
 import math
 import os
-import signal
 import sys
-import threading
 from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import TextIO
 
@@ -44,6 +41,7 @@ from tqdm import tqdm
 
 from serve.runtime.classifier import OnnxClassifier
 from serve.runtime.images import ImageError
+from serve.runtime.interrupts import exit_code, sigterm_as_interrupt
 from serve.runtime.jobs import (
     DEFAULT_PART_SIZE,
     collect_sources,
@@ -59,8 +57,6 @@ from serve.runtime.trust import Prediction
 
 PROGRESS_MIN_FILES = 20  # a bar for a handful of files is noise
 EXIT_BROKEN_PIPE = 128 + 13  # what a shell reports for a process ended by SIGPIPE
-EXIT_INTERRUPTED = 128 + 2  # and by SIGINT (Ctrl-C)
-EXIT_TERMINATED = 128 + 15  # and by SIGTERM (`timeout`, systemd, a pod's stop)
 MAX_DECODE_THREADS = 256  # more than cores pays only for reads that wait (object storage); beyond this, memory
 
 
@@ -290,7 +286,7 @@ def run_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     """Check the arguments `p` parsed (`check_args`), run the job (to stdout or to --out) and return the exit status."""
     check_args(p, args)
     try:
-        with _sigterm_as_interrupt():
+        with sigterm_as_interrupt():  # SIGTERM stops the job as Ctrl-C does, parts kept and said
             if args.out is not None:
                 done, failed = _run_to_file(args)
             else:
@@ -315,7 +311,7 @@ def run_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     except KeyboardInterrupt as e:
         kept = f": the parts written so far are kept, run the same command with --resume to finish {args.out}"
         print(f"vit-predict: {str(e) or 'interrupted'}{kept if _has_parts(args.out) else ''}", file=sys.stderr)
-        return EXIT_TERMINATED if isinstance(e, Terminated) else EXIT_INTERRUPTED
+        return exit_code(e)
     if failed:
         print(f"vit-predict: classified {done} images; {failed} input(s) could not be read", file=sys.stderr)
     return 1 if failed or not done else 0
@@ -338,27 +334,6 @@ def _run_to_file(args: argparse.Namespace) -> tuple[int, int]:
         template=template_row(min(args.top_k, len(clf.labels)), args.coverage),
     )
     return done, failed + missing
-
-
-class Terminated(KeyboardInterrupt):
-    """SIGTERM, raised where Ctrl-C's KeyboardInterrupt would be, so that a job stops the same way."""
-
-
-def _terminate(signum, frame) -> None:
-    raise Terminated("terminated")
-
-
-@contextmanager
-def _sigterm_as_interrupt() -> Iterator[None]:
-    """SIGTERM (`timeout`, systemd, a pod's stop) ends the job as Ctrl-C does, parts kept and said, while it runs."""
-    if threading.current_thread() is not threading.main_thread():  # only the main thread may set a handler
-        yield
-        return
-    previous = signal.signal(signal.SIGTERM, _terminate)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 def _has_parts(out: Path | None) -> bool:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from ray import serve
 
-from serve.runtime.predict import EXIT_INTERRUPTED  # the shell's status for Ctrl-C, as vit-predict exits
+from serve.runtime.interrupts import EXIT_INTERRUPTED  # the shell's status for Ctrl-C, as vit-predict exits
 from serve.server.ray.deployment import APP_NAME, deployment
 from serve.server.settings import ServeSettings
 
