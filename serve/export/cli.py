@@ -31,7 +31,6 @@ import dataclasses
 import logging
 import os
 import sys
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -43,6 +42,7 @@ from serve.export import files, preflight, targets, triton, web
 from serve.export.merge import set_metadata
 from serve.export.metadata import build_metadata
 from serve.export.trace import DEFAULT_OPSET
+from serve.runtime.interrupts import exit_code, sigterm_as_interrupt
 from serve.runtime.outputs import sync_folder
 
 log = logging.getLogger(__name__)
@@ -137,9 +137,9 @@ def export_onnx(
         triton.check_output_apart(preflight.output_file(output), Path(triton_repo) / name)
     if calib_dir is not None and calibrate is not False:  # folders of other classes, refused now
         calib.calibration_entries(checkpoint, meta["class_names"], calib_dir)
-    _check_writable(preflight.output_file(output).parent)
+    preflight.check_writable(preflight.output_file(output).parent)
     if triton_repo is not None:
-        _check_writable(Path(triton_repo))
+        preflight.check_writable(Path(triton_repo))
     preprocess = _serving_preprocess(net, meta["preprocess"], img_size)
 
     log.info("exporting %s at %s for %s, opset %d", checkpoint, preprocess.img_size, target, opset)
@@ -194,19 +194,6 @@ def _serving_preprocess(net, preprocess, img_size):
     if img_size[0] % P or img_size[1] % P:
         raise ValueError(f"--img-size {img_size} must be multiples of the patch size {P}")
     return dataclasses.replace(preprocess, img_size=tuple(img_size))
-
-
-def _check_writable(folder: Path) -> None:
-    """Fail before the slow export, not after it, when `folder` cannot be created or written."""
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        fd, probe = tempfile.mkstemp(dir=folder, prefix=".vit-export-probe.")
-        os.close(fd)
-        os.unlink(probe)
-    except OSError as e:
-        raise ValueError(
-            f"cannot write to {folder}: {e.strerror or e}; choose an output folder you can write to"
-        ) from None
 
 
 @contextlib.contextmanager
@@ -329,24 +316,12 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(message)s", stream=sys.stderr)
     logging.getLogger("serve").setLevel(logging.INFO)  # our progress; the exporter's own INFO chatter stays quiet
     try:
-        result = export_onnx(
-            args.checkpoint,
-            output,
-            quantize=args.quantize,
-            opset=args.opset,
-            img_size=tuple(args.img_size) if args.img_size else None,
-            val_dir=args.val_dir,
-            parity_samples=args.parity_samples,
-            gradients=not args.no_gradients,
-            target=target,
-            triton_repo=args.triton_repo,
-            triton_name=args.triton_name,
-            calibrate=False if args.no_calibration else (True if args.calibrate else None),
-            calib_dir=args.calibrate,
-            conformal=args.conformal,
-            class_conditional=args.class_conditional,
-            ood_score=args.ood_score,
-        )
+        with sigterm_as_interrupt():  # `timeout` or a pipeline's stop: the temporaries are removed, as on Ctrl-C
+            result = _export(args, output, target)
+    except KeyboardInterrupt as e:
+        print(f"vit-export: {str(e) or 'interrupted'}: nothing was written (each file is written whole or not at all)",
+              file=sys.stderr)  # fmt: skip
+        return exit_code(e)
     except ParityError as e:
         if "images" in e.report:
             print(format_report(e.report), file=sys.stderr)
@@ -362,6 +337,28 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     _print_result(result, target, format_report)
     return 0 if args.web is None else _package_web(result.path, args.web, args.ort_web)
+
+
+def _export(args: argparse.Namespace, output: Path, target: str) -> ExportResult:
+    """`export_onnx` with the command line's options."""
+    return export_onnx(
+        args.checkpoint,
+        output,
+        quantize=args.quantize,
+        opset=args.opset,
+        img_size=tuple(args.img_size) if args.img_size else None,
+        val_dir=args.val_dir,
+        parity_samples=args.parity_samples,
+        gradients=not args.no_gradients,
+        target=target,
+        triton_repo=args.triton_repo,
+        triton_name=args.triton_name,
+        calibrate=False if args.no_calibration else (True if args.calibrate else None),
+        calib_dir=args.calibrate,
+        conformal=args.conformal,
+        class_conditional=args.class_conditional,
+        ood_score=args.ood_score,
+    )
 
 
 def _print_result(result: ExportResult, target: str, format_report) -> None:

@@ -22,6 +22,7 @@ import errno
 import json
 import os
 import stat
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -63,7 +64,7 @@ def output_file(output: Path) -> Path:
     except OSError as e:
         if e.errno == errno.ELOOP:
             raise ValueError(f"-o {output}: {e.strerror}; name a file to write, e.g. -o model.onnx") from None
-        return target  # a new file, the one a dangling link names, or a folder that cannot be (`_check_writable`)
+        return target  # a new file, the one a dangling link names, or a folder that cannot be (`check_writable`)
     if not stat.S_ISREG(mode) and not stat.S_ISDIR(mode):  # a folder gets check_output's own message
         kind = "a FIFO" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode) else "a device"
         via = " (through a link)" if output.is_symlink() else ""
@@ -72,6 +73,19 @@ def output_file(output: Path) -> Path:
             "write, e.g. -o model.onnx"
         )
     return target
+
+
+def check_writable(folder: Path) -> None:
+    """Fail before the slow export, not after it, when `folder` cannot be created or written."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=folder, prefix=".vit-export-probe.")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise ValueError(
+            f"cannot write to {folder}: {e.strerror or e}; choose an output folder you can write to"
+        ) from None
 
 
 def _looks_like_onnx(path: Path) -> bool:
@@ -115,6 +129,10 @@ def load_network(checkpoint: Path) -> tuple[VisionTransformer, dict[str, Any]]:
         raise ValueError(
             f"{checkpoint}: its '{key}' metadata does not fit this version of vitscope ({first_line(e)}); export "
             "it with the vitscope version that trained it (its 'versions' entry), or train the run again"
+        ) from None
+    except ArithmeticError as e:  # a size of 0 the network divides by
+        raise ValueError(
+            f"{checkpoint}: its '{key}' model_config cannot build a network ({first_line(e)}); {retrain}"
         ) from None
     except RuntimeError as e:  # load_state_dict: the weights are another architecture's
         details = [line.strip() for line in str(e).splitlines()[1:] if line.strip()] or [first_line(e)]

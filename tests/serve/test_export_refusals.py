@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import shutil
+import signal
 import stat
 from pathlib import Path
 
@@ -120,6 +121,8 @@ EDITS = {  # what was done to the checkpoint's metadata -> what the one line mus
     "another_architecture": (lambda m: m["model_config"].update(embed_dim=48), "weights do not fit"),
     "no_model_config": (lambda m: m.pop("model_config"), "no 'model_config' entry"),
     "unknown_argument": (lambda m: m["model_config"].update(bogus_kw=1), "unexpected keyword argument 'bogus_kw'"),
+    # a ZeroDivisionError traceback, exit 1: the code of a failed parity gate
+    "zero_patch_size": (lambda m: m["model_config"].update(patch_size=0), "model_config cannot build a network"),
     "no_preprocess": (lambda m: m.pop("preprocess"), "no 'preprocess' entry"),
     "fewer_names": (lambda m: m.update(class_names=["a", "b"]), "2 class names, but its head has 4 outputs"),
     "more_names": (lambda m: m.update(class_names=[*CLASS_NAMES, "extra"]), "5 class names, but its head has 4"),
@@ -135,6 +138,23 @@ WHOLE_EDITS = {  # edits of the checkpoint itself -> what the one line must say
     "metadata_not_mapping": (lambda c: c.update(vitscope="abc"), "'vitscope' entry is a str, not a mapping"),
     "weights_not_mapping": (lambda c: c.update(state_dict=[1]), "'state_dict' entry is a list, not a mapping"),
 }
+
+
+def test_an_export_stopped_by_sigterm_says_so_in_one_line_and_exits_143(own_run, tmp_path, capsys, monkeypatch):
+    """`timeout` or a pipeline's stop killed the export mid-write, leaving a hidden temporary by the output; Ctrl-C,
+    handled the same way now, printed a traceback."""
+
+    def stopped(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)  # raised at the next bytecode, as the signal arrives
+        raise AssertionError("SIGTERM did not stop the export")
+
+    monkeypatch.setattr(targets, "build", stopped)
+    before = signal.getsignal(signal.SIGTERM)
+    out = tmp_path / "out" / "model.onnx"
+    assert main([str(own_run / "checkpoints" / "best.ckpt"), "-o", str(out)]) == 143
+    err = capsys.readouterr().err
+    assert err.startswith("vit-export: terminated: nothing was written") and "Traceback" not in err, err
+    assert not out.exists() and signal.getsignal(signal.SIGTERM) is before
 
 
 @pytest.mark.parametrize("case", [*EDITS, *WHOLE_EDITS])
