@@ -66,6 +66,10 @@ def calibration_entries(checkpoint: Path, class_names: list[str], calib_dir: Pat
                     f"--calibrate {calib_dir}: folder {d.name!r} is not one of the model's classes {class_names}"
                 )
             entries += [(Path(p), index[d.name]) for p in find_image_files(d)]
+        if len(entries) < MIN_IMAGES:  # refused now, not after a minute of export
+            raise ValueError(
+                f"--calibrate {calib_dir}: {len(entries)} image files, and calibration needs at least {MIN_IMAGES}"
+            )
         if len(covered := {label for _, label in entries}) < min(2, len(class_names)):
             only = ", ".join(class_names[i] for i in sorted(covered)) or "none"
             raise ValueError(

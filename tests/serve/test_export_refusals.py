@@ -221,6 +221,17 @@ def test_a_calibration_folder_of_other_classes_is_refused_before_the_export(own_
     assert "folder 'cats' is not one of the model's classes" in line
 
 
+def test_a_calibration_folder_of_too_few_images_is_refused_before_the_export(own_run, tmp_path, capsys, no_export):
+    """It was refused after the whole export (about 25 s on the sample), the model built for nothing."""
+    for name in CLASS_NAMES[:2]:
+        (tmp_path / "calib" / name).mkdir(parents=True)
+        for i in range(3):
+            Image.new("RGB", (32, 32), (i, 0, 0)).save(tmp_path / "calib" / name / f"{i}.png")
+    out = tmp_path / "out" / "model.onnx"
+    argv = [str(own_run / "checkpoints" / "best.ckpt"), "-o", str(out), "--calibrate", str(tmp_path / "calib")]
+    assert "6 image files, and calibration needs at least 20" in _refused(capsys, argv)
+
+
 def test_a_calibration_folder_of_one_class_is_refused_before_the_export(own_run, tmp_path, capsys, no_export):
     """Calibrated on 183 images of one class: ECE 0.00 %, overconfident scores, and that class always 'unknown'."""
     (tmp_path / "calib" / "top_left").mkdir(parents=True)
