@@ -83,6 +83,8 @@ def prepare(
 
     check_out_apart(root, out)
     check_chunk_bytes(chunk_bytes)
+    if workers is not None and workers < 1:
+        raise ValueError(f"--workers must be at least 1 (or left out: the usable cores), got {workers}")
     scan = scan_folder(root, val_fraction, seed, verify=True, corrections=corrections, dedupe=dedupe != "none")
     workers = workers or usable_cores()
     paths = [p for p, _ in scan.train + scan.val] if scan.duplicates is None else []  # dedupe decoded them all

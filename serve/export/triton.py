@@ -23,6 +23,7 @@ there, hidden or not, for a model): `serve.export.files`.
 
 from __future__ import annotations
 
+import logging
 import re
 import shutil
 from pathlib import Path
@@ -36,6 +37,8 @@ from serve.export import files
 from serve.export.merge import set_metadata
 from serve.runtime import calibration as cal
 from serve.runtime.outputs import sync_folder
+
+log = logging.getLogger(__name__)
 
 # Shapes: B batch, H/W image, K classes, D features.
 
@@ -56,6 +59,8 @@ def model_name(name: str) -> str:
     cleaned = re.sub(r"[^A-Za-z0-9_.-]+", "_", name).strip("._")
     if not cleaned:
         raise ValueError(f"--triton-name {name!r} has no usable characters; use letters, digits, '_' or '-'")
+    if cleaned != name:  # clients call the model by this name: say it
+        log.warning("the Triton model is named %r (from %r: letters, digits, '_', '-' and '.' only)", cleaned, name)
     return cleaned
 
 

@@ -221,6 +221,14 @@ def test_a_calibration_folder_of_other_classes_is_refused_before_the_export(own_
     assert "folder 'cats' is not one of the model's classes" in line
 
 
+def test_a_triton_name_changed_to_fit_a_folder_is_said(own_run, tmp_path, caplog, no_export):
+    """`modèle` became `mod_le` without a word, and clients asked Triton for a model it did not have."""
+    argv = [str(own_run / "checkpoints" / "best.ckpt"), "-o", str(tmp_path / "model.onnx")]
+    with caplog.at_level(logging.WARNING, logger="serve.export.triton"), pytest.raises(AssertionError, match="export"):
+        main([*argv, "--triton-repo", str(tmp_path / "models"), "--triton-name", "modèle"])
+    assert "the Triton model is named 'mod_le' (from 'modèle'" in caplog.text
+
+
 def test_a_calibration_folder_of_too_few_images_is_refused_before_the_export(own_run, tmp_path, capsys, no_export):
     """It was refused after the whole export (about 25 s on the sample), the model built for nothing."""
     for name in CLASS_NAMES[:2]:

@@ -65,20 +65,16 @@ def test_prepare_says_what_is_wrong_in_one_line_with_exit_code_2(tmp_path: Path,
         main(["prepare", "--data.root", str(tmp_path / "missing"), "--out", str(tmp_path / "out")])
     assert e.value.code == 2 and "image folder not found" in capsys.readouterr().err
     (tmp_path / "images").mkdir()
-    for size in ("abc", "1000", "0MB"):  # LitData's traceback after the whole scan, and an empty out/train
-        with pytest.raises(SystemExit) as e:
-            main(
-                [
-                    "prepare",
-                    "--data.root",
-                    str(tmp_path / "images"),
-                    "--out",
-                    str(tmp_path / "out"),
-                    "--chunk_bytes",
-                    size,
-                ]
-            )
-        assert e.value.code == 2 and "--chunk_bytes" in capsys.readouterr().err
+    paths = ["--data.root", str(tmp_path / "images"), "--out", str(tmp_path / "out")]
+    for option, value in [
+        ("--chunk_bytes", "abc"),
+        ("--chunk_bytes", "1000"),
+        ("--chunk_bytes", "0MB"),
+        ("--workers", "-1"),
+    ]:
+        with pytest.raises(SystemExit) as e:  # LitData's traceback after the whole scan, and an empty out/train
+            main(["prepare", *paths, option, value])
+        assert e.value.code == 2 and option in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
 
 
