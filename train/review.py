@@ -17,6 +17,7 @@ from pathlib import Path
 
 from jsonargparse import ActionYesNo, ArgumentParser
 
+from serve.runtime.interrupts import sigterm_as_interrupt
 from train.errors import SetupError
 
 log = logging.getLogger(__name__)
@@ -54,7 +55,8 @@ def main(argv: list[str]) -> None:
         print("vit-train review: --limit and --batch_size must be at least 1", file=sys.stderr)
         raise SystemExit(2)
     try:
-        launch_review(args.run_dir, args.host, args.port, args.share, args.limit, args.batch_size)
+        with sigterm_as_interrupt():  # stopped as by Ctrl-C: Gradio closes, and deletes what was uploaded
+            launch_review(args.run_dir, args.host, args.port, args.share, args.limit, args.batch_size)
     except ImportError as e:
         print(f"vit-train review needs the UI's packages ({e}): pip install 'vitscope[serve]'", file=sys.stderr)
         raise SystemExit(2) from None

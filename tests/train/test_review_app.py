@@ -7,6 +7,8 @@ import json
 import logging
 import os
 import shutil
+import signal
+import threading
 from pathlib import Path
 
 import httpx
@@ -161,6 +163,32 @@ def test_what_is_uploaded_to_the_page_is_deleted_when_it_closes(run: Path):
     finally:
         app.close()
     wait_until(lambda: not Path(kept).exists(), 10, "the upload deleted")
+
+
+def test_a_review_stopped_by_sigterm_closes_and_deletes_what_was_uploaded(run: Path):
+    """`vit-train review` stopped by SIGTERM (a scheduler, `timeout`) was killed, its uploads left behind."""
+    from train.review import main
+
+    port, kept = free_port(), []
+
+    def upload_then_terminate() -> None:
+        wait_until(lambda: _answers(port), 60, "the review page up")
+        upload = httpx.post(f"http://127.0.0.1:{port}/gradio_api/upload", files={"files": ("a.bin", bytes(512))})
+        kept.extend(upload.json())
+        os.kill(os.getpid(), signal.SIGTERM)  # handled in this, the main, thread
+
+    before = signal.getsignal(signal.SIGTERM)
+    threading.Thread(target=upload_then_terminate, daemon=True).start()
+    main([str(run), "--port", str(port), "--limit", "3"])  # returns once the page has closed
+    assert kept and signal.getsignal(signal.SIGTERM) is before
+    wait_until(lambda: not Path(kept[0]).exists(), 10, "the upload deleted")
+
+
+def _answers(port: int) -> bool:
+    try:
+        return httpx.get(f"http://127.0.0.1:{port}/", timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
 
 
 def _browser_safe(value) -> None:
