@@ -165,8 +165,9 @@ def test_what_is_uploaded_to_the_page_is_deleted_when_it_closes(run: Path):
     wait_until(lambda: not Path(kept).exists(), 10, "the upload deleted")
 
 
-def test_a_review_stopped_by_sigterm_closes_and_deletes_what_was_uploaded(run: Path):
-    """`vit-train review` stopped by SIGTERM (a scheduler, `timeout`) was killed, its uploads left behind."""
+def test_a_review_stopped_by_sigterm_closes_and_deletes_what_was_uploaded(run: Path, capsys, caplog):
+    """`vit-train review` stopped by SIGTERM (a scheduler, `timeout`) was killed, its uploads left behind; it told
+    the user to "set `share=True` in `launch()`", where its option is --share."""
     from train.review import main
 
     port, kept = free_port(), []
@@ -179,8 +180,11 @@ def test_a_review_stopped_by_sigterm_closes_and_deletes_what_was_uploaded(run: P
 
     before = signal.getsignal(signal.SIGTERM)
     threading.Thread(target=upload_then_terminate, daemon=True).start()
-    main([str(run), "--port", str(port), "--limit", "3"])  # returns once the page has closed
+    with caplog.at_level(logging.INFO, logger="train.review"):
+        main([str(run), "--port", str(port), "--limit", "3"])  # returns once the page has closed
     assert kept and signal.getsignal(signal.SIGTERM) is before
+    assert f"the page is at http://127.0.0.1:{port}/ (--share for a public link)" in caplog.text
+    assert "share=True" not in capsys.readouterr().out
     wait_until(lambda: not Path(kept[0]).exists(), 10, "the upload deleted")
 
 
