@@ -45,7 +45,6 @@ from serve.runtime.interrupts import exit_code, sigterm_as_interrupt
 from serve.runtime.jobs import (
     DEFAULT_PART_SIZE,
     collect_sources,
-    find_images,
     is_uri,
     job_record,
     score_to_file,
@@ -69,27 +68,15 @@ class OutputError(Exception):
 
 
 def collect_files(paths: list[Path], errors: TextIO) -> tuple[list[Path], int]:
-    """Files as given, and the image files under folders as the --out job finds them (`jobs.find_images`).
+    """Files as given, and the image files under folders, each once, as the --out job finds them
+    (`jobs.collect_sources`).
 
     Returns:
         (files, problems): a missing path, a folder without images or one that cannot be listed is reported
         and counted.
     """
-    files: list[Path] = []
-    problems = 0
-    for p in paths:
-        if p.is_dir():
-            found, unlisted = find_images(p, errors)
-            if not found and not unlisted:
-                print(f"{p}: no image files in this folder", file=errors)
-            problems += unlisted or not found
-            files.extend(map(Path, found))
-        elif p.exists():
-            files.append(p)
-        else:
-            print(f"{p}: no such file or folder", file=errors)
-            problems += 1
-    return files, problems
+    sources, problems = collect_sources(paths, errors)
+    return list(map(Path, sources)), problems
 
 
 def _batches(files: list[Path], batch_size: int) -> Iterator[list[Path]]:

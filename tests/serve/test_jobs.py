@@ -563,6 +563,15 @@ def test_a_merge_that_fails_for_space_leaves_no_temporary_file_and_resumes(tiny_
     assert main([*args, "--resume"]) == 0 and len(_read(out)) == 8
 
 
+def test_an_input_named_twice_is_scored_once_on_stdout_too(tiny_onnx, tmp_path, capsys, monkeypatch):
+    """The guide says so of every run; on stdout `a.png a.png ./a.png` gave three rows."""
+    paths = _images(tmp_path / "photos", 2)
+    monkeypatch.chdir(tmp_path)
+    assert main([str(tiny_onnx), "photos/0000_top_left.png", "./photos/0000_top_left.png", "photos"]) == 0
+    rows = [json.loads(line)["path"] for line in capsys.readouterr().out.splitlines()]
+    assert rows == ["photos/0000_top_left.png", str(Path("photos") / paths[1].name)], rows
+
+
 def test_a_run_resumed_from_another_folder_scores_each_image_once(tiny_onnx, tmp_path, capsys, monkeypatch):
     """Started as `photos` and resumed by cron from elsewhere with the absolute path: the parts named the inputs as
     given, so 4 of 6 images were scored again, two rows each, exit 0."""
