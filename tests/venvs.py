@@ -43,7 +43,7 @@ def vitscope_wheel(out: Path) -> Path:
 
 
 # What a venv needs to run the tests, at this environment's versions
-TEST_RUNNER = ("pytest", "pytest-xdist", "httpx", "hypothesis")
+TEST_RUNNER = ("pytest", "pytest-timeout", "pytest-xdist", "httpx", "hypothesis")
 
 
 def main() -> None:
