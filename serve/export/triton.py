@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import re
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -52,6 +53,11 @@ DEFAULT_MAX_BATCH_SIZE = 32
 # How long Triton may hold a request to batch it with others: 0.5 ms is small next to one image's
 # inference on a CPU, and lets concurrent requests share one onnxruntime call.
 MAX_QUEUE_DELAY_US = 500
+# The fields an export writes from the model itself: in a config being rewritten, the others (a version pin,
+# instance groups, a batching policy tuned by hand, parameters) are kept, and these replaced.
+WRITTEN = {"name", "platform", "backend", "runtime", "input", "output", "default_model_filename"}
+# Triton's scheduling choice, one of them per config: a kept one replaces the export's dynamic batching
+SCHEDULING = {"dynamic_batching", "sequence_batching", "ensemble_scheduling"}
 
 
 def model_name(name: str) -> str:
@@ -104,33 +110,39 @@ def _tensor(value: onnx.ValueInfoProto, label_file: bool = False) -> str:
     return "  {\n" + "\n".join(lines) + "\n  }"
 
 
-def config_pbtxt(model: onnx.ModelProto, name: str, max_batch_size: int = DEFAULT_MAX_BATCH_SIZE) -> str:
-    """`config.pbtxt` for a logits-only model (one input, one output, batch axis first)."""
+def config_pbtxt(model: onnx.ModelProto, name: str, kept: Sequence[str] = ()) -> str:
+    """`config.pbtxt` for a logits-only model (one input, one output, batch axis first), with the fields of
+    `kept` (a hand-edited config's own, `check_model_folder`): a kept `max_batch_size` or scheduling replaces
+    the default one."""
     g = model.graph
     inits = {i.name for i in g.initializer}
     inputs = [i for i in g.input if i.name not in inits]
     inputs_text = ",\n".join(_tensor(i) for i in inputs)
     outputs_text = ",\n".join(_tensor(o, label_file=o.name in ("logits", "probs")) for o in g.output)
+    names = {field.split(maxsplit=1)[0] for field in kept}
+    defaults = [] if "max_batch_size" in names else [f"max_batch_size: {DEFAULT_MAX_BATCH_SIZE}\n"]
+    if not names & SCHEDULING:
+        defaults.append(f"dynamic_batching {{\n  max_queue_delay_microseconds: {MAX_QUEUE_DELAY_US}\n}}\n")
     return (
         f'name: "{name}"\n'
         'platform: "onnxruntime_onnx"\n'
-        f"max_batch_size: {max_batch_size}\n"
         f"input [\n{inputs_text}\n]\n"
-        f"output [\n{outputs_text}\n]\n"
-        f"dynamic_batching {{\n  max_queue_delay_microseconds: {MAX_QUEUE_DELAY_US}\n}}\n"
+        f"output [\n{outputs_text}\n]\n" + "".join(defaults) + "".join(f"{field}\n" for field in kept)
     )
 
 
-def check_model_folder(folder: Path) -> str:
-    """Check the model folder an export would rewrite, and return the `version_policy` its config.pbtxt holds
-    (protobuf text, "" when none): a policy the user wrote (a pin to a version, say) is kept in the new config.
+def check_model_folder(folder: Path) -> list[str]:
+    """Check the model folder an export would rewrite, and return the fields of its config.pbtxt the export
+    keeps (protobuf text, one field each): all but those it writes from the graph (`WRITTEN`), so that what a
+    user tuned by hand (a version pin, instances, batching) survives a new export.
 
     Raises:
         ValueError: a version other than 1 is there (Triton serves the newest by default, and every version
-            shares the labels.txt and config.pbtxt the export rewrites), or a config.pbtxt that cannot be read.
+            shares the labels.txt and config.pbtxt the export rewrites), a config.pbtxt that cannot be read, or
+            one whose `max_batch_size: 0` would make the batch axis part of every tensor's dims.
     """
     if not folder.is_dir():
-        return ""
+        return []
     slot = folder / "1"
     for path, must_be in ((slot, "folder"), (slot / "model.onnx", "file")):
         if path.exists() and path.is_dir() != (must_be == "folder"):
@@ -147,12 +159,21 @@ def check_model_folder(folder: Path) -> str:
         )
     config = folder / "config.pbtxt"
     try:
-        return _version_policy(config.read_text()) if config.is_file() else ""
+        fields = _top_level_fields(config.read_text()) if config.is_file() else []
     except (OSError, UnicodeDecodeError, ValueError) as e:
         raise ValueError(
-            f"--triton-repo: {config} cannot be read ({e}), and its version_policy would be lost: fix it or remove "
-            "it, and export again"
+            f"--triton-repo: {config} cannot be read ({e}), and what was set in it by hand would be lost: fix it "
+            "or remove it, and export again"
         ) from None
+    if "max_batch_size : 0" in fields:
+        raise ValueError(
+            f"--triton-repo: {config} sets max_batch_size: 0 (no batch axis), and the exported model batches on "
+            "its first axis: remove that line (the export writes 32) or set the largest batch Triton may form"
+        )
+    dropped = [field.split(maxsplit=1)[0] for field in fields if field.split(maxsplit=1)[0] in WRITTEN]
+    if set(dropped) - {"name", "platform", "input", "output"}:
+        log.warning("%s: %s rewritten from the exported model", config, ", ".join(dropped))
+    return [field for field in fields if field.split(maxsplit=1)[0] not in WRITTEN]
 
 
 def check_output_apart(output: Path, folder: Path) -> None:
@@ -167,26 +188,32 @@ def _is_version(name: str) -> bool:
     return name.isascii() and name.isdigit() and not name.startswith("0")
 
 
-def _version_policy(config: str) -> str:
-    """The top-level `version_policy { ... }` of a config.pbtxt, its tokens as protobuf text format reads them
-    (comments, strings and nesting as Triton sees them), joined by spaces; "" when it has none."""
+def _top_level_fields(config: str) -> list[str]:
+    """Each top-level field of a config.pbtxt (`name: value`, `name { ... }`, `name [ ... ]`), its tokens as
+    protobuf text format reads them (comments, strings and nesting as Triton sees them) joined by spaces."""
     tokens = text_format.Tokenizer(config.splitlines())
-    kept: list[str] = []
-    depth, keeping, previous = 0, False, ""
+    fields: list[list[str]] = []
+    depth, value_done = 0, True  # value_done: the field being read has its value (or there is none yet)
     while not tokens.AtEnd():
         token = tokens.token
-        keeping = keeping or (depth == 0 and token == "version_policy" and previous != ":")
-        depth += (token in ("{", "<")) - (token in ("}", ">"))
-        if depth < 0:
-            raise ValueError(f"an unmatched {token!r}")
-        if keeping:
-            kept.append(token)
-            keeping = depth > 0 or token in ("version_policy", ":")
-        previous = token
+        opening, closing = token in ("{", "<", "["), token in ("}", ">", "]")
+        if depth == 0 and value_done and token in (",", ";"):  # an optional separator between fields
+            pass
+        elif depth == 0 and value_done and not (token.startswith(('"', "'")) and fields):
+            if not (token[:1].isalpha() or token[:1] == "_"):
+                raise ValueError(f"{token!r} where a field name should be")
+            fields.append([token])
+            value_done = False
+        else:  # the field's value, or a string continuing the last one ("a" "b" is "ab")
+            fields[-1].append(token)
+            depth += opening - closing
+            if depth < 0:
+                raise ValueError(f"an unmatched {token!r}")
+            value_done = depth == 0 and token != ":" and (closing or not opening)
         tokens.NextToken()
-    if depth != 0:
-        raise ValueError("an unclosed '{'")
-    return " ".join(kept)
+    if depth != 0 or not value_done:
+        raise ValueError("an unclosed '{'" if depth else f"the field {fields[-1][0]!r} has no value")
+    return [" ".join(field) for field in fields]
 
 
 class _Builder:
@@ -276,12 +303,11 @@ def write_repo(
     class_names: list[str],
     repo: str | Path,
     name: str,
-    max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
 ) -> Path:
     """Write `repo/<name>/` (config, labels, version 1 of the model), each piece whole, and return that folder.
 
-    A `version_policy` in the config there is kept; a model folder holding another version is refused
-    (`check_model_folder`).
+    What was set by hand in the config there (a version pin, instances, batching) is kept; a model folder
+    holding another version is refused (`check_model_folder`).
 
     Args:
         model: the logits-only model, input `pixels` (B, H, W, 3) uint8, outputs `logits` (B, K) first, then
@@ -289,7 +315,6 @@ def write_repo(
         class_names: K names, in logit order.
         repo: the model repository (created if missing; other models in it are left alone).
         name: the model's name in Triton.
-        max_batch_size: the largest batch Triton may form.
 
     Raises:
         ValueError: the model is not the logits-only graph, a class name labels.txt cannot hold, or a model
@@ -300,10 +325,10 @@ def write_repo(
         raise ValueError(f"the Triton model must be the logits-only graph (logits, features, probs), not {outputs}")
     check_labels(class_names)
     folder = Path(repo) / name
-    policy = check_model_folder(folder)  # again: the repository may have changed during the export
+    kept = check_model_folder(folder)  # again: the repository may have changed during the export
     pieces = {  # renamed into place in this order: the version last (vit-serve checks it against the labels)
         folder / "labels.txt": "".join(f"{c}\n" for c in class_names).encode(),
-        folder / "config.pbtxt": (config_pbtxt(model, name, max_batch_size) + (policy and f"{policy}\n")).encode(),
+        folder / "config.pbtxt": config_pbtxt(model, name, kept).encode(),
         folder / "1" / "model.onnx": model.SerializeToString(),
     }
     created = not folder.exists()

@@ -163,6 +163,32 @@ def test_a_version_policy_written_by_hand_is_kept_when_the_model_is_written_agai
     assert list(parsed.version_policy.specific.versions) == [1] and list(parsed.output[0].dims) == [3]
 
 
+def test_what_was_tuned_by_hand_in_the_config_is_kept_when_the_model_is_written_again(tmp_path, caplog):
+    """A re-export rewrote the whole config but its version_policy: instances, batching and parameters a
+    Triton user had set were lost, and the model went back to one instance and the default batching."""
+    from serve.export import triton
+
+    config = triton.write_repo(_logits_only(4), CLASS_NAMES, tmp_path, "tiny") / "config.pbtxt"
+    generated = "".join(line for line in config.open() if not line.startswith(("max_batch", "dynamic", "  max_q", "}")))
+    tuned = (
+        'instance_group [ { count: 2, kind: KIND_CPU } ]\nmax_batch_size: 8\ndefault_model_filename: "a.onnx"\n'
+        "dynamic_batching { preferred_batch_size: [ 4, 8 ] max_queue_delay_microseconds: 100 }\n"
+        'parameters { key: "intra_op_thread_count" value: { string_value: "1" } }\n'
+    )
+    config.write_text(generated + tuned)
+    triton.write_repo(_logits_only(3), ["a", "b", "c"], tmp_path, "tiny")
+    parsed = _config(config.parent)  # read by Triton's own messages: a field written twice is refused
+    assert [(g.count, g.kind) for g in parsed.instance_group] == [(2, _pb2().ModelInstanceGroup.KIND_CPU)]
+    assert parsed.max_batch_size == 8 and list(parsed.dynamic_batching.preferred_batch_size) == [4, 8]
+    assert parsed.parameters["intra_op_thread_count"].string_value == "1"
+    assert list(parsed.output[0].dims) == [3] and parsed.default_model_filename == ""  # the export writes model.onnx
+    assert "default_model_filename rewritten from the exported model" in caplog.text
+
+    config.write_text(generated + "max_batch_size: 0\n")  # no batch axis: every dims would be wrong
+    with pytest.raises(ValueError, match="max_batch_size: 0"):
+        triton.write_repo(_logits_only(3), ["a", "b", "c"], tmp_path, "tiny")
+
+
 def _export_args(checkpoint: Path, root: Path) -> list[str]:
     """`vit-export` writing root/tiny.onnx and the model `tiny` in root/models."""
     return [str(checkpoint), "-o", str(root / "tiny.onnx"), "--triton-repo", str(root / "models"), "--no-gradients"]
