@@ -1,5 +1,5 @@
-"""Files written whole or not at all, for `vit-export`'s model file (`serve.export.cli`) and its Triton
-repository (`serve.export.triton`), which a server may read while they are written.
+"""Files written whole or not at all, for `vit-export`'s model file (`serve.export.cli`), its Triton repository
+(`serve.export.triton`) and its web page (`serve.export.web`), which a server may read while they are written.
 
 Each file goes to a hidden temporary beside it (`TEMPORARY`: never a version number, never a folder of its own
 in a repository), flushed to the disk, and is renamed over its target; the folder is flushed after. The

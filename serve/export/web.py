@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from pathlib import Path
 
 import onnx
+
+from serve.export import files
 
 PAGE_DIR = Path(__file__).with_name("web_page")
 PAGE_FILES = ("index.html", "page.css", "page.js", "vitscope.js")
@@ -86,8 +87,9 @@ def check_web_model(model: onnx.ModelProto, name: str) -> None:
 def write_web(model_path: str | Path, folder: str | Path, ort_dist: str | Path | None = None) -> Path:
     """Write the static page for the exported file `model_path` into `folder` and return `folder`.
 
-    Files of an earlier page in `folder` are replaced; anything else there is left alone. The model is
-    copied in last, through a temporary name, so a half-written folder never serves a half-copied file.
+    Files of an earlier page in `folder` are replaced; anything else there is left alone. Every file is staged
+    before any is renamed into place, the model last (`serve.export.files.write_pieces`): a full disk or an error
+    leaves the earlier page whole, and a folder being written never serves a half-copied file.
     """
     model_path, folder = Path(model_path), Path(folder)
     dist = find_ort_dist(ort_dist)
@@ -98,18 +100,16 @@ def write_web(model_path: str | Path, folder: str | Path, ort_dist: str | Path |
     except Exception as e:  # protobuf's DecodeError, and whatever a half-copied file makes it raise
         raise ValueError(f"{model_path} is not a readable ONNX file ({type(e).__name__}): export it again") from None
     check_web_model(model, str(model_path))
-    (folder / "ort").mkdir(parents=True, exist_ok=True)
-    for f in PAGE_FILES:
-        shutil.copyfile(PAGE_DIR / f, folder / f)
-    for f in ORT_FILES:
-        shutil.copyfile(dist / f, folder / "ort" / f)
-    (folder / "ort" / "NOTICE").write_text(
+    notice = (
         f"onnxruntime-web {ort_web_version()} (https://www.npmjs.com/package/onnxruntime-web), "
         "Copyright (c) Microsoft Corporation, MIT License.\n"
     )
-    target = folder / "model.onnx"
-    if model_path.resolve() != target.resolve():
-        partial = folder / ".model.onnx.partial"
-        shutil.copyfile(model_path, partial)
-        partial.replace(target)
+    pieces = {folder / f: (PAGE_DIR / f).read_bytes() for f in PAGE_FILES}
+    pieces |= {folder / "ort" / f: (dist / f).read_bytes() for f in ORT_FILES}
+    pieces[folder / "ort" / "NOTICE"] = notice.encode()
+    if model_path.resolve() != (folder / "model.onnx").resolve():
+        pieces[folder / "model.onnx"] = model_path.read_bytes()
+    (folder / "ort").mkdir(parents=True, exist_ok=True)
+    files.remove_stale_temporaries(folder / "ort")
+    files.write_pieces(pieces)
     return folder

@@ -9,7 +9,12 @@ needs no network; a half-copied model file says so on the page.
 from __future__ import annotations
 
 import base64
+import os
+import resource
 import shutil
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -18,7 +23,7 @@ from PIL import Image
 
 from benchmarks.web import CHROMIUM, StaticSite, WebBrowser, classify, classify_bytes, drop_file
 from serve.runtime.classifier import OnnxClassifier
-from tests.helpers import png_bytes, quadrant_images
+from tests.helpers import REPO, png_bytes, quadrant_images
 
 pytestmark = [pytest.mark.slow, pytest.mark.browser]
 RESAMPLING = {k: getattr(Image.Resampling, k.upper()) for k in ("bicubic", "bilinear", "lanczos", "nearest")}
@@ -249,3 +254,42 @@ def test_web_export_refuses_what_the_browser_cannot_run_with_what_to_do(tiny_onn
             export_main([str(tiny_onnx), "--web", str(tmp_path / "d"), *option])
         assert e.value.code == 2 and f"{option[0]} would change nothing" in capsys.readouterr().err
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def _web_model(path: Path, note: str = "") -> Path:
+    """A file the page accepts (standard ops, logits and attns out, vitscope metadata), written to `path`."""
+    onnx = pytest.importorskip("onnx")  # the exporter's; the [serve]-only venv has none
+    h = onnx.helper
+    nodes = [h.make_node("Identity", ["pixels"], [name]) for name in ("logits", "attns")]
+    tensor = [h.make_tensor_value_info(n, onnx.TensorProto.FLOAT, ["B", 3]) for n in ("pixels", "logits", "attns")]
+    model = h.make_model(h.make_graph(nodes, "g", tensor[:1], tensor[1:]), opset_imports=[h.make_opsetid("", 17)])
+    onnx.helper.set_model_props(model, {"vitscope_format": "1"})
+    model.doc_string = note
+    onnx.save(model, path)
+    return path
+
+
+def test_a_page_written_again_onto_a_full_disk_leaves_the_earlier_page_whole(tmp_path):
+    """Files were copied over the earlier page's one by one: a full disk left a truncated onnxruntime-web and the
+    model's temporary copy, and the page that worked no longer loaded."""
+    from serve.export import web
+
+    try:
+        web.find_ort_dist()
+    except FileNotFoundError as e:
+        pytest.skip(f"onnxruntime-web is not installed: {e}")
+    folder = web.write_web(_web_model(tmp_path / "a.onnx"), tmp_path / "site")
+    before = {p: p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+    model = _web_model(tmp_path / "b.onnx", note="another model")
+    write = f"from serve.export.web import write_web; write_web({str(model)!r}, {str(folder)!r})"
+
+    def full_disk_at_one_mib() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails (EFBIG) as it would for a full disk
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
+
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    done = subprocess.run([sys.executable, "-c", write], env=env, capture_output=True, text=True,
+                          preexec_fn=full_disk_at_one_mib, timeout=120)  # fmt: skip
+    assert done.returncode == 1 and "OSError" in done.stderr and "ort-wasm-simd-threaded.wasm" in done.stderr
+    after = {p: p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+    assert after == before, [p.name for p in set(after) ^ set(before)] or "a file of the earlier page was changed"
