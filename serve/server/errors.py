@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+import reprlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -46,8 +47,29 @@ ERROR_STATUS = {
 
 
 ECHO_CHARS = 200  # the most of a quoted value (a name or parameter a client sent, echoed back) in a message
+
+
+class _Echo(reprlib.Repr):
+    """`echo`'s repr: lists cut to 8 items, strings to their start (`cut_echoes` then cuts them to `ECHO_CHARS`
+    with an ellipsis, as every quoted value in a message)."""
+
+    def repr_str(self, x: str, level: int) -> str:
+        return repr(x[: self.maxstring])
+
+
+ECHO = _Echo()
+ECHO.maxlist = ECHO.maxtuple = ECHO.maxdict = ECHO.maxset = 8
+ECHO.maxstring = ECHO.maxother = 2 * ECHO_CHARS
+ECHO.fillvalue = "…"
+
 # a quote that opens a value: not an apostrophe (can't), not escaped
 OPENING = {q: re.compile(rf"(?<![\w'\"\\]){q}") for q in "'\""}
+
+
+def echo(value: object) -> str:
+    """`repr(value)` for a message, its lists cut to 8 items and its strings to `ECHO_CHARS` as it is written: a
+    shape of ten million dimensions costs a few items' formatting, not seconds and tens of MB."""
+    return ECHO.repr(value)
 
 
 def cut_echoes(message: str) -> str:

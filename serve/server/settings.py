@@ -109,7 +109,8 @@ class ServeSettings(BaseSettings):
         60.0,
         gt=0,
         description="time a client has to send the whole body once the head arrived (10 MiB at 1.5 Mbit/s), "
-        "and to read again once its answers stopped draining; then the connection closes. With header_timeout_s, "
+        "and to read again once its answers stopped draining; then the connection closes (a gRPC call whose "
+        "message has not arrived gets DEADLINE_EXCEEDED). With header_timeout_s, "
         "a slow client cannot hold a connection forever",
     )
     keep_alive_s: int = Field(5, ge=1, description="how long an idle keep-alive connection stays open")
@@ -322,6 +323,7 @@ class RequestLimits:
     max_batch_size: int
     deletion_steps: int
     request_timeout_s: float
+    body_timeout_s: float  # gRPC's message, as HTTP's body (which the protocol times: `ConnectionLimits`)
     retry_after_s: int
 
 

@@ -188,6 +188,82 @@ def test_calls_past_the_cap_are_refused_at_once(capped):
         c.close()
 
 
+def test_calls_that_never_send_their_message_give_their_slot_back(tiny_onnx):
+    """Calls that sent their headers and never their message held a slot without end: 256 of them to the
+    public ServerLive (no key needed) locked every gRPC client out for as long as they stayed open."""
+    port = free_port()
+    args = ("--no-ui", "--grpc-port", str(port), "--api-key", KEY, "--grpc-max-calls", "4", "--body-timeout-s", "1")
+    with ServerProcess(tiny_onnx, *args), connection(f"127.0.0.1:{port}") as a, connection(f"127.0.0.1:{port}") as b:
+        release = threading.Event()
+
+        def unfinished():  # headers, then no message
+            release.wait(30)
+            yield from ()
+
+        held = [(a, b)[i % 2].stream_unary(LIVE).future(unfinished(), timeout=30) for i in range(4)]
+        live = a.unary_unary(LIVE, pb.ServerLiveRequest.SerializeToString, pb.ServerLiveResponse.FromString)
+
+        def served() -> bool:
+            try:
+                return live(pb.ServerLiveRequest(), metadata=list(AUTH.items()), timeout=5).live
+            except grpc.RpcError as e:
+                assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e.details()
+                return False
+
+        try:
+            wait_until(lambda: all(f.done() for f in held), 15, "the unfinished calls ended by the server")
+            assert {(f.code(), f.details()) for f in held} == {
+                (grpc.StatusCode.DEADLINE_EXCEEDED, "the call's message did not arrive within 1 s (--body-timeout-s)")
+            }
+            wait_until(served, 10, "a new call served once the unfinished ones ended")
+        finally:
+            release.set()
+
+
+def test_a_shape_of_millions_of_dimensions_is_refused_in_a_short_message_and_frees_its_memory(server):
+    """Each dimension was formatted into the message (31 MB for 10 million, seconds on the event loop), and the
+    error's traceback kept the request until a garbage collection: 6 such calls took the server to 2.4 GB."""
+    request = pb.ModelInferRequest(model_name="any")
+    request.inputs.add(name="pixels", datatype="UINT8", shape=[1] * 2_000_000)  # 2 MB, under --max-bytes
+    with grpc.insecure_channel(server.grpc_url) as channel:
+        infer = channel.unary_unary(INFER, pb.ModelInferRequest.SerializeToString, pb.ModelInferResponse.FromString)
+        before = rss_mib(server.proc.pid)
+        for _ in range(8):
+            with pytest.raises(grpc.RpcError) as e:
+                infer(request, metadata=list(AUTH.items()), timeout=30)
+            assert e.value.code() == grpc.StatusCode.NOT_FOUND  # "any" is no model: found before the shape is read
+        model = httpx.get(server.url + "/readyz", headers=AUTH).json()["model"]
+        request.model_name = model
+        for _ in range(8):
+            with pytest.raises(grpc.RpcError) as e:
+                infer(request, metadata=list(AUTH.items()), timeout=30)
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and len(e.value.details()) < 300
+            assert e.value.details().endswith("got [1, 1, 1, 1, 1, 1, 1, 1, …]"), e.value.details()[-200:]
+        assert rss_mib(server.proc.pid) - before < 100
+    body = {"inputs": [{"name": "pixels", "datatype": "UINT8", "shape": [1] * 1_000_000, "data": []}]}
+    answer = httpx.post(f"{server.url}/v2/models/{model}/infer", json=body, headers=AUTH, timeout=30)
+    assert answer.status_code == 422 and len(answer.content) < 400, len(answer.content)  # was 3 MB
+
+
+def test_a_request_id_longer_than_it_is_useful_is_refused(server):
+    """A 5 MB id came back in the answer: over the client's 4 MiB limit, after the inference, with an ERROR
+    traceback in the server's log."""
+    model = httpx.get(server.url + "/readyz", headers=AUTH).json()["model"]
+    request = pb.ModelInferRequest(model_name=model, id="x" * 5_000_000)
+    request.inputs.add(name="pixels", datatype="UINT8", shape=[1, 32, 32, 3])
+    request.raw_input_contents.append(bytes(32 * 32 * 3))
+    with grpc.insecure_channel(server.grpc_url) as channel:
+        infer = channel.unary_unary(INFER, pb.ModelInferRequest.SerializeToString, pb.ModelInferResponse.FromString)
+        with pytest.raises(grpc.RpcError) as e:
+            infer(request, metadata=list(AUTH.items()), timeout=30)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert e.value.details() == 'the request "id" is 5000000 characters; send one of at most 1024'
+    body = {"id": "x" * 2000, "inputs": [{"name": "pixels", "datatype": "UINT8", "shape": [1, 32, 32, 3]}]}
+    body["inputs"][0]["data"] = [0] * (32 * 32 * 3)
+    answer = httpx.post(f"{server.url}/v2/models/{model}/infer", json=body, headers=AUTH, timeout=30)
+    assert answer.status_code == 422 and "at most 1024" in answer.json()["error"]
+
+
 def test_client_text_echoed_in_an_error_is_cut_short(server):
     # gRPC sends the message as a header: 20 kB of a client's own text echoed in it was past the client's
     # metadata limit, and the answer read RESOURCE_EXHAUSTED instead of what was wrong

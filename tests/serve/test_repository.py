@@ -10,9 +10,11 @@ import shutil
 import time
 from pathlib import Path
 
+import grpc
 import httpx
 import pytest
 
+from serve.server.grpc import grpc_predict_v2_pb2 as pb
 from serve.server.repository.layout import VersionPolicy, parse_version_policy, scan
 from tests.helpers import CLASS_NAMES, ClientLoop, ServerProcess, free_port, png_bytes, quadrant_images
 
@@ -91,10 +93,17 @@ def test_two_models_and_two_versions_are_served_side_by_side(exported, tmp_path)
     add_model(repo, exported, "alpha", [1, 2], "version_policy: { all { } }\n")
     add_model(repo, exported, "beta", [1])
     assert sorted(scan(repo)) == ["alpha", "beta"]
-    with ServerProcess(repo, "--no-ui", "--preferred-batch-size", "2", env=_env()) as server:
+    port = free_port()
+    with ServerProcess(repo, "--no-ui", "--preferred-batch-size", "2", "--grpc-port", str(port), env=_env()) as server:
         url = server.url
         models = httpx.get(url + "/v2/models", headers=AUTH).json()["models"]
         assert [(m["name"], m["versions"]) for m in models] == [("alpha", ["1", "2"]), ("beta", ["1"])]
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:  # gRPC's metadata lists them as HTTP's does
+            path, answer = "/inference.GRPCInferenceService/ModelMetadata", pb.ModelMetadataResponse.FromString
+            meta = channel.unary_unary(path, pb.ModelMetadataRequest.SerializeToString, answer)
+            for version, listed in [("", ["1", "2"]), ("1", ["1"])]:
+                asked = pb.ModelMetadataRequest(name="alpha", version=version)
+                assert meta(asked, metadata=[("authorization", AUTH["Authorization"])], timeout=10).versions == listed
         for path, model, version in [
             ("/v1/classify", "alpha", "2"),
             ("/v1/models/alpha/classify", "alpha", "2"),

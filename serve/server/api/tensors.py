@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from serve.server.errors import ApiError
+from serve.server.errors import ApiError, echo
 
 # Shapes: B batch, H/W image, K classes.
 
@@ -33,6 +33,7 @@ DTYPES = {"UINT8": np.dtype(np.uint8), "FP32": np.dtype("<f4")}  # KServe dataty
 ONNX_DATATYPES = {"tensor(uint8)": "UINT8", "tensor(float)": "FP32"}  # onnxruntime's type names -> KServe
 INPUT, OUTPUT, PROBS = "pixels", "logits", "probs"  # the graph's input and logits output; probs is ours
 TRUST_OUTPUTS = ("in_set", "unknown", "ood_score")  # ours too, from the file's calibration
+MAX_ID_CHARS = 1024  # a request's `id`, echoed in its answer
 
 
 @dataclass(frozen=True)
@@ -107,9 +108,7 @@ def parse_infer_request(
     if not isinstance(head, dict) or not isinstance(head.get("inputs"), list):
         example = {"name": pixels.name, "datatype": pixels.datatype, "shape": ["B", "..."], "data": ["..."]}
         raise bad(f"send a JSON object {json.dumps({'inputs': [example]})}")
-    names = [t.get("name") if isinstance(t, dict) else None for t in head["inputs"]]
-    if names != [pixels.name]:
-        raise bad(f"this model takes one input, {pixels.name!r} ({pixels.datatype} {pixels.shape}), got inputs {names}")
+    check_inputs([t.get("name") if isinstance(t, dict) else None for t in head["inputs"]], pixels)
     tensor = head["inputs"][0]
     shape = check_shape(tensor.get("shape"), pixels, max_images)
     if tensor.get("datatype") != pixels.datatype:
@@ -132,21 +131,36 @@ def parse_infer_request(
     else:
         raise bad('"outputs" must be a non-empty list of {"name": ...}; leave it out for the default output')
     req_id = head.get("id")
+    check_request_id(None if req_id is None else str(req_id))
     coverage = params.get("coverage")
     if coverage is not None and (isinstance(coverage, bool) or not isinstance(coverage, (int, float))):
         raise bad(f'the parameter "coverage" must be a number such as 0.95, got {coverage!r}')
     return InferRequest(arr, chosen, None if req_id is None else str(req_id), coverage)
 
 
+def check_inputs(names: list, pixels: TensorSpec) -> None:
+    """The request's input names are the model's one input, or `ApiError("bad_request")` naming them."""
+    if names != [pixels.name]:
+        got = echo(names)
+        raise bad(f"this model takes one input, {pixels.name!r} ({pixels.datatype} {pixels.shape}), got inputs {got}")
+
+
 def check_shape(shape: Any, spec: TensorSpec, max_images: int) -> list[int]:
     want = [f"1..{max_images}" if d == -1 else d for d in spec.shape]
-    ok = isinstance(shape, list) and all(type(d) is int for d in shape) and len(shape) == len(spec.shape)
+    ok = isinstance(shape, list) and len(shape) == len(spec.shape) and all(type(d) is int for d in shape)
     if not ok or not 1 <= shape[0] <= max_images or shape[1:] != spec.shape[1:]:
         raise bad(
             f"input {spec.name!r} must have shape [{', '.join(map(str, want))}] "
-            f"(split larger batches into several requests), got {shape!r}"
+            f"(split larger batches into several requests), got {echo(shape)}"
         )
     return shape
+
+
+def check_request_id(request_id: str | None) -> None:
+    """A request's `id`, echoed in its answer, is at most `MAX_ID_CHARS` long: a longer one made a large answer
+    out of a small request (over gRPC, one its client's 4 MiB limit refused after the inference)."""
+    if request_id is not None and len(request_id) > MAX_ID_CHARS:
+        raise bad(f'the request "id" is {len(request_id)} characters; send one of at most {MAX_ID_CHARS}')
 
 
 def binary_size(tensor: dict) -> int | None:

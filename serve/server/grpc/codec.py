@@ -19,6 +19,8 @@ from serve.server.api.tensors import (
     TensorSpec,
     bad,
     binary_tensor,
+    check_inputs,
+    check_request_id,
     check_shape,
     once_each,
     refuse_classification,
@@ -38,9 +40,8 @@ def parse_infer(request: pb.ModelInferRequest, pixels: TensorSpec, max_images: i
         pixels: the model's input (its shape's first dimension is the batch).
         max_images: the most images in one request.
     """
-    names = [t.name for t in request.inputs]
-    if names != [pixels.name]:
-        raise bad(f"this model takes one input, {pixels.name!r} ({pixels.datatype} {pixels.shape}), got inputs {names}")
+    check_inputs([t.name for t in request.inputs], pixels)
+    check_request_id(request.id)
     tensor = request.inputs[0]
     shape = check_shape(list(tensor.shape), pixels, max_images)
     if tensor.datatype != pixels.datatype:
@@ -91,12 +92,13 @@ def infer_response(model_name: str, version: str, request_id: str, outputs: list
     return response
 
 
-def metadata_response(name: str, version: str, pixels: TensorSpec, logits: TensorSpec):
-    """The ModelMetadataResponse: the graph's own tensors, as Triton serving the same file shows them."""
+def metadata_response(name: str, versions: list[str], pixels: TensorSpec, logits: TensorSpec):
+    """The ModelMetadataResponse: the versions that may be asked for, and the graph's own tensors, as Triton
+    serving the same file shows them."""
     tensor = pb.ModelMetadataResponse.TensorMetadata
     return pb.ModelMetadataResponse(
         name=name,
-        versions=[version],
+        versions=versions,
         platform="onnxruntime_onnx",
         inputs=[tensor(name=pixels.name, datatype=pixels.datatype, shape=pixels.shape)],
         outputs=[tensor(name=logits.name, datatype=logits.datatype, shape=logits.shape)],

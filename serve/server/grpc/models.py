@@ -57,6 +57,10 @@ class Models(Protocol):
         """`get`, counted in flight while the block runs (a swapped-out version drains only once it is done)."""
         ...
 
+    def versions(self, name: str) -> list[str]:
+        """The versions of `name` served now, as HTTP's model metadata lists them."""
+        ...
+
     def ready(self) -> bool:
         """Whether the server takes inference requests (every model it must serve is loaded and warm)."""
         ...
@@ -79,6 +83,9 @@ class OneModel:
     @contextmanager
     def hold(self, name: str, version: str = "") -> Iterator[ServedModel]:
         yield self.get(name, version)  # one model, never swapped: nothing drains under a call
+
+    def versions(self, name: str) -> list[str]:
+        return [self.model.version] if name == self.model.name else []
 
     def ready(self) -> bool:
         return self.model.engine.ready
@@ -110,6 +117,9 @@ class RepositoryModels:
             served.specs = tensor_specs(served.classifier)
         pixels, logits = served.specs
         return ServedModel(served.name, served.version, served.classifier, served.engine, pixels, logits, served.held)
+
+    def versions(self, name: str) -> list[str]:
+        return sorted(self.repository.serving.get(name, {}))
 
     def ready(self) -> bool:
         return self.repository.ready

@@ -2,10 +2,10 @@
 
 The API key (metadata `authorization: Bearer <key>` or `x-api-key: <key>`, as the HTTP headers) is checked by
 an interceptor (`KeyCheck`) from the call's metadata, before its message is read; ServerLive and ServerReady
-need none, as /v2/health needs none. Every RPC then goes through `Service.rpc`, which maps an `ApiError` to its
-gRPC status (`GRPC_STATUS`, beside HTTP's table of the same codes) and counts the call in the server's
-Prometheus metrics under its method path, with the status's name (`OK`, `INVALID_ARGUMENT`, ...) where HTTP
-has its code."""
+need none, as /v2/health needs none. Every RPC then goes through `Service.rpc`, which reads its one message
+within `--body-timeout-s` (as HTTP reads a body), maps an `ApiError` to its gRPC status (`GRPC_STATUS`, beside
+HTTP's table of the same codes) and counts the call in the server's Prometheus metrics under its method path,
+with the status's name (`OK`, `INVALID_ARGUMENT`, ...) where HTTP has its code."""
 
 from __future__ import annotations
 
@@ -78,8 +78,8 @@ class Service:
 
     def handler(self) -> grpc.GenericRpcHandler:
         """The service's method handlers, for `grpc.aio.Server.add_generic_rpc_handlers`."""
-        handlers = {
-            name: grpc.unary_unary_rpc_method_handler(
+        handlers = {  # unary RPCs, read as streams: `Service.rpc` waits for the one message under a deadline
+            name: grpc.stream_unary_rpc_method_handler(
                 self.rpc(name, getattr(self, method)),
                 request_deserializer=message.FromString,
                 response_serializer=_serialize,
@@ -89,32 +89,60 @@ class Service:
         return grpc.method_handlers_generic_handler(SERVICE, handlers)
 
     def rpc(self, name: str, fn: Callable[..., Awaitable]) -> Callable[..., Awaitable]:
-        """`fn` with the API-key check, the status mapping and the metrics of every call."""
+        """`fn` called with the call's one message, read within `body_timeout_s` as HTTP reads a body, with the
+        status mapping and the metrics of every call.
+
+        gRPC's unary handlers wait for their message without end: calls that sent their headers and never their
+        message held every one of `grpc_max_calls` slots, with or without the API key (ServerLive needs none).
+        """
         route = f"/{SERVICE}/{name}"
 
-        async def call(request, context: grpc.aio.ServicerContext):
-            started, code = time.perf_counter(), Code.OK
-            given = getattr(request, "id", "")
-            rid = self.request_id(context.invocation_metadata(), given if isinstance(given, str) else "")
-            REQUEST_ID.set(rid)  # the payload log records the call under the same ID as its access-log line
+        async def call(requests, context: grpc.aio.ServicerContext):
+            started, client, code = time.perf_counter(), client_of(context), Code.UNKNOWN
             try:
-                return await fn(request, context)
-            except ApiError as err:
-                code = GRPC_STATUS.get(err.code, Code.UNKNOWN)
-                await context.abort(code, status_message(err.message))
+                response, code, message = await self.answer(fn, route, context)
+                if code == Code.OK:
+                    return response
+                # aborted here, where no frame holds the request: the abort's traceback keeps its frames until a
+                # garbage collection, and a 10 MB request was held that long
+                await context.abort(code, message)
             except asyncio.CancelledError:  # the client went away or its deadline passed
-                code = Code.CANCELLED
+                code = Code.DEADLINE_EXCEEDED if (context.time_remaining() or 1) <= 0 else Code.CANCELLED
                 raise
-            except Exception as e:
-                log.exception("unexpected error in %s", route)
-                code = Code.INTERNAL
-                await context.abort(code, f"internal error ({type(e).__name__}); see the server log")
             finally:
                 self.metrics.observe(route, code.name, started)
                 ms = (time.perf_counter() - started) * 1000
-                self.access_log.write(client_of(context), "gRPC", route, code.name, ms, rid)
+                self.access_log.write(client, "gRPC", route, code.name, ms, REQUEST_ID.get())
 
         return call
+
+    async def answer(self, fn: Callable[..., Awaitable], route: str, context) -> tuple:
+        """(the response, OK, "") of `fn` on the call's message, or (None, the status, its message), with the
+        call's request ID in `REQUEST_ID` (its access-log line and its payload-log record share it)."""
+        REQUEST_ID.set(self.request_id(context.invocation_metadata(), ""))
+        try:
+            request = await self.message(context)
+            given = getattr(request, "id", "")
+            REQUEST_ID.set(self.request_id(context.invocation_metadata(), given if isinstance(given, str) else ""))
+            return await fn(request, context), Code.OK, ""
+        except ApiError as err:
+            return None, GRPC_STATUS.get(err.code, Code.UNKNOWN), status_message(err.message)
+        except Exception as e:
+            log.exception("unexpected error in %s", route)
+            return None, Code.INTERNAL, f"internal error ({type(e).__name__}); see the server log"
+
+    async def message(self, context: grpc.aio.ServicerContext):
+        """The call's one request message, or `ApiError` when it does not come within `body_timeout_s`."""
+        timeout = self.limits.body_timeout_s
+        try:
+            request = await asyncio.wait_for(context.read(), timeout)
+        except TimeoutError:
+            raise ApiError(
+                "timeout", f"the call's message did not arrive within {timeout:g} s (--body-timeout-s)"
+            ) from None
+        if request is grpc.aio.EOF:
+            raise ApiError("bad_request", "the call ended without its request message")
+        return request
 
     def request_id(self, metadata, given: str) -> str:
         """The client's `x-request-id` metadata or the request's own id when sane, else a new one."""
@@ -158,7 +186,8 @@ class Service:
 
     async def model_metadata(self, request, context):
         m = self.models.get(request.name, request.version)
-        return metadata_response(m.name, m.version, m.pixels, m.logits)
+        versions = [m.version] if request.version else self.models.versions(m.name)  # as HTTP's metadata lists them
+        return metadata_response(m.name, versions, m.pixels, m.logits)
 
     async def model_infer(self, request: pb.ModelInferRequest, context):
         with self.models.hold(request.model_name, request.model_version) as m:
