@@ -272,7 +272,7 @@ class VitCLI(LightningCLI):
 
     def before_fit(self) -> None:
         config = self.config.get("fit", self.config)
-        check_monitor(config.get("checkpoint.monitor"))
+        check_monitor(config.get("checkpoint.monitor"), config.get("checkpoint.mode"))
         ckpt_path = self._check_ckpt_path("fit")
         if not self.trainer.fast_dev_run:
             check_ckpt_owner(ckpt_path, Path(self.trainer.default_root_dir), bool(config.get("overwrite")))

@@ -122,6 +122,11 @@ class ImageFolderDataModule(pl.LightningDataModule):
         self.verify_images, self.cache_images = verify_images, cache_images
         if batch_augment is None:
             batch_augment = not augment.rand_augment and augment.color_jitter <= 0
+        elif batch_augment and (augment.rand_augment or augment.color_jitter > 0):  # found in a worker otherwise
+            raise ValueError(
+                "--data.batch_augment true does not do RandAugment or colour jitter: set --data.batch_augment false "
+                "(per-image augmentation), or leave out --data.augment.rand_augment and --data.augment.color_jitter"
+            )
         self.batch_augment = batch_augment
         for name, value, choices in (("balance", balance, BALANCE_CHOICES), ("dedupe", dedupe, DEDUPE_CHOICES)):
             if value not in choices:

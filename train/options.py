@@ -16,6 +16,12 @@ from vit.model import VisionTransformer
 log = logging.getLogger(__name__)
 # what `--checkpoint.monitor` (and early stopping) can watch: the metrics `ViTClassifier` logs
 MONITORED = ("val/balanced_acc", "val/acc", "val/acc5", "val/macro_f1", "val/loss", "train/loss")
+# net_args keys the run sets itself (the value given would be dropped, or fail on the first batch)
+SET_ELSEWHERE = {
+    "img_size": "it is --data.img_size",
+    "num_classes": "it is the number of class folders",
+    "in_chans": "every image is loaded as RGB, a grayscale one too (3 channels)",
+}
 MAX_WORKERS = 64  # DataLoader workers a machine with few cores may still ask for (data on slow storage)
 
 # option: (lowest, highest, whether the highest itself is allowed); every lowest is allowed
@@ -74,6 +80,8 @@ def check_net_args(net_args: dict[str, Any] | None) -> None:
         takes = ", ".join(sorted(known))
         raise ValueError(f"--model.net_args: no option {', '.join(unknown)}; the network takes {takes}")
     for name, value in (net_args or {}).items():
+        if name in SET_ELSEWHERE:
+            raise ValueError(f"--model.net_args.{name} is not the network's to set: {SET_ELSEWHERE[name]}")
         if name in NET_RANGES:
             if not isinstance(value, (int, float)) or isinstance(value, bool):
                 raise ValueError(f"--model.net_args.{name} must be a number, got {value!r}")
@@ -93,10 +101,19 @@ def check_data_settings(config: Any) -> None:
         raise SetupError(f"--data.num_workers {workers} is far more than this machine's {cores} cores can use")
 
 
-def check_monitor(monitor: str | None) -> None:
-    """Refuse a `--checkpoint.monitor` the run never logs: Lightning finds out after the first epoch, saving nothing."""
-    if monitor is not None and monitor not in MONITORED:
+def check_monitor(monitor: str | None, mode: str | None = "max") -> None:
+    """Refuse a `--checkpoint.monitor` the run never logs (Lightning finds out after the first epoch, saving
+    nothing), and one whose `--checkpoint.mode` keeps its worst epoch (a loss with "max", the default)."""
+    if monitor is None:
+        return
+    if monitor not in MONITORED:
         raise SetupError(f"--checkpoint.monitor {monitor!r} is no metric the run logs: give one of {MONITORED}")
+    better = "min" if monitor.endswith("loss") else "max"
+    if mode != better:
+        raise SetupError(
+            f"--checkpoint.monitor {monitor} is better when {'lower' if better == 'min' else 'higher'}, and "
+            f"--checkpoint.mode {mode} would keep its worst epoch as best.ckpt: add --checkpoint.mode {better}"
+        )
 
 
 def check_trainer_settings(trainer: Any, fit: bool) -> None:
@@ -108,6 +125,17 @@ def check_trainer_settings(trainer: Any, fit: bool) -> None:
             raise SetupError(f"--trainer.{key} must be at least 1, got {value}")
     if fit and trainer.get("limit_train_batches") == 0:
         raise SetupError("--trainer.limit_train_batches 0 trains nothing: give a share in (0, 1] or a count")
+    epochs, steps = trainer.get("max_epochs"), trainer.get("max_steps")
+    if fit and epochs == -1 and (steps is None or steps < 0):
+        raise SetupError(
+            "--trainer.max_epochs -1 trains without end, and the learning-rate schedule needs a length: give a "
+            "number of epochs (with --trainer.max_time to stop sooner on the clock) or --trainer.max_steps"
+        )
+    if str(trainer.get("precision")) == "16-true":
+        raise SetupError(
+            "--trainer.precision 16-true keeps the weights and AdamW's state in float16, where its updates underflow "
+            "and the loss turns NaN at any learning rate: use 16-mixed or bf16-mixed (bf16-true also trains)"
+        )
 
 
 def warn_on_doubtful_settings(config: Any) -> None:

@@ -191,13 +191,30 @@ def test_a_second_fit_into_a_run_directory_in_use_is_refused_at_once(shapes_fold
         ("--trainer.max_epochs", "-5", "max_epochs"),
         ("--trainer.max_epochs", "0", "max_epochs"),  # "Training finished." with no checkpoint
         ("--model.net_args", "{drop_path_rat: 0.1}", "drop_path_rat"),  # a typo
+        # each was a traceback, or trained to a wrong or NaN result
+        ("--model.net_args", "{in_chans: 1}", "loaded as RGB"),  # conv2d's channel mismatch on the first batch
+        ("--model.net_args", "{img_size: 64}", "--data.img_size"),  # dropped, and config.yaml said 64
+        ("--checkpoint.monitor", "val/loss", "--checkpoint.mode min"),  # best.ckpt was the highest loss
+        ("--trainer.max_epochs", "-1", "--trainer.max_steps"),  # OverflowError building the schedule
+        ("--trainer.precision", "16-true", "16-mixed"),  # NaN at any learning rate, blamed on --model.lr
     ],
 )
 def test_an_option_out_of_its_range_is_one_line_before_any_work(option, value, named, shapes_folder, tmp_path, capsys):
+    _refused_before_any_work([option, value], named, shapes_folder, tmp_path, capsys)
+
+
+def test_colour_jitter_asked_of_batch_augmentation_is_one_line_before_any_work(shapes_folder, tmp_path, capsys):
+    """The automatic recipe batch-augments: adding colour jitter to it failed with a traceback once the loaders
+    were built, after the scan and with the run directory written."""
+    options = ["--data.batch_augment", "true", "--data.augment.color_jitter", "0.4"]
+    _refused_before_any_work(options, "--data.batch_augment false", shapes_folder, tmp_path, capsys)
+
+
+def _refused_before_any_work(options: list[str], named: str, shapes_folder, tmp_path, capsys) -> None:
     run = tmp_path / "run"
     args = ["fit", "--config", "configs/sample.yaml", "--data.root", str(shapes_folder)]
     with pytest.raises(SystemExit) as exit_info:
-        main([*args, "--trainer.default_root_dir", str(run), option, value])
+        main([*args, "--trainer.default_root_dir", str(run), *options])
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and named in err and "Traceback" not in err, err
     assert not (run / "checkpoints").exists()
