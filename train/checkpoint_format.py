@@ -13,6 +13,7 @@ pickled objects), so everything loads with ``weights_only=True``:
 from __future__ import annotations
 
 import hashlib
+import json
 import pickle
 import random
 from pathlib import Path
@@ -28,6 +29,11 @@ from vit.model import VisionTransformer
 
 META_KEY = "vitscope"
 RNG_KEY = "rng_states"
+# what a resumed run must share with its checkpoint: the network settings that shape the weights or give them
+# their meaning (dropout, initialisation and test-time flips may change) and the preprocessing
+MUST_MATCH_ON_RESUME = ("img_size", "patch_size", "embed_dim", "depth", "num_heads", "mlp_ratio", "in_chans")
+MUST_MATCH_ON_RESUME += ("global_pool", "class_token", "reg_tokens", "distilled", "pos_embed", "attn_score", "stem")
+MUST_MATCH_ON_RESUME += ("crop_pct", "interpolation", "mean", "std")
 
 
 def load_checkpoint(path: str | Path) -> dict[str, Any]:
@@ -134,6 +140,30 @@ def check_class_names(meta: dict[str, Any] | None, data_classes: list[str] | Non
             "folder it was trained on (the same class folders), or train a new run without --ckpt_path"
         )
     return saved
+
+
+def check_checkpoint_fits(
+    meta: dict[str, Any] | None, data_classes: list[str] | None, net_config: dict, preprocess: dict | None
+) -> list[str]:
+    """The class names of a checkpoint this run may load (`check_class_names`), refused too when its network
+    or its preprocessing differ from this run's: another variant failed in load_state_dict with a hundred
+    size-mismatch lines, and another --data.img_size trained on, its checkpoints recording the old size.
+
+    Raises:
+        SetupError: other classes, another network, or another preprocessing, each named.
+    """
+    classes = check_class_names(meta, data_classes)
+    plain = lambda value: json.loads(json.dumps(value, default=str))  # tuples and lists alike
+    saved = {**plain(meta.get("model_config") or {}), **plain(meta.get("preprocess") or {})}
+    ours = {**plain(net_config), **plain(preprocess or {})}
+    keys = [k for k in MUST_MATCH_ON_RESUME if k in saved and k in ours and saved[k] != ours[k]]
+    differ = [f"{k} {saved[k]} (this run: {ours[k]})" for k in keys]
+    if differ:
+        raise SetupError(
+            f"the checkpoint was trained with {', '.join(differ[:4])}{' and more' if len(differ) > 4 else ''}: "
+            "resume with the run's own settings (--config RUN/config.yaml), or train a new run without --ckpt_path"
+        )
+    return classes
 
 
 def rng_states() -> dict[str, Any]:

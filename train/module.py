@@ -34,7 +34,7 @@ from torchmetrics.classification import (
 
 from serve.runtime.images import Preprocess
 from train.balance import LOSS_METHODS, BalancedLoss
-from train.checkpoint_format import META_KEY, RNG_KEY, check_class_names, rng_states, set_rng_states
+from train.checkpoint_format import META_KEY, RNG_KEY, check_checkpoint_fits, rng_states, set_rng_states
 from train.distill import distillation_loss, load_teacher, student_net_args
 from train.errors import first_line
 from train.finite_checks import check_finite_loss, check_finite_weights
@@ -391,7 +391,7 @@ class ViTClassifier(pl.LightningModule):
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         meta = checkpoint.get(META_KEY)
-        self.class_names = check_class_names(meta, self._data_classes)
+        self.class_names = check_checkpoint_fits(meta, self._data_classes, self.net.config, self.preprocess)
         self.preprocess = meta.get("preprocess", self.preprocess)
         best = meta.get("best_val") or {}
         if best.get("metric") == self.selection_metric:  # a best score by another metric is no benchmark for this one

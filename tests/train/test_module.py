@@ -7,7 +7,7 @@ import torch
 
 from train.module import ViTClassifier
 
-NET = dict(img_size=16, patch_size=8, embed_dim=16, depth=1, num_heads=2)
+NET = dict(patch_size=8, embed_dim=16, depth=1, num_heads=2)  # img_size is its own argument
 
 
 @pytest.mark.parametrize("batch", [1, 3, 4])

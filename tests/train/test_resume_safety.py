@@ -138,7 +138,7 @@ def test_a_non_finite_loss_stops_the_run_and_keeps_the_best_checkpoint(shapes, t
 
 
 @pytest.mark.slow
-def test_resuming_on_a_folder_with_other_classes_is_refused(shapes, tmp_path, capsys):
+def test_resuming_on_a_folder_with_other_classes_or_with_another_network_or_size_is_refused(shapes, tmp_path, capsys):
     run = tmp_path / "run"
     build_cli(fit_args(shapes, run, 1))
     renamed = write_shapes(tmp_path / "renamed", per_class=12, classes=("bar", "column", "circle"))
@@ -148,6 +148,15 @@ def test_resuming_on_a_folder_with_other_classes_is_refused(shapes, tmp_path, ca
         err = capsys.readouterr().err
         assert "Traceback" not in err and "was trained on 3 classes" in err  # said by the run's split
         assert f"the image folder has {count} classes" in err
+    # another network failed with a hundred size-mismatch lines; another image size trained on, and the new
+    # checkpoints said the old size (export and serving would resize to it)
+    for option, said in [
+        (["--model.net_args", "{depth: 2}"], "depth 4 (this run: 2)"),
+        (["--data.img_size", "24"], "img_size [28, 28] (this run: [24, 24])"),
+    ]:
+        assert exit_code(fit_args(shapes, run, 2, "--ckpt_path", "last", *option)) == 2
+        err = capsys.readouterr().err
+        assert "Traceback" not in err and said in err and "--config RUN/config.yaml" in err, err[-600:]
     assert load_checkpoint(run / "checkpoints" / "last.ckpt")["epoch"] == 0
 
 
