@@ -202,6 +202,13 @@ def _scan_classes(
             f"{folder} must hold at least 2 class folders (one folder of images per class), found {len(dirs)}"
             + (f": {names}" if names else "")
         )
+    real: dict[Path, str] = {}  # a class folder that is a link to another: every image would be both classes
+    for d in dirs:
+        if (same := real.setdefault(d.resolve(), d.name)) != d.name:
+            raise ValueError(
+                f"class folders {same!r} and {d.name!r} of {folder} are one folder ({d.resolve()}), so each of its "
+                "images would be both classes: remove the link, or copy the images that belong to the other class"
+            )
     files = {d.name: find_image_files(d, bad, root) for d in dirs}
     if verify:
         errors = check_headers([p for paths in files.values() for p in paths])

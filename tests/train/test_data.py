@@ -307,6 +307,15 @@ def test_a_link_up_to_the_data_root_or_to_another_class_is_reported_not_followed
     ]
 
 
+def test_a_class_folder_that_is_a_link_to_another_class_is_refused_naming_both(tmp_path: Path):
+    """`ln -s bar rods` trained every image of bar under two labels, and with duplicates checked it crashed with
+    a KeyError in the duplicate finder."""
+    root = write_shapes(tmp_path / "shapes", per_class=4)
+    (root / "rods").symlink_to("bar")
+    with pytest.raises(ValueError, match="class folders 'bar' and 'rods' of .* are one folder"):
+        scan_folder(root, val_fraction=0.25)
+
+
 def test_a_held_split_that_leaves_a_class_no_training_image_is_refused_and_no_val_image_is_said(tmp_path, caplog):
     from train.held_split import hold_split
 
