@@ -19,6 +19,7 @@ class TrainingError(Exception):
 
 
 def first_line(e: BaseException) -> str:
-    """The first line of an exception's message (its type name when it has none), at most 200 characters."""
+    """The first line of an exception's message (its type name when it has none), at most 400 characters: room for
+    what to do, which ends our messages and Lightning's."""
     text = str(e).strip()
-    return text.splitlines()[0][:200] if text else type(e).__name__
+    return text.splitlines()[0][:400] if text else type(e).__name__

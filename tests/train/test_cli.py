@@ -197,6 +197,7 @@ def test_a_second_fit_into_a_run_directory_in_use_is_refused_at_once(shapes_fold
         ("--checkpoint.monitor", "val/loss", "--checkpoint.mode min"),  # best.ckpt was the highest loss
         ("--trainer.max_epochs", "-1", "--trainer.max_steps"),  # OverflowError building the schedule
         ("--trainer.precision", "16-true", "16-mixed"),  # NaN at any learning rate, blamed on --model.lr
+        ("--trainer.limit_train_batches", "0.01", "Try at least `limit_train_batches="),  # Lightning's traceback
     ],
 )
 def test_an_option_out_of_its_range_is_one_line_before_any_work(option, value, named, shapes_folder, tmp_path, capsys):
