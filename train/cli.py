@@ -241,8 +241,6 @@ class VitCLI(LightningCLI):
             trainer = super().instantiate_trainer(**kwargs)
         except (MisconfigurationException, TypeError) as e:  # Lightning's check of a --trainer.* value
             raise SetupError(f"--trainer: {first_line(e)}") from None
-        if self.subcommand == "fit" and trainer.max_epochs == 0 and trainer.max_steps in (None, -1):
-            raise SetupError("--trainer.max_epochs 0 trains nothing: give 1 or more (or -1 with --trainer.max_steps)")
         return trainer
 
     def _run_subcommand(self, subcommand: str) -> None:

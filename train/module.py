@@ -38,7 +38,7 @@ from train.checkpoint_format import META_KEY, RNG_KEY, check_checkpoint_fits, rn
 from train.distill import distillation_loss, load_teacher, student_net_args
 from train.errors import first_line
 from train.finite_checks import check_finite_loss, check_finite_weights
-from train.options import check_balance, check_model_options, check_net_args
+from train.options import WEIGHTS_SUFFIXES, check_balance, check_model_options, check_net_args, check_pretrained
 from train.reports import write_confusion_csv, write_confusion_png, write_per_class_csv
 from vit.model import VisionTransformer, create_model
 from vit.timm_compat import from_timm
@@ -67,8 +67,8 @@ def build_network(
     overrides = {**(net_args or {}), "num_classes": num_classes, "img_size": img_size}
     if pretrained is None:
         return create_model(variant, **overrides)
-    is_file = Path(pretrained).suffix in (".safetensors", ".pth", ".pt", ".bin")
-    if is_file:
+    check_pretrained(pretrained)
+    if Path(pretrained).suffix in WEIGHTS_SUFFIXES:
         try:
             return from_timm(pretrained, variant, **overrides)
         except (OSError, ValueError):

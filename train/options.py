@@ -7,6 +7,7 @@ import inspect
 import logging
 import math
 import os
+from pathlib import Path
 from typing import Any
 
 from train.balance import LOSS_METHODS, METHODS
@@ -22,6 +23,7 @@ SET_ELSEWHERE = {
     "num_classes": "it is the number of class folders",
     "in_chans": "every image is loaded as RGB, a grayscale one too (3 channels)",
 }
+WEIGHTS_SUFFIXES = (".safetensors", ".pth", ".pt", ".bin")  # timm weights files (`vit.timm_compat`)
 MAX_WORKERS = 64  # DataLoader workers a machine with few cores may still ask for (data on slow storage)
 
 # option: (lowest, highest, whether the highest itself is allowed); every lowest is allowed
@@ -43,6 +45,21 @@ NET_RANGES = {
     **{k: (1, math.inf, False) for k in ("patch_size", "embed_dim", "depth", "num_heads")},
     "mlp_ratio": (math.ulp(0.0), math.inf, False),
 }
+
+
+def check_pretrained(pretrained: str) -> None:
+    """Refuse a `--model.pretrained` that names our own files (a checkpoint or an exported model: timm would ask
+    for a `model_name` the command line has no option for) or a weights file that is not there."""
+    path = Path(pretrained).expanduser()
+    if path.suffix in (".ckpt", ".onnx"):
+        what = "a vit-train checkpoint" if path.suffix == ".ckpt" else "an exported model"
+        raise ValueError(
+            f"--model.pretrained {pretrained} is {what}; it takes timm weights ({', '.join(WEIGHTS_SUFFIXES)}) or a "
+            "timm model name. To go on training a run give its checkpoint to --ckpt_path (the same classes), or "
+            "to learn from it give it to --model.teacher"
+        )
+    if path.suffix in WEIGHTS_SUFFIXES and not path.is_file():
+        raise ValueError(f"--model.pretrained {pretrained}: no such file")
 
 
 def check_model_options(lr: float, min_lr: float, betas: tuple[float, float] = (0.9, 0.999), **ranged: float) -> None:
@@ -126,6 +143,8 @@ def check_trainer_settings(trainer: Any, fit: bool) -> None:
     if fit and trainer.get("limit_train_batches") == 0:
         raise SetupError("--trainer.limit_train_batches 0 trains nothing: give a share in (0, 1] or a count")
     epochs, steps = trainer.get("max_epochs"), trainer.get("max_steps")
+    if fit and epochs == 0 and (steps is None or steps < 0):
+        raise SetupError("--trainer.max_epochs 0 trains nothing: give 1 or more (or -1 with --trainer.max_steps)")
     if fit and epochs == -1 and (steps is None or steps < 0):
         raise SetupError(
             "--trainer.max_epochs -1 trains without end, and the learning-rate schedule needs a length: give a "

@@ -89,6 +89,8 @@ def resolve_ckpt_path(ckpt_path: str | None, run_dir: Path) -> str | None:
         path = Path(ckpt_path).expanduser()
         if not path.is_file():
             raise SetupError(f"checkpoint not found: {path}; {_alternatives(ckpt_dir)}")
+    if path.suffix == ".onnx":  # not a zip file either: it would read as a damaged checkpoint
+        raise SetupError(f"{path} is an exported model, which cannot be trained on; {_alternatives(ckpt_dir, path)}")
     if not is_intact(path):
         raise SetupError(f"{path} is damaged or truncated (not a whole checkpoint); {_alternatives(ckpt_dir, path)}")
     try:

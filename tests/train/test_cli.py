@@ -198,6 +198,8 @@ def test_a_second_fit_into_a_run_directory_in_use_is_refused_at_once(shapes_fold
         ("--trainer.max_epochs", "-1", "--trainer.max_steps"),  # OverflowError building the schedule
         ("--trainer.precision", "16-true", "16-mixed"),  # NaN at any learning rate, blamed on --model.lr
         ("--trainer.limit_train_batches", "0.01", "Try at least `limit_train_batches="),  # Lightning's traceback
+        ("--model.pretrained", "runs/old/checkpoints/best.ckpt", "--model.teacher"),  # "needs model_name="
+        ("--model.pretrained", "gone.safetensors", "gone.safetensors: no such file"),  # "Unknown model (vit_micro…)"
     ],
 )
 def test_an_option_out_of_its_range_is_one_line_before_any_work(option, value, named, shapes_folder, tmp_path, capsys):
@@ -209,6 +211,13 @@ def test_colour_jitter_asked_of_batch_augmentation_is_one_line_before_any_work(s
     were built, after the scan and with the run directory written."""
     options = ["--data.batch_augment", "true", "--data.augment.color_jitter", "0.4"]
     _refused_before_any_work(options, "--data.batch_augment false", shapes_folder, tmp_path, capsys)
+
+
+def test_an_exported_model_given_as_the_checkpoint_to_resume_is_named_so(shapes_folder, tmp_path, capsys):
+    """It was "damaged or truncated (not a whole checkpoint)": a user would export it again."""
+    model = tmp_path / "model.onnx"
+    model.write_bytes(b"\x08\x07" + bytes(100))  # the file's contents do not matter: it is no zip file
+    _refused_before_any_work(["--ckpt_path", str(model)], "is an exported model", shapes_folder, tmp_path, capsys)
 
 
 def _refused_before_any_work(options: list[str], named: str, shapes_folder, tmp_path, capsys) -> None:
