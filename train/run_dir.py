@@ -121,12 +121,14 @@ def scored_ckpt_path(subcommand: str, ckpt_path: str | None, run_dir: Path, mode
 
 
 def check_ckpt_owner(ckpt_path: str | None, run_dir: Path, overwrite: bool) -> None:
-    """Refuse to fit another run's checkpoint into a run directory that already holds checkpoints."""
+    """Refuse to fit into a run directory that already holds a run (its checkpoints, or the summary.json of a fit
+    without checkpoints), unless resuming it from one of its own checkpoints."""
     ckpt_dir = run_dir / CKPT_DIR
-    existing = sorted(p.name for p in ckpt_dir.glob("*.ckpt"))
+    existing = [f"{CKPT_DIR}/{p.name}" for p in sorted(ckpt_dir.glob("*.ckpt"))]
+    existing = existing or [name for name in ("summary.json",) if (run_dir / name).is_file()]
     if not existing or overwrite:
         return
-    where = f"{run_dir} already holds a run ({', '.join(existing)} in {ckpt_dir})"
+    where = f"{run_dir} already holds a run ({', '.join(existing)})"
     if not ckpt_path:
         raise SetupError(
             f"{where}; a new fit would replace them. Resume it with --ckpt_path last, start a new run with "

@@ -220,6 +220,18 @@ def test_an_exported_model_given_as_the_checkpoint_to_resume_is_named_so(shapes_
     _refused_before_any_work(["--ckpt_path", str(model)], "is an exported model", shapes_folder, tmp_path, capsys)
 
 
+def test_a_run_without_checkpoints_is_not_replaced_unless_told(tmp_path):
+    """A fit with --trainer.enable_checkpointing false left no .ckpt: the next fit into its directory replaced its
+    config.yaml, summary.json, split and reports without a word."""
+    from train.errors import SetupError
+    from train.run_dir import check_ckpt_owner
+
+    (tmp_path / "summary.json").write_text("{}")
+    with pytest.raises(SetupError, match=r"already holds a run \(summary.json\).*--overwrite true"):
+        check_ckpt_owner(None, tmp_path, overwrite=False)
+    check_ckpt_owner(None, tmp_path, overwrite=True)
+
+
 def _refused_before_any_work(options: list[str], named: str, shapes_folder, tmp_path, capsys) -> None:
     run = tmp_path / "run"
     args = ["fit", "--config", "configs/sample.yaml", "--data.root", str(shapes_folder)]
