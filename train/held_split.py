@@ -78,6 +78,8 @@ def _read(path: Path) -> tuple[str, list[str], dict[str, str]]:
         root = str(held["root"])
         place = {os.path.relpath(str(e["path"]), root): where for where in PLACES for e in held.get(where, [])}
         return root, list(held["classes"]), place
+    except FileNotFoundError:  # --data.split FILE (a run's own split.json is looked for before it is read)
+        raise ValueError(f"{path}: no such file; --data.split takes the split.json of a vit-train run") from None
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ValueError(
             f"{path} cannot be read as the split vit-train wrote ({e}): move it out of the run directory to resume "

@@ -335,6 +335,15 @@ def test_a_held_split_that_leaves_a_class_no_training_image_is_refused_and_no_va
         hold_split(scan_folder(root, val_fraction=0.34), tmp_path / "split.json")
 
 
+def test_a_split_file_that_is_not_there_is_said_so(tmp_path):
+    """The message was to move the file out of the run directory, to resume: wrong for a mistyped --data.split."""
+    from train.held_split import hold_split
+
+    scan = scan_folder(write_shapes(tmp_path / "shapes", per_class=4), val_fraction=0.25)
+    with pytest.raises(ValueError, match=r"nothere.json: no such file; --data.split takes the split.json of a"):
+        hold_split(scan, tmp_path / "nothere.json")
+
+
 def test_in_the_users_own_train_and_val_a_link_from_train_into_val_is_not_followed(tmp_path: Path):
     """Only the class folders beside it were kept out: a link up into val/ trained on the validation images."""
     root = tmp_path / "tv"
