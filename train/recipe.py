@@ -23,6 +23,7 @@ from serve.runtime.images import ImageError, open_image
 from train.datamodule import ImageFolderDataModule
 from train.dataset import usable_cores
 from train.folder_scan import class_dirs, find_image_files
+from train.run_dir import held_run
 from train.splits import calibration_split, stratified_split
 from train.splits import log as split_log
 
@@ -249,10 +250,16 @@ def auto_recipe_args(args: list[str]) -> list[str]:
     root, run_dir = _flag(args, "--data.root"), _flag(args, "--trainer.default_root_dir") or "runs/auto"
     if root is None or not Path(root).expanduser().is_dir() or any(a in ("-h", "--help") for a in args):
         return args  # a missing folder is reported by the data module, as with a config
+    path = Path(run_dir) / "auto_recipe.yaml"
+    extra = [] if _flag(args, "--trainer.default_root_dir") else ["--trainer.default_root_dir", run_dir]
+    if path.is_file() and held_run(Path(run_dir)) and (_flag(args, "--overwrite") or "").lower() != "true":
+        # a resume goes on as the run started (batch size, learning rate), not with a recipe for today's folder;
+        # a fit the run directory will refuse leaves the recipe as it was
+        log.info("No --config: %s holds a run, which goes on with its recipe, %s", run_dir, path)
+        return ["fit", "--config", str(path), *extra, *args[1:]]
     s = survey(root, split=_split_flags(args))
     config, why = choose(s)
     config["recipe"] = why
-    path = Path(run_dir) / "auto_recipe.yaml"
     path.parent.mkdir(parents=True, exist_ok=True)
     header = "# chosen by vit-train from the data and the machine; see `recipe:` for why\n"
     path.write_text(header + yaml.safe_dump(config, sort_keys=False))
@@ -264,7 +271,6 @@ def auto_recipe_args(args: list[str]) -> list[str]:
     )
     lines += [f"  {key}: {choice}" for key, choice in why.items()]
     log.info("\n".join(lines + ["  (any flag overrides these, e.g. --data.img_size 32)"]))
-    extra = [] if _flag(args, "--trainer.default_root_dir") else ["--trainer.default_root_dir", run_dir]
     return ["fit", "--config", str(path), *extra, *args[1:]]
 
 

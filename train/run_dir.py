@@ -120,12 +120,16 @@ def scored_ckpt_path(subcommand: str, ckpt_path: str | None, run_dir: Path, mode
     return "best"
 
 
+def held_run(run_dir: Path) -> list[str]:
+    """What says `run_dir` holds a run: its checkpoints, or the summary.json of a fit that kept none ([]: no run)."""
+    existing = [f"{CKPT_DIR}/{p.name}" for p in sorted((run_dir / CKPT_DIR).glob("*.ckpt"))]
+    return existing or [name for name in ("summary.json",) if (run_dir / name).is_file()]
+
+
 def check_ckpt_owner(ckpt_path: str | None, run_dir: Path, overwrite: bool) -> None:
     """Refuse to fit into a run directory that already holds a run (its checkpoints, or the summary.json of a fit
     without checkpoints), unless resuming it from one of its own checkpoints."""
-    ckpt_dir = run_dir / CKPT_DIR
-    existing = [f"{CKPT_DIR}/{p.name}" for p in sorted(ckpt_dir.glob("*.ckpt"))]
-    existing = existing or [name for name in ("summary.json",) if (run_dir / name).is_file()]
+    ckpt_dir, existing = run_dir / CKPT_DIR, held_run(run_dir)
     if not existing or overwrite:
         return
     where = f"{run_dir} already holds a run ({', '.join(existing)})"

@@ -68,6 +68,21 @@ def test_a_command_with_a_config_or_without_a_folder_is_left_alone(tmp_path: Pat
 
 
 @pytest.mark.slow
+def test_a_run_the_recipe_started_goes_on_with_that_recipe(shapes_folder: Path, tmp_path: Path):
+    """A resume re-ran the recipe on the folder as it was that day (900 images: batch 32 and another learning
+    rate recorded), and a fit the run directory then refused had already rewritten the run's recipe."""
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "checkpoints" / "last.ckpt").write_bytes(b"")
+    (run / "auto_recipe.yaml").write_text("data:\n  batch_size: 16\n")
+    args = ["fit", "--data.root", str(shapes_folder), "--trainer.default_root_dir", str(run)]
+    for more in (["--ckpt_path", "last"], []):  # a resume; a new fit, which the run directory refuses
+        assert auto_recipe_args([*args, *more])[:3] == ["fit", "--config", str(run / "auto_recipe.yaml")]
+        assert (run / "auto_recipe.yaml").read_text() == "data:\n  batch_size: 16\n"
+    auto_recipe_args([*args, "--overwrite", "true"])  # replacing the run: a recipe for the folder as it is now
+    assert "recipe:" in (run / "auto_recipe.yaml").read_text()
+
+
 def test_fit_without_a_config_trains_and_saves_its_choices_and_reasons_and_flags_override_them(
     shapes_folder: Path, tmp_path: Path
 ):
