@@ -123,7 +123,7 @@ class MicroBatcher:
         try:
             self._queue.put_nowait(item)
         except queue.Full:
-            raise QueueFull(f"the server is busy ({self._queue.maxsize} requests waiting); retry shortly") from None
+            raise QueueFull(f"the server is busy ({self._queue.maxsize} images waiting); retry shortly") from None
         return item.future
 
     def close(self, timeout: float | None = 30.0) -> bool:

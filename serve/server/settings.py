@@ -51,8 +51,8 @@ class ServeSettings(BaseSettings):
     queue_size: int = Field(
         256,
         ge=1,
-        description="requests allowed to wait for the model; beyond it the server answers 503 with Retry-After "
-        "instead of letting latency grow without bound",
+        description="images allowed to wait for the model (a request of 8 images takes 8 places); beyond it the "
+        "server answers 503 with Retry-After instead of letting latency grow without bound",
     )
     retry_after_s: int = Field(1, ge=0, description="the Retry-After hint sent with a 503")
     threads: int = Field(

@@ -54,6 +54,14 @@ def infer(client, model: str, x: np.ndarray, outputs=("logits",), name="pixels",
     return client.infer(model, [inp], outputs=wanted, headers=kwargs.pop("headers", AUTH), **kwargs)
 
 
+def infer_to_shared_memory(client, model: str, x: np.ndarray):
+    inp = grpcclient.InferInput("pixels", list(x.shape), "UINT8")
+    inp.set_data_from_numpy(x)
+    out = grpcclient.InferRequestedOutput("logits")
+    out.set_shared_memory("logits_region", 4 * 1024)
+    return client.infer(model, [inp], outputs=[out], headers=AUTH)
+
+
 def refusal(call) -> InferenceServerException:
     with pytest.raises(InferenceServerException) as e:
         call()
@@ -111,6 +119,8 @@ def test_bad_requests_get_the_right_status_and_say_what_to_do(client, model):
         (lambda: infer(client, "no_such_model", ok), "NOT_FOUND", "model 'no_such_model' is not served"),
         (lambda: infer(client, model, ok, model_version="99"), "NOT_FOUND", "version '99' of"),
         (lambda: infer(client, model, np.zeros((70, 32, 32, 3), np.uint8)), "RESOURCE_EXHAUSTED", str(MAX_BYTES)),
+        # answered in raw_output_contents, while the client read its region: never written
+        (lambda: infer_to_shared_memory(client, model, ok), "INVALID_ARGUMENT", "shared memory is not supported"),
     ]
     for call, status, words in cases:
         e = refusal(call)

@@ -264,6 +264,20 @@ def test_a_request_id_longer_than_it_is_useful_is_refused(server):
     assert answer.status_code == 422 and "at most 1024" in answer.json()["error"]
 
 
+def test_pixels_sent_in_another_contents_field_are_named_in_the_refusal(server):
+    """They were read as no values at all: "needs 3072 values ..., got 0", as if the client had sent nothing."""
+    model = httpx.get(server.url + "/readyz", headers=AUTH).json()["model"]
+    request = pb.ModelInferRequest(model_name=model)
+    request.inputs.add(name="pixels", datatype="UINT8", shape=[1, 32, 32, 3])
+    request.inputs[0].contents.int_contents.extend([0] * (32 * 32 * 3))
+    with grpc.insecure_channel(server.grpc_url) as channel:
+        infer = channel.unary_unary(INFER, pb.ModelInferRequest.SerializeToString, pb.ModelInferResponse.FromString)
+        with pytest.raises(grpc.RpcError) as e:
+            infer(request, metadata=list(AUTH.items()), timeout=30)
+    said = "UINT8 pixels go in raw_input_contents or in contents.uint_contents, not in int_contents"
+    assert (e.value.code(), e.value.details()) == (grpc.StatusCode.INVALID_ARGUMENT, said)
+
+
 def test_client_text_echoed_in_an_error_is_cut_short(server):
     # gRPC sends the message as a header: 20 kB of a client's own text echoed in it was past the client's
     # metadata limit, and the answer read RESOURCE_EXHAUSTED instead of what was wrong

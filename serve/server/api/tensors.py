@@ -221,16 +221,19 @@ def requested_output(out: Any, allowed: list[str], default_binary: bool) -> tupl
         raise bad(f"unknown output {name!r}; this model's outputs are {', '.join(map(repr, allowed))}")
     params = out.get("parameters") or {}
     if isinstance(params, dict):
-        refuse_classification(params)
+        refuse_extensions(params)
     return name, bool_param(params, "binary_data") if "binary_data" in params else default_binary
 
 
-def refuse_classification(params: dict[str, Any]) -> None:
-    """422 when a requested output's parameters ask for Triton's classification extension (tritonclient's
-    `class_count`): the client would read the raw tensor answered instead as its top classes. gRPC checks here too.
+def refuse_extensions(params: dict[str, Any]) -> None:
+    """422 when a requested output's parameters ask for a Triton extension this server does not do, whose client
+    would read the answer wrongly: classification (tritonclient's `class_count`: it would read the raw tensor as
+    its top classes) and shared memory (it would read its region, never written). gRPC checks here too.
     """
     if params.get("classification"):
         raise bad("the classification extension is not supported; use /v1/classify?top_k=... for top classes")
+    if "shared_memory_region" in params:
+        raise bad("shared memory is not supported: leave out the output's shared_memory_region and read the answer")
 
 
 def once_each(names: list[str]) -> None:

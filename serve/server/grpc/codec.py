@@ -23,7 +23,7 @@ from serve.server.api.tensors import (
     check_request_id,
     check_shape,
     once_each,
-    refuse_classification,
+    refuse_extensions,
 )
 from serve.server.grpc import grpc_predict_v2_pb2 as pb
 
@@ -54,6 +54,9 @@ def parse_infer(request: pb.ModelInferRequest, pixels: TensorSpec, max_images: i
             raise bad("send the tensor either as raw_input_contents or as contents, not both")
         arr = binary_tensor(raw[0], shape, pixels)
     else:
+        other = [f.name for f, _ in tensor.contents.ListFields() if f.name != "uint_contents"]
+        if other:  # read as none at all, and refused for a count of 0
+            raise bad(f"UINT8 pixels go in raw_input_contents or in contents.uint_contents, not in {other[0]}")
         arr = uint_tensor(tensor.contents.uint_contents, shape, pixels)
     asked = request.outputs[: len(OUTPUTS) + 1]
     wanted = [o.name for o in asked] or [OUTPUTS[0]]
@@ -61,7 +64,7 @@ def parse_infer(request: pb.ModelInferRequest, pixels: TensorSpec, max_images: i
     if unknown:
         raise bad(f"unknown output {unknown[0]!r}; this model's outputs are {', '.join(map(repr, OUTPUTS))}")
     for o in asked:  # refused as over HTTP, not answered with the raw tensor
-        refuse_classification(parameter_values(o.parameters))
+        refuse_extensions(parameter_values(o.parameters))
     once_each(wanted)  # more entries than outputs: a repeat among the first ones
     return arr, wanted
 
