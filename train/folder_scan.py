@@ -198,10 +198,14 @@ def _scan_classes(
             "train/ and val/ must hold the same class folders"
         )
     if len(dirs) < 2:
+        split = names[0] if names in (["train"], ["val"]) else None  # the user's own split, one half of it missing
         raise ValueError(
             f"{folder} must hold at least 2 class folders (one folder of images per class), found {len(dirs)}"
             + (f": {names}" if names else "")
-        )
+            + (f"; a {split}/ folder needs {'val' if split == 'train' else 'train'}/ beside it, with the same "
+               f"class folders (or give --data.root {folder / split} to hold validation images out of it)"
+               if split else "")
+        )  # fmt: skip
     real: dict[Path, str] = {}  # a class folder that is a link to another: every image would be both classes
     for d in dirs:
         if (same := real.setdefault(d.resolve(), d.name)) != d.name:
@@ -231,10 +235,12 @@ def refuse_empty(files: dict[str, list[str]], folder: Path, bad: list[BadFile]) 
     for name, paths in files.items():
         if not paths:
             why = next((b.reason for b in bad if Path(b.path).is_relative_to((folder / name).resolve())), None)
+            own_val = folder.name == "val" and (folder.parent / "train").is_dir()  # removing it is refused then
+            fix = "add images to it (val/ holds the class folders of train/)" if own_val else ""
             raise ValueError(
                 f"class folder {folder / name} holds no readable images (jpg, png, webp, bmp, gif or tiff)"
                 + (f"; its files were skipped (first: {why})" if why else "")
-                + "; add images or remove the folder"
+                + f"; {fix or 'add images or remove the folder'}"
             )
 
 

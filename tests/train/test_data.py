@@ -335,6 +335,20 @@ def test_a_held_split_that_leaves_a_class_no_training_image_is_refused_and_no_va
         hold_split(scan_folder(root, val_fraction=0.34), tmp_path / "split.json")
 
 
+def test_a_half_made_train_and_val_split_says_what_is_missing(tmp_path):
+    """A root with train/ alone read as one class named 'train'; an empty val/<class> was to be removed, which the
+    next run refused (train/ and val/ must hold the same class folders)."""
+    write_shapes(tmp_path / "one" / "train", per_class=2)
+    with pytest.raises(ValueError, match=r"a train/ folder needs val/ beside it.*--data.root .*/one/train"):
+        scan_folder(tmp_path / "one")
+    write_shapes(tmp_path / "two" / "train", per_class=2)
+    write_shapes(tmp_path / "two" / "val", per_class=1)
+    for image in (tmp_path / "two" / "val" / "bar").iterdir():
+        image.unlink()
+    with pytest.raises(ValueError, match=r"val/bar holds no readable images.*; add images to it \(val/ holds"):
+        scan_folder(tmp_path / "two")
+
+
 def test_a_split_file_that_is_not_there_is_said_so(tmp_path):
     """The message was to move the file out of the run directory, to resume: wrong for a mistyped --data.split."""
     from train.held_split import hold_split
