@@ -80,7 +80,7 @@ class Augment:
             except Exception as e:  # timm asserts, or fails to read a number
                 raise ValueError(
                     f"--data.augment.rand_augment {self.rand_augment!r} is not a RandAugment spec timm reads, such "
-                    f"as 'rand-m9-mstd0.5-inc1' (or null for none): {e}"
+                    f"as 'rand-m9-mstd0.5-inc1' (or null for none)" + (f": {e}" if str(e) else "")
                 ) from None
 
 

@@ -83,3 +83,10 @@ def test_workers_leave_one_core_to_the_trainer_and_none_for_a_cached_two_core_ru
     assert auto_workers(2, cached=True) == 0
     assert auto_workers(2, cached=False) == 1
     assert auto_workers(64, cached=False) == 8
+
+
+def test_a_randaugment_spec_timm_cannot_read_is_refused_without_an_empty_reason():
+    """timm refuses "foo" with a bare assert: the message ended in ": " and nothing after it."""
+    with pytest.raises(ValueError) as e:
+        Augment(rand_augment="foo")
+    assert str(e.value).endswith("such as 'rand-m9-mstd0.5-inc1' (or null for none)"), str(e.value)
