@@ -154,10 +154,20 @@ def test_from_list_reads_paths_and_uris(tiny_onnx, tmp_path, capsys):
     assert [r["predictions"][0]["label"] for r in rows] == ["bottom_left", "top_left", "top_right"]
 
 
-def _predict(*args: str, **kw) -> subprocess.Popen:
+def _predict(*args: str, preexec_fn=None, **kw) -> subprocess.Popen:
+    """`vit-predict args` in a child that takes Ctrl-C as from a terminal: a shell script's background job (a CI
+    runner's, say) starts its children with SIGINT ignored, and Python then installs no KeyboardInterrupt."""
+
+    def as_from_a_terminal() -> None:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        if preexec_fn is not None:
+            preexec_fn()
+
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, "-m", "serve.runtime.predict", *args]
-    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+    return subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=as_from_a_terminal, **kw
+    )
 
 
 @contextmanager

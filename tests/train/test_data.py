@@ -136,7 +136,10 @@ def test_training_batches_without_augmentation_match_the_serving_preprocessing(s
 
 
 def test_validation_batches_are_the_serving_preprocessing_pixel_for_pixel(shapes_folder: Path):
-    dm = ImageFolderDataModule(str(shapes_folder), img_size=24, crop_pct=0.875, num_workers=0, batch_augment=True)
+    no_pil_only = Augment(rand_augment=None)  # batch augmentation does no RandAugment
+    dm = ImageFolderDataModule(
+        str(shapes_folder), img_size=24, crop_pct=0.875, num_workers=0, batch_augment=True, augment=no_pil_only
+    )
     dm.setup("fit")
     x, y = dm.val_dataloader().collate_fn([dm.val_set[i] for i in range(3)])
     for i in range(3):
