@@ -136,7 +136,7 @@ class Service:
         timeout = self.limits.body_timeout_s
         try:
             request = await asyncio.wait_for(context.read(), timeout)
-        except TimeoutError:
+        except asyncio.TimeoutError:  # (TimeoutError itself from Python 3.11 on)
             raise ApiError(
                 "timeout", f"the call's message did not arrive within {timeout:g} s (--body-timeout-s)"
             ) from None
