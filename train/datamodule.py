@@ -12,6 +12,7 @@ With `cache_images`, decoded images are kept as one uint8 array, filled once, in
 from __future__ import annotations
 
 import csv
+import inspect
 import logging
 import os
 import time
@@ -37,6 +38,7 @@ from train.shards import (
     streaming_dataset,
     streaming_loader,
     streaming_scan,
+    warn_fixed_by_prepare,
     write_streaming_report,
 )
 from train.transforms import Augment, BatchTransform, EvalTransform, build_train_transform
@@ -137,6 +139,9 @@ class ImageFolderDataModule(pl.LightningDataModule):
                 f"{root} is a prepared (streamed) dataset, whose split is fixed in its chunks: apply the corrections "
                 f"when preparing it (vit-train prepare --data.corrections {corrections}), then train without them"
             )
+        given = {"val_fraction": val_fraction, "calib_fraction": calib_fraction, "cache_images": cache_images}
+        defaults = inspect.signature(ImageFolderDataModule.__init__).parameters
+        warn_fixed_by_prepare(root, {k: v for k, v in given.items() if v != defaults[k].default})
         self._scan: FolderScan | None = None
         self._stream = self._stream_state = None  # a streamed training loader, and the position it resumes from
         self.prepare_data_per_node = False  # one scan for the whole run, by global rank 0

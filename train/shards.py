@@ -39,6 +39,17 @@ META = "vitscope.json"
 FORMAT = "vitscope-litdata/1"
 
 
+def warn_fixed_by_prepare(root: str | Path, given: dict) -> None:
+    """Say which data settings `given` ({name: value}, each set away from its default) a prepared dataset at `root`
+    does not apply: its split is fixed in its chunks by `vit-train prepare`, and it is read as streamed."""
+    if given and is_streaming_root(root):
+        unapplied = ", ".join(f"--data.{k} {v}" for k, v in given.items())
+        log.warning(
+            "%s is a prepared (streamed) dataset: its split was fixed by vit-train prepare, and it is read as "
+            "streamed, so %s is not applied (prepare it again with another split)", root, unapplied
+        )  # fmt: skip
+
+
 def is_streaming_root(root: str | Path) -> bool:
     """True for a local folder `prepare` wrote, or any remote URL (s3://, gs://): those are streamed."""
     text = str(root)

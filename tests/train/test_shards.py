@@ -149,6 +149,17 @@ def test_a_prepared_dataset_gives_the_same_batches_shape_as_the_folder(shards, b
         assert x.shape[1:] == (3, 16, 16) and len(x) in (8, 16) and x.dtype.is_floating_point and y.max() < 3
 
 
+def test_split_and_cache_settings_a_prepared_dataset_does_not_apply_are_said(shards, caplog):
+    """--data.val_fraction, calib_fraction and cache_images were taken and silently not applied."""
+    from train.datamodule import ImageFolderDataModule
+
+    with caplog.at_level("WARNING", logger="train.shards"):
+        ImageFolderDataModule(str(shards), img_size=16, num_workers=0)
+        assert "not applied" not in caplog.text  # the defaults: nothing was asked
+        ImageFolderDataModule(str(shards), img_size=16, num_workers=0, val_fraction=0.3, cache_images=True)
+    assert "--data.val_fraction 0.3, --data.cache_images True is not applied" in caplog.text
+
+
 def test_a_streamed_training_set_smaller_than_one_batch_still_trains(shards):
     # the training loader drops each rank's last partial batch: with 72 images and batches of 128 it gave none,
     # and `fit` ended "done" with the initial weights
