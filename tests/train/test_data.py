@@ -89,6 +89,16 @@ def test_classes_are_sorted_folder_names_and_labels_follow_them(tmp_path: Path):
         assert Path(p).parent.name == scan.classes[y]
 
 
+def test_a_class_of_one_image_is_said_to_have_no_validation_image(caplog):
+    """Its one image went to training without a word, and balanced accuracy was the mean over the other classes."""
+    from train.splits import stratified_split
+
+    with caplog.at_level("WARNING", logger="train.splits"):
+        train, val = stratified_split({"lone": ["a.png"], "many": ["b.png", "c.png", "d.png"]}, 0.3, seed=0)
+    assert train[0] == ("a.png", 0) and {y for _, y in val} == {1}
+    assert "1 class(es) have a single image, kept for training, so no validation image: 'lone'" in caplog.text
+
+
 def test_same_seed_gives_same_stratified_split_and_another_seed_another(tmp_path: Path):
     root = write_shapes(tmp_path / "s", per_class=20)
     a, b, c = scan_folder(root, 0.25, seed=1), scan_folder(root, 0.25, seed=1), scan_folder(root, 0.25, seed=2)
