@@ -4,6 +4,7 @@ run, and the hard distillation loss that trains the student's distillation head 
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -31,7 +32,10 @@ def student_net_args(net_args: dict[str, Any] | None, teacher: str | None, weigh
 
 def load_teacher(path: str, classes: list[str] | None, preprocess: dict[str, Any] | None) -> VisionTransformer:
     """The teacher network of `--model.teacher`, frozen in eval mode, refused when its classes or its input
-    preprocessing differ from this run's (its top class would name another class, or read other pixels)."""
+    preprocessing differ from this run's (its top class would name another class, or read other pixels). A run
+    directory stands for its best checkpoint."""
+    if Path(path).is_dir():
+        path = str(Path(path) / "checkpoints" / "best.ckpt")
     try:
         net, meta = load_network(path)
     except (OSError, ValueError) as e:  # load_checkpoint's one-line reasons: missing, damaged, not ours

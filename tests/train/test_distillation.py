@@ -93,6 +93,15 @@ def test_a_teacher_that_does_not_fit_the_run_is_refused_in_one_line(shapes_folde
     assert says in err, err
 
 
+def test_a_run_directory_as_the_teacher_stands_for_its_best_checkpoint(shapes_folder, tmp_path, capsys):
+    """`--model.teacher runs/base` said "checkpoint not found", though a run directory names its best model."""
+    write_teacher(tmp_path / "base" / "checkpoints" / "best.ckpt", classes=["bar", "column", "circle"])
+    with pytest.raises(SystemExit) as exit_info:  # read: refused for its classes, not for its path
+        main(fit_args(shapes_folder, tmp_path / "run", "--model.teacher", str(tmp_path / "base")))
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "trained on the classes ['bar', 'column', 'circle']" in err, err
+
+
 @pytest.mark.parametrize(
     "args, says",
     [
