@@ -17,6 +17,7 @@ import time
 from collections.abc import Awaitable, Callable
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from serve.server.access_log import ACCESS_LOG
 from serve.server.auth import GRPC_KEY_HINT, SANE_REQUEST_ID, RequestIds, key_refusal
@@ -107,7 +108,8 @@ class Service:
                 # garbage collection, and a 10 MB request was held that long
                 await context.abort(code, message)
             except asyncio.CancelledError:  # the client went away or its deadline passed
-                code = Code.DEADLINE_EXCEEDED if (context.time_remaining() or 1) <= 0 else Code.CANCELLED
+                left = context.time_remaining()  # None: no deadline; 0 once it has passed
+                code = Code.DEADLINE_EXCEEDED if left is not None and left <= 0.001 else Code.CANCELLED
                 raise
             finally:
                 self.metrics.observe(route, code.name, started)
@@ -141,6 +143,8 @@ class Service:
         timer = asyncio.get_running_loop().call_later(timeout, lambda: fired.append(task.cancel()))
         try:
             request = await context.read()
+        except DecodeError as e:  # not a message of this RPC: the client's mistake, not the server's
+            raise ApiError("bad_request", f"the request message cannot be read ({e})") from None
         except asyncio.CancelledError:
             if not fired:  # the client went away, or the server stops
                 raise
@@ -150,8 +154,8 @@ class Service:
             ) from None
         finally:
             timer.cancel()
-        if request is grpc.aio.EOF:
-            raise ApiError("bad_request", "the call ended without its request message")
+        if request is grpc.aio.EOF:  # ended before its message: by the client, its deadline, or gRPC core (a
+            raise asyncio.CancelledError  # message over max_bytes); what it was told, it was told already
         return request
 
     def request_id(self, metadata, given: str) -> str:
