@@ -29,11 +29,12 @@ from vit.model import VisionTransformer
 
 META_KEY = "vitscope"
 RNG_KEY = "rng_states"
-# what a resumed run must share with its checkpoint: the network settings that shape the weights or give them
-# their meaning (dropout, initialisation and test-time flips may change) and the preprocessing
-MUST_MATCH_ON_RESUME = ("img_size", "patch_size", "embed_dim", "depth", "num_heads", "mlp_ratio", "in_chans")
-MUST_MATCH_ON_RESUME += ("global_pool", "class_token", "reg_tokens", "distilled", "pos_embed", "attn_score", "stem")
-MUST_MATCH_ON_RESUME += ("crop_pct", "interpolation", "mean", "std")
+# what a run that loads a checkpoint must share with it: the network settings that shape the weights or give them
+# their meaning (dropout, initialisation and test-time flips may change), and the preprocessing
+NET_MUST_MATCH = ("img_size", "patch_size", "embed_dim", "depth", "num_heads", "mlp_ratio", "in_chans", "qkv_bias")
+NET_MUST_MATCH += ("qk_norm", "init_values", "pre_norm", "no_embed_class", "global_pool", "class_token", "reg_tokens")
+NET_MUST_MATCH += ("distilled", "pos_embed", "attn_score", "stem", "stem_widths")
+PREPROCESS_MUST_MATCH = ("img_size", "crop_pct", "interpolation", "mean", "std")
 
 
 def load_checkpoint(path: str | Path) -> dict[str, Any]:
@@ -153,15 +154,20 @@ def check_checkpoint_fits(
         SetupError: other classes, another network, or another preprocessing, each named.
     """
     classes = check_class_names(meta, data_classes)
-    plain = lambda value: json.loads(json.dumps(value, default=str))  # tuples and lists alike
-    saved = {**plain(meta.get("model_config") or {}), **plain(meta.get("preprocess") or {})}
-    ours = {**plain(net_config), **plain(preprocess or {})}
-    keys = [k for k in MUST_MATCH_ON_RESUME if k in saved and k in ours and saved[k] != ours[k]]
-    differ = [f"{k} {saved[k]} (this run: {ours[k]})" for k in keys]
+    plain = lambda value: json.loads(json.dumps(value or {}, default=str))  # tuples and lists alike
+    differ = []
+    for keys, saved, ours in (
+        (NET_MUST_MATCH, plain(meta.get("model_config")), plain(net_config)),
+        (PREPROCESS_MUST_MATCH, plain(meta.get("preprocess")), plain(preprocess)),
+    ):
+        differ += [
+            f"{k} {saved[k]} (this run: {ours[k]})" for k in keys if k in saved and k in ours and saved[k] != ours[k]
+        ]
     if differ:
         raise SetupError(
             f"the checkpoint was trained with {', '.join(differ[:4])}{' and more' if len(differ) > 4 else ''}: "
-            "resume with the run's own settings (--config RUN/config.yaml), or train a new run without --ckpt_path"
+            "run with the settings it was trained with (--config RUN/config.yaml), or train a new run without "
+            "--ckpt_path"
         )
     return classes
 

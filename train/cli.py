@@ -246,8 +246,8 @@ class VitCLI(LightningCLI):
     def _run_subcommand(self, subcommand: str) -> None:
         try:
             super()._run_subcommand(subcommand)
-        except MisconfigurationException as e:  # a --trainer.* count that fits no loader, found once they are built
-            raise SetupError(f"--trainer: {first_line(e)}") from None
+        except MisconfigurationException as e:  # Lightning's refusal of a setting (a count that fits no loader)
+            raise SetupError(f"Lightning refused the run: {first_line(e)}") from None
         finally:  # the run directory is free for the next fit, also one in this process (a notebook, a test)
             if getattr(self, "_run_lock", None) is not None:
                 self._run_lock.close()

@@ -24,6 +24,7 @@ import os
 import stat
 import time
 from dataclasses import dataclass, field
+from itertools import pairwise
 from pathlib import Path
 
 from serve.runtime.image_files import LINK_NOT_FOLLOWED as SKIPPED_LINK
@@ -206,12 +207,13 @@ def _scan_classes(
                f"class folders (or give --data.root {folder / split} to hold validation images out of it)"
                if split else "")
         )  # fmt: skip
-    real: dict[Path, str] = {}  # a class folder that is a link to another: every image would be both classes
-    for d in dirs:
-        if (same := real.setdefault(d.resolve(), d.name)) != d.name:
+    # a class folder that is a link to another, to a folder inside one or to one holding others: images of both
+    real = sorted((f"{d.resolve()}{os.sep}", d.name) for d in dirs)  # a folder sorts just before what it holds
+    for (outer, a), (inner, b) in pairwise(real):
+        if inner.startswith(outer):
             raise ValueError(
-                f"class folders {same!r} and {d.name!r} of {folder} are one folder ({d.resolve()}), so each of its "
-                "images would be both classes: remove the link, or copy the images that belong to the other class"
+                f"class folders {a!r} and {b!r} of {folder} are links to one folder or one inside the other "
+                f"({outer.rstrip(os.sep)}), so images would be in both classes: remove the link, or copy the images"
             )
     files = {d.name: find_image_files(d, bad, root) for d in dirs}
     if verify:

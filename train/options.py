@@ -17,12 +17,8 @@ from vit.model import VisionTransformer
 log = logging.getLogger(__name__)
 # what `--checkpoint.monitor` (and early stopping) can watch: the metrics `ViTClassifier` logs
 MONITORED = ("val/balanced_acc", "val/acc", "val/acc5", "val/macro_f1", "val/loss", "train/loss")
-# net_args keys the run sets itself (the value given would be dropped, or fail on the first batch)
-SET_ELSEWHERE = {
-    "img_size": "it is --data.img_size",
-    "num_classes": "it is the number of class folders",
-    "in_chans": "every image is loaded as RGB, a grayscale one too (3 channels)",
-}
+# net_args keys the run sets itself: another value given there is not applied
+SET_ELSEWHERE = {"img_size": "--data.img_size", "num_classes": "the number of class folders"}
 WEIGHTS_SUFFIXES = (".safetensors", ".pth", ".pt", ".bin")  # timm weights files (`vit.timm_compat`)
 MAX_WORKERS = 64  # DataLoader workers a machine with few cores may still ask for (data on slow storage)
 
@@ -50,7 +46,7 @@ NET_RANGES = {
 def check_pretrained(pretrained: str) -> None:
     """Refuse a `--model.pretrained` that names our own files (a checkpoint or an exported model: timm would ask
     for a `model_name` the command line has no option for) or a weights file that is not there."""
-    path = Path(pretrained).expanduser()
+    path = Path(pretrained)  # as the loader reads it (no ~)
     if path.suffix in (".ckpt", ".onnx"):
         what = "a vit-train checkpoint" if path.suffix == ".ckpt" else "an exported model"
         raise ValueError(
@@ -89,16 +85,26 @@ def check_balance(balance: str | None, class_counts: list[int] | None, num_class
         raise ValueError(f"balance {balance!r} needs class_counts of {num_classes} classes, got {class_counts}")
 
 
-def check_net_args(net_args: dict[str, Any] | None) -> None:
-    """Refuse a `--model.net_args` key the network does not take (a typo), naming the ones it takes."""
+def check_net_args(
+    net_args: dict[str, Any] | None, img_size: int | None = None, num_classes: int | None = None
+) -> None:
+    """Refuse a `--model.net_args` key the network does not take (a typo), naming the ones it takes, and channels
+    other than RGB's; say when an `img_size` or `num_classes` given there is not the run's (the run's is applied)."""
     known = set(inspect.signature(VisionTransformer).parameters)
     unknown = sorted(set(net_args or {}) - known)
     if unknown:
         takes = ", ".join(sorted(known))
         raise ValueError(f"--model.net_args: no option {', '.join(unknown)}; the network takes {takes}")
     for name, value in (net_args or {}).items():
-        if name in SET_ELSEWHERE:
-            raise ValueError(f"--model.net_args.{name} is not the network's to set: {SET_ELSEWHERE[name]}")
+        if name == "in_chans" and value != 3:
+            raise ValueError(
+                f"--model.net_args.in_chans {value}: every image is loaded as RGB (3), a grayscale one too"
+            )
+        run = {"img_size": img_size, "num_classes": num_classes}.get(name)
+        if name in SET_ELSEWHERE and run is not None and value != run:
+            log.warning(
+                "--model.net_args.%s %s is not applied: the run's is %s (%s)", name, value, run, SET_ELSEWHERE[name]
+            )
         if name in NET_RANGES:
             if not isinstance(value, (int, float)) or isinstance(value, bool):
                 raise ValueError(f"--model.net_args.{name} must be a number, got {value!r}")
@@ -150,7 +156,7 @@ def check_trainer_settings(trainer: Any, fit: bool) -> None:
             "--trainer.max_epochs -1 trains without end, and the learning-rate schedule needs a length: give a "
             "number of epochs (with --trainer.max_time to stop sooner on the clock) or --trainer.max_steps"
         )
-    if str(trainer.get("precision")) == "16-true":
+    if fit and str(trainer.get("precision")) == "16-true":
         raise SetupError(
             "--trainer.precision 16-true keeps the weights and AdamW's state in float16, where its updates underflow "
             "and the loss turns NaN at any learning rate: use 16-mixed or bf16-mixed (bf16-true also trains)"

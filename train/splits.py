@@ -39,8 +39,9 @@ def stratified_split(
         train += [(p, label) for p in sorted(paths[n_val:])]
     if alone := [name for name in sorted(files) if len(files[name]) == 1]:
         log.warning(
-            "%d class(es) have a single image, kept for training, so no validation image: %s. val/balanced_acc and "
-            "the reports leave them out; add images to them", len(alone), ", ".join(map(repr, alone[:10])),
+            "%d class(es) have a single image (or copies of one), kept for training, so no validation image: %s. "
+            "val/balanced_acc and the reports leave them out; add images to them", len(alone),
+            ", ".join(map(repr, alone[:10])),
         )  # fmt: skip
     return train, val
 

@@ -193,7 +193,6 @@ def test_a_second_fit_into_a_run_directory_in_use_is_refused_at_once(shapes_fold
         ("--model.net_args", "{drop_path_rat: 0.1}", "drop_path_rat"),  # a typo
         # each was a traceback, or trained to a wrong or NaN result
         ("--model.net_args", "{in_chans: 1}", "loaded as RGB"),  # conv2d's channel mismatch on the first batch
-        ("--model.net_args", "{img_size: 64}", "--data.img_size"),  # dropped, and config.yaml said 64
         ("--checkpoint.monitor", "val/loss", "--checkpoint.mode min"),  # best.ckpt was the highest loss
         ("--trainer.max_epochs", "-1", "--trainer.max_steps"),  # OverflowError building the schedule
         ("--trainer.precision", "16-true", "16-mixed"),  # NaN at any learning rate, blamed on --model.lr
@@ -230,6 +229,18 @@ def test_a_run_without_checkpoints_is_not_replaced_unless_told(tmp_path):
     with pytest.raises(SetupError, match=r"already holds a run \(summary.json\).*--overwrite true"):
         check_ckpt_owner(None, tmp_path, overwrite=False)
     check_ckpt_owner(None, tmp_path, overwrite=True)
+
+
+def test_an_image_size_in_net_args_that_is_not_the_runs_is_said_not_applied(caplog):
+    """It was dropped without a word, and config.yaml recorded it; the same value as the run's is fine (a run
+    saved with it must still resume)."""
+    from train.options import check_net_args
+
+    with caplog.at_level("WARNING", logger="train.options"):
+        check_net_args({"img_size": 28, "depth": 2}, img_size=28, num_classes=10)
+        assert caplog.text == ""
+        check_net_args({"img_size": 64}, img_size=28, num_classes=10)
+    assert "--model.net_args.img_size 64 is not applied: the run's is 28 (--data.img_size)" in caplog.text
 
 
 def _refused_before_any_work(options: list[str], named: str, shapes_folder, tmp_path, capsys) -> None:

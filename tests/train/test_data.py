@@ -96,7 +96,9 @@ def test_a_class_of_one_image_is_said_to_have_no_validation_image(caplog):
     with caplog.at_level("WARNING", logger="train.splits"):
         train, val = stratified_split({"lone": ["a.png"], "many": ["b.png", "c.png", "d.png"]}, 0.3, seed=0)
     assert train[0] == ("a.png", 0) and {y for _, y in val} == {1}
-    assert "1 class(es) have a single image, kept for training, so no validation image: 'lone'" in caplog.text
+    assert "1 class(es) have a single image (or copies of one), kept for training, so no validation image: 'lone'" in (
+        caplog.text
+    )
 
 
 def test_same_seed_gives_same_stratified_split_and_another_seed_another(tmp_path: Path):
@@ -325,7 +327,11 @@ def test_a_class_folder_that_is_a_link_to_another_class_is_refused_naming_both(t
     a KeyError in the duplicate finder."""
     root = write_shapes(tmp_path / "shapes", per_class=4)
     (root / "rods").symlink_to("bar")
-    with pytest.raises(ValueError, match="class folders 'bar' and 'rods' of .* are one folder"):
+    with pytest.raises(ValueError, match="class folders 'bar' and 'rods' of .* are links to one folder"):
+        scan_folder(root, val_fraction=0.25)
+    (root / "rods").unlink()
+    (root / "all").symlink_to(".")  # a class folder that holds every other: its images would be two classes each
+    with pytest.raises(ValueError, match="class folders 'all' and 'bar' of .* one inside the other"):
         scan_folder(root, val_fraction=0.25)
 
 
