@@ -56,6 +56,9 @@ MAX_QUEUE_DELAY_US = 500
 # The fields an export writes from the model itself: in a config being rewritten, the others (a version pin,
 # instance groups, a batching policy tuned by hand, parameters) are kept, and these replaced.
 WRITTEN = {"name", "platform", "backend", "runtime", "input", "output", "default_model_filename"}
+# fields that describe the old model's tensors (warm-up requests of its input shape): left out, with a warning
+STALE = {"model_warmup"}
+PAIRS = {"{": "}", "<": ">", "[": "]"}  # protobuf text format's brackets
 # Triton's scheduling choice, one of them per config: a kept one replaces the export's dynamic batching
 SCHEDULING = {"dynamic_batching", "sequence_batching", "ensemble_scheduling"}
 
@@ -165,15 +168,25 @@ def check_model_folder(folder: Path) -> list[str]:
             f"--triton-repo: {config} cannot be read ({e}), and what was set in it by hand would be lost: fix it "
             "or remove it, and export again"
         ) from None
-    if "max_batch_size : 0" in fields:
+    sizes = [f.split()[-1] for f in fields if f.split()[:2] == ["max_batch_size", ":"]]
+    if any(_int_or_none(size) == 0 for size in sizes):
         raise ValueError(
             f"--triton-repo: {config} sets max_batch_size: 0 (no batch axis), and the exported model batches on "
             "its first axis: remove that line (the export writes 32) or set the largest batch Triton may form"
         )
-    dropped = [field.split(maxsplit=1)[0] for field in fields if field.split(maxsplit=1)[0] in WRITTEN]
+    dropped = [field.split(maxsplit=1)[0] for field in fields if field.split(maxsplit=1)[0] in WRITTEN | STALE]
     if set(dropped) - {"name", "platform", "input", "output"}:
-        log.warning("%s: %s rewritten from the exported model", config, ", ".join(dropped))
-    return [field for field in fields if field.split(maxsplit=1)[0] not in WRITTEN]
+        log.warning("%s: %s written anew or left out (they describe the model, which the export replaces)",
+                    config, ", ".join(dropped))  # fmt: skip
+    return [field for field in fields if field.split(maxsplit=1)[0] not in WRITTEN | STALE]
+
+
+def _int_or_none(text: str) -> int | None:
+    """A protobuf text integer (`8`, `-0`, `0x0`), or None."""
+    try:
+        return int(text, 0)
+    except ValueError:
+        return None
 
 
 def check_output_apart(output: Path, folder: Path) -> None:
@@ -193,10 +206,11 @@ def _top_level_fields(config: str) -> list[str]:
     protobuf text format reads them (comments, strings and nesting as Triton sees them) joined by spaces."""
     tokens = text_format.Tokenizer(config.splitlines())
     fields: list[list[str]] = []
-    depth, value_done = 0, True  # value_done: the field being read has its value (or there is none yet)
+    opened: list[str] = []  # the brackets open in the value being read
+    value_done = True  # the field being read has its value (or there is none yet)
     while not tokens.AtEnd():
-        token = tokens.token
-        opening, closing = token in ("{", "<", "["), token in ("}", ">", "]")
+        token, depth = tokens.token, len(opened)
+        opening, closing = token in PAIRS, token in PAIRS.values()
         if depth == 0 and value_done and token in (",", ";"):  # an optional separator between fields
             pass
         elif depth == 0 and value_done and not (token.startswith(('"', "'")) and fields):
@@ -206,13 +220,14 @@ def _top_level_fields(config: str) -> list[str]:
             value_done = False
         else:  # the field's value, or a string continuing the last one ("a" "b" is "ab")
             fields[-1].append(token)
-            depth += opening - closing
-            if depth < 0:
+            if opening:
+                opened.append(token)
+            elif closing and (not opened or PAIRS[opened.pop()] != token):
                 raise ValueError(f"an unmatched {token!r}")
-            value_done = depth == 0 and token != ":" and (closing or not opening)
+            value_done = not opened and token != ":" and (closing or not opening)
         tokens.NextToken()
-    if depth != 0 or not value_done:
-        raise ValueError("an unclosed '{'" if depth else f"the field {fields[-1][0]!r} has no value")
+    if opened or not value_done:
+        raise ValueError(f"an unclosed {opened[-1]!r}" if opened else f"the field {fields[-1][0]!r} has no value")
     return [" ".join(field) for field in fields]
 
 
@@ -306,8 +321,8 @@ def write_repo(
 ) -> Path:
     """Write `repo/<name>/` (config, labels, version 1 of the model), each piece whole, and return that folder.
 
-    What was set by hand in the config there (a version pin, instances, batching) is kept; a model folder
-    holding another version is refused (`check_model_folder`).
+    What was set by hand in the config there (a version pin, instances, batching) is kept; a model folder holding
+    another version is refused (`check_model_folder`).
 
     Args:
         model: the logits-only model, input `pixels` (B, H, W, 3) uint8, outputs `logits` (B, K) first, then

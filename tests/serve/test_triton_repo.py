@@ -174,6 +174,8 @@ def test_what_was_tuned_by_hand_in_the_config_is_kept_when_the_model_is_written_
         'instance_group [ { count: 2, kind: KIND_CPU } ]\nmax_batch_size: 8\ndefault_model_filename: "a.onnx"\n'
         "dynamic_batching { preferred_batch_size: [ 4, 8 ] max_queue_delay_microseconds: 100 }\n"
         'parameters { key: "intra_op_thread_count" value: { string_value: "1" } }\n'
+        'model_warmup [ { name: "w" batch_size: 1 inputs { key: "pixels" value: { data_type: TYPE_UINT8 '
+        "dims: [ 2, 2, 3 ] zero_data: true } } } ]\n"  # the old input's shape: left out
     )
     config.write_text(generated + tuned)
     triton.write_repo(_logits_only(3), ["a", "b", "c"], tmp_path, "tiny")
@@ -182,10 +184,14 @@ def test_what_was_tuned_by_hand_in_the_config_is_kept_when_the_model_is_written_
     assert parsed.max_batch_size == 8 and list(parsed.dynamic_batching.preferred_batch_size) == [4, 8]
     assert parsed.parameters["intra_op_thread_count"].string_value == "1"
     assert list(parsed.output[0].dims) == [3] and parsed.default_model_filename == ""  # the export writes model.onnx
-    assert "default_model_filename rewritten from the exported model" in caplog.text
+    assert not parsed.model_warmup and "default_model_filename, model_warmup written anew or left out" in caplog.text
 
-    config.write_text(generated + "max_batch_size: 0\n")  # no batch axis: every dims would be wrong
-    with pytest.raises(ValueError, match="max_batch_size: 0"):
+    for size in ("0", "-0", "0x0"):  # no batch axis: every dims would be wrong
+        config.write_text(generated + f"max_batch_size: {size}\n")
+        with pytest.raises(ValueError, match="max_batch_size: 0"):
+            triton.write_repo(_logits_only(3), ["a", "b", "c"], tmp_path, "tiny")
+    config.write_text(generated + "instance_group [ { count: 2 } }\n")  # a bracket closed by another kind
+    with pytest.raises(ValueError, match="an unmatched '}'"):
         triton.write_repo(_logits_only(3), ["a", "b", "c"], tmp_path, "tiny")
 
 
