@@ -135,9 +135,10 @@ def config_pbtxt(model: onnx.ModelProto, name: str, kept: Sequence[str] = ()) ->
 
 
 def check_model_folder(folder: Path) -> list[str]:
-    """Check the model folder an export would rewrite, and return the fields of its config.pbtxt the export
-    keeps (protobuf text, one field each): all but those it writes from the graph (`WRITTEN`), so that what a
-    user tuned by hand (a version pin, instances, batching) survives a new export.
+    """Check the model folder an export would rewrite, and return the top-level fields of its config.pbtxt
+    (protobuf text, one field each): `write_repo` keeps all but those it writes from the graph (`WRITTEN`) and
+    those of the old model (`STALE`), so that what a user tuned by hand (a version pin, instances, batching)
+    survives a new export.
 
     Raises:
         ValueError: a version other than 1 is there (Triton serves the newest by default, and every version
@@ -174,11 +175,7 @@ def check_model_folder(folder: Path) -> list[str]:
             f"--triton-repo: {config} sets max_batch_size: 0 (no batch axis), and the exported model batches on "
             "its first axis: remove that line (the export writes 32) or set the largest batch Triton may form"
         )
-    dropped = [field.split(maxsplit=1)[0] for field in fields if field.split(maxsplit=1)[0] in WRITTEN | STALE]
-    if set(dropped) - {"name", "platform", "input", "output"}:
-        log.warning("%s: %s written anew or left out (they describe the model, which the export replaces)",
-                    config, ", ".join(dropped))  # fmt: skip
-    return [field for field in fields if field.split(maxsplit=1)[0] not in WRITTEN | STALE]
+    return fields
 
 
 def _int_or_none(text: str) -> int | None:
@@ -340,7 +337,12 @@ def write_repo(
         raise ValueError(f"the Triton model must be the logits-only graph (logits, features, probs), not {outputs}")
     check_labels(class_names)
     folder = Path(repo) / name
-    kept = check_model_folder(folder)  # again: the repository may have changed during the export
+    fields = check_model_folder(folder)  # again: the repository may have changed during the export
+    names = [field.split(maxsplit=1)[0] for field in fields]
+    if replaced := [n for n in names if n in WRITTEN | STALE and n not in ("name", "platform", "input", "output")]:
+        log.warning("%s: %s written anew or left out (they describe the model, which the export replaces)",
+                    folder / "config.pbtxt", ", ".join(replaced))  # fmt: skip
+    kept = [field for field, n in zip(fields, names, strict=True) if n not in WRITTEN | STALE]
     pieces = {  # renamed into place in this order: the version last (vit-serve checks it against the labels)
         folder / "labels.txt": "".join(f"{c}\n" for c in class_names).encode(),
         folder / "config.pbtxt": config_pbtxt(model, name, kept).encode(),

@@ -121,11 +121,13 @@ class Service:
     async def answer(self, fn: Callable[..., Awaitable], route: str, context) -> tuple:
         """(the response, OK, "") of `fn` on the call's message, or (None, the status, its message), with the
         call's request ID in `REQUEST_ID` (its access-log line and its payload-log record share it)."""
-        REQUEST_ID.set(self.request_id(context.invocation_metadata(), ""))
+        own = self.metadata_id(context.invocation_metadata())
+        REQUEST_ID.set(own or self.new_id())  # a call that fails before its message is logged under it
         try:
             request = await self.message(context)
             given = getattr(request, "id", "")
-            REQUEST_ID.set(self.request_id(context.invocation_metadata(), given if isinstance(given, str) else ""))
+            if not own and isinstance(given, str) and SANE_REQUEST_ID.fullmatch(given):
+                REQUEST_ID.set(given)
             return await fn(request, context), Code.OK, ""
         except ApiError as err:
             return None, GRPC_STATUS.get(err.code, Code.UNKNOWN), status_message(err.message)
@@ -160,10 +162,15 @@ class Service:
 
     def request_id(self, metadata, given: str) -> str:
         """The client's `x-request-id` metadata or the request's own id when sane, else a new one."""
+        return self.metadata_id(metadata) or self.new_id(given)
+
+    @staticmethod
+    def metadata_id(metadata) -> str:
+        """The client's `x-request-id` metadata when sane, else ""."""
         for k, v in metadata or ():
             if k == "x-request-id" and isinstance(v, str) and SANE_REQUEST_ID.fullmatch(v):
                 return v
-        return self.new_id(given)
+        return ""
 
     def key_check(self) -> grpc.aio.ServerInterceptor:
         """The interceptor that refuses a call without the API key before its message is read."""
