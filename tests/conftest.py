@@ -7,6 +7,7 @@ test-serve-only`), where torch is absent; a test that needs it imports it or ski
 from __future__ import annotations
 
 import os
+import signal
 
 import pytest
 
@@ -25,33 +26,25 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-# The longest files, longest first (test durations on the 2-core VM, 2026-12-03: 137 s down to 78 s each). The test
-# workers take whole files in collection order, where these came last (tests/train sorts after tests/serve): the
-# suite ended with one worker running its longest file while the others were done. Any file may be missing.
-LONGEST_FIRST = (
-    "train/test_shards.py",
-    "serve/test_export_targets.py",
-    "test_pipeline.py",
-    "train/test_resume_safety.py",
-    "serve/test_ray_serve.py",
-    "train/test_train_e2e.py",
-    "serve/test_export.py",
-)
-
-
-def _file_rank(item) -> int:
-    path = item.path.as_posix()
-    return next((i for i, name in enumerate(LONGEST_FIRST) if path.endswith("tests/" + name)), len(LONGEST_FIRST))
-
-
 def pytest_collection_modifyitems(config, items):
-    items.sort(key=_file_rank)  # stable: each file's tests stay together and in order
     gpu_items = [item for item in items if "gpu" in item.keywords]
     if not gpu_items or _cuda_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in gpu_items:
         item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _signal_handlers_put_back():
+    """Each test file leaves SIGTERM and SIGINT as it found them, fixtures included. `ray.init` makes SIGTERM exit
+    with status 15 and `vit-serve`'s main makes it drain; Lightning installs its own handler only over the default
+    one, so a training run stopped by SIGTERM in a later file of the same test worker exited 15, not 143."""
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    yield
+    for sig, handler in before.items():
+        if handler is not None:  # None: set outside Python, and not ours to put back
+            signal.signal(sig, handler)
 
 
 TINY = dict(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2, num_classes=5)
