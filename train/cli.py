@@ -11,7 +11,6 @@ per-class precision and recall) and `summary.json`.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import sys
@@ -32,6 +31,7 @@ from train.callbacks import KeepBestScore
 from train.checkpoint_io import AtomicCheckpointIO, load_error, remove_partial_saves
 from train.datamodule import ImageFolderDataModule
 from train.errors import SetupError, TrainingError, first_line
+from train.fit_report import report_fit
 from train.held_split import run_split
 from train.label_issues import LabelIssuesReport
 from train.module import ViTClassifier
@@ -308,38 +308,8 @@ class VitCLI(LightningCLI):
         self._check_ckpt_path("predict")
 
     def after_fit(self) -> None:
-        trainer = self.trainer
-        if not trainer.is_global_zero:
-            return
-        ckpt = trainer.checkpoint_callback
-        best = Path(ckpt.best_model_path) if ckpt and ckpt.best_model_path else None
-        score = ckpt.best_model_score if ckpt is not None else None
-        seconds = time.perf_counter() - self._fit_start
-        scores = getattr(self.model, "best_scores", {})  # every validation score of the best epoch
-        summary = {
-            "monitor": None if ckpt is None else ckpt.monitor,  # what chose best_checkpoint
-            "best_score": None if score is None else float(score),
-            **{f"best_val_{k}": v for k, v in scores.items()},  # best_val_acc: the best checkpoint's accuracy
-            "best_checkpoint": None if best is None else str(best),
-            "epochs": trainer.current_epoch,
-            "global_step": trainer.global_step,
-            "fit_seconds": round(seconds, 2),
-            "train_images": len(getattr(self.datamodule, "train_set", [])),
-        }
-        if not trainer.fast_dev_run:
-            (Path(trainer.default_root_dir) / "summary.json").write_text(json.dumps(summary, indent=1))
-        lines = ["", "Training finished."]
-        if score is not None:
-            lines.append(f"  best {ckpt.monitor}: {float(score):.4f}")
-        if "acc" in scores:
-            lines.append(f"  its validation accuracy: {scores['acc']:.4f}")
-        if best is not None:
-            lines += [
-                f"  best checkpoint: {best}",
-                "  next: export it to ONNX with",
-                f"    vit-export {best} -o model.onnx",
-            ]
-        log.info("\n".join(lines))
+        if self.trainer.is_global_zero:
+            report_fit(self.trainer, self.model, self.datamodule, time.perf_counter() - self._fit_start)
 
 
 def _with_atomic_checkpoint_io(plugins: Any) -> list[Any]:

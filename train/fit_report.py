@@ -1,0 +1,44 @@
+"""What a fit ends with: `summary.json` in the run directory and the "Training finished." lines that say what
+to run next (`report_fit`, rank 0 only)."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+from lightning.pytorch import LightningDataModule, LightningModule, Trainer
+
+log = logging.getLogger(__name__)
+
+
+def report_fit(trainer: Trainer, model: LightningModule, datamodule: LightningDataModule, seconds: float) -> None:
+    """Write `summary.json` (not for a fast_dev_run) and log the best checkpoint and how to export it."""
+    ckpt = trainer.checkpoint_callback
+    best = Path(ckpt.best_model_path) if ckpt and ckpt.best_model_path else None
+    score = ckpt.best_model_score if ckpt is not None else None
+    scores = getattr(model, "best_scores", {})  # every validation score of the best epoch
+    summary = {
+        "monitor": None if ckpt is None else ckpt.monitor,  # what chose best_checkpoint
+        "best_score": None if score is None else float(score),
+        **{f"best_val_{k}": v for k, v in scores.items()},  # best_val_acc: the best checkpoint's accuracy
+        "best_checkpoint": None if best is None else str(best),
+        "epochs": trainer.current_epoch,
+        "global_step": trainer.global_step,
+        "fit_seconds": round(seconds, 2),
+        "train_images": len(getattr(datamodule, "train_set", [])),
+    }
+    if not trainer.fast_dev_run:
+        (Path(trainer.default_root_dir) / "summary.json").write_text(json.dumps(summary, indent=1))
+    lines = ["", "Training finished."]
+    if score is not None:
+        lines.append(f"  best {ckpt.monitor}: {float(score):.4f}")
+    if "acc" in scores:
+        lines.append(f"  its validation accuracy: {scores['acc']:.4f}")
+    if best is not None:
+        lines += [
+            f"  best checkpoint: {best}",
+            "  next: export it to ONNX with",
+            f"    vit-export {best} -o model.onnx",
+        ]
+    log.info("\n".join(lines))
