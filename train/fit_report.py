@@ -9,6 +9,8 @@ from pathlib import Path
 
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 
+from train.run_dir import CKPT_DIR
+
 log = logging.getLogger(__name__)
 
 
@@ -35,10 +37,27 @@ def report_fit(trainer: Trainer, model: LightningModule, datamodule: LightningDa
         lines.append(f"  best {ckpt.monitor}: {float(score):.4f}")
     if "acc" in scores:
         lines.append(f"  its validation accuracy: {scores['acc']:.4f}")
+    if best is None and ckpt is not None and not trainer.fast_dev_run:
+        log.warning("no validation ran, so no best.ckpt was chosen: %s", _why_no_validation(trainer))
+        last = Path(trainer.default_root_dir) / CKPT_DIR / "last.ckpt"
+        best = last if last.is_file() else None
     if best is not None:
         lines += [
-            f"  best checkpoint: {best}",
+            f"  {'best' if best.name != 'last.ckpt' else 'last'} checkpoint: {best}",
             "  next: export it to ONNX with",
             f"    vit-export {best} -o model.onnx",
         ]
     log.info("\n".join(lines))
+
+
+def _why_no_validation(trainer: Trainer) -> str:
+    if 0 < trainer.max_steps <= trainer.global_step:
+        return (
+            f"--trainer.max_steps {trainer.max_steps} ended the fit inside an epoch ({trainer.num_training_batches} "
+            "batches each), before its validation; let max_steps end an epoch, or validate within epochs with "
+            "--trainer.val_check_interval"
+        )
+    return (
+        f"the fit ended after {trainer.current_epoch} epoch(s); see --trainer.check_val_every_n_epoch and "
+        "--trainer.limit_val_batches"
+    )

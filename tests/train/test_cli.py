@@ -80,6 +80,22 @@ def test_fast_dev_run_of_each_config_on_a_tiny_folder(config: Path, shapes_folde
 
 
 @pytest.mark.slow
+def test_a_fit_stopped_before_any_validation_says_why_there_is_no_best_checkpoint(shapes_folder, tmp_path, caplog):
+    """--trainer.max_steps inside the first epoch: no validation ran, so no best.ckpt, and the run only said
+    "Training finished." (a user's next step, vit-export of best.ckpt, then failed on a missing file)."""
+    run = tmp_path / "run"
+    args = ["fit", "--config", "configs/sample.yaml", "--data.root", str(shapes_folder), "--data.batch_size", "8"]
+    args += ["--trainer.default_root_dir", str(run), "--trainer.max_steps", "2", "--trainer.max_epochs", "3"]
+    with caplog.at_level(logging.INFO, logger="train"):
+        build_cli([*args, "--trainer.enable_progress_bar", "false"])
+    last = run / "checkpoints" / "last.ckpt"
+    assert last.is_file() and not (run / "checkpoints" / "best.ckpt").exists()
+    said = "no validation ran, so no best.ckpt was chosen: --trainer.max_steps 2 ended the fit inside an epoch (8 "
+    assert said in caplog.text
+    assert "--trainer.val_check_interval" in caplog.text and f"vit-export {last} -o model.onnx" in caplog.text
+
+
+@pytest.mark.slow
 def test_flip_tta_without_flips_in_training_is_said(shapes_folder: Path, tmp_path: Path, caplog):
     args = ["fit", "--config", "configs/small_images.yaml", "--data.root", str(shapes_folder), "--data.img_size", "32"]
     args += ["--trainer.fast_dev_run", "1", "--trainer.default_root_dir", str(tmp_path / "run"), "--model.compile"]
