@@ -37,11 +37,20 @@ NET_MUST_MATCH += ("distilled", "pos_embed", "attn_score", "stem", "stem_widths"
 PREPROCESS_MUST_MATCH = ("img_size", "crop_pct", "interpolation", "mean", "std")
 
 
+def _checkpoints_in(folder: Path) -> str:
+    """The .ckpt files in `folder`, comma-separated ("" for none, or no such folder)."""
+    return ", ".join(str(p) for p in sorted(folder.glob("*.ckpt"))) if folder.is_dir() else ""
+
+
 def load_checkpoint(path: str | Path) -> dict[str, Any]:
     """Read a checkpoint with `weights_only=True` and check it is one of ours."""
     path = Path(path)
+    if path.is_dir():  # a run folder, or its checkpoints folder
+        found = _checkpoints_in(path) or _checkpoints_in(path / "checkpoints")
+        raise FileNotFoundError(f"{path} is a folder: give a checkpoint file in it: {found or 'it holds none'}")
     if not path.is_file():
-        raise FileNotFoundError(f"checkpoint not found: {path}")
+        found = _checkpoints_in(path.parent)
+        raise FileNotFoundError(f"checkpoint not found: {path}" + (f"; that folder holds {found}" if found else ""))
     with open(path, "rb") as f:
         head = f.read(4)
     if head[:2] != b"PK" and head[:1] != b"\x80":  # a zip (torch.save) or a legacy pickle

@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -237,6 +238,28 @@ def test_export_says_what_to_give_it_when_the_input_is_not_a_checkpoint(tiny_onn
         assert main([str(source), "-o", str(tmp_path / "out.onnx")]) == 2
         err = capsys.readouterr().err
         assert says in err and "Traceback" not in err
+    assert not (tmp_path / "out.onnx").exists()
+
+
+def test_a_run_folder_or_a_missing_best_checkpoint_names_the_checkpoints_there(tiny_run, tmp_path, capsys):
+    """A run stopped before its first validation has last.ckpt alone: "checkpoint not found" for best.ckpt, and
+    for the run folder itself (which is there), left a user guessing."""
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    shutil.copy(tiny_run / "checkpoints" / "best.ckpt", run / "checkpoints" / "last.ckpt")
+    last = run / "checkpoints" / "last.ckpt"
+    for source, says in [
+        (run, f"{run} is a folder: give a checkpoint file in it: {last}"),
+        (run / "checkpoints", f"is a folder: give a checkpoint file in it: {last}"),
+        (
+            run / "checkpoints" / "best.ckpt",
+            f"checkpoint not found: {run}/checkpoints/best.ckpt; that folder holds {last}",
+        ),
+        (tmp_path / "elsewhere" / "best.ckpt", "checkpoint not found: "),
+    ]:
+        assert main([str(source), "-o", str(tmp_path / "out.onnx")]) == 2
+        err = capsys.readouterr().err
+        assert says in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "out.onnx").exists()
 
 
