@@ -57,7 +57,10 @@ def _fsspec():
 
 def _expand_uri(uri: str) -> list[str]:
     """A URI to one file, or every image file under a prefix (sorted); [] when nothing is there."""
-    fs, path = _fsspec().core.url_to_fs(uri)
+    try:
+        fs, path = _fsspec().core.url_to_fs(uri)
+    except ImportError as e:  # the scheme's backend: s3fs for s3://, aiohttp for http:// (fsspec says which)
+        raise ValueError(f"{uri}: {e}") from None
     if fs.isdir(path):
         return sorted(fs.unstrip_protocol(p) for p in fs.find(path) if is_image_file(p))
     return [uri] if fs.exists(path) else []
@@ -103,9 +106,14 @@ def collect_sources(
     for item in items:
         unlisted = 0
         if is_uri(item):
-            found = _expand_uri(item)
-            if not found:
-                print(f"{item}: no such object, or no image files under this prefix", file=errors)
+            try:
+                found = _expand_uri(item)
+            except OSError as e:  # a host that refuses or does not resolve: this input's problem, not the run's
+                found = []
+                print(f"{item}: cannot be reached or listed ({e})", file=errors)
+            else:
+                if not found:
+                    print(f"{item}: no such object, or no image files under this prefix", file=errors)
         elif Path(item).is_dir():
             found, unlisted = find_images(item, errors)
             if not found and not unlisted:

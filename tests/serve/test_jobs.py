@@ -9,6 +9,7 @@ import json
 import os
 import resource
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -152,6 +153,31 @@ def test_from_list_reads_paths_and_uris(tiny_onnx, tmp_path, capsys):
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["path"] for r in rows] == [str(paths[2]), str(paths[0]), f"file://{paths[1]}"]
     assert [r["predictions"][0]["label"] for r in rows] == ["bottom_left", "top_left", "top_right"]
+
+
+def test_a_url_that_cannot_be_reached_is_one_input_that_failed_not_the_run(tiny_onnx, tmp_path, capsys):
+    """A host that refuses, or a name that does not resolve, stopped the whole run with a bare "vit-predict: Connect
+    call failed ('127.0.0.1', 9)" that named no input; a 404 was already one input's problem."""
+    pytest.importorskip("aiohttp", reason="fsspec reads http:// with aiohttp")
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        refused = f"http://127.0.0.1:{s.getsockname()[1]}/photo.png"
+    (path,) = _images(tmp_path / "photos", 1)
+    out = tmp_path / "preds.jsonl"
+    assert main([str(tiny_onnx), refused, str(path), "--out", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert f"{refused}: cannot be reached or listed (" in err and "1 input(s) could not be read" in err, err
+    assert [json.loads(line)["path"] for line in out.read_text().splitlines()] == [str(path)]
+
+
+def test_a_uri_whose_storage_backend_is_not_installed_is_one_line(tiny_onnx, tmp_path, capsys):
+    """s3:// without s3fs (and http:// without aiohttp, as the [serve]-only install has it) was a traceback."""
+    if importlib.util.find_spec("s3fs") is not None:
+        pytest.skip("s3fs is installed here")
+    assert main([str(tiny_onnx), "s3://bucket/photo.png", "--out", str(tmp_path / "preds.jsonl")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("vit-predict: s3://bucket/photo.png: ") and "s3fs" in err, err
+    assert len(err.strip().splitlines()) == 1 and not (tmp_path / "preds.jsonl").exists()
 
 
 def _predict(*args: str, preexec_fn=None, **kw) -> subprocess.Popen:
