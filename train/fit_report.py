@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from pathlib import Path
 
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer
@@ -37,27 +38,34 @@ def report_fit(trainer: Trainer, model: LightningModule, datamodule: LightningDa
         lines.append(f"  best {ckpt.monitor}: {float(score):.4f}")
     if "acc" in scores:
         lines.append(f"  its validation accuracy: {scores['acc']:.4f}")
+    kind = "best"
     if best is None and ckpt is not None and not trainer.fast_dev_run:
-        log.warning("no validation ran, so no best.ckpt was chosen: %s", _why_no_validation(trainer))
-        last = Path(trainer.default_root_dir) / CKPT_DIR / "last.ckpt"
-        best = last if last.is_file() else None
+        log.warning("no best.ckpt was chosen: %s", _why_no_best(trainer, validated=bool(scores)))
+        last = Path(trainer.default_root_dir) / CKPT_DIR / "last.ckpt"  # LastCheckpoint's, written every epoch
+        best, kind = (last, "last") if last.is_file() else (None, kind)
     if best is not None:
         lines += [
-            f"  {'best' if best.name != 'last.ckpt' else 'last'} checkpoint: {best}",
+            f"  {kind} checkpoint: {best}",
             "  next: export it to ONNX with",
             f"    vit-export {best} -o model.onnx",
         ]
     log.info("\n".join(lines))
 
 
-def _why_no_validation(trainer: Trainer) -> str:
+def _why_no_best(trainer: Trainer, validated: bool) -> str:
+    """Why the fit ended with no best checkpoint, naming the settings that decide it."""
+    if validated:
+        return "validation ran, but --checkpoint.every_n_epochs or --checkpoint.save_top_k saved none"
+    if trainer.limit_val_batches == 0:
+        return "no validation ran (--trainer.limit_val_batches 0)"
     if 0 < trainer.max_steps <= trainer.global_step:
+        steps = math.ceil(trainer.num_training_batches / trainer.accumulate_grad_batches)
         return (
-            f"--trainer.max_steps {trainer.max_steps} ended the fit inside an epoch ({trainer.num_training_batches} "
-            "batches each), before its validation; let max_steps end an epoch, or validate within epochs with "
+            f"no validation ran: --trainer.max_steps {trainer.max_steps} ended the fit inside an epoch ({steps} "
+            "steps each), before its validation; let max_steps end an epoch, or validate within epochs with "
             "--trainer.val_check_interval"
         )
     return (
-        f"the fit ended after {trainer.current_epoch} epoch(s); see --trainer.check_val_every_n_epoch and "
-        "--trainer.limit_val_batches"
+        f"no validation ran in the fit's {trainer.current_epoch} epoch(s): see --trainer.check_val_every_n_epoch "
+        "and --trainer.limit_val_batches"
     )

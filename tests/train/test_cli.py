@@ -80,19 +80,30 @@ def test_fast_dev_run_of_each_config_on_a_tiny_folder(config: Path, shapes_folde
 
 
 @pytest.mark.slow
-def test_a_fit_stopped_before_any_validation_says_why_there_is_no_best_checkpoint(shapes_folder, tmp_path, caplog):
+@pytest.mark.parametrize(
+    ("options", "said"),
+    [
+        (
+            ["--trainer.max_steps", "2", "--trainer.max_epochs", "3"],
+            "no validation ran: --trainer.max_steps 2 ended the fit inside an epoch (8 steps each)",
+        ),
+        (["--trainer.max_epochs", "1", "--checkpoint.every_n_epochs", "3"], "validation ran, but --checkpoint."),
+    ],
+    ids=["max_steps", "every_n_epochs"],
+)
+def test_a_fit_that_chose_no_best_checkpoint_says_why_and_how_to_export_the_last(
+    options, said, shapes_folder, tmp_path, caplog
+):
     """--trainer.max_steps inside the first epoch: no validation ran, so no best.ckpt, and the run only said
     "Training finished." (a user's next step, vit-export of best.ckpt, then failed on a missing file)."""
     run = tmp_path / "run"
     args = ["fit", "--config", "configs/sample.yaml", "--data.root", str(shapes_folder), "--data.batch_size", "8"]
-    args += ["--trainer.default_root_dir", str(run), "--trainer.max_steps", "2", "--trainer.max_epochs", "3"]
     with caplog.at_level(logging.INFO, logger="train"):
-        build_cli([*args, "--trainer.enable_progress_bar", "false"])
+        build_cli([*args, "--trainer.default_root_dir", str(run), "--trainer.enable_progress_bar", "false", *options])
     last = run / "checkpoints" / "last.ckpt"
     assert last.is_file() and not (run / "checkpoints" / "best.ckpt").exists()
-    said = "no validation ran, so no best.ckpt was chosen: --trainer.max_steps 2 ended the fit inside an epoch (8 "
-    assert said in caplog.text
-    assert "--trainer.val_check_interval" in caplog.text and f"vit-export {last} -o model.onnx" in caplog.text
+    assert f"no best.ckpt was chosen: {said}" in caplog.text
+    assert f"last checkpoint: {last}" in caplog.text and f"vit-export {last} -o model.onnx" in caplog.text
 
 
 @pytest.mark.slow
