@@ -108,9 +108,12 @@ def collect_sources(
         if is_uri(item):
             try:
                 found = _expand_uri(item)
-            except OSError as e:  # a host that refuses or does not resolve: this input's problem, not the run's
+            except ValueError:  # the scheme's storage backend is not installed: every such URI would fail alike
+                raise
+            except Exception as e:  # a host that refuses, does not resolve or answers 403: this input's, not the run's
                 found = []
-                print(f"{item}: cannot be reached or listed ({e})", file=errors)
+                why = (str(e).strip().splitlines() or [type(e).__name__])[0]
+                print(f"{item}: cannot be reached or listed ({why})", file=errors)
             else:
                 if not found:
                     print(f"{item}: no such object, or no image files under this prefix", file=errors)

@@ -159,14 +159,32 @@ def test_a_url_that_cannot_be_reached_is_one_input_that_failed_not_the_run(tiny_
     """A host that refuses, or a name that does not resolve, stopped the whole run with a bare "vit-predict: Connect
     call failed ('127.0.0.1', 9)" that named no input; a 404 was already one input's problem."""
     pytest.importorskip("aiohttp", reason="fsspec reads http:// with aiohttp")
-    with socket.socket() as s:  # a port nothing listens on
-        s.bind(("127.0.0.1", 0))
-        refused = f"http://127.0.0.1:{s.getsockname()[1]}/photo.png"
+
+    class Forbidden(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # HEAD too: every request is refused
+            self.send_error(403)
+
+        do_HEAD = do_GET
+
+        def log_message(self, *args):
+            pass
+
     (path,) = _images(tmp_path / "photos", 1)
     out = tmp_path / "preds.jsonl"
-    assert main([str(tiny_onnx), refused, str(path), "--out", str(out)]) == 1
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Forbidden)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    forbidden = f"http://127.0.0.1:{server.server_address[1]}/photo.png"
+    try:
+        with socket.socket() as s:  # bound and not listening for the whole run: it refuses, and no one else takes it
+            s.bind(("127.0.0.1", 0))
+            refused = f"http://127.0.0.1:{s.getsockname()[1]}/photo.png"
+            assert main([str(tiny_onnx), refused, forbidden, str(path), "--out", str(out)]) == 1
+    finally:
+        server.shutdown()
+        server.server_close()
     err = capsys.readouterr().err
-    assert f"{refused}: cannot be reached or listed (" in err and "1 input(s) could not be read" in err, err
+    assert f"{refused}: cannot be reached or listed (" in err and f"{forbidden}: cannot be reached or listed" in err
+    assert "2 input(s) could not be read" in err, err
     assert [json.loads(line)["path"] for line in out.read_text().splitlines()] == [str(path)]
 
 
