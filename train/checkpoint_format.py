@@ -24,7 +24,7 @@ import torch
 
 from serve.runtime.images import Preprocess
 from train.errors import SetupError, first_line
-from train.run_dir import damaged_record
+from train.run_dir import damaged_record, usable_checkpoints
 from vit.model import VisionTransformer
 
 META_KEY = "vitscope"
@@ -37,9 +37,11 @@ NET_MUST_MATCH += ("distilled", "pos_embed", "attn_score", "stem", "stem_widths"
 PREPROCESS_MUST_MATCH = ("img_size", "crop_pct", "interpolation", "mean", "std")
 
 
-def _checkpoints_in(folder: Path) -> str:
-    """The .ckpt files in `folder`, comma-separated ("" for none, or no such folder)."""
-    return ", ".join(str(p) for p in sorted(folder.glob("*.ckpt"))) if folder.is_dir() else ""
+def _checkpoints_in(folder: Path, most: int = 5) -> str:
+    """The intact .ckpt files in `folder`, comma-separated, at most `most` named ("" for none, or no such folder)."""
+    found = usable_checkpoints(folder)
+    more = f" and {len(found) - most} more" if len(found) > most else ""
+    return ", ".join(str(p) for p in found[:most]) + more
 
 
 def load_checkpoint(path: str | Path) -> dict[str, Any]:
@@ -47,7 +49,11 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if path.is_dir():  # a run folder, or its checkpoints folder
         found = _checkpoints_in(path) or _checkpoints_in(path / "checkpoints")
-        raise FileNotFoundError(f"{path} is a folder: give a checkpoint file in it: {found or 'it holds none'}")
+        raise FileNotFoundError(
+            f"{path} is a folder: give a checkpoint file in it: {found}"
+            if found
+            else f"{path} is a folder with no usable .ckpt file: give a checkpoint file vit-train wrote"
+        )
     if not path.is_file():
         found = _checkpoints_in(path.parent)
         raise FileNotFoundError(f"checkpoint not found: {path}" + (f"; that folder holds {found}" if found else ""))
