@@ -153,25 +153,19 @@ def test_calls_past_the_cap_are_refused_at_once(capped):
 
     channels = [connection(url) for _ in range(3)]  # the held calls need more than one connection's streams
     live = channels[2].unary_unary(LIVE, pb.ServerLiveRequest.SerializeToString, pb.ServerLiveResponse.FromString)
+    # one call more than the cap, all held: a probe sent beside them raced the held calls still being admitted (on a
+    # loaded machine the probe took a slot first, and a held call was the one refused)
     held = [
-        channels[i % 2].stream_unary(INFER).future(unfinished(), metadata=list(AUTH.items()), timeout=30)
-        for i in range(CAPS["grpc_max_calls"])
+        channels[i % 3].stream_unary(INFER).future(unfinished(), metadata=list(AUTH.items()), timeout=30)
+        for i in range(CAPS["grpc_max_calls"] + 1)
     ]
 
-    def refused() -> bool:
-        try:
-            live(pb.ServerLiveRequest(), timeout=5)
-        except grpc.RpcError as e:
-            assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e.details()
-            return True
-        return False
-
-    def ended() -> list[str]:  # a held call that ended early leaves the cap unreached: say how it ended
+    def ended() -> list[str]:
         return [f"{f.code()}: {f.details()}" for f in held if f.done() and not f.cancelled()]
 
     try:
-        wait_until(lambda: refused() or ended(), 20, "a call past grpc_max_calls refused")
-        assert not ended(), f"held calls ended before the cap was reached: {ended()}"
+        refused = wait_until(ended, 15, "a call past grpc_max_calls refused")  # the held ones wait 20 s
+        assert all(how.startswith("StatusCode.RESOURCE_EXHAUSTED") for how in refused), refused
     finally:
         release.set()
         for f in held:
