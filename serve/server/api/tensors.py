@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from serve.server.engine import judge_rows
 from serve.server.errors import ApiError, echo
 
 # Shapes: B batch, H/W image, K classes.
@@ -132,10 +133,44 @@ def parse_infer_request(
         raise bad('"outputs" must be a non-empty list of {"name": ...}; leave it out for the default output')
     req_id = head.get("id")
     check_request_id(None if req_id is None else str(req_id))
+    return InferRequest(arr, chosen, None if req_id is None else str(req_id), coverage_param(params))
+
+
+def coverage_param(params: dict) -> float | None:
+    """The request parameter `coverage` (None without one); a value that is not a number is refused."""
     coverage = params.get("coverage")
     if coverage is not None and (isinstance(coverage, bool) or not isinstance(coverage, (int, float))):
-        raise bad(f'the parameter "coverage" must be a number such as 0.95, got {coverage!r}')
-    return InferRequest(arr, chosen, None if req_id is None else str(req_id), coverage)
+        raise bad(f'the parameter "coverage" must be a number such as 0.95, got {echo(coverage)}')
+    return coverage
+
+
+def check_trust_request(classifier, req: InferRequest) -> None:
+    """422 unless the file can answer the calibration outputs and the coverage the request asks for."""
+    names = {n for n, _ in req.outputs}
+    try:
+        classifier.check_coverage(req.coverage)
+    except ValueError as e:
+        raise ApiError("bad_request", str(e)) from None
+    if names & set(TRUST_OUTPUTS) and not classifier.calibrated:
+        raise ApiError("bad_request", f"{classifier.name} carries no calibration: it has no {sorted(names)} outputs")
+    if "in_set" in names and req.coverage is None:
+        raise ApiError("bad_request", 'the output "in_set" needs the request parameter "coverage", e.g. 0.95')
+
+
+def output_tensors(classifier, rows: np.ndarray, req: InferRequest) -> list[tuple[str, np.ndarray, bool]]:
+    """The outputs `req` asked for, from its images' (B,) records of `forward_rows`, in its order: (name, FP32
+    tensor, whether it goes back as binary data). `logits`, `probs`, and from the file's calibration `unknown`
+    (B,), `ood_score` (B,) and, at the request's coverage, `in_set` (B, K): 1 where the class is in the set."""
+    by_name = {OUTPUT: rows["logits"], PROBS: rows["probs"]}
+    if any(n in TRUST_OUTPUTS for n, _ in req.outputs):
+        a = judge_rows(classifier, rows, req.coverage)
+        by_name |= {"unknown": a.unknown.astype(np.float32), "ood_score": a.ood_scores.astype(np.float32)}
+        if a.sets is not None:
+            in_set = np.zeros(a.logits.shape, np.float32)
+            for i, members in enumerate(a.sets):
+                in_set[i, members] = 1.0
+            by_name["in_set"] = in_set
+    return [(n, by_name[n], binary) for n, binary in req.outputs]
 
 
 def check_inputs(names: list, pixels: TensorSpec) -> None:

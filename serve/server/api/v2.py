@@ -22,24 +22,23 @@ from __future__ import annotations
 
 import functools
 
-import numpy as np
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from serve.runtime.trust import Assessment
 from serve.server.api.tensors import (
     HEADER_LENGTH,
     OUTPUT,
     PROBS,
     TRUST_OUTPUTS,
     TensorSpec,
+    check_trust_request,
     encode_infer_response,
+    output_tensors,
     parse_infer_request,
     read_json,
     tensor_specs,
 )
 from serve.server.api.v1 import not_ready, request_id_of, resolve
-from serve.server.engine import judge_rows
 from serve.server.errors import ApiError
 from serve.server.http.errors import error_response
 from serve.server.http.uploads import read_body
@@ -83,30 +82,6 @@ def kserve_errors(retry_after_s: int):
         return wrapper
 
     return wrap
-
-
-def check_trust_request(classifier, req) -> None:
-    """422 unless the file can answer the calibration outputs and the coverage the request asks for."""
-    names = {n for n, _ in req.outputs}
-    try:
-        classifier.check_coverage(req.coverage)
-    except ValueError as e:
-        raise ApiError("bad_request", str(e)) from None
-    if names & set(TRUST_OUTPUTS) and not classifier.calibrated:
-        raise ApiError("bad_request", f"{classifier.name} carries no calibration: it has no {sorted(names)} outputs")
-    if "in_set" in names and req.coverage is None:
-        raise ApiError("bad_request", 'the output "in_set" needs the request parameter "coverage", e.g. 0.95')
-
-
-def trust_outputs(a: Assessment) -> dict[str, np.ndarray]:
-    """in_set (B, K), unknown (B,) and ood_score (B,) of a judged batch, as FP32 tensors."""
-    out = {"unknown": a.unknown.astype(np.float32), "ood_score": a.ood_scores.astype(np.float32)}
-    if a.sets is not None:
-        in_set = np.zeros(a.logits.shape, np.float32)
-        for i, members in enumerate(a.sets):
-            in_set[i, members] = 1.0
-        out["in_set"] = in_set
-    return out
 
 
 def v2_router(
@@ -189,11 +164,6 @@ def add_infer_routes(
         check_trust_request(classifier, req)
         timeout = limits.request_timeout_s
         rows = await batch_results(served.engine, req.pixels, timeout)  # (B,) records: logits, probs, features, ood
-        by_name = {OUTPUT: rows["logits"], PROBS: rows["probs"]}
-        # the trust metrics (drift gauges) counted these answers on the batcher's thread
-        answers = judge_rows(classifier, rows, req.coverage)
-        if any(n in TRUST_OUTPUTS for n, _ in req.outputs):
-            by_name.update(trust_outputs(answers))
         head = {"model_name": served.name, "model_version": served.version}
         req_id = req.id or request.headers.get("x-request-id")
         if req_id:
@@ -202,7 +172,7 @@ def add_infer_routes(
             images = [p.tobytes() for p in req.pixels] if payloads.wants_images else None
             model = (served.name, served.version, classifier.labels)
             payloads.record(request_id_of(request), request.url.path, model, rows["probs"], images)
-        content, headers = encode_infer_response(head, [(n, by_name[n], binary) for n, binary in req.outputs])
+        content, headers = encode_infer_response(head, output_tensors(classifier, rows, req))
         return Response(content, headers=headers)
 
 
