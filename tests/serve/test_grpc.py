@@ -128,6 +128,35 @@ def test_bad_requests_get_the_right_status_and_say_what_to_do(client, model):
     assert client.is_server_ready()  # none of it hurt the server
 
 
+def http_infer(server, model: str, x: np.ndarray, outputs, parameters: dict | None = None) -> httpx.Response:
+    tensor = {"name": "pixels", "datatype": "UINT8", "shape": list(x.shape), "data": x.ravel().tolist()}
+    body = {"inputs": [tensor], "outputs": [{"name": n} for n in outputs], "parameters": parameters or {}}
+    return httpx.post(f"{server.url}/v2/models/{model}/infer", json=body, headers=AUTH)
+
+
+def test_the_calibration_outputs_and_the_coverage_parameter_are_answered_as_over_http(client, model, server):
+    # tritonclient sends a float parameter as double_param: once read as no parameter at all, and the
+    # calibration outputs HTTP answers (unknown, ood_score, in_set) were refused as unknown over gRPC
+    x, labels = quadrant_images(6, seed=13)
+    outputs = ("probs", "in_set", "unknown", "ood_score")
+    result = infer(client, model, x, outputs=outputs, parameters={"coverage": 0.9})
+    over_http = {o["name"]: o for o in http_infer(server, model, x, outputs, {"coverage": 0.9}).json()["outputs"]}
+    for name in outputs:
+        got = result.as_numpy(name)
+        assert got.dtype == np.float32 and list(got.shape) == over_http[name]["shape"], name
+        np.testing.assert_allclose(got.ravel(), over_http[name]["data"], atol=1e-6, err_msg=name)
+    assert result.as_numpy("in_set")[np.arange(6), labels].mean() >= 0.8
+    for parameters, words in [
+        ({}, 'the output "in_set" needs the request parameter "coverage"'),
+        ({"coverage": 1.5}, "between 0 and 1"),
+        ({"coverage": "0.9"}, 'the parameter "coverage" must be a number such as 0.95'),
+        ({"coverage": True}, 'the parameter "coverage" must be a number such as 0.95'),
+    ]:
+        e = refusal(lambda p=parameters: infer(client, model, x, outputs=("in_set",), parameters=p))
+        assert e.status() == "StatusCode.INVALID_ARGUMENT" and words in e.message(), e.message()
+        assert words in http_infer(server, model, x, ("in_set",), parameters).json()["error"]
+
+
 def test_grpc_calls_are_counted_in_the_metrics(client, model, server):
     answers = lambda: read_metric(server.metrics(AUTH), "vitscope_confidence_count", default=0.0)  # trust metrics
     before = answers()

@@ -1,11 +1,12 @@
-"""ModelInferRequest -> checked pixels and outputs; logits and probabilities -> ModelInferResponse.
+"""ModelInferRequest -> a checked `InferRequest`; the outputs it asked for -> ModelInferResponse.
 
 The tensors are the ones the KServe v2 HTTP routes speak (`serve.server.api.v2`): the input `pixels`,
 UINT8 [B, H, W, 3], sent as `raw_input_contents` (what `tritonclient.grpc` sends) or as `uint_contents`;
-the outputs `logits` (the default) and `probs`, FP32 [B, K], always answered as `raw_output_contents`
-(which every Triton and KServe client reads). Shapes, sizes and the outputs' parameters (Triton's classification
-extension is refused) are checked by the same functions as over HTTP, so both answer a request that does not fit
-with the same message.
+the outputs `logits` (the default) and `probs`, FP32 [B, K], and from a calibrated file `unknown` and
+`ood_score` [B] and, with the request parameter `coverage` (a `double_param`, as tritonclient sends 0.95),
+`in_set` [B, K], always answered as `raw_output_contents` (which every Triton and KServe client reads). Shapes,
+sizes, the parameters and the outputs' parameters (Triton's classification extension is refused) are checked by
+the same functions as over HTTP, so both answer a request that does not fit with the same message.
 """
 
 from __future__ import annotations
@@ -16,12 +17,15 @@ from serve.server.api.tensors import (
     DTYPES,
     OUTPUT,
     PROBS,
+    TRUST_OUTPUTS,
+    InferRequest,
     TensorSpec,
     bad,
     binary_tensor,
     check_inputs,
     check_request_id,
     check_shape,
+    coverage_param,
     once_each,
     refuse_extensions,
 )
@@ -29,11 +33,12 @@ from serve.server.grpc import grpc_predict_v2_pb2 as pb
 
 # Shapes: B batch, H/W image, K classes.
 
-OUTPUTS = (OUTPUT, PROBS)  # what a request may ask for; the first is the default
+OUTPUTS = (OUTPUT, PROBS, *TRUST_OUTPUTS)  # what a request may ask for, as over HTTP; the first is the default
 
 
-def parse_infer(request: pb.ModelInferRequest, pixels: TensorSpec, max_images: int) -> tuple[np.ndarray, list[str]]:
-    """The request's (B, H, W, 3) uint8 pixels and the names of the outputs it wants, or `ApiError("bad_request")`.
+def parse_infer(request: pb.ModelInferRequest, pixels: TensorSpec, max_images: int) -> InferRequest:
+    """The request's (B, H, W, 3) uint8 pixels, the outputs it wants (all answered as raw contents) and its
+    `coverage` parameter, as HTTP's `parse_infer_request` reads them, or `ApiError("bad_request")`.
 
     Args:
         request: the decoded message.
@@ -66,11 +71,12 @@ def parse_infer(request: pb.ModelInferRequest, pixels: TensorSpec, max_images: i
     for o in asked:  # refused as over HTTP, not answered with the raw tensor
         refuse_extensions(parameter_values(o.parameters))
     once_each(wanted)  # more entries than outputs: a repeat among the first ones
-    return arr, wanted
+    coverage = coverage_param(parameter_values(request.parameters))
+    return InferRequest(arr, [(name, True) for name in wanted], request.id or None, coverage)
 
 
 def parameter_values(parameters) -> dict:
-    """A message's `parameters` map -> {name: its bool, int64 or string value}, as JSON parameters read."""
+    """A message's `parameters` map -> {name: its bool, int, float or string value}, as JSON parameters read."""
     return {k: getattr(p, which) for k, p in parameters.items() if (which := p.WhichOneof("parameter_choice"))}
 
 

@@ -20,6 +20,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from serve.server.access_log import ACCESS_LOG
+from serve.server.api.tensors import check_trust_request, output_tensors
 from serve.server.auth import GRPC_KEY_HINT, SANE_REQUEST_ID, RequestIds, key_refusal
 from serve.server.errors import ApiError, cut_echoes
 from serve.server.grpc import grpc_predict_v2_pb2 as pb
@@ -217,14 +218,15 @@ class Service:
     async def infer_with(self, m: ServedModel, request: pb.ModelInferRequest, context):
         if not m.engine.ready:
             raise ApiError("not_ready", NOT_READY)
-        pixels, wanted = parse_infer(request, m.pixels, self.limits.max_batch_size)
-        rows = await batch_results(m.engine, pixels, self.limits.request_timeout_s)  # (B,) records
-        by_name = {"logits": rows["logits"], "probs": rows["probs"]}
+        req = parse_infer(request, m.pixels, self.limits.max_batch_size)
+        check_trust_request(m.classifier, req)
+        rows = await batch_results(m.engine, req.pixels, self.limits.request_timeout_s)  # (B,) records
         if self.payloads is not None:
-            images = [p.tobytes() for p in pixels] if self.payloads.wants_images else None
+            images = [p.tobytes() for p in req.pixels] if self.payloads.wants_images else None
             model = (m.name, m.version, m.classifier.labels)
             self.payloads.record(REQUEST_ID.get(), INFER_ROUTE, model, rows["probs"], images)
-        return infer_response(m.name, m.version, request.id, [(n, by_name[n]) for n in wanted])
+        outputs = [(name, tensor) for name, tensor, _ in output_tensors(m.classifier, rows, req)]
+        return infer_response(m.name, m.version, request.id, outputs)
 
 
 class KeyCheck(grpc.aio.ServerInterceptor):
