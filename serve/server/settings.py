@@ -54,7 +54,7 @@ class ServeSettings(BaseSettings):
         description="images allowed to wait for the model (a request of 8 images takes 8 places); beyond it the "
         "server answers 503 with Retry-After instead of letting latency grow without bound",
     )
-    retry_after_s: int = Field(1, ge=0, description="the Retry-After hint sent with a 503")
+    retry_after_s: int = Field(1, ge=0, description="the Retry-After hint of a 503 (gRPC: grpc-retry-pushback-ms)")
     threads: int = Field(
         0,
         ge=0,

@@ -6,14 +6,20 @@ and with onnxruntime running the file itself; the API key and the limits are HTT
 
 from __future__ import annotations
 
+import threading
 import time
 
+import grpc
 import httpx
 import numpy as np
 import onnxruntime as ort
 import pytest
+from fastapi.testclient import TestClient
 
 from serve.runtime.classifier import OnnxClassifier, softmax
+from serve.server.app import build_app
+from serve.server.grpc import grpc_predict_v2_pb2 as pb
+from serve.server.settings import ServeSettings
 from serve.server.testing import free_port, read_metric
 from tests.helpers import CLASS_NAMES, ServerProcess, json_lines, png_bytes, quadrant_images, wait_until
 
@@ -155,6 +161,55 @@ def test_the_calibration_outputs_and_the_coverage_parameter_are_answered_as_over
         e = refusal(lambda p=parameters: infer(client, model, x, outputs=("in_set",), parameters=p))
         assert e.status() == "StatusCode.INVALID_ARGUMENT" and words in e.message(), e.message()
         assert words in http_infer(server, model, x, ("in_set",), parameters).json()["error"]
+
+
+def raw_infer(target: str) -> grpc.UnaryUnaryMultiCallable:
+    """ModelInfer with grpcio alone: its calls show the trailing metadata, which tritonclient does not."""
+    channel = grpc.insecure_channel(target)
+    return channel.unary_unary(
+        "/inference.GRPCInferenceService/ModelInfer",
+        pb.ModelInferRequest.SerializeToString,
+        pb.ModelInferResponse.FromString,
+    )
+
+
+def infer_request(model: str, x: np.ndarray) -> pb.ModelInferRequest:
+    request = pb.ModelInferRequest(model_name=model)
+    request.inputs.add(name="pixels", datatype="UINT8", shape=x.shape)
+    request.raw_input_contents.append(x.tobytes())
+    return request
+
+
+def test_each_call_answers_its_request_id_in_the_trailing_metadata_as_http_echoes_it(server, model):
+    call, ok = raw_infer(server.grpc_url), infer_request(model, np.zeros((1, 32, 32, 3), np.uint8))
+    _, answered = call.with_call(ok, metadata=[*AUTH.items(), ("x-request-id", "grpc-echoed")])
+    assert ("x-request-id", "grpc-echoed") in answered.trailing_metadata()
+    _, answered = call.with_call(ok, metadata=list(AUTH.items()))  # none given: the one the access log names
+    given = dict(answered.trailing_metadata())["x-request-id"]
+    wait_until(lambda: f"id={given}" in server.output, 20, "the access log line of the generated ID")
+    for metadata in [[*AUTH.items(), ("x-request-id", "grpc-refused")], [("x-request-id", "grpc-refused")]]:
+        with pytest.raises(grpc.RpcError) as e:  # a bad shape, then no key: refusals carry it too
+            call(infer_request(model, np.zeros((1, 16, 32, 3), np.uint8)), metadata=metadata)
+        assert ("x-request-id", "grpc-refused") in e.value.trailing_metadata(), e.value.code()
+
+
+def test_a_full_queue_is_unavailable_with_a_retry_pushback_as_http_sends_retry_after(tiny_onnx):
+    port = free_port()
+    settings = ServeSettings(queue_size=1, max_batch_size=1, examples_dir="", retry_after_s=2, grpc_port=port)
+    with TestClient(build_app(OnnxClassifier(tiny_onnx), settings, with_ui=False), base_url="http://localhost") as c:
+        engine, gate = c.app.state.engine, threading.Event()
+        blocker = engine.batcher.call(gate.wait, 10)  # the worker is busy ...
+        wait_until(lambda: engine.batcher.depth == 0, 5, "the worker taking the gate call")
+        queued = engine.batcher.submit(np.zeros((32, 32, 3), np.uint8))  # ... and the one queue slot is taken
+        model = c.get("/readyz").json()["model"]
+        try:
+            with pytest.raises(grpc.RpcError) as e:
+                raw_infer(f"127.0.0.1:{port}")(infer_request(model, np.zeros((1, 32, 32, 3), np.uint8)), timeout=10)
+        finally:
+            gate.set()
+            blocker.result(5), queued.result(5)
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "busy" in e.value.details()
+    assert ("grpc-retry-pushback-ms", "2000") in e.value.trailing_metadata()  # gRPC's retry policy waits that long
 
 
 def test_grpc_calls_are_counted_in_the_metrics(client, model, server):

@@ -103,11 +103,13 @@ class Service:
             started, client, code = time.perf_counter(), client_of(context), Code.UNKNOWN
             try:
                 response, code, message = await self.answer(fn, route, context)
+                trailers = self.trailers(REQUEST_ID.get(), code)
                 if code == Code.OK:
+                    context.set_trailing_metadata(trailers)
                     return response
                 # aborted here, where no frame holds the request: the abort's traceback keeps its frames until a
                 # garbage collection, and a 10 MB request was held that long
-                await context.abort(code, message)
+                await context.abort(code, message, trailers)
             except asyncio.CancelledError:  # the client went away or its deadline passed
                 left = context.time_remaining()  # None: no deadline; 0 once it has passed
                 code = Code.DEADLINE_EXCEEDED if left is not None and left <= 0.001 else Code.CANCELLED
@@ -118,6 +120,13 @@ class Service:
                 self.access_log.write(client, "gRPC", route, code.name, ms, REQUEST_ID.get())
 
         return call
+
+    def trailers(self, request_id: str, code: grpc.StatusCode) -> tuple[tuple[str, str], ...]:
+        """A call's trailing metadata: its request ID (HTTP echoes it in `X-Request-Id`) and, when the server is
+        busy, starting or stopping (UNAVAILABLE, HTTP's 503), `grpc-retry-pushback-ms`, HTTP's `Retry-After`."""
+        if code != Code.UNAVAILABLE:
+            return (("x-request-id", request_id),)
+        return ("x-request-id", request_id), ("grpc-retry-pushback-ms", str(self.limits.retry_after_s * 1000))
 
     async def answer(self, fn: Callable[..., Awaitable], route: str, context) -> tuple:
         """(the response, OK, "") of `fn` on the call's message, or (None, the status, its message), with the
@@ -186,7 +195,7 @@ class Service:
             self.metrics.observe(label, Code.UNAUTHENTICATED.name, time.perf_counter())
             rid = self.request_id(metadata, "")
             self.access_log.write(client_of(context), "gRPC", label, Code.UNAUTHENTICATED.name, 0.0, rid)
-            await context.abort(Code.UNAUTHENTICATED, message)
+            await context.abort(Code.UNAUTHENTICATED, message, self.trailers(rid, Code.UNAUTHENTICATED))
 
         return grpc.stream_unary_rpc_method_handler(refuse)
 
