@@ -232,6 +232,24 @@ def test_the_classification_extension_is_refused_alike_over_http_and_grpc(server
     assert over_grpc.value.message() == over_http.value.message()
 
 
+def test_pixels_named_in_shared_memory_are_refused_by_name_alike_over_http_and_grpc(server, client, model):
+    """An input read from a shared-memory region got "must hold 3072 numbers" or "needs 3072 values": true, but
+    it named neither the region nor what to do instead."""
+    grpcclient = pytest.importorskip("tritonclient.grpc")
+    with pytest.raises(InferenceServerException) as over_http:
+        inp = tritonclient_http.InferInput("pixels", [1, 32, 32, 3], "UINT8")
+        inp.set_shared_memory("pixels_region", 3072)
+        client.infer(model, [inp])
+    with grpcclient.InferenceServerClient(server.grpc_url) as c, pytest.raises(InferenceServerException) as over_grpc:
+        inp = grpcclient.InferInput("pixels", [1, 32, 32, 3], "UINT8")
+        inp.set_shared_memory("pixels_region", 3072)
+        c.infer(model, [inp])
+    assert over_http.value.status() == "422" and "shared memory is not supported" in over_http.value.message()
+    assert "shared_memory_region" in over_http.value.message()
+    assert over_grpc.value.status() == "StatusCode.INVALID_ARGUMENT"
+    assert over_grpc.value.message() == over_http.value.message()
+
+
 def test_a_long_value_the_client_sent_comes_back_cut_in_the_error(server, model):
     """gRPC cut the names it echoes in an error; HTTP echoed 20 kB of name, data type or parameter whole."""
     long = "n" * 20_000

@@ -114,6 +114,7 @@ def parse_infer_request(
     shape = check_shape(tensor.get("shape"), pixels, max_images)
     if tensor.get("datatype") != pixels.datatype:
         raise bad(f"input {pixels.name!r} must have datatype {pixels.datatype}, got {tensor.get('datatype')!r}")
+    refuse_input_extensions(tensor.get("parameters"))
     size = binary_size(tensor)
     if size is None:
         arr = json_tensor(tensor.get("data"), shape, pixels)
@@ -269,6 +270,13 @@ def refuse_extensions(params: dict[str, Any]) -> None:
         raise bad("the classification extension is not supported; use /v1/classify?top_k=... for top classes")
     if "shared_memory_region" in params:
         raise bad("shared memory is not supported: leave out the output's shared_memory_region and read the answer")
+
+
+def refuse_input_extensions(params: Any) -> None:
+    """422 when the input's parameters name a shared-memory region (Triton's extension): its pixels are not in the
+    request, and a count of the values that are would not say why. gRPC checks here too."""
+    if isinstance(params, dict) and "shared_memory_region" in params:
+        raise bad("shared memory is not supported: send the pixels in the request, not in a shared_memory_region")
 
 
 def once_each(names: list[str]) -> None:

@@ -28,6 +28,7 @@ from serve.server.api.tensors import (
     coverage_param,
     once_each,
     refuse_extensions,
+    refuse_input_extensions,
 )
 from serve.server.grpc import grpc_predict_v2_pb2 as pb
 
@@ -51,6 +52,7 @@ def parse_infer(request: pb.ModelInferRequest, pixels: TensorSpec, max_images: i
     shape = check_shape(list(tensor.shape), pixels, max_images)
     if tensor.datatype != pixels.datatype:
         raise bad(f"input {pixels.name!r} must have datatype {pixels.datatype}, got {tensor.datatype!r}")
+    refuse_input_extensions(parameter_values(tensor.parameters))
     raw = request.raw_input_contents
     if raw:
         if len(raw) != 1:
