@@ -20,7 +20,7 @@ import logging
 import re
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -275,7 +275,7 @@ def prepare_parser() -> ArgumentParser:
         help="a CSV path,label applied before the split, as in fit: a label relabels, an empty one leaves out",
     )  # fmt: skip
     parser.add_argument(
-        "--data.dedupe", type=str, default="auto", choices=["auto", "none"],
+        "--data.dedupe", type=Literal["auto", "none"], default="auto",
         help="auto: find copies and near-copies and split by group, as in fit (out/duplicates.csv); none: skip",
     )  # fmt: skip
     parser.add_argument("--workers", type=int | None, default=None, help="processes (default: the usable cores)")

@@ -111,8 +111,10 @@ def test_prepare_help_describes_each_option(capsys):
         ("--data.seed SEED", "seed of that split"),
         ("--chunk_bytes CHUNK_BYTES", "size of each chunk"),
         ("--workers WORKERS", "processes"),
+        ("--data.dedupe {auto,none}", "auto: find copies"),
     ]:
         assert re.search(rf"^  {re.escape(option)}\s+{words}", out, re.M | re.S), option
+    assert "<function" not in out  # a type given as a lambda (choices=) was printed as one
 
 
 @pytest.fixture(scope="module")
