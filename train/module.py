@@ -63,7 +63,7 @@ def build_network(
     pretrained: str | None,
 ) -> VisionTransformer:
     """A named variant (fresh weights) or pretrained timm weights with a fresh head for `num_classes`."""
-    check_net_args(net_args, img_size, num_classes)
+    check_net_args(net_args, img_size, num_classes, variant, pretrained)
     overrides = {**(net_args or {}), "num_classes": num_classes, "img_size": img_size}
     if pretrained is None:
         return create_model(variant, **overrides)

@@ -12,7 +12,7 @@ from typing import Any
 
 from train.balance import LOSS_METHODS, METHODS
 from train.errors import SetupError
-from vit.model import VisionTransformer
+from vit.model import VARIANTS, VisionTransformer
 
 log = logging.getLogger(__name__)
 # what `--checkpoint.monitor` (and early stopping) can watch: the metrics `ViTClassifier` logs
@@ -62,9 +62,9 @@ def check_model_options(lr: float, min_lr: float, betas: tuple[float, float] = (
     """Refuse a learning rate that is not positive, a floor above it, betas outside [0, 1), and any of `RANGES`
     outside its range."""
     if not (math.isfinite(lr) and lr > 0):
-        raise ValueError(f"lr must be a positive number, got {lr}")
+        raise ValueError(f"--model.lr must be a positive number, got {lr}")
     if not (math.isfinite(min_lr) and 0 <= min_lr <= lr):
-        raise ValueError(f"min_lr must be zero or a positive number up to lr ({lr}), got {min_lr}")
+        raise ValueError(f"--model.min_lr must be zero or a positive number up to --model.lr ({lr}), got {min_lr}")
     if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
         raise ValueError(f"--model.betas must be two numbers in [0, 1), as AdamW's (0.9, 0.999), got {list(betas)}")
     for name, value in ranged.items():
@@ -86,10 +86,16 @@ def check_balance(balance: str | None, class_counts: list[int] | None, num_class
 
 
 def check_net_args(
-    net_args: dict[str, Any] | None, img_size: int | None = None, num_classes: int | None = None
+    net_args: dict[str, Any] | None,
+    img_size: int | None = None,
+    num_classes: int | None = None,
+    variant: str | None = None,
+    pretrained: str | None = None,
 ) -> None:
-    """Refuse a `--model.net_args` key the network does not take (a typo), naming the ones it takes, and channels
-    other than RGB's; say when an `img_size` or `num_classes` given there is not the run's (the run's is applied)."""
+    """Refuse a `--model.net_args` key the network does not take (a typo), naming the ones it takes, channels
+    other than RGB's, and an `img_size` that `variant`'s patches (or net_args' `patch_size`) do not tile; say when
+    an `img_size` or `num_classes` given there is not the run's (the run's is applied). A `pretrained` timm model
+    name brings its own patch size, checked by the network itself."""
     known = set(inspect.signature(VisionTransformer).parameters)
     unknown = sorted(set(net_args or {}) - known)
     if unknown:
@@ -109,6 +115,21 @@ def check_net_args(
             if not isinstance(value, (int, float)) or isinstance(value, bool):
                 raise ValueError(f"--model.net_args.{name} must be a number, got {value!r}")
             _check_range(f"--model.net_args.{name}", value, NET_RANGES[name])
+    if img_size is not None and (pretrained is None or Path(pretrained).suffix in WEIGHTS_SUFFIXES):
+        check_img_size(img_size, (net_args or {}).get("patch_size"), variant)
+
+
+def check_img_size(img_size: int, patch_size: int | None, variant: str | None) -> None:
+    """Refuse an `img_size` the patches do not tile: the network said so in its own words, naming no option."""
+    patch = patch_size or VARIANTS.get(variant or "", {}).get("patch_size")
+    if not patch or img_size % patch == 0:
+        return
+    where = "--model.net_args.patch_size" if patch_size else variant
+    fits = [n for n in (img_size // patch * patch, (img_size // patch + 1) * patch) if n > 0]
+    raise ValueError(
+        f"--data.img_size {img_size} is not a multiple of the patch size {patch} ({where}): use "
+        f"{' or '.join(map(str, fits))}"
+    )
 
 
 def check_data_settings(config: Any) -> None:

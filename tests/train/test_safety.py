@@ -120,14 +120,14 @@ def test_a_local_checkpoint_holding_code_is_refused_the_same_way(small_folder, t
 @pytest.mark.parametrize(
     ("extra", "expected"),
     [
-        (["--model.lr", "0"], "lr must be a positive number, got 0"),
-        (["--model.lr", "-0.001"], "lr must be a positive number, got -0.001"),
-        (["--model.min_lr", "-1.0"], "min_lr must be zero or a positive number"),
+        (["--model.lr", "0"], "--model.lr must be a positive number, got 0"),
+        (["--model.lr", "-0.001"], "--model.lr must be a positive number, got -0.001"),
+        (["--model.min_lr", "-1.0"], "--model.min_lr must be zero or a positive number"),
         (["--data.batch_size", "0"], "--data.batch_size must be at least 1, got 0"),
         (["--data.num_workers", "-1"], "--data.num_workers must be 0 or more"),
         # each of these trained, or failed deep in torch or Lightning, some only after an epoch
         (["--data.num_workers", "100000"], "--data.num_workers 100000 is far more than"),  # the OOM killer
-        (["--model.min_lr", "1.0"], "min_lr must be zero or a positive number up to lr"),  # a rising schedule
+        (["--model.min_lr", "1.0"], "--model.min_lr must be zero or a positive number up to --model.lr"),  # rising
         (["--model.betas", "[2, -1]"], "--model.betas must be two numbers in [0, 1)"),
         (["--model.layer_decay", "-0.5"], "--model.layer_decay must be in [0, 1]"),  # lr 0 for most blocks
         (["--model.net_args", "{drop_path_rate: 2}"], "--model.net_args.drop_path_rate must be in [0, 1)"),
@@ -137,6 +137,9 @@ def test_a_local_checkpoint_holding_code_is_refused_the_same_way(small_folder, t
         (["--trainer.limit_train_batches", "0"], "--trainer.limit_train_batches 0 trains nothing"),
         (["--trainer.devices", "-5"], "--trainer: "),
         (["--checkpoint.monitor", "val/accuracy"], "--checkpoint.monitor 'val/accuracy' is no metric the run logs"),
+        # the network's own message, after the folder scan, named neither option nor a size that fits
+        (["--data.img_size", "30"], "--data.img_size 30 is not a multiple of the patch size 4 (vit_micro_patch4_32)"),
+        (["--data.img_size", "30", "--model.net_args", "{patch_size: 7}"], "multiple of the patch size 7 (--model"),
     ],
 )
 def test_impossible_settings_are_one_line_errors(extra, expected, small_folder, tmp_path, capsys):
@@ -153,7 +156,7 @@ def test_a_run_directory_inside_the_image_folder_is_refused_before_it_is_made(sm
 def test_a_pretrained_file_that_is_not_weights_is_a_one_line_error(small_folder, tmp_path, capsys):
     bad = tmp_path / "weights.safetensors"
     bad.write_text("not weights\n")
-    extra = ["--model.pretrained", str(bad), "--model.variant", "vit_tiny_patch16_224"]
+    extra = ["--model.pretrained", str(bad), "--model.variant", "vit_tiny_patch16_224", "--data.img_size", "32"]
     err = one_line_error(args(small_folder, tmp_path / "run", *extra), capsys)
     assert str(bad) in err and "not a readable timm weights file" in err
 
