@@ -193,9 +193,10 @@ def test_each_call_answers_its_request_id_in_the_trailing_metadata_as_http_echoe
         assert ("x-request-id", "grpc-refused") in e.value.trailing_metadata(), e.value.code()
 
 
-def test_a_full_queue_is_unavailable_with_a_retry_pushback_as_http_sends_retry_after(tiny_onnx):
-    port = free_port()
-    settings = ServeSettings(queue_size=1, max_batch_size=1, examples_dir="", retry_after_s=2, grpc_port=port)
+@pytest.mark.parametrize("retry_after_s", [2, 0])
+def test_a_full_queue_is_unavailable_with_a_retry_pushback_as_http_sends_retry_after(tiny_onnx, retry_after_s):
+    port, limits = free_port(), {"queue_size": 1, "max_batch_size": 1, "retry_after_s": retry_after_s}
+    settings = ServeSettings(**limits, examples_dir="", grpc_port=port)
     with TestClient(build_app(OnnxClassifier(tiny_onnx), settings, with_ui=False), base_url="http://localhost") as c:
         engine, gate = c.app.state.engine, threading.Event()
         blocker = engine.batcher.call(gate.wait, 10)  # the worker is busy ...
@@ -209,7 +210,9 @@ def test_a_full_queue_is_unavailable_with_a_retry_pushback_as_http_sends_retry_a
             gate.set()
             blocker.result(5), queued.result(5)
     assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "busy" in e.value.details()
-    assert ("grpc-retry-pushback-ms", "2000") in e.value.trailing_metadata()  # gRPC's retry policy waits that long
+    pushback = dict(e.value.trailing_metadata()).get("grpc-retry-pushback-ms")
+    # gRPC's retry policy waits that long; 0 would replace the client's own backoff (grpcio's then never retried)
+    assert pushback == ("2000" if retry_after_s else None)
 
 
 def test_grpc_calls_are_counted_in_the_metrics(client, model, server):

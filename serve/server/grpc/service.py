@@ -123,8 +123,10 @@ class Service:
 
     def trailers(self, request_id: str, code: grpc.StatusCode) -> tuple[tuple[str, str], ...]:
         """A call's trailing metadata: its request ID (HTTP echoes it in `X-Request-Id`) and, when the server is
-        busy, starting or stopping (UNAVAILABLE, HTTP's 503), `grpc-retry-pushback-ms`, HTTP's `Retry-After`."""
-        if code != Code.UNAVAILABLE:
+        busy, starting or stopping (UNAVAILABLE, HTTP's 503), `grpc-retry-pushback-ms`, HTTP's `Retry-After`. Not
+        with `--retry-after-s 0`: a pushback of 0 took over the client's own backoff (retries at once against a busy
+        server), and grpcio's retrying client made no second attempt at all."""
+        if code != Code.UNAVAILABLE or self.limits.retry_after_s <= 0:
             return (("x-request-id", request_id),)
         return ("x-request-id", request_id), ("grpc-retry-pushback-ms", str(self.limits.retry_after_s * 1000))
 
