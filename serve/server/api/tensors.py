@@ -152,8 +152,9 @@ def check_trust_request(classifier, req: InferRequest) -> None:
         classifier.check_coverage(req.coverage)
     except ValueError as e:
         raise ApiError("bad_request", str(e)) from None
-    if names & set(TRUST_OUTPUTS) and not classifier.calibrated:
-        raise ApiError("bad_request", f"{classifier.name} carries no calibration: it has no {sorted(names)} outputs")
+    asked = sorted(names & set(TRUST_OUTPUTS))
+    if asked and not classifier.calibrated:
+        raise ApiError("bad_request", f"{classifier.path.name} carries no calibration: it has no {asked} outputs")
     if "in_set" in names and req.coverage is None:
         raise ApiError("bad_request", 'the output "in_set" needs the request parameter "coverage", e.g. 0.95')
 
