@@ -1,4 +1,5 @@
 """The access log: one line per request on the `vitscope.access` logger, written by a thread of logging's own.
+While `vit-serve` runs, every other log line goes through the same queue and thread (`logging_off_the_loop`).
 
 The event loop only puts the line's fields on a queue; a `logging.handlers.QueueListener` thread makes the
 log record, formats it and writes it with the root logger's handlers (each burst of lines in one write, see
@@ -21,11 +22,14 @@ newline. So every line parses one way only. The listener thread does it, off the
 from __future__ import annotations
 
 import atexit
+import copy
 import logging
 import os
 import queue
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from logging.handlers import QueueListener
 
 log = logging.getLogger("vitscope.access")
@@ -54,19 +58,25 @@ class _Listener(QueueListener):
         self.access = access
 
     def handle(self, record: logging.LogRecord) -> None:
+        written = getattr(record, "written", None)
+        if written is not None:  # `AccessLog.drain`'s marker: everything before it is written
+            self.flush()
+            return written.set()
         self.note_drops()
         super().handle(record)
 
     def note_drops(self) -> None:
         dropped = self.access.take_dropped()
         if dropped:
-            message = "%s access log lines dropped: the log did not take them as fast as requests came"
+            message = "%s log lines dropped: the log did not take them as fast as they came"
             record = log.makeRecord(log.name, logging.WARNING, __file__, 0, message, (f"{dropped:,}",), None)
             for handler in self.handlers:  # as they are: `prepare` is for the queued fields
                 if record.levelno >= handler.level:
                     handler.handle(record)
 
-    def prepare(self, item: tuple[float, tuple]) -> logging.LogRecord:
+    def prepare(self, item: tuple[float, tuple] | logging.LogRecord) -> logging.LogRecord:
+        if isinstance(item, logging.LogRecord):  # any other line (`QueuedHandler`): as it came
+            return item
         created, args = item
         args = tuple(map(escaped, args))
         record = log.makeRecord(log.name, logging.INFO, __file__, 0, FORMAT, args, None)
@@ -138,17 +148,26 @@ class AccessLog:
 
     def write(self, client: str, method: str, path: str, status: int | str, ms: float, request_id: str) -> None:
         """One request's line; the listener thread starts with the first one (after logging is configured)."""
-        if not log.isEnabledFor(logging.INFO):
-            return
+        if log.isEnabledFor(logging.INFO):
+            self.put((time.time(), (client, method, path, status, ms, request_id)))
+
+    def put(self, item: tuple[float, tuple] | logging.LogRecord) -> None:
+        """Queue a line's fields, or any other log record (`QueuedHandler`), for the thread to write."""
         if self.listener is None:
-            with self.lock:
-                if self.listener is None:
-                    self._start()
+            self.start()
         if self.queue.qsize() >= self.max_lines:  # the log does not keep up (a stalled stderr): memory stays bounded
             with self.lock:
                 self.dropped += 1
             return
-        self.queue.put_nowait((time.time(), (client, method, path, status, ms, request_id)))
+        self.queue.put_nowait(item)
+
+    def drain(self, timeout: float) -> bool:
+        """Wait until every line queued so far is written (at most `timeout` seconds: the log may be stalled)."""
+        if self.listener is None:
+            return True
+        marker = logging.makeLogRecord({"written": threading.Event()})
+        self.queue.put_nowait(marker)  # past the bound: one small record
+        return marker.written.wait(timeout)
 
     def take_dropped(self) -> int:
         """The lines dropped since the last call."""
@@ -156,9 +175,15 @@ class AccessLog:
             dropped, self.dropped = self.dropped, 0
         return dropped
 
+    def start(self) -> None:
+        """Start the thread now, with the root logger's handlers as they are (else the first line starts it)."""
+        with self.lock:
+            if self.listener is None:
+                self._start()
+
     def _start(self) -> None:
         # the listener writes with whatever handlers the root logger has (vit-serve's basicConfig: stderr)
-        handlers = [burst_writer(h) for h in logging.getLogger().handlers]
+        handlers = [burst_writer(h) for h in logging.getLogger().handlers if not isinstance(h, QueuedHandler)]
         self.listener = _Listener(self, *handlers)
         self.listener.start()
         atexit.register(self.stop)
@@ -171,3 +196,42 @@ class AccessLog:
 
 
 ACCESS_LOG = AccessLog()  # the process's one: HTTP requests and gRPC calls write through the same queue and thread
+
+
+class QueuedHandler(logging.Handler):
+    """Puts every record on `access`'s queue, for its thread to write with the handlers this one stands in for.
+
+    The message and any traceback are formatted here, while the record's arguments are as they were; the listener
+    then writes the line in the root handler's format.
+    """
+
+    def __init__(self, access: AccessLog):
+        super().__init__()
+        self.access = access
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            queued = copy.copy(record)
+            queued.msg, queued.args = self.format(record), None
+            queued.exc_info = queued.exc_text = queued.stack_info = None
+            self.access.put(queued)
+        except Exception:
+            self.handleError(record)
+
+
+@contextmanager
+def logging_off_the_loop(access: AccessLog = ACCESS_LOG) -> Iterator[None]:
+    """While the server runs, every log line (ours, uvicorn's, gRPC's) is written by `access`'s thread, within its
+    bound: a line written on the event loop to a stderr piped to a reader that stopped (a full pipe) blocked the loop,
+    and with it every request and /healthz (about 1,500 malformed requests, each a uvicorn warning, were enough).
+    uvicorn's lines take the root handler's format, with the time. On leaving, what is queued is written.
+    """
+    root, uvicorn_log = logging.getLogger(), logging.getLogger("uvicorn")
+    saved = root.handlers[:], uvicorn_log.handlers[:], uvicorn_log.propagate
+    access.start()  # with the root handlers as they are
+    root.handlers[:], uvicorn_log.handlers[:], uvicorn_log.propagate = [QueuedHandler(access)], [], True
+    try:
+        yield
+    finally:
+        root.handlers[:], uvicorn_log.handlers[:], uvicorn_log.propagate = saved
+        access.stop()

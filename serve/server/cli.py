@@ -26,6 +26,7 @@ from pydantic import ValidationError
 from uvicorn.config import STARTUP_FAILURE
 
 from serve.runtime.jobs import usable_cores
+from serve.server.access_log import ACCESS_LOG, logging_off_the_loop
 from serve.server.http.guard import LOOPBACK_HOSTS
 from serve.server.http.probes import ProbeServer
 from serve.server.http.protocol import LimitedHttpToolsProtocol
@@ -157,7 +158,8 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signal.SIGTERM, lambda signum, frame: _exit_after_drain(server, app))
         logging.getLogger("uvicorn.error").addFilter(startup := StartupReason())
         try:
-            server.run()
+            with logging_off_the_loop():  # a stalled stderr must not block the event loop
+                server.run()
         except SystemExit:  # uvicorn's when the start-up fails: a model with --exit-on-error, a port in use
             if server.started:
                 raise
@@ -305,6 +307,7 @@ class AnnouncingServer(uvicorn.Server):
                 for sock in server.sockets:
                     port = sock.getsockname()[1]  # the real port when --port 0
             host = "127.0.0.1" if self.config.host in ("0.0.0.0", "") else self.config.host
+            ACCESS_LOG.drain(timeout=2.0)  # the start-up's log lines first (`logging_off_the_loop` queues them)
             print(f"vitscope is ready: http://{host}:{port}/", flush=True)
 
 

@@ -4,6 +4,9 @@ and a request cannot write a line of its own into it."""
 from __future__ import annotations
 
 import logging
+import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -11,7 +14,7 @@ import httpx
 import pytest
 
 from serve.server.access_log import AccessLog
-from tests.helpers import ServerProcess, wait_until
+from tests.helpers import ServerProcess, free_port, png_bytes, quadrant_images, wait_until
 
 
 def test_every_line_reaches_the_root_handlers_file_in_its_format_once_the_log_stops(tmp_path):
@@ -97,3 +100,33 @@ def test_a_quote_or_a_backslash_in_the_path_cannot_change_the_line(server):
     an escaped newline: both are written as `\\xNN` too, so the line parses one way only."""
     line = access_line(server, "/nowhere%22%20200%20%5Cx0a")
     assert '"GET /nowhere\\x22 200 \\x5cx0a" 404' in line and line.count('"') == 2, line
+
+
+def test_a_stalled_log_never_stops_the_server_answering(tiny_onnx):
+    """Every log line but the access log's was written on the event loop: with stdout and stderr piped to a reader
+    that stopped, about 1,500 malformed requests (uvicorn warns of each) filled the pipe, and the next write
+    blocked the loop, so that /healthz and every request after it hung."""
+    port = free_port()
+    args = [sys.executable, "-m", "serve.server", str(tiny_onnx), "--no-ui", "--port", str(port)]
+    child = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # a pipe nobody reads
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_until(lambda: healthy(url), 60, "the server up")
+        for _ in range(3000):  # about 100 kB of warnings: more than a pipe's 64 kB
+            with socket.create_connection(("127.0.0.1", port), timeout=5) as c:
+                c.sendall(b"NOT HTTP\r\n\r\n")
+                assert c.recv(100).startswith(b"HTTP/1.1 400"), "a malformed request went unanswered"
+        assert httpx.get(url + "/healthz", timeout=5).status_code == 200
+        image = {"file": ("a.png", png_bytes(quadrant_images(1)[0][0]), "image/png")}
+        assert httpx.post(url + "/v1/classify", files=image, timeout=10).status_code == 200
+    finally:
+        child.kill()
+        child.wait()
+        child.stdout.close()
+
+
+def healthy(url: str) -> bool:
+    try:
+        return httpx.get(url + "/healthz", timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
