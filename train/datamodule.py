@@ -28,7 +28,7 @@ from torch.utils.data import DataLoader, Dataset, RandomSampler
 from serve.runtime.images import FILE_NAME_ERRORS, Preprocess
 from train.balance import BALANCE_CHOICES, balanced_sampler, resolve_balance
 from train.data_report import class_counts, write_data_report
-from train.dataset import BatchCollate, ImageListDataset, fill_cache, usable_cores
+from train.dataset import BatchCollate, ImageListDataset, fill_cache, ignore_sigterm, usable_cores
 from train.folder_scan import BadFile, FolderScan, folder_classes, scan_folder
 from train.held_split import hold_split
 from train.shards import (
@@ -332,6 +332,7 @@ class ImageFolderDataModule(pl.LightningDataModule):
             persistent_workers=workers > 0,
             collate_fn=collate,
             generator=torch.Generator().manual_seed(self.seed),
+            worker_init_fn=ignore_sigterm,
         )
 
     def train_dataloader(self) -> DataLoader:

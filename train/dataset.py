@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import math
 import random
+import signal
 from collections.abc import Callable
 from pathlib import Path
 
@@ -170,3 +171,14 @@ def fill_cache(
     bad = {p for p, _ in failed}
     readable = np.array([p not in bad for p in paths], dtype=bool)
     return pixels, readable, failed
+
+
+def ignore_sigterm(worker_id: int) -> None:
+    """A DataLoader worker's start (`worker_init_fn`): SIGTERM is the main process's to handle.
+
+    `timeout`, systemd and SLURM signal the whole process group: a worker that died of it first ended the run with
+    PyTorch's "DataLoader worker ... exited unexpectedly" (exit 1, no word on resuming) instead of the stop that
+    says how to resume. The main process ends its workers itself, as after Ctrl-C, which PyTorch's workers
+    already leave to it; a worker whose main process is gone exits by itself.
+    """
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)

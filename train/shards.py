@@ -29,7 +29,7 @@ from jsonargparse import ArgumentParser
 from serve.runtime.images import FILE_NAME_ERRORS, ImageError, load_image
 from train.balance import resolve_balance
 from train.data_report import REPORTS, build_report, class_counts, write_duplicates_csv
-from train.dataset import usable_cores
+from train.dataset import ignore_sigterm, usable_cores
 from train.folder_scan import BadFile, FolderScan, scan_folder
 from train.parallel import parallel_map
 
@@ -243,7 +243,9 @@ def streaming_loader(dataset, batch_size: int, num_workers: int, collate_fn=None
                     self.restore = False
                 yield batch
 
-    return ResumableLoader(dataset, batch_size=batch_size, num_workers=num_workers, collate_fn=collate_fn)
+    return ResumableLoader(
+        dataset, batch_size=batch_size, num_workers=num_workers, collate_fn=collate_fn, worker_init_fn=ignore_sigterm
+    )
 
 
 PREPARE_HELP = "Write an image folder as LitData chunks that fit streams, on one node or many."

@@ -77,11 +77,12 @@ class LateStart(Callback):
 
 
 class Sigterm(Callback):
-    """At the start of epoch `epoch`, the process gets SIGTERM, as from a scheduler or `docker stop`."""
+    """At the start of epoch `epoch`, the process gets SIGTERM, as from `docker stop`; with `group`, its whole process
+    group does, DataLoader workers included, as from `timeout`, systemd or SLURM (run it in a session of its own)."""
 
-    def __init__(self, epoch: int = 1):
-        self.epoch = epoch
+    def __init__(self, epoch: int = 1, group: bool = False):
+        self.epoch, self.group = epoch, group
 
     def on_train_epoch_start(self, trainer, pl_module) -> None:
         if trainer.current_epoch == self.epoch:
-            os.kill(os.getpid(), signal.SIGTERM)
+            os.killpg(os.getpgid(0), signal.SIGTERM) if self.group else os.kill(os.getpid(), signal.SIGTERM)

@@ -311,10 +311,24 @@ def test_validate_without_a_checkpoint_is_refused_rather_than_scoring_untrained_
 
 
 @pytest.mark.slow
-def test_a_fit_stopped_by_sigterm_exits_143_and_says_how_to_resume(small_folder, tmp_path, capsys):
-    """Lightning's SIGTERM exit has no code: a scheduler read the stopped run as a success (exit 0)."""
-    run = tmp_path / "run"
-    argv = args(small_folder, run, "--trainer.max_epochs", "3", f"{FAULTS}Sigterm", "--trainer.callbacks.epoch", "1")
-    err = one_line_error(argv, capsys, code=143)
+def test_a_fit_stopped_by_sigterm_exits_143_and_says_how_to_resume(small_folder, tmp_path):
+    """Lightning's SIGTERM exit has no code: a scheduler read the stopped run as a success (exit 0). And `timeout`,
+    systemd and SLURM signal the whole process group: a DataLoader worker died of it first, and the run ended with
+    PyTorch's "DataLoader worker ... is killed by signal: Terminated" traceback, exit 1 and no word on resuming."""
+    run, fault = (
+        tmp_path / "run",
+        [f"{FAULTS}Sigterm", "--trainer.callbacks.epoch", "1", "--trainer.callbacks.group", "true"],
+    )
+    argv = args(small_folder, run, "--trainer.max_epochs", "3", "--data.num_workers", "2", *fault)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    child = subprocess.run(  # a session of its own: the signal goes to its process group, not to pytest's
+        [sys.executable, "-m", "train", *argv],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        start_new_session=True,
+    )
+    err = the_one_error_line(child.returncode, child.stderr, code=143)
     assert "stopped by SIGTERM" in err and "--ckpt_path last" in err
     assert (run / "checkpoints" / "last.ckpt").is_file() and not (run / "summary.json").exists()
