@@ -185,6 +185,7 @@ ROWS = (
         lambda r: f"{cell(r, 0, 'vit_small_patch16_224 | inference | 32', 'ours/timm').split()[0]}x as fast"),
     Row("the rollout map's maximum on the digit, cluttered canvases", "pointing_game",
         lambda r: f"{cell(r, 0, 'rollout (mean)', 'pointing game hit rate'):.0%} against "
+        f"{cell(r, 0, 'centre patch', 'pointing game hit rate'):.0%} for the centre patch and "
         f"{cell(r, 0, 'random patch', 'pointing game hit rate'):.0%} at random"),
     Row("`vit-export --web` in Chromium against onnxruntime in Python, ViT-Ti/16", "web",
         lambda r: f"logits within {cell(r, 1, 'vit_tiny', 'largest logit difference'):.1e}, "
