@@ -198,7 +198,7 @@ def _schedule(train_images: int, small: bool, why: dict[str, str]) -> tuple[int,
     _say(why, "data.batch_size", batch, reason)
     wanted = round(TARGET_STEPS / steps_per_epoch)
     epochs = int(min(100, max(10, wanted)))
-    take = f"at {steps_per_epoch} steps an epoch, {TARGET_STEPS:,} steps take {wanted}"
+    take = f"at {steps_per_epoch} steps an epoch, {TARGET_STEPS:,} steps take {wanted} epochs"
     if wanted > epochs:
         reason = f"the most the recipe runs: {take}"
     elif wanted < epochs:
