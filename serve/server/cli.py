@@ -149,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         app = build_app(models, settings, with_ui=not args.no_ui)
         server = AnnouncingServer(uvicorn_config(app, settings, args.log_level), app.state.repository)
+        server.note = " (no UI: POST /v1/classify, the API's pages at /docs)" if args.no_ui else ""
         if settings.probe_port:
             ready, loop = (lambda: app.state.repository.ready), (lambda: getattr(app.state, "loop", None))
             probes = ProbeServer(
@@ -283,6 +284,7 @@ class AnnouncingServer(uvicorn.Server):
     connection in time (`drained`)."""
 
     drained = False
+    note = ""  # after the URL: what it serves when that is not the UI
 
     def __init__(self, config: uvicorn.Config, repository: ModelRepository | None = None):
         super().__init__(config)
@@ -308,7 +310,7 @@ class AnnouncingServer(uvicorn.Server):
                     port = sock.getsockname()[1]  # the real port when --port 0
             host = "127.0.0.1" if self.config.host in ("0.0.0.0", "") else self.config.host
             ACCESS_LOG.drain(timeout=2.0)  # the start-up's log lines first (`logging_off_the_loop` queues them)
-            print(f"vitscope is ready: http://{host}:{port}/", flush=True)
+            print(f"vitscope is ready: http://{host}:{port}/{self.note}", flush=True)
 
 
 if __name__ == "__main__":

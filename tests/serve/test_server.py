@@ -28,7 +28,9 @@ def server(tiny_onnx):
 
 @pytest.mark.slow
 def test_the_url_is_printed_once_ready(server):
-    assert f"vitscope is ready: {server.url}/" in server.output
+    # without the UI, / is a 404: the line says where the API is instead
+    assert f"vitscope is ready: {server.url}/ (no UI: POST /v1/classify, the API's pages at /docs)" in server.output
+    assert httpx.get(server.url + "/docs").status_code == 200
 
 
 @pytest.mark.slow
