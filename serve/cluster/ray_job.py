@@ -108,7 +108,7 @@ def run_ray(
         if sources:
             scorer = (clf.path.read_bytes(), max(1, int(cpus_per_worker)), top_k, coverage)  # `Scorer`'s arguments
             done, failed = _score(sources, folder.tmp, scorer, batch_size, workers, cpus_per_worker, address, errors)
-        folder.publish(template_row(min(top_k, len(clf.labels)), coverage))
+        folder.publish(template_row(min(top_k, len(clf.labels)), coverage, clf.calibrated))
     finally:
         folder.release()
     return done, failed

@@ -35,6 +35,7 @@ from serve.runtime.outputs import PartStore
 
 PROGRESS_MIN_FILES = 20  # a bar for a handful of files is noise
 DEFAULT_PART_SIZE = 4096  # images per committed part: a killed run redoes at most this many
+ROW_FIELDS = "path, predictions, prediction_set, unknown, ood_score"  # what every row holds (`job_record`)
 # pixels decoding at once across the decode threads, as the server's --decode-pixel-budget: a 90 kB PNG can declare
 # 40 MP of 16-bit pixels, about 600 MB to decode, and 8 threads each on one took 2 GB and more
 DECODE_PIXEL_BUDGET = 40_000_000
@@ -219,11 +220,12 @@ def job_record(model: Path, top_k: int, coverage: float | None) -> dict[str, Any
     """What decides a job's rows, kept with its parts so that --resume can refuse to go on under another.
 
     The model is known by its content, not its name or time: a model exported again in place gives other answers,
-    a copy of it the same ones. --top-k sets the columns and --coverage adds some. The format is the suffix of
+    a copy of it the same ones. --top-k sets the columns and --coverage fills some. The format is the suffix of
     --out, which names the parts folder itself; --batch-size, --threads, --decode-threads and --part-size change
-    no row, so a resume may change them.
+    no row, so a resume may change them. `row fields` names the fields each row has: parts written before rows
+    had unknown and ood_score without --coverage are refused, not merged with rows of other columns.
     """
-    return {"model_sha256": file_sha256(model), "--top-k": top_k, "--coverage": coverage}
+    return {"model_sha256": file_sha256(model), "--top-k": top_k, "--coverage": coverage, "row fields": ROW_FIELDS}
 
 
 def _mismatch(out: Path, parts: Path, model: Path, was: dict[str, Any], now: dict[str, Any]) -> str:

@@ -99,22 +99,20 @@ def result_row(path: str | Path, top: list[tuple[str, float]] | Prediction) -> d
     return row
 
 
-def template_row(k: int, coverage: float | None) -> dict:
+def template_row(k: int, coverage: float | None, calibrated: bool = True) -> dict:
     """A row of the columns and types `rows_for` writes, for the header of an output no image reached."""
-    top = [("", 0.0)] * k
-    return result_row("", top if coverage is None else Prediction(top, [""], False, 0.0))
+    top, sure = [("", 0.0)] * k, (False, 0.0) if calibrated else (None, None)
+    return result_row("", Prediction(top, None if coverage is None else [""], *sure))
 
 
 def rows_for(clf: OnnxClassifier, top_k: int, coverage: float | None = None):
-    """(paths, pixels (B, H, W, 3)) -> their result rows: what `jobs.score_to_file` and the Ray job write. With
-    `coverage`, each row also holds its prediction set, unknown verdict and OOD score (`result_row`)."""
+    """(paths, pixels (B, H, W, 3)) -> their result rows, the objects vit-predict prints: what `jobs.score_to_file`
+    and the Ray job write. Each holds its unknown verdict and OOD score (null from an uncalibrated file) and, with
+    `coverage`, its prediction set (`result_row`)."""
     clf.check_coverage(coverage)
 
     def rows(paths: list[str], pixels: np.ndarray) -> list[dict]:
-        if coverage is None:
-            tops = clf.top_k(clf.predict_pixels(pixels), top_k)
-        else:
-            tops = clf.predictions(clf.assess(pixels, coverage), top_k)
+        tops = clf.predictions(clf.assess(pixels, coverage), top_k)
         return [result_row(p, top) for p, top in zip(paths, tops, strict=True)]
 
     return rows
@@ -318,7 +316,7 @@ def _run_to_file(args: argparse.Namespace) -> tuple[int, int]:
         workers=args.decode_threads,
         part_size=args.part_size,
         job=job_record(args.model, args.top_k, args.coverage),
-        template=template_row(min(args.top_k, len(clf.labels)), args.coverage),
+        template=template_row(min(args.top_k, len(clf.labels)), args.coverage, clf.calibrated),
     )
     return done, failed + missing
 

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from serve.runtime.outputs import PartStore
+from serve.runtime.outputs import JOB_FILE, PartStore
 from serve.runtime.predict import main
 from serve.runtime.row_formats import table_row
 from tests.helpers import CLASS_NAMES, quadrant_images
@@ -72,9 +72,13 @@ def test_out_file_holds_the_same_predictions_as_stdout_and_reports_broken_files(
     rows = _read(out)
     assert [r["path"] for r in rows] == list(expected)  # input order, each image once
     for row in rows:
-        want = expected[row["path"]]["predictions"]
-        assert [row["label_1"], row["label_2"]] == [p["label"] for p in want]
-        assert float(row["score_1"]) == pytest.approx(want[0]["score"], abs=1e-6)
+        want = expected[row["path"]]
+        assert [row["label_1"], row["label_2"]] == [p["label"] for p in want["predictions"]]
+        assert float(row["score_1"]) == pytest.approx(want["predictions"][0]["score"], abs=1e-6)
+        # every field stdout prints, without --coverage too: the unknown verdict was on stdout and not in the file
+        assert str(row["unknown"]).lower() == str(want["unknown"]).lower()
+        assert float(row["ood_score"]) == pytest.approx(want["ood_score"], abs=1e-6)
+        assert row["prediction_set"] in (None, "") and want["prediction_set"] is None
     assert not out.with_name(out.name + ".parts").exists()
 
 
@@ -477,6 +481,24 @@ def test_resume_after_the_model_file_changed_is_refused(tiny_onnx, tmp_path, cap
     assert main([*args, "--resume"]) == 2
     err = capsys.readouterr().err
     assert "model" in err and str(model) in err and "without --resume" in err and len(err.splitlines()) == 1, err
+    assert not out.exists()
+
+
+def test_parts_written_with_other_row_fields_are_refused_not_merged(tiny_onnx, tmp_path, capsys, monkeypatch):
+    """Rows without --coverage gained unknown and ood_score: parts an earlier version wrote lack both columns, and
+    a resume would have merged rows of two shapes into one table."""
+    folder = tmp_path / "photos"
+    _images(folder, 4)
+    out = tmp_path / "preds.csv"
+    args = [str(tiny_onnx), str(folder), "--out", str(out), "--batch-size", "2", "--part-size", "2"]
+    _killed_after(1, args, monkeypatch)
+    job = out.with_name(out.name + ".parts") / JOB_FILE
+    earlier = {k: v for k, v in json.loads(job.read_text()).items() if k != "row fields"}  # as such a version wrote
+    job.write_text(json.dumps(earlier))
+    capsys.readouterr()
+    assert main([*args, "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert "started with no row fields" in err and "without --resume" in err and len(err.splitlines()) == 1, err
     assert not out.exists()
 
 
