@@ -22,7 +22,6 @@ newline. So every line parses one way only. The listener thread does it, off the
 from __future__ import annotations
 
 import atexit
-import copy
 import logging
 import os
 import queue
@@ -30,7 +29,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from logging.handlers import QueueListener
+from logging.handlers import QueueHandler, QueueListener
 
 log = logging.getLogger("vitscope.access")
 FORMAT = '%s "%s %s" %s %.1fms id=%s'
@@ -198,25 +197,16 @@ class AccessLog:
 ACCESS_LOG = AccessLog()  # the process's one: HTTP requests and gRPC calls write through the same queue and thread
 
 
-class QueuedHandler(logging.Handler):
-    """Puts every record on `access`'s queue, for its thread to write with the handlers this one stands in for.
-
-    The message and any traceback are formatted here, while the record's arguments are as they were; the listener
-    then writes the line in the root handler's format.
-    """
+class QueuedHandler(QueueHandler):
+    """logging's `QueueHandler` (the message and any traceback formatted here, the arguments dropped) onto
+    `access`'s queue, within its bound, for its thread to write in the root handler's format."""
 
     def __init__(self, access: AccessLog):
-        super().__init__()
+        super().__init__(access.queue)
         self.access = access
 
-    def emit(self, record: logging.LogRecord) -> None:
-        try:
-            queued = copy.copy(record)
-            queued.msg, queued.args = self.format(record), None
-            queued.exc_info = queued.exc_text = queued.stack_info = None
-            self.access.put(queued)
-        except Exception:
-            self.handleError(record)
+    def enqueue(self, record: logging.LogRecord) -> None:
+        self.access.put(record)
 
 
 @contextmanager
