@@ -96,7 +96,10 @@ def launch_review(
     )  # fmt: skip
     # our own line: Gradio's says to "set share=True in launch()", where this command's option is --share
     public = f" and {app.share_url}" if app.share_url else " (--share for a public link)"
-    log.info("review: the page is at %s%s", app.local_url, public)
-    if block:
-        app.block_thread()  # until Ctrl-C or SIGTERM, then Gradio closes
+    try:
+        log.info("review: the page is at %s%s", app.local_url, public)
+        if block:
+            app.block_thread()  # until Ctrl-C or SIGTERM, then Gradio closes
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM before Gradio's wait took over: close as it would
+        app.close()
     return app
