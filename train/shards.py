@@ -17,6 +17,7 @@ import csv
 import io
 import json
 import logging
+import multiprocessing
 import re
 import sys
 from pathlib import Path
@@ -105,11 +106,15 @@ def prepare(
     bad = [(b.path, b.reason) for b in scan.bad] + errors
     meta = {"format": FORMAT, "root": str(scan.root), "layout": scan.layout, "classes": scan.classes}
     _remove_meta(out)  # before any chunk is rewritten: a prepare stopped half-way must not pair them with it
-    for split, items in (("train", scan.train), ("val", scan.val)):
-        items = [it for it in items if it[0] not in broken]
-        optimize(fn=_sample, inputs=items, output_dir=f"{out.rstrip('/')}/{split}", chunk_bytes=chunk_bytes,
-                 num_workers=workers, mode="overwrite")  # fmt: skip
-        meta[split] = len(items)
+    method = multiprocessing.get_start_method(allow_none=True)
+    try:
+        for split, items in (("train", scan.train), ("val", scan.val)):
+            items = [it for it in items if it[0] not in broken]
+            optimize(fn=_sample, inputs=items, output_dir=f"{out.rstrip('/')}/{split}", chunk_bytes=chunk_bytes,
+                     num_workers=workers, mode="overwrite")  # fmt: skip
+            meta[split] = len(items)
+    finally:  # optimize sets spawn for the whole process: a fit after it started each loader worker afresh (seconds)
+        multiprocessing.set_start_method(method, force=True)
     meta["bad"] = [{"path": p, "reason": r} for p, r in bad]
     meta["class_counts"] = class_counts(scan)
     meta["report"] = build_report(scan, "auto", dedupe)

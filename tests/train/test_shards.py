@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import multiprocessing
 import os
 import re
 import signal
@@ -23,8 +24,13 @@ from train.shards import is_streaming_root, prepare, read_meta
 
 
 def test_prepare_keeps_the_split_classes_and_reports_every_broken_file(messy_folder: Path, tmp_path: Path):
+    """Also: LitData's `optimize` set the process's multiprocessing start method to spawn for good, so a training
+    run in the same process (a notebook, a script) started each DataLoader worker as a fresh interpreter, seconds
+    each, where fork takes milliseconds."""
     out = tmp_path / "shards"
+    method = multiprocessing.get_start_method()  # the platform's default (fork on Linux)
     meta = prepare(str(messy_folder), str(out), val_fraction=0.25, seed=0, workers=1)
+    assert multiprocessing.get_start_method() == method
     scan = scan_folder(messy_folder, val_fraction=0.25, seed=0)
     assert meta["classes"] == scan.classes == ["cat", "dog"]
     assert {Path(b["path"]).name for b in meta["bad"]} == {"truncated.jpg", "empty.png", "text.png"}
