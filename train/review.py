@@ -90,16 +90,16 @@ def launch_review(
     log.info("review: %s; decisions go to %s", counts, run.run_dir / "corrections.csv")
     app.queue(default_concurrency_limit=1)  # one network, one decisions file: one click at a time
     logging.getLogger("httpx").setLevel(logging.WARNING)  # Gradio's requests to its own page, a line each
-    app.launch(
-        server_name=host, server_port=port, share=share, show_error=True, prevent_thread_lock=True, quiet=True,
-        max_file_size=MAX_UPLOAD,
-    )  # fmt: skip
-    # our own line: Gradio's says to "set share=True in launch()", where this command's option is --share
-    public = f" and {app.share_url}" if app.share_url else " (--share for a public link)"
     try:
+        app.launch(
+            server_name=host, server_port=port, share=share, show_error=True, prevent_thread_lock=True, quiet=True,
+            max_file_size=MAX_UPLOAD,
+        )  # fmt: skip
+        # our own line: Gradio's says to "set share=True in launch()", where this command's option is --share
+        public = f" and {app.share_url}" if app.share_url else " (--share for a public link)"
         log.info("review: the page is at %s%s", app.local_url, public)
         if block:
             app.block_thread()  # until Ctrl-C or SIGTERM, then Gradio closes
-    except KeyboardInterrupt:  # Ctrl-C or SIGTERM before Gradio's wait took over: close as it would
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM before Gradio's wait took over (the page may be up): close it
         app.close()
     return app

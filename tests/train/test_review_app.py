@@ -166,14 +166,18 @@ def test_what_is_uploaded_to_the_page_is_deleted_when_it_closes(run: Path):
     wait_until(lambda: not Path(kept).exists(), 10, "the upload deleted")
 
 
-@pytest.mark.parametrize("when", ["serving", "before-gradio-waits"])
+@pytest.mark.parametrize("when", ["serving", "launching", "before-gradio-waits"])
 def test_a_review_stopped_by_sigterm_closes_and_deletes_what_was_uploaded(when, run: Path, capsys, caplog, monkeypatch):
     """`vit-train review` stopped by SIGTERM (a scheduler, `timeout`) was killed, its uploads left behind; it told
     the user to "set `share=True` in `launch()`", where its option is --share. A SIGTERM after the page was up but
-    before Gradio's own wait took over (`before-gradio-waits`) escaped the command as an exception, the page open."""
+    before Gradio's own wait took over escaped the command as an exception, the page open: while launch() checked
+    that the page answers (`launching`), or between launch() and Gradio's wait (`before-gradio-waits`)."""
     from train.review import main
 
-    if when == "before-gradio-waits":  # the signal lands in the main thread between launch() and block_thread()
+    if when == "launching":  # the signal lands in the main thread while launch() asks the page it started
+        url_ok = gr.networking.url_ok
+        monkeypatch.setattr(gr.networking, "url_ok", lambda url: (time.sleep(60), url_ok(url))[1])
+    if when == "before-gradio-waits":  # or after launch(), before block_thread() has its own handler
         block_thread = gr.Blocks.block_thread
         monkeypatch.setattr(gr.Blocks, "block_thread", lambda app: (time.sleep(60), block_thread(app)))
     port, kept = free_port(), []
@@ -192,7 +196,8 @@ def test_a_review_stopped_by_sigterm_closes_and_deletes_what_was_uploaded(when, 
         except KeyboardInterrupt as e:  # Terminated: raised by the SIGTERM handler, and let out of the command
             pytest.fail(f"vit-train review let {type(e).__name__} out instead of closing its page")
     assert kept and signal.getsignal(signal.SIGTERM) is before
-    assert f"the page is at http://127.0.0.1:{port}/ (--share for a public link)" in caplog.text
+    if when != "launching":  # stopped before it could say
+        assert f"the page is at http://127.0.0.1:{port}/ (--share for a public link)" in caplog.text
     assert "share=True" not in capsys.readouterr().out
     wait_until(lambda: not Path(kept[0]).exists(), 10, "the upload deleted")
 
