@@ -364,6 +364,11 @@ def main(args: list[str] | None = None) -> None:
     except SIGTERMException:  # a scheduler stopping the job: not a success (Lightning's exception has no code)
         print("vit-train: stopped by SIGTERM; the same command with --ckpt_path last resumes it", file=sys.stderr)
         raise SystemExit(143) from None
+    except SystemExit as e:  # Lightning ends a run stopped by Ctrl-C with exit(1), as it would end a failure
+        if not isinstance(e.__context__, KeyboardInterrupt):
+            raise
+        print("vit-train: stopped by Ctrl-C; the same command with --ckpt_path last resumes it", file=sys.stderr)
+        raise SystemExit(130) from None
 
 
 if __name__ == "__main__":

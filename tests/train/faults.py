@@ -76,13 +76,15 @@ class LateStart(Callback):
             time.sleep(self.seconds)  # the delay itself: the other process waits for this one at its first step
 
 
-class Sigterm(Callback):
-    """At the start of epoch `epoch`, the process gets SIGTERM, as from `docker stop`; with `group`, its whole process
-    group does, DataLoader workers included, as from `timeout`, systemd or SLURM (run it in a session of its own)."""
+class Stop(Callback):
+    """At the start of epoch `epoch`, the process gets `signal`: SIGTERM as from `docker stop`, SIGINT as from Ctrl-C.
+    With `group`, its whole process group does, DataLoader workers included, as from `timeout`, systemd, SLURM or a
+    terminal (run it in a session of its own)."""
 
-    def __init__(self, epoch: int = 1, group: bool = False):
-        self.epoch, self.group = epoch, group
+    def __init__(self, epoch: int = 1, group: bool = False, signal: str = "SIGTERM"):
+        self.epoch, self.group, self.signal = epoch, group, signal
 
     def on_train_epoch_start(self, trainer, pl_module) -> None:
         if trainer.current_epoch == self.epoch:
-            os.killpg(os.getpgid(0), signal.SIGTERM) if self.group else os.kill(os.getpid(), signal.SIGTERM)
+            number = signal.Signals[self.signal]
+            os.killpg(os.getpgid(0), number) if self.group else os.kill(os.getpid(), number)

@@ -311,14 +311,19 @@ def test_validate_without_a_checkpoint_is_refused_rather_than_scoring_untrained_
 
 
 @pytest.mark.slow
-def test_a_fit_stopped_by_sigterm_exits_143_and_says_how_to_resume(small_folder, tmp_path):
+@pytest.mark.parametrize(("signal_name", "code", "said"), [("SIGTERM", 143, "SIGTERM"), ("SIGINT", 130, "Ctrl-C")])
+def test_a_fit_stopped_by_a_signal_exits_with_its_code_and_says_how_to_resume(
+    small_folder, tmp_path, signal_name, code, said
+):
     """Lightning's SIGTERM exit has no code: a scheduler read the stopped run as a success (exit 0). And `timeout`,
     systemd and SLURM signal the whole process group: a DataLoader worker died of it first, and the run ended with
-    PyTorch's "DataLoader worker ... is killed by signal: Terminated" traceback, exit 1 and no word on resuming."""
+    PyTorch's "DataLoader worker ... is killed by signal: Terminated" traceback, exit 1 and no word on resuming.
+    Ctrl-C (SIGINT to the terminal's process group) ended in Lightning's exit 1, as a failure, with no word either."""
     run, fault = (
         tmp_path / "run",
-        [f"{FAULTS}Sigterm", "--trainer.callbacks.epoch", "1", "--trainer.callbacks.group", "true"],
-    )
+        [f"{FAULTS}Stop", "--trainer.callbacks.epoch", "1", "--trainer.callbacks.group", "true",
+         "--trainer.callbacks.signal", signal_name],
+    )  # fmt: skip
     argv = args(small_folder, run, "--trainer.max_epochs", "3", "--data.num_workers", "2", *fault)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     child = subprocess.run(  # a session of its own: the signal goes to its process group, not to pytest's
@@ -329,6 +334,6 @@ def test_a_fit_stopped_by_sigterm_exits_143_and_says_how_to_resume(small_folder,
         timeout=300,
         start_new_session=True,
     )
-    err = the_one_error_line(child.returncode, child.stderr, code=143)
-    assert "stopped by SIGTERM" in err and "--ckpt_path last" in err
+    err = the_one_error_line(child.returncode, child.stderr, code=code)
+    assert f"stopped by {said}" in err and "--ckpt_path last" in err
     assert (run / "checkpoints" / "last.ckpt").is_file() and not (run / "summary.json").exists()
