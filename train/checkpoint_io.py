@@ -17,6 +17,7 @@ import io
 import logging
 import os
 import pickle
+import shutil
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,7 @@ from train.run_dir import is_remote, usable_checkpoints
 log = logging.getLogger(__name__)
 
 PARTIAL_SUFFIX = ".partial"  # `.<name>.<pid>.partial`: never matches the run's `*.ckpt` globs
+DISK_FULL = "the disk is full: free some space, or give the run a folder on another disk (--trainer.default_root_dir)"
 
 
 def atomic_torch_save(obj: Any, path: str | Path) -> None:
@@ -52,9 +54,19 @@ def atomic_torch_save(obj: Any, path: str | Path) -> None:
         os.replace(tmp, path)
         sync_folder(path.parent)
     except (OSError, RuntimeError) as e:  # torch's zip writer reports a failed write (ENOSPC, EFBIG) as RuntimeError
+        why = DISK_FULL if disk_full(path.parent) else first_line(e)  # asked before the partial file goes
         tmp.unlink(missing_ok=True)
         kept = " (the previous one is kept)" if path.exists() else ""
-        raise TrainingError(f"could not write the checkpoint {path}{kept}: {first_line(e)}") from None
+        raise TrainingError(f"could not write the checkpoint {path}{kept}: {why}") from None
+
+
+def disk_full(folder: Path) -> bool:
+    """Whether the filesystem of `folder` has (next to) no space left: what a write that failed there ran into, where
+    torch's zip writer says only "unexpected pos ..."."""
+    try:
+        return shutil.disk_usage(folder).free < 1 << 20
+    except OSError:
+        return False
 
 
 def remove_partial_saves(ckpt_dir: Path) -> list[Path]:
