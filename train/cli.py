@@ -362,13 +362,18 @@ def main(args: list[str] | None = None) -> None:
         print(f"vit-train: {e}", file=sys.stderr)
         raise SystemExit(1) from None
     except SIGTERMException:  # a scheduler stopping the job: not a success (Lightning's exception has no code)
-        print("vit-train: stopped by SIGTERM; the same command with --ckpt_path last resumes it", file=sys.stderr)
-        raise SystemExit(143) from None
+        raise stopped("SIGTERM", 143, argv) from None
     except SystemExit as e:  # Lightning ends a run stopped by Ctrl-C with exit(1), as it would end a failure
-        if not isinstance(e.__context__, KeyboardInterrupt):
+        if e.code != 1 or not isinstance(e.__context__, KeyboardInterrupt):
             raise
-        print("vit-train: stopped by Ctrl-C; the same command with --ckpt_path last resumes it", file=sys.stderr)
-        raise SystemExit(130) from None
+        raise stopped("Ctrl-C (SIGINT)", 130, argv) from None
+
+
+def stopped(signal_name: str, code: int, argv: list[str]) -> SystemExit:
+    """Says that a signal stopped the command (and, for a fit, how to resume it); the exit to raise."""
+    resume = "; the same command with --ckpt_path last resumes it" if argv[:1] == ["fit"] else ""
+    print(f"vit-train: stopped by {signal_name}{resume}", file=sys.stderr)
+    return SystemExit(code)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ import functools
 import http.server
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -311,7 +312,9 @@ def test_validate_without_a_checkpoint_is_refused_rather_than_scoring_untrained_
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("signal_name", "code", "said"), [("SIGTERM", 143, "SIGTERM"), ("SIGINT", 130, "Ctrl-C")])
+@pytest.mark.parametrize(
+    ("signal_name", "code", "said"), [("SIGTERM", 143, "SIGTERM"), ("SIGINT", 130, "Ctrl-C (SIGINT)")]
+)
 def test_a_fit_stopped_by_a_signal_exits_with_its_code_and_says_how_to_resume(
     small_folder, tmp_path, signal_name, code, said
 ):
@@ -333,7 +336,16 @@ def test_a_fit_stopped_by_a_signal_exits_with_its_code_and_says_how_to_resume(
         env=env,
         timeout=300,
         start_new_session=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # not ignored, whatever pytest inherited
     )
     err = the_one_error_line(child.returncode, child.stderr, code=code)
     assert f"stopped by {said}" in err and "--ckpt_path last" in err
     assert (run / "checkpoints" / "last.ckpt").is_file() and not (run / "summary.json").exists()
+
+
+def test_a_stopped_evaluation_is_not_told_to_resume(capsys):
+    # `--ckpt_path last` would score the last checkpoint where validate, test and predict score the best one
+    from train.cli import stopped
+
+    assert stopped("SIGTERM", 143, ["validate", "--config", "x.yaml"]).code == 143
+    assert capsys.readouterr().err == "vit-train: stopped by SIGTERM\n"
