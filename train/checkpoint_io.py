@@ -13,6 +13,7 @@ Reading: every checkpoint, local or remote (http, s3, ...), is loaded with `weig
 
 from __future__ import annotations
 
+import errno
 import io
 import logging
 import os
@@ -34,7 +35,10 @@ from train.run_dir import is_remote, usable_checkpoints
 log = logging.getLogger(__name__)
 
 PARTIAL_SUFFIX = ".partial"  # `.<name>.<pid>.partial`: never matches the run's `*.ckpt` globs
-DISK_FULL = "the disk is full: free some space, or give the run a folder on another disk (--trainer.default_root_dir)"
+DISK_FULL = (
+    "the disk is full: free some space (or move the run directory to a disk with room), "
+    "then resume with --ckpt_path last"
+)
 
 
 def atomic_torch_save(obj: Any, path: str | Path) -> None:
@@ -54,7 +58,8 @@ def atomic_torch_save(obj: Any, path: str | Path) -> None:
         os.replace(tmp, path)
         sync_folder(path.parent)
     except (OSError, RuntimeError) as e:  # torch's zip writer reports a failed write (ENOSPC, EFBIG) as RuntimeError
-        why = DISK_FULL if disk_full(path.parent) else first_line(e)  # asked before the partial file goes
+        out_of_space = isinstance(e, RuntimeError) or e.errno in (errno.ENOSPC, errno.EDQUOT)
+        why = DISK_FULL if out_of_space and disk_full(path.parent) else first_line(e)  # before the partial goes
         tmp.unlink(missing_ok=True)
         kept = " (the previous one is kept)" if path.exists() else ""
         raise TrainingError(f"could not write the checkpoint {path}{kept}: {why}") from None
