@@ -28,9 +28,13 @@ def test_prepare_keeps_the_split_classes_and_reports_every_broken_file(messy_fol
     run in the same process (a notebook, a script) started each DataLoader worker as a fresh interpreter, seconds
     each, where fork takes milliseconds."""
     out = tmp_path / "shards"
-    method = multiprocessing.get_start_method()  # the platform's default (fork on Linux)
-    meta = prepare(str(messy_folder), str(out), val_fraction=0.25, seed=0, workers=1)
-    assert multiprocessing.get_start_method() == method
+    method = multiprocessing.get_start_method(allow_none=True)
+    multiprocessing.set_start_method("forkserver", force=True)  # not LitData's choice, whatever ran before
+    try:
+        meta = prepare(str(messy_folder), str(out), val_fraction=0.25, seed=0, workers=1)
+        assert multiprocessing.get_start_method() == "forkserver"
+    finally:
+        multiprocessing.set_start_method(method, force=True)
     scan = scan_folder(messy_folder, val_fraction=0.25, seed=0)
     assert meta["classes"] == scan.classes == ["cat", "dog"]
     assert {Path(b["path"]).name for b in meta["bad"]} == {"truncated.jpg", "empty.png", "text.png"}
