@@ -81,7 +81,6 @@ def launch_review(
     """
     from train.review_data import ReviewRun
 
-    log.info("review: scoring the images of %s", run_dir)
     run = ReviewRun(Path(run_dir), limit=limit, batch_size=batch_size)  # a run it cannot review is refused first
     from train.review_app import build_review_app  # gradio: only for this subcommand, and only then
 

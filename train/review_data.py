@@ -96,6 +96,7 @@ class ReviewRun:
         parts = {key: [(e["path"], int(e["label"])) for e in split.get(key, [])] for key in ("train", "val", "calib")}
         self.given = {p: self.labels[y] for entries in parts.values() for p, y in entries}
         self.limit = limit
+        log.info("review: scoring the %d images of %s", len(self.given), self.run_dir)  # once the run is known good
         scored = self._score(parts, batch_size)
         # a list that is empty because its report is missing says so (an older run, or a fit that did not finish)
         self.missing = {

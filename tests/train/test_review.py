@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import logging
 import os
 import shutil
 from pathlib import Path
@@ -67,13 +68,16 @@ def review_run(tmp_path_factory) -> Path:
     return write_review_run(tmp_path_factory.mktemp("review") / "run")
 
 
-def test_review_refuses_a_run_without_checkpoints_or_reports_and_names_missing_lists(review_run, tmp_path, capsys):
+def test_review_refuses_a_run_without_checkpoints_or_reports_and_names_missing_lists(
+    review_run, tmp_path, capsys, caplog
+):
     from train.cli import main
 
-    with pytest.raises(SystemExit) as e:
+    with pytest.raises(SystemExit) as e, caplog.at_level(logging.INFO):
         main(["review", str(tmp_path)])
     assert e.value.code == 2
     assert "has no checkpoints/best.ckpt or last.ckpt" in capsys.readouterr().err
+    assert "scoring" not in caplog.text  # it said "scoring the images of ..." before refusing the folder
     (tmp_path / "checkpoints").mkdir()
     (tmp_path / "checkpoints" / "best.ckpt").write_bytes((review_run / "checkpoints" / "best.ckpt").read_bytes())
     (tmp_path / "split.json").write_text((review_run / "split.json").read_text())
