@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from serve.runtime.image_files import walk_image_files
+from serve.runtime.images import ImageError, load_image
 from train import checkpoint_format
 from train.errors import first_line
 from vit.model import VisionTransformer
@@ -168,6 +169,24 @@ def check_class_names(checkpoint: Path, names: Any, outputs: int) -> None:
             f"{checkpoint} names {', '.join(map(repr, repeated))} more than once: each of the {outputs} outputs "
             "needs a name of its own, or the file would give two classes one label"
         )
+
+
+def check_decodable(entries: list, source: str, need: int) -> None:
+    """`ValueError` unless at least `need` of the (path, label) `entries` decode (calibration images): checked
+    before the export, which takes minutes, reading only until `need` have decoded (the calibration reads them all
+    after it)."""
+    decoded = 0
+    for path, _ in entries:
+        try:
+            load_image(path)
+        except (ImageError, OSError):
+            continue
+        decoded += 1
+        if decoded == need:
+            return
+    raise ValueError(
+        f"{source}: {decoded} of its {len(entries)} image files decode, and calibration needs at least {need}"
+    )
 
 
 def split_path(checkpoint: Path) -> Path:

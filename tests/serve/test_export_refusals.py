@@ -240,6 +240,20 @@ def test_a_calibration_folder_of_too_few_images_is_refused_before_the_export(own
     assert "6 image files, and calibration needs at least 20" in _refused(capsys, argv)
 
 
+def test_a_calibration_folder_whose_images_mostly_do_not_decode_is_refused_before_the_export(
+    own_run, tmp_path, capsys, no_export
+):
+    """Enough files, too few of them images: refused after the whole export, the model built for nothing."""
+    for name in CLASS_NAMES[:2]:
+        (tmp_path / "calib" / name).mkdir(parents=True)
+        for i in range(12):
+            path = tmp_path / "calib" / name / f"{i}.png"
+            path.write_bytes(b"\x89PNG\r\n\x1a\n cut short") if i >= 4 else Image.new("RGB", (32, 32)).save(path)
+    out = tmp_path / "out" / "model.onnx"
+    argv = [str(own_run / "checkpoints" / "best.ckpt"), "-o", str(out), "--calibrate", str(tmp_path / "calib")]
+    assert "8 of its 24 image files decode, and calibration needs at least 20" in _refused(capsys, argv)
+
+
 def test_a_calibration_folder_of_one_class_is_refused_before_the_export(own_run, tmp_path, capsys, no_export):
     """Calibrated on 183 images of one class: ECE 0.00 %, overconfident scores, and that class always 'unknown'."""
     (tmp_path / "calib" / "top_left").mkdir(parents=True)
