@@ -27,6 +27,7 @@ from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.plugins import CheckpointIO
 from lightning.pytorch.utilities.exceptions import MisconfigurationException, SIGTERMException
 
+from serve.runtime.interrupts import EXIT_INTERRUPTED, EXIT_TERMINATED
 from train.callbacks import KeepBestScore
 from train.checkpoint_io import AtomicCheckpointIO, load_error, remove_partial_saves
 from train.datamodule import ImageFolderDataModule
@@ -362,11 +363,11 @@ def main(args: list[str] | None = None) -> None:
         print(f"vit-train: {e}", file=sys.stderr)
         raise SystemExit(1) from None
     except SIGTERMException:  # a scheduler stopping the job: not a success (Lightning's exception has no code)
-        raise stopped("SIGTERM", 143, argv) from None
+        raise stopped("SIGTERM", EXIT_TERMINATED, argv) from None
     except SystemExit as e:  # Lightning ends a run stopped by Ctrl-C with exit(1), as it would end a failure
         if e.code != 1 or not isinstance(e.__context__, KeyboardInterrupt):
             raise
-        raise stopped("Ctrl-C (SIGINT)", 130, argv) from None
+        raise stopped("Ctrl-C (SIGINT)", EXIT_INTERRUPTED, argv) from None
 
 
 def stopped(signal_name: str, code: int, argv: list[str]) -> SystemExit:
