@@ -186,6 +186,8 @@ def test_a_review_stopped_by_sigterm_closes_and_deletes_what_was_uploaded(when, 
         wait_until(lambda: _answers(port), 60, "the review page up")
         upload = httpx.post(f"http://127.0.0.1:{port}/gradio_api/upload", files={"files": ("a.bin", bytes(512))})
         kept.extend(upload.json())
+        if when != "launching":  # the page answers while launch() still checks it: wait until launch() has returned
+            wait_until(lambda: "the page is at" in caplog.text, 60, "launch() done")
         os.kill(os.getpid(), signal.SIGTERM)  # handled in this, the main, thread
 
     before = signal.getsignal(signal.SIGTERM)
