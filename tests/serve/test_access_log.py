@@ -4,6 +4,7 @@ and a request cannot write a line of its own into it."""
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import subprocess
 import sys
@@ -102,13 +103,14 @@ def test_a_quote_or_a_backslash_in_the_path_cannot_change_the_line(server):
     assert '"GET /nowhere\\x22 200 \\x5cx0a" 404' in line and line.count('"') == 2, line
 
 
-def test_a_stalled_log_never_stops_the_server_answering(tiny_onnx):
+def test_a_stalled_log_never_stops_the_server_answering(tiny_onnx, tmp_path):
     """Every log line but the access log's was written on the event loop: with stdout and stderr piped to a reader
     that stopped, about 1,500 malformed requests (uvicorn warns of each) filled the pipe, and the next write
     blocked the loop, so that /healthz and every request after it hung."""
     port = free_port()
     args = [sys.executable, "-m", "serve.server", str(tiny_onnx), "--no-ui", "--port", str(port)]
-    child = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # a pipe nobody reads
+    env = {**os.environ, "TMPDIR": str(tmp_path)}  # the UI's folder, which a killed server cannot delete
+    child = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)  # a pipe nobody reads
     try:
         url = f"http://127.0.0.1:{port}"
         wait_until(lambda: healthy(url), 60, "the server up")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import json
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -43,6 +44,22 @@ def int8_files(tiny_checkpoint, tmp_path_factory) -> dict[str, Path]:
         files[f"{target}-int8"] = out
         files[f"{target}-int8-triton"] = root / "triton" / out.stem / "1" / "model.onnx"
     return files
+
+
+@pytest.fixture(scope="module")
+def exported(tiny_checkpoint, tmp_path_factory) -> Callable[[str, int], Path]:
+    """`exported(target, opset)`: the tiny checkpoint through `vit-export --target --opset`, once per module (an
+    export is most of these tests' time)."""
+    folder, files = tmp_path_factory.mktemp("opsets"), {}
+
+    def export(target: str, opset: int) -> Path:
+        if (target, opset) not in files:
+            out = folder / f"{target}-{opset}.onnx"
+            assert main([str(tiny_checkpoint), "-o", str(out), "--target", target, "--opset", str(opset)]) == 0
+            files[target, opset] = out
+        return files[target, opset]
+
+    return export
 
 
 @pytest.fixture(scope="module")
@@ -162,11 +179,8 @@ def test_an_opset_outside_the_supported_range_is_refused_in_one_line(tiny_checkp
 
 @pytest.mark.slow
 @pytest.mark.parametrize("target, opset, ir_version", [("onnxruntime", 17, 8), ("portable", 21, 10)])
-def test_the_file_declares_the_opset_asked_for_and_the_oldest_ir_version_for_it(
-    tiny_checkpoint, tmp_path, target, opset, ir_version
-):
-    out = tmp_path / f"{target}-{opset}.onnx"
-    assert main([str(tiny_checkpoint), "-o", str(out), "--target", target, "--opset", str(opset)]) == 0
+def test_the_file_declares_the_opset_asked_for_and_the_oldest_ir_version_for_it(exported, target, opset, ir_version):
+    out = exported(target, opset)
     model = onnx.load(out)
     assert {o.domain: o.version for o in model.opset_import}[""] == opset
     assert model.ir_version == ir_version
@@ -236,12 +250,9 @@ def test_every_target_runs_in_the_oldest_onnxruntime_it_declares(
 
 
 @pytest.mark.slow
-def test_the_newest_opset_runs_in_the_oldest_onnxruntime_it_declares(tiny_checkpoint, pixels, tmp_path):
+def test_the_newest_opset_runs_in_the_oldest_onnxruntime_it_declares(exported, pixels, tmp_path):
     opset = OPSETS[-1]
-    files = {}
-    for target in ("onnxruntime", "portable"):
-        files[target] = tmp_path / f"{target}-{opset}.onnx"
-        assert main([str(tiny_checkpoint), "-o", str(files[target]), "--target", target, "--opset", str(opset)]) == 0
+    files = {target: exported(target, opset) for target in ("onnxruntime", "portable")}
     version = f"{OLDEST_ONNXRUNTIME[opset]}.0"
     ran, old = _run_in_old_onnxruntime(_old_onnxruntime_venv(tmp_path / "venv", version), files, pixels, tmp_path)
     assert ran == version
