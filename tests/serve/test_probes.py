@@ -64,6 +64,23 @@ def test_readiness_follows_the_server_and_liveness_fails_while_its_loop_is_wedge
     assert probes.proc.poll() is not None
 
 
+def test_a_probe_process_slow_to_start_is_live_once_it_answers(loop, monkeypatch):
+    """The state is stamped when the server builds its probes; a probe process that took longer than the stale time
+    to start (a busy machine) answered its first /healthz with 503."""
+    spawn = ProbeServer._spawn
+
+    def slow_spawn(self) -> None:
+        spawn(self)
+        time.sleep(1.5)
+
+    monkeypatch.setattr(ProbeServer, "_spawn", slow_spawn)
+    probes = ProbeServer("127.0.0.1", 0, lambda: True, loop=lambda: loop, stale_s=1.0).start()
+    try:
+        assert status(probes.port, "/healthz") == 200
+    finally:
+        probes.stop()
+
+
 def test_the_probe_process_and_its_state_go_when_the_server_is_killed(tmp_path):
     code = (
         "import sys, time\n"

@@ -111,6 +111,7 @@ class ProbeServer:
         except RuntimeError:
             self._close_state()
             raise
+        self._stamp()  # the stale time counts from now: a start slowed by a busy machine is not a dead loop
         self._beat.start()
         log.info("health probes on port %d (process %d)", self.port, self.proc.pid)
         return self
