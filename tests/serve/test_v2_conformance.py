@@ -175,6 +175,14 @@ def test_an_output_the_model_lacks_is_refused_naming_the_ones_it_has(server, mod
     assert r.status_code == 422 and "'feature_map'" in r.json()["error"] and "'probs'" in r.json()["error"]
 
 
+@pytest.mark.parametrize("parameters", [5, True, "binary_data", [1]])
+def test_output_parameters_that_are_not_an_object_are_a_422(server, model, parameters):
+    """A number or a boolean there was a 500 with a traceback in the log; a string was taken as no parameters."""
+    body, headers = infer_body([{"name": "logits", "parameters": parameters}], False)
+    r = httpx.post(f"{server.url}/v2/models/{model}/infer", content=body, headers=headers, timeout=30)
+    assert r.status_code == 422 and r.json()["error"] == 'the "parameters" of an output must be an object'
+
+
 def test_grpc_refuses_an_output_asked_for_twice_or_one_the_model_lacks(server, model):
     grpcclient = pytest.importorskip("tritonclient.grpc")
     with grpcclient.InferenceServerClient(server.grpc_url) as c:

@@ -257,8 +257,9 @@ def requested_output(out: Any, allowed: list[str], default_binary: bool) -> tupl
     if name not in allowed:
         raise bad(f"unknown output {name!r}; this model's outputs are {', '.join(map(repr, allowed))}")
     params = out.get("parameters") or {}
-    if isinstance(params, dict):
-        refuse_extensions(params)
+    if not isinstance(params, dict):
+        raise bad('the "parameters" of an output must be an object')
+    refuse_extensions(params)
     return name, bool_param(params, "binary_data") if "binary_data" in params else default_binary
 
 
