@@ -34,8 +34,8 @@ from serve.server.http.record import RequestRecord
 from serve.server.http.uploads import decode_image
 from serve.server.metrics import Metrics
 from serve.server.payload_log import CloudEventsSink, FileSink, PayloadLog
-from serve.server.repository.layout import scan
-from serve.server.repository.repository import ModelRepository, model_order
+from serve.server.repository.layout import model_order, scan
+from serve.server.repository.repository import ModelRepository
 from serve.server.repository.version import LoadFailure
 from serve.server.settings import ServeSettings
 from serve.server.threads import Threads

@@ -183,7 +183,7 @@ def _loaded(model: Path, settings: ServeSettings):
             model that cannot load (the message says which).
     """
     from serve.runtime.classifier import OnnxClassifier
-    from serve.server.repository.repository import model_order
+    from serve.server.repository.layout import model_order
 
     if settings.threads > (cores := usable_cores()):
         limit = f"0 (by model size) to {cores} (this machine's cores)"

@@ -230,3 +230,15 @@ def scan(root: Path) -> dict[str, ModelFolder]:
             f"{root} holds no model: expected <name>/<version>/{MODEL_FILE} (as vit-export --triton-repo writes)"
         )
     return models
+
+
+def model_order(root: Path, default_model: str = "") -> list[str]:
+    """The models of the folder `root`, `default_model` first when given, the others by name.
+
+    Raises:
+        ValueError: `root` holds no model (`scan`), or `default_model` is not one of them.
+    """
+    names = sorted(scan(root))
+    if default_model and default_model not in names:
+        raise ValueError(f"--default-model {default_model!r} is not in {root}; it holds {', '.join(names)}")
+    return [default_model, *(n for n in names if n != default_model)] if default_model else names

@@ -386,15 +386,3 @@ def _described(e: Exception, limit: int = 500) -> str:
     """An unforeseen exception as a reason for the index: its type and message, cut to `limit` characters."""
     text = f"{type(e).__name__}: {e}"
     return text if len(text) <= limit else text[:limit] + "..."
-
-
-def model_order(root: Path, default_model: str = "") -> list[str]:
-    """The models of the folder `root`, `default_model` first when given, the others by name.
-
-    Raises:
-        ValueError: `root` holds no model (`scan`), or `default_model` is not one of them.
-    """
-    names = sorted(scan(root))
-    if default_model and default_model not in names:
-        raise ValueError(f"--default-model {default_model!r} is not in {root}; it holds {', '.join(names)}")
-    return [default_model, *(n for n in names if n != default_model)] if default_model else names
