@@ -8,8 +8,8 @@ size, modification time or inode: rewritten in place, or replaced by a rename), 
 side (`load_version`); only then does the table name it, and new requests go to it. A version that leaves the
 table drains: it is stopped once the requests that resolved it have finished, and its series leave /metrics (the
 model's own too, with its last version). A version that fails its checks never enters the table; it is logged,
-counted in /metrics and listed in `index` with its reason, and tried again when its file changes (a copy that was
-not finished).
+counted in /metrics and listed in `index` with its reason, and tried again when its file or labels.txt changes (a
+copy that was not finished) or when `load` asks.
 
 Whatever one model's folder holds (a truncated or garbage file, a labels.txt that is not text, a config that
 cannot be read, a file that makes the loader raise anything at all), it is that model's failure and no one
@@ -215,7 +215,8 @@ class ModelRepository:
             self._remove(name, old)
 
     def load(self, name: str) -> None:
-        """Load (or reload) one model from the folder, as the v2 repository extension asks.
+        """Load (or reload) one model from the folder, as the v2 repository extension asks; versions that failed
+        are tried again even if their files did not change (polling waits for a change).
 
         Raises:
             UnknownModel: the folder has no such model, by `scan`'s rule (a hidden or staging folder, `..` or a name
@@ -230,6 +231,7 @@ class ModelRepository:
             if not found:
                 raise UnknownModel(f"the repository has no model {name!r}")
             self.unloaded.discard(name)
+            self._forget(name, keep=set())  # asked for: its failed versions are tried again, changed or not
             self.sync(only=name)
             failed = [e for (m, _), (_, e) in self.failures.items() if m == name]
             if failed or not self.serving.get(name):
@@ -271,13 +273,13 @@ class ModelRepository:
                 log.exception("scanning the repository %s failed; serving what is loaded", self.root)
 
     def _try_load(self, name: str, version: str, path: Path, labels: list[str] | None) -> None:
-        try:
-            stamp = stamp_of(path)
+        try:  # what is tried: the file, and the labels.txt it must match
+            stamp = (stamp_of(path), None if labels is None else tuple(labels))
         except OSError:
             return  # gone again
         failed = self.failures.get((name, version))
         if failed is not None and failed[0] == stamp:
-            return  # the same file failed before: try again when it changes
+            return  # the same file and labels failed before: try again when either changes
         try:
             mv = load_version(name, version, path, self.make_engine, self.threads, labels, self._loading)
         except LoadFailure as e:
@@ -292,6 +294,7 @@ class ModelRepository:
 
     def _fail(self, name: str, version: str, e: LoadFailure, stamp: object = None) -> None:
         """Record, count and log a failure (a model's own when `version` is ""), once for each file or reason."""
+        e = LoadFailure(e.kind, str(e))  # kept and logged without its traceback, whose frames hold the load's session
         stamp = str(e) if stamp is None else stamp
         known = self.failures.get((name, version))
         if known is not None and known[0] == stamp:
