@@ -31,6 +31,7 @@ ERROR_STATUS = {
     "length_required": 411,  # a UI upload without Content-Length
     "not_found": 404,
     "load_failed": 400,  # a model version that failed its checks on load (Triton's status for it)
+    "model_control": 400,  # load or unload on a server of one file (Triton's status where it has no model control)
     "method_not_allowed": 405,
     "request_timeout": 408,  # the request head or body did not arrive in time
     "headers_too_large": 431,  # over max_header_bytes

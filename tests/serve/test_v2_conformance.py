@@ -183,6 +183,16 @@ def test_output_parameters_that_are_not_an_object_are_a_422(server, model, param
     assert r.status_code == 422 and r.json()["error"] == 'the "parameters" of an output must be an object'
 
 
+def test_a_server_of_one_file_neither_unloads_nor_loads_its_model(server, model):
+    """Unloading the one model of `vit-serve FILE` could not be undone (its load answered 404: no repository), and
+    the server answered 503 until restarted."""
+    for action in ("unload", "load"):
+        r = httpx.post(f"{server.url}/v2/repository/models/{model}/{action}", timeout=30)
+        assert r.status_code == 400 and "vit-serve DIR" in r.json()["error"], r.text
+    assert httpx.get(server.url + "/readyz", timeout=10).status_code == 200
+    assert httpx.get(f"{server.url}/v2/models/{model}/ready", timeout=10).status_code == 200
+
+
 def test_grpc_refuses_an_output_asked_for_twice_or_one_the_model_lacks(server, model):
     grpcclient = pytest.importorskip("tritonclient.grpc")
     with grpcclient.InferenceServerClient(server.grpc_url) as c:

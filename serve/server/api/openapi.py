@@ -58,6 +58,7 @@ WHY = {
     504: "no result in time",
 }
 LOAD_FAILED = "; or the model failed to load (the answer gives its reason: a broken file, a bad config.pbtxt, ...)"
+ONE_FILE = "; or a server of one file, which neither loads nor unloads (a repository folder does)"
 
 
 def describe(app: FastAPI, limits: RequestLimits, model_name: str, auth: bool, plain: tuple[dict, dict]) -> None:
@@ -114,7 +115,8 @@ def error_responses(path: str, method: str, op: dict[str, Any], auth: bool) -> d
     if method == "post":
         statuses |= {413, 415, 422, 504}
     schema = V2_ERROR if path.startswith("/v2/") else ERROR
-    why = {**WHY, 400: WHY[400] + LOAD_FAILED} if path.endswith("/load") else WHY
+    why = {**WHY, 400: WHY[400] + LOAD_FAILED + ONE_FILE} if path.endswith("/load") else WHY
+    why = {**WHY, 400: WHY[400] + ONE_FILE} if path.endswith("/unload") else why
     return {
         str(s): {"description": why[s], "content": {"application/json": {"schema": schema}}} for s in sorted(statuses)
     }

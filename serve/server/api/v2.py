@@ -214,6 +214,12 @@ def model_entry(name: str, versions: dict) -> dict:
     return {"name": name, "versions": sorted(versions), "platform": "onnxruntime_onnx"}
 
 
+ONE_FILE = (
+    "this server serves one file (vit-serve FILE), which is neither loaded nor unloaded here: serve a repository "
+    "folder (vit-serve DIR) to load and unload models"
+)
+
+
 def add_repository_routes(
     router: APIRouter, repository: ModelRepository, limits: RequestLimits, errors, threads: Threads
 ) -> None:
@@ -227,6 +233,10 @@ def add_repository_routes(
         body = await read_body(request, limits)
         return read_json(body, "request body") if body.strip() else None
 
+    def model_control() -> None:  # as Triton refuses load and unload where it has no model control
+        if repository.root is None:
+            raise ApiError("model_control", ONE_FILE)
+
     @router.post("/repository/index")
     @errors
     async def v2_repository_index(request: Request):
@@ -238,6 +248,7 @@ def add_repository_routes(
     @errors
     async def v2_repository_load(name: str, request: Request):
         await options(request)
+        model_control()
         try:
             await run_in(threads.changes, repository.load, name)
         except UnknownModel as e:
@@ -250,6 +261,7 @@ def add_repository_routes(
     @errors
     async def v2_repository_unload(name: str, request: Request):
         await options(request)
+        model_control()
         try:
             await run_in(threads.changes, repository.unload, name)
         except UnknownModel as e:
