@@ -355,6 +355,41 @@ def test_a_failed_version_is_tried_again_once_its_labels_are_fixed_or_a_load_ask
         repository.stop()
 
 
+def test_a_repository_emptied_under_the_poller_keeps_serving_and_says_so_once(exported, tmp_path, caplog):  # noqa: F811
+    """Each poll of an emptied (or unmounted) folder logged the same traceback again, forever."""
+    import logging
+
+    from serve.server.engine import Engine
+    from serve.server.metrics import Metrics
+    from serve.server.repository.repository import ModelRepository
+    from serve.server.settings import ServeSettings
+
+    class Counted(ModelRepository):
+        syncs = 0
+
+        def sync(self, only: str | None = None) -> None:
+            self.syncs += 1
+            super().sync(only)
+
+    repo = tmp_path / "models"
+    add_model(repo, exported, "alpha", [1])
+    settings = ServeSettings(preferred_batch_size=1, graceful_timeout_s=1)
+    repository = Counted(lambda c, n, v: Engine(c, settings), Metrics(), root=repo, drain_s=1, poll_s=0.02)
+    caplog.set_level(logging.INFO, logger="vitscope.repository")
+    repository.start()
+    try:
+        (repo / "alpha").rename(repo / ".alpha.away")  # the folder now holds no model
+        polls = repository.syncs
+        wait_until(lambda: repository.syncs > polls + 10, 10, "ten polls of the empty folder")
+        errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+        assert len(errors) == 1 and "holds no model" in errors[0].getMessage() and not errors[0].exc_info
+        assert list(repository.serving) == ["alpha"] and repository.ready
+        (repo / ".alpha.away").rename(repo / "alpha")
+        wait_until(lambda: "can be scanned again" in caplog.text, 10, "the scan working again")
+    finally:
+        repository.stop()
+
+
 @pytest.fixture(scope="module")
 def uncalibrated(request, tmp_path_factory) -> Path:
     """A repository from `vit-export --triton-repo --no-calibration`: model `plain`, version 1, no OOD score."""

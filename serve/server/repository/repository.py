@@ -266,11 +266,19 @@ class ModelRepository:
             return all([mv.drain(self.drain_s) for mv in versions])
 
     def _poll(self) -> None:
+        failing = ""  # why the last scan failed: an emptied or unmounted folder fails every poll alike, said once
         while not self._stop.wait(self.poll_s):
             try:
                 self.sync()
-            except Exception:  # a folder removed under us, a bad config: keep serving what is loaded
-                log.exception("scanning the repository %s failed; serving what is loaded", self.root)
+            except Exception as e:  # keep serving what is loaded: a volume mounted late or a folder being replaced
+                if _described(e) != failing:
+                    expected = isinstance(e, (OSError, ValueError))  # no folder, or no model in it: no traceback
+                    log.error("cannot scan the repository (%s); serving what is loaded", e, exc_info=not expected)
+                failing = _described(e)
+                continue
+            if failing:
+                log.info("the repository %s can be scanned again", self.root)
+            failing = ""
 
     def _try_load(self, name: str, version: str, path: Path, labels: list[str] | None) -> None:
         try:  # what is tried: the file, and the labels.txt it must match
