@@ -122,14 +122,15 @@ class CloudEventsSink:
             self._post(kind, record, json.dumps(data, separators=(",", ":")).encode())
 
     def _post(self, kind: str, record: dict, body: bytes) -> None:
+        model = _ce_value(record["model"])
         headers = {
             "Content-Type": "application/json",
             "ce-specversion": "1.0",
-            "ce-id": record["id"],
+            "ce-id": _ce_value(record["id"]),
             "ce-type": kind,
-            "ce-source": f"/vitscope/models/{record['model']}",
+            "ce-source": f"/vitscope/models/{model}",
             "ce-time": record["time"],
-            "ce-inferenceservicename": record["model"],
+            "ce-inferenceservicename": model,
             "ce-component": "predictor",
             "ce-endpoint": "default",  # KServe's predictor endpoint (default or canary); one here
         }
@@ -140,8 +141,8 @@ class CloudEventsSink:
             self.conn.request("POST", self.path, body, headers)
             answer = self.conn.getresponse()
             answer.read()
-        except (OSError, http.client.HTTPException):
-            self.close()  # a fresh connection for the next record
+        except Exception:
+            self.close()  # a fresh connection for the next record: this one may be left mid-request
             raise
         if answer.status >= 300:
             raise OSError(f"the payload sink answered {answer.status} {answer.reason}")
@@ -150,6 +151,15 @@ class CloudEventsSink:
         if self.conn is not None:
             self.conn.close()
             self.conn = None
+
+
+def _ce_value(text: str) -> str:
+    """`text` as a CloudEvents header value: percent-encoded outside printable ASCII, and for space, `"` and `%`
+    (the HTTP binding's rule), so that a model named outside ASCII reaches the sink."""
+    return urllib.parse.quote(text, safe=CE_SAFE)
+
+
+CE_SAFE = "".join(c for c in map(chr, range(0x21, 0x7F)) if c not in '"%')
 
 
 class PayloadLog:

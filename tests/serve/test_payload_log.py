@@ -213,3 +213,20 @@ def test_the_queue_is_bounded_in_bytes_and_what_is_past_it_is_dropped_and_counte
     finally:
         sink.released.set()
         sink.shutdown()
+
+
+def test_a_model_name_outside_ascii_reaches_the_sink_percent_encoded_and_spoils_no_later_record():
+    """A header value http.client cannot encode failed the record, and left the connection mid-request so that the
+    next record failed too: every record of such a model, and one more, were lost."""
+    sink, drops = Sink(), []
+    log = PayloadLog([CloudEventsSink(sink.url)], on_drop=lambda *d: drops.append(d))
+    try:
+        for name in ("模型", "plain"):
+            log.record(f"id-{name}", "/v1/classify", (name, "1", ["a", "b"]), np.array([[0.6, 0.4]]), [b"x"])
+        log.close()
+        assert not drops
+        heads = {data["model"]: head for head, data in sink.events}  # the body keeps the name as it is
+        assert heads["模型"]["ce-source"] == "/vitscope/models/%E6%A8%A1%E5%9E%8B"
+        assert heads["模型"]["ce-inferenceservicename"] == "%E6%A8%A1%E5%9E%8B" and "plain" in heads
+    finally:
+        sink.shutdown()
