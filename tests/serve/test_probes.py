@@ -18,7 +18,7 @@ import time
 import httpx
 import pytest
 
-from serve.server.http.probes import MAX_CONNECTIONS, MAX_HEAD_BYTES, ProbeServer
+from serve.server.http.probes import MAX_CONNECTIONS, MAX_HEAD_BYTES, MAX_PIPELINED, ProbeServer
 from serve.server.testing import free_port, wait_until
 
 
@@ -105,6 +105,26 @@ def test_the_probe_process_and_its_state_go_when_the_server_is_killed(tmp_path):
 
     wait_until(gone, 10, "the probe process exiting after its server")
     assert not list(tmp_path.iterdir())  # a pod killed a thousand times leaves no file behind
+
+
+def test_a_client_that_pipelines_thousands_of_requests_gets_a_few_answers_and_is_dropped():
+    """256 KiB of pipelined requests arrive in one read: the probe process answered all ~8,000 in one go, holding its
+    one event loop (and every other probe) for over half a second on a busy machine."""
+    probes = ProbeServer("127.0.0.1", 0, lambda: True).start()
+    try:
+        flood = b"GET /healthz HTTP/1.1\r\nhost: a\r\n\r\n" * (256 * 1024 // 36)
+        with socket.create_connection(("127.0.0.1", probes.port), timeout=10) as c:
+            got = b""
+            try:
+                c.sendall(flood)
+                while chunk := c.recv(65536):  # until the probe process hangs up
+                    got += chunk
+            except ConnectionResetError:  # hung up with requests unread: the kernel resets, answers may be lost
+                pass
+        assert got.count(b"HTTP/1.1 200") <= MAX_PIPELINED
+        assert answers(probes.port)
+    finally:
+        probes.stop()
 
 
 def test_a_probe_port_in_use_is_a_clear_error():

@@ -59,6 +59,7 @@ READY = {
 PROBE_TIMEOUT_S = 2.0  # a connection that has not sent a whole request within this is dropped
 MAX_CONNECTIONS = 1024  # connections held at once; at the cap the oldest is closed for the newest
 MAX_HEAD_BYTES = 8192  # a request line and headers past this are refused
+MAX_PIPELINED = 16  # requests answered from one read; a client that sends more before reading is dropped
 BACKLOG = 1024  # connections the kernel queues before we accept them: a flood waits there, costing no descriptor
 FD_RESERVE = 32  # descriptors beside the connections: the listening socket, the event loop, stdio
 BEAT_S = 0.25  # how often the server stamps the shared state
@@ -216,6 +217,7 @@ class _ProbeConnection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self.http.receive_data(data)
+        answered = 0  # one read of 256 KiB held ~8,000 pipelined requests: answering them all stalled the loop
         try:
             while True:
                 unread = len(self.http.trailing_data[0])
@@ -224,8 +226,12 @@ class _ProbeConnection(asyncio.Protocol):
                 # the head's bytes as sent (h11 bounds only a head still arriving, and strips what it parses)
                 if isinstance(event, h11.Request) and unread - len(self.http.trailing_data[0]) > MAX_HEAD_BYTES:
                     raise h11.RemoteProtocolError("request head too large", error_status_hint=431)
+                if isinstance(event, h11.Request) and answered == MAX_PIPELINED:
+                    self.transport.close()  # what was answered is still sent
+                    return
                 if isinstance(event, h11.Request):
                     self._respond(event)  # a body, if any, is read and ignored
+                    answered += 1
                 elif isinstance(event, h11.EndOfMessage):
                     if not self._next_cycle():
                         return
