@@ -155,8 +155,13 @@ def read_source(source: Source) -> str | bytes:
 
     if isinstance(fs, LocalFileSystem):
         return path
-    with fs.open(path, "rb") as f:
-        return f.read()
+    try:
+        with fs.open(path, "rb") as f:
+            return f.read()
+    except OSError:
+        raise
+    except Exception as e:  # the backend's own errors (aiohttp's for an HTTP 503 or 429): this input's, not the run's
+        raise OSError(f"cannot be read ({type(e).__name__}: {e})") from e
 
 
 def decoded_batches(

@@ -165,8 +165,14 @@ def test_a_url_that_cannot_be_reached_is_one_input_that_failed_not_the_run(tiny_
     pytest.importorskip("aiohttp", reason="fsspec reads http:// with aiohttp")
 
     class Forbidden(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):  # HEAD too: every request is refused
-            self.send_error(403)
+        def do_GET(self):  # HEAD too: every request is refused, but /busy.png is listed, then busy when read
+            if self.path != "/busy.png" or self.headers.get("Range"):  # fsspec reads in byte ranges
+                return self.send_error(503 if self.path == "/busy.png" else 403)
+            self.send_response(200)
+            self.send_header("Content-Length", "100")
+            self.end_headers()
+            if self.command == "GET":
+                self.wfile.write(bytes(100))
 
         do_HEAD = do_GET
 
@@ -178,17 +184,19 @@ def test_a_url_that_cannot_be_reached_is_one_input_that_failed_not_the_run(tiny_
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Forbidden)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     forbidden = f"http://127.0.0.1:{server.server_address[1]}/photo.png"
+    busy = f"http://127.0.0.1:{server.server_address[1]}/busy.png"  # its 503 on reading was a traceback, rows lost
     try:
         with socket.socket() as s:  # bound and not listening for the whole run: it refuses, and no one else takes it
             s.bind(("127.0.0.1", 0))
             refused = f"http://127.0.0.1:{s.getsockname()[1]}/photo.png"
-            assert main([str(tiny_onnx), refused, forbidden, str(path), "--out", str(out)]) == 1
+            assert main([str(tiny_onnx), refused, forbidden, busy, str(path), "--out", str(out)]) == 1
     finally:
         server.shutdown()
         server.server_close()
     err = capsys.readouterr().err
     assert f"{refused}: cannot be reached or listed (" in err and f"{forbidden}: cannot be reached or listed" in err
-    assert "2 input(s) could not be read" in err, err
+    assert "503" in err.split(f"{busy}: ", 1)[1].splitlines()[0], err
+    assert "3 input(s) could not be read" in err, err
     assert [json.loads(line)["path"] for line in out.read_text().splitlines()] == [str(path)]
 
 
