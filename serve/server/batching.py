@@ -23,7 +23,7 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -83,6 +83,7 @@ class MicroBatcher:
         self.max_delay = max_delay_ms / 1000.0
         self.on_batch = on_batch
         self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
+        self._admit = threading.RLock()  # held by each producer from its check for room to its last put
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
         self._last_batch = 1
@@ -111,6 +112,16 @@ class MicroBatcher:
         """
         return self._put(_Image(item, Future() if future is None else future))
 
+    def submit_all(self, items: Sequence[Any], futures: Sequence[asyncio.Future]) -> Sequence[asyncio.Future]:
+        """Queue every item (as `submit`, each resolving its future), or none: `QueueFull` when they do not all fit
+        now. A request's images queued in part would run, to be thrown away with the 503 of the rest."""
+        with self._admit:
+            if len(items) > self._queue.maxsize - self._queue.qsize():
+                raise QueueFull(f"the server is busy: the request's {len(items)} images do not fit its queue now")
+            for item, future in zip(items, futures, strict=True):
+                self._put(_Image(item, future))
+        return futures
+
     def call(self, fn: Callable[..., Any], *args: Any, future: asyncio.Future | None = None) -> Future | asyncio.Future:
         """Queue `fn(*args)` to run alone on the worker thread; the future (as for `submit`) resolves to its result."""
         return self._put(_Call(fn, args, Future() if future is None else future))
@@ -121,7 +132,8 @@ class MicroBatcher:
         if self._thread is None:
             raise RuntimeError("the batcher is not started; call start() first")
         try:
-            self._queue.put_nowait(item)
+            with self._admit:  # not between `submit_all`'s check and its puts
+                self._queue.put_nowait(item)
         except queue.Full:
             raise QueueFull(f"the server is busy ({self._queue.maxsize} images waiting); retry shortly") from None
         return item.future

@@ -13,7 +13,7 @@ import asyncio
 import functools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -180,6 +180,12 @@ class Engine:
         ood), batched with concurrent requests."""
         future = self.batcher.submit(item, asyncio.get_running_loop().create_future())
         return await self.deadlines.watch(future)
+
+    async def infer_all(self, items: Sequence[Any]) -> list:
+        """Each item's record (as `infer`) or its failure; queued all at once or not at all (`QueueFull`)."""
+        loop = asyncio.get_running_loop()
+        futures = self.batcher.submit_all(items, [loop.create_future() for _ in items])
+        return await asyncio.gather(*map(self.deadlines.watch, futures), return_exceptions=True)
 
     async def predict(self, item: Any) -> np.ndarray:
         """(H, W, 3) uint8 (or an item for `decode`) -> (K,) probabilities, batched with concurrent requests."""

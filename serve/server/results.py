@@ -17,23 +17,29 @@ async def model_result(work: Awaitable, timeout_s: float):
     """Await work queued on the model's worker; its failures become the `ApiError` of their kind."""
     try:
         return await work
-    except QueueFull as e:
-        raise ApiError("queue_full", str(e)) from None
-    except ShuttingDown as e:
-        raise ApiError("shutting_down", str(e)) from None
-    except (TimeoutError, asyncio.TimeoutError):  # distinct classes before Python 3.11
-        raise ApiError("timeout", f"no result within {timeout_s} s; retry later") from None
+    except (QueueFull, ShuttingDown, TimeoutError, asyncio.TimeoutError) as e:  # distinct timeouts before 3.11
+        raise api_error(e, timeout_s) from None
+
+
+def api_error(e: BaseException, timeout_s: float) -> BaseException:
+    """The `ApiError` of a failure of the model's worker (any other exception as it is)."""
+    if isinstance(e, QueueFull):
+        return ApiError("queue_full", str(e))
+    if isinstance(e, ShuttingDown):
+        return ApiError("shutting_down", str(e))
+    if isinstance(e, (TimeoutError, asyncio.TimeoutError)):
+        return ApiError("timeout", f"no result within {timeout_s} s; retry later")
+    return e
 
 
 async def batch_results(engine, images, timeout_s: float) -> np.ndarray:
-    """The (B,) records of `engine.infer` for a request's B images, each joining the batches; the first
-    failure is raised once every image has settled (nothing is left running or unobserved). One image, the
-    common case, is awaited directly."""
+    """The (B,) records of `engine.infer` for a request's B images, each joining the batches, all queued or none
+    (503); the first failure is raised once every image has settled (nothing is left running or unobserved). One
+    image, the common case, is awaited directly."""
     if len(images) == 1:
         return (await model_result(engine.infer(images[0]), timeout_s))[None]
-    work = (model_result(engine.infer(image), timeout_s) for image in images)
-    results = await asyncio.gather(*work, return_exceptions=True)
+    results = await model_result(engine.infer_all(images), timeout_s)
     failed = next((r for r in results if isinstance(r, BaseException)), None)
     if failed is not None:
-        raise failed
+        raise api_error(failed, timeout_s) from None
     return np.stack(results)

@@ -76,6 +76,39 @@ def test_batcher_refuses_beyond_the_queue_and_drains_on_close():
     assert [f.result(0) for f in queued] == [1, 2] and not batcher.running
 
 
+def test_a_request_of_many_images_is_queued_whole_or_refused_whole(tiny_onnx):
+    """Its images were queued one by one: with room for some, those ran and the request still got its 503, having
+    waited for the model to compute answers it threw away."""
+    from serve.runtime.classifier import OnnxClassifier
+    from serve.server.engine import Engine
+    from serve.server.errors import ApiError
+    from serve.server.results import batch_results
+    from serve.server.settings import ServeSettings
+
+    engine = Engine(OnnxClassifier(tiny_onnx), ServeSettings(preferred_batch_size=1, queue_size=4))
+    engine.start()
+    gate, images = threading.Event(), np.zeros((4, 32, 32, 3), np.uint8)
+
+    async def main():
+        engine.batcher.call(gate.wait, 5)  # the worker is held: what is queued stays queued
+        holding(engine.batcher)
+        first = asyncio.ensure_future(engine.infer(images[0]))  # one of the queue's four places taken
+        await asyncio.sleep(0)
+        with pytest.raises(ApiError, match="4 images do not fit") as refused:
+            await batch_results(engine, images, 5.0)  # four images, three places left
+        depth = engine.batcher.depth
+        gate.set()
+        rows = await batch_results(engine, images[:3], 5.0)  # three fit
+        return refused.value.code, depth, len(rows), await first
+
+    try:
+        code, depth, answered, _ = asyncio.run(main())
+    finally:
+        gate.set()
+        engine.stop()
+    assert code == "queue_full" and depth == 1 and answered == 3
+
+
 def test_a_failing_batch_fails_its_requests_but_not_the_worker():
     calls = []
 
