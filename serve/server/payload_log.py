@@ -214,6 +214,7 @@ class PayloadLog:
             images: one bytes object per image (read only when the log keeps images).
         """
         images = images if self.wants_images else None
+        probs = probs.copy()  # a view into the model's answer would keep all of it (features too) while queued
         size = RECORD_OVERHEAD + probs.nbytes + sum(map(len, images or ()))
         item = (time.time(), request_id, route, model, probs, images)
         for sink, q, budget in self.queues:

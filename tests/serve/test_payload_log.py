@@ -230,3 +230,23 @@ def test_a_model_name_outside_ascii_reaches_the_sink_percent_encoded_and_spoils_
         assert heads["模型"]["ce-inferenceservicename"] == "%E6%A8%A1%E5%9E%8B" and "plain" in heads
     finally:
         sink.shutdown()
+
+
+def test_a_queued_record_keeps_its_probabilities_not_the_whole_answer_they_came_from():
+    """The probabilities the routes pass are a view into the model's answer, features included: queued as they
+    were, they kept all of it alive while the byte budget counted only them."""
+    import weakref
+
+    sink = Sink()
+    sink.stalled.set()  # records wait in the queue
+    log = PayloadLog([CloudEventsSink(sink.url)])
+    try:
+        answer = np.zeros(2, dtype=[("probs", np.float32, (2,)), ("features", np.float32, (100_000,))])
+        held = weakref.ref(answer)
+        log.record("id", "/v2/models/m/infer", ("m", "1", ["a", "b"]), answer["probs"])
+        del answer
+        assert held() is None, "the queued record holds the whole answer"
+    finally:
+        sink.released.set()
+        log.close()
+        sink.shutdown()
