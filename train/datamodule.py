@@ -230,6 +230,7 @@ class ImageFolderDataModule(pl.LightningDataModule):
         evaluate = EvalTransform(self.preprocess)
         if scan.layout == "litdata":
             self._setup_streaming(train_store.to_uint8, evaluate)
+            self._write_fit_reports(stage)
             return
         cache = self._cached = self._use_cache(len(scan.train) + len(scan.val))
         store = train_store.to_uint8 if cache or self.batch_augment else None
@@ -245,8 +246,7 @@ class ImageFolderDataModule(pl.LightningDataModule):
             self.val_set = ImageListDataset(scan.val, evaluate.resize, evaluate, None, val_cache)
         if scan.bad:
             log.warning("skipped %d unreadable image file(s) in %s", len(scan.bad), scan.root)
-        if self.trainer is not None and self.trainer.is_global_zero:
-            self.write_reports(Path(self.trainer.default_root_dir))
+        self._write_fit_reports(stage)
 
     def _setup_streaming(self, store, evaluate: EvalTransform) -> None:
         self._cached = False
@@ -255,7 +255,10 @@ class ImageFolderDataModule(pl.LightningDataModule):
             train_tf, val_tf = _Then(_to_pil, build_train_transform(self.augment, self.preprocess)), evaluate
         self.train_set = streaming_dataset(self.root, "train", store, True, self.seed, train_tf)
         self.val_set = streaming_dataset(self.root, "val", evaluate.resize, False, self.seed, val_tf)
-        if self.trainer is not None and self.trainer.is_global_zero:
+
+    def _write_fit_reports(self, stage: str) -> None:
+        # a fit's own: validate, test and predict leave the run's split and reports as its fit wrote them
+        if stage == "fit" and self.trainer is not None and self.trainer.is_global_zero:
             self.write_reports(Path(self.trainer.default_root_dir))
 
     def _use_cache(self, n: int) -> bool:

@@ -287,6 +287,23 @@ def test_a_real_checkpoint_served_over_http_validates(http_dir, tmp_path, capsys
     assert "val/acc" in capsys.readouterr().out
 
 
+@pytest.mark.slow
+def test_an_evaluation_leaves_the_runs_split_and_reports_as_its_fit_wrote_them(tmp_path, capsys):
+    """validate, test and predict scanned the folder again and rewrote split.json, reports/ and bad_files.csv:
+    after images were added, the run's split (which a resumed fit, vit-export and the review read) was another."""
+    root, run = write_shapes(tmp_path / "shapes", per_class=5), tmp_path / "run"
+    main(args(root, run, "--trainer.limit_train_batches", "1"))
+    scored = {"confusion_matrix.csv", "confusion_matrix.png", "per_class.csv"}  # an evaluation writes its own
+    files = [run / "split.json", run / "bad_files.csv", *(run / "reports").iterdir()]
+    written = {p: p.read_bytes() for p in files if p.is_file() and p.name not in scored}
+    assert len(written) >= 4, sorted(written)
+    write_shapes(root, per_class=9, seed=1)  # the folder grows, and a broken file comes in
+    (root / "bar" / "broken.png").write_bytes(b"not a png")
+    main(args(root, run, command="test"))
+    assert "test/acc" in capsys.readouterr().out
+    assert {p: p.read_bytes() for p in written} == written
+
+
 def test_a_checkpoint_vit_train_did_not_write_is_a_one_line_error(small_folder, tmp_path, capsys):
     foreign = tmp_path / "foreign.ckpt"
     torch.save({"epoch": 0, "weights": torch.zeros(3)}, foreign)  # loads weights-only, but is not a run's checkpoint
