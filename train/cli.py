@@ -33,7 +33,7 @@ from train.checkpoint_io import AtomicCheckpointIO, load_error, remove_partial_s
 from train.datamodule import ImageFolderDataModule
 from train.errors import SetupError, TrainingError, first_line
 from train.fit_report import report_fit
-from train.held_split import run_split
+from train.held_split import evaluated_split, run_split
 from train.label_issues import LabelIssuesReport
 from train.module import ViTClassifier
 from train.options import check_data_settings, check_monitor, check_trainer_settings, warn_on_doubtful_settings
@@ -183,6 +183,8 @@ class VitCLI(LightningCLI):
             torch.set_num_threads(config["num_threads"])
         if self.subcommand == "fit" and config.get("ckpt_path") and not config.get("overwrite"):  # a resumed run
             config["data.split"] = config.get("data.split") or run_split(config.get("trainer.default_root_dir"))
+        if self.subcommand in ("validate", "test", "predict") and not config.get("data.split"):
+            config["data.split"] = evaluated_split(config.get("trainer.default_root_dir"), config.get("data.root"))
         if config.get("ckpt_path") and config.get("model.pretrained"):
             # the checkpoint holds every weight: resuming must not need the hub or the original file again
             config["model.pretrained"] = None

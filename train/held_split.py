@@ -91,3 +91,17 @@ def run_split(run_dir: str | None) -> str | None:
     """The `split.json` of the run directory `run_dir` (None: the working directory), or None if it holds none."""
     split = Path(run_dir or os.getcwd()) / "split.json"
     return str(split) if split.is_file() else None
+
+
+def evaluated_split(run_dir: str | None, data_root: str | None) -> str | None:
+    """The run's own `split.json` when `validate`, `test` or `predict` scores the folder the run was trained on:
+    it scores the images its fit held out, even after images were added (a new split could hold training images).
+    Another folder (a hold-out set) is scanned and split anew."""
+    split = run_split(run_dir)
+    if split is None or data_root is None:
+        return None
+    try:
+        root = str(json.loads(Path(split).read_text(encoding="utf-8"))["root"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return split  # `hold_split` says what is wrong with it
+    return split if os.path.realpath(root) == os.path.realpath(os.path.expanduser(data_root)) else None

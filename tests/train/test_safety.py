@@ -288,9 +288,10 @@ def test_a_real_checkpoint_served_over_http_validates(http_dir, tmp_path, capsys
 
 
 @pytest.mark.slow
-def test_an_evaluation_leaves_the_runs_split_and_reports_as_its_fit_wrote_them(tmp_path, capsys):
-    """validate, test and predict scanned the folder again and rewrote split.json, reports/ and bad_files.csv:
-    after images were added, the run's split (which a resumed fit, vit-export and the review read) was another."""
+def test_an_evaluation_scores_the_runs_own_split_and_leaves_its_files_as_its_fit_wrote_them(tmp_path, capsys, caplog):
+    """validate, test and predict scanned the folder again, split it anew and rewrote split.json, reports/ and
+    bad_files.csv: after images were added, they scored a split that could hold training images, and the run's
+    split (which a resumed fit, vit-export and the review read) was another."""
     root, run = write_shapes(tmp_path / "shapes", per_class=5), tmp_path / "run"
     main(args(root, run, "--trainer.limit_train_batches", "1"))
     scored = {"confusion_matrix.csv", "confusion_matrix.png", "per_class.csv"}  # an evaluation writes its own
@@ -301,6 +302,7 @@ def test_an_evaluation_leaves_the_runs_split_and_reports_as_its_fit_wrote_them(t
     (root / "bar" / "broken.png").write_bytes(b"not a png")
     main(args(root, run, command="test"))
     assert "test/acc" in capsys.readouterr().out
+    assert "12 image(s) added to the folder since it started are left out" in caplog.text
     assert {p: p.read_bytes() for p in written} == written
 
 
