@@ -69,6 +69,22 @@ def find_checkpoint(run_dir: Path) -> Path:
     )
 
 
+def _read_split(split_file: Path, labels: list[str]) -> dict:
+    """The run's split.json, refused unless it is the one that trained the checkpoint's `labels` (another run's,
+    after a refit stopped before its first checkpoint, would label every image wrong, or fail on an index)."""
+    try:
+        split = json.loads(split_file.read_text(encoding="utf-8"))
+        classes, root = list(split["classes"]), str(split["root"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise SetupError(f"{split_file} is not a split.json that vit-train fit writes ({e})") from None
+    if classes != labels or not root:
+        raise SetupError(
+            f"{split_file} is another run's: its classes {classes} are not the checkpoint's {labels}; review the run "
+            "folder whose fit wrote both, or fit again"
+        )
+    return split
+
+
 class ReviewRun:
     """The lists and the network of one run directory.
 
@@ -90,7 +106,7 @@ class ReviewRun:
         self.net, meta = load_network(self.checkpoint)
         self.labels: list[str] = list(meta["class_names"])
         self.preprocess = meta["preprocess"]
-        split = json.loads(split_file.read_text())
+        split = _read_split(split_file, self.labels)
         self.data_root = Path(split["root"])  # relative paths in a corrections file start here, as in fit
         self.trained_with = self._corrections(split)
         parts = {key: [(e["path"], int(e["label"])) for e in split.get(key, [])] for key in ("train", "val", "calib")}

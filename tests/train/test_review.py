@@ -88,6 +88,15 @@ def test_review_refuses_a_run_without_checkpoints_or_reports_and_names_missing_l
 
     (tmp_path / "reports").mkdir()  # a run from before these reports: reviewed, and the page says what is missing
     assert set(ReviewRun(tmp_path).missing) == set(LISTS[:2])
+    # another run's split (a refit stopped before its first checkpoint): an IndexError, or every label shown wrong
+    split = json.loads((review_run / "split.json").read_text())
+    for classes in ([*split["classes"], "extra"], split["classes"][::-1], None):
+        other = {**split, "classes": classes} if classes else {"classes": split["classes"]}  # None: no root
+        (tmp_path / "split.json").write_text(json.dumps(other))
+        with pytest.raises(SystemExit):
+            main(["review", str(tmp_path)])
+        err = capsys.readouterr().err
+        assert err.startswith("vit-train review: ") and "Traceback" not in err and "split.json" in err, err
 
 
 def test_review_lists_every_kind_of_image_to_look_at(review_run):
