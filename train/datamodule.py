@@ -167,10 +167,8 @@ class ImageFolderDataModule(pl.LightningDataModule):
         return scan if self.split is None else hold_split(scan, self.split)
 
     def _shared_scan_path(self) -> Path | None:
-        trainer = self.trainer
-        if trainer is None or trainer.world_size == 1:
-            return None
-        return Path(trainer.default_root_dir) / SCAN_FILE
+        trainer = self.trainer  # the scan rank 0 shares, under DDP
+        return None if trainer is None or trainer.world_size == 1 else Path(trainer.default_root_dir) / SCAN_FILE
 
     def prepare_data(self) -> None:
         """Rank 0 scans the folder and writes the result into the run directory; the other ranks read it."""
