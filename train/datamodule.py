@@ -32,6 +32,7 @@ from train.dataset import BatchCollate, ImageListDataset, fill_cache, ignore_sig
 from train.folder_scan import BadFile, FolderScan, folder_classes, scan_folder
 from train.held_split import hold_split
 from train.shards import (
+    expand_local,
     is_streaming_root,
     read_meta,
     streaming_class_counts,
@@ -114,7 +115,7 @@ class ImageFolderDataModule(pl.LightningDataModule):
         split: str | None = None,
     ):
         super().__init__()
-        self.root, self.val_fraction, self.seed = root, val_fraction, seed
+        self.root, self.val_fraction, self.seed = expand_local(str(root)), val_fraction, seed
         self.calib_fraction = calib_fraction
         self.img_size = img_size
         self.preprocess = Preprocess((img_size, img_size), crop_pct, interpolation, mean, std)

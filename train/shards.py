@@ -18,6 +18,7 @@ import io
 import json
 import logging
 import multiprocessing
+import os
 import re
 import sys
 from pathlib import Path
@@ -49,6 +50,11 @@ def warn_fixed_by_prepare(root: str | Path, given: dict) -> None:
             "%s is a prepared (streamed) dataset: its split was fixed by vit-train prepare, and it is read as "
             "streamed, so %s is not applied (prepare it again with another split)", root, unapplied
         )  # fmt: skip
+
+
+def expand_local(path: str) -> str:
+    """`~` expanded in a local path (a config file passes it as written: no shell expands it there); a URL as it is."""
+    return path if "://" in path else os.path.expanduser(path)
 
 
 def is_streaming_root(root: str | Path) -> bool:
@@ -93,6 +99,7 @@ def prepare(
     """
     from litdata import optimize
 
+    root, out = expand_local(root), expand_local(out)
     check_out_apart(root, out)
     check_chunk_bytes(chunk_bytes)
     if workers is not None and workers < 1:
@@ -164,9 +171,11 @@ def _remove_meta(out: str) -> None:
 
 
 def _write_text(out: str, name: str, text: str) -> None:
-    if "://" not in out:
+    if "://" not in out:  # whole or not at all: a prepare killed mid-write leaves no vitscope.json cut short
         Path(out).mkdir(parents=True, exist_ok=True)
-        (Path(out) / name).write_text(text, encoding="utf-8", errors=FILE_NAME_ERRORS)
+        partial = Path(out) / f".{name}.partial"
+        partial.write_text(text, encoding="utf-8", errors=FILE_NAME_ERRORS)
+        partial.replace(Path(out) / name)
         return
     import fsspec  # remote outputs: the object store's fsspec driver (s3fs, gcsfs)
 
@@ -188,6 +197,8 @@ def read_meta(root: str) -> dict:
         raise ValueError(
             f"{root} has chunks but no {META}: its `vit-train prepare` did not finish; run it again"
         ) from None
+    except ValueError as e:  # cut short or damaged
+        raise ValueError(f"{root}/{META} cannot be read ({e}): run its `vit-train prepare` again") from None
     if meta.get("format") != FORMAT:
         raise ValueError(f"{root} is not a dataset written by `vit-train prepare` (format {meta.get('format')!r})")
     return meta

@@ -8,6 +8,7 @@ import json
 import multiprocessing
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -132,10 +133,12 @@ def shards(tmp_path_factory) -> Path:
     """The shapes folder prepared once by `vit-train prepare` (72 train and 18 val images in chunks of 4 kB); tests
     only read it. What the command printed is in `prepared.txt` beside it."""
     root = tmp_path_factory.mktemp("shards")
+    write_shapes(root / "shapes")
     # dedupe none: shapes drawn at one position are near-copies, and a group split moves the exact counts
-    args = ["--out", str(root / "shards"), "--chunk_bytes", "4kb", "--workers", "1", "--data.dedupe", "none"]
-    with contextlib.redirect_stdout(io.StringIO()) as printed:
-        main(["prepare", "--data.root", str(write_shapes(root / "shapes")), *args])
+    args = ["--out", "~/shards", "--chunk_bytes", "4kb", "--workers", "1", "--data.dedupe", "none"]
+    with contextlib.redirect_stdout(io.StringIO()) as printed, pytest.MonkeyPatch.context() as env:
+        env.setenv("HOME", str(root))  # `~` as a config file gives it (no shell expands it there)
+        main(["prepare", "--data.root", "~/shapes", *args])
     (root / "prepared.txt").write_text(printed.getvalue())
     return root / "shards"
 
@@ -146,12 +149,13 @@ def test_prepare_command_writes_chunks_of_chunk_bytes(shards: Path):
 
 
 @pytest.mark.parametrize("batch_augment", [True, False])
-def test_a_prepared_dataset_gives_the_same_batches_shape_as_the_folder(shards, batch_augment):
+def test_a_prepared_dataset_gives_the_same_batches_shape_as_the_folder(shards, batch_augment, monkeypatch):
     from train.datamodule import ImageFolderDataModule
     from train.transforms import Augment
 
+    monkeypatch.setenv("HOME", str(shards.parent))  # `~/shards` was found prepared, then opened as ./~/shards
     dm = ImageFolderDataModule(
-        str(shards), img_size=16, batch_size=8, num_workers=0, batch_augment=batch_augment,
+        "~/shards", img_size=16, batch_size=8, num_workers=0, batch_augment=batch_augment,
         augment=Augment(rand_augment=None, re_prob=0.25),
     )  # fmt: skip
     assert dm.classes == ["bar", "column", "square"]
@@ -159,6 +163,18 @@ def test_a_prepared_dataset_gives_the_same_batches_shape_as_the_folder(shards, b
     for loader in (dm.train_dataloader(), dm.val_dataloader()):
         x, y = next(iter(loader))
         assert x.shape[1:] == (3, 16, 16) and len(x) in (8, 16) and x.dtype.is_floating_point and y.max() < 3
+
+
+def test_a_prepared_dataset_whose_vitscope_json_is_cut_short_says_to_prepare_again(shards, tmp_path):
+    """It said only "Expecting ',' delimiter: line 1 column 54", naming no file."""
+    from train.datamodule import ImageFolderDataModule
+
+    copy = shutil.copytree(shards, tmp_path / "shards")
+    meta = copy / "vitscope.json"
+    meta.write_bytes(meta.read_bytes()[:50])
+    with pytest.raises(ValueError, match=r"vitscope\.json cannot be read .*run its `vit-train prepare` again"):
+        ImageFolderDataModule(str(copy), img_size=16, num_workers=0).scan  # noqa: B018 (reading it is the test)
+    assert not list(shards.glob(".*.partial"))  # written whole, then renamed into place
 
 
 def test_split_and_cache_settings_a_prepared_dataset_does_not_apply_are_said(shards, caplog):
