@@ -239,7 +239,7 @@ def correct_folder(
         {"file", "relabelled", "left_out", "not_found"}).
 
     Raises:
-        ValueError: a class is left with no images.
+        ValueError: a class is left with no images, or the file names none of the folder's images.
     """
     fixes = load_corrections(file, root, classes)
     record = {"file": str(Path(file).expanduser().resolve()), "relabelled": 0, "left_out": 0}
@@ -255,5 +255,10 @@ def correct_folder(
                 f"after the corrections in {file}, class {empty[0]!r} has no images left: keep some of its images, "
                 "or remove its folder"
             )
+    if fixes and not seen:  # not one image moved on: the file names another folder, or the same one mounted elsewhere
+        raise ValueError(
+            f"none of the {len(fixes)} images in {file} is in {root}: it was written for another folder or mount "
+            "(its paths are absolute, or relative to --data.root); give the corrections of this folder"
+        )
     record["not_found"] = report_unmatched(fixes, seen, file)
     return out, record

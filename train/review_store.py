@@ -84,7 +84,7 @@ class Decisions:
                 table = self._read()
                 key = absolute_path(path, self.root)
                 extra = table.rows.pop(key, [])[2:]
-                row = [path, label or "", *extra]
+                row = [written_path(path, self.root), label or "", *extra]
                 table.rows[key] = row + [""] * (len(table.header) - len(row))
                 table.labels[key] = label
                 _write_atomically(self.file, table)
@@ -95,9 +95,16 @@ class Decisions:
     def _read(self) -> CorrectionsTable:
         """The file as `fit` reads it; the decisions the review starts from when there is no file (yet)."""
         if not self.file.exists():
-            rows = {p: [p, label or ""] for p, label in self._earlier.items()}
+            rows = {p: [written_path(p, self.root), label or ""] for p, label in self._earlier.items()}
             return CorrectionsTable(list(HEADER), rows, dict(self._earlier))
         return read_corrections(self.file, self.root, self.classes)
+
+
+def written_path(path: str, root: Path) -> str:
+    """`path` relative to the data root when it lies under it, so that the file follows the images to another
+    mount (`fit` reads relative paths from its --data.root); a path outside the root as it is."""
+    relative = os.path.relpath(path, root)
+    return path if relative == ".." or relative.startswith(f"..{os.sep}") else relative
 
 
 def _write_atomically(file: Path, table: CorrectionsTable) -> None:

@@ -71,6 +71,27 @@ def test_a_path_not_in_the_folder_is_warned_about_and_counted(folder: Path, tmp_
     assert any("gone.png" in r.getMessage() for r in caplog.records)
 
 
+def test_corrections_the_review_wrote_follow_the_folder_to_another_mount_and_none_matching_is_refused(
+    folder: Path, tmp_path: Path
+):
+    """The review wrote absolute paths: with the images mounted elsewhere every row was "not found", and the run
+    trained on the uncorrected labels with only a warning."""
+    import shutil
+
+    from train.review_store import Decisions
+
+    file = tmp_path / "corrections.csv"
+    decisions = Decisions(file, folder, ["bar", "column", "square"])
+    decisions.decide(str(folder / "bar" / "000.png"), "column")
+    decisions.decide(str(folder / "square" / "002.png"), None)
+    mounted = shutil.copytree(folder, tmp_path / "mnt" / "shapes")  # the same images, another path
+    scan = scan_folder(mounted, 0.25, seed=0, corrections=str(file))
+    assert scan.corrections["relabelled"] == 1 and scan.corrections["left_out"] == 1, scan.corrections
+    elsewhere = _csv(tmp_path / "elsewhere.csv", [("/data/pets/cat/1.png", "bar"), ("/data/pets/cat/2.png", "")])
+    with pytest.raises(ValueError, match=r"none of the 2 images in .*elsewhere\.csv is in .*--data\.root"):
+        scan_folder(mounted, corrections=str(elsewhere))
+
+
 def test_the_last_row_for_a_path_wins(folder: Path, tmp_path: Path):
     rows = [("bar/000.png", ""), ("bar/000.png", "square")]  # left out, then relabelled: the later decision holds
     assert load_corrections(_csv(tmp_path / "fix.csv", rows), folder, ["bar", "column", "square"]) == {

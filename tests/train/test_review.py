@@ -161,7 +161,8 @@ def test_relabel_and_leave_out_in_a_real_browser_survive_a_reload(review_run):
     finally:
         app.close()
     file = review_run / "corrections.csv"
-    fixes = wait_until(lambda: file.is_file() and load_corrections(file, review_run, CLASS_NAMES), 5, "corrections")
+    root = json.loads((review_run / "split.json").read_text())["root"]  # relative paths start there, as in fit
+    fixes = wait_until(lambda: file.is_file() and load_corrections(file, root, CLASS_NAMES), 5, "corrections")
     assert fixes == {first["path"]: "bottom_right", second["path"]: None}
 
 
