@@ -42,10 +42,9 @@ from train.review import REVIEW_HELP, review_parser
 from train.review import main as review_main
 from train.run_dir import (
     CKPT_DIR,
-    check_ckpt_owner,
     check_run_dir,
+    hold_run_dir,
     is_remote,
-    lock_run_dir,
     resolve_ckpt_path,
     scored_ckpt_path,
 )
@@ -181,6 +180,9 @@ class VitCLI(LightningCLI):
         check_data_settings(config)
         if config.get("num_threads"):
             torch.set_num_threads(config["num_threads"])
+        run_dir = Path(config.get("trainer.default_root_dir") or os.getcwd())  # another run or fit there: refused
+        if self.subcommand == "fit" and run_dir.is_dir():  # before the folder is scanned (minutes for a large one)
+            self._hold_run_dir(run_dir, config)
         if self.subcommand == "fit" and config.get("ckpt_path") and not config.get("overwrite"):  # a resumed run
             config["data.split"] = config.get("data.split") or run_split(config.get("trainer.default_root_dir"))
         if self.subcommand in ("validate", "test", "predict") and not config.get("data.split"):
@@ -211,9 +213,9 @@ class VitCLI(LightningCLI):
         config = init.get("trainer") or {}
         run_dir = Path(config.get("default_root_dir") or os.getcwd())
         check_run_dir(run_dir, getattr(self.datamodule, "root", None))
-        if self.subcommand == "fit":  # before anything in it is touched: the partial saves are another fit's
-            self._run_lock = lock_run_dir(run_dir)
-        remove_partial_saves(run_dir / CKPT_DIR)
+        if self.subcommand == "fit" and getattr(self, "_run_lock", None) is None:  # a run directory made just now
+            self._hold_run_dir(run_dir, self.config.get("fit", self.config))
+        remove_partial_saves(run_dir / CKPT_DIR)  # the partial saves of an earlier fit of this run
         kwargs["plugins"] = _with_atomic_checkpoint_io(config.get("plugins"))
         if config.get("logger") in (None, True):  # default loggers live in the run directory
             kwargs["logger"] = [TensorBoardLogger(run_dir, name="tensorboard"), CSVLogger(run_dir, name="csv")]
@@ -251,15 +253,26 @@ class VitCLI(LightningCLI):
             super()._run_subcommand(subcommand)
         except MisconfigurationException as e:  # Lightning's refusal of a setting (a count that fits no loader)
             raise SetupError(f"Lightning refused the run: {first_line(e)}") from None
-        finally:  # the run directory is free for the next fit, also one in this process (a notebook, a test)
-            if getattr(self, "_run_lock", None) is not None:
-                self._run_lock.close()
+        finally:
+            self._free_run_dir()
+
+    def _hold_run_dir(self, run_dir: Path, config) -> None:  # the fit's lock, and no other run's checkpoints
+        overwrite, check = bool(config.get("overwrite")), not config.get("trainer.fast_dev_run")
+        self._run_lock = hold_run_dir(run_dir, config.get("ckpt_path"), overwrite, check)
+
+    def _free_run_dir(self) -> None:  # for the next fit, also one in this process (a notebook, a test)
+        lock, self._run_lock = getattr(self, "_run_lock", None), None
+        if lock is not None:
+            lock.close()
 
     def instantiate_classes(self) -> None:
         try:
             super().instantiate_classes()
-        except (OSError, ValueError) as e:  # a folder or weights file that is not there; arguments our classes refuse
-            raise SetupError(str(e)) from e
+        except BaseException as e:
+            self._free_run_dir()
+            if isinstance(e, (OSError, ValueError)):  # a folder or weights file that is not there; arguments refused
+                raise SetupError(str(e)) from e
+            raise
 
     def _check_ckpt_path(self, subcommand: str) -> str | None:
         """Resolve --ckpt_path (last, best, a file or a URL; `scored_ckpt_path` for validate, test and predict) and
@@ -276,9 +289,7 @@ class VitCLI(LightningCLI):
     def before_fit(self) -> None:
         config = self.config.get("fit", self.config)
         check_monitor(config.get("checkpoint.monitor"), config.get("checkpoint.mode"))
-        ckpt_path = self._check_ckpt_path("fit")
-        if not self.trainer.fast_dev_run:
-            check_ckpt_owner(ckpt_path, Path(self.trainer.default_root_dir), bool(config.get("overwrite")))
+        self._check_ckpt_path("fit")
         if self.trainer.limit_val_batches != 0:
             self._check_validation_images()
         self._fit_start = time.perf_counter()

@@ -175,6 +175,19 @@ def lock_run_dir(run_dir: Path) -> IO[str] | None:
     return f
 
 
+def hold_run_dir(run_dir: Path, ckpt_path: str | None, overwrite: bool, check_owner: bool = True) -> IO[str] | None:
+    """`lock_run_dir`, then `check_ckpt_owner` (unless not `check_owner`), letting go of the lock if it refuses."""
+    lock = lock_run_dir(run_dir)
+    try:
+        if check_owner:
+            check_ckpt_owner(resolve_ckpt_path(ckpt_path, run_dir), run_dir, overwrite)
+    except SetupError:
+        if lock is not None:
+            lock.close()
+        raise
+    return lock
+
+
 def check_run_dir(run_dir: Path, data_root: str | None) -> None:
     """Create `run_dir` and a file in it now, so a read-only place fails in one line before any work; refuse it
     in the image folder `data_root`, where its reports (`confusion_matrix.png`) would be a class of the next scan."""

@@ -141,8 +141,10 @@ def test_resuming_a_finetune_does_not_need_the_pretrained_weights_again(shapes_f
 
 def test_a_missing_data_folder_is_one_line_not_a_traceback(tmp_path: Path, capsys):
     with pytest.raises(SystemExit) as exit_info:
-        main(["fit", "--config", "configs/sample.yaml", "--data.root", str(tmp_path / "nope")])
+        main(["fit", "--config", "configs/sample.yaml", "--data.root", str(tmp_path / "nope"),
+              "--trainer.default_root_dir", str(tmp_path / "run")])  # fmt: skip
     err = capsys.readouterr().err
+    assert not (tmp_path / "run").exists()  # nothing made for a run that cannot start
     assert exit_info.value.code == 2 and "Traceback" not in err
     assert err.startswith("vit-train: image folder not found: ") and "root/<class>/<image>" in err
 
@@ -153,10 +155,37 @@ def test_a_class_too_small_for_the_calibration_split_is_refused_in_one_line(tmp_
     write_shapes(tmp_path / "tv" / "train", per_class=1)
     write_shapes(tmp_path / "tv" / "val", per_class=1, seed=1)
     with pytest.raises(SystemExit) as exit_info:
-        main(["fit", "--config", "configs/sample.yaml", "--data.root", str(tmp_path / "tv"), "--data.img_size", "32"])
+        main(["fit", "--config", "configs/sample.yaml", "--data.root", str(tmp_path / "tv"), "--data.img_size", "32",
+              "--trainer.default_root_dir", str(tmp_path / "run")])  # fmt: skip
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and "Traceback" not in err and err.count("\n") == 1
     assert err.startswith("vit-train: class 'bar' has 1 training image(s)") and "--data.calib_fraction 0" in err
+
+
+def test_a_run_directory_a_fit_cannot_use_is_refused_before_the_folder_is_scanned(
+    shapes_folder: Path, tmp_path: Path, capsys, monkeypatch
+):
+    """The folder was scanned (every image decoded, minutes on a large one) before a run directory that already
+    held a run, or that another fit held, was refused."""
+    import train.datamodule
+    from train.run_dir import lock_run_dir
+
+    scans, scan = [], train.datamodule.scan_folder
+    monkeypatch.setattr(train.datamodule, "scan_folder", lambda *a, **k: scans.append(a) or scan(*a, **k))
+    held, busy = tmp_path / "held", tmp_path / "busy"
+    held.mkdir()
+    (held / "summary.json").write_text("{}")  # a fit that kept no checkpoint
+    busy.mkdir()
+    lock = lock_run_dir(busy)  # another fit's, as the kernel sees it
+    try:
+        for run, says in ((held, "already holds a run"), (busy, "is in use by another fit")):
+            argv = ["fit", "--config", "configs/sample.yaml", "--data.root", str(shapes_folder)]
+            with pytest.raises(SystemExit) as exit_info:
+                main([*argv, "--trainer.default_root_dir", str(run)])
+            assert exit_info.value.code == 2 and says in capsys.readouterr().err
+    finally:
+        lock.close()
+    assert not scans
 
 
 @pytest.mark.slow
