@@ -136,6 +136,10 @@ def test_v1_v2_and_metrics_answer_through_ray(server, tiny_onnx):
         server.url + "/v1/classify?explain=true", files={"file": ("x.png", png_bytes(x[0]))}, timeout=60
     )
     assert explained.status_code == 200 and len(explained.json()["explanation"]["grid"]) == 4  # 32 px / patch 8
+    two = {"inputs": [{"name": "pixels", "datatype": "UINT8", "shape": [2, 32, 32, 3], "data": x[:2].ravel().tolist()}]}
+    r = httpx.post(f"{server.url}/v2/models/{model}/infer", json=two, timeout=60)
+    # the model replicas' answer: a request of several images ran on the ingress's own copy of the model
+    assert r.status_code == 200 and r.headers[HEADER].startswith("SERVE_REPLICA::vitscope#ModelReplica#"), r.headers
     bad = {"inputs": [{"name": "pixels", "datatype": "UINT8", "shape": [1, 32, 32, 3], "data": [True] * 3072}]}
     assert httpx.post(f"{server.url}/v2/models/{model}/infer", json=bad).status_code == 422
     assert "vitscope_requests_total" in httpx.get(server.url + "/metrics").text

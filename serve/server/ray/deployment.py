@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextvars import ContextVar
 from typing import Any
@@ -142,6 +143,10 @@ class RayEngine(Engine):
                 self.on_answers(row[None])
             return row
         raise ApiError("shutting_down", f"{ATTEMPTS} model replicas in a row died under this request; retry")
+
+    async def infer_all(self, items: Sequence[Any]) -> list:
+        """Each item's record (as `infer`) or its failure, from the model replicas, whose queues are their own."""
+        return await asyncio.gather(*map(self.infer, items), return_exceptions=True)
 
 
 class ReplicaHeader:
