@@ -163,16 +163,18 @@ def test_a_pretrained_file_that_is_not_weights_is_a_one_line_error(small_folder,
 
 
 @pytest.mark.slow
-def test_a_read_only_run_directory_is_a_one_line_error(small_folder, tmp_path):
+@pytest.mark.parametrize("where", ["new", "existing"])  # an existing one was locked first: a PermissionError traceback
+def test_a_read_only_run_directory_is_a_one_line_error(small_folder, tmp_path, where):
     read_only = tmp_path / "read_only"
+    run = read_only / "run" if where == "new" else read_only
     read_only.mkdir()
     read_only.chmod(0o555)
     try:
-        child = run_bound_by_file_modes("-m", "train", *args(small_folder, read_only / "run"))
+        child = run_bound_by_file_modes("-m", "train", *args(small_folder, run))
     finally:
         read_only.chmod(0o755)
     err = the_one_error_line(child.returncode, child.stderr)
-    assert f"cannot write into the run directory {read_only / 'run'}" in err
+    assert f"cannot write into the run directory {run}" in err
 
 
 def _fake_run(run_dir: Path, *names: str) -> Path:
