@@ -171,8 +171,9 @@ class ModelRepository:
             self._poller = threading.Thread(target=self._poll, name="vitscope-repository", daemon=True)
             self._poller.start()
 
-    def sync(self, only: str | None = None) -> None:
-        """Bring the table in line with the folder: load the versions the policies want, drain the others."""
+    def sync(self, only: str | None = None, retry: bool = False) -> None:
+        """Bring the table in line with the folder: load the versions the policies want, drain the others; with
+        `retry`, versions that failed are tried again even if their files did not change."""
         with self._change:
             folders = scan(self.root)
             known = set(folders) | set(self.serving) | {m for m, _ in self.failures}
@@ -185,11 +186,11 @@ class ModelRepository:
                 self.expected.add(name)
                 self._settle()
                 try:
-                    self._sync_model(folders[name])
+                    self._sync_model(folders[name], retry)
                 except Exception as e:  # one model's folder, whatever it holds, never stops the others' sync
                     self._fail(name, "", LoadFailure("unreadable", f"{folders[name].folder}: {_described(e)}"))
 
-    def _sync_model(self, folder: ModelFolder) -> None:
+    def _sync_model(self, folder: ModelFolder, retry: bool) -> None:
         name = folder.name
         error = getattr(folder, "error", "")
         if error:  # its config.pbtxt cannot be read: keep what is loaded, load nothing new
@@ -209,14 +210,14 @@ class ModelRepository:
         for version, path in sorted(wanted.items(), key=lambda kv: int(kv[0])):
             served = self.serving.get(name, {}).get(version)
             if served is None or file_changed(served, path):
-                self._try_load(name, version, path, labels)
+                self._try_load(name, version, path, labels, retry)
         old = set(self.serving.get(name, {})) - set(wanted)
         if self.serving.get(name, {}).keys() - old:  # never leave a model with nothing to serve
             self._remove(name, old)
 
     def load(self, name: str) -> None:
         """Load (or reload) one model from the folder, as the v2 repository extension asks; versions that failed
-        are tried again even if their files did not change (polling waits for a change).
+        are tried again even if their files did not change (polling waits for a change), listed as failed meanwhile.
 
         Raises:
             UnknownModel: the folder has no such model, by `scan`'s rule (a hidden or staging folder, `..` or a name
@@ -231,8 +232,7 @@ class ModelRepository:
             if not found:
                 raise UnknownModel(f"the repository has no model {name!r}")
             self.unloaded.discard(name)
-            self._forget(name, keep=set())  # asked for: its failed versions are tried again, changed or not
-            self.sync(only=name)
+            self.sync(only=name, retry=True)  # asked for: its failed versions are tried again, changed or not
             failed = [e for (m, _), (_, e) in self.failures.items() if m == name]
             if failed or not self.serving.get(name):
                 reasons = "; ".join(map(str, failed))
@@ -280,14 +280,14 @@ class ModelRepository:
                 log.info("the repository %s can be scanned again", self.root)
             failing = ""
 
-    def _try_load(self, name: str, version: str, path: Path, labels: list[str] | None) -> None:
+    def _try_load(self, name: str, version: str, path: Path, labels: list[str] | None, retry: bool) -> None:
         try:  # what is tried: the file, and the labels.txt it must match
             stamp = (stamp_of(path), None if labels is None else tuple(labels))
         except OSError:
             return  # gone again
         failed = self.failures.get((name, version))
-        if failed is not None and failed[0] == stamp:
-            return  # the same file and labels failed before: try again when either changes
+        if failed is not None and failed[0] == stamp and not retry:
+            return  # the same file and labels failed before: try again when either changes (or `load` asks)
         try:
             mv = load_version(name, version, path, self.make_engine, self.threads, labels, self._loading)
         except LoadFailure as e:
