@@ -116,6 +116,8 @@ class MicroBatcher:
         """Queue every item (as `submit`, each resolving its future), or none: `QueueFull` when they do not all fit
         now. A request's images queued in part would run, to be thrown away with the 503 of the rest."""
         with self._admit:
+            if self._stopping.is_set():
+                raise ShuttingDown("the server is shutting down; send the request to another replica or retry")
             if len(items) > self._queue.maxsize - self._queue.qsize():
                 raise QueueFull(f"the server is busy: the request's {len(items)} images do not fit its queue now")
             for item, future in zip(items, futures, strict=True):
@@ -144,7 +146,8 @@ class MicroBatcher:
         Returns:
             True when the queue drained within `timeout`.
         """
-        self._stopping.set()
+        with self._admit:  # not between `submit_all`'s check and its puts: all of a request's images, or none
+            self._stopping.set()
         if self._thread is not None:
             self._thread.join(timeout)
             if self._thread.is_alive():

@@ -51,8 +51,9 @@ class ServeSettings(BaseSettings):
     queue_size: int = Field(
         256,
         ge=1,
-        description="images allowed to wait for the model (a request of 8 images takes 8 places); beyond it the "
-        "server answers 503 with Retry-After instead of letting latency grow without bound",
+        description="images allowed to wait for the model (a request of 8 images takes 8 places, all at once or "
+        "none; at least max_batch_size); beyond it the server answers 503 with Retry-After instead of letting "
+        "latency grow without bound",
     )
     retry_after_s: int = Field(1, ge=0, description="the Retry-After hint of a 503 (gRPC: grpc-retry-pushback-ms)")
     threads: int = Field(
@@ -298,6 +299,11 @@ class ServeSettings(BaseSettings):
             raise ValueError(
                 f"preferred_batch_size must be in 0..max_batch_size ({self.max_batch_size}) "
                 f"(0: measured at warm-up), got {self.preferred_batch_size}"
+            )
+        if self.queue_size < self.max_batch_size:  # a request's images are queued all at once, or refused
+            raise ValueError(
+                f"queue_size ({self.queue_size}) must be at least max_batch_size ({self.max_batch_size}): a request "
+                "of max_batch_size images could never fit the queue"
             )
         return self
 

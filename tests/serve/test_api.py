@@ -369,10 +369,19 @@ def test_boolean_settings_are_on_off_flags():
     assert parse(["m.onnx", "--opentelemetry", "--no-opentelemetry"]).opentelemetry is False
 
 
+def test_a_queue_smaller_than_a_request_is_refused_at_start_up():
+    """A request's images are queued all at once or refused: a v2 request of max_batch_size images on a smaller
+    queue would be answered 503 with Retry-After for ever, however idle the server."""
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match=r"queue_size \(8\) must be at least max_batch_size \(32\)"):
+        ServeSettings(queue_size=8)
+
+
 def test_settings_come_from_the_environment_and_the_command_line_wins(monkeypatch):
     from serve.server.cli import build_parser, settings_from
 
     monkeypatch.setenv("VITSCOPE_MAX_BATCH_SIZE", "4")
     monkeypatch.setenv("VITSCOPE_QUEUE_SIZE", "9")
-    settings = settings_from(build_parser().parse_args(["m.onnx", "--queue-size", "3"]))
-    assert settings.max_batch_size == 4 and settings.queue_size == 3
+    settings = settings_from(build_parser().parse_args(["m.onnx", "--queue-size", "5"]))
+    assert settings.max_batch_size == 4 and settings.queue_size == 5

@@ -85,12 +85,12 @@ def test_a_request_of_many_images_is_queued_whole_or_refused_whole(tiny_onnx):
     from serve.server.results import batch_results
     from serve.server.settings import ServeSettings
 
-    engine = Engine(OnnxClassifier(tiny_onnx), ServeSettings(preferred_batch_size=1, queue_size=4))
+    engine = Engine(OnnxClassifier(tiny_onnx), ServeSettings(preferred_batch_size=1, queue_size=4, max_batch_size=4))
     engine.start()
     gate, images = threading.Event(), np.zeros((4, 32, 32, 3), np.uint8)
 
     async def main():
-        engine.batcher.call(gate.wait, 5)  # the worker is held: what is queued stays queued
+        engine.batcher.call(gate.wait, 60)  # the worker is held: what is queued stays queued
         holding(engine.batcher)
         first = asyncio.ensure_future(engine.infer(images[0]))  # one of the queue's four places taken
         await asyncio.sleep(0)

@@ -255,7 +255,8 @@ def test_the_repository_extension_unloads_and_loads_a_model(exported, tmp_path):
 @pytest.mark.slow
 def test_probes_on_their_own_port_answer_within_a_second_while_the_api_is_overloaded(tiny_onnx):
     probe_port = free_port()
-    args = ("--no-ui", "--probe-port", str(probe_port), "--queue-size", "4", "--preferred-batch-size", "1")
+    args = ("--no-ui", "--probe-port", str(probe_port), "--queue-size", "4", "--max-batch-size", "4")
+    args += ("--preferred-batch-size", "1")
     with ServerProcess(tiny_onnx, *args) as server:
         probe = f"http://127.0.0.1:{probe_port}"
         with Load(server.url, "/v1/classify", clients=48) as load:

@@ -175,7 +175,7 @@ def test_an_output_the_model_lacks_is_refused_naming_the_ones_it_has(server, mod
     assert r.status_code == 422 and "'feature_map'" in r.json()["error"] and "'probs'" in r.json()["error"]
 
 
-@pytest.mark.parametrize("parameters", [5, True, "binary_data", [1]])
+@pytest.mark.parametrize("parameters", [5, True, "binary_data", [1], False, 0, "", []])
 def test_output_parameters_that_are_not_an_object_are_a_422(server, model, parameters):
     """A number or a boolean there was a 500 with a traceback in the log; a string was taken as no parameters."""
     body, headers = infer_body([{"name": "logits", "parameters": parameters}], False)

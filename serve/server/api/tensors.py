@@ -256,7 +256,8 @@ def requested_output(out: Any, allowed: list[str], default_binary: bool) -> tupl
     name = out.get("name") if isinstance(out, dict) else None
     if name not in allowed:
         raise bad(f"unknown output {name!r}; this model's outputs are {', '.join(map(repr, allowed))}")
-    params = out.get("parameters") or {}
+    params = out.get("parameters")
+    params = {} if params is None else params  # null: none
     if not isinstance(params, dict):
         raise bad('the "parameters" of an output must be an object')
     refuse_extensions(params)
