@@ -187,7 +187,7 @@ class VitCLI(LightningCLI):
         if self.subcommand == "fit" and config.get("ckpt_path") and not config.get("overwrite"):  # a resumed run
             config["data.split"] = config.get("data.split") or run_split(config.get("trainer.default_root_dir"))
         if self.subcommand in ("validate", "test", "predict") and not config.get("data.split"):
-            config["data.split"] = evaluated_split(config.get("trainer.default_root_dir"), config.get("data.root"))
+            config["data.split"] = evaluated_split(str(run_dir), config.get("data.root"), config.get("ckpt_path"))
         if config.get("ckpt_path") and config.get("model.pretrained"):
             # the checkpoint holds every weight: resuming must not need the hub or the original file again
             config["model.pretrained"] = None

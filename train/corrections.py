@@ -218,6 +218,7 @@ def report_unmatched(fixes: dict[str, str | None], seen: set[str], file: str | P
 
     A warning, not a refusal: a corrections file outlives the folder it was written for (an image since
     deleted, moved or found unreadable), and the run should not stop for an image it would not train on anyway.
+    A file none of whose paths matches is refused before this (`correct_folder`).
     """
     missing = sorted(set(fixes) - seen)
     if missing:
@@ -258,7 +259,8 @@ def correct_folder(
     if fixes and not seen:  # not one image moved on: the file names another folder, or the same one mounted elsewhere
         raise ValueError(
             f"none of the {len(fixes)} images in {file} is in {root}: it was written for another folder or mount "
-            "(its paths are absolute, or relative to --data.root); give the corrections of this folder"
+            "(its paths are absolute, or relative to --data.root), or its images are gone; give the corrections "
+            "of this folder, or train without --data.corrections"
         )
     record["not_found"] = report_unmatched(fixes, seen, file)
     return out, record

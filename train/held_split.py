@@ -93,13 +93,17 @@ def run_split(run_dir: str | None) -> str | None:
     return str(split) if split.is_file() else None
 
 
-def evaluated_split(run_dir: str | None, data_root: str | None) -> str | None:
-    """The run's own `split.json` when `validate`, `test` or `predict` scores the folder the run was trained on:
-    it scores the images its fit held out, even after images were added (a new split could hold training images).
-    Another folder (a hold-out set) is scanned and split anew."""
+def evaluated_split(run_dir: str | None, data_root: str | None, ckpt_path: str | None) -> str | None:
+    """The run's own `split.json` when `validate`, `test` or `predict` scores the run's checkpoint (`ckpt_path`
+    None, best, last, or a file of its checkpoints/) on the folder it was trained on: it scores the images its fit
+    held out, even after images were added (a new split could hold training images). Another folder (a hold-out
+    set), or another run's checkpoint, is scanned and split anew."""
     split = run_split(run_dir)
     if split is None or data_root is None:
         return None
+    checkpoints = (Path(split).parent / "checkpoints").resolve()
+    if ckpt_path not in (None, "best", "last") and Path(ckpt_path).expanduser().resolve().parent != checkpoints:
+        return None  # another run's checkpoint, or one given by URL
     try:
         root = str(json.loads(Path(split).read_text(encoding="utf-8"))["root"])
     except (OSError, ValueError, KeyError, TypeError):

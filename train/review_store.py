@@ -84,7 +84,7 @@ class Decisions:
                 table = self._read()
                 key = absolute_path(path, self.root)
                 extra = table.rows.pop(key, [])[2:]
-                row = [written_path(path, self.root), label or "", *extra]
+                row = [written_path(key, self.root), label or "", *extra]
                 table.rows[key] = row + [""] * (len(table.header) - len(row))
                 table.labels[key] = label
                 _write_atomically(self.file, table)
