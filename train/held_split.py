@@ -16,6 +16,7 @@ import os
 from pathlib import Path
 
 from train.folder_scan import FolderScan
+from train.run_dir import CKPT_DIR
 
 log = logging.getLogger(__name__)
 PLACES = ("train", "val", "calib")
@@ -101,11 +102,11 @@ def evaluated_split(run_dir: str | None, data_root: str | None, ckpt_path: str |
     split = run_split(run_dir)
     if split is None or data_root is None:
         return None
-    checkpoints = (Path(split).parent / "checkpoints").resolve()
+    checkpoints = (Path(split).parent / CKPT_DIR).resolve()
     if ckpt_path not in (None, "best", "last") and Path(ckpt_path).expanduser().resolve().parent != checkpoints:
         return None  # another run's checkpoint, or one given by URL
     try:
-        root = str(json.loads(Path(split).read_text(encoding="utf-8"))["root"])
-    except (OSError, ValueError, KeyError, TypeError):
+        root, _, _ = _read(Path(split))
+    except ValueError:
         return split  # `hold_split` says what is wrong with it
     return split if os.path.realpath(root) == os.path.realpath(os.path.expanduser(data_root)) else None
