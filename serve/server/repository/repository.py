@@ -271,10 +271,11 @@ class ModelRepository:
             try:
                 self.sync()
             except Exception as e:  # keep serving what is loaded: a volume mounted late or a folder being replaced
-                if _described(e) != failing:
+                why = _described(e)
+                if why != failing:
                     expected = isinstance(e, (OSError, ValueError))  # no folder, or no model in it: no traceback
                     log.error("cannot scan the repository (%s); serving what is loaded", e, exc_info=not expected)
-                failing = _described(e)
+                failing = why
                 continue
             if failing:
                 log.info("the repository %s can be scanned again", self.root)
