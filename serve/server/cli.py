@@ -13,10 +13,8 @@ import argparse
 import ctypes
 import logging
 import os
-import shutil
 import signal
 import sys
-import tempfile
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -31,6 +29,7 @@ from serve.server.http.guard import LOOPBACK_HOSTS
 from serve.server.http.probes import ProbeServer
 from serve.server.http.protocol import LimitedHttpToolsProtocol
 from serve.server.settings import ENV_PREFIX, ServeSettings
+from serve.server.temp_dirs import OwnedTempDir
 
 if TYPE_CHECKING:  # the repository (and onnxruntime with it) is imported once the arguments are read
     from serve.server.repository.repository import ModelRepository
@@ -142,10 +141,11 @@ def main(argv: list[str] | None = None) -> int:
 
     _warn_if_exposed(settings)
     _return_freed_memory()
-    # Gradio's uploads and results go to a folder of this server's own, deleted when it exits. Gradio reads
-    # GRADIO_TEMP_DIR when it is imported, so it is set before build_app imports it.
-    temp_dir, probes = tempfile.mkdtemp(prefix="vitscope-ui-"), None
-    os.environ["GRADIO_TEMP_DIR"] = temp_dir
+    # Gradio's uploads and results go to a folder of this server's own, deleted when it exits (and by the next
+    # server, if this one is killed). Gradio reads GRADIO_TEMP_DIR when it is imported, so it is set before
+    # build_app imports it.
+    temp_dir, probes = OwnedTempDir("vitscope-ui-"), None
+    os.environ["GRADIO_TEMP_DIR"] = str(temp_dir.path)
     try:
         app = build_app(models, settings, with_ui=not args.no_ui)
         server = AnnouncingServer(uvicorn_config(app, settings, args.log_level), app.state.repository)
@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if probes is not None:
             probes.stop()
-        shutil.rmtree(temp_dir, ignore_errors=True)
+        temp_dir.remove()
     return 0
 
 

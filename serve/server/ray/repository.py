@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import asyncio
 import shutil
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -49,6 +48,7 @@ from serve.server.ray.deployment import (
 from serve.server.repository.layout import CONFIG_FILE, LABELS_FILE, MODEL_FILE
 from serve.server.repository.version import load_version
 from serve.server.settings import ServeSettings
+from serve.server.temp_dirs import OwnedTempDir
 
 MODEL_APP_PREFIX = "vitscope-model-"
 MODEL_DEPLOYMENT = "ModelVersions"
@@ -169,7 +169,8 @@ class RepositoryIngress:
 
     def __init__(self, settings: dict[str, Any]):
         self.settings = ServeSettings(**settings)
-        self.view = RepositoryView(Path(tempfile.mkdtemp(prefix="vitscope-view-")))
+        self.folder = OwnedTempDir("vitscope-view-")  # removed by the next replica if Ray kills this one
+        self.view = RepositoryView(self.folder.path)
         self.repository = None
 
     async def __serve_build_asgi_app__(self):
@@ -208,7 +209,7 @@ class RepositoryIngress:
             raise RuntimeError("the app has not started, or a model it should serve has no version loaded")
 
     def __del__(self):
-        shutil.rmtree(self.view.root, ignore_errors=True)
+        self.folder.remove()
 
 
 def model_app(
