@@ -4,8 +4,9 @@
 repository view; each removes its folder when it stops. A SIGKILL (an orchestrator's after the grace period, the
 OOM killer, Ray replacing a replica) leaves it behind, uploads included, and a server restarted in a loop would fill
 the disk. So each folder holds an exclusive `flock` on its `.lock` file for as long as its server lives: the kernel
-lets go of it however the process ends, and the next folder of the same prefix made on this machine removes every
-one whose lock it can take. A process ID would not tell: in a container every server is PID 1.
+lets go of it however the process ends, and the next folder of the same prefix that this user makes in the same
+temporary folder removes every one whose lock it can take. A process ID would not tell: in a container every
+server is PID 1.
 """
 
 from __future__ import annotations
@@ -35,17 +36,33 @@ class OwnedTempDir:
     def __init__(self, prefix: str, parent: Path | None = None):
         parent = Path(parent or tempfile.gettempdir())
         remove_orphans(prefix, parent)
-        self.path = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
-        new = self.path / (LOCK + ".new")
-        self._fd: int | None = os.open(new, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-        fcntl.flock(self._fd, fcntl.LOCK_EX)
-        os.rename(new, self.path / LOCK)  # `.lock` appears already held: no sweep can take a folder being made
+        self.path, self._fd = Path(tempfile.mkdtemp(prefix=prefix, dir=parent)), None
+        try:
+            new = self.path / (LOCK + ".new")
+            self._fd = os.open(new, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+            fcntl.flock(self._fd, fcntl.LOCK_EX)
+            os.rename(new, self.path / LOCK)  # `.lock` appears already held: no sweep takes a folder being made
+        except BaseException:
+            if self._fd is not None:
+                os.close(self._fd)
+            shutil.rmtree(self.path, ignore_errors=True)
+            raise
 
     def remove(self) -> None:
-        """Delete the folder and let go of its lock (a second call does nothing)."""
+        """Delete the folder and let go of its lock (a second call does nothing). `.lock` goes last, and only with
+        the rest gone: a folder that could not be emptied stays for the next server's sweep to try again."""
         if self._fd is None:
             return
-        shutil.rmtree(self.path, ignore_errors=True)
+        for entry in self.path.iterdir():
+            if entry.name == LOCK:
+                continue
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry, ignore_errors=True)
+            else:
+                entry.unlink(missing_ok=True)
+        if [p.name for p in self.path.iterdir()] == [LOCK]:
+            (self.path / LOCK).unlink()
+            self.path.rmdir()
         os.close(self._fd)
         self._fd = None
 
@@ -53,7 +70,8 @@ class OwnedTempDir:
 def remove_orphans(prefix: str, parent: Path) -> list[Path]:
     """Remove each folder `parent/<prefix>*` of this user whose `.lock` no live process holds.
 
-    Folders without a `.lock` (another program's, or made before the lock existed) and other users' are left.
+    Folders without a `.lock` (another program's, or made before the lock existed), symbolic links and other users'
+    folders are left.
 
     Returns:
         The folders removed.
@@ -61,20 +79,31 @@ def remove_orphans(prefix: str, parent: Path) -> list[Path]:
     removed = []
     for folder in sorted(parent.glob(glob.escape(prefix) + "*")):
         try:
-            info = folder.lstat()
-            fd = os.open(folder / LOCK, os.O_RDWR | os.O_NOFOLLOW)
-        except OSError:  # not a folder with our lock file in it, or removed meanwhile
+            folder_fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        except OSError:  # not a folder (a symbolic link planted in a shared /tmp), or removed meanwhile
             continue
         try:
-            if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
-                continue
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:  # its server runs
-                continue
-            shutil.rmtree(folder, ignore_errors=True)
-            removed.append(folder)
-            log.info("removed %s: its server ended without removing it (killed, or out of memory)", folder)
+            if os.fstat(folder_fd).st_uid == os.getuid() and _lock_is_free(folder_fd):
+                shutil.rmtree(folder, ignore_errors=True)
+                removed.append(folder)
+                log.info("removed %s: its server ended without removing it (killed, or out of memory)", folder)
         finally:
-            os.close(fd)
+            os.close(folder_fd)
     return removed
+
+
+def _lock_is_free(folder_fd: int) -> bool:
+    """Whether the `.lock` file in the folder open as `folder_fd` is a plain file that no process holds."""
+    try:
+        fd = os.open(LOCK, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=folder_fd)
+    except OSError:  # none: not a folder of ours
+        return False
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return False
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True  # no server comes back to a folder: a new one makes its own
+    except BlockingIOError:  # its server runs
+        return False
+    finally:
+        os.close(fd)

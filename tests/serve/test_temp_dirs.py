@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -25,7 +26,9 @@ def holder(parent: Path) -> tuple[subprocess.Popen, Path]:
     proc = subprocess.Popen(
         [sys.executable, "-c", HOLD, str(parent)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT
     )
-    return proc, Path(proc.stdout.readline().strip())
+    folder = Path(proc.stdout.readline().strip())
+    assert folder.parent == parent and folder.is_dir(), f"the holder said {folder}"
+    return proc, folder
 
 
 def test_a_killed_owners_folder_goes_with_the_next_one_and_a_live_owners_stays(tmp_path):
@@ -42,7 +45,9 @@ def test_a_killed_owners_folder_goes_with_the_next_one_and_a_live_owners_stays(t
         mine = OwnedTempDir("vitscope-ui-", tmp_path)
         assert not dead_folder.exists()
         assert live_folder.is_dir() and (live_folder / LOCK).is_file() and foreign.is_dir()
-        assert OwnedTempDir("vitscope-view-", tmp_path).path.is_dir() and live_folder.is_dir()  # another prefix
+        view = OwnedTempDir("vitscope-view-", tmp_path)  # another prefix: the live folder stays
+        assert view.path.is_dir() and live_folder.is_dir()
+        view.remove()
         mine.remove()
         mine.remove()  # twice: nothing more
         assert not mine.path.exists()
@@ -50,8 +55,39 @@ def test_a_killed_owners_folder_goes_with_the_next_one_and_a_live_owners_stays(t
         live.stdin.close()
         live.wait(10)
     assert live.returncode == 0 and live_folder.is_dir()  # an owner that ended without `remove`: the next one's
-    OwnedTempDir("vitscope-ui-", tmp_path)
-    assert not live_folder.exists()
+    OwnedTempDir("vitscope-ui-", tmp_path).remove()
+    assert not live_folder.exists() and sorted(p.name for p in tmp_path.iterdir()) == [foreign.name]
+
+
+def test_a_planted_link_or_a_lock_that_is_no_file_is_left_alone(tmp_path):
+    """In a shared /tmp, another user may name a link or a folder like ours: the sweep neither follows the link
+    nor opens a FIFO named `.lock` (an open that would wait for a writer)."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / LOCK).touch()  # an unlocked lock, as a dead server leaves it
+    (tmp_path / "vitscope-ui-link").symlink_to(elsewhere)
+    fifo = tmp_path / "vitscope-ui-fifo"
+    fifo.mkdir()
+    os.mkfifo(fifo / LOCK)
+    OwnedTempDir("vitscope-ui-", tmp_path).remove()
+    assert (elsewhere / LOCK).is_file() and (tmp_path / "vitscope-ui-link").is_symlink() and fifo.is_dir()
+
+
+def test_the_uis_clean_up_of_stale_partial_files_keeps_the_lock(tmp_path):
+    """The UI deletes files left in its folder for --ui-cache-s; the lock is as old as the server, and without it
+    the folder of a server killed after its first hour was never removed."""
+    from serve.server.ui.http import folder_size
+
+    owned = OwnedTempDir("vitscope-ui-", tmp_path)
+    partial = owned.path / "partial-upload"
+    partial.write_bytes(b"a client left mid-body")
+    hour_ago = time.time() - 3600
+    for path in (partial, owned.path / LOCK):
+        os.utime(path, (hour_ago, hour_ago))
+    assert folder_size(str(owned.path), stale_s=60) == 0
+    assert not partial.exists() and (owned.path / LOCK).is_file()
+    owned.remove()
+    assert not owned.path.exists()
 
 
 @pytest.mark.slow

@@ -8,6 +8,7 @@ import os
 import time
 
 from serve.server.http.errors import send_error
+from serve.server.temp_dirs import LOCK
 
 log = logging.getLogger(__name__)
 
@@ -178,7 +179,8 @@ def folder_size(folder: str, stale_s: float | None = None) -> int:
         for name in files:
             try:
                 st = os.stat(path := os.path.join(top, name), follow_symlinks=False)
-                if stale_s is not None and top == folder and now - st.st_mtime > stale_s:
+                stale = stale_s is not None and top == folder and now - st.st_mtime > stale_s
+                if stale and name != LOCK:  # the server's own lock, as old as the server (`temp_dirs`)
                     os.unlink(path)
                     continue
                 total += st.st_size
