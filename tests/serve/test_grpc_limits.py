@@ -34,10 +34,13 @@ PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes(3) + b"\x04\x00" + bytes(4
 SETTINGS_ACK = b"\x00\x00\x00\x04\x01" + bytes(4)
 
 
+TYPED_IMAGES = 2048  # in one call: about 0.4 s of converting its typed pixel values
+
+
 @pytest.fixture(scope="module")
 def server(tiny_onnx):
-    port = free_port()
-    with ServerProcess(tiny_onnx, "--no-ui", "--grpc-port", str(port), "--api-key", KEY) as s:
+    port, batch = free_port(), ("--max-batch-size", str(TYPED_IMAGES), "--queue-size", str(TYPED_IMAGES))
+    with ServerProcess(tiny_onnx, "--no-ui", "--grpc-port", str(port), "--api-key", KEY, *batch) as s:
         s.grpc_url = f"127.0.0.1:{port}"
         yield s
 
@@ -327,26 +330,24 @@ def test_client_text_echoed_in_an_error_is_cut_short(server):
             assert "…" in details and ("n" * 100 in details) == (long in str(message))
 
 
-def test_pixels_sent_as_typed_values_leave_the_loop_answering_health_checks(tiny_onnx):
+def test_pixels_sent_as_typed_values_leave_the_loop_answering_health_checks(server):
     """`uint_contents` are converted one value at a time: 2,048 images of 32 x 32 took about 0.4 s on gRPC's
     event loop, and every other call (a kubelet's health check among them) waited behind each such message."""
-    port, images = free_port(), 2048
-    args = ("--no-ui", "--grpc-port", str(port), "--max-batch-size", str(images), "--queue-size", str(images))
-    with ServerProcess(tiny_onnx, *args) as s, grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-        model = httpx.get(s.url + "/readyz").json()["model"]
-        request = pb.ModelInferRequest(model_name=model)
-        request.inputs.add(name="pixels", datatype="UINT8", shape=[images, 32, 32, 3])
-        request.inputs[0].contents.uint_contents.extend(bytes(range(256)) * (images * 32 * 32 * 3 // 256))
+    model = httpx.get(server.url + "/readyz", headers=AUTH).json()["model"]
+    request = pb.ModelInferRequest(model_name=model)
+    request.inputs.add(name="pixels", datatype="UINT8", shape=[TYPED_IMAGES, 32, 32, 3])
+    request.inputs[0].contents.uint_contents.extend(bytes(range(256)) * (TYPED_IMAGES * 32 * 32 * 3 // 256))
+    waits = []
+    with grpc.insecure_channel(server.grpc_url) as channel, ThreadPoolExecutor(1) as pool:
         infer = channel.unary_unary(INFER, pb.ModelInferRequest.SerializeToString, pb.ModelInferResponse.FromString)
         live = channel.unary_unary(LIVE, pb.ServerLiveRequest.SerializeToString, pb.ServerLiveResponse.FromString)
         assert live(pb.ServerLiveRequest(), timeout=10).live
-        waits = []
-        with ThreadPoolExecutor(1) as pool:
-            calls = pool.submit(lambda: [infer(request, timeout=60).outputs[0].shape for _ in range(3)])
-            while not calls.done():
-                started = time.perf_counter()
-                assert live(pb.ServerLiveRequest(), timeout=10).live
-                waits.append(time.perf_counter() - started)
-            assert calls.result() == [[images, 4]] * 3
+        auth = list(AUTH.items())
+        calls = pool.submit(lambda: [infer(request, metadata=auth, timeout=60).outputs[0].shape for _ in range(3)])
+        while not calls.done():
+            started = time.perf_counter()
+            assert live(pb.ServerLiveRequest(), timeout=10).live
+            waits.append(time.perf_counter() - started)
+        assert calls.result() == [[TYPED_IMAGES, 4]] * 3
     # the message's parse stays on the loop (gRPC's own, about a sixth of the conversion)
     assert len(waits) > 10 and max(waits) < 0.2, f"{len(waits)} health checks, the longest {max(waits):.3f} s"
