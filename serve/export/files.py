@@ -18,13 +18,24 @@ from pathlib import Path
 
 from serve.runtime.outputs import sync_folder
 
-# A temporary's name: `.<name>.vit-export-<pid>-<random>`, the pid telling whether its export still runs
-TEMPORARY = re.compile(r"\..+\.vit-export-([1-9][0-9]*)-[0-9a-f]+")
+# A temporary's name: `.<name>.vit-export-<pid>-<start>-<random>`, the process id and its start time telling
+# whether its export still runs. The start time tells a reused process id: an export killed in a container left
+# `...-1-...`, and the next container's export, process 1 again, took it for its own (names from before the start
+# time was written, `...-<pid>-<random>`, are told by the process id alone).
+TEMPORARY = re.compile(r"\..+\.vit-export-([1-9][0-9]*)-(?:([0-9]+)-)?[0-9a-f]+")
 
 
 def temporary_name(name: str) -> str:
     """A hidden name for a temporary that will become `name`, unique to this process (`TEMPORARY`)."""
-    return f".{name}.vit-export-{os.getpid()}-{secrets.token_hex(4)}"
+    return f".{name}.vit-export-{os.getpid()}-{_start_time(os.getpid()) or 0}-{secrets.token_hex(4)}"
+
+
+def _start_time(pid: int) -> str | None:
+    """When process `pid` started, in clock ticks after boot (/proc's `starttime`); None where /proc does not say."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
 
 
 def write_new(path: Path, data: bytes) -> None:
@@ -35,14 +46,16 @@ def write_new(path: Path, data: bytes) -> None:
         os.fsync(f.fileno())
 
 
-def _running(pid: int) -> bool:
+def _running(pid: int, start: str | None) -> bool:
+    """Whether the export that named a temporary `pid` (started at `start`, None: not written) still runs."""
     try:
         os.kill(pid, 0)  # signal 0 sends nothing: it asks whether the process exists
     except ProcessLookupError:
         return False
     except PermissionError:  # another user's
-        return True
-    return True
+        pass
+    now = _start_time(pid)
+    return start in (None, "0") or now is None or now == start  # the same process, or one cannot tell
 
 
 def remove_stale_temporaries(folder: Path) -> None:
@@ -53,7 +66,7 @@ def remove_stale_temporaries(folder: Path) -> None:
     """
     for path in folder.iterdir():
         match = TEMPORARY.fullmatch(path.name)
-        if match is None or _running(int(match[1])):
+        if match is None or _running(int(match[1]), match[2]):
             continue
         if path.is_dir() and not path.is_symlink():
             shutil.rmtree(path, ignore_errors=True)

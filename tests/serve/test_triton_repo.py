@@ -16,6 +16,7 @@ import onnxruntime as ort
 import pytest
 from PIL import Image
 
+from serve.export import files
 from serve.export.cli import main
 from serve.runtime.classifier import OnnxClassifier
 from serve.server.repository.layout import parse_config, scan
@@ -244,11 +245,14 @@ def test_an_export_killed_as_its_version_appears_or_changes_leaves_the_model_who
     version = tmp_path / "models" / "tiny" / "1" / "model.onnx"
     _kill_export_when(args, version.exists, "the version file appears")  # a new model
     _assert_whole(tmp_path, [1])  # a server polling the repository never sees a version without its config
-    live = tmp_path / f".tiny.onnx.vit-export-{os.getpid()}-0123abcd"  # a running export's temporary: kept
+    live = tmp_path / files.temporary_name("tiny.onnx")  # a running export's temporary: kept
     live.touch()
+    # an export killed in a container, where the next export runs as the same process id: not a running one's
+    earlier = tmp_path / f".tiny.onnx.vit-export-{os.getpid()}-1-0123abcd"
+    earlier.touch()
     assert main(args) == 0
     _assert_whole(tmp_path, [1])
-    assert (tmp_path / "tiny.onnx").is_file() and _hidden(tmp_path) == [live]  # the killed one's are gone
+    assert (tmp_path / "tiny.onnx").is_file() and _hidden(tmp_path) == [live]  # the killed ones' are gone
 
     before = _stamp(version)  # the same model rewritten in place
     _kill_export_when(args, lambda: _stamp(version) != before, "the version file changes")
