@@ -343,11 +343,19 @@ def test_pixels_sent_as_typed_values_leave_the_loop_answering_health_checks(serv
         live = channel.unary_unary(LIVE, pb.ServerLiveRequest.SerializeToString, pb.ServerLiveResponse.FromString)
         assert live(pb.ServerLiveRequest(), timeout=10).live
         auth = list(AUTH.items())
-        calls = pool.submit(lambda: [infer(request, metadata=auth, timeout=60).outputs[0].shape for _ in range(3)])
+
+        def timed_infer() -> float:
+            started = time.perf_counter()
+            assert infer(request, metadata=auth, timeout=60).outputs[0].shape == [TYPED_IMAGES, 4]
+            return time.perf_counter() - started
+
+        calls = pool.submit(lambda: [timed_infer() for _ in range(3)])
         while not calls.done():
             started = time.perf_counter()
             assert live(pb.ServerLiveRequest(), timeout=10).live
             waits.append(time.perf_counter() - started)
-        assert calls.result() == [[TYPED_IMAGES, 4]] * 3
-    # the message's parse stays on the loop (gRPC's own, about a sixth of the conversion)
-    assert len(waits) > 10 and max(waits) < 0.2, f"{len(waits)} health checks, the longest {max(waits):.3f} s"
+        took = calls.result()
+    # The message's parse stays on the loop (gRPC's own, about a sixth of the conversion). Compared with the calls'
+    # own time, which a busy machine stretches as much: the conversion on the loop held a check for most of a call
+    said = f"{len(waits)} health checks, the longest {max(waits):.3f} s; the calls took {[round(t, 3) for t in took]} s"
+    assert len(waits) > 10 and max(waits) < max(took) / 3, said
