@@ -16,6 +16,7 @@ patch grid. Its input is (B, H, W, 3) uint8 pixels already resized and cropped b
 
 from __future__ import annotations
 
+import hashlib
 import numbers
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -62,6 +63,7 @@ class OnnxClassifier:
     def __init__(self, path: str | Path, providers: Sequence[str] | None = None, threads: int | None = None):
         self.path = Path(path)
         data = mf.read_model_bytes(self.path)
+        self.sha256 = hashlib.sha256(data).hexdigest()  # of the bytes loaded, whatever the path holds later
         options = session_options(default_threads(mf.read_metadata(data)) if threads is None else threads)
         self.threads = options.intra_op_num_threads
         try:

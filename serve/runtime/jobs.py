@@ -15,7 +15,6 @@ reports it like any other unreadable image.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import sys
@@ -212,25 +211,17 @@ def default_decode_workers() -> int:
     return max(1, min(8, usable_cores()))
 
 
-def file_sha256(path: Path) -> str:
-    """The hex sha256 of a file's bytes, read in chunks (a model file can be a few GiB)."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def job_record(model: Path, top_k: int, coverage: float | None) -> dict[str, Any]:
+def job_record(model_sha256: str, top_k: int, coverage: float | None) -> dict[str, Any]:
     """What decides a job's rows, kept with its parts so that --resume can refuse to go on under another.
 
-    The model is known by its content, not its name or time: a model exported again in place gives other answers,
-    a copy of it the same ones. --top-k sets the columns and --coverage fills some. The format is the suffix of
-    --out, which names the parts folder itself; --batch-size, --threads, --decode-threads and --part-size change
-    no row, so a resume may change them. `row fields` names the fields each row has: parts written before rows
-    had unknown and ood_score without --coverage are refused, not merged with rows of other columns.
+    The model is known by its content (`OnnxClassifier.sha256`, of the bytes the run loaded), not its name or time:
+    a model exported again in place gives other answers, a copy of it the same ones. --top-k sets the columns and
+    --coverage fills some. The format is the suffix of --out, which names the parts folder itself; --batch-size,
+    --threads, --decode-threads and --part-size change no row, so a resume may change them. `row fields` names the
+    fields each row has: parts written before rows had unknown and ood_score without --coverage are refused, not
+    merged with rows of other columns.
     """
-    return {"model_sha256": file_sha256(model), "--top-k": top_k, "--coverage": coverage, "row fields": ROW_FIELDS}
+    return {"model_sha256": model_sha256, "--top-k": top_k, "--coverage": coverage, "row fields": ROW_FIELDS}
 
 
 def _mismatch(out: Path, parts: Path, model: Path, was: dict[str, Any], now: dict[str, Any]) -> str:

@@ -315,7 +315,7 @@ def _run_to_file(args: argparse.Namespace) -> tuple[int, int]:
         resume=args.resume,
         workers=args.decode_threads,
         part_size=args.part_size,
-        job=job_record(args.model, args.top_k, args.coverage),
+        job=job_record(clf.sha256, args.top_k, args.coverage),
         template=template_row(min(args.top_k, len(clf.labels)), args.coverage, clf.calibrated),
     )
     return done, failed + missing

@@ -854,3 +854,34 @@ def test_a_job_in_which_no_image_could_be_read_still_writes_its_columns(tiny_onn
             and table.column_names == columns
             and str(table.schema.field("score_1").type) == "double"
         )
+
+
+@pytest.mark.slow
+def test_a_model_replaced_while_the_run_lists_its_inputs_is_not_the_one_its_parts_record(tiny_onnx, tmp_path):
+    """The job's record hashed the model file after the (slow) listing of the inputs, not the bytes the run had
+    loaded: a model replaced meanwhile was recorded, and a --resume under it mixed the two models' rows."""
+    (one,) = _images(tmp_path / "photos", 1)
+    for i in range(1, 400):  # many cheap inputs, a part each: the run is stopped after its first parts
+        os.link(one, one.with_name(f"{i:04d}.png"))
+    model, listing = tmp_path / "model.onnx", tmp_path / "inputs.txt"
+    model.write_bytes(tiny_onnx.read_bytes())
+    os.mkfifo(listing)
+    out = tmp_path / "preds.jsonl"
+    args = [str(model), "--from-list", str(listing), "--out", str(out), "--part-size", "1", "--batch-size", "1"]
+    proc = _predict(*args)
+    inputs = "\n".join(str(p) for p in sorted(one.parent.iterdir())) + "\n"
+    with open(listing, "w") as f:  # opens once the run reads its list, after it loaded the model
+        model.write_bytes(tiny_onnx.read_bytes() + b"\xc0\x3e\x01")  # another file (an unknown protobuf field)
+        f.write(inputs)
+    parts = out.with_name(out.name + ".parts")
+    deadline = time.monotonic() + 60
+    while not list(parts.glob("part-*.json")):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(30)
+    resumed = _predict(*args, "--resume")
+    with open(listing, "w") as f:
+        f.write(inputs)
+    _, err = resumed.communicate(timeout=120)
+    assert resumed.returncode == 2 and "was started with another model file" in err, err
