@@ -51,6 +51,12 @@ JOB_FILE = "job.json"  # in the parts folder: what decides the rows, so that a r
 _PART = re.compile(r"part-(\d{5,})\.json$")
 
 
+def _part_number(path: Path) -> int:
+    """A part's number, `part-00007.jsonl` -> 7 (-1 for a name that is not a part's)."""
+    found = re.match(r"part-(\d+)\.", path.name)
+    return int(found.group(1)) if found else -1
+
+
 def _refuse_link(path: Path) -> None:
     if path.is_symlink():
         raise ValueError(
@@ -194,7 +200,7 @@ class PartStore:
         done: set[str] = set()
         failed: list[tuple[str, str]] = []
         indices = []
-        for manifest in sorted(self.dir.glob("part-*.json")):
+        for manifest in sorted(self.dir.glob("part-*.json"), key=_part_number):
             found = _PART.match(manifest.name)
             if not found:
                 continue
@@ -245,7 +251,8 @@ class PartStore:
 
     def data_files(self) -> list[Path]:
         """The committed parts' data files, in the order they were written."""
-        return sorted(p for p in self.dir.glob(f"part-*{self.fmt}") if (self.dir / f"{p.stem}.json").exists())
+        committed = [p for p in self.dir.glob(f"part-*{self.fmt}") if (self.dir / f"{p.stem}.json").exists()]
+        return sorted(committed, key=_part_number)  # by number: `part-100000` comes after `part-99999`
 
     def finish(self, template: dict[str, Any] | None = None) -> None:
         """Merge the parts into `out` (written under a temporary name, flushed, then renamed) and remove the

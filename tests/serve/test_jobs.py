@@ -147,6 +147,18 @@ def test_an_uncommitted_part_is_cleared_and_its_images_scored_again(tmp_path):
     assert sorted(p.name for p in store.dir.iterdir()) == ["part-00000.json", "part-00000.jsonl"]
 
 
+def test_parts_past_99999_are_merged_in_the_order_they_were_written(tmp_path):
+    """Parts were merged in the order of their names: `part-100000` before `part-99998`."""
+    store = PartStore(tmp_path / "preds.jsonl")
+    store.committed()
+    store.next_index = 99_998  # a run of 100,000 parts and more (--part-size 10 over a million images)
+    for name in ("a.png", "b.png", "c.png"):
+        store.commit([{"path": name, "predictions": []}], [])
+    assert PartStore(tmp_path / "preds.jsonl").committed() == ({"a.png", "b.png", "c.png"}, [])
+    store.finish()
+    assert store.output_paths() == ["a.png", "b.png", "c.png"]
+
+
 def test_from_list_reads_paths_and_uris(tiny_onnx, tmp_path, capsys):
     paths = _images(tmp_path / "photos", 3)
     listing = tmp_path / "inputs.txt"
