@@ -9,10 +9,10 @@ text in CSV). Ray's writer (`serve.cluster`) uses the same `table_row`, so both 
 File names on Linux are bytes, and Python holds one that is not UTF-8 as a str with surrogate escapes ('\\udcff'
 for the byte 0xff). Each format keeps such a path and every other row: JSON Lines writes the escape (`"\\udcff"`,
 which `json.loads` gives back as the same str, and `os.fsencode` as the same bytes); CSV writes the name's own
-bytes, as `ls` does (read it back with `open(..., errors="surrogateescape")`, or pandas'
-`encoding_errors="surrogateescape"`, to get the same str); Parquet, whose strings must be UTF-8, writes each such
-byte as the four characters `\\xff` (Python's backslashreplace: readable, but a name that holds a real backslash
-followed by `x` and two hex digits reads the same).
+bytes, as `ls` does (read it back with `open(..., errors="surrogateescape")` and the `csv` module to get the same
+str; pandas' parser refuses such a str, whatever its `encoding_errors`); Parquet, whose strings must be UTF-8,
+writes each such byte as the four characters `\\xff` (Python's backslashreplace: readable, but a name that holds a
+real backslash followed by `x` and two hex digits reads the same).
 """
 
 from __future__ import annotations
