@@ -224,31 +224,41 @@ def job_record(model_sha256: str, top_k: int, coverage: float | None) -> dict[st
     return {"model_sha256": model_sha256, "--top-k": top_k, "--coverage": coverage, "row fields": ROW_FIELDS}
 
 
-def _mismatch(out: Path, parts: Path, model: Path, was: dict[str, Any], now: dict[str, Any]) -> str:
-    """One line: what differs between the job the parts were written under and this run's, and what to do."""
-    key = next(k for k in [*now, *was] if was.get(k) != now.get(k))  # the model first
+def _difference(model: Path, was: dict[str, Any], now: dict[str, Any]) -> str:
+    """What differs between the job `was` and this run's `now`, the model first, in a few words."""
+    key = next(k for k in [*now, *was] if was.get(k) != now.get(k))
     option = lambda value: f"no {key}" if value is None else f"{key} {value}"
     if key == "model_sha256":
-        what = f"another model file (sha256 {str(was.get(key))[:12]}; {model} is now {str(now[key])[:12]})"
-    else:
-        what = f"{option(was.get(key))}, this run has {option(now.get(key))}"
+        return f"another model file (sha256 {str(was.get(key))[:12]}; {model} is now {str(now[key])[:12]})"
+    return f"{option(was.get(key))}, this run has {option(now.get(key))}"
+
+
+def _mismatch(out: Path, parts: Path, model: Path, was: dict[str, Any], now: dict[str, Any]) -> str:
+    """One line: what differs between the job the parts were written under and this run's, and what to do."""
+    what = _difference(model, was, now)
     return (
         f"--resume: {out} was started with {what}: resume it with the model and options it started with, or run "
         f"without --resume and with a new --out (or remove {parts}) to start over"
     )
 
 
-def _open_parts(out: Path, resume: bool, errors: TextIO) -> PartStore | None:
+def _open_parts(out: Path, resume: bool, errors: TextIO, job: dict[str, Any] | None, model: Path) -> PartStore | None:
     """The parts of `out` this run goes on with, checked before any input is read; None when `out` is complete.
 
     Raises:
-        ValueError: `out` exists without `resume`, or names no known format.
+        ValueError: `out` exists without `resume`, names no known format, or is complete under another `job`.
     """
     store = PartStore(out)
     if store.exists() and not resume:
         raise ValueError(f"{out} (or its parts) exists: add --resume to finish that run, or remove it to start over")
     if resume and store.out.exists() and not store.dir.exists():
         store.remove_old_parts()  # a run killed after its merge, while it deleted its parts
+        was, now = store.finished_job(), json.loads(json.dumps(job))
+        if job is not None and was is not None and was != now:  # a pipeline's rerun under a new model
+            what = _difference(model, was, now)
+            raise ValueError(
+                f"--resume: {out} is complete, scored with {what}: remove it to score again, or give a new --out"
+            )
         print(f"{out} is complete: nothing to resume (remove it to score again)", file=errors)
         return None
     return store
@@ -302,7 +312,7 @@ def score_to_file(
         ValueError: `out` exists without `resume`, names no known format, or was started under another `job`.
     """
     errors = errors or sys.stderr
-    store = _open_parts(out, resume, errors)
+    store = _open_parts(out, resume, errors, job, clf.path)
     if store is None:  # finished by an earlier run: an input with no row in it is not passed off as done
         paths = PartStore(out).output_paths()
         have = set(paths) | {source_key(p) for p in paths}  # as the rows name them, or where that is from here

@@ -48,12 +48,12 @@ from serve.runtime.row_formats import encode_rows, merge_parquet, output_format,
 PARTS_SUFFIX = ".parts"
 DONE_SUFFIX = ".old"  # the parts folder of a merged output, renamed before it is deleted
 JOB_FILE = "job.json"  # in the parts folder: what decides the rows, so that a resume can check it is the same job
-_PART = re.compile(r"part-(\d{5,})\.json$")
+_PART = re.compile(r"part-(\d{5,})(\.[a-z]+)$")  # a part's data file or manifest: `part-00007.jsonl`, `.json`
 
 
 def _part_number(path: Path) -> int:
     """A part's number, `part-00007.jsonl` -> 7 (-1 for a name that is not a part's)."""
-    found = re.match(r"part-(\d+)\.", path.name)
+    found = _PART.match(path.name)
     return int(found.group(1)) if found else -1
 
 
@@ -137,6 +137,7 @@ class PartStore:
         self.fmt = output_format(self.out)
         self.dir = self.out.with_name(self.out.name + PARTS_SUFFIX)
         self.old_dir = self.dir.with_name(self.dir.name + DONE_SUFFIX)
+        self.finished_record = self.out.with_name(f".{self.out.name}.{JOB_FILE}")  # the job of the merged table
         self.next_index = 0
         self._held: int | None = None  # the parts folder, while `lock` holds it
         _refuse_link(self.dir)
@@ -202,7 +203,7 @@ class PartStore:
         indices = []
         for manifest in sorted(self.dir.glob("part-*.json"), key=_part_number):
             found = _PART.match(manifest.name)
-            if not found:
+            if not found or found.group(2) != ".json":
                 continue
             entry = _manifest(manifest)
             if entry is None or (
@@ -277,11 +278,20 @@ class PartStore:
                         shutil.copyfileobj(src, dst)
             dst.flush()
             os.fsync(dst.fileno())
+        if (self.dir / JOB_FILE).exists():  # kept beside the table, for a --resume of it to check (`finished_job`)
+            _write_atomic(self.finished_record, (self.dir / JOB_FILE).read_bytes())
         _replace_durably(tmp, self.out)  # the output is complete: from here on the parts are not needed
         self.remove_old_parts()
         os.rename(self.dir, self.old_dir)
         sync_folder(self.dir.parent)
         self.remove_old_parts()
+
+    def finished_job(self) -> dict[str, Any] | None:
+        """The job the merged `out` was scored under (None: not recorded, by a vitscope from before the record)."""
+        try:
+            return json.loads(self.finished_record.read_bytes())
+        except (OSError, ValueError):
+            return None
 
     def remove_old_parts(self) -> None:
         """Delete the parts folder of an output already merged, if a killed run left it."""

@@ -367,7 +367,7 @@ def test_a_kill_at_any_step_of_the_final_clean_up_then_resume_keeps_every_row(ti
                 break  # the clean-up has no step left to kill
         assert main([*args, "--out", str(out), "--resume"]) == 0, capsys.readouterr().err
         assert out.read_text().splitlines() == whole, f"killed at step {step} of the clean-up"
-        assert sorted(p.name for p in out.parent.iterdir()) == ["preds.jsonl"]
+        assert sorted(p.name for p in out.parent.iterdir()) == [".preds.jsonl.job.json", "preds.jsonl"]  # its job
     assert step == seen[0] >= 2  # every step was killed once
 
 
@@ -480,6 +480,24 @@ def test_resume_with_another_top_k_is_refused_before_any_image_is_read(
     assert main([*args, "--top-k", "1", "--resume"]) == 0  # the options it started with: finished as ever
     rows = _read(out)
     assert len(rows) == 6 and all("label_2" not in r for r in rows) and len(reads) == 4
+
+
+def test_resume_of_a_finished_table_under_another_model_or_top_k_is_refused(tiny_onnx, tmp_path, capsys):
+    """The job's record went with the parts folder: a pipeline that always adds --resume, rerun with a new model,
+    kept the old model's table, was told "complete" and exited 0."""
+    _images(tmp_path / "photos", 2)
+    out, other = tmp_path / "preds.jsonl", tmp_path / "other.onnx"
+    other.write_bytes(tiny_onnx.read_bytes() + b"\xc0\x3e\x01")  # another file (an unknown protobuf field)
+    args = [str(tmp_path / "photos"), "--out", str(out), "--top-k", "2"]
+    assert main([str(tiny_onnx), *args]) == 0
+    table = out.read_bytes()
+    capsys.readouterr()
+    assert main([str(other), *args, "--resume"]) == 2
+    assert "is complete, scored with another model file" in capsys.readouterr().err
+    assert main([str(tiny_onnx), *args[:3], "--top-k", "3", "--resume"]) == 2
+    assert "scored with --top-k 2, this run has --top-k 3" in capsys.readouterr().err
+    assert main([str(tiny_onnx), *args, "--resume"]) == 0
+    assert "is complete: nothing to resume" in capsys.readouterr().err and out.read_bytes() == table
 
 
 def test_resume_after_the_model_file_changed_is_refused(tiny_onnx, tmp_path, capsys, monkeypatch):
