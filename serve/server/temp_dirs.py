@@ -53,18 +53,22 @@ class OwnedTempDir:
         the rest gone: a folder that could not be emptied stays for the next server's sweep to try again."""
         if self._fd is None:
             return
-        for entry in self.path.iterdir():
-            if entry.name == LOCK:
-                continue
-            if entry.is_dir() and not entry.is_symlink():
-                shutil.rmtree(entry, ignore_errors=True)
-            else:
-                entry.unlink(missing_ok=True)
-        if [p.name for p in self.path.iterdir()] == [LOCK]:
-            (self.path / LOCK).unlink()
-            self.path.rmdir()
-        os.close(self._fd)
-        self._fd = None
+        try:
+            for entry in self.path.iterdir():
+                if entry.name == LOCK:
+                    continue
+                if entry.is_dir() and not entry.is_symlink():
+                    shutil.rmtree(entry, ignore_errors=True)
+                else:
+                    entry.unlink(missing_ok=True)
+            if [p.name for p in self.path.iterdir()] == [LOCK]:
+                (self.path / LOCK).unlink()
+                self.path.rmdir()
+        except FileNotFoundError:  # removed meanwhile (a clean-up of /tmp, an operator)
+            pass
+        finally:
+            os.close(self._fd)
+            self._fd = None
 
 
 def remove_orphans(prefix: str, parent: Path) -> list[Path]:

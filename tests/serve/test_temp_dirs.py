@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -88,6 +89,14 @@ def test_the_uis_clean_up_of_stale_partial_files_keeps_the_lock(tmp_path):
     assert not partial.exists() and (owned.path / LOCK).is_file()
     owned.remove()
     assert not owned.path.exists()
+
+
+def test_a_folder_removed_under_its_server_stops_nothing(tmp_path):
+    """A clean-up of /tmp (or an operator) removed the folder first: the server's exit became a traceback."""
+    owned = OwnedTempDir("vitscope-ui-", tmp_path)
+    shutil.rmtree(owned.path)
+    owned.remove()
+    OwnedTempDir("vitscope-ui-", tmp_path).remove()  # and its lock is let go
 
 
 @pytest.mark.slow
