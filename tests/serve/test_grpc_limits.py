@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import socket
+import statistics
 import struct
 import sys
 import threading
@@ -356,6 +357,8 @@ def test_pixels_sent_as_typed_values_leave_the_loop_answering_health_checks(serv
             waits.append(time.perf_counter() - started)
         took = calls.result()
     # The message's parse stays on the loop (gRPC's own, about a sixth of the conversion). Compared with the calls'
-    # own time, which a busy machine stretches as much: the conversion on the loop held a check for most of a call
-    said = f"{len(waits)} health checks, the longest {max(waits):.3f} s; the calls took {[round(t, 3) for t in took]} s"
-    assert len(waits) > 10 and max(waits) < max(took) / 3, said
+    # own time, which a busy machine stretches as much: the conversion on the loop held one check for most of each
+    # call, so the third longest wait (a one-off stall of the machine is one wait) is most of a call
+    third = sorted(waits)[-3]
+    said = f"{len(waits)} health checks, the third longest {third:.3f} s; the calls took {[f'{t:.3f}' for t in took]} s"
+    assert len(waits) > 10 and third < statistics.median(took) / 3, said
