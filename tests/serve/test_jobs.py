@@ -24,7 +24,7 @@ from PIL import Image
 from serve.runtime.outputs import JOB_FILE, PartStore
 from serve.runtime.predict import main
 from serve.runtime.row_formats import table_row
-from tests.helpers import CLASS_NAMES, quadrant_images
+from tests.helpers import CLASS_NAMES, quadrant_images, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 HAS_PYARROW = importlib.util.find_spec("pyarrow") is not None  # the [batch] extra; the [serve]-only venv lacks it
@@ -886,6 +886,21 @@ def test_a_job_in_which_no_image_could_be_read_still_writes_its_columns(tiny_onn
         )
 
 
+def _fifo_reader_open(fifo: Path, proc: subprocess.Popen):
+    """`fifo` opened for writing once `proc` opens it to read (an error, not a hang, if `proc` ends first)."""
+
+    def reader() -> int | None:
+        assert proc.poll() is None, proc.communicate()
+        try:
+            return os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)  # ENXIO while no process reads it
+        except OSError:
+            return None
+
+    fd = wait_until(reader, 60, "the run opening its list")
+    os.set_blocking(fd, True)
+    return open(fd, "w")
+
+
 @pytest.mark.slow
 def test_a_model_replaced_while_the_run_lists_its_inputs_is_not_the_one_its_parts_record(tiny_onnx, tmp_path):
     """The job's record hashed the model file after the (slow) listing of the inputs, not the bytes the run had
@@ -900,7 +915,7 @@ def test_a_model_replaced_while_the_run_lists_its_inputs_is_not_the_one_its_part
     args = [str(model), "--from-list", str(listing), "--out", str(out), "--part-size", "1", "--batch-size", "1"]
     proc = _predict(*args)
     inputs = "\n".join(str(p) for p in sorted(one.parent.iterdir())) + "\n"
-    with open(listing, "w") as f:  # opens once the run reads its list, after it loaded the model
+    with _fifo_reader_open(listing, proc) as f:  # the run reads its list after it loaded the model
         model.write_bytes(tiny_onnx.read_bytes() + b"\xc0\x3e\x01")  # another file (an unknown protobuf field)
         f.write(inputs)
     parts = out.with_name(out.name + ".parts")
@@ -911,7 +926,7 @@ def test_a_model_replaced_while_the_run_lists_its_inputs_is_not_the_one_its_part
     proc.send_signal(signal.SIGKILL)
     proc.wait(30)
     resumed = _predict(*args, "--resume")
-    with open(listing, "w") as f:
+    with _fifo_reader_open(listing, resumed) as f:
         f.write(inputs)
     _, err = resumed.communicate(timeout=120)
     assert resumed.returncode == 2 and "was started with another model file" in err, err
