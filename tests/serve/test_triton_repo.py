@@ -250,9 +250,11 @@ def test_an_export_killed_as_its_version_appears_or_changes_leaves_the_model_who
     # an export killed in a container, where the next export runs as the same process id: not a running one's
     earlier = tmp_path / f".tiny.onnx.vit-export-{os.getpid()}-1-0123abcd"
     earlier.touch()
+    older = tmp_path / f".tiny.onnx.vit-export-{os.getpid()}-0123abcd"  # named before the start time: by its id alone
+    older.touch()
     assert main(args) == 0
     _assert_whole(tmp_path, [1])
-    assert (tmp_path / "tiny.onnx").is_file() and _hidden(tmp_path) == [live]  # the killed ones' are gone
+    assert (tmp_path / "tiny.onnx").is_file() and _hidden(tmp_path) == sorted([live, older])  # the killed ones' go
 
     before = _stamp(version)  # the same model rewritten in place
     _kill_export_when(args, lambda: _stamp(version) != before, "the version file changes")
