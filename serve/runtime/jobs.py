@@ -246,9 +246,11 @@ def _open_parts(out: Path, resume: bool, errors: TextIO, job: dict[str, Any] | N
     """The parts of `out` this run goes on with, checked before any input is read; None when `out` is complete.
 
     Raises:
-        ValueError: `out` exists without `resume`, names no known format, or is complete under another `job`.
+        ValueError: another run is writing `out`; `out` exists without `resume`, names no known format, or is
+            complete under another `job`.
     """
     store = PartStore(out)
+    store.check_not_in_use()  # a retry while the first run still writes: --resume would not help it
     if store.exists() and not resume:
         raise ValueError(f"{out} (or its parts) exists: add --resume to finish that run, or remove it to start over")
     if resume and store.out.exists() and not store.dir.exists():

@@ -152,11 +152,25 @@ class PartStore:
         """
         _refuse_link(self.dir)
         self.dir.mkdir(parents=True, exist_ok=True)
-        busy = (
+        self._held = lock_folder(os.open(self.dir, os.O_RDONLY | os.O_DIRECTORY), self._busy())
+
+    def check_not_in_use(self) -> None:
+        """Refuse, as `lock` would, when another run holds the parts folder; hold nothing either way.
+
+        Raises:
+            ValueError: another run is writing `out`.
+        """
+        try:
+            fd = os.open(self.dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        except OSError:  # no parts folder (a finished table, or none yet): nobody writes it
+            return
+        os.close(lock_folder(fd, self._busy()))
+
+    def _busy(self) -> str:
+        return (
             f"another vit-predict is writing {self.out} (its parts folder {self.dir} is in use): wait for it to "
             "end, or give this run another --out"
         )
-        self._held = lock_folder(os.open(self.dir, os.O_RDONLY | os.O_DIRECTORY), busy)
 
     def unlock(self) -> None:
         """Let go of the parts folder `lock` took (whether the run finished, failed or was stopped)."""
