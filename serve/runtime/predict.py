@@ -211,6 +211,9 @@ def run(
     return done, failed
 
 
+STDOUT_SUFFIX = {"json": ".jsonl", "csv": ".csv"}  # --format, and the --out suffix of the same rows
+
+
 def build_parser() -> argparse.ArgumentParser:
     """vit-predict's arguments; `serve.cluster.cli` adds the Ray ones to the same parser."""
     p = argparse.ArgumentParser(prog="vit-predict", description=__doc__.split("\n\n")[0])
@@ -219,7 +222,11 @@ def build_parser() -> argparse.ArgumentParser:
         "paths", nargs="*", metavar="PATH", help="image files or folders (searched recursively); with --out also URIs"
     )
     p.add_argument("--top-k", type=int, default=5, help="classes per image (default 5)")
-    p.add_argument("--format", choices=["json", "csv"], default="json", help="json: one object per line; csv: rows")
+    p.add_argument(
+        "--format",
+        choices=list(STDOUT_SUFFIX),
+        help="on standard output, json (the default): one object per line; csv: rows (--out: its suffix says)",
+    )
     p.add_argument("--batch-size", type=int, default=32, help="images per onnxruntime call (default 32)")
     p.add_argument(
         "--threads",
@@ -260,6 +267,13 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error("give image files or folders, or --from-list FILE")
     if args.out is None and (args.from_list or args.resume or any(is_uri(s) for s in args.paths)):
         p.error("--from-list, URIs and --resume need --out FILE")
+    if args.format is None:
+        args.format = "json"
+    elif args.out is not None and args.out.suffix.lower() != STDOUT_SUFFIX[args.format]:
+        p.error(
+            f"--format {args.format} is for standard output: --out is written in the format of its suffix "
+            f"(.parquet, .csv or .jsonl); leave --format out, or give --out {args.out.stem}{STDOUT_SUFFIX[args.format]}"
+        )
     cores = usable_cores()
     if args.threads is not None and not 0 <= args.threads <= cores:  # 1,000 took a minute for one image
         p.error(f"--threads must be 0 (every core) to {cores} (this machine's cores), got {args.threads}")

@@ -765,6 +765,7 @@ def test_a_part_cut_short_or_a_damaged_manifest_is_scored_again(tiny_onnx, tmp_p
         (["--threads", "100000"], "--threads must be"),
         (["--decode-threads", "-1"], "--decode-threads must be"),
         (["--decode-threads", "0"], "--decode-threads must be"),
+        (["--format", "json"], "--format json is for standard output"),  # was ignored: x.csv written as CSV
     ],
 )
 def test_thread_counts_out_of_range_are_refused_before_anything_is_made(tiny_onnx, tmp_path, capsys, extra, says):
