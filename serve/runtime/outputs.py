@@ -93,7 +93,7 @@ def _replace_durably(tmp: Path, path: Path) -> None:
 def _write_atomic(path: Path, data: bytes) -> None:
     """Write `data` under a temporary name, flush it to disk and rename: `path` is whole or absent."""
     tmp = path.with_name(path.name + ".tmp")
-    with _create(tmp) as f, _removed_on_error(tmp):
+    with _removed_on_error(tmp), _create(tmp) as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
@@ -103,11 +103,16 @@ def _write_atomic(path: Path, data: bytes) -> None:
 @contextmanager
 def _removed_on_error(tmp: Path) -> Iterator[None]:
     """Delete the temporary file this block writes if the block fails (a full disk): it would hold on to the space
-    the user must free, and none but a resume would ever remove it."""
+    the user must free, and none but a resume would ever remove it. It wraps the file's own block, so that the error
+    of the close that flushes it is caught too, and names the file: the message says which disk is full. A link in
+    the temporary's place is left alone (`_create` refuses it)."""
     try:
         yield
-    except BaseException:
-        tmp.unlink(missing_ok=True)
+    except BaseException as e:
+        if not tmp.is_symlink():
+            tmp.unlink(missing_ok=True)
+        if isinstance(e, OSError) and e.filename is None:
+            e.filename = str(tmp)
         raise
 
 
@@ -279,7 +284,7 @@ class PartStore:
         _refuse_link(self.dir)
         tmp = self.out.with_name(self.out.name + ".tmp")
         parts = self.data_files()
-        with _create(tmp) as dst, _removed_on_error(tmp):
+        with _removed_on_error(tmp), _create(tmp) as dst:
             if self.fmt == ".parquet":
                 merge_parquet(parts, dst, template)
             elif not parts and template is not None and self.fmt == ".csv":

@@ -669,9 +669,10 @@ def test_a_merge_that_fails_for_space_leaves_no_temporary_file_and_resumes(tiny_
     full = _predict(*args, "--part-size", "8", preexec_fn=_with_file_size_limit(1500))  # the one part does not fit
     _, err = full.communicate(timeout=60)
     assert full.returncode == 2 and not list(parts.glob("*.tmp")) and not list(parts.glob("part-*")), err
+    assert f"vit-predict: {parts}{os.sep}part-" in err, err  # which disk is full: the message named no file
     full = _predict(*args, "--part-size", "2", "--resume", preexec_fn=_with_file_size_limit(1500))  # the merge fails
     _, err = full.communicate(timeout=60)
-    assert full.returncode == 2 and "--resume" in err, err
+    assert full.returncode == 2 and "--resume" in err and f"vit-predict: {tmp_path}{os.sep}" in err, err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["photos", "preds.jsonl.parts"]
     assert not list(parts.glob("*.tmp")) and len(list(parts.glob("part-*.jsonl"))) == 4
     assert main([*args, "--resume"]) == 0 and len(_read(out)) == 8
