@@ -99,8 +99,15 @@ def collect_sources(
     """
     items = [str(p) for p in paths]
     if from_list is not None:
-        lines = map(os.fsdecode, Path(from_list).read_bytes().splitlines())
-        items += [s.strip() for s in lines if s.strip() and not s.lstrip().startswith("#")]
+        for n, line in enumerate(map(os.fsdecode, Path(from_list).read_bytes().splitlines()), 1):
+            item = line.strip()
+            if item.startswith("#") and Path(item).is_file():  # a comment that is also a file's name
+                print(
+                    f"{from_list}:{n}: {item} is read as a comment; write it as ./{item} to score that file",
+                    file=errors,
+                )
+            elif item and not item.startswith("#"):
+                items.append(item)
     sources: dict[str, str] = {}  # ordered and each input once: a file named twice (`a/x.png`, `./a/x.png`) is one row
     problems = 0
     for item in items:

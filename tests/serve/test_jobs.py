@@ -171,6 +171,22 @@ def test_from_list_reads_paths_and_uris(tiny_onnx, tmp_path, capsys):
     assert [r["predictions"][0]["label"] for r in rows] == ["bottom_left", "top_left", "top_right"]
 
 
+def test_a_comment_line_that_names_a_file_says_how_to_score_it(tiny_onnx, tmp_path, capsys, monkeypatch):
+    """`#1.png` in a list was skipped as a comment without a word, though the folder held that file."""
+    paths = _images(tmp_path / "photos", 2)
+    paths[1].rename(tmp_path / "photos" / "#1.png")
+    monkeypatch.chdir(tmp_path / "photos")
+    listing = tmp_path / "inputs.txt"
+    listing.write_text(f"# tonight's photos\n{paths[0].name}\n#1.png\n")
+    assert main([str(tiny_onnx), "--from-list", str(listing), "--out", str(tmp_path / "preds.jsonl")]) == 0
+    assert capsys.readouterr().err.splitlines() == [
+        f"{listing}:3: #1.png is read as a comment; write it as ./#1.png to score that file"
+    ]
+    listing.write_text("./#1.png\n")
+    assert main([str(tiny_onnx), "--from-list", str(listing), "--out", str(tmp_path / "more.jsonl")]) == 0
+    assert [json.loads(line)["path"] for line in (tmp_path / "more.jsonl").read_text().splitlines()] == ["./#1.png"]
+
+
 def test_a_url_that_cannot_be_reached_is_one_input_that_failed_not_the_run(tiny_onnx, tmp_path, capsys):
     """A host that refuses, or a name that does not resolve, stopped the whole run with a bare "vit-predict: Connect
     call failed ('127.0.0.1', 9)" that named no input; a 404 was already one input's problem."""
