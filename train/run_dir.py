@@ -19,6 +19,7 @@ from __future__ import annotations
 import fcntl
 import os
 import socket
+import tempfile
 import zipfile
 from pathlib import Path
 from typing import IO, Any
@@ -188,9 +189,11 @@ def hold_run_dir(run_dir: Path, ckpt_path: str | None, overwrite: bool, check_ow
     return lock
 
 
-def check_run_dir(run_dir: Path, data_root: str | None) -> None:
+def check_run_dir(run_dir: Path, data_root: str | None, create: bool = True) -> None:
     """Create `run_dir` and a file in it now, so a read-only place fails in one line before any work; refuse it
-    in the image folder `data_root`, where its reports (`confusion_matrix.png`) would be a class of the next scan."""
+    in the image folder `data_root`, where its reports (`confusion_matrix.png`) would be a class of the next scan.
+    With `create` False, a `run_dir` not made yet stays so: a folder made and removed in its nearest existing parent
+    tells whether it can be (`vit-train fit` checks so before it reads the images, and makes it after)."""
     images = None if not data_root or is_remote(data_root) else Path(data_root).expanduser().resolve()
     own = images is not None and (images / "train").is_dir() and (images / "val").is_dir()
     scanned = [images / "train", images / "val"] if own else [images] if images is not None else []
@@ -201,6 +204,10 @@ def check_run_dir(run_dir: Path, data_root: str | None) -> None:
         )
     probe = run_dir / f".write-test-{os.getpid()}"
     try:
+        if not create and not run_dir.exists():
+            parent = next(p for p in run_dir.absolute().parents if p.exists())
+            os.rmdir(tempfile.mkdtemp(prefix=".write-test-", dir=parent))
+            return
         run_dir.mkdir(parents=True, exist_ok=True)
         probe.write_bytes(b"")
         probe.unlink()

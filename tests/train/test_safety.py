@@ -164,13 +164,15 @@ def test_a_pretrained_file_that_is_not_weights_is_a_one_line_error(small_folder,
 
 @pytest.mark.slow
 @pytest.mark.parametrize("where", ["new", "existing"])  # an existing one was locked first: a PermissionError traceback
-def test_a_read_only_run_directory_is_a_one_line_error(small_folder, tmp_path, where):
+def test_a_read_only_run_directory_is_a_one_line_error(tmp_path, where):
+    """Said before the image folder is read (minutes for a large one): a new run directory was tried only after the
+    scan. The folder here is not there yet, so a scan would fail first."""
     read_only = tmp_path / "read_only"
     run = read_only / "run" if where == "new" else read_only
     read_only.mkdir()
     read_only.chmod(0o555)
     try:
-        child = run_bound_by_file_modes("-m", "train", *args(small_folder, run))
+        child = run_bound_by_file_modes("-m", "train", *args(tmp_path / "images_still_copying", run))
     finally:
         read_only.chmod(0o755)
     err = the_one_error_line(child.returncode, child.stderr)
