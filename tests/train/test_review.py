@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import shutil
+import socket
 from pathlib import Path
 
 import httpx
@@ -97,6 +98,20 @@ def test_review_refuses_a_run_without_checkpoints_or_reports_and_names_missing_l
             main(["review", str(tmp_path)])
         err = capsys.readouterr().err
         assert err.startswith("vit-train review: ") and "Traceback" not in err and "split.json" in err, err
+
+
+def test_a_port_in_use_is_said_before_the_run_is_scored(review_run, capsys, caplog):
+    """The review scored every image of the run (minutes for a large one) before Gradio found the port taken."""
+    from train.cli import main
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(SystemExit) as e, caplog.at_level(logging.INFO):
+            main(["review", str(review_run), "--port", str(port)])
+    assert e.value.code == 2 and "scoring" not in caplog.text
+    assert f"port {port} on 127.0.0.1 is in use" in capsys.readouterr().err
 
 
 def test_review_lists_every_kind_of_image_to_look_at(review_run):
