@@ -122,11 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         settings = settings_from(args)
     except ValidationError as e:
-        where = "; ".join(
-            f"{'.'.join(map(str, err['loc'])) or 'settings'}: {err['msg'].removeprefix('Value error, ')}"
-            for err in e.errors()
-        )
-        print(f"vit-serve: {where}", file=sys.stderr)
+        print(f"vit-serve: {_settings_error(e)}", file=sys.stderr)
         return 2
 
     if args.ray:  # the replicas' threads run on the cluster's nodes, not here
@@ -173,6 +169,14 @@ def main(argv: list[str] | None = None) -> int:
             probes.stop()
         temp_dir.remove()
     return 0
+
+
+def _settings_error(e: ValidationError) -> str:
+    """The settings' errors in one line, each after the setting it is about."""
+    return "; ".join(
+        f"{'.'.join(map(str, err['loc'])) or 'settings'}: {err['msg'].removeprefix('Value error, ')}"
+        for err in e.errors()
+    )
 
 
 def _loaded(model: Path, settings: ServeSettings):
