@@ -11,15 +11,14 @@ Every click is in `RUN_DIR/corrections.csv` before the page shows it (`train.rev
 
 from __future__ import annotations
 
-import errno
 import logging
-import socket
 import sys
 from pathlib import Path
 
 from jsonargparse import ActionYesNo, ArgumentParser
 
 from serve.runtime.interrupts import sigterm_as_interrupt
+from serve.runtime.ports import check_port
 from train.errors import SetupError
 
 log = logging.getLogger(__name__)
@@ -84,7 +83,7 @@ def launch_review(
     from train.review_data import ReviewRun
 
     if port:  # 0: Gradio picks a free one
-        check_port(host, port)
+        check_port(host, port)  # before the run is scored (minutes for a large one): Gradio finds it taken only after
     run = ReviewRun(Path(run_dir), limit=limit, batch_size=batch_size)  # a run it cannot review is refused first
     from train.review_app import build_review_app  # gradio: only for this subcommand, and only then
 
@@ -106,23 +105,3 @@ def launch_review(
     except KeyboardInterrupt:  # Ctrl-C or SIGTERM before Gradio's wait took over (the page may be up): close it
         app.close()
     return app
-
-
-def check_port(host: str, port: int) -> None:
-    """Refuse a port that something else listens on before the run is scored (minutes for a large one): Gradio
-    would find it taken only then. Bound as uvicorn binds (SO_REUSEADDR): a port that just closed is free.
-
-    Raises:
-        SetupError: the port is taken, or `host` is no address of this machine.
-    """
-    try:
-        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-        with socket.socket(family, kind, proto) as s:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            s.bind(address)
-    except OSError as e:
-        if e.errno == errno.EADDRINUSE:
-            raise SetupError(
-                f"port {port} on {host} is in use: stop what listens there, or give --port another"
-            ) from None
-        raise SetupError(f"cannot listen on {host} port {port} ({e.strerror}): give a --host of this machine") from None

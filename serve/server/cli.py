@@ -24,6 +24,7 @@ from pydantic import ValidationError
 from uvicorn.config import STARTUP_FAILURE
 
 from serve.runtime.jobs import usable_cores
+from serve.runtime.ports import check_port
 from serve.server.access_log import ACCESS_LOG, logging_off_the_loop
 from serve.server.http.guard import LOOPBACK_HOSTS
 from serve.server.http.probes import ProbeServer
@@ -128,6 +129,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.ray:  # the replicas' threads run on the cluster's nodes, not here
         return _run_on_ray(args, settings)
     try:
+        _check_ports(settings)
+    except ValueError as e:
+        print(f"vit-serve: did not start: {e}", file=sys.stderr)
+        return STARTUP_FAILURE
+    try:
         _check_payload_log(settings.payload_log)
         models = _loaded(args.model, settings)
     except ValueError as e:
@@ -177,6 +183,18 @@ def _settings_error(e: ValidationError) -> str:
         f"{'.'.join(map(str, err['loc'])) or 'settings'}: {err['msg'].removeprefix('Value error, ')}"
         for err in e.errors()
     )
+
+
+def _check_ports(settings: ServeSettings) -> None:
+    """Refuse a port the server would listen on that another program holds (`check_port`), before the models load
+    and warm up (minutes for a large repository): uvicorn binds only after, and gRPC after it."""
+    for flag, port in (
+        ("--port", settings.port),
+        ("--grpc-port", settings.grpc_port),
+        ("--probe-port", settings.probe_port),
+    ):
+        if port:
+            check_port(settings.host, port, flag)
 
 
 def _loaded(model: Path, settings: ServeSettings):

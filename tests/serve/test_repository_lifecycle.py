@@ -169,7 +169,8 @@ def test_exit_on_error_says_why_in_one_line_and_exits_3(exported, tmp_path):  # 
 
 
 def test_a_port_in_use_is_named_in_the_last_line(exported, tmp_path):  # noqa: F811
-    """The last line of a server that did not start says why, whatever stopped it: here another process's port."""
+    """The last line of a server that did not start says why, whatever stopped it: here another process's port, said
+    before any model loads (a repository of large models took minutes to load and warm up, then found it taken)."""
     repo = tmp_path / "models"
     add_model(repo, exported, "beta", [1])
     with socket.socket() as taken:
@@ -181,6 +182,7 @@ def test_a_port_in_use_is_named_in_the_last_line(exported, tmp_path):  # noqa: F
     assert run.returncode == 3
     last = run.stderr.strip().splitlines()[-1]
     assert last.startswith("vit-serve: did not start:") and str(port) in last and "in use" in last
+    assert "warmed up" not in run.stderr and "takes requests" not in run.stderr, run.stderr
 
 
 def test_any_exception_in_one_load_is_that_models_failure(exported, tmp_path):  # noqa: F811
