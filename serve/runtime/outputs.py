@@ -38,10 +38,11 @@ import os
 import re
 import shutil
 import sys
+import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from serve.runtime.row_formats import encode_rows, merge_parquet, output_format, require_pyarrow, rows_in
 
@@ -93,41 +94,49 @@ def _replace_durably(tmp: Path, path: Path) -> None:
 def _write_atomic(path: Path, data: bytes) -> None:
     """Write `data` under a temporary name, flush it to disk and rename: `path` is whole or absent."""
     tmp = path.with_name(path.name + ".tmp")
-    with _removed_on_error(tmp), _create(tmp) as f:
+    with _writing(tmp) as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
     _replace_durably(tmp, path)
 
 
+WRITE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # a full disk, a quota, a file size limit
+
+
 @contextmanager
-def _removed_on_error(tmp: Path) -> Iterator[None]:
-    """Delete the temporary file this block writes if the block fails (a full disk): it would hold on to the space
-    the user must free, and none but a resume would ever remove it. It wraps the file's own block, so that the error
-    of the close that flushes it is caught too, and names the file: the message says which disk is full. A link in
-    the temporary's place is left alone (`_create` refuses it)."""
+def _writing(tmp: Path) -> Iterator[BinaryIO]:
+    """`tmp` opened for writing (`_create`), deleted if the block or the close that flushes it fails (a full disk):
+    it would hold on to the space the user must free, and none but a resume would ever remove it. Such an error is
+    given the file's name, so that the message says which disk is full."""
+    f = _create(tmp)
     try:
-        yield
+        with f:
+            yield f
     except BaseException as e:
-        if not tmp.is_symlink():
-            tmp.unlink(missing_ok=True)
-        if isinstance(e, OSError) and e.filename is None:
+        tmp.unlink(missing_ok=True)
+        if isinstance(e, OSError) and e.filename is None and e.errno in WRITE_ERRNOS:
             e.filename = str(tmp)
         raise
 
 
-def lock_folder(fd: int, busy: str) -> int:
-    """`fd`, an open folder, locked for this process alone (the kernel lets go however the process ends).
+def lock_folder(fd: int, busy: str, wait_s: float = 0.2) -> int:
+    """`fd`, an open folder, locked for this process alone (the kernel lets go however the process ends). A lock held
+    for less than `wait_s` is waited for: a second run's `PartStore.check_not_in_use` holds it for a moment.
 
     Raises:
         ValueError: `busy`, when another process holds the lock (`fd` is then closed).
     """
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        raise ValueError(busy) from None
-    return fd
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return fd
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                os.close(fd)
+                raise ValueError(busy) from None
+            time.sleep(0.01)
 
 
 class PartStore:
@@ -284,7 +293,7 @@ class PartStore:
         _refuse_link(self.dir)
         tmp = self.out.with_name(self.out.name + ".tmp")
         parts = self.data_files()
-        with _removed_on_error(tmp), _create(tmp) as dst:
+        with _writing(tmp) as dst:
             if self.fmt == ".parquet":
                 merge_parquet(parts, dst, template)
             elif not parts and template is not None and self.fmt == ".csv":

@@ -147,6 +147,23 @@ def test_an_uncommitted_part_is_cleared_and_its_images_scored_again(tmp_path):
     assert sorted(p.name for p in store.dir.iterdir()) == ["part-00000.json", "part-00000.jsonl"]
 
 
+@NEEDS_PYARROW
+def test_a_part_that_cannot_be_read_at_the_merge_keeps_its_reason(tmp_path):
+    """A read error of the merge (pyarrow's, with no errno) was named after the merged file's temporary, its own
+    reason lost: `[Errno None] None: 'preds.parquet.tmp'`. Only a write's error (a full disk) names the file."""
+    store = PartStore(tmp_path / "preds.parquet")
+    store.committed()
+    store.commit([{"path": f"{i}.png", "label": "x" * 50} for i in range(200)], [])
+    part = store.dir / "part-00000.parquet"
+    data = bytearray(part.read_bytes())
+    data[8:400] = bytes(b ^ 0x5A for b in data[8:400])  # its pages, not the footer it is counted by
+    part.write_bytes(bytes(data))
+    with pytest.raises(OSError) as e:
+        store.finish()
+    assert e.value.filename is None and "Errno None" not in str(e.value), str(e.value)
+    assert not (tmp_path / "preds.parquet.tmp").exists()
+
+
 def test_parts_past_99999_are_merged_in_the_order_they_were_written(tmp_path):
     """Parts were merged in the order of their names: `part-100000` before `part-99998`."""
     store = PartStore(tmp_path / "preds.jsonl")
