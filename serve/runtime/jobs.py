@@ -101,7 +101,7 @@ def collect_sources(
     if from_list is not None:
         for n, line in enumerate(map(os.fsdecode, Path(from_list).read_bytes().splitlines()), 1):
             item = line.strip()
-            if item.startswith("#") and Path(item).is_file():  # a comment that is also a file's name
+            if item.startswith("#") and os.path.isfile(item):  # a comment that names a file (a long one: False)
                 print(
                     f"{from_list}:{n}: {item} is read as a comment; write it as ./{item} to score that file",
                     file=errors,

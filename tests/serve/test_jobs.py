@@ -194,7 +194,7 @@ def test_a_comment_line_that_names_a_file_says_how_to_score_it(tiny_onnx, tmp_pa
     paths[1].rename(tmp_path / "photos" / "#1.png")
     monkeypatch.chdir(tmp_path / "photos")
     listing = tmp_path / "inputs.txt"
-    listing.write_text(f"# tonight's photos\n{paths[0].name}\n#1.png\n")
+    listing.write_text(f"# tonight's photos\n{paths[0].name}\n#1.png\n# {'a long comment ' * 20}\n")  # no name
     assert main([str(tiny_onnx), "--from-list", str(listing), "--out", str(tmp_path / "preds.jsonl")]) == 0
     assert capsys.readouterr().err.splitlines() == [
         f"{listing}:3: #1.png is read as a comment; write it as ./#1.png to score that file"
