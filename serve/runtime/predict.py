@@ -271,8 +271,8 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         args.format = "json"
     elif args.out is not None and args.out.suffix.lower() != STDOUT_SUFFIX[args.format]:
         p.error(
-            f"--format {args.format} is for standard output: --out is written in the format of its suffix "
-            f"(.parquet, .csv or .jsonl); leave --format out, or give --out {args.out.stem}{STDOUT_SUFFIX[args.format]}"
+            f"--format {args.format} is for standard output: --out is written in the format of its suffix; leave "
+            "--format out, or name --out with the suffix of the format you want (.parquet, .csv or .jsonl)"
         )
     cores = usable_cores()
     if args.threads is not None and not 0 <= args.threads <= cores:  # 1,000 took a minute for one image
