@@ -202,12 +202,18 @@ def check_run_dir(run_dir: Path, data_root: str | None, create: bool = True) -> 
             f"--trainer.default_root_dir must be outside --data.root: {run_dir} is in the image folder {data_root}, "
             "whose next scan would read the run as a class; use e.g. runs/<name>"
         )
+    if not create and not run_dir.exists() and not run_dir.is_symlink():  # (a link to nowhere fails to be made below)
+        parent = next(p for p in run_dir.absolute().parents if p.exists())
+        try:
+            os.rmdir(tempfile.mkdtemp(prefix=".write-test-", dir=parent))
+        except OSError as e:
+            raise SetupError(
+                f"cannot write into the run directory {run_dir} (it cannot be made in {parent}: {e.strerror}); "
+                "choose a writable --trainer.default_root_dir"
+            ) from None
+        return
     probe = run_dir / f".write-test-{os.getpid()}"
     try:
-        if not create and not run_dir.exists():
-            parent = next(p for p in run_dir.absolute().parents if p.exists())
-            os.rmdir(tempfile.mkdtemp(prefix=".write-test-", dir=parent))
-            return
         run_dir.mkdir(parents=True, exist_ok=True)
         probe.write_bytes(b"")
         probe.unlink()
