@@ -9,11 +9,15 @@ from __future__ import annotations
 
 import errno
 import socket
+from contextlib import ExitStack
 
 
-def check_port(host: str, port: int, flag: str = "--port") -> None:
-    """Refuse a port that something listens on, or a `host` that is no address of this machine. Bound as uvicorn
-    binds (SO_REUSEADDR), so a port whose last connections are closing counts as free.
+def check_port(host: str, port: int, flag: str = "--port", dual_stack: bool = False) -> None:
+    """Refuse a port that something listens on, or a `host` that is no address of this machine.
+
+    Bound as asyncio's `create_server` (so uvicorn and Gradio) binds: every address `host` names ("" : every
+    interface; IPv6 in brackets or not), with SO_REUSEADDR, so that a port whose last connections are closing counts
+    as free, and IPv6 sockets for IPv6 alone (`dual_stack`: also IPv4, as grpcio binds "[::]").
 
     Args:
         flag: the option that chose `port`, named in the message.
@@ -22,10 +26,14 @@ def check_port(host: str, port: int, flag: str = "--port") -> None:
         ValueError: what is wrong and which option to change.
     """
     try:
-        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-        with socket.socket(family, kind, proto) as s:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            s.bind(address)
+        found = socket.getaddrinfo(host.strip("[]") or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        with ExitStack() as held:  # all at once, as the server holds them
+            for family, kind, proto, _, address in dict.fromkeys(found):
+                s = held.enter_context(socket.socket(family, kind, proto))
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                if family == socket.AF_INET6:
+                    s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, not dual_stack)
+                s.bind(address)
     except OSError as e:
         if e.errno == errno.EADDRINUSE:
             raise ValueError(

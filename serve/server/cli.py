@@ -129,16 +129,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.ray:  # the replicas' threads run on the cluster's nodes, not here
         return _run_on_ray(args, settings)
     try:
-        _check_ports(settings)
-    except ValueError as e:
-        print(f"vit-serve: did not start: {e}", file=sys.stderr)
-        return STARTUP_FAILURE
-    try:
         _check_payload_log(settings.payload_log)
         models = _loaded(args.model, settings)
     except ValueError as e:
         print(f"vit-serve: {e}", file=sys.stderr)
         return 2
+    try:
+        _check_ports(settings)
+    except ValueError as e:
+        print(f"vit-serve: did not start: {e}", file=sys.stderr)
+        return STARTUP_FAILURE
     from serve.server.app import build_app
 
     _warn_if_exposed(settings)
@@ -186,15 +186,15 @@ def _settings_error(e: ValidationError) -> str:
 
 
 def _check_ports(settings: ServeSettings) -> None:
-    """Refuse a port the server would listen on that another program holds (`check_port`), before the models load
-    and warm up (minutes for a large repository): uvicorn binds only after, and gRPC after it."""
+    """Refuse a port the server would listen on that another program holds (`check_port`), before the models warm
+    up (minutes for a large repository): uvicorn binds only after, and gRPC after it (on "[::]", IPv4 too)."""
     for flag, port in (
         ("--port", settings.port),
         ("--grpc-port", settings.grpc_port),
         ("--probe-port", settings.probe_port),
     ):
         if port:
-            check_port(settings.host, port, flag)
+            check_port(settings.host, port, flag, dual_stack=flag == "--grpc-port")
 
 
 def _loaded(model: Path, settings: ServeSettings):
