@@ -16,6 +16,7 @@ unless --overwrite true. One fit at a time writes a run directory (`lock_run_dir
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import socket
@@ -202,9 +203,11 @@ def check_run_dir(run_dir: Path, data_root: str | None, create: bool = True) -> 
             f"--trainer.default_root_dir must be outside --data.root: {run_dir} is in the image folder {data_root}, "
             "whose next scan would read the run as a class; use e.g. runs/<name>"
         )
-    if not create and not run_dir.exists() and not run_dir.is_symlink():  # (a link to nowhere fails to be made below)
-        parent = next(p for p in run_dir.absolute().parents if p.exists())
+    if not create and not run_dir.exists():
+        parent = next(p for p in [run_dir.absolute(), *run_dir.absolute().parents] if os.path.lexists(p))
         try:
+            if not parent.exists():  # a link to nowhere, the run directory's or a folder's above it
+                raise FileNotFoundError(errno.ENOENT, f"{parent} is a link to nowhere")
             os.rmdir(tempfile.mkdtemp(prefix=".write-test-", dir=parent))
         except OSError as e:
             raise SetupError(

@@ -179,6 +179,18 @@ def test_a_read_only_run_directory_is_a_one_line_error(tmp_path, where):
     assert f"cannot write into the run directory {run}" in err
 
 
+@pytest.mark.parametrize("under", ["", "run"])
+def test_a_run_directory_through_a_link_to_nowhere_is_refused_before_the_scan(tmp_path, under):
+    """Checked before the images are read: a run directory that is, or is under, a link to nowhere passed, and
+    failed after the scan with a bare "File exists"."""
+    from train.errors import SetupError
+    from train.run_dir import check_run_dir
+
+    (tmp_path / "runs").symlink_to(tmp_path / "gone")
+    with pytest.raises(SetupError, match=f"cannot be made in {tmp_path / 'runs'}: .* is a link to nowhere"):
+        check_run_dir(tmp_path / "runs" / under, None, create=False)
+
+
 def _fake_run(run_dir: Path, *names: str) -> Path:
     """A run directory whose checkpoints are whole torch.save files (enough for the path rules)."""
     (run_dir / "checkpoints").mkdir(parents=True)
