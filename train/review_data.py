@@ -30,8 +30,9 @@ from PIL import Image
 from serve.runtime import calibration as cal
 from serve.runtime.images import FILE_NAME_ERRORS, ImageError, load_image
 from train.checkpoint_format import load_network
-from train.corrections import load_corrections
+from train.corrections import load_corrections, read_corrections
 from train.errors import SetupError
+from train.review_store import CORRECTIONS_FILE
 from vit import flip
 from vit.rollout import attention_rollout
 
@@ -109,6 +110,8 @@ class ReviewRun:
         split = _read_split(split_file, self.labels)
         self.data_root = Path(split["root"])  # relative paths in a corrections file start here, as in fit
         self.trained_with = self._corrections(split)
+        if (decided := self.run_dir / CORRECTIONS_FILE).exists():  # one fit would refuse: said before the scoring
+            read_corrections(decided, self.data_root, self.labels)
         parts = {key: [(e["path"], int(e["label"])) for e in split.get(key, [])] for key in ("train", "val", "calib")}
         self.given = {p: self.labels[y] for entries in parts.values() for p, y in entries}
         self.limit = limit
