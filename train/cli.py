@@ -183,8 +183,8 @@ class VitCLI(LightningCLI):
         run_dir = Path(config.get("trainer.default_root_dir") or os.getcwd())  # another run or fit there: refused
         if self.subcommand == "fit":  # before the folder is scanned (minutes for a large one)
             check_run_dir(run_dir, config.get("data.root"), create=False)  # writable, and not in the image folder
-        if self.subcommand == "fit" and run_dir.is_dir():
-            self._hold_run_dir(run_dir, config)
+            if run_dir.is_dir():
+                self._hold_run_dir(run_dir, config)
         if self.subcommand == "fit" and config.get("ckpt_path") and not config.get("overwrite"):  # a resumed run
             config["data.split"] = config.get("data.split") or run_split(config.get("trainer.default_root_dir"))
         if self.subcommand in ("validate", "test", "predict") and not config.get("data.split"):
