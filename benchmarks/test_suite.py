@@ -1,4 +1,5 @@
-"""How long does the test suite take? `.ci/run` (`make test`, then `make test-serve-only`) on a fresh clone.
+"""How long does the test suite take? `.ci/run` (`make test`, `make test-cluster`, `make test-serve-only`) on a fresh
+clone.
 
     .venv/bin/python -m benchmarks.test_suite [--commit HEAD]
 
@@ -43,7 +44,7 @@ def main() -> None:
         makefile = (tmp / "fresh" / "Makefile").read_text()  # the commit's own, for its number of test workers
         walls, stdout = [], ""
         user0 = resource.getrusage(resource.RUSAGE_CHILDREN).ru_utime
-        for target in ("test", "test-serve-only"):
+        for target in ("test", "test-cluster", "test-serve-only"):
             t0 = time.perf_counter()
             run = subprocess.run(["make", target], cwd=tmp / "fresh", env={**os.environ, "CI": "true"},
                                  capture_output=True, text=True)  # fmt: skip
@@ -58,18 +59,20 @@ def main() -> None:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     suites = [m.groups() for line in stdout.splitlines() if (m := SUMMARY.match(line))]
-    if len(suites) != 2:
-        raise SystemExit(f"expected two pytest summaries, found {len(suites)}:\n{stdout[-3000:]}")
-    (tests, tests_s), (serve_only, serve_only_s) = suites
+    if len(suites) != 3:
+        raise SystemExit(f"expected three pytest summaries, found {len(suites)}:\n{stdout[-3000:]}")
+    (tests, tests_s), (cluster, _), (serve_only, serve_only_s) = suites
     result = Result("test_suite", {"commit": commit, "fresh clone": True}, results=args.results)
     table = result.table(["step", "time"])
     table.add(f"`make test` in all: install, lint, docs and the tests ({tests})", minutes(walls[0]))
     workers = re.search(r"^TEST_WORKERS \?= (\d+)$", makefile, re.M).group(1)
     table.add(f"of which the tests (`pytest -n {workers} --dist loadfile`)", minutes(float(tests_s)))
-    table.add(f"`make test-serve-only`: the `[serve]`-only venv and its tests ({serve_only})", minutes(walls[1]))
-    table.add(f"both, as `.ci/run` runs them (CPU: user {minutes(user)})", minutes(sum(walls)))
-    result.data = {"seconds": {"make test": walls[0], "tests": float(tests_s), "make test-serve-only": walls[1],
-                               "serve-only tests": float(serve_only_s), "ci": sum(walls)}}  # fmt: skip
+    table.add(f"`make test-cluster`: the tests that start a local Ray cluster ({cluster})", minutes(walls[1]))
+    table.add(f"`make test-serve-only`: the `[serve]`-only venv and its tests ({serve_only})", minutes(walls[2]))
+    table.add(f"all three, as `.ci/run` runs them (CPU: user {minutes(user)})", minutes(sum(walls)))
+    result.data = {"seconds": {"make test": walls[0], "tests": float(tests_s), "make test-cluster": walls[1],
+                               "make test-serve-only": walls[2], "serve-only tests": float(serve_only_s),
+                               "ci": sum(walls)}}  # fmt: skip
     result.finish()
 
 

@@ -1,4 +1,5 @@
-"""Shared fixtures: the tiny ViT's constructor arguments. Markers: slow, gpu (skipped without CUDA), browser.
+"""Shared fixtures: the tiny ViT's constructor arguments. Markers: slow, gpu (skipped without CUDA), browser, and
+cluster, which every test that asks for a `cluster` fixture (a local Ray cluster) gets here.
 
 No torch at import time: the runtime and server tests also run in the `[serve]`-only install (`make
 test-serve-only`), where torch is absent; a test that needs it imports it or skips (`pytest.importorskip`).
@@ -27,6 +28,9 @@ def _cuda_available() -> bool:
 
 
 def pytest_collection_modifyitems(config, items):
+    for item in items:  # `make test` leaves these out and `make test-cluster` runs them (CI runs both)
+        if "cluster" in item.fixturenames:
+            item.add_marker(pytest.mark.cluster)
     gpu_items = [item for item in items if "gpu" in item.keywords]
     if not gpu_items or _cuda_available():
         return
