@@ -10,6 +10,7 @@ import hmac
 import itertools
 import os
 import re
+from collections.abc import Iterable
 
 SANE_REQUEST_ID = re.compile(r"[A-Za-z0-9._:/+=-]{1,128}")
 # How to send the key, in each transport's words: a refusal tells the client what to do in the terms it uses
@@ -17,6 +18,7 @@ HTTP_KEY_HINT = (
     "send it as 'Authorization: Bearer <key>' or 'X-API-Key: <key>' (in a browser, as the password of the login prompt)"
 )
 GRPC_KEY_HINT = "send it in the call's metadata as 'authorization: Bearer <key>' or 'x-api-key: <key>'"
+KEY_HEADERS = (b"x-api-key", b"authorization")
 
 
 def key_of(headers: dict[bytes, bytes]) -> str | None:
@@ -36,17 +38,24 @@ def key_of(headers: dict[bytes, bytes]) -> str | None:
     return None
 
 
-def key_refusal(expected: bytes, headers: dict[bytes, bytes], hint: str) -> str | None:
-    """Why a request with these headers may not pass (no key, a wrong one), or None when it may.
+def key_refusal(expected: bytes, headers: Iterable[tuple[bytes, bytes]], hint: str) -> str | None:
+    """Why a request with these headers may not pass (no key, a wrong one, a key header sent twice), or None when
+    it may. Of two copies of a header, no one is the client's key: a proxy that adds its own may put it first.
 
     Args:
         expected: the server's key, UTF-8 (empty: no key needed).
-        headers: the request's headers or metadata, lower-case names.
+        headers: the request's headers or metadata as (name, value) pairs, lower-case names.
         hint: how to send the key in the caller's transport (`HTTP_KEY_HINT`, `GRPC_KEY_HINT`), added to the refusal.
     """
     if not expected:
         return None
-    key = key_of(headers)
+    sent: dict[bytes, bytes] = {}
+    for name, value in headers:
+        if name in KEY_HEADERS:
+            if name in sent:
+                return f"{name.decode()!r} sent twice: {hint}"
+            sent[name] = value
+    key = key_of(sent)
     if key is not None and hmac.compare_digest(key.encode("utf-8"), expected):
         return None
     return f"{'no API key' if key is None else 'a wrong API key'}: {hint}"

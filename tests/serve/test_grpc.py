@@ -193,6 +193,14 @@ def test_each_call_answers_its_request_id_in_the_trailing_metadata_as_http_echoe
         assert ("x-request-id", "grpc-refused") in e.value.trailing_metadata(), e.value.code()
 
 
+def test_a_key_sent_twice_in_the_metadata_is_refused_as_over_http(server, model):
+    call, ok = raw_infer(server.grpc_url), infer_request(model, np.zeros((1, 32, 32, 3), np.uint8))
+    for twice in ([*AUTH.items(), ("authorization", "Bearer wrong")], [("x-api-key", "wrong"), ("x-api-key", KEY)]):
+        with pytest.raises(grpc.RpcError) as e:
+            call(ok, metadata=twice, timeout=30)
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED and "sent twice" in e.value.details()
+
+
 @pytest.mark.parametrize("retry_after_s", [2, 0])
 def test_a_full_queue_is_unavailable_with_a_retry_pushback_as_http_sends_retry_after(tiny_onnx, retry_after_s):
     port, limits = free_port(), {"queue_size": 1, "max_batch_size": 1, "retry_after_s": retry_after_s}

@@ -161,6 +161,17 @@ def test_the_api_key_is_taken_as_bearer_x_api_key_or_a_browser_password(server):
 
 
 @pytest.mark.slow
+def test_a_key_header_sent_twice_is_refused_whichever_copy_holds_the_key(server):
+    """A request with two keys has no one key to check: the last one passed, so a proxy that added its own key
+    before the client's let any client choose which was checked."""
+    for name, value in (("X-API-Key", KEY), ("Authorization", f"Bearer {KEY}")):
+        for pair in ((value, "wrong"), ("wrong", value), (value, value)):
+            r = httpx.get(server.url + "/v2/models/tiny_test", headers=[(name, v) for v in pair], timeout=10)
+            assert r.status_code == 401, (name, pair)
+            assert r.json()["error"]["message"] == f"{name.lower()!r} sent twice: {HTTP_KEY_HINT}"
+
+
+@pytest.mark.slow
 def test_every_answer_carries_a_request_id_and_a_log_line(server):
     r = httpx.get(server.url + "/healthz", headers={"X-Request-Id": "abc-123"})
     assert r.headers["x-request-id"] == "abc-123"

@@ -265,7 +265,7 @@ class KeyCheck(grpc.aio.ServerInterceptor):
             return await continuation(details)
         metadata = details.invocation_metadata or ()
         latin = lambda text: text.encode("latin-1", "replace")
-        headers = {latin(k): latin(v) for k, v in metadata if isinstance(v, str)}
+        headers = [(latin(k), latin(v)) for k, v in metadata if isinstance(v, str)]
         refused = key_refusal(expected, headers, GRPC_KEY_HINT)
         if refused is None:
             return await continuation(details)

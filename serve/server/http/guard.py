@@ -115,7 +115,7 @@ class ApiKeyCheck:
     async def __call__(self, scope, receive, send):
         if scope["type"] not in ("http", "websocket"):
             return await self.app(scope, receive, send)
-        refused = key_refusal(self.api_key, dict(scope["headers"]), HTTP_KEY_HINT)
+        refused = key_refusal(self.api_key, scope["headers"], HTTP_KEY_HINT)
         path = scope["path"]
         if refused is None or path in HEALTH_PATHS:
             scope.setdefault("state", {})[AUTHORIZED] = refused is None
