@@ -42,6 +42,8 @@ def main() -> None:
         subprocess.run(["git", "clone", "--quiet", str(ROOT), str(tmp / "fresh")], check=True)
         subprocess.run(["git", "-C", str(tmp / "fresh"), "checkout", "--quiet", commit], check=True)
         makefile = (tmp / "fresh" / "Makefile").read_text()  # the commit's own, for its number of test workers
+        if not re.search(r"^test-cluster:", makefile, re.M):  # older commits ran the cluster's tests in make test
+            raise SystemExit(f"{commit} has no `make test-cluster`: time it with its own benchmarks/test_suite.py")
         walls, stdout = [], ""
         user0 = resource.getrusage(resource.RUSAGE_CHILDREN).ru_utime
         for target in ("test", "test-cluster", "test-serve-only"):

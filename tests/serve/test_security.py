@@ -15,7 +15,7 @@ import time
 import httpx
 import pytest
 
-from serve.server.auth import key_of
+from serve.server.auth import key_of, key_refusal
 from serve.server.cli import _warn_if_exposed
 from serve.server.http.guard import allowed_hosts_of
 from serve.server.settings import ServeSettings
@@ -43,6 +43,14 @@ def test_the_key_is_read_from_bearer_x_api_key_or_basic_auth():
     assert key_of({b"x-api-key": b"abc"}) == "abc"
     assert key_of({b"authorization": b"Basic " + base64.b64encode(b"anyone:abc")}) == "abc"
     assert key_of({b"authorization": b"Basic !!!"}) is None and key_of({}) is None
+
+
+def test_a_key_header_twice_is_refused_only_where_a_key_is_needed():
+    basic = b"Basic " + base64.b64encode(b"anyone:k")
+    for name, value in ((b"x-api-key", b"k"), (b"authorization", b"Bearer k"), (b"authorization", basic)):
+        assert key_refusal(b"k", [(name, value)], "hint") is None
+        assert key_refusal(b"k", [(name, value), (name, value)], "hint") == f"{name.decode()!r} sent twice: hint"
+        assert key_refusal(b"", [(name, b"x"), (name, value)], "hint") is None  # no key, nothing to check
 
 
 @pytest.mark.parametrize("key", ["clé-secrète", "two words", "tab\there"])
