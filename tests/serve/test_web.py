@@ -23,7 +23,7 @@ from PIL import Image
 
 from benchmarks.web import CHROMIUM, StaticSite, WebBrowser, classify, classify_bytes, drop_file
 from serve.runtime.classifier import OnnxClassifier
-from tests.helpers import REPO, png_bytes, quadrant_images
+from tests.helpers import REPO, encoded, huge_png_header, png_bytes, quadrant_images
 
 pytestmark = [pytest.mark.slow, pytest.mark.browser]
 RESAMPLING = {k: getattr(Image.Resampling, k.upper()) for k in ("bicubic", "bilinear", "lanczos", "nearest")}
@@ -205,6 +205,35 @@ def test_a_dropped_image_shows_its_top5_and_overlay_and_a_broken_one_an_error_no
         drop_file(page, "two.png", good)  # a good image after the error: the error goes, the answer comes
         page.locator("#result").wait_for(state="visible")
         assert page.locator("#error").is_hidden()
+
+
+@pytest.mark.parametrize(
+    ("fmt", "options"), [("PNG", {}), ("JPEG", {"exif": b"Exif\x00\x00" + bytes(40_000)}), ("GIF", {}), ("WEBP", {})]
+)
+def test_an_image_over_the_pixel_limit_is_refused_from_its_header_with_its_size(site, browser, fmt, options):
+    """createImageBitmap decodes every pixel before the size can be seen (about 2 s and 1.6 GB for a 20,000 x
+    20,000 PNG in Chromium), and the message read the size of the closed bitmap: '0 x 0 pixels'. A JPEG's size
+    comes after its other segments (here 40 kB of EXIF)."""
+    lossless = {"lossless": True} if fmt == "WEBP" else {}
+    files = {(8000, 6000): encoded(Image.new("L", (8000, 6000), 128), fmt, **options, **lossless)}
+    if fmt == "PNG":  # a header that claims a size the browser would not decode at all
+        files[20000, 20000] = huge_png_header(20000, 20000)
+    with StaticSite(site) as server:
+        page = browser.open(server.url)
+        page.evaluate(
+            """() => {
+              window.decoded = 0;
+              const decode = window.createImageBitmap;
+              window.createImageBitmap = (...args) => { window.decoded += 1; return decode(...args); };
+            }"""
+        )
+        for (w, h), data in files.items():
+            with pytest.raises(Exception, match=f"is {w} x {h} pixels, over the limit of 40,000,000; resize it first"):
+                classify_bytes(page, data, f"image/{fmt.lower()}")
+        assert page.evaluate("window.decoded") == 0
+        small = Image.fromarray(quadrant_images(1)[0][0])  # and an image under the limit is classified
+        assert classify_bytes(page, encoded(small, fmt, **options, **lossless), f"image/{fmt.lower()}")["top"]
+        assert page.evaluate("window.decoded") == 1
 
 
 def test_once_loaded_the_page_classifies_with_the_network_cut(site, browser):
