@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from serve.runtime.interrupts import EXIT_INTERRUPTED
+from serve.runtime.interrupts import exit_code, sigterm_as_interrupt
 from serve.runtime.jobs import collect_sources
 from serve.runtime.predict import build_parser, check_args, run_args
 
@@ -33,24 +33,26 @@ def main(argv: list[str] | None = None) -> int:
         print(f"vit-predict: --ray needs Ray Data: pip install 'vitscope[ray]' ({e})", file=sys.stderr)
         return 2
     try:
-        sources, missing = collect_sources(args.paths, sys.stderr, args.from_list)
-        done, failed = run_ray(
-            args.model,
-            sources,
-            args.out,
-            args.top_k,
-            args.batch_size,
-            args.workers,
-            args.cpus_per_worker,
-            args.ray_address,
-            coverage=args.coverage,
-        )
+        with sigterm_as_interrupt():  # SIGTERM stops the job as Ctrl-C does (`run_ray` sets it again over Ray's)
+            sources, missing = collect_sources(args.paths, sys.stderr, args.from_list)
+            done, failed = run_ray(
+                args.model,
+                sources,
+                args.out,
+                args.top_k,
+                args.batch_size,
+                args.workers,
+                args.cpus_per_worker,
+                args.ray_address,
+                coverage=args.coverage,
+            )
     except (ValueError, OSError) as e:  # OSError: the model or --out's folder cannot be read or written
         print(f"vit-predict: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print(f"vit-predict: interrupted: {args.out} was not written (--ray runs the whole job again)", file=sys.stderr)
-        return EXIT_INTERRUPTED
+    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (`Terminated`)
+        said = str(e) or "interrupted"
+        print(f"vit-predict: {said}: {args.out} was not written (--ray runs the whole job again)", file=sys.stderr)
+        return exit_code(e)
     failed += missing
     if failed:
         print(f"vit-predict: classified {done} images; {failed} input(s) could not be read", file=sys.stderr)

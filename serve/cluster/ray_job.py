@@ -33,6 +33,7 @@ import numpy as np
 
 from serve.cluster.output import OutputFolder
 from serve.runtime.classifier import OnnxClassifier
+from serve.runtime.interrupts import sigterm_as_interrupt
 from serve.runtime.jobs import decoded_batches
 from serve.runtime.predict import rows_for, template_row
 from serve.runtime.row_formats import parquet_text, table_row
@@ -136,24 +137,25 @@ def _score(
     if started:
         ray.init(address=address, log_to_driver=False, include_dashboard=False, logging_level="WARNING")
     try:
-        ctx = ray.data.DataContext.get_current()
-        ctx.enable_progress_bars = True
-        blocks = max(1, min(len(sources) // batch_size, 64 * workers))
-        ds = ray.data.from_items([{"path": os.fsencode(s)} for s in sources], override_num_blocks=blocks)
-        scored = ds.map_batches(
-            Scorer,
-            fn_constructor_args=scorer,
-            batch_size=batch_size,
-            compute=ray.data.ActorPoolStrategy(size=workers),
-            num_cpus=cpus_per_worker,  # Ray Data's actors restart and retry their batch without end by default
-        ).materialize()
-        failed = scored.filter(lambda r: r[ERROR] is not None).take_all()
-        for row in failed:
-            print(f"{row['path']}: {row[ERROR]}", file=errors)
-        done = scored.count() - len(failed)
-        if done:  # none: `publish` writes the columns, which Ray cannot know from no rows
-            scored.filter(lambda r: r[ERROR] is None).drop_columns([ERROR]).write_parquet(str(folder.resolve()))
-        return done, len(failed)
+        with sigterm_as_interrupt():  # SIGTERM as Ctrl-C again: ray.init set a handler that exits 15 silently
+            ctx = ray.data.DataContext.get_current()
+            ctx.enable_progress_bars = True
+            blocks = max(1, min(len(sources) // batch_size, 64 * workers))
+            ds = ray.data.from_items([{"path": os.fsencode(s)} for s in sources], override_num_blocks=blocks)
+            scored = ds.map_batches(
+                Scorer,
+                fn_constructor_args=scorer,
+                batch_size=batch_size,
+                compute=ray.data.ActorPoolStrategy(size=workers),
+                num_cpus=cpus_per_worker,  # Ray Data's actors restart and retry their batch without end by default
+            ).materialize()
+            failed = scored.filter(lambda r: r[ERROR] is not None).take_all()
+            for row in failed:
+                print(f"{row['path']}: {row[ERROR]}", file=errors)
+            done = scored.count() - len(failed)
+            if done:  # none: `publish` writes the columns, which Ray cannot know from no rows
+                scored.filter(lambda r: r[ERROR] is None).drop_columns([ERROR]).write_parquet(str(folder.resolve()))
+            return done, len(failed)
     finally:
         if started:
             ray.shutdown()

@@ -133,6 +133,23 @@ def test_an_actor_killed_mid_job_loses_and_duplicates_nothing(cluster, tiny_onnx
     _check_same_as_local(out, local_rows)
 
 
+def test_sigterm_mid_job_stops_the_run_as_ctrl_c_does_with_the_shells_status(cluster, tiny_onnx, photos, tmp_path):
+    """`timeout`, systemd and a pod's stop send SIGTERM: Ray's own handler, set by `ray.init`, exited 15 without a
+    word, where the local run says what was kept and exits 143."""
+    out = tmp_path / "preds.parquet"
+    proc = _ray_predict(tiny_onnx, [photos], out, cluster.address, "--batch-size", "2")
+    deadline = time.monotonic() + 240
+    while not _actor_pids():  # the job runs on the cluster
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, err
+    said = f"vit-predict: terminated: {out} was not written (--ray runs the whole job again)"
+    assert err.strip().splitlines()[-1] == said
+    assert list(tmp_path.iterdir()) == []  # neither the table nor its parts
+
+
 def test_a_run_killed_while_writing_leaves_no_table_and_the_next_run_starts_over(
     cluster, tiny_onnx, photos, local_rows, tmp_path
 ):
