@@ -260,9 +260,11 @@ async function headerSize(blob) {
   }
   if (b.length >= 4 && b[0] === 0xff && b[1] === 0xd8) {
     // JPEG: the segments in turn up to a start of frame (SOF0-15 but DHT C4, JPG C8 and DAC CC), which holds the size
-    for (let at = 2; at + 9 <= b.length && b[at] === 0xff; at += 2 + v.getUint16(at + 2)) {
+    for (let at = 2; at + 9 <= b.length && b[at] === 0xff; ) {
       const marker = b[at + 1];
-      if (marker >= 0xc0 && marker <= 0xcf && ![0xc4, 0xc8, 0xcc].includes(marker)) return [v.getUint16(at + 7), v.getUint16(at + 5)];
+      if (marker === 0xff) at += 1; // a fill byte before a marker
+      else if (marker >= 0xc0 && marker <= 0xcf && ![0xc4, 0xc8, 0xcc].includes(marker)) return [v.getUint16(at + 7), v.getUint16(at + 5)];
+      else at += 2 + v.getUint16(at + 2);
     }
   }
   return null;
@@ -280,7 +282,6 @@ async function decode(source) {
     throw new Error("classify takes an image URL, a Blob or a File");
   }
   if (blob.size === 0) throw new Error(`${name} is empty (0 bytes): choose the image file itself`);
-  const undecodable = () => new Error(`${name} is not an image this browser can decode (it may be truncated or another kind of file): try a PNG or JPEG file`);
   const tooLarge = (w, h) => new Error(`${name} is ${w} x ${h} pixels, over the limit of ${MAX_PIXELS.toLocaleString("en")}; resize it first`);
   const size = await headerSize(blob);
   if (size && size[0] * size[1] > MAX_PIXELS) throw tooLarge(...size);
@@ -288,7 +289,7 @@ async function decode(source) {
   try {
     bitmap = await createImageBitmap(blob, { imageOrientation: "from-image", premultiplyAlpha: "none", colorSpaceConversion: "none" });
   } catch {
-    throw undecodable();
+    throw new Error(`${name} is not an image this browser can decode (it may be truncated or another kind of file): try a PNG or JPEG file`);
   }
   const [w, h] = [bitmap.width, bitmap.height];
   if (w * h > MAX_PIXELS) {
