@@ -91,9 +91,8 @@ test: install lint docs
 
 # Tiers, by marker: `slow` (servers, training runs; still run by `make test`), `browser` (Chromium), `gpu` (skipped
 # without CUDA), `cluster` (a local Ray cluster: test-cluster, and CI after make test). test-fast leaves out the
-# slow and browser tests. The cluster's tests (ten then) mostly wait on Ray's processes: `pytest -n 3 --dist
-# loadfile` took 6 min 52 s without them and 8 min 4 s with them, `make test-cluster` 2 min 7 s (2-core VM,
-# 2026-12-06). Apart, they keep `make test` under ten minutes from a fresh clone.
+# slow and browser tests. The cluster's tests mostly wait on Ray's processes: apart, they keep `make test` under
+# ten minutes from a fresh clone (BENCHMARKS.md, "The test suite": `python -m benchmarks.test_suite`).
 test-fast: install
 	$(WRITE_BYTECODE) $(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow and not browser"
 

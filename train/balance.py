@@ -21,7 +21,7 @@ from torch import nn
 from torch.utils.data import WeightedRandomSampler
 
 AUTO_RATIO = 3.0  # `--data.balance auto` acts from this imbalance ratio (largest class over smallest) on
-METHOD = "sampler"  # what `auto` does: chosen by measurement (benchmarks.long_tail, BENCHMARKS.md "Imbalanced folders")
+METHOD = "sampler"  # what `auto` does: chosen by measurement (benchmarks.long_tail, BENCHMARKS.md "A long tail")
 BALANCE_CHOICES = ("auto", "none")
 METHODS = ("sampler", "reweight", "logit_adjusted", "balanced_softmax")
 LOSS_METHODS = METHODS[1:]  # the methods that change the loss; `sampler` changes what the loss sees

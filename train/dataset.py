@@ -33,7 +33,7 @@ def decode(path: str | Path, min_side: int | None = None) -> Image.Image:
     """Decode an image to upright RGB; a JPEG is decoded at a reduced scale when `min_side` allows.
 
     Pillow's `draft` makes the JPEG decoder skip detail (scale 1/2, 1/4 or 1/8) while keeping both sides at
-    least `min_side` pixels: a 4000 x 3000 photo for a 224-pixel model decodes 8 x faster. Training only:
+    least `min_side` pixels: a 4000 x 3000 photo for a 224-pixel model decodes at 1/8 scale. Training only:
     validation decodes in full, pixel for pixel as the server does.
     """
     img = open_image(path)

@@ -35,8 +35,8 @@ TARGET_STEPS = 6_000  # optimizer steps the schedule aims for, whatever the data
 CPU_MINUTES = 25.0  # time budget on CPU: the run anneals and stops by then (train.budget)
 PATIENCE_SHARE = 4  # early stopping waits a quarter of the epochs (at least MIN_PATIENCE) for balanced accuracy
 MIN_PATIENCE = 5
-# torch.compile on CPU: a first compile of about 30 s, then steps about 10 % faster (benchmarks.train_precision), so
-# it pays back after some 300 s of steps, about 3,000 of the small model's (0.1 s a step on one core)
+# torch.compile on CPU: its faster steps pay back the first compile after some 3,000 of the small model's steps
+# (BENCHMARKS.md, "bf16 and `torch.compile` on the CPU": the first compile's time, the step's time and speed-up)
 COMPILE_MIN_STEPS = 3_000
 
 
@@ -167,8 +167,8 @@ def choose(s: Survey) -> tuple[dict[str, Any], dict[str, str]]:
         config["model"]["compile"] = True
         _say(
             why, "model.compile", "true",
-            f"CPU, {steps:,} steps: torch.compile's steps are about 10 % faster, which pays back its "
-            f"first compile of about 30 s after some {COMPILE_MIN_STEPS:,} steps",
+            f"CPU, {steps:,} steps: torch.compile's faster steps pay back its first compile after some "
+            f"{COMPILE_MIN_STEPS:,} steps",
         )  # fmt: skip
     config["data"] = {k: v for k, v in config["data"].items() if v is not None}
     return config, why

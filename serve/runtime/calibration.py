@@ -185,7 +185,7 @@ def conformal_scores(probs: np.ndarray, method: str, u: np.ndarray | None = None
         p = probs.astype(np.float64)
         scores = 1.0 - p
         # The top class's 1 - p_k as the sum of the others' probabilities: a confident image's p_k rounds to
-        # 1.0 in float32, and ties at 0 would make the sets cover more than asked (the sample's digits: 98 % at 0.90).
+        # 1.0 in float32, and ties at 0 would make the sets cover more than asked.
         rows, top = np.arange(len(p)), p.argmax(axis=-1)
         others = p.copy()
         others[rows, top] = 0.0

@@ -36,7 +36,7 @@ PROGRESS_MIN_FILES = 20  # a bar for a handful of files is noise
 DEFAULT_PART_SIZE = 4096  # images per committed part: a killed run redoes at most this many
 ROW_FIELDS = "path, predictions, prediction_set, unknown, ood_score"  # what every row holds (`job_record`)
 # pixels decoding at once across the decode threads, as the server's --decode-pixel-budget: a 90 kB PNG can declare
-# 40 MP of 16-bit pixels, about 600 MB to decode, and 8 threads each on one took 2 GB and more
+# 40 MP of 16-bit pixels, hundreds of MB to decode, and 8 threads each decoding one at once would hold gigabytes
 DECODE_PIXEL_BUDGET = 40_000_000
 Source = str  # a local path as given, or a URI
 RowsFor = Callable[[list[str], np.ndarray], list[dict[str, Any]]]  # (paths, (B, H, W, 3) pixels) -> rows

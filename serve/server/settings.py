@@ -90,8 +90,7 @@ class ServeSettings(BaseSettings):
         description="pixels, summed over all requests, that may be decoding at once (an image over the budget "
         "waits for it alone). A small file can declare a huge image, and decoding costs bytes per declared "
         "pixel: 40 MP is one of the largest images at a time, about 200 MB at worst, and keeps a core free "
-        "for the event loop (with twice that, /healthz slowed by an order of magnitude under 32 such uploads "
-        "on 2 cores). Ordinary photos decode many at once: large JPEGs are decoded "
+        "for the event loop. Ordinary photos decode many at once: large JPEGs are decoded "
         "at a reduced scale and count as such",
     )
     max_header_bytes: int = Field(

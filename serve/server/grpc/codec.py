@@ -96,7 +96,7 @@ def typed_values(request: pb.ModelInferRequest):
 def uint_values(values) -> np.ndarray:
     """`uint_contents` (the protocol's repeated uint32) -> a flat uint32 array, a slice at a time: between two
     slices the interpreter can hand the GIL to another thread (one `np.asarray` of the field holds it to the end,
-    0.3 s for 2,048 images of 32 x 32), and slices are faster too."""
+    a long pause for a large batch), and slices are faster too."""
     arr = np.empty(len(values), np.uint32)
     for start in range(0, len(values), CONVERT_SLICE):
         arr[start : start + CONVERT_SLICE] = values[start : start + CONVERT_SLICE]

@@ -232,7 +232,7 @@ class Service:
     async def infer_with(self, m: ServedModel, request: pb.ModelInferRequest, context):
         if not m.engine.ready:
             raise ApiError("not_ready", NOT_READY)
-        # pixels sent as typed values are converted one by one (32 images of 224 x 224: 0.2 s): in a thread, so
+        # pixels sent as typed values are converted one by one (slow for a batch of large images): in a thread, so
         # that the loop answers other calls meanwhile, health checks among them
         typed = typed_values(request)
         converted = await run_in(self.threads.parses, uint_values, typed) if typed else None
