@@ -99,10 +99,11 @@ def build_app(
 
 
 def docs_last(app: FastAPI) -> None:
-    """FastAPI's documentation routes (`/openapi.json`, `/docs`, `/redoc`) after the API's: a request tries the routes
-    in order, each a regular-expression match, and FastAPI puts its own first. Before the UI's mount at `/`, which
-    would answer every path after it."""
-    docs = {app.openapi_url, app.docs_url, app.redoc_url, app.swagger_ui_oauth2_redirect_url}
+    """FastAPI's documentation routes (`/openapi.json`, `/docs`, `/docs/oauth2-redirect`, `/redoc`) after the API's:
+    a request tries the routes in order, each a regular-expression match, and FastAPI puts its own first. Before the
+    UI's mount at `/`, which would answer every path after it."""
+    urls = (app.openapi_url, app.docs_url, app.redoc_url, app.swagger_ui_oauth2_redirect_url)
+    docs = {url for url in urls if url}  # a URL set to None: no such route
     routes = app.router.routes
     routes[:] = [r for r in routes if getattr(r, "path", None) not in docs] + [
         r for r in routes if getattr(r, "path", None) in docs

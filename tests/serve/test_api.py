@@ -53,6 +53,15 @@ def test_health_and_readiness_after_warm_up(client):
     assert client.get("/v2/health/ready").json() == {"ready": True}
 
 
+def test_the_documentation_answers_beside_the_ui(client):
+    """FastAPI's documentation routes come after the API's (`docs_last`) and still before the UI's mount at `/`."""
+    assert "/v1/classify" in client.get("/openapi.json").json()["paths"]
+    docs = client.get("/docs")
+    assert docs.status_code == 200 and "swagger-ui" in docs.text
+    assert client.get("/docs/oauth2-redirect").status_code == 200
+    assert client.get("/redoc").status_code == 200 and "redoc" in client.get("/redoc").text
+
+
 def test_readyz_is_503_before_the_lifespan_has_warmed_the_model(classifier):
     app = build_app(classifier, ServeSettings(examples_dir=""), with_ui=False)
     c = TestClient(app, base_url=LOCAL)  # not entered: the lifespan (load, warm-up) has not run

@@ -245,7 +245,7 @@ export function resizeCrop(w, h, preprocess) {
 // The image's size from its first bytes, as Pillow reads it on the server: PNG, JPEG, GIF and WebP (null for other
 // kinds, whose size is checked once decoded). createImageBitmap decodes every pixel before its size can be seen
 // (seconds for a 20,000 x 20,000 PNG). Reading the first bytes is part of each classify that BENCHMARKS.md times
-// ("In the browser"), and cheaper than an <img>, which reads the header alone too.
+// ("In the browser").
 async function headerSize(blob) {
   const b = new Uint8Array(await blob.slice(0, 1 << 20).arrayBuffer());
   const v = new DataView(b.buffer);
