@@ -320,10 +320,14 @@ def test_the_partial_file_of_an_upload_dropped_midway_goes_once_stale(small_ui, 
         conn.sendall(f"{head}Content-Length: {len(part) + 30_000}\r\n\r\n".encode() + part)
         partial = wait_until(lambda: files() - before, 10, "the upload's partial file")
     stale = time.time() - 2 * 3600  # past --ui-cache-s (an hour)
-    for p in partial:
-        os.utime(p, (stale, stale))
-    upload(small_ui.url, image_file.read_bytes())
-    assert not partial & files()
+
+    def swept_once_stale() -> bool:  # the server may still write (and date) the file as it sees the client gone
+        for p in partial & files():
+            os.utime(p, (stale, stale))
+        upload(small_ui.url, image_file.read_bytes())  # the next upload's check sweeps the folder
+        return not partial & files()
+
+    wait_until(swept_once_stale, 10, "the stale partial file removed by the next upload's check")
 
 
 def test_ui_uploads_live_in_a_folder_of_the_servers_own_removed_at_exit(small_ui, image_file):
