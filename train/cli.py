@@ -294,6 +294,8 @@ class VitCLI(LightningCLI):
         self._check_ckpt_path("fit")
         if self.trainer.limit_val_batches != 0:
             self._check_validation_images()
+        if self.trainer.world_size > 1 and hasattr(self.datamodule, "share_scan"):
+            self.datamodule.share_scan(Path(self.trainer.default_root_dir))  # the processes DDP launches read it
         self._fit_start = time.perf_counter()
 
     def _check_validation_images(self) -> None:

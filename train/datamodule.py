@@ -29,6 +29,7 @@ from serve.runtime.images import FILE_NAME_ERRORS, Preprocess
 from train.balance import BALANCE_CHOICES, balanced_sampler, resolve_balance
 from train.data_report import class_counts, write_data_report
 from train.dataset import BatchCollate, ImageListDataset, fill_cache, ignore_sigterm, usable_cores
+from train.ddp_scan import SCAN_FILE, agree, hand_over, handed_scan, launched_rank
 from train.folder_scan import BadFile, FolderScan, folder_classes, scan_folder
 from train.held_split import hold_split
 from train.shards import (
@@ -45,7 +46,6 @@ from train.shards import (
 from train.transforms import Augment, BatchTransform, EvalTransform, build_train_transform
 
 DEDUPE_CHOICES = ("auto", "none")
-SCAN_FILE = "scan.json"  # in the run directory: rank 0's scan, read by the other ranks
 CACHE_RAM_SHARE = 0.25  # the automatic cache takes at most this share of the machine's memory
 
 log = logging.getLogger(__name__)
@@ -149,13 +149,12 @@ class ImageFolderDataModule(pl.LightningDataModule):
 
     @property
     def scan(self) -> FolderScan:
-        """The folder scan, done once on first use (under DDP: read from the one rank 0 wrote)."""
+        """The folder scan, done once on first use (a DDP process rank 0 started reads rank 0's)."""
         if self._scan is None:
-            shared = self._shared_scan_path()
             if is_streaming_root(self.root):
                 self._scan = streaming_scan(self.root)
-            elif shared is not None and shared.is_file():
-                self._scan = FolderScan.load(shared)
+            elif (handed := handed_scan()) is not None:  # rank 0 scanned before it started this process
+                self._scan = handed
             else:
                 self._scan = self._scan_folder()
         return self._scan
@@ -171,19 +170,23 @@ class ImageFolderDataModule(pl.LightningDataModule):
         trainer = self.trainer  # the scan rank 0 shares, under DDP
         return None if trainer is None or trainer.world_size == 1 else Path(trainer.default_root_dir) / SCAN_FILE
 
+    def share_scan(self, run_dir: Path) -> None:
+        """Before a DDP fit starts its other processes: hand them the scan (`train.ddp_scan`)."""
+        if not is_streaming_root(self.root):
+            hand_over(self.scan, run_dir)
+
     def prepare_data(self) -> None:
-        """Rank 0 scans the folder and writes the result into the run directory; the other ranks read it."""
+        """Rank 0 writes its scan into the run directory; the other ranks train on its split (`setup`)."""
         shared = self._shared_scan_path()
         if shared is not None and not is_streaming_root(self.root):
             shared.parent.mkdir(parents=True, exist_ok=True)
-            scan = self._scan_folder()
-            scan.save(shared)
-            self._scan = scan
+            self._scan = self._scan if self._scan is not None else self._scan_folder()
+            self._scan.save(shared)
 
     @property
     def classes(self) -> list[str]:
         """Class names. A DDP rank other than 0 reads only the folder names: rank 0 scans for everyone."""
-        if self._scan is None and _launched_rank() > 0 and not is_streaming_root(self.root):
+        if self._scan is None and launched_rank() > 0 and not is_streaming_root(self.root):
             return folder_classes(self.root)
         return self.scan.classes
 
@@ -224,6 +227,9 @@ class ImageFolderDataModule(pl.LightningDataModule):
     def setup(self, stage: str) -> None:
         if getattr(self, "train_set", None) is not None:
             return
+        shared, streamed = self._shared_scan_path(), is_streaming_root(self.root)
+        if shared is not None and self.trainer.global_rank > 0 and not streamed and shared.is_file():
+            self._scan = agree(self._scan, shared, self.trainer.global_rank)  # rank 0's split (`train.ddp_scan`)
         scan = self.scan
         train_store = Preprocess(self.img_size, 1.0, self.preprocess.interpolation)  # the whole (square) image
         evaluate = EvalTransform(self.preprocess)
@@ -367,11 +373,6 @@ class ImageFolderDataModule(pl.LightningDataModule):
 
     def predict_dataloader(self) -> DataLoader:
         return self._loader(self.val_set, train=False)
-
-
-def _launched_rank() -> int:
-    """This process's rank as the DDP launcher set it in the environment (0 for the first or only process)."""
-    return max(int(os.environ.get(k, "0") or 0) for k in ("LOCAL_RANK", "NODE_RANK", "RANK"))
 
 
 def _to_pil(pixels: np.ndarray) -> Image.Image:

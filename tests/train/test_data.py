@@ -15,6 +15,7 @@ import torch
 from serve.runtime.images import ImageError, Preprocess, load_image
 from tests.helpers import write_shapes
 from train.datamodule import ImageFolderDataModule
+from train.ddp_scan import agree
 from train.folder_scan import FolderScan, scan_folder
 from train.transforms import Augment
 
@@ -193,6 +194,18 @@ def test_a_ddp_rank_other_than_0_reads_class_names_from_folder_names_and_the_sca
     monkeypatch.setenv("LOCAL_RANK", "1")
     dm = ImageFolderDataModule(str(shapes_folder), img_size=16)
     assert dm.num_classes == 3 and dm._scan is None  # no scan on this rank before setup
+
+
+def test_a_rank_that_scanned_the_folder_itself_takes_rank_0s_split_or_stops_when_the_folder_changed(tmp_path: Path):
+    root = write_shapes(tmp_path / "s", per_class=8)
+    theirs = scan_folder(root, 0.25, seed=3)
+    theirs.save(tmp_path / "scan.json")
+    mine = scan_folder(root, 0.25, seed=4)  # the same counts, another split: rank 0's is the one trained on
+    assert mine.val != theirs.val and agree(mine, tmp_path / "scan.json", 1).val == theirs.val
+    for path in sorted((root / "bar").iterdir())[:4]:  # images removed between the two ranks' scans
+        path.unlink()
+    with pytest.raises(ValueError, match=r"changed while the DDP processes scanned it: rank 1 found \{'bar': 3"):
+        agree(scan_folder(root, 0.25, seed=3), tmp_path / "scan.json", 1)
 
 
 def test_calibration_split_is_stratified_seeded_and_apart_from_train_and_val(tmp_path: Path):

@@ -120,6 +120,9 @@ def test_ddp_on_two_cpu_processes_keeps_the_ranks_in_step_and_validates_each_ima
         assert result.returncode == 0, result.stderr[-3000:]
     else:  # a rank left waiting for the other would have hung until the timeout
         assert result.returncode == 1 and "the training loss is not finite on another process" in result.stderr
+        # the folder is scanned once: rank 1 reads rank 0's scan, and rank 0 keeps the one it built the model on
+        assert result.stderr.count("scanned ") == 1, result.stderr[-3000:]
+        assert json.loads((run / "scan.json").read_text())["val"] == json.loads((run / "split.json").read_text())["val"]
     per_rank = [torch.load(run / f"val{r}.pt", weights_only=True) for r in (0, 1)]
     assert [a + b for a, b in zip(*per_rank, strict=True)] == [3, 3]  # each epoch: every image once, none repeated
     assert all(n > 0 for counts in per_rank for n in counts)  # every rank had its share
