@@ -294,8 +294,7 @@ class VitCLI(LightningCLI):
         self._check_ckpt_path("fit")
         if self.trainer.limit_val_batches != 0:
             self._check_validation_images()
-        if self.trainer.world_size > 1 and hasattr(self.datamodule, "share_scan"):
-            self.datamodule.share_scan(Path(self.trainer.default_root_dir))  # the processes DDP launches read it
+        self.datamodule.share_scan(self.trainer)  # before DDP starts its other processes (`train.ddp_scan`)
         self._fit_start = time.perf_counter()
 
     def _check_validation_images(self) -> None:
@@ -318,12 +317,15 @@ class VitCLI(LightningCLI):
 
     def before_validate(self) -> None:
         self._check_ckpt_path("validate")
+        self.datamodule.share_scan(self.trainer)
 
     def before_test(self) -> None:
         self._check_ckpt_path("test")
+        self.datamodule.share_scan(self.trainer)
 
     def before_predict(self) -> None:
         self._check_ckpt_path("predict")
+        self.datamodule.share_scan(self.trainer)
 
     def after_fit(self) -> None:
         if self.trainer.is_global_zero:

@@ -29,7 +29,7 @@ from serve.runtime.images import FILE_NAME_ERRORS, Preprocess
 from train.balance import BALANCE_CHOICES, balanced_sampler, resolve_balance
 from train.data_report import class_counts, write_data_report
 from train.dataset import BatchCollate, ImageListDataset, fill_cache, ignore_sigterm, usable_cores
-from train.ddp_scan import SCAN_FILE, agree, hand_over, handed_scan, launched_rank
+from train.ddp_scan import hand_over, handed_scan, launched_rank, rank_0_split
 from train.folder_scan import BadFile, FolderScan, folder_classes, scan_folder
 from train.held_split import hold_split
 from train.shards import (
@@ -145,7 +145,6 @@ class ImageFolderDataModule(pl.LightningDataModule):
         warn_fixed_by_prepare(root, {k: v for k, v in given.items() if v != defaults[k].default})
         self._scan: FolderScan | None = None
         self._stream = self._stream_state = None  # a streamed training loader, and the position it resumes from
-        self.prepare_data_per_node = False  # one scan for the whole run, by global rank 0
 
     @property
     def scan(self) -> FolderScan:
@@ -153,7 +152,7 @@ class ImageFolderDataModule(pl.LightningDataModule):
         if self._scan is None:
             if is_streaming_root(self.root):
                 self._scan = streaming_scan(self.root)
-            elif (handed := handed_scan()) is not None:  # rank 0 scanned before it started this process
+            elif (handed := handed_scan(Path(self.root))) is not None:  # rank 0 scanned before it started this process
                 self._scan = handed
             else:
                 self._scan = self._scan_folder()
@@ -166,22 +165,10 @@ class ImageFolderDataModule(pl.LightningDataModule):
         )  # fmt: skip
         return scan if self.split is None else hold_split(scan, self.split)
 
-    def _shared_scan_path(self) -> Path | None:
-        trainer = self.trainer  # the scan rank 0 shares, under DDP
-        return None if trainer is None or trainer.world_size == 1 else Path(trainer.default_root_dir) / SCAN_FILE
-
-    def share_scan(self, run_dir: Path) -> None:
-        """Before a DDP fit starts its other processes: hand them the scan (`train.ddp_scan`)."""
-        if not is_streaming_root(self.root):
-            hand_over(self.scan, run_dir)
-
-    def prepare_data(self) -> None:
-        """Rank 0 writes its scan into the run directory; the other ranks train on its split (`setup`)."""
-        shared = self._shared_scan_path()
-        if shared is not None and not is_streaming_root(self.root):
-            shared.parent.mkdir(parents=True, exist_ok=True)
-            self._scan = self._scan if self._scan is not None else self._scan_folder()
-            self._scan.save(shared)
+    def share_scan(self, trainer: pl.Trainer) -> None:
+        """On global rank 0, before DDP starts the other processes: hand them the scan (`train.ddp_scan`)."""
+        if trainer.world_size > 1 and trainer.global_rank == 0 and not is_streaming_root(self.root):
+            hand_over(self.scan, Path(trainer.default_root_dir))
 
     @property
     def classes(self) -> list[str]:
@@ -227,9 +214,8 @@ class ImageFolderDataModule(pl.LightningDataModule):
     def setup(self, stage: str) -> None:
         if getattr(self, "train_set", None) is not None:
             return
-        shared, streamed = self._shared_scan_path(), is_streaming_root(self.root)
-        if shared is not None and self.trainer.global_rank > 0 and not streamed and shared.is_file():
-            self._scan = agree(self._scan, shared, self.trainer.global_rank)  # rank 0's split (`train.ddp_scan`)
+        if self._world_size > 1 and not is_streaming_root(self.root):
+            self._scan = rank_0_split(self.scan, self.trainer.strategy)  # every rank trains on rank 0's split
         scan = self.scan
         train_store = Preprocess(self.img_size, 1.0, self.preprocess.interpolation)  # the whole (square) image
         evaluate = EvalTransform(self.preprocess)

@@ -81,26 +81,29 @@ class FolderScan:
         tmp.write_text(json.dumps(self.to_split_dict(), indent=1))
         os.replace(tmp, path)
 
-    def save(self, path: str | Path) -> None:
-        """Write the whole scan (split, bad files, time) as JSON, atomically: other ranks read it."""
+    def to_dict(self) -> dict:
+        """The whole scan (split, bad files, time) as plain data, which `from_dict` reads."""
         d = {**self.to_split_dict(), "bad": [[b.path, b.reason] for b in self.bad], "seconds": self.seconds}
-        d["corrections"] = self.corrections
-        tmp = Path(path).with_suffix(".tmp")
-        tmp.write_text(json.dumps(d))
+        return {**d, "corrections": self.corrections}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> FolderScan:
+        pairs = lambda key: [(e["path"], e["label"]) for e in d[key]]
+        bad = [BadFile(p, r) for p, r in d.get("bad", [])]
+        scan = cls(Path(d["root"]), d["classes"], pairs("train"), pairs("val"), bad, d["layout"], d.get("seconds", 0.0))
+        scan.calib, scan.corrections = (pairs("calib") if "calib" in d else []), d.get("corrections")
+        return scan
+
+    def save(self, path: str | Path) -> None:
+        """Write the whole scan as JSON, atomically (a temporary file of this process's own, then a rename)."""
+        tmp = Path(path).with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(self.to_dict()))
         os.replace(tmp, path)
 
     @classmethod
     def load(cls, path: str | Path) -> FolderScan:
         """The scan `save` wrote."""
-        d = json.loads(Path(path).read_text())
-        pairs = lambda key: [(e["path"], e["label"]) for e in d[key]]
-        bad = [BadFile(p, r) for p, r in d.get("bad", [])]
-        calib = pairs("calib") if "calib" in d else []
-        scan = cls(
-            Path(d["root"]), d["classes"], pairs("train"), pairs("val"), bad, d["layout"], d.get("seconds", 0.0), calib
-        )
-        scan.corrections = d.get("corrections")
-        return scan
+        return cls.from_dict(json.loads(Path(path).read_text()))
 
 
 def _visible(p: Path) -> bool:
