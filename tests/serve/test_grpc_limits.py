@@ -362,3 +362,21 @@ def test_pixels_sent_as_typed_values_leave_the_loop_answering_health_checks(serv
     third = sorted(waits)[-3]
     said = f"{len(waits)} health checks, the third longest {third:.3f} s; the calls took {[f'{t:.3f}' for t in took]} s"
     assert len(waits) > 10 and third < statistics.median(took) / 3, said
+
+
+def test_typed_calls_reuse_their_conversion_threads(server):
+    """gRPC's loop ran under `run_forever`, where anyio finds no root task: each worker thread that converted a
+    call's typed values was stopped when its call ended, so every typed call started a new thread."""
+    model = httpx.get(server.url + "/readyz", headers=AUTH).json()["model"]
+    request = pb.ModelInferRequest(model_name=model)
+    request.inputs.add(name="pixels", datatype="UINT8", shape=[1, 32, 32, 3])
+    request.inputs[0].contents.uint_contents.extend(bytes(range(256)) * 12)
+    threads = lambda: set(os.listdir(f"/proc/{server.proc.pid}/task"))
+    with grpc.insecure_channel(server.grpc_url) as channel:
+        infer = channel.unary_unary(INFER, pb.ModelInferRequest.SerializeToString, pb.ModelInferResponse.FromString)
+        infer(request, metadata=list(AUTH.items()), timeout=30)  # the first call may start the thread
+        before, seen = threads(), set()
+        for _ in range(100):
+            assert infer(request, metadata=list(AUTH.items()), timeout=30).outputs[0].shape == [1, 4]
+            seen |= threads()
+    assert len(seen - before) <= 2, f"{len(seen - before)} threads started over 100 typed calls"

@@ -59,6 +59,7 @@ class GrpcServer:
         self.loop: asyncio.AbstractEventLoop | None = None
         self.server: grpc.aio.Server | None = None
         self.thread: threading.Thread | None = None
+        self.stopped: asyncio.Event | None = None  # set once the server has stopped: the loop then ends
 
     def start(self, timeout: float = 30.0) -> int:
         """Bind and start serving; returns the port. Raises `OSError` when the port cannot be bound."""
@@ -67,18 +68,9 @@ class GrpcServer:
         def run() -> None:
             self.loop = new_event_loop()
             try:
-                self.loop.run_until_complete(self._start())
-            except Exception as e:  # e.g. the port is taken: reported to start()'s caller
-                failure.append(e)
-                # let go of what was made, before `started`: `stop` then finds nothing to stop, and the server,
-                # once collected, ends gRPC's asyncio poller thread
-                self.server = None
+                self.loop.run_until_complete(self._serve(started, failure))
+            finally:
                 self.loop.close()
-                started.set()
-                return
-            started.set()
-            self.loop.run_forever()  # until `stop` has stopped the server, then this loop
-            self.loop.close()
 
         self.thread = threading.Thread(target=run, name="vitscope-grpc", daemon=True)
         self.thread.start()
@@ -89,6 +81,23 @@ class GrpcServer:
             raise OSError(f"cannot serve gRPC on {where}: {e}; free the port or pick another --grpc-port") from e
         log.info("gRPC (inference.GRPCInferenceService) listening on %s:%d", self.host, self.port)
         return self.port
+
+    async def _serve(self, started: threading.Event, failure: list) -> None:
+        """Start the server, then wait until `stop` has stopped it. The loop runs this one task to its end, not
+        for ever: anyio (`serve.server.threads`) keeps its worker threads for the life of the loop's root task,
+        and without one it stopped each thread when its call ended (a new thread for every typed call)."""
+        try:
+            await self._start()
+        except Exception as e:  # e.g. the port is taken: reported to start()'s caller
+            failure.append(e)
+            # let go of what was made, before `started`: `stop` then finds nothing to stop, and the server,
+            # once collected, ends gRPC's asyncio poller thread
+            self.server = None
+            started.set()
+            return
+        self.stopped = asyncio.Event()
+        started.set()
+        await self.stopped.wait()
 
     async def _start(self) -> None:
         self.server = grpc.aio.server(
@@ -131,7 +140,7 @@ class GrpcServer:
         except Exception:  # the loop ended meanwhile: nothing left to stop
             log.debug("gRPC server already stopped", exc_info=True)
         try:
-            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.loop.call_soon_threadsafe(self.stopped.set)  # ends `_serve`, and so the loop
         except RuntimeError:  # closed already
             pass
         if self.thread is not None:
