@@ -156,6 +156,21 @@ def test_the_server_restarts_a_probe_process_that_died():
     assert probes.proc.poll() is not None
 
 
+def test_a_stop_signal_to_the_whole_process_group_leaves_the_probe_process_to_the_server(caplog):
+    """systemd's stop sends SIGTERM to every process of the service: the probe process died at once, and the server,
+    still draining, logged an error and started another, which it then stopped."""
+    probes = ProbeServer("127.0.0.1", 0, lambda: True).start()
+    try:
+        first = probes.proc.pid
+        os.kill(first, signal.SIGTERM)
+        with pytest.raises(subprocess.TimeoutExpired):  # it does not exit (4 beats of the server's watch)
+            probes.proc.wait(1.0)
+        assert probes.proc.pid == first and answers(probes.port)
+    finally:
+        probes.stop()  # the server stops it once drained
+    assert probes.proc.poll() is not None and "starting another" not in caplog.text
+
+
 def test_an_accept_error_does_not_end_the_probe_process(capfd):
     """Out of descriptors (EMFILE), `accept` fails: the probe process says so, waits and answers again once
     descriptors are free, without a restart."""

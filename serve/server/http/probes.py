@@ -19,7 +19,8 @@ its soft descriptor limit to fit the cap, within the hard limit (the cap shrinks
 The server tells it two things through a 16-byte shared file with no name (so nothing is left behind, however
 the server ends), four times a second: when its event loop last ran a callback (a thread asks the loop to stamp
 the time, so a wedged loop stops the stamps), and whether it is ready. The probe process exits when the server
-does, and the server starts another on the same port when it dies (the OOM killer, a stray kill); a failed
+does (it ignores SIGINT and SIGTERM, which a stop may send to the whole process group: the server, draining,
+stops it last), and the server starts another on the same port when it dies (the OOM killer, a kill); a failed
 accept (out of descriptors, a connection reset before it was accepted) is logged and skipped,
 never the end of the process.
 
@@ -121,7 +122,7 @@ class ProbeServer:
         with self._lock:  # not while the beat starts another process
             self._stop.set()
             if self.proc is not None and self.proc.poll() is None:
-                self.proc.terminate()
+                self.proc.kill()  # it ignores SIGTERM (`_serve`), and has nothing to save
                 self.proc.wait(10)
         self._close_state()
 
@@ -348,7 +349,9 @@ def _serve(host: str, port: int, state_fd: int, parent: int, stale_s: float, max
     except OSError as e:
         print(f"{e.strerror or e} (is another process on port {port}?)", flush=True)
         return 1
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the server stops us
+    # Ctrl-C, and systemd's stop (SIGTERM), reach the whole process group: the server stops us once it has drained
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     print(f"port {sock.getsockname()[1]}", flush=True)
     asyncio.run(_accept(sock, state, stale_s, cap, parent))
     return 0
