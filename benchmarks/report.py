@@ -166,7 +166,8 @@ def _copies(r: dict) -> str:
 
 TRUST = "python -m benchmarks.trust --fmnist runs/fmnist-bench"
 ROWS = (
-    Row("the digits sample: held-out accuracy, and the time of the whole `vit-train fit` command", "sample_accuracy",
+    Row("the digits sample: held-out accuracy, and the time of the whole `vit-train fit` command, progress bar off",
+        "sample_accuracy",
         lambda r: f"{cell(r, 0, 'val accuracy (top-1), best', 'value').split(' of ')[0]} in "
         f"{cell(r, 0, 'command wall time', 'value')}"),
     Row("Fashion-MNIST's official test set, `configs/small_images.yaml` on CPU: accuracy and training time",
