@@ -43,6 +43,7 @@ from train.review import main as review_main
 from train.run_dir import (
     CKPT_DIR,
     check_run_dir,
+    clear_replaced_run,
     hold_run_dir,
     is_remote,
     resolve_ckpt_path,
@@ -291,9 +292,11 @@ class VitCLI(LightningCLI):
     def before_fit(self) -> None:
         config = self.config.get("fit", self.config)
         check_monitor(config.get("checkpoint.monitor"), config.get("checkpoint.mode"))
-        self._check_ckpt_path("fit")
+        ckpt_path = self._check_ckpt_path("fit")
         if self.trainer.limit_val_batches != 0:
             self._check_validation_images()
+        if config.get("overwrite") and self.trainer.global_rank == 0:  # every check has passed: the old run goes
+            clear_replaced_run(Path(self.trainer.default_root_dir), ckpt_path)
         self.datamodule.share_scan(self.trainer)  # before DDP starts its other processes (`train.ddp_scan`)
         self._fit_start = time.perf_counter()
 
@@ -315,17 +318,11 @@ class VitCLI(LightningCLI):
                 "process needs one: hold out more (--data.val_fraction), or run on fewer devices"
             )
 
-    def before_validate(self) -> None:
-        self._check_ckpt_path("validate")
+    def _before_evaluation(self) -> None:  # validate, test and predict
+        self._check_ckpt_path(self.subcommand)
         self.datamodule.share_scan(self.trainer)
 
-    def before_test(self) -> None:
-        self._check_ckpt_path("test")
-        self.datamodule.share_scan(self.trainer)
-
-    def before_predict(self) -> None:
-        self._check_ckpt_path("predict")
-        self.datamodule.share_scan(self.trainer)
+    before_validate = before_test = before_predict = _before_evaluation
 
     def after_fit(self) -> None:
         if self.trainer.is_global_zero:

@@ -359,13 +359,18 @@ def test_a_fit_stopped_by_a_signal_exits_with_its_code_and_says_how_to_resume(
     """Lightning's SIGTERM exit has no code: a scheduler read the stopped run as a success (exit 0). And `timeout`,
     systemd and SLURM signal the whole process group: a DataLoader worker died of it first, and the run ended with
     PyTorch's "DataLoader worker ... is killed by signal: Terminated" traceback, exit 1 and no word on resuming.
-    Ctrl-C (SIGINT to the terminal's process group) ended in Lightning's exit 1, as a failure, with no word either."""
+    Ctrl-C (SIGINT to the terminal's process group) ended in Lightning's exit 1, as a failure, with no word either.
+    The fit replaces an earlier run (--overwrite true), which kept its checkpoints and summary.json until the new
+    run wrote its own: stopped before that, the old model stood under the new config, for --ckpt_path last."""
+    _fake_run(tmp_path / "run", "best.ckpt", "last.ckpt", "epoch=3.ckpt")
+    (tmp_path / "run" / "summary.json").write_text("{}")
     run, fault = (
         tmp_path / "run",
         [f"{FAULTS}Stop", "--trainer.callbacks.epoch", "1", "--trainer.callbacks.group", "true",
          "--trainer.callbacks.signal", signal_name],
     )  # fmt: skip
-    argv = args(small_folder, run, "--trainer.max_epochs", "3", "--data.num_workers", "2", *fault)
+    argv = args(small_folder, run, "--trainer.max_epochs", "3", "--data.num_workers", "2", "--overwrite", "true")
+    argv += fault
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     child = subprocess.run(  # a session of its own: the signal goes to its process group, not to pytest's
         [sys.executable, "-m", "train", *argv],
@@ -379,6 +384,8 @@ def test_a_fit_stopped_by_a_signal_exits_with_its_code_and_says_how_to_resume(
     err = the_one_error_line(child.returncode, child.stderr, code=code)
     assert f"stopped by {said}" in err and "--ckpt_path last" in err
     assert (run / "checkpoints" / "last.ckpt").is_file() and not (run / "summary.json").exists()
+    assert "state_dict" in torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)  # this run's, not the old
+    assert not (run / "checkpoints" / "epoch=3.ckpt").exists()
 
 
 def test_a_stopped_evaluation_is_not_told_to_resume(capsys):
