@@ -28,7 +28,8 @@ from itertools import pairwise
 from pathlib import Path
 
 from serve.runtime.image_files import LINK_NOT_FOLLOWED as SKIPPED_LINK
-from serve.runtime.image_files import walk_image_files
+from serve.runtime.image_files import is_image_file, walk_image_files
+from serve.runtime.images import NOT_AN_IMAGE, unread_format
 from train.corrections import correct_folder
 from train.data_report import image_stats
 from train.duplicates import Duplicates, find_duplicates, follow_anchors
@@ -38,6 +39,8 @@ from train.splits import calibration_split, split_own, stratified_split
 log = logging.getLogger(__name__)
 
 PARALLEL_FROM = 5_000  # files; fewer are checked in this process (a pool costs more than it saves)
+# the names tools give a dataset's splits (Roboflow and Kaggle write train/, valid/, test/): ours are train/, val/
+SPLIT_NAMES = {"train": ("training",), "val": ("valid", "validation", "dev"), "test": ("testing",)}
 
 
 @dataclass(frozen=True)
@@ -163,8 +166,10 @@ def header_error(path: str) -> str | None:
         return f"{path} could not be read: {e}"
     if not head:
         return f"{path} is empty (0 bytes)"
+    if kind := unread_format(head):
+        return f"{path} is a {kind} image, which is not read: convert it to JPEG or PNG"
     if not head.startswith(SIGNATURES) or (head.startswith(b"RIFF") and head[8:12] != b"WEBP"):
-        return f"{path} is not an image: no JPEG, PNG, GIF, BMP, WebP or TIFF header found"
+        return f"{path} is {NOT_AN_IMAGE}"
     return None
 
 
@@ -201,6 +206,8 @@ def _scan_classes(
             f"{folder} has class folders {names}, but the training folder has {classes}; "
             "train/ and val/ must hold the same class folders"
         )
+    if classes is None:
+        refuse_split_folders(folder, names)
     if len(dirs) < 2:
         split = names[0] if names in (["train"], ["val"]) else None  # the user's own split, one half of it missing
         raise ValueError(
@@ -233,6 +240,34 @@ def _scan_classes(
             folder, dirs[0].name, ", ".join(inner[:5]), dirs[0],
         )  # fmt: skip
     return files
+
+
+def refuse_split_folders(folder: Path, names: list[str]) -> None:
+    """`ValueError` when the class folders of `folder` are a split's (train/, valid/, test/ ... each holding class
+    folders): trained on, the model would tell the splits apart, not the classes."""
+    ours = {alias: name for name, aliases in SPLIT_NAMES.items() for alias in (name, *aliases)}
+    trained = [n for n in names if ours.get(n) == "train"]
+    if len(names) < 2 or not trained or not set(names) <= set(ours) or not _holds_folders_only(folder / trained[0]):
+        return
+    renames = [f"{n}/ to {ours[n]}/" for n in names if ours[n] != n and ours[n] != "test"]
+    fix = (
+        f"rename {' and '.join(renames)}"
+        if any(ours[n] == "val" for n in names)
+        else (
+            f"add a val/ folder with the same class folders, or give --data.root {folder / trained[0]} to hold "
+            "validation images out of it"
+        )
+    )
+    raise ValueError(
+        f"{folder} holds the split folders {', '.join(names)}, not class folders: vit-train reads "
+        f"root/train/<class> and root/val/<class> (a test/ folder is left alone); {fix}"
+    )
+
+
+def _holds_folders_only(path: Path) -> bool:
+    """Whether `path` holds folders and no image of its own: a split's folder, not a class that is named so."""
+    entries = [e for e in os.scandir(path) if not e.name.startswith(".")]
+    return any(e.is_dir() for e in entries) and not any(is_image_file(e.name) for e in entries if not e.is_dir())
 
 
 def refuse_empty(files: dict[str, list[str]], folder: Path, bad: list[BadFile]) -> None:

@@ -8,15 +8,16 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from serve.runtime.images import IMAGE_SUFFIXES
+from serve.runtime.images import IMAGE_SUFFIXES, UNREAD_SUFFIXES
 
 LINK_NOT_FOLLOWED = "a link into a folder walked on its own: not followed"
 
 
 def is_image_file(path: str | Path) -> bool:
-    """True for a visible file whose suffix (any case) is an image type we read."""
+    """True for a visible file whose suffix (any case) is an image type we read, or a photo's we report
+    (`UNREAD_SUFFIXES`: its reading fails, and says why)."""
     p = Path(path)
-    return p.suffix.lower() in IMAGE_SUFFIXES and not p.name.startswith(".")
+    return p.suffix.lower() in IMAGE_SUFFIXES + UNREAD_SUFFIXES and not p.name.startswith(".")
 
 
 def walk_image_files(folder: str | Path, leave: Callable[[str], bool] | None = None) -> tuple[list[str], list[OSError]]:

@@ -20,7 +20,10 @@ from typing import Any, Union
 import numpy as np
 from PIL import ExifTags, Image, ImageOps, UnidentifiedImageError
 
-IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff")
+IMAGE_SUFFIXES = (".jpg", ".jpeg", ".jfif", ".jpe", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff")
+# Photos in formats no decoder here reads: listed with the images, so that each is reported (`unread_format`), not
+# passed over in silence as a file of another kind
+UNREAD_SUFFIXES = (".heic", ".heif", ".avif")
 # Linux file names are bytes: one that is not UTF-8 reaches Python as a str holding surrogates (PEP 383). Text files
 # that list image paths (CSV reports, corrections) are written and read with this error handler: such a name is
 # kept as its bytes, so each row still names its file, and a UTF-8 name is written as plain UTF-8.
@@ -114,9 +117,10 @@ def open_image(source: str | Path | bytes | bytearray, max_pixels: int | None = 
             warnings.simplefilter("error", Image.DecompressionBombWarning)
             img = Image.open(fp, formats=FORMATS)
     except UnidentifiedImageError:
-        raise ImageError(
-            f"{name} is not an image: no JPEG, PNG, GIF, BMP, WebP or TIFF header found", "not_an_image"
-        ) from None
+        head = source[:16] if isinstance(source, (bytes, bytearray)) else _first_bytes(Path(source))
+        kind = unread_format(head)
+        says = f"a {kind} image, which is not read: convert it to JPEG or PNG" if kind else NOT_AN_IMAGE
+        raise ImageError(f"{name} is {says}", "unsupported" if kind else "not_an_image") from None
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
         # Pillow's own, higher limit; the one that counts is ours: say that one
         found = re.search(r"\((\d+) pixels\)", str(e))
@@ -132,6 +136,21 @@ def open_image(source: str | Path | bytes | bytearray, max_pixels: int | None = 
     if img.format == "JPEG" and img.info.get("progressive"):
         _check_scans(img, source if isinstance(source, (bytes, bytearray)) else Path(source).read_bytes(), name)
     return img
+
+
+NOT_AN_IMAGE = "not an image: no JPEG, PNG, GIF, BMP, WebP or TIFF header found"
+
+
+def unread_format(head: bytes) -> str | None:
+    """ "HEIC or HEIF" or "AVIF" for the first bytes of such a file (an ISO media file's `ftyp` box), else None."""
+    if head[4:8] != b"ftyp":
+        return None
+    return "AVIF" if head[8:12] in (b"avif", b"avis") else "HEIC or HEIF"
+
+
+def _first_bytes(path: Path) -> bytes:
+    with open(path, "rb") as f:
+        return f.read(16)
 
 
 def _check_scans(img: Image.Image, data: bytes | bytearray, name: str) -> None:

@@ -210,6 +210,17 @@ def test_only_the_documented_formats_are_decoded():
     assert e.value.kind == "not_an_image"
 
 
+@pytest.mark.parametrize("brand, kind", [(b"heic", "HEIC or HEIF"), (b"mif1", "HEIC or HEIF"), (b"avif", "AVIF")])
+def test_a_phone_photo_in_a_format_not_read_says_so_and_what_to_do(tmp_path: Path, brand: bytes, kind: str):
+    """An iPhone's HEIC photo was "not an image: no JPEG, PNG ... header found"."""
+    photo = tmp_path / "IMG_0001.HEIC"
+    photo.write_bytes(b"\x00\x00\x00\x18ftyp" + brand + bytes(64))
+    for source in (photo, photo.read_bytes()):
+        with pytest.raises(ImageError, match=f"is a {kind} image, which is not read: convert it to JPEG or PNG") as e:
+            load_image(source)
+        assert e.value.kind == "unsupported"
+
+
 @pytest.mark.parametrize(
     "key, value, says",
     [

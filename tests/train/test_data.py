@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from PIL import Image
 
 from serve.runtime.images import ImageError, Preprocess, load_image
 from tests.helpers import write_shapes
@@ -194,6 +195,42 @@ def test_a_ddp_rank_other_than_0_reads_class_names_from_folder_names_and_the_sca
     monkeypatch.setenv("LOCAL_RANK", "1")
     dm = ImageFolderDataModule(str(shapes_folder), img_size=16)
     assert dm.num_classes == 3 and dm._scan is None  # no scan on this rank before setup
+
+
+@pytest.mark.parametrize(
+    "splits, says",
+    [
+        (["train", "valid", "test"], "rename valid/ to val/"),  # Roboflow's and Kaggle's layout
+        (["training", "validation"], "rename training/ to train/ and validation/ to val/"),
+        (["train", "test"], "add a val/ folder with the same class folders, or give --data.root"),
+    ],
+)
+def test_a_folder_of_split_folders_is_refused_rather_than_trained_as_classes(tmp_path: Path, splits, says):
+    """train/ valid/ test/ trained a classifier of three classes, train, valid and test, with exit 0."""
+    for split in splits:
+        write_shapes(tmp_path / "data" / split, per_class=2)
+    with pytest.raises(ValueError, match="holds the split folders .*, not class folders") as e:
+        scan_folder(tmp_path / "data")
+    assert says in str(e.value)
+
+
+def test_jpegs_named_jfif_are_images_and_heic_photos_are_reported_not_passed_over(tmp_path: Path):
+    """Chrome and Windows save web JPEGs as .jfif, and iPhones take .HEIC photos: both were left out in silence."""
+    root = write_shapes(tmp_path / "data", per_class=4)
+    Image.open(next((root / "bar").iterdir())).save(root / "bar" / "saved.jfif", "JPEG")
+    (root / "bar" / "IMG_0001.HEIC").write_bytes(b"\x00\x00\x00\x18ftypheic" + bytes(64))
+    scan = scan_folder(root, 0.25, seed=0)
+    assert sum(p.endswith("saved.jfif") for p, _ in scan.train + scan.val) == 1
+    assert [(Path(b.path).name, "HEIC or HEIF image, which is not read" in b.reason) for b in scan.bad] == [
+        ("IMG_0001.HEIC", True)
+    ]
+
+
+def test_classes_named_like_splits_that_hold_their_own_images_are_classes(tmp_path: Path):
+    root = write_shapes(tmp_path / "data", per_class=2)
+    (root / "bar").rename(root / "train")
+    (root / "column").rename(root / "test")
+    assert scan_folder(root).classes == ["square", "test", "train"]
 
 
 def test_a_rank_that_scanned_the_folder_itself_may_train_on_rank_0s_split_unless_the_folder_changed(tmp_path: Path):
