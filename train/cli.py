@@ -33,7 +33,7 @@ from train.checkpoint_io import AtomicCheckpointIO, load_error, remove_partial_s
 from train.datamodule import ImageFolderDataModule
 from train.errors import SetupError, TrainingError, first_line
 from train.fit_report import report_fit
-from train.held_split import evaluated_split, run_split
+from train.held_split import evaluated_split, run_split, warn_if_validated_on_its_training
 from train.label_issues import LabelIssuesReport
 from train.module import ViTClassifier
 from train.options import check_data_settings, check_monitor, check_trainer_settings, warn_on_doubtful_settings
@@ -295,6 +295,8 @@ class VitCLI(LightningCLI):
         ckpt_path = self._check_ckpt_path("fit")
         if self.trainer.limit_val_batches != 0:
             self._check_validation_images()
+        if self.trainer.global_rank == 0:
+            warn_if_validated_on_its_training(self.datamodule.scan, ckpt_path, Path(self.trainer.default_root_dir))
         if config.get("overwrite") and self.trainer.global_rank == 0:  # every check has passed: the old run goes
             clear_replaced_run(Path(self.trainer.default_root_dir), ckpt_path)
         self.datamodule.share_scan(self.trainer)  # before DDP starts its other processes (`train.ddp_scan`)

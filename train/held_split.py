@@ -110,3 +110,25 @@ def evaluated_split(run_dir: str | None, data_root: str | None, ckpt_path: str |
     except ValueError:
         return split  # `hold_split` says what is wrong with it
     return split if os.path.realpath(root) == os.path.realpath(os.path.expanduser(data_root)) else None
+
+
+def warn_if_validated_on_its_training(scan: FolderScan, ckpt_path: str | None, run_dir: Path) -> None:
+    """Warn when a fit starts from another run's checkpoint, with the optimizer and epoch it had, and validates on
+    images that run trained on: its scores, and so the choice of best.ckpt, would flatter the model."""
+    if not ckpt_path or "://" in ckpt_path or scan.layout == "litdata":
+        return
+    other = Path(ckpt_path).resolve().parent.parent
+    if other == run_dir.resolve() or not (other / "split.json").is_file():
+        return
+    try:
+        _, _, place = _read(other / "split.json")
+    except ValueError:
+        return  # not a split this can read: nothing to compare
+    seen = sum(place.get(os.path.relpath(path, scan.root)) == "train" for path, _ in scan.val)
+    if seen:
+        log.warning(
+            "%d of this run's %d validation images were training images of the run its checkpoint comes from (%s): "
+            "their scores, and so the choice of best.ckpt, would flatter the model. Give --data.split %s to keep that "
+            "run's split (images it does not list are then left out)",
+            seen, len(scan.val), other, other / "split.json",
+        )  # fmt: skip

@@ -18,6 +18,7 @@ from tests.helpers import write_shapes
 from train.datamodule import ImageFolderDataModule
 from train.ddp_scan import differs
 from train.folder_scan import FolderScan, scan_folder
+from train.held_split import hold_split, warn_if_validated_on_its_training
 from train.transforms import Augment
 
 
@@ -244,6 +245,28 @@ def test_a_rank_that_scanned_the_folder_itself_may_train_on_rank_0s_split_unless
     reason = differs(scan_folder(root, 0.25, seed=3), sent, 1)
     assert "changed while the DDP processes scanned it: rank 1 found {'bar': 3" in reason
     assert "rank 0 {'bar': 6" in reason
+
+
+def test_a_fit_from_another_runs_checkpoint_is_warned_when_it_validates_on_that_runs_training_images(
+    tmp_path: Path, caplog
+):
+    """A new run started from another run's last.ckpt (epoch and optimizer restored) on the same folder grown a
+    little made a new split: images that run trained on were validated on, with no word."""
+    root = write_shapes(tmp_path / "data", per_class=6)
+    (tmp_path / "base" / "checkpoints").mkdir(parents=True)
+    scan_folder(root, 0.25, seed=0).write_split(tmp_path / "base" / "split.json")
+    write_shapes(tmp_path / "more", per_class=4, seed=9)
+    for path in (tmp_path / "more").glob("*/*.png"):  # the folder grows: the seeded split moves images around
+        path.rename(root / path.parent.name / f"new_{path.name}")
+    ckpt = str(tmp_path / "base" / "checkpoints" / "last.ckpt")
+    grown = scan_folder(root, 0.25, seed=0)
+    warn_if_validated_on_its_training(grown, ckpt, tmp_path / "run")
+    said = [r.getMessage() for r in caplog.records if "validation images were training images" in r.getMessage()]
+    assert len(said) == 1 and f"--data.split {tmp_path / 'base' / 'split.json'}" in said[0], caplog.text
+    caplog.clear()
+    warn_if_validated_on_its_training(grown, ckpt, tmp_path / "base")  # its own run resumed: its split is held
+    warn_if_validated_on_its_training(hold_split(grown, tmp_path / "base" / "split.json"), ckpt, tmp_path / "run")
+    assert "validation images were training images" not in caplog.text
 
 
 def test_calibration_split_is_stratified_seeded_and_apart_from_train_and_val(tmp_path: Path):
