@@ -23,6 +23,7 @@ from __future__ import annotations
 import csv
 import logging
 import os
+import unicodedata
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -97,7 +98,9 @@ def read_corrections(file: str | Path, root: str | Path, classes: list[str]) -> 
     if not rows or [c.strip().lower() for c in rows[0][2][:2]] != HEADER:
         found = _shown(",".join(rows[0][2])) if rows else "an empty file"
         raise ValueError(f"{file} must start with the header line path,label (found {found})")
-    table, known = CorrectionsTable(rows[0][2], {}, {}), set(classes)
+    # a label typed in another Unicode form than the folder's name (macOS writes names decomposed) is the class
+    known = {**{_nfc(c): c for c in classes}, **{c: c for c in classes}}
+    table = CorrectionsTable(rows[0][2], {}, {})
     for start, end, row, well_formed in rows[1:]:
         if not any(c.strip() for c in row):
             continue
@@ -147,7 +150,7 @@ def _well_formed(text: str, row: list[str]) -> bool:
         return False
 
 
-def _parse(row: list[str], root: Path, known: set[str], where: str, runs: str) -> tuple[str, str | None | bool]:
+def _parse(row: list[str], root: Path, known: dict[str, str], where: str, runs: str) -> tuple[str, str | None | bool]:
     """(absolute path, class name: None to leave the image out, False when no class) of a row that is not blank.
 
     `where` names the row's file and line, and `runs` says how far it runs when that is over several lines.
@@ -164,14 +167,22 @@ def _parse(row: list[str], root: Path, known: set[str], where: str, runs: str) -
     if "\n" in row[0] and runs and not os.path.isfile(path):  # a stray quote ran on, unless this names a file
         raise ValueError(f"{where}: the path {_shown(row[0])} names no file{runs}")
     for label in (row[1], row[1].strip()):
-        if not label or label in known:
-            return path, label or None
+        if not label:
+            return path, None
+        if (name := known.get(label, known.get(_nfc(label)))) is not None:
+            return path, name
     return path, False
+
+
+def _nfc(text: str) -> str:
+    return unicodedata.normalize("NFC", text)
 
 
 def _image_path(text: str, root: Path) -> str:
     """`text` as an absolute path; the text less its outer spaces only where that names a file and `text` not."""
     exact = absolute_path(text, root)
+    if not os.path.isfile(exact):  # the path typed in another Unicode form than the file's name
+        exact = next((p for form in ("NFD", "NFC") if os.path.isfile(p := unicodedata.normalize(form, exact))), exact)
     if text.strip() == text or os.path.isfile(exact):
         return exact
     stripped = absolute_path(text.strip(), root)

@@ -206,3 +206,18 @@ def test_corrections_name_images_through_linked_folders_as_the_scan_does(folder:
     assert labels[str(folder / "bar" / "000.png")] == "column"
     assert str(tmp_path / "square" / "001.png") not in labels
     assert labels[str(folder / "bar" / "linked.png")] == "square"
+
+
+def test_labels_and_paths_typed_in_another_unicode_form_than_the_folders_names_are_those_names(tmp_path: Path):
+    """A class folder named café on macOS (decomposed, NFD) and the label café typed in the CSV (composed, NFC) read
+    "label 'café' is not a class (classes: 'café', 'tea')"."""
+    import unicodedata
+
+    root = write_shapes(tmp_path / "drinks", per_class=6, classes=("a", "b"))
+    cafe_nfd, cafe_nfc = unicodedata.normalize("NFD", "café"), unicodedata.normalize("NFC", "café")
+    (root / "a").rename(root / cafe_nfd)
+    (root / "b").rename(root / "tea")
+    file = _csv(tmp_path / "fix.csv", [("tea/000.png", cafe_nfc), (f"{cafe_nfc}/001.png", "tea")])
+    labels = _everything(scan_folder(root, 0.25, seed=0, corrections=str(file)))
+    assert labels[str(root / "tea" / "000.png")] == cafe_nfd
+    assert labels[str(root / cafe_nfd / "001.png")] == "tea"
