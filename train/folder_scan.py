@@ -29,7 +29,7 @@ from pathlib import Path
 
 from serve.runtime.image_files import LINK_NOT_FOLLOWED as SKIPPED_LINK
 from serve.runtime.image_files import is_image_file, walk_image_files
-from serve.runtime.images import NOT_AN_IMAGE, unread_format
+from serve.runtime.images import NOT_AN_IMAGE, signature_format, unread_format
 from train.corrections import correct_folder
 from train.data_report import image_stats
 from train.duplicates import Duplicates, find_duplicates, follow_anchors
@@ -147,10 +147,6 @@ def find_image_files(folder: Path, bad: list[BadFile] | None = None, root: Path 
 LINK_NOT_FOLLOWED = "a link to a folder that holds this class folder, or to another class folder: not followed"
 
 
-# Leading bytes of every format we decode (serve.runtime.images.FORMATS); RIFF needs WEBP at bytes 8-12.
-SIGNATURES = (b"\xff\xd8\xff", b"\x89PNG\r\n\x1a\n", b"GIF87a", b"GIF89a", b"BM", b"II*\x00", b"MM\x00*", b"RIFF")
-
-
 def header_error(path: str) -> str | None:
     """Why `path` is not an image we read, from its first 16 bytes; None when it looks like one.
 
@@ -168,7 +164,7 @@ def header_error(path: str) -> str | None:
         return f"{path} is empty (0 bytes)"
     if kind := unread_format(head):
         return f"{path} is a {kind} image, which is not read: convert it to JPEG or PNG"
-    if not head.startswith(SIGNATURES) or (head.startswith(b"RIFF") and head[8:12] != b"WEBP"):
+    if not signature_format(head):
         return f"{path} is {NOT_AN_IMAGE}"
     return None
 

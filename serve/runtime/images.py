@@ -118,9 +118,12 @@ def open_image(source: str | Path | bytes | bytearray, max_pixels: int | None = 
             img = Image.open(fp, formats=FORMATS)
     except UnidentifiedImageError:
         head = source[:16] if isinstance(source, (bytes, bytearray)) else _first_bytes(Path(source))
-        kind = unread_format(head)
-        says = f"a {kind} image, which is not read: convert it to JPEG or PNG" if kind else NOT_AN_IMAGE
-        raise ImageError(f"{name} is {says}", "unsupported" if kind else "not_an_image") from None
+        if kind := unread_format(head):
+            says = f"{name} is a {kind} image, which is not read: convert it to JPEG or PNG"
+            raise ImageError(says, "unsupported") from None
+        if kind := signature_format(head):  # the signature of one we read, and a header Pillow cannot parse
+            raise ImageError(f"{name} is a damaged {kind} file: its header cannot be read", "corrupt") from None
+        raise ImageError(f"{name} is {NOT_AN_IMAGE}", "not_an_image") from None
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
         # Pillow's own, higher limit; the one that counts is ours: say that one
         found = re.search(r"\((\d+) pixels\)", str(e))
@@ -139,6 +142,15 @@ def open_image(source: str | Path | bytes | bytearray, max_pixels: int | None = 
 
 
 NOT_AN_IMAGE = "not an image: no JPEG, PNG, GIF, BMP, WebP or TIFF header found"
+# The leading bytes of each format in FORMATS; RIFF is WebP's only with WEBP at bytes 8-12
+SIGNATURES = {b"\xff\xd8\xff": "JPEG", b"\x89PNG\r\n\x1a\n": "PNG", b"GIF87a": "GIF", b"GIF89a": "GIF", b"BM": "BMP"}
+SIGNATURES |= {b"II*\x00": "TIFF", b"MM\x00*": "TIFF", b"RIFF": "WebP"}
+
+
+def signature_format(head: bytes) -> str | None:
+    """The format of FORMATS whose signature the first bytes `head` carry, or None."""
+    kind = next((kind for signature, kind in SIGNATURES.items() if head.startswith(signature)), None)
+    return None if kind == "WebP" and head[8:12] != b"WEBP" else kind
 
 
 def unread_format(head: bytes) -> str | None:

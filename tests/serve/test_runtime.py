@@ -210,6 +210,19 @@ def test_only_the_documented_formats_are_decoded():
     assert e.value.kind == "not_an_image"
 
 
+def test_a_file_with_an_image_signature_and_a_header_that_cannot_be_read_is_called_damaged():
+    """A PNG whose header fails its checksum, or a JPEG cut after its first bytes, was "not an image: no JPEG, PNG,
+    GIF, BMP, WebP or TIFF header found", though it starts with that header's signature."""
+    png = io.BytesIO()
+    Image.new("RGB", (4, 4)).save(png, "PNG")
+    bad_crc = bytearray(png.getvalue())
+    bad_crc[29] ^= 0xFF  # the IHDR chunk's checksum
+    for data, kind in ((bytes(bad_crc), "PNG"), (b"\xff\xd8\xff\xe0" + bytes(20), "JPEG")):
+        with pytest.raises(ImageError, match=f"is a damaged {kind} file: its header cannot be read") as e:
+            load_image(data)
+        assert e.value.kind == "corrupt"
+
+
 @pytest.mark.parametrize("brand, kind", [(b"heic", "HEIC or HEIF"), (b"mif1", "HEIC or HEIF"), (b"avif", "AVIF")])
 def test_a_phone_photo_in_a_format_not_read_says_so_and_what_to_do(tmp_path: Path, brand: bytes, kind: str):
     """An iPhone's HEIC photo was "not an image: no JPEG, PNG ... header found"."""
