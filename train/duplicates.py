@@ -20,7 +20,8 @@ detail; what tells two photos of one garment apart is where their outlines run) 
 variance (so a brightened copy matches). The pair is kept when the 99th percentile of their absolute difference
 is at most `MAX_DIFF`: an outline moved by a pixel or two exceeds it, which a correlation of whole thumbnails
 does not notice (a crop moves every outline, so a cropped copy is rarely found). Groups are the connected parts
-of the pairs.
+of the pairs. A pair whose colours differ (`colour_distance`: a red shirt and the same shirt in green, which the
+grey copies cannot tell apart) is no near-copy.
 Figures: BENCHMARKS.md, "Copies and near-copies".
 
 Shapes: n images, T = THUMB (thumbnail side), S = SMALL (the grey copies' largest side), m pairs.
@@ -51,6 +52,11 @@ MAX_HAMMING = 10  # bits two hashes of one picture may differ by
 BLUR = 1.0  # pixels (Gaussian sigma, at the compared size) that hide re-encoding and resampling noise
 MAX_DIFF = 0.3  # 99th percentile of a pair's absolute difference, in standard deviations of the images
 FLAT = 1.0  # grey levels of spread under which an image is one colour, and is no near-copy of anything
+# A pair's colour distance (`colour_distance`) past which its colours differ: red against green is about 1.2, a copy
+# re-encoded as JPEG, brightened or cropped under 0.05
+MAX_CHROMA = 0.3
+INK = 40  # max - min of R, G and B from which a pixel is coloured, not grey
+MIN_INK = 0.02  # share of an image's pixels that must be coloured for it to have a colour
 
 
 @dataclass
@@ -64,6 +70,7 @@ class ImageFacts:
     hashes: np.ndarray  # (n,) uint64 perceptual hashes
     smalls: np.ndarray  # (n, S, S) uint8 grey copies, each in its top-left (height, width) = small_sizes[i]
     small_sizes: np.ndarray  # (n, 2) height, width
+    colours: np.ndarray  # (n, 3) float32 chromaticity of each image's coloured pixels (`ink`), NaN for a grey one
     broken: list[tuple[str, str]] = field(default_factory=list)  # (path, reason): did not decode
 
 
@@ -107,7 +114,7 @@ def _small(grey: Image.Image) -> Image.Image:
 
 
 def _facts(paths: list[str]) -> tuple:
-    sizes, modes, digests, greys, smalls, broken, ok = [], [], [], [], [], [], []
+    sizes, modes, digests, greys, smalls, colours, broken, ok = [], [], [], [], [], [], [], []
     for p in paths:
         try:
             header = open_image(p)
@@ -121,6 +128,7 @@ def _facts(paths: list[str]) -> tuple:
         grey = rgb.convert("L")
         greys.append(np.asarray(grey.resize((THUMB, THUMB), Image.Resampling.BILINEAR, reducing_gap=2.0)))
         smalls.append(np.asarray(_small(grey)))
+        colours.append(ink(np.asarray(rgb.resize((THUMB, THUMB), Image.Resampling.BILINEAR, reducing_gap=2.0))))
         sizes.append(size)
         modes.append(mode)
         ok.append(p)
@@ -129,7 +137,8 @@ def _facts(paths: list[str]) -> tuple:
     for k, a in enumerate(smalls):
         padded[k, : a.shape[0], : a.shape[1]] = a
     small_sizes = np.array([a.shape for a in smalls], np.int64).reshape(-1, 2)
-    return ok, sizes, modes, digests, phash(thumbs), padded, small_sizes, broken
+    grid = np.stack(colours) if colours else np.zeros((0, 3), np.float32)
+    return ok, sizes, modes, digests, phash(thumbs), padded, small_sizes, grid, broken
 
 
 def image_facts(paths: list[str], workers: int | None = None, chunk: int = 500) -> ImageFacts:
@@ -150,7 +159,8 @@ def image_facts(paths: list[str], workers: int | None = None, chunk: int = 500) 
         hashes=np.concatenate([part[4] for part in parts]),
         smalls=np.concatenate([part[5] for part in parts]),
         small_sizes=np.concatenate([part[6] for part in parts]),
-        broken=[b for part in parts for b in part[7]],
+        colours=np.concatenate([part[7] for part in parts]),
+        broken=[b for part in parts for b in part[8]],
     )
 
 
@@ -255,10 +265,30 @@ def pixel_distance(smalls: np.ndarray, small_sizes: np.ndarray, pairs: np.ndarra
     return out
 
 
+def ink(rgb: np.ndarray) -> np.ndarray:
+    """(3,) the chromaticity (R, G and B over their sum, which brightening keeps) of the mean of the coloured pixels
+    (`INK`) of an (h, w, 3) uint8 image; NaN when under `MIN_INK` of them are (a grey image, or one nearly so)."""
+    pixels = rgb.reshape(-1, 3).astype(np.float32)  # (h * w, 3)
+    coloured = pixels[pixels.max(1) - pixels.min(1) >= INK]
+    if len(coloured) < MIN_INK * len(pixels):
+        return np.full(3, np.nan, np.float32)
+    mean = coloured.mean(0)
+    return mean / max(float(mean.sum()), 1.0)
+
+
+def colour_distance(colours: np.ndarray, pairs: np.ndarray) -> np.ndarray:
+    """(m,) how far apart the colours (`ink`) of each of `pairs` are: the L1 distance of their chromaticities, 0 when
+    either image is grey (a grey copy of a colour photo is still its copy)."""
+    apart = np.abs(colours[pairs[:, 0]] - colours[pairs[:, 1]]).sum(1)  # (m,)
+    return np.nan_to_num(apart, nan=0.0)
+
+
 def near_pairs(facts: ImageFacts) -> np.ndarray:
-    """(m, 2) index pairs that are near-copies: a shared band, close hashes, the same pixels once blurred."""
+    """(m, 2) index pairs that are near-copies: a shared band, close hashes, the same pixels once blurred, and the
+    same colours."""
     pairs = band_pairs(facts.hashes, MAX_HAMMING)
-    return pairs[pixel_distance(facts.smalls, facts.small_sizes, pairs) <= MAX_DIFF]
+    pairs = pairs[pixel_distance(facts.smalls, facts.small_sizes, pairs) <= MAX_DIFF]
+    return pairs[colour_distance(facts.colours, pairs) <= MAX_CHROMA]
 
 
 def group_duplicates(facts: ImageFacts) -> Duplicates:
