@@ -52,8 +52,8 @@ MAX_HAMMING = 10  # bits two hashes of one picture may differ by
 BLUR = 1.0  # pixels (Gaussian sigma, at the compared size) that hide re-encoding and resampling noise
 MAX_DIFF = 0.3  # 99th percentile of a pair's absolute difference, in standard deviations of the images
 FLAT = 1.0  # grey levels of spread under which an image is one colour, and is no near-copy of anything
-# A pair's colour distance (`colour_distance`) past which its colours differ: red against green is about 1.2, a copy
-# re-encoded as JPEG, brightened or cropped under 0.05
+# A pair's colour distance (`colour_distance`) past which its colours differ: far above what re-encoding, brightening
+# or cropping moves it, far below red against green (tests/train/test_duplicates.py)
 MAX_CHROMA = 0.3
 INK = 40  # max - min of R, G and B from which a pixel is coloured, not grey
 MIN_INK = 0.02  # share of an image's pixels that must be coloured for it to have a colour
