@@ -225,16 +225,16 @@ class ImageFolderDataModule(pl.LightningDataModule):
             return
         cache = self._cached = self._use_cache(len(scan.train) + len(scan.val))
         store = train_store.to_uint8 if cache or self.batch_augment else None
-        train_cache = self._fill(scan.train, store, self.img_size) if cache else None
-        val_cache = self._fill(scan.val, evaluate.resize, None) if cache else None
+        train, train_cache = self._fill(scan.train, store, self.img_size) if cache else (scan.train, None)
+        val, val_cache = self._fill(scan.val, evaluate.resize, None) if cache else (scan.val, None)
         if self.batch_augment:
-            self.train_set = ImageListDataset(scan.train, store, None, self.img_size, train_cache)
-            self.val_set = ImageListDataset(scan.val, evaluate.resize, None, None, val_cache)
+            self.train_set = ImageListDataset(train, store, None, self.img_size, train_cache)
+            self.val_set = ImageListDataset(val, evaluate.resize, None, None, val_cache)
         else:
             train_tf = build_train_transform(self.augment, self.preprocess)
             train_tf = train_tf if store is None else _Then(_to_pil, train_tf)
-            self.train_set = ImageListDataset(scan.train, store, train_tf, self.img_size, train_cache)
-            self.val_set = ImageListDataset(scan.val, evaluate.resize, evaluate, None, val_cache)
+            self.train_set = ImageListDataset(train, store, train_tf, self.img_size, train_cache)
+            self.val_set = ImageListDataset(val, evaluate.resize, evaluate, None, val_cache)
         if scan.bad:
             log.warning("skipped %d unreadable image file(s) in %s", len(scan.bad), scan.root)
         self._write_fit_reports(stage)
@@ -259,11 +259,15 @@ class ImageFolderDataModule(pl.LightningDataModule):
         return need <= CACHE_RAM_SHARE * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
     def _fill(self, items, fixed, min_side) -> tuple:
+        """(the items that decoded, their cache). A file that fails is reported (bad_files.csv) and left out: in the
+        dataset, the next image would take its place, and be scored twice in validation."""
         start = time.perf_counter()
         pixels, readable, failed = fill_cache(items, fixed, (self.img_size, self.img_size, 3), min_side)
         self.scan.bad.extend(BadFile(p, r) for p, r in failed)  # reported in bad_files.csv with the rest
         log.info("cached %d images (%.0f MB) in %.1f s", len(items), pixels.nbytes / 1e6, time.perf_counter() - start)
-        return pixels, readable
+        if failed:  # a copy of the readable pixels, in the rare run that has such files
+            items, pixels, readable = [it for it, ok in zip(items, readable, strict=True) if ok], pixels[readable], None
+        return items, (pixels, np.ones(len(items), bool) if readable is None else readable)
 
     @property
     def workers(self) -> int:

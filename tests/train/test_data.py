@@ -186,6 +186,19 @@ def test_a_file_that_fails_to_decode_after_the_header_check_is_skipped_and_repor
     assert len(labels) >= len(dm.scan.train) + len(dm.scan.val) - 8 - 1  # every readable image, broken one skipped
 
 
+def test_a_file_that_fails_to_decode_when_cached_is_left_out_not_replaced_by_its_neighbour(shapes_folder, tmp_path):
+    """Without the copy search (which decodes every image first), the cache found the broken file and the dataset
+    gave the next image in its place: in validation, a neighbour (of another class, maybe) was scored twice."""
+    good = shapes_folder / "bar" / "000.png"
+    (shapes_folder / "bar" / "broken.png").write_bytes(good.read_bytes()[:60])  # header intact, data cut
+    dm = ImageFolderDataModule(str(shapes_folder), img_size=16, cache_images=True, num_workers=0, dedupe="none")
+    dm.setup("fit")
+    listed = dm.scan.train + dm.scan.val
+    assert str(shapes_folder.resolve() / "bar" / "broken.png") in {p for p, _ in listed}  # the split keeps its place
+    assert len(dm.train_set) + len(dm.val_set) == len(listed) - 1
+    assert "broken.png" not in {Path(p).name for p, _ in dm.train_set.items + dm.val_set.items}
+
+
 def test_a_ddp_rank_other_than_0_reads_class_names_from_folder_names_and_the_scan_from_rank_0(
     shapes_folder: Path, tmp_path: Path, monkeypatch
 ):
