@@ -256,17 +256,16 @@ def correct_folder(
     fixes = load_corrections(file, root, classes)
     record = {"file": str(Path(file).expanduser().resolve()), "relabelled": 0, "left_out": 0}
     out, seen = [], set()
-    for files in parts:
+    for side, files in enumerate(parts):
         corrected, counts, found = apply_corrections(files, fixes)
         out.append(corrected)
         seen |= found
         record = {**record, **{k: record[k] + v for k, v in counts.items()}}
         empty = [name for name, paths in corrected.items() if not paths]
-        if empty:
-            raise ValueError(
-                f"after the corrections in {file}, class {empty[0]!r} has no images left: keep some of its images, "
-                "or remove its folder"
-            )
+        if empty:  # of the user's own split, one side: the class still has images, on the other
+            where = "" if len(parts) == 1 else f" in {'val' if side else 'train'}/"
+            fix = "keep some of its images, or remove its folder" if not where else f"keep some of its images{where}"
+            raise ValueError(f"after the corrections in {file}, class {empty[0]!r} has no images left{where}: {fix}")
     if fixes and not seen:  # not one image moved on: the file names another folder, or the same one mounted elsewhere
         raise ValueError(
             f"none of the {len(fixes)} images in {file} is in {root}: it was written for another folder or mount "

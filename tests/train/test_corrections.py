@@ -105,6 +105,17 @@ def test_leaving_out_every_image_of_a_class_is_refused(folder: Path, tmp_path: P
         scan_folder(folder, corrections=str(file))
 
 
+def test_leaving_out_every_val_image_of_a_class_names_val_and_not_the_class_folder(tmp_path: Path):
+    """It said "class 'bar' has no images left: keep some of its images, or remove its folder", of a class that kept
+    all its training images: removing its folder was the wrong fix."""
+    root = tmp_path / "own"
+    write_shapes(root / "train", per_class=6)
+    write_shapes(root / "val", per_class=2)
+    file = _csv(tmp_path / "fix.csv", [("val/bar/000.png", ""), ("val/bar/001.png", "")])
+    with pytest.raises(ValueError, match=r"class 'bar' has no images left in val/: keep some of its images in val/$"):
+        scan_folder(root, corrections=str(file))
+
+
 def test_corrections_apply_to_the_users_own_train_and_val(tmp_path: Path):
     root = tmp_path / "tv"
     write_shapes(root / "train", per_class=4, seed=1)
