@@ -9,7 +9,9 @@ also after a reload or a restart.
 
 from __future__ import annotations
 
+import html
 import os
+import re
 from pathlib import Path
 
 import gradio as gr
@@ -35,6 +37,17 @@ def visible(text: str) -> str:
     except UnicodeEncodeError:  # a surrogate that no file name decoding made
         return text.encode("utf-8", "backslashreplace").decode("utf-8")
     return raw.decode("utf-8", "backslashreplace")
+
+
+def code(text: str) -> str:
+    """`text` as a Markdown code span, whatever backticks it holds: a file name's markup is shown, never rendered."""
+    fence = "`" * (max(map(len, re.findall("`+", text)), default=0) + 1)
+    return f"{fence} {text} {fence}"
+
+
+def plain(text: str) -> str:
+    """`text` (a class name, a reason) as Markdown shows it: its HTML and emphasis marks as written."""
+    return re.sub(r"([\\`*_\[\]])", r"\\\1", html.escape(text, quote=False))
 
 
 class ReviewActions:
@@ -67,26 +80,33 @@ class ReviewActions:
         ]  # fmt: skip
 
     def show(self, which: str, index: int):
-        """The widgets of image `index` of list `which`: image, overlay, probabilities, about, relabel choice, index."""
+        """The widgets of image `index` of list `which`: image, overlay, probabilities, about, relabel choice, what is
+        shown ((list, index): the image a decision is for; index -1: none, past the list's end) and its path as the
+        page holds it (a click sends it back: `decide` checks that it is still the image shown)."""
         items = self.run.lists[which]
-        if not items:
-            empty = f"**{which}**: {self.run.missing.get(which, 'nothing to look at in this run')}."
-            return None, None, None, empty, gr.update(value=None), -1
-        index = min(max(int(index), 0), len(items) - 1)
+        if not items or int(index) >= len(items):
+            said = self.run.missing.get(which, "nothing to look at in this run") if not items else (
+                "the end of the list: every image of it has been seen. Pick one in the table to change its decision"
+            )  # fmt: skip
+            return None, None, None, f"**{which}**: {said}.", gr.update(value=None), (which, -1), ""
+        index = max(int(index), 0)
         item = items[index]
+        suggested = plain(item.suggested) if item.suggested else "(none)"
         about = [
-            f"**{which}**, {index + 1} of {len(items)}: `{self.shown_path(item.path)}`",
-            f"Given label **{item.given}**; suggested **{item.suggested or '(none)'}**; {item.why}.",
+            f"**{which}**, {index + 1} of {len(items)}: {code(self.shown_path(item.path))}",
+            f"Given label **{plain(item.given)}**; suggested **{suggested}**; {plain(item.why)}.",
         ]
         try:
             pixels, probs, overlay = self.run.explain(item.path)
         except (ImageError, OSError) as e:  # moved or deleted since the run: it can still be decided (left out)
             pixels = probs = overlay = None
-            about.append(f"**Cannot read it** ({e}): moved or deleted since the run? Leave it out, or put it back.")
+            why = plain(str(e))
+            about.append(f"**Cannot read it** ({why}): moved or deleted since the run? Leave it out, or put it back.")
         earlier = self.decision_text(item)
-        about.append(f"Decision: **{earlier}**" if earlier else "Not decided yet.")
+        about.append(f"Decision: **{plain(earlier)}**" if earlier else "Not decided yet.")
         choice = item.suggested if item.suggested in self.run.labels else item.given
-        return pixels, overlay, probs, visible("\n\n".join(about)), gr.update(value=choice), index
+        text, at = visible("\n\n".join(about)), (which, index)
+        return pixels, overlay, probs, text, gr.update(value=choice), at, self.shown_path(item.path)
 
     def load(self, which: str):
         """A page (re)load: the table from the decisions file, read again (another review of the run may have
@@ -100,12 +120,15 @@ class ReviewActions:
     def pick(self, which: str, evt: gr.SelectData):
         return self.show(which, evt.index[0])
 
-    def decide(self, which: str, index: int, action: str, label: str | None):
-        """Record one decision, then move on to the next image; returns the table, the next image and a status."""
+    def decide(self, which: str, index: int, action: str, label: str | None, seen: str | None = None):
+        """Record one decision for image `index` of list `which`, then move on to the next image; returns the table,
+        the next image and a status. `seen`: the path the page showed when the click was made (None: not checked)."""
         items = self.run.lists[which]
         if not items or index is None or not 0 <= int(index) < len(items):
             raise gr.Error("pick an image in the table first")
         item = items[int(index)]
+        if seen is not None and seen != self.shown_path(item.path):  # another list or image came while clicking
+            raise gr.Error("the page was changing to another image as you clicked: nothing was recorded; decide again")
         if action == "relabel" and label not in self.run.labels:
             raise gr.Error(f"choose a class to relabel as (one of {', '.join(self.run.labels)})")
         if action == "keep" and item.given not in self.run.labels:
@@ -117,8 +140,8 @@ class ReviewActions:
             raise gr.Error(visible(f"could not write {self.decisions.file}: {e}; nothing was recorded")) from None
         except ValueError as e:  # the file was broken since (by hand): fit would refuse it too
             raise gr.Error(visible(f"{e}; nothing was recorded")) from None
-        said = "left out" if chosen is None else "kept" if chosen == item.given else f"relabelled {chosen}"
-        status = visible(f"`{self.shown_path(item.path)}`: {said} (saved in {self.decisions.file})")
+        said = "left out" if chosen is None else "kept" if chosen == item.given else f"relabelled {plain(chosen)}"
+        status = visible(f"{code(self.shown_path(item.path))}: {said} (saved in {code(str(self.decisions.file))})")
         return self.rows(which), *self.show(which, int(index) + 1), status
 
 
@@ -153,15 +176,17 @@ def build_review_app(run: ReviewRun) -> gr.Blocks:
             relabel = gr.Button("Relabel", variant="primary", elem_id="relabel")
             leave = gr.Button("Leave out", variant="stop", elem_id="leave-out")
         status = gr.Markdown(elem_id="status")
-        index = gr.State(-1)  # per page: the image shown, as an index into the chosen list
-        shown = [image, overlay, probs, about, new_label, index]
+        # per page: the image shown, (list, index). A decision is for it, whichever list the radio shows by then
+        index = gr.State((first, -1))
+        seen = gr.Textbox(visible=False)  # the shown image's path, as the browser holds it when a button is clicked
+        shown = [image, overlay, probs, about, new_label, index, seen]
         demo.load(on.load, [which], [table, *shown], api_name=False)
         which.change(on.load, [which], [table, *shown], api_name=False)
         table.select(on.pick, [which], shown, api_name=False)
         for button, action in ((keep, "keep"), (relabel, "relabel"), (leave, "leave")):
             button.click(
-                lambda w, i, label, a=action: on.decide(w, i, a, label),
-                [which, index, new_label],
+                lambda at, label, path, a=action: on.decide(*at, a, label, path),
+                [index, new_label, seen],
                 [table, *shown, status],
                 api_name=False,
             )

@@ -246,8 +246,8 @@ def test_an_image_gone_since_the_run_is_shown_as_such_and_can_be_left_out(review
     items = on.run.lists[LISTS[0]]
     Path(items[1].path).rename(tmp_path / "moved.png")
     try:
-        rows, pixels, overlay, probs, about, choice, index, status = on.decide(LISTS[0], 0, "leave", None)
-        assert index == 1 and pixels is None and "Cannot read it" in about and "left out" in status
+        rows, pixels, overlay, probs, about, choice, shown, seen, status = on.decide(LISTS[0], 0, "leave", None)
+        assert shown == (LISTS[0], 1) and pixels is None and "Cannot read it" in about and "left out" in status
         *_, status = on.decide(LISTS[0], 1, "leave", None)
         assert on.decisions.all()[items[1].path] is None and "left out" in status
     finally:

@@ -285,3 +285,36 @@ def test_a_decision_on_an_image_named_over_two_lines_stays_readable_once_the_ima
         scan = scan_folder(_data_root(run), 0.25, seed=0, corrections=run / "corrections.csv")  # as fit applies it
     assert scan.corrections["not_found"] == 1 and scan.corrections["left_out"] == 1
     assert any("not images of the folder" in r.getMessage() for r in caplog.records)
+
+
+def test_a_click_after_the_last_image_of_a_list_changes_no_decision(run: Path):
+    """The page stayed on the last image once it was decided, and the next click rewrote that decision unseen."""
+    on = ReviewActions(ReviewRun(run, limit=3))
+    last = len(on.run.lists[FLAGGED]) - 1
+    *_, about, _, shown, seen, status = on.decide(FLAGGED, last, "leave", None)
+    assert "the end of the list" in about and shown == (FLAGGED, -1) and seen == ""
+    with pytest.raises(gr.Error, match="pick an image in the table first"):
+        on.decide(*shown, "keep", None, seen)
+    assert on.decisions.get(on.run.lists[FLAGGED][last].path) == (True, None)  # still left out
+
+
+def test_a_click_made_while_the_page_changes_to_another_list_records_nothing(run: Path):
+    """A decision took its list from the radio and its index from the server: clicked while another list loaded, it
+    went to an image of that list the reviewer had not seen."""
+    on = ReviewActions(ReviewRun(run, limit=3))
+    *_, seen = on.show(FLAGGED, 1)  # what the browser shows when the reviewer clicks
+    other = next(name for name in LISTS if name != FLAGGED and on.run.lists[name])
+    *_, shown, _ = on.load(other)  # the other list loads first, on the server
+    with pytest.raises(gr.Error, match="nothing was recorded"):
+        on.decide(*shown, "leave", None, seen)
+    assert not any(decided for decided, _ in map(on.decisions.get, [it.path for it in on.run.lists[other]]))
+
+
+def test_a_file_name_with_markup_is_shown_as_text(tmp_path: Path):
+    """A backtick in a file name closed the Markdown code span around it, and the rest became HTML on the page."""
+    from train.review_app import code, plain
+
+    name = "x`<img src=https://example.com/p.png>`.png"
+    shown = code(name)
+    assert shown.startswith("`` ") and shown.endswith(" ``") and name in shown  # a fence longer than any run in it
+    assert plain("<b>bar</b> *x*") == "&lt;b&gt;bar&lt;/b&gt; \\*x\\*"
