@@ -90,7 +90,7 @@ def launch_review(
     app = build_review_app(run)
     counts = ", ".join(f"{len(items)} {name.lower()}" for name, items in run.lists.items())
     log.info("review: %s; decisions go to %s", counts, run.run_dir / "corrections.csv")
-    app.queue(default_concurrency_limit=1)  # one network, one decisions file: one click at a time
+    app.queue(default_concurrency_limit=1)  # one network, one decisions file: one event at a time (one queue)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # Gradio's requests to its own page, a line each
     try:
         app.launch(

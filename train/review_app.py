@@ -180,14 +180,13 @@ def build_review_app(run: ReviewRun) -> gr.Blocks:
         index = gr.State((first, -1))
         seen = gr.Textbox(visible=False)  # the shown image's path, as the browser holds it when a button is clicked
         shown = [image, overlay, probs, about, new_label, index, seen]
-        demo.load(on.load, [which], [table, *shown], api_name=False)
-        which.change(on.load, [which], [table, *shown], api_name=False)
-        table.select(on.pick, [which], shown, api_name=False)
+        # one queue for every event (`train.review` limits it to one at a time): each runs the network, and a click
+        # waits for the list being loaded, rather than each kind of event having a queue of its own
+        one = {"api_name": False, "concurrency_id": "review"}
+        demo.load(on.load, [which], [table, *shown], **one)
+        which.change(on.load, [which], [table, *shown], **one)
+        table.select(on.pick, [which], shown, **one)
         for button, action in ((keep, "keep"), (relabel, "relabel"), (leave, "leave")):
-            button.click(
-                lambda at, label, path, a=action: on.decide(*at, a, label, path),
-                [index, new_label, seen],
-                [table, *shown, status],
-                api_name=False,
-            )
+            decide = lambda at, label, path, a=action: on.decide(*at, a, label, path)  # noqa: E731
+            button.click(decide, [index, new_label, seen], [table, *shown, status], **one)
     return demo
