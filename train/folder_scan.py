@@ -29,7 +29,7 @@ from pathlib import Path
 
 from serve.runtime.image_files import LINK_NOT_FOLLOWED as SKIPPED_LINK
 from serve.runtime.image_files import is_image_file, walk_image_files
-from serve.runtime.images import NOT_AN_IMAGE, signature_format, unread_format
+from serve.runtime.image_formats import NOT_AN_IMAGE, signature_format, unread_format
 from train.corrections import correct_folder
 from train.data_report import image_stats
 from train.duplicates import Duplicates, find_duplicates, follow_anchors

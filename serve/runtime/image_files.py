@@ -8,7 +8,8 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from serve.runtime.images import IMAGE_SUFFIXES, UNREAD_SUFFIXES
+from serve.runtime.image_formats import UNREAD_SUFFIXES
+from serve.runtime.images import IMAGE_SUFFIXES
 
 LINK_NOT_FOLLOWED = "a link into a folder walked on its own: not followed"
 

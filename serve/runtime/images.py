@@ -20,10 +20,9 @@ from typing import Any, Union
 import numpy as np
 from PIL import ExifTags, Image, ImageOps, UnidentifiedImageError
 
+from serve.runtime.image_formats import first_bytes, unidentified
+
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".jfif", ".jpe", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff")
-# Photos in formats no decoder here reads: listed with the images, so that each is reported (`unread_format`), not
-# passed over in silence as a file of another kind
-UNREAD_SUFFIXES = (".heic", ".heif", ".avif")
 # Linux file names are bytes: one that is not UTF-8 reaches Python as a str holding surrogates (PEP 383). Text files
 # that list image paths (CSV reports, corrections) are written and read with this error handler: such a name is
 # kept as its bytes, so each row still names its file, and a UTF-8 name is written as plain UTF-8.
@@ -117,13 +116,8 @@ def open_image(source: str | Path | bytes | bytearray, max_pixels: int | None = 
             warnings.simplefilter("error", Image.DecompressionBombWarning)
             img = Image.open(fp, formats=FORMATS)
     except UnidentifiedImageError:
-        head = source[:16] if isinstance(source, (bytes, bytearray)) else _first_bytes(Path(source))
-        if kind := unread_format(head):
-            says = f"{name} is a {kind} image, which is not read: convert it to JPEG or PNG"
-            raise ImageError(says, "unsupported") from None
-        if kind := signature_format(head):  # the signature of one we read, and a header Pillow cannot parse
-            raise ImageError(f"{name} is a damaged {kind} file: its header cannot be read", "corrupt") from None
-        raise ImageError(f"{name} is {NOT_AN_IMAGE}", "not_an_image") from None
+        head = source[:16] if isinstance(source, (bytes, bytearray)) else first_bytes(Path(source))
+        raise ImageError(*unidentified(name, head)) from None
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
         # Pillow's own, higher limit; the one that counts is ours: say that one
         found = re.search(r"\((\d+) pixels\)", str(e))
@@ -139,30 +133,6 @@ def open_image(source: str | Path | bytes | bytearray, max_pixels: int | None = 
     if img.format == "JPEG" and img.info.get("progressive"):
         _check_scans(img, source if isinstance(source, (bytes, bytearray)) else Path(source).read_bytes(), name)
     return img
-
-
-NOT_AN_IMAGE = "not an image: no JPEG, PNG, GIF, BMP, WebP or TIFF header found"
-# The leading bytes of each format in FORMATS; RIFF is WebP's only with WEBP at bytes 8-12
-SIGNATURES = {b"\xff\xd8\xff": "JPEG", b"\x89PNG\r\n\x1a\n": "PNG", b"GIF87a": "GIF", b"GIF89a": "GIF", b"BM": "BMP"}
-SIGNATURES |= {b"II*\x00": "TIFF", b"MM\x00*": "TIFF", b"RIFF": "WebP"}
-
-
-def signature_format(head: bytes) -> str | None:
-    """The format of FORMATS whose signature the first bytes `head` carry, or None."""
-    kind = next((kind for signature, kind in SIGNATURES.items() if head.startswith(signature)), None)
-    return None if kind == "WebP" and head[8:12] != b"WEBP" else kind
-
-
-def unread_format(head: bytes) -> str | None:
-    """ "HEIC or HEIF" or "AVIF" for the first bytes of such a file (an ISO media file's `ftyp` box), else None."""
-    if head[4:8] != b"ftyp":
-        return None
-    return "AVIF" if head[8:12] in (b"avif", b"avis") else "HEIC or HEIF"
-
-
-def _first_bytes(path: Path) -> bytes:
-    with open(path, "rb") as f:
-        return f.read(16)
 
 
 def _check_scans(img: Image.Image, data: bytes | bytearray, name: str) -> None:
