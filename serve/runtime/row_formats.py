@@ -86,7 +86,8 @@ def encode_rows(rows: list[dict[str, Any]], fmt: str, header: bool = True) -> by
         if header:
             writer.writeheader()
         for r in flat:
-            row = {k: json.dumps(v) if isinstance(v, (list, dict)) else v for k, v in r.items()}
+            # lists as JSON text, and true / false as stdout writes them
+            row = {k: json.dumps(v) if isinstance(v, (list, dict, bool)) else v for k, v in r.items()}
             (quoted if "\r" in str(row["path"]) else writer).writerow(row)
         return text.getvalue().encode("utf-8", "surrogateescape")  # a name's own bytes, as the file system has them
     pa = require_pyarrow()
