@@ -267,6 +267,8 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error("give image files or folders, or --from-list FILE")
     if args.out is None and (args.from_list or args.resume or any(is_uri(s) for s in args.paths)):
         p.error("--from-list, URIs and --resume need --out FILE")
+    if args.out is not None and args.out.is_dir():
+        p.error(f"--out {args.out} is a folder: give the table's file name (preds.parquet, preds.csv or preds.jsonl)")
     if args.format is None:
         args.format = "json"
     elif args.out is not None and args.out.suffix.lower() != STDOUT_SUFFIX[args.format]:

@@ -128,6 +128,17 @@ def test_an_unknown_output_suffix_is_a_clear_error(tiny_onnx, tmp_path, capsys):
     assert "name the file .parquet, .csv or .jsonl" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("resume", [[], ["--resume"]], ids=["new", "resume"])
+def test_an_output_that_is_a_folder_is_refused_as_one(tiny_onnx, tmp_path, capsys, resume):
+    """It said "exists: add --resume", and with --resume "is complete: nothing to resume" then "Is a directory"."""
+    _images(tmp_path / "photos", 1)
+    (tmp_path / "preds.csv").mkdir()
+    with pytest.raises(SystemExit) as e:
+        main([str(tiny_onnx), str(tmp_path / "photos"), "--out", str(tmp_path / "preds.csv"), *resume])
+    said = capsys.readouterr().err.strip().splitlines()[-1]  # after argparse's usage lines
+    assert e.value.code == 2 and "preds.csv is a folder: give the table's file name" in said and "resume" not in said
+
+
 @pytest.mark.skipif(HAS_PYARROW, reason="the [serve]-only install, without pyarrow")
 def test_parquet_without_pyarrow_says_what_to_install_before_any_image_is_read(tiny_onnx, tmp_path, capsys):
     _images(tmp_path / "photos", 1)
