@@ -44,3 +44,18 @@ def _moved(path: Any, old: str, new: str) -> Any:
         moved = os.path.join(new, os.path.basename(path))
         return moved if os.path.exists(moved) else path
     return path
+
+
+class ClearReplacedRun(Callback):
+    """`--overwrite true`: remove the run this fit replaces (`train.run_dir.clear_replaced_run`) as training starts,
+    once every check has passed, the checkpoint's (its classes, network and preprocessing, checked as it loads)
+    included. A smoke run (`--trainer.fast_dev_run`), which writes no checkpoint, leaves it."""
+
+    def __init__(self, run_dir: str, ckpt_path: str | None):
+        self.run_dir, self.ckpt_path = run_dir, ckpt_path
+
+    def on_train_start(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        from train.run_dir import clear_replaced_run
+
+        if trainer.is_global_zero and not trainer.fast_dev_run:
+            clear_replaced_run(self.run_dir, self.ckpt_path)

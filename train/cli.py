@@ -28,7 +28,7 @@ from lightning.pytorch.plugins import CheckpointIO
 from lightning.pytorch.utilities.exceptions import MisconfigurationException, SIGTERMException
 
 from serve.runtime.interrupts import EXIT_INTERRUPTED, EXIT_TERMINATED
-from train.callbacks import KeepBestScore
+from train.callbacks import ClearReplacedRun, KeepBestScore
 from train.checkpoint_io import AtomicCheckpointIO, load_error, remove_partial_saves
 from train.datamodule import ImageFolderDataModule
 from train.errors import SetupError, TrainingError, first_line
@@ -43,7 +43,6 @@ from train.review import main as review_main
 from train.run_dir import (
     CKPT_DIR,
     check_run_dir,
-    clear_replaced_run,
     hold_run_dir,
     is_remote,
     resolve_ckpt_path,
@@ -297,8 +296,8 @@ class VitCLI(LightningCLI):
             self._check_validation_images()
         if self.trainer.global_rank == 0:
             warn_if_validated_on_its_training(self.datamodule.scan, ckpt_path, Path(self.trainer.default_root_dir))
-        if config.get("overwrite") and self.trainer.global_rank == 0:  # every check has passed: the old run goes
-            clear_replaced_run(Path(self.trainer.default_root_dir), ckpt_path)
+        if config.get("overwrite"):  # the old run goes as training starts, once the checkpoint's checks have passed
+            self.trainer.callbacks.append(ClearReplacedRun(self.trainer.default_root_dir, ckpt_path))
         self.datamodule.share_scan(self.trainer)  # before DDP starts its other processes (`train.ddp_scan`)
         self._fit_start = time.perf_counter()
 

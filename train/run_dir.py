@@ -148,11 +148,11 @@ def check_ckpt_owner(ckpt_path: str | None, run_dir: Path, overwrite: bool) -> N
         )
 
 
-def clear_replaced_run(run_dir: Path, ckpt_path: str | None) -> None:
-    """`--overwrite true`, once the fit has passed every check: remove the run it replaces (its checkpoints and
-    summary.json, `held_run`), but for the checkpoint the fit starts from. A fit stopped before its first checkpoint
-    left the old run's model beside the new run's config and split, for `--ckpt_path last` to resume."""
-    start = Path(ckpt_path).resolve() if ckpt_path and not is_remote(ckpt_path) else None
+def clear_replaced_run(run_dir: str | Path, ckpt_path: str | None) -> None:
+    """`--overwrite true`, as training starts (`train.callbacks.ClearReplacedRun`): remove the run it replaces (its
+    checkpoints and summary.json, `held_run`), but for the checkpoint the fit starts from. A fit stopped before its
+    first checkpoint left the old run's model beside the new run's config and split, for `--ckpt_path last`."""
+    run_dir, start = Path(run_dir), Path(ckpt_path).resolve() if ckpt_path and not is_remote(ckpt_path) else None
     for ckpt in (run_dir / CKPT_DIR).glob("*.ckpt"):
         if ckpt.resolve() != start:
             ckpt.unlink()

@@ -388,6 +388,24 @@ def test_a_fit_stopped_by_a_signal_exits_with_its_code_and_says_how_to_resume(
     assert not (run / "checkpoints" / "epoch=3.ckpt").exists()
 
 
+def test_a_replacing_fit_refused_for_its_checkpoint_keeps_the_run_it_replaces(small_folder, tmp_path, capsys):
+    """--overwrite true removed the old run before the checkpoint was checked (as it loads): a checkpoint trained on
+    other classes was refused, and the run it was to replace was gone already."""
+    import lightning
+
+    from tests.train.test_distillation import write_teacher
+
+    ckpts = _fake_run(tmp_path / "run", "best.ckpt", "last.ckpt")
+    (tmp_path / "run" / "summary.json").write_text("{}")
+    other = write_teacher(tmp_path / "other.ckpt", classes=["x", "y", "z"])  # another run's, on other classes
+    state = torch.load(other, weights_only=True) | {"pytorch-lightning_version": lightning.__version__, "epoch": 0}
+    torch.save(state | {"global_step": 0}, other)
+    argv = args(small_folder, tmp_path / "run", "--overwrite", "true", "--ckpt_path", str(other))
+    assert "the checkpoint was trained on 3 classes ['x', 'y', 'z']" in one_line_error(argv, capsys)
+    assert sorted(p.name for p in ckpts.iterdir()) == ["best.ckpt", "last.ckpt"]
+    assert (tmp_path / "run" / "summary.json").is_file()
+
+
 def test_a_stopped_evaluation_is_not_told_to_resume(capsys):
     # `--ckpt_path last` would score the last checkpoint where validate, test and predict score the best one
     from train.cli import stopped
