@@ -21,7 +21,7 @@ variance (so a brightened copy matches). The pair is kept when the 99th percenti
 is at most `MAX_DIFF`: an outline moved by a pixel or two exceeds it, which a correlation of whole thumbnails
 does not notice (a crop moves every outline, so a cropped copy is rarely found). Groups are the connected parts
 of the pairs. A pair whose colours differ (`colour_distance`: a red shirt and the same shirt in green, which the
-grey copies cannot tell apart) is no near-copy.
+grey copies cannot tell apart; a colour picture and its grey copy) is no near-copy.
 Figures: BENCHMARKS.md, "Copies and near-copies".
 
 Shapes: n images, T = THUMB (thumbnail side), S = SMALL (the grey copies' largest side), m pairs.
@@ -57,6 +57,7 @@ FLAT = 1.0  # grey levels of spread under which an image is one colour, and is n
 MAX_CHROMA = 0.3
 INK = 40  # max - min of R, G and B from which a pixel is coloured, not grey
 MIN_INK = 0.02  # share of an image's pixels that must be coloured for it to have a colour
+GREY = 0.005  # share of coloured pixels under which an image is grey (between the two: too little to tell)
 
 
 @dataclass
@@ -70,7 +71,7 @@ class ImageFacts:
     hashes: np.ndarray  # (n,) uint64 perceptual hashes
     smalls: np.ndarray  # (n, S, S) uint8 grey copies, each in its top-left (height, width) = small_sizes[i]
     small_sizes: np.ndarray  # (n, 2) height, width
-    colours: np.ndarray  # (n, 3) float32 chromaticity of each image's coloured pixels (`ink`), NaN for a grey one
+    colours: np.ndarray  # (n, 4) float32 chromaticity of each image's coloured pixels and their share (`ink`)
     broken: list[tuple[str, str]] = field(default_factory=list)  # (path, reason): did not decode
 
 
@@ -137,7 +138,7 @@ def _facts(paths: list[str]) -> tuple:
     for k, a in enumerate(smalls):
         padded[k, : a.shape[0], : a.shape[1]] = a
     small_sizes = np.array([a.shape for a in smalls], np.int64).reshape(-1, 2)
-    grid = np.stack(colours) if colours else np.zeros((0, 3), np.float32)
+    grid = np.stack(colours) if colours else np.zeros((0, 4), np.float32)
     return ok, sizes, modes, digests, phash(thumbs), padded, small_sizes, grid, broken
 
 
@@ -266,21 +267,26 @@ def pixel_distance(smalls: np.ndarray, small_sizes: np.ndarray, pairs: np.ndarra
 
 
 def ink(rgb: np.ndarray) -> np.ndarray:
-    """(3,) the chromaticity (R, G and B over their sum, which brightening keeps) of the mean of the coloured pixels
-    (`INK`) of an (h, w, 3) uint8 image; NaN when under `MIN_INK` of them are (a grey image, or one nearly so)."""
+    """(4,) of an (h, w, 3) uint8 image: the chromaticity (R, G and B over their sum, which brightening keeps) of the
+    mean of its coloured pixels (`INK`), NaN when under `MIN_INK` of them are, and their share."""
     pixels = rgb.reshape(-1, 3).astype(np.float32)  # (h * w, 3)
     coloured = pixels[pixels.max(1) - pixels.min(1) >= INK]
-    if len(coloured) < MIN_INK * len(pixels):
-        return np.full(3, np.nan, np.float32)
+    share = len(coloured) / max(len(pixels), 1)
+    if share < MIN_INK:
+        return np.array([np.nan, np.nan, np.nan, share], np.float32)
     mean = coloured.mean(0)
-    return mean / max(float(mean.sum()), 1.0)
+    return np.append(mean / max(float(mean.sum()), 1.0), share).astype(np.float32)
 
 
 def colour_distance(colours: np.ndarray, pairs: np.ndarray) -> np.ndarray:
-    """(m,) how far apart the colours (`ink`) of each of `pairs` are: the L1 distance of their chromaticities, 0 when
-    either image is grey (a grey copy of a colour photo is still its copy)."""
-    apart = np.abs(colours[pairs[:, 0]] - colours[pairs[:, 1]]).sum(1)  # (m,)
-    return np.nan_to_num(apart, nan=0.0)
+    """(m,) how far apart the colours (`ink`) of each of `pairs` are: the L1 distance of their chromaticities; 2 (as
+    far as can be) for a coloured image and a grey one, which would otherwise join a red and a green version of one
+    picture through a grey copy; 0 where either has too little colour to tell."""
+    a, b = colours[pairs[:, 0]], colours[pairs[:, 1]]  # (m, 4)
+    apart = np.nan_to_num(np.abs(a[:, :3] - b[:, :3]).sum(1), nan=0.0)  # (m,)
+    coloured_a, coloured_b = ~np.isnan(a[:, 0]), ~np.isnan(b[:, 0])
+    one_grey = (coloured_a & (b[:, 3] < GREY)) | (coloured_b & (a[:, 3] < GREY))
+    return np.where(one_grey, 2.0, apart)
 
 
 def near_pairs(facts: ImageFacts) -> np.ndarray:
