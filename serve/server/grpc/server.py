@@ -59,7 +59,7 @@ class GrpcServer:
         self.loop: asyncio.AbstractEventLoop | None = None
         self.server: grpc.aio.Server | None = None
         self.thread: threading.Thread | None = None
-        self.stopped: asyncio.Event | None = None  # set once the server has stopped: the loop then ends
+        self.stopped = asyncio.Event()  # set by `stop` once the server has stopped: the loop then ends
 
     def start(self, timeout: float = 30.0) -> int:
         """Bind and start serving; returns the port. Raises `OSError` when the port cannot be bound."""
@@ -95,7 +95,6 @@ class GrpcServer:
             self.server = None
             started.set()
             return
-        self.stopped = asyncio.Event()
         started.set()
         await self.stopped.wait()
 
