@@ -12,11 +12,17 @@ NOT_AN_IMAGE = "not an image: no JPEG, PNG, GIF, BMP, WebP or TIFF header found"
 # The leading bytes of each format `serve.runtime.images` decodes; RIFF is WebP's only with WEBP at bytes 8-12
 SIGNATURES = {b"\xff\xd8\xff": "JPEG", b"\x89PNG\r\n\x1a\n": "PNG", b"GIF87a": "GIF", b"GIF89a": "GIF", b"BM": "BMP"}
 SIGNATURES |= {b"II*\x00": "TIFF", b"MM\x00*": "TIFF", b"RIFF": "WebP"}
+# The brands (bytes 8-12, after `ftyp`) of HEIF still images and sequences (ISO/IEC 23008-12), and AVIF's: an MP4
+# or a QuickTime movie is an ISO media file too, and no photo
+HEIF_BRANDS = {b"heic", b"heix", b"hevc", b"hevx", b"heim", b"heis", b"hevm", b"hevs", b"mif1", b"msf1"}
+AVIF_BRANDS = {b"avif", b"avis"}
 
 
 def signature_format(head: bytes) -> str | None:
     """The format we read whose signature the first bytes `head` carry, or None."""
     kind = next((kind for signature, kind in SIGNATURES.items() if head.startswith(signature)), None)
+    if kind == "BMP" and head[6:10] != bytes(4):  # two letters alone: its reserved bytes, zero, tell it from text
+        return None
     return None if kind == "WebP" and head[8:12] != b"WEBP" else kind
 
 
@@ -24,7 +30,7 @@ def unread_format(head: bytes) -> str | None:
     """ "HEIC or HEIF" or "AVIF" for the first bytes of such a file (an ISO media file's `ftyp` box), else None."""
     if head[4:8] != b"ftyp":
         return None
-    return "AVIF" if head[8:12] in (b"avif", b"avis") else "HEIC or HEIF"
+    return "AVIF" if head[8:12] in AVIF_BRANDS else "HEIC or HEIF" if head[8:12] in HEIF_BRANDS else None
 
 
 def unidentified(name: str, head: bytes) -> tuple[str, str]:

@@ -234,6 +234,13 @@ def test_a_phone_photo_in_a_format_not_read_says_so_and_what_to_do(tmp_path: Pat
         assert e.value.kind == "unsupported"
 
 
+def test_a_movie_is_not_an_image_rather_than_a_photo_in_a_format_not_read():
+    """An MP4 (an ISO media file, as a HEIC photo is) was called a HEIC photo."""
+    with pytest.raises(ImageError, match="not an image: no JPEG") as e:
+        load_image(b"\x00\x00\x00\x18ftypisom" + bytes(64))
+    assert e.value.kind == "not_an_image"
+
+
 @pytest.mark.parametrize(
     "key, value, says",
     [
