@@ -265,9 +265,13 @@ class ImageFolderDataModule(pl.LightningDataModule):
         pixels, readable, failed = fill_cache(items, fixed, (self.img_size, self.img_size, 3), min_side)
         self.scan.bad.extend(BadFile(p, r) for p, r in failed)  # reported in bad_files.csv with the rest
         log.info("cached %d images (%.0f MB) in %.1f s", len(items), pixels.nbytes / 1e6, time.perf_counter() - start)
-        if failed:  # a copy of the readable pixels, in the rare run that has such files
-            items, pixels, readable = [it for it, ok in zip(items, readable, strict=True) if ok], pixels[readable], None
-        return items, (pixels, np.ones(len(items), bool) if readable is None else readable)
+        if failed:  # the readable rows moved up in place, a block at a time: no second cache, however large
+            kept = np.flatnonzero(readable)  # kept[j] >= j: a row is read before it is written over
+            for j in range(0, len(kept), 1024):
+                block = kept[j : j + 1024]
+                pixels[j : j + len(block)] = pixels[block]
+            items, pixels = [items[i] for i in kept], pixels[: len(kept)]
+        return items, (pixels, np.ones(len(items), bool))
 
     @property
     def workers(self) -> int:

@@ -16,6 +16,7 @@ from PIL import Image
 from serve.runtime.images import ImageError, Preprocess, load_image
 from tests.helpers import write_shapes
 from train.datamodule import ImageFolderDataModule
+from train.dataset import fill_cache
 from train.ddp_scan import differs
 from train.folder_scan import FolderScan, scan_folder
 from train.held_split import hold_split, warn_if_validated_on_its_training
@@ -197,6 +198,9 @@ def test_a_file_that_fails_to_decode_when_cached_is_left_out_not_replaced_by_its
     assert str(shapes_folder.resolve() / "bar" / "broken.png") in {p for p, _ in listed}  # the split keeps its place
     assert len(dm.train_set) + len(dm.val_set) == len(listed) - 1
     assert "broken.png" not in {Path(p).name for p, _ in dm.train_set.items + dm.val_set.items}
+    for dataset in (dm.train_set, dm.val_set):  # each image's own pixels, once the broken one's row is gone
+        fresh, _, _ = fill_cache(dataset.items, dataset.fixed, (16, 16, 3), dataset.min_side, workers=1)
+        assert np.array_equal(dataset.cache[0], fresh)
 
 
 def test_a_ddp_rank_other_than_0_reads_class_names_from_folder_names_and_the_scan_from_rank_0(
