@@ -256,15 +256,16 @@ def correct_folder(
     fixes = load_corrections(file, root, classes)
     record = {"file": str(Path(file).expanduser().resolve()), "relabelled": 0, "left_out": 0}
     out, seen = [], set()
-    for side, files in enumerate(parts):
+    for files in parts:
         corrected, counts, found = apply_corrections(files, fixes)
         out.append(corrected)
         seen |= found
         record = {**record, **{k: record[k] + v for k, v in counts.items()}}
-        empty = [name for name, paths in corrected.items() if not paths]
-        if empty:  # of the user's own split, one side: the class still has images, on the other
-            where = "" if len(parts) == 1 else f" in {'val' if side else 'train'}/"
-            fix = "keep some of its images, or remove its folder" if not where else f"keep some of its images{where}"
+    for side, corrected in enumerate(out):
+        if empty := [name for name, paths in corrected.items() if not paths]:
+            # of the user's own train/ and val/, the class may keep images on the other side: then it stays
+            where = f" in {'val' if side else 'train'}/" if any(part[empty[0]] for part in out) else ""
+            fix = f"keep some of its images{where}" if where else "keep some of its images, or remove its folder"
             raise ValueError(f"after the corrections in {file}, class {empty[0]!r} has no images left{where}: {fix}")
     if fixes and not seen:  # not one image moved on: the file names another folder, or the same one mounted elsewhere
         raise ValueError(

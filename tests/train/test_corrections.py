@@ -114,6 +114,10 @@ def test_leaving_out_every_val_image_of_a_class_names_val_and_not_the_class_fold
     file = _csv(tmp_path / "fix.csv", [("val/bar/000.png", ""), ("val/bar/001.png", "")])
     with pytest.raises(ValueError, match=r"class 'bar' has no images left in val/: keep some of its images in val/$"):
         scan_folder(root, corrections=str(file))
+    every = _csv(tmp_path / "all.csv", [(f"{side}/bar/{i:03d}.png", "") for side, n in (("train", 6), ("val", 2))
+                                        for i in range(n)])  # fmt: skip
+    with pytest.raises(ValueError, match=r"class 'bar' has no images left: keep some of its images, or remove its"):
+        scan_folder(root, corrections=str(every))
 
 
 def test_corrections_apply_to_the_users_own_train_and_val(tmp_path: Path):
