@@ -243,7 +243,7 @@ def refuse_split_folders(folder: Path, names: list[str]) -> None:
     folders): trained on, the model would tell the splits apart, not the classes."""
     ours = {alias: name for name, aliases in SPLIT_NAMES.items() for alias in (name, *aliases)}
     trained = [n for n in names if ours.get(n) == "train"]
-    if len(names) < 2 or not trained or not set(names) <= set(ours) or not _holds_folders_only(folder / trained[0]):
+    if len(names) < 2 or not trained or not set(names) <= set(ours) or not _same_class_folders(folder, names):
         return
     renames = [f"{n}/ to {ours[n]}/" for n in names if ours[n] != n and ours[n] != "test"]
     fix = (
@@ -260,10 +260,16 @@ def refuse_split_folders(folder: Path, names: list[str]) -> None:
     )
 
 
-def _holds_folders_only(path: Path) -> bool:
-    """Whether `path` holds folders and no image of its own: a split's folder, not a class that is named so."""
-    entries = [e for e in os.scandir(path) if not e.name.startswith(".")]
-    return any(e.is_dir() for e in entries) and not any(is_image_file(e.name) for e in entries if not e.is_dir())
+def _same_class_folders(folder: Path, names: list[str]) -> bool:
+    """Whether the folders `names` of `folder` hold folders and no image of their own, the same folder names in
+    each: a split's class folders, not classes named so whose images are sorted in folders of their own."""
+    held = []
+    for name in names:
+        entries = [e for e in os.scandir(folder / name) if not e.name.startswith(".")]
+        if any(is_image_file(e.name) for e in entries if not e.is_dir()):
+            return False
+        held.append({e.name for e in entries if e.is_dir()})
+    return bool(set.intersection(*held))
 
 
 def refuse_empty(files: dict[str, list[str]], folder: Path, bad: list[BadFile]) -> None:

@@ -249,6 +249,12 @@ def test_classes_named_like_splits_that_hold_their_own_images_are_classes(tmp_pa
     (root / "bar").rename(root / "train")
     (root / "column").rename(root / "test")
     assert scan_folder(root).classes == ["square", "test", "train"]
+    shutil.rmtree(root / "square")  # only the two, each with its images in a folder of its own
+    for name, year in (("train", "2019"), ("test", "2020")):
+        (root / name / year).mkdir()
+        for image in (root / name).glob("*.png"):
+            image.rename(root / name / year / image.name)
+    assert scan_folder(root).classes == ["test", "train"]
 
 
 def test_a_rank_that_scanned_the_folder_itself_may_train_on_rank_0s_split_unless_the_folder_changed(tmp_path: Path):
