@@ -16,7 +16,7 @@ import os
 from pathlib import Path
 
 from train.folder_scan import FolderScan
-from train.run_dir import CKPT_DIR
+from train.run_dir import CKPT_DIR, is_remote
 
 log = logging.getLogger(__name__)
 PLACES = ("train", "val", "calib")
@@ -115,15 +115,17 @@ def evaluated_split(run_dir: str | None, data_root: str | None, ckpt_path: str |
 def warn_if_validated_on_its_training(scan: FolderScan, ckpt_path: str | None, run_dir: Path) -> None:
     """Warn when a fit starts from another run's checkpoint, with the optimizer and epoch it had, and validates on
     images that run trained on: its scores, and so the choice of best.ckpt, would flatter the model."""
-    if not ckpt_path or "://" in ckpt_path or scan.layout == "litdata":
+    if not ckpt_path or is_remote(ckpt_path) or scan.layout == "litdata":
         return
     other = Path(ckpt_path).resolve().parent.parent
     if other == run_dir.resolve() or not (other / "split.json").is_file():
         return
     try:
-        _, _, place = _read(other / "split.json")
+        _, classes, place = _read(other / "split.json")
     except ValueError:
         return  # not a split this can read: nothing to compare
+    if classes != scan.classes:
+        return  # another folder: its images are not these, whatever their names
     seen = sum(place.get(os.path.relpath(path, scan.root)) == "train" for path, _ in scan.val)
     if seen:
         log.warning(

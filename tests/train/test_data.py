@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import json
 import os
 import shutil
 from collections import Counter
@@ -289,6 +290,9 @@ def test_a_fit_from_another_runs_checkpoint_is_warned_when_it_validates_on_that_
     caplog.clear()
     warn_if_validated_on_its_training(grown, ckpt, tmp_path / "base")  # its own run resumed: its split is held
     warn_if_validated_on_its_training(hold_split(grown, tmp_path / "base" / "split.json"), ckpt, tmp_path / "run")
+    split = json.loads((tmp_path / "base" / "split.json").read_text())  # another dataset of the same file names
+    (tmp_path / "base" / "split.json").write_text(json.dumps({**split, "classes": ["cat", "dog", "fox"]}))
+    warn_if_validated_on_its_training(grown, ckpt, tmp_path / "run")
     assert "validation images were training images" not in caplog.text
 
 
