@@ -208,9 +208,11 @@ def apply_corrections(
     """
     out: dict[str, list[str]] = {name: [] for name in files}
     counts, seen, folders = {"relabelled": 0, "left_out": 0}, set(), {}
+    by_form = {_nfc(k): k for k in fixes}  # a path typed in another Unicode form (macOS's file systems take both)
     for name, paths in files.items():
         for p in paths:
             key = resolved_folder(p, folders)  # a folder linked inside a class folder is listed as reached
+            key = key if key in fixes else by_form.get(_nfc(key), key)
             if key not in fixes:
                 out[name].append(p)
                 continue

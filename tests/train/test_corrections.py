@@ -236,3 +236,16 @@ def test_labels_and_paths_typed_in_another_unicode_form_than_the_folders_names_a
     labels = _everything(scan_folder(root, 0.25, seed=0, corrections=str(file)))
     assert labels[str(root / "tea" / "000.png")] == cafe_nfd
     assert labels[str(root / cafe_nfd / "001.png")] == "tea"
+
+
+def test_a_row_kept_in_another_unicode_form_than_the_scan_lists_its_image_still_applies(tmp_path: Path):
+    """On macOS the file system finds a composed (NFC) path typed in the CSV, so the row kept that form, while the
+    scan lists the name as the folder holds it (decomposed, NFD): the row matched no image."""
+    import unicodedata
+
+    from train.corrections import apply_corrections
+
+    listed = str(tmp_path / unicodedata.normalize("NFD", "café") / "001.png")
+    typed = unicodedata.normalize("NFC", listed)
+    corrected, counts, seen = apply_corrections({"café": [listed], "tea": []}, {typed: "tea"})
+    assert corrected == {"café": [], "tea": [listed]} and counts["relabelled"] == 1 and seen == {typed}
