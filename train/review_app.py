@@ -187,6 +187,6 @@ def build_review_app(run: ReviewRun) -> gr.Blocks:
         which.change(on.load, [which], [table, *shown], **one)
         table.select(on.pick, [which], shown, **one)
         for button, action in ((keep, "keep"), (relabel, "relabel"), (leave, "leave")):
-            decide = lambda at, label, path, a=action: on.decide(*at, a, label, path)  # noqa: E731
+            decide = lambda at, label, path, a=action: on.decide(*at, a, label, path)
             button.click(decide, [index, new_label, seen], [table, *shown, status], **one)
     return demo
