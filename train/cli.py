@@ -50,6 +50,7 @@ from train.run_dir import (
 )
 from train.shards import PREPARE_HELP, prepare_parser
 from train.shards import main as prepare_main
+from train.splits import copies_hint
 
 log = logging.getLogger(__name__)
 
@@ -311,6 +312,7 @@ class VitCLI(LightningCLI):
             raise SetupError(
                 f"{scan.root} gives no validation images, so no best.ckpt could be chosen: give each class at "
                 "least 2 images (--data.val_fraction holds some out), or add a root/val/<class>/ folder"
+                + copies_hint(scan.train + scan.calib, scan.duplicates, scan.classes)
             )
         world, images = self.trainer.world_size, self.datamodule.val_images
         if images < world:

@@ -34,7 +34,7 @@ from train.corrections import correct_folder
 from train.data_report import image_stats
 from train.duplicates import Duplicates, find_duplicates, follow_anchors
 from train.parallel import parallel_map
-from train.splits import calibration_split, split_own, stratified_split
+from train.splits import calibration_split, copies_in, split_own, stratified_split
 
 log = logging.getLogger(__name__)
 
@@ -338,7 +338,7 @@ def scan_folder(
     if pool:
         reps = {c: [p for p in paths if p not in anchors] for c, paths in parts[0].items()}
         train, val = stratified_split(reps, val_fraction, seed)
-        train, calib = calibration_split(train, classes, calib_fraction, seed)
+        train, calib = calibration_split(train, classes, calib_fraction, seed, copies_in(train, items[0], anchors))
         train, val, calib = follow_anchors([train, val, calib], [it for it in items[0] if it[0] in anchors], anchors)
     else:
         train, val, calib, left_out = split_own(items[0], items[1], dups, classes, calib_fraction, seed)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import random
+from collections import Counter
 from pathlib import Path
 
 from train.duplicates import Duplicates, follow_anchors, without_members
@@ -47,12 +48,16 @@ def stratified_split(
 
 
 def calibration_split(
-    train: list[tuple[str, int]], classes: list[str], fraction: float, seed: int
+    train: list[tuple[str, int]], classes: list[str], fraction: float, seed: int, copies: Counter | None = None
 ) -> tuple[list[tuple[str, int]], list[tuple[str, int]]]:
     """Hold back `fraction` of each class's training images for calibration, stratified and seeded.
 
     Each class gives at least 1 image and keeps at least 1 for training. The validation split is made
     first and is untouched, so the checkpoint chosen on it does not depend on this fraction.
+
+    Args:
+        copies: each class's copies of its `train` images, left out of the draw (they follow their pictures):
+            a refusal counts them.
 
     Returns:
         (train, calib), each a list of (path, label).
@@ -71,9 +76,11 @@ def calibration_split(
     for y in sorted(by_class):
         paths = sorted(by_class[y])
         if len(paths) < 2:
+            said = copies_said(len(paths), (copies or {}).get(y))
             raise ValueError(
-                f"class {classes[y]!r} has {len(paths)} training image(s), too few to hold one back for calibration: "
-                "add images, or set --data.calib_fraction 0 and calibrate at export (vit-export --calibrate DIR)"
+                f"class {classes[y]!r} has {len(paths)} training image(s){f' ({said})' if said else ''}"
+                ", too few to hold one back for calibration: add images, or set --data.calib_fraction 0 and "
+                "calibrate at export (vit-export --calibrate DIR)"
             )
         random.Random(f"{seed}/calib/{classes[y]}").shuffle(paths)
         n = min(max(1, round(len(paths) * fraction)), len(paths) - 1)
@@ -87,6 +94,34 @@ def calibration_split(
             len(calib), fraction, 1 - 1 / (len(calib) + 1),
         )  # fmt: skip
     return kept, calib
+
+
+def copies_said(pictures: int, copies: int | None) -> str:
+    """What a refusal that counts a class's images adds when some of them are copies ("" when none is)."""
+    if not copies:
+        return ""
+    return (
+        f"{pictures + copies} images but {pictures} different picture(s): copies of one picture stay together in "
+        "one split, as --data.dedupe keeps them"
+    )
+
+
+def copies_in(drawn: list[tuple[str, int]], items: list[tuple[str, int]], anchors: dict[str, str]) -> Counter:
+    """Each class's copies, among `items`, of the images `drawn` (`anchors`: member -> its group's first path)."""
+    paths = {p for p, _ in drawn}
+    return Counter(y for p, y in items if anchors.get(p) in paths)
+
+
+def copies_hint(items: list[tuple[str, int]], dups: Duplicates | None, classes: list[str]) -> str:
+    """For a refusal of a split without validation images: the first class whose images are copies of fewer than 2
+    pictures ("" when none is)."""
+    anchors = dups.anchors() if dups else {}
+    for y, name in enumerate(classes):
+        paths = [p for p, label in items if label == y]
+        pictures = sum(p not in anchors for p in paths)
+        if pictures < 2 and len(paths) > pictures:
+            return f"; class {name!r} has {copies_said(pictures, len(paths) - pictures)}"
+    return ""
 
 
 def split_own(
@@ -111,7 +146,8 @@ def split_own(
         mine = [p for p in group if p in in_train]
         anchors.update({p: mine[0] for p in mine[1:]})
         left.update(p for p in group if mine and p not in in_train)
-    kept, calib = calibration_split(without_members(train, anchors), classes, calib_fraction, seed)
+    reps = without_members(train, anchors)
+    kept, calib = calibration_split(reps, classes, calib_fraction, seed, copies_in(reps, train, anchors))
     kept, calib = follow_anchors([kept, calib], [it for it in train if it[0] in anchors], anchors)
     if left:
         log.warning(

@@ -259,6 +259,16 @@ def test_a_folder_with_no_validation_images_is_refused(tmp_path, capsys):
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
+@pytest.mark.parametrize("calib", ["0", "0.1"])
+def test_a_class_of_copies_of_one_picture_is_told_so(tmp_path, calib, capsys):
+    root = write_shapes(tmp_path / "shapes", per_class=1)
+    for image in root.glob("*/*.png"):  # each class: 4 copies of its one picture, which stay in one split
+        for i in range(3):
+            shutil.copy(image, image.with_name(f"copy{i}.png"))
+    err = one_line_error(args(root, tmp_path / "run", "--data.calib_fraction", calib), capsys)
+    assert "1 different picture(s)" in err and "copies of one picture stay together" in err, err
+
+
 def test_fewer_validation_images_than_ddp_processes_is_refused(tmp_path, capsys):
     root = write_shapes(tmp_path / "shapes", per_class=2, classes=("bar", "column"))
     (root / "column" / "001.png").unlink()  # a class of one image trains on it: 1 held out in all
