@@ -32,9 +32,9 @@ from serve.runtime.image_files import is_image_file, walk_image_files
 from serve.runtime.image_formats import NOT_AN_IMAGE, signature_format, unread_format
 from train.corrections import correct_folder
 from train.data_report import image_stats
-from train.duplicates import Duplicates, find_duplicates, follow_anchors
+from train.duplicates import Duplicates, find_duplicates
 from train.parallel import parallel_map
-from train.splits import calibration_split, copies_in, split_own, stratified_split
+from train.splits import split_own, split_pool
 
 log = logging.getLogger(__name__)
 
@@ -332,15 +332,11 @@ def scan_folder(
         parts, dups, stats = _dedupe(parts, bad)
         for files, folder in zip(parts, [root] if pool else [root / "train", root / "val"], strict=True):
             refuse_empty(files, folder, bad)
-    items = [[(p, y) for y, c in enumerate(classes) for p in files[c]] for files in parts]
-    anchors = dups.anchors() if dups else {}
     left_out: list[str] = []
     if pool:
-        reps = {c: [p for p in paths if p not in anchors] for c, paths in parts[0].items()}
-        train, val = stratified_split(reps, val_fraction, seed)
-        train, calib = calibration_split(train, classes, calib_fraction, seed, copies_in(train, items[0], anchors))
-        train, val, calib = follow_anchors([train, val, calib], [it for it in items[0] if it[0] in anchors], anchors)
+        train, val, calib = split_pool(parts[0], classes, dups, val_fraction, calib_fraction, seed)
     else:
+        items = [[(p, y) for y, c in enumerate(classes) for p in files[c]] for files in parts]
         train, val, calib, left_out = split_own(items[0], items[1], dups, classes, calib_fraction, seed)
     scan = FolderScan(root, classes, train, val, bad, "pool" if pool else "train_val", calib=calib)
     scan.corrections, scan.duplicates, scan.image_stats, scan.left_out = record, dups, stats, left_out

@@ -124,6 +124,28 @@ def copies_hint(items: list[tuple[str, int]], dups: Duplicates | None, classes: 
     return ""
 
 
+def mixed_groups(dups: Duplicates | None, items: list[tuple[str, int]]) -> set[str]:
+    """The paths of the copy groups whose images in `items` carry more than one class: the same picture under two
+    labels, kept in training (validated or calibrated on, one of its labels would score it wrong)."""
+    label = dict(items)
+    return {p for g in (dups.groups if dups else []) if len({label[p] for p in g if p in label}) > 1 for p in g}
+
+
+def split_pool(
+    files: dict[str, list[str]], classes: list[str], dups: Duplicates | None, val_fraction: float,
+    calib_fraction: float, seed: int,
+) -> tuple[list, list, list]:  # fmt: skip
+    """A pool's train, val and calib, drawn by copy group (`dups`): each group goes where its first image is
+    drawn, and a group under several classes (`mixed_groups`) to training."""
+    items = [(p, y) for y, c in enumerate(classes) for p in files[c]]
+    anchors, mixed = dups.anchors() if dups else {}, mixed_groups(dups, items)
+    reps = {c: [p for p in paths if p not in anchors and p not in mixed] for c, paths in files.items()}
+    train, val = stratified_split(reps, val_fraction, seed)
+    train, calib = calibration_split(train, classes, calib_fraction, seed, copies_in(train, items, anchors))
+    train += [(p, y) for p, y in items if p in mixed and p not in anchors]
+    return tuple(follow_anchors([train, val, calib], [it for it in items if it[0] in anchors], anchors))
+
+
 def split_own(
     train: list[tuple[str, int]],
     val: list[tuple[str, int]],
@@ -146,8 +168,10 @@ def split_own(
         mine = [p for p in group if p in in_train]
         anchors.update({p: mine[0] for p in mine[1:]})
         left.update(p for p in group if mine and p not in in_train)
-    reps = without_members(train, anchors)
+    mixed = mixed_groups(dups, train)
+    reps = [it for it in without_members(train, anchors) if it[0] not in mixed]
     kept, calib = calibration_split(reps, classes, calib_fraction, seed, copies_in(reps, train, anchors))
+    kept += [(p, y) for p, y in train if p in mixed and p not in anchors]
     kept, calib = follow_anchors([kept, calib], [it for it in train if it[0] in anchors], anchors)
     if left:
         log.warning(

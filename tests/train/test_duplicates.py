@@ -189,3 +189,23 @@ def test_a_class_whose_every_val_image_is_a_copy_of_a_train_image_is_said(tmp_pa
         scan = scan_folder(root, dedupe=True)
     assert {y for _, y in scan.val} == {0}
     assert "no validation image of 'b' is left" in caplog.text and "val/b/" in caplog.text
+
+
+@pytest.mark.parametrize("layout", ["pool", "train_val"])
+@pytest.mark.parametrize("seed", range(6))
+def test_a_class_made_of_copies_of_another_class_still_trains_on_them(tmp_path: Path, layout: str, seed: int):
+    """A picture filed under two classes: its group is kept in training, where both labels are learnt (and the
+    report counts the conflict), never in validation or calibration where the other label scores it wrong."""
+    root = tmp_path / "d"
+    base = root if layout == "pool" else root / "train"
+    _folder(base, classes=("a", "c"), per_class=10)
+    (base / "b").mkdir()
+    for i in (5, 6):
+        shutil.copy(base / "a" / f"00{i}.png", base / "b" / f"00{i}.png")
+    if layout == "train_val":
+        _folder(root / "val", classes=("a", "b", "c"), per_class=2, start=50)
+    scan = scan_folder(root, 0.2, seed=seed, calib_fraction=0.2, dedupe=True)
+    trained = {p for p, _ in scan.train}
+    assert {y for _, y in scan.train} == {0, 1, 2}
+    mixed = [g for g in scan.duplicates.groups if any("/b/" in p for p in g)]
+    assert len(mixed) == 2 and all(set(g) <= trained for g in mixed)
