@@ -159,8 +159,11 @@ class ImageFolderDataModule(pl.LightningDataModule):
         return self._scan
 
     def _scan_folder(self) -> FolderScan:
+        # a held split takes its calibration images from its file: a fresh draw would be thrown away, and could
+        # refuse a class that is now too small to give one
+        calib_fraction = self.calib_fraction if self.split is None else 0.0
         scan = scan_folder(
-            self.root, self.val_fraction, self.seed, self.verify_images, self.calib_fraction,
+            self.root, self.val_fraction, self.seed, self.verify_images, calib_fraction,
             corrections=self.corrections, dedupe=self.dedupe != "none",
         )  # fmt: skip
         return scan if self.split is None else hold_split(scan, self.split)

@@ -455,6 +455,21 @@ def test_a_held_split_that_leaves_a_class_no_training_image_is_refused_and_no_va
         hold_split(scan_folder(root, val_fraction=0.34), tmp_path / "split.json")
 
 
+def test_a_held_split_is_kept_when_the_folder_would_now_split_otherwise(tmp_path):
+    """A run resumed after an image it never trained on was removed: the fresh split, which holding the run's split
+    throws away, refused the run (a class now too small to give a calibration image)."""
+    root = write_shapes(tmp_path / "shapes", per_class=3)
+    first = scan_folder(root, val_fraction=0.34, calib_fraction=0.34)
+    first.write_split(tmp_path / "split.json")
+    gone = next(p for p, y in first.val if y == 0)
+    os.unlink(gone)
+    data = ImageFolderDataModule(
+        root, img_size=32, val_fraction=0.34, calib_fraction=0.34, split=str(tmp_path / "split.json")
+    )
+    assert data.scan.train == first.train and data.scan.calib == first.calib
+    assert data.scan.val == [it for it in first.val if it[0] != gone]
+
+
 def test_a_half_made_train_and_val_split_says_what_is_missing(tmp_path):
     """A root with train/ alone read as one class named 'train'; an empty val/<class> was to be removed, which the
     next run refused (train/ and val/ must hold the same class folders)."""
