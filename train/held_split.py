@@ -4,8 +4,9 @@ The folder scan splits each class by a seeded shuffle of its files, so one image
 between train, val and calibration. A resumed fit (`--ckpt_path` in a run directory that holds a `split.json`)
 therefore keeps the run's own split (`vit-train fit` passes it as `--data.split`): each image keeps its place,
 matched by its path under the data root (so the same images mounted elsewhere match), and takes its label from the
-folder and the corrections as they are now. Images the split does not list are left out of the run; images it
-lists that the folder no longer holds are dropped. A warning gives both counts.
+folder and the corrections as they are now (a warning says so when they are not the corrections it started with).
+Images the split does not list are left out of the run; images it lists that the folder no longer holds are
+dropped. A warning gives both counts.
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ def hold_split(scan: FolderScan, split_file: str | Path) -> FolderScan:
     Raises:
         ValueError: the file cannot be read as a split, lists other classes, or lists none of the folder's images.
     """
-    root, classes, place = _read(Path(split_file))
+    root, classes, place, then = _read(Path(split_file))
+    _say_corrections(then, (scan.corrections or {}).get("file"), split_file)
     if classes != scan.classes:
         raise ValueError(
             f"the run was trained on {len(classes)} classes {classes} ({split_file}), but the image folder has "
@@ -51,8 +53,9 @@ def hold_split(scan: FolderScan, split_file: str | Path) -> FolderScan:
     _check_classes(parts, scan.classes, split_file)
     if new or kept < len(place):
         log.warning(
-            "the run keeps the split it started with (%s): %d image(s) added to the folder since it started are "
-            "left out, and %d it lists are gone or left out; train a new run to use the folder as it is now",
+            "the run keeps the split it started with (%s): %d image(s) it does not list (added since it started, or "
+            "left out by the corrections it started with) are left out, and %d it lists are gone or left out; train a "
+            "new run to use the folder as it is now",
             split_file, new, len(place) - kept,
         )  # fmt: skip
     scan.train, scan.val, scan.calib = (sorted(parts[where]) for where in PLACES)
@@ -72,13 +75,26 @@ def _check_classes(parts: dict[str, list[tuple[str, int]]], classes: list[str], 
             )  # fmt: skip
 
 
-def _read(path: Path) -> tuple[str, list[str], dict[str, str]]:
-    """(its root, its classes, each image's path under the root -> its place)."""
+def _say_corrections(then: str | None, now: str | None, split_file) -> None:
+    """A warning when the run started with other corrections than it is given now: its labels change."""
+    if then == now:
+        return
+    if now is None:
+        change = "this one gives none: the images they relabelled have their folders' classes again; give "
+        change += f"--data.corrections {then} to keep their labels"
+    else:
+        change = f"this one gives {now}, which labels its images now"
+    started = f"--data.corrections {then}" if then else "no --data.corrections"
+    log.warning("the run started with %s (%s), and %s", started, split_file, change)
+
+
+def _read(path: Path) -> tuple[str, list[str], dict[str, str], str | None]:
+    """(its root, its classes, each image's path under the root -> its place, the corrections file it started with)."""
     try:
         held = json.loads(path.read_text(encoding="utf-8"))
         root = str(held["root"])
         place = {os.path.relpath(str(e["path"]), root): where for where in PLACES for e in held.get(where, [])}
-        return root, list(held["classes"]), place
+        return root, list(held["classes"]), place, held.get("corrections")
     except FileNotFoundError:  # --data.split FILE (a run's own split.json is looked for before it is read)
         raise ValueError(f"{path}: no such file; --data.split takes the split.json of a vit-train run") from None
     except (OSError, ValueError, KeyError, TypeError) as e:
@@ -106,7 +122,7 @@ def evaluated_split(run_dir: str | None, data_root: str | None, ckpt_path: str |
     if ckpt_path not in (None, "best", "last") and Path(ckpt_path).expanduser().resolve().parent != checkpoints:
         return None  # another run's checkpoint, or one given by URL
     try:
-        root, _, _ = _read(Path(split))
+        root, _, _, _ = _read(Path(split))
     except ValueError:
         return split  # `hold_split` says what is wrong with it
     return split if os.path.realpath(root) == os.path.realpath(os.path.expanduser(data_root)) else None
@@ -121,7 +137,7 @@ def warn_if_validated_on_its_training(scan: FolderScan, ckpt_path: str | None, r
     if other == run_dir.resolve() or not (other / "split.json").is_file():
         return
     try:
-        _, classes, place = _read(other / "split.json")
+        _, classes, place, _ = _read(other / "split.json")
     except ValueError:
         return  # not a split this can read: nothing to compare
     if classes != scan.classes:

@@ -249,3 +249,22 @@ def test_a_row_kept_in_another_unicode_form_than_the_scan_lists_its_image_still_
     typed = unicodedata.normalize("NFC", listed)
     corrected, counts, seen = apply_corrections({"café": [listed], "tea": []}, {typed: "tea"})
     assert corrected == {"café": [], "tea": [listed]} and counts["relabelled"] == 1 and seen == {typed}
+
+
+@pytest.mark.parametrize("again", ["none", "other"])
+def test_a_resumed_run_without_the_corrections_it_started_with_is_warned(folder, tmp_path, again, caplog):
+    """Resumed without `--data.corrections`, a run went back to the folder's labels without a word, and counted the
+    images its corrections had left out as added to the folder since."""
+    from train.held_split import hold_split
+
+    file = _csv(tmp_path / "fix.csv", [("bar/000.png", "column"), ("square/002.png", "")])
+    scan_folder(folder, 0.25, seed=0, corrections=str(file)).write_split(tmp_path / "split.json")
+    other = None if again == "none" else str(_csv(tmp_path / "other.csv", [("bar/001.png", "column")]))
+    with caplog.at_level(logging.WARNING, logger="train.held_split"):
+        hold_split(scan_folder(folder, 0.25, seed=0, corrections=other), tmp_path / "split.json")
+    assert f"the run started with --data.corrections {file.resolve()}" in caplog.text
+    assert "added to the folder" not in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="train.held_split"):
+        hold_split(scan_folder(folder, 0.25, seed=0, corrections=str(file)), tmp_path / "split.json")
+    assert caplog.text == ""
