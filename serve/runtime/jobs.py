@@ -254,7 +254,7 @@ def _open_parts(out: Path, resume: bool, errors: TextIO, job: dict[str, Any] | N
 
     Raises:
         ValueError: another run is writing `out`; `out` exists without `resume`, names no known format, or is
-            complete under another `job`.
+            complete under another `job` or with no record of its job.
     """
     store = PartStore(out)
     store.check_not_in_use()  # a retry while the first run still writes: --resume would not help it
@@ -263,7 +263,13 @@ def _open_parts(out: Path, resume: bool, errors: TextIO, job: dict[str, Any] | N
     if resume and store.out.exists() and not store.dir.exists():
         store.remove_old_parts()  # a run killed after its merge, while it deleted its parts
         was, now = store.finished_job(), json.loads(json.dumps(job))
-        if job is not None and was is not None and was != now:  # a pipeline's rerun under a new model
+        if job is not None and was is None:  # moved or copied without its record, or not ours: no telling
+            raise ValueError(
+                f"--resume: {out} has no record of the model and options that scored it ({store.finished_record.name}"
+                " beside it: a table moved or copied without it, or a file vit-predict did not write): remove it to "
+                "score again, or give a new --out"
+            )
+        if job is not None and was != now:  # a pipeline's rerun under a new model
             what = _difference(model, was, now)
             raise ValueError(
                 f"--resume: {out} is complete, scored with {what}: remove it to score again, or give a new --out"

@@ -315,7 +315,7 @@ class PartStore:
         self.remove_old_parts()
 
     def finished_job(self) -> dict[str, Any] | None:
-        """The job the merged `out` was scored under (None: not recorded, by a vitscope from before the record)."""
+        """The job the merged `out` was scored under (None: no record beside it, or an unreadable one)."""
         try:
             return json.loads(self.finished_record.read_bytes())
         except (OSError, ValueError):

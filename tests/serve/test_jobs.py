@@ -545,6 +545,26 @@ def test_resume_of_a_finished_table_under_another_model_or_top_k_is_refused(tiny
     assert "is complete: nothing to resume" in capsys.readouterr().err and out.read_bytes() == table
 
 
+@pytest.mark.parametrize("suffix", [".csv", ".jsonl"])
+def test_resume_of_a_table_without_its_record_is_refused_in_one_line(tiny_onnx, tmp_path, capsys, suffix):
+    """A finished table moved or copied without its hidden record was taken for complete under any model or
+    options; a file vit-predict never wrote ended in a KeyError traceback."""
+    _images(tmp_path / "photos", 2)
+    out, moved = tmp_path / f"preds{suffix}", tmp_path / f"moved{suffix}"
+    args = [str(tmp_path / "photos"), "--top-k", "2"]
+    assert main([str(tiny_onnx), *args, "--out", str(out)]) == 0
+    moved.write_bytes(out.read_bytes())
+    foreign = tmp_path / f"foreign{suffix}"
+    foreign.write_text("a,b\n1,2\n" if suffix == ".csv" else '{"a": 1}\n')
+    for table in (moved, foreign):
+        before = table.read_bytes()
+        capsys.readouterr()
+        assert main([str(tiny_onnx), *args, "--out", str(table), "--resume"]) == 2
+        err = capsys.readouterr().err
+        assert len(err.splitlines()) == 1 and "no record of the model and options that scored it" in err, err
+        assert table.read_bytes() == before
+
+
 def test_resume_after_the_model_file_changed_is_refused(tiny_onnx, tmp_path, capsys, monkeypatch):
     """A model re-exported in place gives other answers: a resume would mix two models' rows in one table."""
     pytest.importorskip("onnx")  # edits the file
