@@ -99,7 +99,8 @@ def collect_sources(
     """
     items = [str(p) for p in paths]
     if from_list is not None:
-        for n, line in enumerate(map(os.fsdecode, Path(from_list).read_bytes().splitlines()), 1):
+        listing = Path(from_list).read_bytes().removeprefix(b"\xef\xbb\xbf")  # the mark Notepad writes first
+        for n, line in enumerate(map(os.fsdecode, listing.splitlines()), 1):
             item = line.strip()
             if item.startswith("#") and os.path.isfile(item):  # a comment that names a file (a long one: False)
                 print(

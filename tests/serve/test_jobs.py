@@ -200,6 +200,16 @@ def test_from_list_reads_paths_and_uris(tiny_onnx, tmp_path, capsys):
     assert [r["predictions"][0]["label"] for r in rows] == ["bottom_left", "top_left", "top_right"]
 
 
+def test_a_list_written_by_notepad_is_read_bom_and_crlf_aside(tiny_onnx, tmp_path, capsys):
+    """Its first line, behind the byte order mark Notepad and PowerShell write, was a file that was not there."""
+    paths = _images(tmp_path / "photos", 2)
+    listing = tmp_path / "inputs.txt"
+    listing.write_bytes(b"\xef\xbb\xbf" + f"{paths[0]}\r\n{paths[1]}\r\n".encode())
+    out = tmp_path / "preds.jsonl"
+    assert main([str(tiny_onnx), "--from-list", str(listing), "--out", str(out)]) == 0, capsys.readouterr().err
+    assert [json.loads(line)["path"] for line in out.read_text().splitlines()] == [str(p) for p in paths]
+
+
 def test_a_comment_line_that_names_a_file_says_how_to_score_it(tiny_onnx, tmp_path, capsys, monkeypatch):
     """`#1.png` in a list was skipped as a comment without a word, though the folder held that file."""
     paths = _images(tmp_path / "photos", 2)
