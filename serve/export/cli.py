@@ -138,7 +138,7 @@ def export_onnx(
     if calib_dir is not None and calibrate is not False:  # folders of other classes, too few images: refused now
         entries, _ = calib.calibration_entries(checkpoint, meta["class_names"], calib_dir)
         preflight.check_decodable(entries, f"--calibrate {calib_dir}", calib.MIN_IMAGES)
-    preflight.check_writable(preflight.output_file(output).parent)
+    preflight.check_writable(preflight.output_file(output).parent, preflight.output_file(output).name)
     if triton_repo is not None:
         preflight.check_writable(Path(triton_repo))
     preprocess = _serving_preprocess(net, meta["preprocess"], img_size)

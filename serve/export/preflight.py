@@ -22,10 +22,10 @@ import errno
 import json
 import os
 import stat
-import tempfile
 from pathlib import Path
 from typing import Any
 
+from serve.export import files
 from serve.runtime.image_files import walk_image_files
 from serve.runtime.images import ImageError, load_image
 from train import checkpoint_format
@@ -76,14 +76,20 @@ def output_file(output: Path) -> Path:
     return target
 
 
-def check_writable(folder: Path) -> None:
-    """Fail before the slow export, not after it, when `folder` cannot be created or written."""
+def check_writable(folder: Path, name: str = "probe") -> None:
+    """Fail before the slow export, not after it, when `folder` cannot be created or written, or `name` (the file
+    to write there) is too long for the temporary it is written through (`files.temporary_name`)."""
+    probe = folder / files.temporary_name(name)
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        fd, probe = tempfile.mkstemp(dir=folder, prefix=".vit-export-probe.")
-        os.close(fd)
-        os.unlink(probe)
+        files.write_new(probe, b"")
+        probe.unlink()
     except OSError as e:
+        if e.errno == errno.ENAMETOOLONG:
+            raise ValueError(
+                f"{folder / name}: the name is too long to be written through a temporary beside it (whose name "
+                f"takes {len(os.fsencode(probe.name))} bytes, over the file system's limit); choose a shorter name"
+            ) from None
         raise ValueError(
             f"cannot write to {folder}: {e.strerror or e}; choose an output folder you can write to"
         ) from None

@@ -317,6 +317,15 @@ def test_export_into_a_folder_it_cannot_write_is_a_one_line_error(tiny_checkpoin
     assert not out.exists()
 
 
+def test_an_output_name_too_long_for_its_temporary_is_refused_before_the_export(tiny_checkpoint, tmp_path, capsys):
+    """A legal 240-character name failed after the whole export: the temporary beside it adds about 40."""
+    out = tmp_path / ("m" * 235 + ".onnx")
+    assert main([str(tiny_checkpoint), "-o", str(out), "--no-calibration"]) == 2
+    err = capsys.readouterr().err
+    assert "the name is too long to be written through a temporary beside it" in err and "choose a shorter" in err
+    assert len(err.strip().splitlines()) == 1 and "parity" not in err and not any(tmp_path.iterdir())
+
+
 def test_a_model_file_with_class_names_that_are_not_a_json_list_is_refused(tiny_onnx, tmp_path):
     from .broken_models import with_metadata
 
