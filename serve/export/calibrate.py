@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -271,9 +272,7 @@ def write_reliability_png(logits: np.ndarray, labels: np.ndarray, entry: dict[st
         ax.plot([0, 1], [0, 1], "--", color="grey", label="perfect calibration")
         ax.scatter(conf[full], acc[full], color="red", s=12, zorder=3, label="mean confidence")
         ax.set_title(f"{name}: ECE {cal.ece(probs, labels):.2%}, NLL {cal.nll(probs, labels):.3f}")
-        ax.set_xlabel("top-1 confidence")
-        ax.set_xlim(0, 1)
-        ax.set_ylim(0, 1)
+        ax.set(xlabel="top-1 confidence", xlim=(0, 1), ylim=(0, 1))
     axes[0].set_ylabel("accuracy")
     axes[0].legend(loc="upper left", fontsize=8)
     fig.tight_layout()
@@ -313,16 +312,17 @@ def calibrate(
 
 def for_export(
     model, checkpoint: Path, output: Path, class_names, preprocess, wanted, calib_dir, **options
-) -> tuple[dict[str, Any] | None, Path | None]:
-    """`vit-export`'s calibration: the entry and the reliability diagram's path (None, None for an uncalibrated
-    file); the run's reports/ gain calibration.json and reliability.png, or a warning when they cannot (None then).
+) -> tuple[dict[str, Any] | None, Callable[[], Path | None]]:
+    """`vit-export`'s calibration: the entry (None: an uncalibrated file), and what writes the reports once the model
+    is in place (a stopped export leaves the old ones): the run's reports/ calibration.json and reliability.png; it
+    returns the diagram's path (None, with a warning, when they cannot be written, or for an uncalibrated file).
 
     Args:
         wanted: False writes an uncalibrated file; True requires calibration images; None calibrates when it
             finds them and warns when not.
     """
     if wanted is False:
-        return None, None
+        return None, lambda: None
     run_dir = checkpoint.resolve().parent.parent
     reports = run_dir / "reports" if (run_dir / "split.json").is_file() else None
     png = (reports / "reliability.png") if reports is not None else output.with_suffix(".reliability.png")
@@ -334,21 +334,23 @@ def for_export(
         if wanted or calib_dir is not None:
             raise
         log.warning("writing an UNCALIBRATED file (raw softmax, no prediction sets, no unknown verdict): %s", e)
-        return None, None
-    try:  # side reports: the model is the product, and a run folder may be read-only or full
-        write_reliability_png(logits, labels, entry, png)
-        if reports is not None:
-            summary = {k: v for k, v in entry.items() if k not in ("conformal", "drift")}
-            summary["ood"] = {k: v for k, v in entry["ood"].items() if k not in ("means", "precision")}
-            (reports / "calibration.json").write_text(json.dumps(summary, indent=1))
-    except OSError as e:
-        log.warning(
-            "could not write the calibration reports to %s (%s: %s); the model is written all the same, "
-            "with its calibration",
-            png.parent, e.strerror or e, e.filename or png,
-        )  # fmt: skip
-        return entry, None
-    return entry, png
+        return None, lambda: None
+
+    def write_reports() -> Path | None:
+        try:  # side reports: the model is the product, and a run folder may be read-only or full
+            write_reliability_png(logits, labels, entry, png)
+            if reports is not None:
+                summary = {k: v for k, v in entry.items() if k not in ("conformal", "drift")}
+                summary["ood"] = {k: v for k, v in entry["ood"].items() if k not in ("means", "precision")}
+                (reports / "calibration.json").write_text(json.dumps(summary, indent=1))
+        except OSError as e:
+            why = f"{e.strerror or e}: {e.filename or png}"
+            log.warning("could not write the calibration reports to %s (%s); the model is written all the same, "
+                        "with its calibration", png.parent, why)  # fmt: skip
+            return None
+        return png
+
+    return entry, write_reports
 
 
 def _coverage_lines(entry: dict[str, Any], names: list[str]) -> list[str]:

@@ -160,7 +160,7 @@ def export_onnx(
     metadata = build_metadata(
         net, meta, preprocess, opset, graphs.quantization, supports_gradients, graphs.fused, target=target
     )
-    calibration, png = calib.for_export(
+    calibration, write_reports = calib.for_export(
         model, checkpoint, output, meta["class_names"], preprocess, calibrate, calib_dir,
         method=conformal, class_conditional=class_conditional, ood_kind=ood_score,
     )  # fmt: skip
@@ -184,6 +184,7 @@ def export_onnx(
     with _write_checked(model, output, gate) as report:  # `output` comes last: once there, the export is whole
         if logits_only is not None:
             folder = triton.write_repo(logits_only, list(meta["class_names"]), triton_repo, name)
+    png = write_reports()  # the model is in place: the run's reports now describe it
     return ExportResult(output, metadata, report, graphs.quant_report, folder, calibration, png)
 
 

@@ -346,13 +346,32 @@ def test_calibration_reports_the_run_folder_cannot_take_are_a_warning_and_the_ca
     _, meta = load_network(checkpoint)
     model = onnx.load(tiny_onnx)  # the graph the export built: calibration runs it
     with caplog.at_level(logging.WARNING, logger="serve.export"):
-        entry, png = calib.for_export(
+        entry, write_reports = calib.for_export(
             model, checkpoint, tmp_path / "model.onnx", meta["class_names"], meta["preprocess"], None, None
         )
+        png = write_reports()
     assert entry is not None and entry["temperature"] > 0 and png is None
     warning = " ".join(r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
     assert f"could not write the calibration reports to {own_run / 'reports'}" in warning
     assert "the model is written all the same" in warning
+
+
+def test_the_run_reports_are_written_only_when_the_export_asks_once_its_model_is_in_place(own_run, tiny_onnx, tmp_path):
+    """An export stopped after its calibration (a failed parity gate, SIGTERM) said "nothing was written", yet the
+    run's calibration.json and reliability.png already described a model that was never written."""
+    import onnx
+
+    from serve.export import calibrate as calib
+    from train.checkpoint_format import load_network
+
+    checkpoint = own_run / "checkpoints" / "best.ckpt"
+    _, meta = load_network(checkpoint)
+    entry, write_reports = calib.for_export(
+        onnx.load(tiny_onnx), checkpoint, tmp_path / "model.onnx", meta["class_names"], meta["preprocess"], None, None
+    )
+    assert entry is not None and not (own_run / "reports").exists()
+    assert write_reports() == own_run / "reports" / "reliability.png"
+    assert json.loads((own_run / "reports" / "calibration.json").read_text())["temperature"] == entry["temperature"]
 
 
 def test_the_random_image_warning_says_where_it_looked_for_validation_images(own_run, tmp_path):
