@@ -314,7 +314,11 @@ class OnnxClassifier:
         logits, attns = self.session.run(
             ["logits", "attns"], {"pixels": self._check_batch(batch), **self.explain_feeds}
         )
-        return self.probabilities(logits), attns
+        return self.probabilities(logits), self._counted(attns)
+
+    def _counted(self, attns: np.ndarray) -> np.ndarray:
+        """`attns`, refused when the metadata does not count its tokens (`model_file.check_token_count`)."""
+        return mf.check_token_count(self.path, self.grid_size, self.num_prefix_tokens, attns)
 
     def rollout(
         self,
@@ -391,5 +395,6 @@ class OnnxClassifier:
             ["logits", "attns", "grads"],
             {"pixels": batch, "explain": np.array(True), "gradients": np.array(True), "target": target},
         )
-        maps = rollout_from_gradients(attns, grads, num_prefix_tokens=self.num_prefix_tokens, query=self.rollout_query)
+        P, query = self.num_prefix_tokens, self.rollout_query
+        maps = rollout_from_gradients(self._counted(attns), grads, num_prefix_tokens=P, query=query)
         return self.probabilities(logits), maps.reshape(-1, *self.grid_size)

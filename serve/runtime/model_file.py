@@ -344,3 +344,15 @@ def check_consistency(path: Path, facts: list[tuple[str, Any, str, Any]]) -> Non
                 f"{path} has inconsistent metadata: {name} is {value} but {other} is {expected}; "
                 "the file was edited after export: export the checkpoint again with vit-export"
             )
+
+
+def check_token_count(path: Path, grid_size: tuple[int, int], num_prefix_tokens: int, attns: Any) -> Any:
+    """`attns` (..., N, N), refused when the metadata's prefix tokens and patch grid do not count its N tokens: an
+    edited file would fail in numpy's words, or draw its maps on the wrong tokens."""
+    (gh, gw), P, N = grid_size, num_prefix_tokens, attns.shape[-1]
+    if P + gh * gw != N:
+        raise ModelFileError(
+            f"{path.name}: its metadata gives {P} prefix token(s) and a {gh} x {gw} patch grid, but its attention "
+            f"maps are over {N} tokens: the metadata does not describe the graph; {AGAIN}"
+        )
+    return attns

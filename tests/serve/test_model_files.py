@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from serve.runtime.classifier import OnnxClassifier
@@ -349,3 +350,18 @@ def test_version_folders_are_ascii_digits_without_a_leading_zero_as_in_triton(tm
     models = scan(repo_with(tmp_path, {"m": None, "n": None}, versions=("²", "١", "01", "0", "1", "3", "9" * 30)))
     assert sorted(models["m"].files) == [1, 3] and models["m"].error == ""
     assert models["m"].wanted() == {3: tmp_path / "m" / "3" / MODEL_FILE}
+
+
+@pytest.mark.parametrize(
+    "entries", [{"num_prefix_tokens": "0"}, {"num_prefix_tokens": "60"}, {"grid_size": "[8, 8]", "patch_size": "0"}]
+)
+def test_metadata_that_miscounts_the_attention_tokens_is_a_model_file_error_when_explaining(
+    tiny_onnx, tmp_path, entries
+):
+    """The file loaded and answered; each explanation then failed with numpy's "cannot reshape array of size 48"."""
+    clf = OnnxClassifier(edited(tiny_onnx, tmp_path / "miscounted.onnx", **entries))
+    batch = clf.prepare(np.zeros((40, 40, 3), np.uint8))[None]
+    assert clf.predict_pixels(batch).shape == (1, len(clf.labels))
+    for explain in (clf.rollout, clf.gradient_rollout):
+        with pytest.raises(ModelFileError, match=r"its attention maps are over \d+ tokens.*export it again"):
+            explain(batch)
