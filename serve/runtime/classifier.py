@@ -151,8 +151,7 @@ class OnnxClassifier:
         m, pre, path = self.metadata, self.preprocess, self.path
         H, W = self.input_size
         P = metadata_value(m, "patch_size", mf.whole(0), path, 0)
-        graph_in = next((i.shape for i in self.session.get_inputs() if i.name == "pixels"), None)
-        graph_out = next((o.shape for o in self.session.get_outputs() if o.name == "logits"), None)
+        graph_in, graph_out = mf.graph_io(path, self.session)
         mean, std = (metadata_value(m, k, mf.numbers(3), path, list(getattr(pre, k))) for k in ("mean", "std"))
         pixels, logits_width = mf.static_dims(graph_in, 1, 3), mf.static_dims(graph_out, 1, 2)
         mf.check_consistency(

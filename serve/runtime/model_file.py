@@ -356,3 +356,16 @@ def check_token_count(path: Path, grid_size: tuple[int, int], num_prefix_tokens:
             f"maps are over {N} tokens: the metadata does not describe the graph; {AGAIN}"
         )
     return attns
+
+
+def graph_io(path: Path, session: Any) -> tuple[list, list]:
+    """The shapes of the graph's `pixels` input (uint8) and `logits` output; `ModelFileError` when it has no such
+    input or output: another graph, carrying a vitscope file's metadata."""
+    pixels = next((i for i in session.get_inputs() if i.name == "pixels"), None)
+    logits = next((o for o in session.get_outputs() if o.name == "logits"), None)
+    if pixels is None or pixels.type != "tensor(uint8)" or logits is None:
+        raise ModelFileError(
+            f"{path.name} has no uint8 'pixels' input and 'logits' output, as vit-export writes them: its metadata "
+            f"is another graph's; {AGAIN}"
+        )
+    return pixels.shape, logits.shape

@@ -365,3 +365,22 @@ def test_metadata_that_miscounts_the_attention_tokens_is_a_model_file_error_when
     for explain in (clf.rollout, clf.gradient_rollout):
         with pytest.raises(ModelFileError, match=r"its attention maps are over \d+ tokens.*export it again"):
             explain(batch)
+
+
+@pytest.mark.parametrize("change", ["float_pixels", "no_logits"])
+def test_another_graph_carrying_a_vitscope_files_metadata_is_refused_at_load(tiny_onnx, tmp_path, change):
+    """It loaded; vit-predict then failed on every batch with onnxruntime's InvalidArgument traceback, exit 1."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    pixels = TensorProto.FLOAT if change == "float_pixels" else TensorProto.UINT8
+    x = helper.make_tensor_value_info("pixels", pixels, None)
+    y = helper.make_tensor_value_info("logits" if change == "float_pixels" else "scores", TensorProto.FLOAT, None)
+    cast = helper.make_node("Cast", ["pixels"], [y.name], to=TensorProto.FLOAT)
+    graph = helper.make_graph([cast], "other", [x], [y])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    model.ir_version = 8
+    model.metadata_props.extend(p for p in onnx.load(tiny_onnx).metadata_props if p.key != "calibration")
+    onnx.save(model, tmp_path / "other.onnx")
+    with pytest.raises(ModelFileError, match="has no uint8 'pixels' input and 'logits' output"):
+        OnnxClassifier(tmp_path / "other.onnx")
