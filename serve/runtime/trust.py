@@ -162,7 +162,7 @@ class Trust:
             _read(entry, "conformal.labels", _whole_numbers),
             _read(entry, "conformal.class_conditional", _flag, False),
             _read(entry, "ood.score", str),
-            _read(entry, "ood.threshold", float),
+            _read(entry, "ood.threshold", _number),
             num_classes,
             {k: _read(entry, f"ood.{k}", floats) for k in ("means", "precision") if k in ood},
             _read(entry, "drift", dict, {}),

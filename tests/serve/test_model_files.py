@@ -192,6 +192,8 @@ def _set(path: str, value):
         ("conformal.method", _set("conformal.method", "raps")),
         ("ood.threshold", _set("ood.threshold", math.nan)),  # never said unknown
         ("ood.threshold", _set("ood.threshold", -math.inf)),
+        ("ood.threshold", _set("ood.threshold", "1e9")),  # read as 1e9, as the temperature's strings were not
+        ("ood.threshold", _set("ood.threshold", True)),
         ("ood.score", _set("ood.score", "vibes")),
         ("ood.means", _set("ood.means", lambda means: means[:-1])),  # (K - 1, D): fewer classes than the file
         ("ood.means", _set("ood.means", lambda means: [row[:-1] for row in means])),  # (K, D - 1)
