@@ -108,7 +108,8 @@ def test_a_resumed_run_keeps_its_split_when_the_folder_gained_lost_or_moved_imag
     after = {os.path.relpath(p, moved): k for k in ("train", "val", "calib") for p, _ in getattr(scan, k)}
     assert after == {p: k for p, k in before.items() if p not in gone}
     assert _places(run) == before  # the file stays whole: images a resume misses come back to the next one
-    assert "1 image(s) added to the folder since it started are left out, and 2 it lists are gone" in caplog.text
+    assert "1 image(s) it does not list (added since it started, or left out by the corrections" in caplog.text
+    assert "are left out, and 2 it lists are gone" in caplog.text
     saved = (run / "config.yaml").read_text()  # refitting it into a new run splits anew, and starts the run
     assert "split: null" in saved and "ckpt_path: null" in saved
 

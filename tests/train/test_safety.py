@@ -328,7 +328,7 @@ def test_an_evaluation_scores_the_runs_own_split_and_leaves_its_files_as_its_fit
     (root / "bar" / "broken.png").write_bytes(b"not a png")
     main(args(root, run, command="test"))
     assert "test/acc" in capsys.readouterr().out
-    assert "12 image(s) added to the folder since it started are left out" in caplog.text
+    assert "12 image(s) it does not list (added since it started" in caplog.text
     caplog.clear()  # another run's checkpoint (a copy of this one, elsewhere) is scored on a split of its own
     main(args(root, run, "--ckpt_path", shutil.copy(run / "checkpoints" / "best.ckpt", tmp_path), command="test"))
     assert "test/acc" in capsys.readouterr().out and "left out" not in caplog.text
