@@ -232,12 +232,12 @@ class ImageFolderDataModule(pl.LightningDataModule):
         val, val_cache = self._fill(scan.val, evaluate.resize, None) if cache else (scan.val, None)
         if self.batch_augment:
             self.train_set = ImageListDataset(train, store, None, self.img_size, train_cache)
-            self.val_set = ImageListDataset(val, evaluate.resize, None, None, val_cache)
+            self.val_set = ImageListDataset(val, evaluate.resize, None, None, val_cache, skip_broken=True)
         else:
             train_tf = build_train_transform(self.augment, self.preprocess)
             train_tf = train_tf if store is None else _Then(_to_pil, train_tf)
             self.train_set = ImageListDataset(train, store, train_tf, self.img_size, train_cache)
-            self.val_set = ImageListDataset(val, evaluate.resize, evaluate, None, val_cache)
+            self.val_set = ImageListDataset(val, evaluate.resize, evaluate, None, val_cache, skip_broken=True)
         if scan.bad:
             log.warning("skipped %d unreadable image file(s) in %s", len(scan.bad), scan.root)
         self._write_fit_reports(stage)

@@ -45,7 +45,8 @@ def decode(path: str | Path, min_side: int | None = None) -> Image.Image:
 
 
 class ImageListDataset(Dataset):
-    """(path, label) pairs -> (image, label). A file that fails to decode is replaced by the next one.
+    """(path, label) pairs -> (image, label). A file that fails to decode is replaced by the next one, or with
+    `skip_broken` left out of its batch (a batch of broken files alone still gets the next readable images).
 
     Args:
         items: (absolute path, label) pairs.
@@ -57,6 +58,8 @@ class ImageListDataset(Dataset):
         cache: a filled `fill_cache` result ((N, S, S, 3) uint8, (N,) bool readable), or None.
         seed: in a DataLoader worker, each batch's random numbers are seeded from this and the batch's
             indices (`seed_batch`); None leaves the worker's own streams.
+        skip_broken: leave a broken file out of its batch rather than give its neighbour twice (validation:
+            a neighbour, of another class maybe, would be scored twice).
     """
 
     def __init__(
@@ -67,9 +70,10 @@ class ImageListDataset(Dataset):
         min_side: int | None = None,
         cache: tuple[np.ndarray, np.ndarray] | None = None,
         seed: int | None = None,
+        skip_broken: bool = False,
     ):
         self.items, self.fixed, self.transform, self.min_side, self.cache = items, fixed, transform, min_side, cache
-        self.seed = seed
+        self.seed, self.skip_broken = seed, skip_broken
 
     def __len__(self) -> int:
         return len(self.items)
@@ -87,17 +91,22 @@ class ImageListDataset(Dataset):
 
     def __getitem__(self, i: int):
         for offset in range(len(self.items)):
-            j = (i + offset) % len(self.items)
-            try:
-                img = self.load(j)
-            except (ImageError, OSError) as e:  # changed or removed since the scan: train on, say so
-                if self.cache is None:
-                    log.warning("skipping %s: %s", self.items[j][0], e)
-                continue
-            if self.transform is None:
-                return torch.from_numpy(np.ascontiguousarray(img)), self.items[j][1]  # (S, S, 3) uint8
-            return self.transform(img), self.items[j][1]
+            sample = self._sample((i + offset) % len(self.items))
+            if sample is not None:
+                return sample
         raise RuntimeError("no image in this dataset can be read")
+
+    def _sample(self, j: int):
+        """Item `j`'s (image, label), or None when it cannot be decoded."""
+        try:
+            img = self.load(j)
+        except (ImageError, OSError) as e:  # changed or removed since the scan: train on, say so
+            if self.cache is None:
+                log.warning("skipping %s: %s", self.items[j][0], e)
+            return None
+        if self.transform is None:
+            return torch.from_numpy(np.ascontiguousarray(img)), self.items[j][1]  # (S, S, 3) uint8
+        return self.transform(img), self.items[j][1]
 
     def __getitems__(self, indices: list[int]) -> list:
         """One batch's samples (what the DataLoader asks for). A persistent worker's random streams run on
@@ -106,6 +115,8 @@ class ImageListDataset(Dataset):
         one stream (the checkpoint saves and restores it)."""
         if self.seed is not None and get_worker_info() is not None:
             seed_batch(self.seed, indices)
+        if self.skip_broken and (samples := [s for s in map(self._sample, indices) if s is not None]):
+            return samples
         return [self[i] for i in indices]
 
 

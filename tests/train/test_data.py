@@ -204,6 +204,19 @@ def test_a_file_that_fails_to_decode_when_cached_is_left_out_not_replaced_by_its
         assert np.array_equal(dataset.cache[0], fresh)
 
 
+def test_a_validation_image_that_fails_to_decode_uncached_is_skipped_not_replaced_by_its_neighbour(shapes_folder):
+    """Without the cache and the copy search, the dataset gave the next image in its place: a neighbour, of another
+    class maybe, was scored twice in the metric that chooses best.ckpt."""
+    dm = ImageFolderDataModule(
+        str(shapes_folder), img_size=16, batch_size=64, cache_images=False, num_workers=0, dedupe="none"
+    )
+    dm.setup("fit")
+    broken = Path(dm.scan.val[0][0])
+    broken.write_bytes(broken.read_bytes()[:60])  # header intact, data cut: found only when decoded
+    (_, labels), *more = list(dm.val_dataloader())
+    assert not more and labels.tolist() == [y for _, y in dm.scan.val[1:]]
+
+
 def test_a_ddp_rank_other_than_0_reads_class_names_from_folder_names_and_the_scan_from_rank_0(
     shapes_folder: Path, tmp_path: Path, monkeypatch
 ):
