@@ -1,12 +1,17 @@
-"""Callbacks that make a resumed run continue the interrupted one, not start a second one."""
+"""Callbacks that make a resumed run continue the interrupted one, not start a second one, and that write a fit's
+run files only once the checkpoint it resumes has passed its checks."""
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.cli import SaveConfigCallback
+
+from train.held_split import run_split
 
 
 class KeepBestScore(Callback):
@@ -59,3 +64,26 @@ class ClearReplacedRun(Callback):
 
         if trainer.is_global_zero and not trainer.fast_dev_run:
             clear_replaced_run(self.run_dir, self.ckpt_path)
+
+
+class RunDirConfig(SaveConfigCallback):
+    """A fit's run files as it starts, once the checkpoint it resumes has passed its checks (a refused resume leaves
+    the run as it was): the resolved config as `<run_dir>/config.yaml` (not in a logger's version folder), and the
+    data module's split and reports. Validate and the others keep the fit's."""
+
+    def setup(self, trainer: pl.Trainer, pl_module, stage: str) -> None:
+        pass  # Lightning's saves here, before the checkpoint is loaded and checked
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module) -> None:
+        if self.already_saved or not trainer.is_global_zero:
+            return
+        run_dir = Path(trainer.default_root_dir)
+        if hasattr(trainer.datamodule, "write_reports"):
+            trainer.datamodule.write_reports(run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        config = self.config.clone()
+        config.overwrite, config.ckpt_path = False, None  # this command's alone: a refit of config.yaml asks again
+        if config.get("data.split") == run_split(str(run_dir)):  # a resume's own: a refit into another run splits anew
+            config["data.split"] = None
+        self.parser.save(config, run_dir / self.config_filename, skip_none=False, overwrite=True, multifile=False)
+        self.already_saved = True

@@ -22,13 +22,13 @@ from typing import Any
 import torch
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import Callback, EarlyStopping, ModelCheckpoint, ProgressBar, RichProgressBar
-from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.plugins import CheckpointIO
 from lightning.pytorch.utilities.exceptions import MisconfigurationException, SIGTERMException
 
 from serve.runtime.interrupts import EXIT_INTERRUPTED, EXIT_TERMINATED
-from train.callbacks import ClearReplacedRun, KeepBestScore
+from train.callbacks import ClearReplacedRun, KeepBestScore, RunDirConfig
 from train.checkpoint_io import AtomicCheckpointIO, load_error, remove_partial_saves
 from train.datamodule import ImageFolderDataModule
 from train.errors import SetupError, TrainingError, first_line
@@ -53,22 +53,6 @@ from train.shards import main as prepare_main
 from train.splits import copies_hint
 
 log = logging.getLogger(__name__)
-
-
-class RunDirConfig(SaveConfigCallback):
-    """Save the resolved config as `<run_dir>/config.yaml` (not inside a logger's version folder)."""
-
-    def setup(self, trainer: Trainer, pl_module, stage: str) -> None:
-        if self.already_saved or not trainer.is_global_zero or stage != "fit":  # validate & co. keep the fit's
-            return
-        run_dir = Path(trainer.default_root_dir)
-        run_dir.mkdir(parents=True, exist_ok=True)
-        config = self.config.clone()
-        config.overwrite, config.ckpt_path = False, None  # this command's alone: a refit of config.yaml asks again
-        if config.get("data.split") == run_split(str(run_dir)):  # a resume's own: a refit into another run splits anew
-            config["data.split"] = None
-        self.parser.save(config, run_dir / self.config_filename, skip_none=False, overwrite=True, multifile=False)
-        self.already_saved = True
 
 
 class LastCheckpoint(ModelCheckpoint):

@@ -86,7 +86,8 @@ class ImageFolderDataModule(pl.LightningDataModule):
         split: a `split.json` whose split to keep (`train.held_split`): each image it lists keeps its place, the
             others are left out. A resumed fit passes its run's own (`--ckpt_path` in a run directory that holds one).
 
-    Reports, written before the first training step into the run directory: `split.json`, `bad_files.csv`,
+    Reports (`write_reports`), which vit-train writes into the run directory as the fit starts, once the checkpoint
+    it resumes has passed its checks (`train.callbacks.RunDirConfig`): `split.json`, `bad_files.csv`,
     `reports/data.json` and `reports/duplicates.csv` (docs/guide/reports.md explains each field).
     """
 
@@ -223,9 +224,7 @@ class ImageFolderDataModule(pl.LightningDataModule):
         train_store = Preprocess(self.img_size, 1.0, self.preprocess.interpolation)  # the whole (square) image
         evaluate = EvalTransform(self.preprocess)
         if scan.layout == "litdata":
-            self._setup_streaming(train_store.to_uint8, evaluate)
-            self._write_fit_reports(stage)
-            return
+            return self._setup_streaming(train_store.to_uint8, evaluate)
         cache = self._cached = self._use_cache(len(scan.train) + len(scan.val))
         store = train_store.to_uint8 if cache or self.batch_augment else None
         train, train_cache = self._fill(scan.train, store, self.img_size) if cache else (scan.train, None)
@@ -240,7 +239,6 @@ class ImageFolderDataModule(pl.LightningDataModule):
             self.val_set = ImageListDataset(val, evaluate.resize, evaluate, None, val_cache, skip_broken=True)
         if scan.bad:
             log.warning("skipped %d unreadable image file(s) in %s", len(scan.bad), scan.root)
-        self._write_fit_reports(stage)
 
     def _setup_streaming(self, store, evaluate: EvalTransform) -> None:
         self._cached = False
@@ -249,11 +247,6 @@ class ImageFolderDataModule(pl.LightningDataModule):
             train_tf, val_tf = _Then(_to_pil, build_train_transform(self.augment, self.preprocess)), evaluate
         self.train_set = streaming_dataset(self.root, "train", store, True, self.seed, train_tf)
         self.val_set = streaming_dataset(self.root, "val", evaluate.resize, False, self.seed, val_tf)
-
-    def _write_fit_reports(self, stage: str) -> None:
-        # a fit's own: validate, test and predict leave the run's split and reports as its fit wrote them
-        if stage == "fit" and self.trainer is not None and self.trainer.is_global_zero:
-            self.write_reports(Path(self.trainer.default_root_dir))
 
     def _use_cache(self, n: int) -> bool:
         if self.cache_images is not None:

@@ -36,10 +36,11 @@ def _setup(root: Path, run: Path, **kw) -> ImageFolderDataModule:
     dm = ImageFolderDataModule(str(root), img_size=16, num_workers=0, calib_fraction=0.1, **kw)
     dm.trainer = pl.Trainer(default_root_dir=str(run), logger=False, enable_progress_bar=False, accelerator="cpu")
     dm.setup("fit")
+    dm.write_reports(run)  # what vit-train does as the fit starts (`train.callbacks.RunDirConfig`)
     return dm
 
 
-def test_data_json_and_duplicates_csv_are_written_at_setup(long_tail: Path, tmp_path: Path, caplog):
+def test_data_json_and_duplicates_csv_are_written_with_the_split(long_tail: Path, tmp_path: Path, caplog):
     fixes = tmp_path / "fix.csv"
     fixes.write_text("path,label\ncat/001.png,dog\ncat/002.png,\n")
     with caplog.at_level(logging.INFO, logger="train.data_report"):

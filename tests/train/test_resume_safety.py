@@ -142,6 +142,7 @@ def test_a_non_finite_loss_stops_the_run_and_keeps_the_best_checkpoint(shapes, t
 def test_resuming_on_a_folder_with_other_classes_or_with_another_network_or_size_is_refused(shapes, tmp_path, capsys):
     run = tmp_path / "run"
     build_cli(fit_args(shapes, run, 1))
+    kept = {name: sha(run / name) for name in ("config.yaml", "split.json")}  # what `--config RUN/config.yaml` reads
     renamed = write_shapes(tmp_path / "renamed", per_class=12, classes=("bar", "column", "circle"))
     more = write_shapes(tmp_path / "more", per_class=12, classes=("bar", "column", "square", "zigzag"))
     for root, count in ((renamed, 3), (more, 4)):
@@ -154,10 +155,13 @@ def test_resuming_on_a_folder_with_other_classes_or_with_another_network_or_size
     for option, said in [
         (["--model.net_args", "{depth: 2}"], "depth 4 (this run: 2)"),
         (["--data.img_size", "24"], "img_size [28, 28] (this run: [24, 24])"),
+        (["--data.img_size", "24", "--overwrite", "true", "--data.seed", "7"], "img_size [28, 28] (this run:"),
     ]:
         assert exit_code(fit_args(shapes, run, 2, "--ckpt_path", "last", *option)) == 2
         err = capsys.readouterr().err
         assert "Traceback" not in err and said in err and "--config RUN/config.yaml" in err, err[-600:]
+        # refused, the run is as it was: its config and split were rewritten with the refused settings first
+        assert {name: sha(run / name) for name in kept} == kept, option
     assert load_checkpoint(run / "checkpoints" / "last.ckpt")["epoch"] == 0
     from train.module import ViTClassifier
 
