@@ -53,6 +53,7 @@ from train.shards import main as prepare_main
 from train.splits import copies_hint
 
 log = logging.getLogger(__name__)
+FIT_RUN: list[Path] = []  # the run directory of the fit under way, once its checks begin (`stopped` looks there)
 
 
 class LastCheckpoint(ModelCheckpoint):
@@ -274,6 +275,7 @@ class VitCLI(LightningCLI):
         return ckpt_path
 
     def before_fit(self) -> None:
+        FIT_RUN[:] = [Path(self.trainer.default_root_dir)]  # for `stopped`, should a signal end the fit
         config = self.config.get("fit", self.config)
         check_monitor(config.get("checkpoint.monitor"), config.get("checkpoint.mode"))
         ckpt_path = self._check_ckpt_path("fit")
@@ -374,8 +376,14 @@ def main(args: list[str] | None = None) -> None:
 
 
 def stopped(signal_name: str, code: int, argv: list[str]) -> SystemExit:
-    """Says that a signal stopped the command (and, for a fit, how to resume it); the exit to raise."""
-    resume = "; the same command with --ckpt_path last resumes it" if argv[:1] == ["fit"] else ""
+    """Says that a signal stopped the command (and, for a fit, how to go on: `--ckpt_path last` once there is a
+    last.ckpt to resume, else the same command again); the exit to raise."""
+    resume = ""
+    if argv[:1] == ["fit"]:
+        saved = any((run / CKPT_DIR / "last.ckpt").is_file() for run in FIT_RUN)
+        resume = "; the same command with --ckpt_path last resumes it" if saved else (
+            " before its first checkpoint; the same command starts it again"
+        )  # fmt: skip
     print(f"vit-train: stopped by {signal_name}{resume}", file=sys.stderr)
     return SystemExit(code)
 

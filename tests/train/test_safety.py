@@ -416,6 +416,22 @@ def test_a_replacing_fit_refused_for_its_checkpoint_keeps_the_run_it_replaces(sm
     assert (tmp_path / "run" / "summary.json").is_file()
 
 
+def test_a_fit_stopped_before_its_first_checkpoint_is_told_to_start_again_not_to_resume(tmp_path, capsys, monkeypatch):
+    """Told "--ckpt_path last resumes it", the user got "there is no last.ckpt" for doing so."""
+    import train.cli as cli
+
+    monkeypatch.setattr(cli, "FIT_RUN", [tmp_path / "run"])
+    assert cli.stopped("Ctrl-C (SIGINT)", 130, ["fit", "--config", "x.yaml"]).code == 130
+    assert capsys.readouterr().err == (
+        "vit-train: stopped by Ctrl-C (SIGINT) before its first checkpoint; the same command starts it again\n"
+    )
+    _fake_run(tmp_path / "run", "last.ckpt")
+    cli.stopped("SIGTERM", 143, ["fit", "--config", "x.yaml"])
+    assert (
+        capsys.readouterr().err == "vit-train: stopped by SIGTERM; the same command with --ckpt_path last resumes it\n"
+    )
+
+
 def test_a_stopped_evaluation_is_not_told_to_resume(capsys):
     # `--ckpt_path last` would score the last checkpoint where validate, test and predict score the best one
     from train.cli import stopped
