@@ -356,10 +356,10 @@ def main(args: list[str] | None = None) -> None:
         return prepare_main(argv[1:])
     if argv[:1] == ["review"]:  # a run directory -> a page to correct its labels (train.review)
         return review_main(argv[1:])
-    recipe_args = auto_recipe_args(argv)
-    if recipe_args != argv:  # the recipe's config goes first; LightningCLI would warn about args and sys.argv
-        warnings.filterwarnings("ignore", message="LightningCLI's args parameter")
     try:
+        recipe_args = auto_recipe_args(argv)
+        if recipe_args != argv:  # the recipe's config goes first; LightningCLI would warn about args and sys.argv
+            warnings.filterwarnings("ignore", message="LightningCLI's args parameter")
         build_cli(args if recipe_args == argv else recipe_args)
     except SetupError as e:  # the user's to fix: one line, not a traceback through Lightning
         print(f"vit-train: {e}", file=sys.stderr)

@@ -23,7 +23,7 @@ from serve.runtime.images import ImageError, open_image
 from train.datamodule import ImageFolderDataModule
 from train.dataset import usable_cores
 from train.folder_scan import class_dirs, find_image_files
-from train.run_dir import held_run
+from train.run_dir import check_run_dir, held_run
 from train.splits import calibration_split, stratified_split
 from train.splits import log as split_log
 
@@ -257,6 +257,7 @@ def auto_recipe_args(args: list[str]) -> list[str]:
         # a fit the run directory will refuse leaves the recipe as it was
         log.info("No --config: %s holds a run, which goes on with its recipe, %s", run_dir, path)
         return ["fit", "--config", str(path), *extra, *args[1:]]
+    check_run_dir(Path(run_dir), root, create=False)  # refused before the recipe is written into it
     s = survey(root, split=_split_flags(args))
     config, why = choose(s)
     config["recipe"] = why

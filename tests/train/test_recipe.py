@@ -100,3 +100,18 @@ def test_fit_without_a_config_trains_and_saves_its_choices_and_reasons_and_flags
     assert saved["model"]["net_args"]["stem"] == "conv"
     assert "median image side 32 px" in saved["recipe"]["data.img_size"]
     assert (run_dir / "checkpoints" / "best.ckpt").is_file()
+
+
+@pytest.mark.parametrize("where", ["in_the_images", "a_file"])
+def test_a_run_directory_refused_is_refused_before_the_recipe_is_written(shapes_folder, tmp_path, where, capsys):
+    """The recipe went into the run directory before it was checked: inside the image folder, it made a class
+    folder that every later fit was refused for; a file there ended in a FileExistsError traceback."""
+    run = shapes_folder / "myrun" if where == "in_the_images" else tmp_path / "afile"
+    if where == "a_file":
+        run.write_text("not a folder")
+    with pytest.raises(SystemExit) as e:
+        main(["fit", "--data.root", str(shapes_folder), "--trainer.default_root_dir", str(run)])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith("vit-train: ") and len(err.strip().splitlines()) == 1, err
+    assert "outside --data.root" in err if where == "in_the_images" else "cannot write into the run directory" in err
+    assert not (shapes_folder / "myrun").exists()
