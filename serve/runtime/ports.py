@@ -25,6 +25,8 @@ def check_port(host: str, port: int, flag: str = "--port", dual_stack: bool = Fa
     Raises:
         ValueError: what is wrong and which option to change.
     """
+    if not 0 <= port <= 65535:  # bind's OverflowError, or a host blamed for -1
+        raise ValueError(f"{flag} must be 0-65535, got {port}")
     try:
         found = socket.getaddrinfo(host.strip("[]") or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
         with ExitStack() as held:  # all at once, as the server holds them

@@ -51,3 +51,10 @@ def test_a_host_of_no_address_here_says_so_and_no_socket_is_left_open():
             check_port("192.0.2.1", 9)  # TEST-NET-1: never this machine's
     check_port("127.0.0.1", 0)
     assert len(os.listdir("/proc/self/fd")) == before
+
+
+@pytest.mark.parametrize("port", [65536, 99999, -1])
+def test_a_port_out_of_range_is_refused_naming_the_range(port):
+    """`vit-train review --port 99999` ended in an OverflowError traceback; -1 blamed the host."""
+    with pytest.raises(ValueError, match=rf"^--port must be 0-65535, got {port}$"):
+        check_port("127.0.0.1", port)
