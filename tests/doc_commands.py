@@ -279,6 +279,8 @@ def programs(text: str) -> list[str]:
 def server_of(text: str) -> Server | None:
     """The server a command starts, or None for a command that returns by itself."""
     words = shlex.split(text)
+    while words and re.match(r"^\w+=", words[0]):  # `NAME=value vit-serve ...`: the environment of one command
+        words = words[1:]
     if words[:2] in (["make", "demo"], ["make", "serve"]):
         return Server("http://127.0.0.1:7860/readyz", (7860,), 1800)  # a fresh clone trains first
     if words[:2] in (["make", "web"], ["make", "docs-serve"]):
