@@ -67,14 +67,15 @@ class ClearReplacedRun(Callback):
 
 
 class RunDirConfig(SaveConfigCallback):
-    """A fit's run files as it starts, once the checkpoint it resumes has passed its checks (a refused resume leaves
-    the run as it was): the resolved config as `<run_dir>/config.yaml` (not in a logger's version folder), and the
-    data module's split and reports. Validate and the others keep the fit's."""
+    """A fit's run files as training starts, once the checkpoint it resumes has been loaded whole, its checks and
+    its optimizer's state included (a refused resume leaves the run as it was): the resolved config as
+    `<run_dir>/config.yaml` (not in a logger's version folder), and the data module's split and reports. Validate
+    and the others keep the fit's."""
 
     def setup(self, trainer: pl.Trainer, pl_module, stage: str) -> None:
         pass  # Lightning's saves here, before the checkpoint is loaded and checked
 
-    def on_fit_start(self, trainer: pl.Trainer, pl_module) -> None:
+    def on_train_start(self, trainer: pl.Trainer, pl_module) -> None:
         if self.already_saved or not trainer.is_global_zero:
             return
         run_dir = Path(trainer.default_root_dir)

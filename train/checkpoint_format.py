@@ -214,3 +214,18 @@ def set_rng_states(states: dict[str, Any]) -> None:
     torch.set_rng_state(states["torch"])
     if "cuda" in states and torch.cuda.is_available() and len(states["cuda"]) == torch.cuda.device_count():
         torch.cuda.set_rng_state_all(states["cuda"])
+
+
+def resume_states(checkpoint: dict[str, Any], param_groups: int) -> None:
+    """A fit resuming `checkpoint`: refuse it when its optimizer state has another number of parameter groups than
+    this run's optimizer (`--model.layer_decay` changed: torch's load failed in a traceback, after the run's
+    files were written), then restore its random states (`set_rng_states`)."""
+    saved = [len(s.get("param_groups", [])) for s in checkpoint.get("optimizer_states") or []]
+    if saved and saved[0] != param_groups:
+        raise SetupError(
+            f"the checkpoint's optimizer has {saved[0]} parameter groups, and this run's has {param_groups} "
+            "(--model.layer_decay differs): run with the settings it was trained with (--config RUN/config.yaml), "
+            "or train a new run without --ckpt_path"
+        )
+    if RNG_KEY in checkpoint:
+        set_rng_states(checkpoint[RNG_KEY])

@@ -34,7 +34,7 @@ from torchmetrics.classification import (
 
 from serve.runtime.images import Preprocess
 from train.balance import LOSS_METHODS, BalancedLoss
-from train.checkpoint_format import META_KEY, RNG_KEY, check_checkpoint_fits, rng_states, set_rng_states
+from train.checkpoint_format import META_KEY, RNG_KEY, check_checkpoint_fits, resume_states, rng_states
 from train.distill import distillation_loss, load_teacher, student_net_args
 from train.errors import first_line
 from train.finite_checks import check_finite_loss, check_finite_weights
@@ -396,5 +396,5 @@ class ViTClassifier(pl.LightningModule):
         best = meta.get("best_val") or {}
         if best.get("metric") == self.selection_metric:  # a best score by another metric is no benchmark for this one
             self.best_score, self.best_scores = float(best["score"]), dict(best.get("scores") or {})
-        if RNG_KEY in checkpoint and self._trainer is not None and self._trainer.state.fn == "fit":
-            set_rng_states(checkpoint[RNG_KEY])
+        if self._trainer is not None and self._trainer.state.fn == "fit":  # a resume: its optimizer, its RNG states
+            resume_states(checkpoint, len(self.param_groups()))

@@ -156,6 +156,7 @@ def test_resuming_on_a_folder_with_other_classes_or_with_another_network_or_size
         (["--model.net_args", "{depth: 2}"], "depth 4 (this run: 2)"),
         (["--data.img_size", "24"], "img_size [28, 28] (this run: [24, 24])"),
         (["--data.img_size", "24", "--overwrite", "true", "--data.seed", "7"], "img_size [28, 28] (this run:"),
+        (["--model.layer_decay", "0.75"], "optimizer has 2 parameter groups, and this run's has"),  # a traceback
     ]:
         assert exit_code(fit_args(shapes, run, 2, "--ckpt_path", "last", *option)) == 2
         err = capsys.readouterr().err
