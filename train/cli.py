@@ -53,7 +53,8 @@ from train.shards import main as prepare_main
 from train.splits import copies_hint
 
 log = logging.getLogger(__name__)
-FIT_RUN: list[Path] = []  # the run directory of the fit under way, once its checks begin (`stopped` looks there)
+FIT_RUN: list[tuple[Path, float]] = []  # the fit under way, once its checks begin: its run directory, and the time
+# from which a last.ckpt there is its own (`stopped` looks there)
 
 
 class LastCheckpoint(ModelCheckpoint):
@@ -275,8 +276,9 @@ class VitCLI(LightningCLI):
         return ckpt_path
 
     def before_fit(self) -> None:
-        FIT_RUN[:] = [Path(self.trainer.default_root_dir)]  # for `stopped`, should a signal end the fit
         config = self.config.get("fit", self.config)
+        # for `stopped`, should a signal end the fit: a replaced run's last.ckpt (older than this fit) is not its
+        FIT_RUN[:] = [(Path(self.trainer.default_root_dir), time.time() if config.get("overwrite") else 0.0)]
         check_monitor(config.get("checkpoint.monitor"), config.get("checkpoint.mode"))
         ckpt_path = self._check_ckpt_path("fit")
         if self.trainer.limit_val_batches != 0:
@@ -352,6 +354,7 @@ def main(args: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     logging.getLogger("train").setLevel(logging.INFO)
     argv = sys.argv[1:] if args is None else args
+    FIT_RUN.clear()  # another fit's, in this process
     if argv[:1] == ["prepare"]:  # image folder -> LitData chunks (train.shards)
         return prepare_main(argv[1:])
     if argv[:1] == ["review"]:  # a run directory -> a page to correct its labels (train.review)
@@ -380,9 +383,10 @@ def stopped(signal_name: str, code: int, argv: list[str]) -> SystemExit:
     last.ckpt to resume, else the same command again); the exit to raise."""
     resume = ""
     if argv[:1] == ["fit"]:
-        saved = any((run / CKPT_DIR / "last.ckpt").is_file() for run in FIT_RUN)
+        lasts = [(run / CKPT_DIR / "last.ckpt", since) for run, since in FIT_RUN]
+        saved = any(last.is_file() and last.stat().st_mtime >= since for last, since in lasts)
         resume = "; the same command with --ckpt_path last resumes it" if saved else (
-            " before its first checkpoint; the same command starts it again"
+            " before its first checkpoint; the same command runs it again"
         )  # fmt: skip
     print(f"vit-train: stopped by {signal_name}{resume}", file=sys.stderr)
     return SystemExit(code)

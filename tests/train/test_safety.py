@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -420,12 +421,15 @@ def test_a_fit_stopped_before_its_first_checkpoint_is_told_to_start_again_not_to
     """Told "--ckpt_path last resumes it", the user got "there is no last.ckpt" for doing so."""
     import train.cli as cli
 
-    monkeypatch.setattr(cli, "FIT_RUN", [tmp_path / "run"])
+    monkeypatch.setattr(cli, "FIT_RUN", [(tmp_path / "run", 0.0)])
     assert cli.stopped("Ctrl-C (SIGINT)", 130, ["fit", "--config", "x.yaml"]).code == 130
-    assert capsys.readouterr().err == (
-        "vit-train: stopped by Ctrl-C (SIGINT) before its first checkpoint; the same command starts it again\n"
-    )
+    said = "vit-train: stopped by Ctrl-C (SIGINT) before its first checkpoint; the same command runs it again\n"
+    assert capsys.readouterr().err == said
     _fake_run(tmp_path / "run", "last.ckpt")
+    monkeypatch.setattr(cli, "FIT_RUN", [(tmp_path / "run", time.time() + 60)])  # --overwrite: the replaced run's
+    cli.stopped("Ctrl-C (SIGINT)", 130, ["fit", "--config", "x.yaml"])
+    assert capsys.readouterr().err == said
+    monkeypatch.setattr(cli, "FIT_RUN", [(tmp_path / "run", 0.0)])
     cli.stopped("SIGTERM", 143, ["fit", "--config", "x.yaml"])
     assert (
         capsys.readouterr().err == "vit-train: stopped by SIGTERM; the same command with --ckpt_path last resumes it\n"
