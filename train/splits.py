@@ -115,10 +115,10 @@ def copies_in(drawn: list[tuple[str, int]], items: list[tuple[str, int]], anchor
 def copies_hint(items: list[tuple[str, int]], dups: Duplicates | None, classes: list[str]) -> str:
     """For a refusal of a split without validation images: the first class whose images are copies of fewer than 2
     pictures ("" when none is)."""
-    anchors = dups.anchors() if dups else {}
+    anchors, class_of = (dups.anchors() if dups else {}), dict(items)
     for y, name in enumerate(classes):
         paths = [p for p, label in items if label == y]
-        pictures = sum(p not in anchors for p in paths)
+        pictures = sum(class_of.get(anchors.get(p)) != y for p in paths)  # another class's copy: a picture here
         if pictures < 2 and len(paths) > pictures:
             return f"; class {name!r} has {copies_said(pictures, len(paths) - pictures)}"
     return ""

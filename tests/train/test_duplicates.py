@@ -209,3 +209,16 @@ def test_a_class_made_of_copies_of_another_class_still_trains_on_them(tmp_path: 
     assert {y for _, y in scan.train} == {0, 1, 2}
     mixed = [g for g in scan.duplicates.groups if any("/b/" in p for p in g)]
     assert len(mixed) == 2 and all(set(g) <= trained for g in mixed)
+
+
+def test_the_copies_hint_counts_a_copy_of_another_class_as_a_picture_of_its_own():
+    """A class whose one image is a copy of another class's was said to have "1 images but 0 different pictures"."""
+    from train.duplicates import Duplicates
+    from train.splits import copies_hint
+
+    dups = Duplicates(groups=[["a/1.png", "b/1.png"], ["c/1.png", "c/2.png", "c/3.png"]], exact=set())
+    items = [("a/1.png", 0), ("b/1.png", 1), ("c/1.png", 2), ("c/2.png", 2), ("c/3.png", 2)]
+    assert copies_hint(items, dups, ["a", "b", "c"]) == (
+        "; class 'c' has 3 images but 1 different picture(s): copies of one picture stay together in one split, as "
+        "--data.dedupe keeps them"
+    )
