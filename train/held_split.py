@@ -77,7 +77,7 @@ def _check_classes(parts: dict[str, list[tuple[str, int]]], classes: list[str], 
 
 def _say_corrections(then: str | None, now: str | None, split_file) -> None:
     """A warning when the run started with other corrections than it is given now: its labels change."""
-    if then == now:
+    if then == now or (then and now and _same_file(Path(then), Path(now))):
         return
     if now is None:
         change = "this one gives none: the images they relabelled have their folders' classes again; give "
@@ -86,6 +86,14 @@ def _say_corrections(then: str | None, now: str | None, split_file) -> None:
         change = f"this one gives {now}, which labels its images now"
     started = f"--data.corrections {then}" if then else "no --data.corrections"
     log.warning("the run started with %s (%s), and %s", started, split_file, change)
+
+
+def _same_file(then: Path, now: Path) -> bool:
+    """Whether the corrections now are those the run started with, moved (with the folder, say) or copied."""
+    try:
+        return not then.exists() or then.read_bytes() == now.read_bytes()
+    except OSError:
+        return False
 
 
 def _read(path: Path) -> tuple[str, list[str], dict[str, str], str | None]:

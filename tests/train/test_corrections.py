@@ -265,6 +265,9 @@ def test_a_resumed_run_without_the_corrections_it_started_with_is_warned(folder,
     assert f"the run started with --data.corrections {file.resolve()}" in caplog.text
     assert "added to the folder" not in caplog.text
     caplog.clear()
+    moved = tmp_path / "moved.csv"  # the same file, moved (with the folder, say): nothing changed
     with caplog.at_level(logging.WARNING, logger="train.held_split"):
         hold_split(scan_folder(folder, 0.25, seed=0, corrections=str(file)), tmp_path / "split.json")
+        file.rename(moved)
+        hold_split(scan_folder(folder, 0.25, seed=0, corrections=str(moved)), tmp_path / "split.json")
     assert caplog.text == ""
