@@ -11,6 +11,7 @@ With `cache_images`, decoded images are kept as one uint8 array, filled once, in
 
 from __future__ import annotations
 
+import copy
 import csv
 import inspect
 import logging
@@ -362,7 +363,13 @@ class ImageFolderDataModule(pl.LightningDataModule):
         return self._loader(self.val_set, train=False)
 
     def predict_dataloader(self) -> DataLoader:
-        return self._loader(self.val_set, train=False)
+        """One row per listed image, in order: a file that fails to decode gives its neighbour's row (a missing row
+        would shift every row after it), where validation leaves it out."""
+        rows = self.val_set
+        if isinstance(rows, ImageListDataset):
+            rows = copy.copy(rows)
+            rows.skip_broken = False
+        return self._loader(rows, train=False)
 
 
 def _to_pil(pixels: np.ndarray) -> Image.Image:

@@ -215,6 +215,8 @@ def test_a_validation_image_that_fails_to_decode_uncached_is_skipped_not_replace
     broken.write_bytes(broken.read_bytes()[:60])  # header intact, data cut: found only when decoded
     (_, labels), *more = list(dm.val_dataloader())
     assert not more and labels.tolist() == [y for _, y in dm.scan.val[1:]]
+    # predict keeps one row per listed image: a missing row would shift every row after it
+    assert sum(len(y) for _, y in dm.predict_dataloader()) == len(dm.scan.val) and dm.val_set.skip_broken
 
 
 def test_a_ddp_rank_other_than_0_reads_class_names_from_folder_names_and_the_scan_from_rank_0(
