@@ -79,13 +79,14 @@ def output_file(output: Path) -> Path:
 def check_writable(folder: Path, name: str = "probe") -> None:
     """Fail before the slow export, not after it, when `folder` cannot be created or written, or `name` (the file
     to write there) is too long for the temporary it is written through (`files.temporary_name`)."""
-    probe = folder / files.temporary_name(name)
+    probe, made = folder / files.temporary_name(name), False
     try:
         folder.mkdir(parents=True, exist_ok=True)
+        made = True
         files.write_new(probe, b"")
         probe.unlink()
     except OSError as e:
-        if e.errno == errno.ENAMETOOLONG:
+        if e.errno == errno.ENAMETOOLONG and made:  # the folder is there: the temporary's name is too long
             raise ValueError(
                 f"{folder / name}: the name is too long to be written through a temporary beside it (whose name "
                 f"takes {len(os.fsencode(probe.name))} bytes, over the file system's limit); choose a shorter name"

@@ -83,6 +83,15 @@ def find_images(folder: str | Path, errors: TextIO) -> tuple[list[str], int]:
     return found, len(unlisted)
 
 
+def _list_lines(path: Path) -> list[str]:
+    """The lines of a `--from-list` file: the file system's bytes (`os.fsdecode`), after the UTF-8 byte order mark
+    Notepad writes; UTF-16 by its byte order mark (PowerShell 5's `>`)."""
+    data = path.read_bytes()
+    if data[:2] in (b"\xff\xfe", b"\xfe\xff"):
+        return data.decode("utf-16").splitlines()
+    return [os.fsdecode(line) for line in data.removeprefix(b"\xef\xbb\xbf").splitlines()]
+
+
 def collect_sources(
     paths: Sequence[str | Path], errors: TextIO, from_list: Path | None = None
 ) -> tuple[list[Source], int]:
@@ -99,8 +108,7 @@ def collect_sources(
     """
     items = [str(p) for p in paths]
     if from_list is not None:
-        listing = Path(from_list).read_bytes().removeprefix(b"\xef\xbb\xbf")  # the mark Notepad writes first
-        for n, line in enumerate(map(os.fsdecode, listing.splitlines()), 1):
+        for n, line in enumerate(_list_lines(Path(from_list)), 1):
             item = line.strip()
             if item.startswith("#") and os.path.isfile(item):  # a comment that names a file (a long one: False)
                 print(
@@ -266,9 +274,10 @@ def _open_parts(out: Path, resume: bool, errors: TextIO, job: dict[str, Any] | N
         was, now = store.finished_job(), json.loads(json.dumps(job))
         if job is not None and was is None:  # moved or copied without its record, or not ours: no telling
             raise ValueError(
-                f"--resume: {out} has no record of the model and options that scored it ({store.finished_record.name}"
-                " beside it: a table moved or copied without it, or a file vit-predict did not write): remove it to "
-                "score again, or give a new --out"
+                f"--resume: {out} has no readable record of the model and options that scored it "
+                f"({store.finished_record.name} beside it: moved or copied without it, damaged, written by a "
+                "vit-predict from before the record, or not a vit-predict table): remove it to score again, or give "
+                "a new --out"
             )
         if job is not None and was != now:  # a pipeline's rerun under a new model
             what = _difference(model, was, now)
