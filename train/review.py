@@ -12,6 +12,7 @@ Every click is in `RUN_DIR/corrections.csv` before the page shows it (`train.rev
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from jsonargparse import ActionYesNo, ArgumentParser
 
 from serve.runtime.interrupts import sigterm_as_interrupt
 from serve.runtime.ports import check_port
+from serve.runtime.temp_dirs import OwnedTempDir
 from train.errors import SetupError
 
 log = logging.getLogger(__name__)
@@ -55,6 +57,10 @@ def main(argv: list[str]) -> None:
     if args.limit < 1 or args.batch_size < 1:
         print("vit-train review: --limit and --batch_size must be at least 1", file=sys.stderr)
         raise SystemExit(2)
+    # the page's uploads and images go to a folder of this review's own, deleted when it ends (and by the next
+    # review, if this one is killed), not to the shared /tmp/gradio; Gradio reads the variable as it is imported
+    temp_dir, before = OwnedTempDir("vitscope-review-"), os.environ.get("GRADIO_TEMP_DIR")
+    os.environ["GRADIO_TEMP_DIR"] = str(temp_dir.path)
     try:
         with sigterm_as_interrupt():  # stopped as by Ctrl-C: Gradio closes, and deletes what was uploaded
             launch_review(args.run_dir, args.host, args.port, args.share, args.limit, args.batch_size)
@@ -64,6 +70,12 @@ def main(argv: list[str]) -> None:
     except (SetupError, ValueError, OSError) as e:
         print(f"vit-train review: {e}", file=sys.stderr)
         raise SystemExit(2) from None
+    finally:
+        temp_dir.remove()
+        if before is None:
+            os.environ.pop("GRADIO_TEMP_DIR", None)
+        else:
+            os.environ["GRADIO_TEMP_DIR"] = before
 
 
 def launch_review(

@@ -12,6 +12,7 @@ from __future__ import annotations
 import html
 import os
 import re
+import shlex
 from pathlib import Path
 
 import gradio as gr
@@ -48,6 +49,11 @@ def code(text: str) -> str:
 def plain(text: str) -> str:
     """`text` (a class name, a reason) as Markdown shows it: its HTML and emphasis marks as written."""
     return re.sub(r"([\\`*_\[\]])", r"\\\1", html.escape(text, quote=False))
+
+
+def refused(message: str) -> gr.Error:
+    """What the page says to a click or load it refuses; Gradio prints no traceback of it to the console."""
+    return gr.Error(visible(message), print_exception=False)
 
 
 class ReviewActions:
@@ -114,7 +120,7 @@ class ReviewActions:
         try:
             self.decisions.reload()
         except (ValueError, OSError) as e:
-            raise gr.Error(visible(f"cannot read the decisions: {e}")) from None
+            raise refused(f"cannot read the decisions: {e}") from None
         return self.rows(which), *self.show(which, 0)
 
     def pick(self, which: str, evt: gr.SelectData):
@@ -125,43 +131,56 @@ class ReviewActions:
         the next image and a status. `seen`: the path the page showed when the click was made (None: not checked)."""
         items = self.run.lists[which]
         if not items or index is None or not 0 <= int(index) < len(items):
-            raise gr.Error("pick an image in the table first")
+            raise refused("pick an image in the table first")
         item = items[int(index)]
         if seen is not None and seen != self.shown_path(item.path):  # another list or image came while clicking
-            raise gr.Error("the page was changing to another image as you clicked: nothing was recorded; decide again")
+            raise refused("the page was changing to another image as you clicked: nothing was recorded; decide again")
         if action == "relabel" and label not in self.run.labels:
-            raise gr.Error(f"choose a class to relabel as (one of {', '.join(self.run.labels)})")
+            raise refused(f"choose a class to relabel as (one of {', '.join(self.run.labels)})")
         if action == "keep" and item.given not in self.run.labels:
-            raise gr.Error("this image's class is not known to the run: relabel it or leave it out")
+            raise refused("this image's class is not known to the run: relabel it or leave it out")
         chosen = {"keep": item.given, "relabel": label, "leave": None}[action]
         try:
             self.decisions.decide(item.path, chosen)
         except OSError as e:
-            raise gr.Error(visible(f"could not write {self.decisions.file}: {e}; nothing was recorded")) from None
+            raise refused(f"could not write {self.decisions.file}: {e}; nothing was recorded") from None
         except ValueError as e:  # the file was broken since (by hand): fit would refuse it too
-            raise gr.Error(visible(f"{e}; nothing was recorded")) from None
+            raise refused(f"{e}; nothing was recorded") from None
         said = "left out" if chosen is None else "kept" if chosen == item.given else f"relabelled {plain(chosen)}"
         status = visible(f"{code(self.shown_path(item.path))}: {said} (saved in {code(str(self.decisions.file))})")
         return self.rows(which), *self.show(which, int(index) + 1), status
+
+
+def heading(run: ReviewRun, decisions: Decisions) -> str:
+    """The page's Markdown heading: the run, its checkpoint, and where decisions go, every path shown as written
+    (a folder's `**` or `<img>` is text) and the command to train on them ready to paste."""
+    calibrated = f"temperature {run.temperature:.3f} fitted on the calibration split" if run.calibrated else (
+        "uncalibrated (the run has no calibration split)"
+    )  # fmt: skip
+    file = str(decisions.file)
+    lines = [
+        f"# vitscope review: {plain(str(run.run_dir))}",
+        f"Checkpoint {code(run.checkpoint.name)}, {len(run.labels)} classes; probabilities {calibrated}.",
+    ]
+    if run.unreadable:
+        lines.append(f"**{plain(run.unreadable)}**.")
+    if decisions.cannot_save:
+        lines.append(f"**{plain(decisions.cannot_save)}**.")
+    else:
+        lines.append(
+            f"Each decision is saved at once in {code(file)}; train on it with "
+            f"{code(f'vit-train fit ... --data.corrections {shlex.quote(file)}')}."
+        )
+    return "\n\n".join(lines)
 
 
 def build_review_app(run: ReviewRun) -> gr.Blocks:
     """The review page of `run` (see the module docstring)."""
     on = ReviewActions(run)
     first = next((name for name in LISTS if run.lists[name]), LISTS[0])
-    calibrated = f"temperature {run.temperature:.3f} fitted on the calibration split" if run.calibrated else (
-        "uncalibrated (the run has no calibration split)"
-    )  # fmt: skip
     title = visible(f"vitscope review: {run.run_dir.name}")
     with gr.Blocks(title=title, analytics_enabled=False, delete_cache=(CACHE_S, CACHE_S)) as demo:
-        gr.Markdown(
-            visible(
-                f"# vitscope review: {run.run_dir}\n"
-                f"Checkpoint `{run.checkpoint.name}`, {len(run.labels)} classes; probabilities {calibrated}. "
-                f"Each decision is saved at once in `{on.decisions.file}`; train on it with "
-                f"`vit-train fit ... --data.corrections {on.decisions.file}`."
-            )
-        )
+        gr.Markdown(visible(heading(run, on.decisions)))
         which = gr.Radio([(f"{name} ({len(run.lists[name])})", name) for name in LISTS], value=first, label="List")
         table = gr.Dataframe(headers=HEADERS, type="array", interactive=False, elem_id="items", max_height=320)
         with gr.Row(equal_height=True):

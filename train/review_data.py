@@ -148,7 +148,7 @@ class ReviewRun:
     @torch.inference_mode()
     def _score(self, parts: dict[str, list[tuple[str, int]]], batch_size: int) -> dict[str, dict]:
         """Per split: paths, labels (n,), logits (n, K), features (n, D); unreadable images are skipped."""
-        out = {}
+        out, unreadable = {}, []
         for key, entries in parts.items():
             paths, labels, logits, feats = [], [], [], []
             for start in range(0, len(entries), batch_size):
@@ -157,7 +157,8 @@ class ReviewRun:
                     try:
                         batch.append(self._pixels(p))
                     except (ImageError, OSError) as e:
-                        log.warning("review: skipping %s (%s)", p, e)
+                        log.debug("review: skipping %s (%s)", p, e)
+                        unreadable.append(f"{p} ({e})")
                         continue
                     paths.append(p)
                     labels.append(y)
@@ -173,6 +174,7 @@ class ReviewRun:
                 "logits": np.concatenate(logits) if logits else np.zeros((0, K), np.float32),
                 "features": np.concatenate(feats) if feats else None,
             }
+        self.unreadable = self._say_unreadable(unreadable, sum(map(len, parts.values())))
         D = next((o["features"].shape[1] for o in out.values() if o["features"] is not None), 0)
         for o in out.values():  # a split with no readable image: no rows, as wide as the others
             o["features"] = o["features"] if o["features"] is not None else np.zeros((0, D), np.float32)
@@ -182,6 +184,25 @@ class ReviewRun:
         for part in out.values():
             part["probs"] = cal.softmax(part["logits"], self.temperature)  # (n, K)
         return out
+
+    def _say_unreadable(self, unreadable: list[str], total: int) -> str:
+        """One line for the images the scoring could not read ("" for none), also logged.
+
+        Raises:
+            SetupError: none could be read (the data folder moved or gone): the lists would be empty, and look like
+                a model that makes no mistake.
+        """
+        if not unreadable:
+            return ""
+        where = f"was the data folder {self.data_root} moved or deleted since the run? Put it back there"
+        if len(unreadable) == total:
+            raise SetupError(f"none of the run's {total} images can be read (first: {unreadable[0]}): {where}")
+        said = (
+            f"{len(unreadable)} of the run's {total} images cannot be read (first: {unreadable[0]}), and the lists "
+            f"leave them out: {where}"
+        )
+        log.warning("review: %s", said)
+        return said
 
     def _read_label_issues(self, file: Path) -> list[Item]:
         if not file.is_file():

@@ -14,6 +14,8 @@ import io
 import logging
 import os
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from serve.runtime.images import FILE_NAME_ERRORS
@@ -48,9 +50,37 @@ class Decisions:
         if earlier and not self.file.exists():
             try:
                 _write_atomically(self.file, self._read())
-            except OSError as e:  # a read-only run: the page opens, and each click says it cannot record
-                log.warning("cannot write %s (%s): the review shows the run's corrections, records nothing", file, e)
+            except OSError:  # a read-only run: the page opens saying so (`cannot_save`), and shows the run's
+                pass
         self._table = self._read()
+        self.cannot_save = self._cannot_save()  # None: decisions can be saved
+        if self.cannot_save:
+            log.warning("%s", self.cannot_save)
+
+    def _cannot_save(self) -> str | None:
+        """Why a decision could not be saved, found by making the write a decision makes (nothing is changed)."""
+        try:
+            with self._folder_locked():
+                with open(_temporary(self.file), "w"):
+                    pass
+                _temporary(self.file).unlink()
+        except OSError as e:
+            return (
+                f"decisions cannot be saved in {self.file} ({e}): make the run folder writable, then start the "
+                "review again"
+            )
+        return None
+
+    @contextmanager
+    def _folder_locked(self) -> Iterator[None]:
+        """The decisions file's folder locked, against other processes too (the file itself is replaced at each
+        write, so the lock is on its folder)."""
+        folder = os.open(self.file.parent, os.O_RDONLY)
+        try:
+            fcntl.flock(folder, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(folder)  # and the lock with it
 
     def get(self, path: str) -> tuple[bool, str | None]:
         """(whether `path` was decided, its label: None when left out)."""
@@ -77,20 +107,15 @@ class Decisions:
         (however it names the image) goes, and the decision is the file's last row, keeping that row's further
         columns (a note); a new image's are empty.
         """
-        with self._lock:
-            folder = os.open(self.file.parent, os.O_RDONLY)  # the lock: the file itself is replaced at each write
-            try:
-                fcntl.flock(folder, fcntl.LOCK_EX)
-                table = self._read()
-                key = absolute_path(path, self.root)
-                extra = table.rows.pop(key, [])[2:]
-                row = [written_path(key, self.root), label or "", *extra]
-                table.rows[key] = row + [""] * (len(table.header) - len(row))
-                table.labels[key] = label
-                _write_atomically(self.file, table)
-                self._table = table
-            finally:
-                os.close(folder)  # and the lock with it
+        with self._lock, self._folder_locked():
+            table = self._read()
+            key = absolute_path(path, self.root)
+            extra = table.rows.pop(key, [])[2:]
+            row = [written_path(key, self.root), label or "", *extra]
+            table.rows[key] = row + [""] * (len(table.header) - len(row))
+            table.labels[key] = label
+            _write_atomically(self.file, table)
+            self._table = table
 
     def _read(self) -> CorrectionsTable:
         """The file as `fit` reads it; the decisions the review starts from when there is no file (yet)."""
@@ -113,10 +138,15 @@ def _write_atomically(file: Path, table: CorrectionsTable) -> None:
     writer = csv.writer(buf, lineterminator="\n")
     writer.writerow(table.header)
     writer.writerows(table.rows.values())
-    tmp = file.with_name(f".{file.name}.tmp")
+    tmp = _temporary(file)
     with open(tmp, "w", encoding="utf-8", errors=FILE_NAME_ERRORS, newline="") as f:
         f.write(buf.getvalue())
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, file)
     sync_folder(file.parent)
+
+
+def _temporary(file: Path) -> Path:
+    """Where `file` is written before it is renamed into place."""
+    return file.with_name(f".{file.name}.tmp")

@@ -25,12 +25,12 @@ from uvicorn.config import STARTUP_FAILURE
 
 from serve.runtime.jobs import usable_cores
 from serve.runtime.ports import check_port
+from serve.runtime.temp_dirs import OwnedTempDir
 from serve.server.access_log import ACCESS_LOG, logging_off_the_loop
 from serve.server.http.guard import LOOPBACK_HOSTS
 from serve.server.http.probes import ProbeServer
 from serve.server.http.protocol import LimitedHttpToolsProtocol
 from serve.server.settings import ENV_PREFIX, ServeSettings
-from serve.server.temp_dirs import OwnedTempDir
 
 if TYPE_CHECKING:  # the repository (and onnxruntime with it) is imported once the arguments are read
     from serve.server.repository.repository import ModelRepository

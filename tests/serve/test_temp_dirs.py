@@ -1,4 +1,4 @@
-"""The folders a server owns (`serve.server.temp_dirs`): removed at exit, and by the next server after a kill."""
+"""The folders a server owns (`serve.runtime.temp_dirs`): removed at exit, and by the next server after a kill."""
 
 from __future__ import annotations
 
@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from serve.server.temp_dirs import LOCK, OwnedTempDir
+from serve.runtime.temp_dirs import LOCK, OwnedTempDir
 from tests.helpers import ServerProcess
 
 ROOT = Path(__file__).resolve().parents[2]
 HOLD = (
-    "import sys; from pathlib import Path; from serve.server.temp_dirs import OwnedTempDir\n"
+    "import sys; from pathlib import Path; from serve.runtime.temp_dirs import OwnedTempDir\n"
     "d = OwnedTempDir('vitscope-ui-', Path(sys.argv[1])); print(d.path, flush=True); sys.stdin.read()"
 )
 

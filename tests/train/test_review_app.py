@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import csv
+import html
 import json
 import logging
 import os
+import re
+import shlex
 import shutil
 import signal
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -169,11 +173,14 @@ def test_what_is_uploaded_to_the_page_is_deleted_when_it_closes(run: Path):
 
 
 @pytest.mark.parametrize("when", ["serving", "launching", "before-gradio-waits"])
-def test_a_review_stopped_by_sigterm_closes_and_deletes_what_was_uploaded(when, run: Path, capsys, caplog, monkeypatch):
+def test_a_review_stopped_by_sigterm_closes_and_deletes_what_was_uploaded(
+    when, run: Path, tmp_path: Path, capsys, caplog, monkeypatch
+):
     """`vit-train review` stopped by SIGTERM (a scheduler, `timeout`) was killed, its uploads left behind; it told
     the user to "set `share=True` in `launch()`", where its option is --share. A SIGTERM after the page was up but
     before Gradio's own wait took over escaped the command as an exception, the page open: while launch() checked
-    that the page answers (`launching`), or between launch() and Gradio's wait (`before-gradio-waits`)."""
+    that the page answers (`launching`), or between launch() and Gradio's wait (`before-gradio-waits`). Each upload
+    also left an empty folder in the shared /tmp/gradio: the review now keeps its own folder, and removes it."""
     from train.review import main
 
     if when == "launching":  # the signal lands in the main thread while launch() asks the page it started
@@ -183,6 +190,9 @@ def test_a_review_stopped_by_sigterm_closes_and_deletes_what_was_uploaded(when, 
         block_thread = gr.Blocks.block_thread
         monkeypatch.setattr(gr.Blocks, "block_thread", lambda app: (time.sleep(60), block_thread(app)))
     port, kept = free_port(), []
+    temp = tmp_path / "tmp"  # the system's temporary folder, for this test: the page's folders go in it
+    temp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
 
     def upload_then_terminate() -> None:
         wait_until(lambda: _answers(port), 60, "the review page up")
@@ -204,6 +214,7 @@ def test_a_review_stopped_by_sigterm_closes_and_deletes_what_was_uploaded(when, 
         assert f"the page is at http://127.0.0.1:{port}/ (--share for a public link)" in caplog.text
     assert "share=True" not in capsys.readouterr().out
     wait_until(lambda: not Path(kept[0]).exists(), 10, "the upload deleted")
+    assert Path(kept[0]).is_relative_to(temp) and list(temp.iterdir()) == []  # Gradio's folders left no empty one
 
 
 def _answers(port: int) -> bool:
@@ -318,3 +329,90 @@ def test_a_file_name_with_markup_is_shown_as_text(tmp_path: Path):
     shown = code(name)
     assert shown.startswith("`` ") and shown.endswith(" ``") and name in shown  # a fence longer than any run in it
     assert plain("<b>bar</b> *x*") == "&lt;b&gt;bar&lt;/b&gt; \\*x\\*"
+
+
+def test_a_refused_click_or_load_tells_the_page_and_prints_no_traceback(run: Path):
+    """Every refusal printed a traceback of about 30 lines, with the server's paths, to the console: Gradio prints
+    one for each `gr.Error` unless it is told not to (`print_exception`), as vit-serve's page does."""
+    on = ReviewActions(ReviewRun(run, limit=3))
+    refusals = []
+    (run / "corrections.csv").write_text("path,label\n")
+    calls = [
+        lambda: on.decide(FLAGGED, None, "keep", None),  # nothing picked
+        lambda: on.decide(FLAGGED, 0, "relabel", "no such class"),
+        lambda: on.decide(FLAGGED, 0, "keep", None, "another image"),  # the page moved on as the click was made
+    ]
+    for call in calls:
+        with pytest.raises(gr.Error) as refused:
+            call()
+        refusals.append(refused.value)
+    (run / "corrections.csv").write_text('path,label\n"broken,top_left\n')  # broken by hand while the page is open
+    for call in (lambda: on.decide(FLAGGED, 1, "leave", None), lambda: on.load(FLAGGED)):
+        with pytest.raises(gr.Error, match="line 2") as refused:
+            call()
+        refusals.append(refused.value)
+    assert [e.print_exception for e in refusals] == [False] * len(refusals)
+
+
+def _heading(app) -> str:
+    return next(block.value for block in app.blocks.values() if isinstance(block, gr.Markdown))
+
+
+def test_a_run_folder_named_with_markup_is_shown_as_written_and_its_fit_command_can_be_pasted(review_run, tmp_path):
+    """The heading put the run's path and the decisions file into Markdown as they were: a folder name's `**` and
+    HTML became bold text and an image on the page, and its backticks cut the path in the command to paste."""
+    from markdown_it import MarkdownIt
+
+    from train.review_app import build_review_app
+
+    run = Path(shutil.copytree(review_run, tmp_path / "r`x` **bold** <img src=x> [a](b) it's"))
+    app = build_review_app(ReviewRun(run, limit=3))
+    page = MarkdownIt().render(_heading(app))
+    assert "<img" not in page and "<strong>bold" not in page and "<a href" not in page
+    commands = [html.unescape(c) for c in re.findall(r"<code>(vit-train fit .*?)</code>", page)]
+    assert commands == [f"vit-train fit ... --data.corrections {shlex.quote(str(run / 'corrections.csv'))}"]
+    assert f"# vitscope review: {run}" in html.unescape(page.replace("<h1>", "# "))  # the path, as it is
+
+
+def test_a_run_folder_a_decision_cannot_be_written_to_is_said_when_the_review_opens(run: Path, caplog):
+    """A run folder the review could not write to (read-only, full, or its write's file taken by a folder) was found
+    only at the first click, while the page said each decision is saved at once."""
+    from train.review_app import build_review_app
+
+    (run / ".corrections.csv.tmp").mkdir()  # where each decision is written before it is renamed into place
+    with caplog.at_level(logging.WARNING, logger="train.review_store"):
+        app = build_review_app(ReviewRun(run, limit=3))
+    said = f"decisions cannot be saved in {run / 'corrections.csv'}"
+    assert said in caplog.text and "Is a directory" in caplog.text
+    assert said in _heading(app).replace("`", "").replace("\\", "") and "Each decision is saved" not in _heading(app)
+    assert not (run / "corrections.csv").exists() and (run / ".corrections.csv.tmp").is_dir()
+
+
+def _move(run: Path, entries: int) -> list[str]:
+    """Point the first `entries` images of the run's split somewhere they are not, as if their folder had moved."""
+    split = json.loads((run / "split.json").read_text())
+    every = [e for key in ("train", "val", "calib") for e in split[key]]
+    for e in every[:entries]:
+        e["path"] = str(run / "moved" / Path(e["path"]).name)
+    (run / "split.json").write_text(json.dumps(split))
+    return [e["path"] for e in every[:entries]]
+
+
+def test_images_that_cannot_be_read_are_counted_once_on_the_page_and_all_of_them_stop_the_review(run: Path, caplog):
+    """With its images moved, the review logged a line per image and opened on lists that said "nothing to look
+    at in this run", as if the model made no error; with some moved, its lists shrank without a word."""
+    from train.errors import SetupError
+    from train.review_app import build_review_app
+
+    total = len(json.loads((run / "split.json").read_text())["train"]) + 12 + 24
+    gone = _move(run, 17)
+    with caplog.at_level(logging.INFO, logger="train.review_data"):
+        app = build_review_app(ReviewRun(run, limit=3))
+    records = [r for r in caplog.records if r.name == "train.review_data" and r.levelno >= logging.WARNING]
+    warnings = [r.getMessage() for r in records]
+    assert len(warnings) == 1 and f"17 of the run's {total} images cannot be read" in warnings[0]
+    assert gone[0] in warnings[0] and "moved" in warnings[0]
+    assert f"17 of the run's {total} images cannot be read" in _heading(app)
+    _move(run, total)
+    with pytest.raises(SetupError, match=f"none of the run's {total} images can be read .*moved"):
+        ReviewRun(run, limit=3)

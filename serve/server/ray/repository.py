@@ -36,6 +36,7 @@ import numpy as np
 from ray import serve
 from starlette.concurrency import run_in_threadpool
 
+from serve.runtime.temp_dirs import OwnedTempDir
 from serve.server.engine import Engine
 from serve.server.ray.deployment import (
     HEALTH_TIMEOUT_S,
@@ -48,7 +49,6 @@ from serve.server.ray.deployment import (
 from serve.server.repository.layout import CONFIG_FILE, LABELS_FILE, MODEL_FILE
 from serve.server.repository.version import load_version
 from serve.server.settings import ServeSettings
-from serve.server.temp_dirs import OwnedTempDir
 
 MODEL_APP_PREFIX = "vitscope-model-"
 MODEL_DEPLOYMENT = "ModelVersions"

@@ -7,8 +7,8 @@ import logging
 import os
 import time
 
+from serve.runtime.temp_dirs import LOCK
 from serve.server.http.errors import send_error
-from serve.server.temp_dirs import LOCK
 
 log = logging.getLogger(__name__)
 

@@ -1,12 +1,12 @@
 """Temporary folders a server owns while it runs, and those an earlier server was killed before it could remove.
 
-`vit-serve` keeps the UI's uploads and results in a folder of its own (`GRADIO_TEMP_DIR`), and the Ray ingress its
-repository view; each removes its folder when it stops. A SIGKILL (an orchestrator's after the grace period, the
-OOM killer, Ray replacing a replica) leaves it behind, uploads included, and a server restarted in a loop would fill
-the disk. So each folder holds an exclusive `flock` on its `.lock` file for as long as its server lives: the kernel
-lets go of it however the process ends, and the next folder of the same prefix that this user makes in the same
-temporary folder removes every one whose lock it can take. A process ID would not tell: in a container every
-server is PID 1.
+`vit-serve` and `vit-train review` keep their pages' uploads and results in a folder of their own
+(`GRADIO_TEMP_DIR`), and the Ray ingress its repository view; each removes its folder when it stops. A SIGKILL (an
+orchestrator's after the grace period, the OOM killer, Ray replacing a replica) leaves it behind, uploads included,
+and a server restarted in a loop would fill the disk. So each folder holds an exclusive `flock` on its `.lock` file
+for as long as its server lives: the kernel lets go of it however the process ends, and the next folder of the same
+prefix that this user makes in the same temporary folder removes every one whose lock it can take. A process ID
+would not tell: in a container every server is PID 1.
 """
 
 from __future__ import annotations
