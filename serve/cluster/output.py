@@ -9,7 +9,9 @@
 
 A run stopped at any instant (Ctrl-C, a failed write, SIGKILL, a lost machine) leaves no --out, so that nothing
 reads as a complete table with rows missing. A SIGKILL leaves the `.incomplete` folder, and the next run to the
-same --out deletes it, saying so: a --ray job is not resumable (every input is scored again). While a run goes
+same --out deletes its parts, saying so: a --ray job is not resumable (every input is scored again). The folder
+carries a mark (`MARK`) from its making to its rename: a folder of that name without it, or holding anything but
+Parquet parts, is someone else's, and is refused, never emptied. While a run goes
 it holds a lock on its folder, which the kernel lets go however the process ends, so that a second run on the
 same --out is refused instead of deleting the first one's parts (as the local job holds its parts folder,
 `serve.runtime.outputs.PartStore.lock`).
@@ -33,6 +35,7 @@ from serve.runtime.row_formats import require_pyarrow, table_row
 
 INCOMPLETE_SUFFIX = ".incomplete"
 EMPTY_PART = "columns.parquet"  # the part of a job no image reached: its columns and no rows
+MARK = ".vit-predict"  # in the temporary folder while a run owns it (Parquet readers skip dot files)
 
 
 class OutputFolder:
@@ -79,13 +82,20 @@ class OutputFolder:
             raise
         busy = f"another vit-predict is writing {self.out} (into {self.tmp}): wait for it to end, or give another --out"
         self._held = lock_folder(held, busy)
-        if left:
+        if left and (stranger := _not_ours(self.tmp)):
+            os.close(self._held)  # and nothing of it deleted: `release` has nothing to let go of
+            self._held = None
+            raise ValueError(
+                f"{self.tmp} is not a folder of vit-predict's (it holds {stranger}): remove it, or give another --out"
+            )
+        if left and any(self.tmp.glob("*.parquet")):
             print(
                 f"{self.tmp}: deleting the parts of a stopped --ray run (it did not finish, and a --ray job is not "
                 "resumable: this run scores every input)",
                 file=errors,
             )
             _empty(self.tmp)
+        (self.tmp / MARK).touch()
 
     def publish(self, template: dict[str, Any]) -> None:
         """Flush the parts Ray wrote (or, when it wrote none, a part of `template`'s columns and no rows), then
@@ -97,6 +107,7 @@ class OutputFolder:
         if not any(self.tmp.glob("*.parquet")):
             pa = require_pyarrow()
             pa.parquet.write_table(pa.Table.from_pylist([table_row(template)]).slice(0, 0), self.tmp / EMPTY_PART)
+        (self.tmp / MARK).unlink(missing_ok=True)  # the table is the parts alone
         for part in filter(Path.is_file, self.tmp.iterdir()):
             with open(part, "rb") as f:
                 os.fsync(f.fileno())
@@ -116,9 +127,23 @@ class OutputFolder:
         self._held = None
 
 
+def _not_ours(folder: Path) -> str | None:
+    """The name of something in `folder` a run of vit-predict did not write there (None: nothing): with its mark,
+    only Parquet parts are; without it (made by hand, or another program's), nothing is."""
+    entries = sorted(folder.iterdir())
+    if not entries:
+        return None  # a run killed as it made the folder: nothing to delete
+    if not (folder / MARK).is_file():
+        return entries[0].name
+    return next((e.name for e in entries if e.name != MARK and not _is_part(e)), None)
+
+
+def _is_part(entry: Path) -> bool:
+    return entry.suffix == ".parquet" and entry.is_file() and not entry.is_symlink()
+
+
 def _empty(folder: Path) -> None:
+    """Delete the parts a stopped run left (`_not_ours` found nothing else there)."""
     for entry in folder.iterdir():
-        if entry.is_dir() and not entry.is_symlink():
-            shutil.rmtree(entry)
-        else:
+        if _is_part(entry):
             entry.unlink()

@@ -8,6 +8,7 @@ run killed while it writes leaves no table at --out, and a job no image reached 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -212,3 +213,44 @@ def test_ray_refuses_the_thread_options_it_would_ignore_before_ray_starts(option
             [str(tmp_path / "model.onnx"), str(tmp_path), option, "2", "--ray", "--out", str(tmp_path / "p.parquet")]
         )
     assert stopped.value.code == 2 and "with --ray, give --cpus-per-worker" in capsys.readouterr().err
+
+
+def test_a_folder_at_the_parts_path_that_vit_predict_did_not_make_is_refused_and_kept(tiny_onnx, tmp_path, capsys):
+    """Any folder named like --out's parts (`preds.parquet.incomplete`) was taken for a stopped run's and deleted
+    whole, whatever it held: a folder of someone's notes went with the next run."""
+    out, empty = tmp_path / "preds.parquet", tmp_path / "empty"
+    empty.mkdir()
+    theirs = tmp_path / "preds.parquet.incomplete"
+    (theirs / "sub").mkdir(parents=True)
+    (theirs / "notes.txt").write_text("precious")
+    assert vit_predict([str(tiny_onnx), str(empty), "--ray", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"{theirs} is not a folder of vit-predict's (it holds notes.txt): remove it, or give another --out" in err
+    assert (theirs / "notes.txt").read_text() == "precious" and (theirs / "sub").is_dir()
+    shutil.rmtree(theirs / "sub")
+    (theirs / "notes.txt").unlink()
+    (theirs / "part-0.parquet").write_bytes(b"a part, in a folder vit-predict did not make")
+    with pytest.raises(ValueError, match="is not a folder of vit-predict's"):
+        OutputFolder(out).take(sys.stderr)
+    assert (theirs / "part-0.parquet").is_file()
+    (theirs / "part-0.parquet").unlink()
+    folder = OutputFolder(out)  # an empty one (a run killed as it made it): taken, and nothing to delete
+    folder.take(sys.stderr)
+    folder.release()
+    assert not theirs.exists()
+
+
+def test_a_stopped_runs_parts_are_deleted_and_its_folder_reused_by_the_next_run(tmp_path, capsys):
+    out = tmp_path / "preds.parquet"
+    stopped = OutputFolder(out)
+    stopped.take(sys.stderr)
+    (stopped.tmp / "part-0.parquet").write_bytes(b"a part of a run killed before it published")
+    os.close(stopped._held)  # the kernel lets go of the lock as a SIGKILL would; the folder stays
+    folder = OutputFolder(out)
+    folder.take(sys.stderr)
+    assert f"{folder.tmp}: deleting the parts of a stopped --ray run" in capsys.readouterr().err
+    assert not (folder.tmp / "part-0.parquet").exists()
+    (folder.tmp / "part-1.parquet").write_bytes(b"this run's part")
+    folder.publish({"path": "x"})
+    folder.release()
+    assert [p.name for p in out.iterdir()] == ["part-1.parquet"]  # the folder's mark of ownership does not ship
