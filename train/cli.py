@@ -50,7 +50,7 @@ from train.run_dir import (
 )
 from train.shards import PREPARE_HELP, prepare_parser
 from train.shards import main as prepare_main
-from train.splits import copies_hint
+from train.splits import no_validation
 
 log = logging.getLogger(__name__)
 FIT_RUN: list[tuple[Path, float]] = []  # the fit under way, once its checks begin: its run directory, and the time
@@ -297,11 +297,7 @@ class VitCLI(LightningCLI):
             return
         # a prepared (LitData) dataset keeps its split in its chunks, not in the scan
         if scan.layout != "litdata" and not scan.val:
-            raise SetupError(
-                f"{scan.root} gives no validation images, so no best.ckpt could be chosen: give each class at "
-                "least 2 images (--data.val_fraction holds some out), or add a root/val/<class>/ folder"
-                + copies_hint(scan.train + scan.calib, scan.duplicates, scan.classes)
-            )
+            raise SetupError(no_validation(scan))
         world, images = self.trainer.world_size, self.datamodule.val_images
         if images < world:
             raise SetupError(

@@ -34,10 +34,12 @@ from train.data_report import REPORTS, build_report, class_counts, write_duplica
 from train.dataset import ignore_sigterm, usable_cores
 from train.folder_scan import BadFile, FolderScan, scan_folder
 from train.parallel import parallel_map
+from train.splits import no_validation
 
 log = logging.getLogger(__name__)
 
 META = "vitscope.json"
+MARK = ".vitscope-prepare"  # written first: a folder with it is a prepare's, finished (with META) or not
 FORMAT = "vitscope-litdata/1"
 
 
@@ -61,7 +63,8 @@ def is_streaming_root(root: str | Path) -> bool:
     """True for a local folder `prepare` wrote, or any remote URL (s3://, gs://): those are streamed."""
     text = str(root)
     folder = Path(text).expanduser()
-    return "://" in text or (folder / META).is_file() or (folder / "train" / "index.json").is_file()  # or half-made
+    made = [folder / META, folder / MARK, folder / "train" / "index.json"]  # finished, or stopped half-way
+    return "://" in text or any(p.is_file() for p in made)
 
 
 def _decode_errors(paths: list[str]) -> list[tuple[str, str]]:
@@ -104,7 +107,10 @@ def prepare(
     check_chunk_bytes(chunk_bytes)
     if workers is not None and workers < 1:
         raise ValueError(f"--workers must be at least 1 (or left out: the usable cores), got {workers}")
+    check_out_fresh(out)
     scan = scan_folder(root, val_fraction, seed, verify=True, corrections=corrections, dedupe=dedupe != "none")
+    if not scan.val:  # before any chunk: LitData would write train/, then fail on an empty val/
+        raise ValueError(no_validation(scan))
     workers = workers or usable_cores()
     paths = [p for p, _ in scan.train + scan.val] if scan.duplicates is None else []  # dedupe decoded them all
     chunks = [paths[i : i + 1000] for i in range(0, len(paths), 1000)]
@@ -113,6 +119,7 @@ def prepare(
     bad = [(b.path, b.reason) for b in scan.bad] + errors
     meta = {"format": FORMAT, "root": str(scan.root), "layout": scan.layout, "classes": scan.classes}
     _remove_meta(out)  # before any chunk is rewritten: a prepare stopped half-way must not pair them with it
+    _write_text(out, MARK, "")  # and a first one stopped before its index is still known as a prepare's
     method = multiprocessing.get_start_method(allow_none=True)
     try:
         for split, items in (("train", scan.train), ("val", scan.val)):
@@ -146,6 +153,19 @@ def check_out_apart(root: str, out: str) -> None:
         raise ValueError(
             f"--out must be a folder outside --data.root: {out} would write the chunks into {root}; "
             "choose another folder, e.g. shards/<name>"
+        )
+
+
+def check_out_fresh(out: str) -> None:
+    """A `ValueError` when the local `out` holds files and is not an earlier prepare's folder: an image folder given
+    by mistake would get train/ and val/ beside its classes, and stream as the other dataset from then on."""
+    folder = Path(out)
+    if "://" in out or not folder.is_dir() or is_streaming_root(folder):
+        return
+    if first := next(iter(sorted(folder.iterdir())), None):
+        raise ValueError(
+            f"--out {out} holds files vit-train prepare did not write ({first.name}): give a new or empty folder, "
+            "e.g. shards/<name>"
         )
 
 

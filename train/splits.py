@@ -124,6 +124,21 @@ def copies_hint(items: list[tuple[str, int]], dups: Duplicates | None, classes: 
     return ""
 
 
+def no_validation(scan) -> str:
+    """The refusal of a scan (`FolderScan`) that gives no validation image, in fit and in prepare alike."""
+    if scan.left_out:  # a root/val/ whose every image has a copy in train/
+        return (
+            f"{scan.root} gives no validation images: each of its {len(scan.left_out)} val/ images has a copy in "
+            "train/, so no best.ckpt could be chosen; add images that are not in train/ to val/<class>/, or keep "
+            "the copies with --data.dedupe none"
+        )
+    return (
+        f"{scan.root} gives no validation images, so no best.ckpt could be chosen: give each class at least 2 "
+        "images (--data.val_fraction holds some out), or add a root/val/<class>/ folder"
+        + copies_hint(scan.train + scan.calib, scan.duplicates, scan.classes)
+    )
+
+
 def mixed_groups(dups: Duplicates | None, items: list[tuple[str, int]]) -> set[str]:
     """The paths of the copy groups whose images in `items` carry more than one class: the same picture under two
     labels, kept in training (validated or calibrated on, one of its labels would score it wrong)."""

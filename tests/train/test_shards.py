@@ -266,3 +266,60 @@ def test_an_out_beside_the_images_is_not_refused(tmp_path):
 
     (tmp_path / "pets" / "images").mkdir(parents=True)
     check_out_apart(str(tmp_path / "pets" / "images"), str(tmp_path / "pets"))
+
+
+def test_prepare_refuses_an_out_that_holds_other_files_and_leaves_them_as_they_were(tmp_path: Path, capsys):
+    """An image folder given as --out (a slip between two datasets) got train/, val/ and vitscope.json beside its
+    class folders, exit 0: a fit on it then streamed the other dataset's images under its name."""
+    root, other = write_shapes(tmp_path / "images", per_class=2), write_shapes(tmp_path / "other", per_class=2)
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    with pytest.raises(SystemExit) as e:
+        main(["prepare", "--data.root", str(root), "--out", str(other), "--workers", "1"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and f"--out {other} holds files vit-train prepare did not write" in err
+    assert "give a new or empty folder" in err and len(err.strip().splitlines()) == 1
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+    (tmp_path / "empty").mkdir()  # an empty folder, and an earlier prepare's, are written into
+    for out in (tmp_path / "empty", tmp_path / "empty"):
+        main(["prepare", "--data.root", str(root), "--out", str(out), "--workers", "1"])
+        assert read_meta(str(out))["classes"] == sorted(p.name for p in root.iterdir())
+
+
+def test_a_first_prepare_stopped_before_its_chunks_leaves_a_folder_fit_calls_unfinished(
+    messy_folder, tmp_path, capsys, monkeypatch
+):
+    """Killed before LitData wrote train/index.json, a new --out read as an image folder: fit said it "must hold at
+    least 2 class folders", not that the prepare did not finish."""
+    import litdata
+
+    def stopped(*args, output_dir: str, **kwargs):  # Ctrl-C as the first chunk is being written
+        Path(output_dir).mkdir(parents=True)
+        (Path(output_dir) / "chunk-0-0.bin").write_bytes(b"half a chunk")
+        raise KeyboardInterrupt
+
+    out = tmp_path / "shards"
+    monkeypatch.setattr(litdata, "optimize", stopped)
+    with pytest.raises(KeyboardInterrupt):
+        prepare(str(messy_folder), str(out), workers=1)
+    monkeypatch.undo()
+    assert is_streaming_root(out)
+    with pytest.raises(SystemExit):
+        main(["fit", "--config", "configs/sample.yaml", "--data.root", str(out), "--trainer.default_root_dir",
+              str(tmp_path / "run")])  # fmt: skip
+    assert "has chunks but no vitscope.json: its `vit-train prepare` did not finish" in capsys.readouterr().err
+
+
+def test_prepare_refuses_a_split_without_validation_images_before_writing_a_chunk(tmp_path: Path, capsys):
+    """Every val/ image a copy of a train/ one: the training chunks were written, then LitData failed on the empty
+    validation set ("The provided inputs should be non empty"), and each new try failed the same way."""
+    root = tmp_path / "images"
+    write_shapes(root / "train", per_class=3)
+    for folder in (root / "train").iterdir():
+        (root / "val" / folder.name).mkdir(parents=True)
+        first = sorted(folder.iterdir())[0]
+        shutil.copy(first, root / "val" / folder.name / first.name)
+    with pytest.raises(SystemExit) as e:
+        main(["prepare", "--data.root", str(root), "--out", str(tmp_path / "shards"), "--workers", "1"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "gives no validation images: each of its 3 val/ images has a copy in train/" in err
+    assert "--data.dedupe none" in err and not (tmp_path / "shards").exists()
