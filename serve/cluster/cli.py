@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import math
 import sys
 
+from serve.cluster.output import OutputFolder
 from serve.runtime.interrupts import exit_code, sigterm_as_interrupt
 from serve.runtime.jobs import collect_sources
 from serve.runtime.predict import build_parser, check_args, run_args
@@ -20,14 +22,23 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if not args.ray:
         return run_args(p, args)
+    if args.out is not None:  # a folder here, not the local run's table: refused as --ray says, before its checks
+        try:
+            OutputFolder(args.out)
+        except ValueError as e:
+            p.error(str(e))
     check_args(p, args)  # the local run's usage errors, before Ray starts
     if args.out is None or args.resume:
         p.error("--ray needs --out DIR.parquet (and runs the whole job: no --resume)")
-    if args.workers < 1 or args.cpus_per_worker <= 0:
-        p.error("--workers must be at least 1 and --cpus-per-worker above 0")
+    if args.workers < 1:
+        p.error("--workers must be at least 1")
+    if not (math.isfinite(args.cpus_per_worker) and args.cpus_per_worker > 0):
+        p.error(f"--cpus-per-worker must be a finite number above 0, got {args.cpus_per_worker:g}")
     if args.threads is not None or args.decode_threads is not None:  # each actor's threads are its CPUs
         p.error("--threads and --decode-threads are for runs on one machine: with --ray, give --cpus-per-worker")
     try:
+        import ray.data  # noqa: F401 (the job imports it once the model has loaded: said before)
+
         from serve.cluster.ray_job import run_ray
     except ImportError as e:
         print(f"vit-predict: --ray needs Ray Data: pip install 'vitscope[ray]' ({e})", file=sys.stderr)

@@ -33,3 +33,25 @@ def test_ray_refuses_what_the_local_run_refuses_before_ray_starts(args, tmp_path
     monkeypatch.setattr(ray, "init", lambda *a, **kw: pytest.fail("Ray started for arguments it cannot run"))
     assert _usage_error(vit_predict, [*argv, "--ray", "--out", str(tmp_path / "ray.parquet")], capsys) == local
     assert not list(tmp_path.glob("*.parquet*"))
+
+
+@pytest.mark.parametrize("cpus", ["inf", "1e400", "nan", "0", "-1"])
+def test_a_cpu_count_that_is_no_finite_positive_number_is_a_usage_error(cpus, tmp_path, monkeypatch, capsys):
+    """inf gave an OverflowError traceback, and NaN passed the check to fail as "cannot convert float NaN to
+    integer"."""
+    monkeypatch.setattr(ray, "init", lambda *a, **kw: pytest.fail("Ray started for arguments it cannot run"))
+    argv = [str(tmp_path / "model.onnx"), str(tmp_path), "--ray", "--out", str(tmp_path / "p.parquet")]
+    said = _usage_error(vit_predict, [*argv, "--cpus-per-worker", cpus], capsys)
+    assert said.endswith(f"--cpus-per-worker must be a finite number above 0, got {float(cpus):g}")
+
+
+def test_an_existing_out_folder_is_refused_as_the_ray_run_says_not_as_a_local_table(tmp_path, monkeypatch, capsys):
+    """With --ray, --out is a folder: one already there was refused with the local run's "is a folder: give the
+    table's file name", which --ray users cannot follow."""
+    monkeypatch.setattr(ray, "init", lambda *a, **kw: pytest.fail("Ray started for arguments it cannot run"))
+    (tmp_path / "preds.parquet").mkdir()
+    argv = [str(tmp_path / "model.onnx"), str(tmp_path), "--ray", "--out", str(tmp_path / "preds.parquet")]
+    said = _usage_error(vit_predict, argv, capsys)
+    assert said.endswith(
+        f"{tmp_path / 'preds.parquet'} exists: remove it to score again (--resume is for runs on one machine)"
+    )

@@ -210,3 +210,15 @@ def test_vit_predict_runs_where_the_os_has_no_sched_getaffinity(tiny_onnx, tmp_p
     folder = _folder(tmp_path, n=1)
     monkeypatch.delattr(os, "sched_getaffinity", raising=False)
     assert main([str(tiny_onnx), str(folder)]) == 0 and len(capsys.readouterr().out.splitlines()) == 1
+
+
+def test_ray_without_ray_installed_says_what_to_install_before_the_model_loads(tmp_path, monkeypatch, capsys):
+    """Only `import ray` inside the job failed, after the model loaded: a ModuleNotFoundError traceback, exit 1.
+    (Run here with Ray hidden; the [serve]-only venv, which has no Ray, runs it as it is.)"""
+    from serve.cluster.cli import main as vit_predict
+
+    monkeypatch.setitem(sys.modules, "ray", None)  # as absent as an uninstalled package: `import ray` fails
+    argv = [str(tmp_path / "no-model.onnx"), str(tmp_path), "--ray", "--out", str(tmp_path / "p.parquet")]
+    assert vit_predict(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("vit-predict: --ray needs Ray Data: pip install 'vitscope[ray]'") and "Traceback" not in err

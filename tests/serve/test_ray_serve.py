@@ -426,3 +426,17 @@ def test_replicas_that_cannot_fit_are_refused_or_waited_for_until_ctrl_c(
     interrupted(joined, lambda: "waiting for it to add nodes" in joined.output, "the warning")
     with pytest.raises(ValueError, match=r"reserve 64 CPUs .* Ray has \d+: lower --replicas or --replica-cpus"):
         check_room(64, None)  # what `run` asks of a Ray it started (this process's, joined to the cluster)
+
+
+@pytest.mark.parametrize("cpus", ["inf", "nan", "0"])
+def test_replica_cpus_that_are_no_finite_positive_number_are_one_line_before_ray_starts(
+    tiny_onnx, cpus, monkeypatch, capsys
+):
+    """--replica-cpus inf failed inside Ray's option checks with a traceback, NaN as "cannot convert float NaN to
+    integer", after Ray had started."""
+    from serve.server.cli import main
+
+    monkeypatch.setattr(ray, "init", lambda *a, **kw: pytest.fail("Ray started for arguments it cannot run"))
+    assert main([str(tiny_onnx), "--ray", "--replica-cpus", cpus]) == 2
+    said = f"--replica-cpus must be a finite number above 0, got {float(cpus):g}"
+    assert capsys.readouterr().err == f"vit-serve: {said}\n"

@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import math
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextvars import ContextVar
@@ -212,11 +213,13 @@ def model_options(settings: ServeSettings, replicas: int, max_replicas: int | No
     """The Ray Serve options of a model replicas' deployment (`ModelReplica`, or a repository's `ModelVersions`).
 
     Raises:
-        ValueError: `replicas` below 1 or above `max_replicas`.
+        ValueError: `replicas` below 1 or above `max_replicas`; `cpus` not a finite number above 0.
     """
     high = replicas if max_replicas is None else max_replicas
     if not 1 <= replicas <= high:
         raise ValueError(f"replicas must be at least 1 and at most max_replicas, got {replicas} and {high}")
+    if not (math.isfinite(cpus) and cpus > 0):  # inf failed inside Ray with a traceback, NaN as "cannot convert"
+        raise ValueError(f"--replica-cpus must be a finite number above 0, got {cpus:g}")
     return {
         "autoscaling_config": {
             "min_replicas": replicas,
