@@ -19,6 +19,10 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 ENV_PREFIX = "VITSCOPE_"
 
 
+UI_FORM_OVERHEAD = 64 * 1024  # multipart boundaries and headers around an uploaded file
+UI_CALL_RESULT_BYTES = 512 * 1024  # what a UI call writes: two images at display size (256 px), under this
+
+
 class ServeSettings(BaseSettings):
     """Limits, batching and threading of one `vit-serve` process (see each field's description)."""
 
@@ -152,7 +156,8 @@ class ServeSettings(BaseSettings):
         ge=1 << 20,
         description="bytes the UI's uploads and results may take on disk together; an upload or call past it is "
         "refused (507) until older files are deleted (ui_cache_s). Each upload is bounded by max_bytes, and "
-        "uploads need no key on a server without one: this bounds the disk they can fill",
+        "uploads need no key on a server without one: this bounds the disk they can fill (at least max_bytes and "
+        "room for a call's results)",
     )
     top_k: int = Field(5, ge=1, description="predictions returned when the client does not ask for a number")
     deletion_steps: int = Field(
@@ -298,6 +303,12 @@ class ServeSettings(BaseSettings):
             raise ValueError(
                 f"preferred_batch_size must be in 0..max_batch_size ({self.max_batch_size}) "
                 f"(0: measured at warm-up), got {self.preferred_batch_size}"
+            )
+        if self.ui_cache_bytes < (largest := self.max_bytes + UI_FORM_OVERHEAD + UI_CALL_RESULT_BYTES):
+            raise ValueError(
+                f"ui_cache_bytes ({self.ui_cache_bytes:,}) must hold the largest request the UI takes: max_bytes "
+                f"({self.max_bytes:,}), its form and a call's results, {largest:,} in all; raise --ui-cache-bytes "
+                "or lower --max-bytes"
             )
         if self.queue_size < self.max_batch_size:  # a request's images are queued all at once, or refused
             raise ValueError(

@@ -166,3 +166,13 @@ def test_more_threads_than_cores_is_refused_before_the_model_loads(tiny_onnx):
     )  # fmt: skip
     assert r.returncode == 2, r.stderr[-500:]
     assert f"threads: must be 0 (by model size) to {cores} (this machine's cores), got {cores + 1}" in r.stderr
+
+
+def test_a_ui_disk_budget_smaller_than_one_request_is_refused_at_start(tiny_onnx, capsys):
+    """--ui-cache-bytes under --max-bytes started, then refused every large upload with 507 and "retry once older
+    files go", which no wait could ever satisfy."""
+    from serve.server.cli import main
+
+    assert main([str(tiny_onnx), "--ui-cache-bytes", "3000000"]) == 2
+    err = capsys.readouterr().err
+    assert "ui_cache_bytes (3,000,000) must hold the largest request the UI takes" in err and "--max-bytes" in err

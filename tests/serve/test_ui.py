@@ -398,7 +398,7 @@ def test_uploads_and_calls_past_the_ui_cache_cap_are_refused_until_old_ones_go(t
     the disk at the request rate. --ui-cache-bytes bounds it."""
     import httpx
 
-    args = ["--examples-dir", "", "--graceful-timeout-s", "3", "--ui-cache-bytes", "3000000"]
+    args = ["--examples-dir", "", "--graceful-timeout-s", "3", "--ui-cache-bytes", "3000000", "--max-bytes", "2000000"]
     with ServerProcess(tiny_onnx, *args) as server:
         post = lambda i: httpx.post(server.url + "/gradio_api/upload", files={"files": (f"{i}.bin", bytes(1_000_000))})
         assert [post(i).status_code for i in range(2)] == [200, 200]

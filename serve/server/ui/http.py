@@ -9,11 +9,9 @@ import time
 
 from serve.runtime.temp_dirs import LOCK
 from serve.server.http.errors import send_error
+from serve.server.settings import UI_CALL_RESULT_BYTES, UI_FORM_OVERHEAD
 
 log = logging.getLogger(__name__)
-
-FORM_OVERHEAD = 64 * 1024  # multipart boundaries and headers around the file itself
-CALL_RESULT_BYTES = 512 * 1024  # what a call writes: two images at display size (256 px), under this uncompressed
 
 
 # Gradio's routes that make a call: direct (`run`, `api`), queued (`call`, with its event stream) and the
@@ -136,12 +134,12 @@ class UploadLimit:
     routes, whose JSON Gradio reads whole) must declare its length, within `max_bytes` in all (Gradio's own limit
     is per uploaded file, and one request may carry many files; its JSON routes have none); and an upload or a call
     that would take the UI's `folder` past `folder_bytes` is refused (507) until older files are deleted. A call
-    is let through with room for its results (`CALL_RESULT_BYTES`), which are written after the check."""
+    is let through with room for its results (`UI_CALL_RESULT_BYTES`), which are written after the check."""
 
     def __init__(
         self, app, max_bytes: int, folder: str | None = None, folder_bytes: int | None = None, stale_s: float = 3600
     ):
-        self.app, self.max_bytes = app, max_bytes + FORM_OVERHEAD
+        self.app, self.max_bytes = app, max_bytes + UI_FORM_OVERHEAD
         self.folder, self.folder_bytes, self.stale_s = folder, folder_bytes, stale_s
 
     async def __call__(self, scope, receive, send):
@@ -160,7 +158,7 @@ class UploadLimit:
                 # an upload's files and a call's results (and its data: URL images) both go to the folder; one walk
                 # per request: the UI's requests are few beside the API's
                 used = folder_size(self.folder, self.stale_s)
-                results = 0 if scope["path"] == UPLOAD_ROUTE else CALL_RESULT_BYTES
+                results = 0 if scope["path"] == UPLOAD_ROUTE else UI_CALL_RESULT_BYTES
                 if used + int(declared) + results > self.folder_bytes:
                     message = (
                         f"the UI's upload folder holds {used:,} bytes, and this request would take it past "
