@@ -13,6 +13,7 @@ import os
 import resource
 import shutil
 import signal
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -207,19 +208,44 @@ def test_a_dropped_image_shows_its_top5_and_overlay_and_a_broken_one_an_error_no
         assert page.locator("#error").is_hidden()
 
 
+def _bmp_header(width: int, height: int) -> bytes:
+    """A BMP file's headers (8-bit grey, rows top-down: a negative height) and its first bytes of pixels."""
+    info = struct.pack("<IiiHHIIiiII", 40, width, -height, 1, 8, 0, width * height, 2835, 2835, 256, 0)
+    palette = b"".join(bytes([i, i, i, 0]) for i in range(256))
+    offset = 14 + len(info) + len(palette)
+    return b"BM" + struct.pack("<IHHI", offset + width * height, 0, 0, offset) + info + palette + bytes(4096)
+
+
+def _gif_with_a_large_frame(width: int, height: int) -> bytes:
+    """A GIF whose screen is 100 x 100 and whose first frame, after a comment, is `width` x `height`."""
+    comment = b"\x21\xfe" + b"".join(b"\xff" + bytes(255) for _ in range(8)) + b"\x00"
+    frame = b"\x2c" + struct.pack("<HHHH", 0, 0, width, height) + b"\x00" + b"\x02\x02\x44\x01\x00"
+    return b"GIF89a" + struct.pack("<HH", 100, 100) + b"\x00\x00\x00" + comment + frame + b"\x3b"
+
+
 @pytest.mark.parametrize(
-    ("fmt", "options"), [("PNG", {}), ("JPEG", {"exif": b"Exif\x00\x00" + bytes(40_000)}), ("GIF", {}), ("WEBP", {})]
+    ("fmt", "options"),
+    [("PNG", {}), ("JPEG", {"exif": b"Exif\x00\x00" + bytes(40_000)}), ("GIF", {}), ("WEBP", {}), ("BMP", {})],
 )
 def test_an_image_over_the_pixel_limit_is_refused_from_its_header_with_its_size(site, browser, fmt, options):
     """createImageBitmap decodes every pixel before the size can be seen (about 2 s and 1.6 GB for a 20,000 x
     20,000 PNG in Chromium), and the message read the size of the closed bitmap: '0 x 0 pixels'. A JPEG's size
-    comes after its other segments (here 40 kB of EXIF) and any fill bytes."""
+    comes after its other segments (here 40 kB of EXIF) and any fill bytes. A BMP, a GIF frame larger than its
+    screen and a JPEG whose frame came after its first MiB were sized only once decoded (2.8 GB for a 16,000 x
+    16,000 BMP)."""
     lossless = {"lossless": True} if fmt == "WEBP" else {}
     files = {(8000, 6000): encoded(Image.new("L", (8000, 6000), 128), fmt, **options, **lossless)}
     if fmt == "PNG":  # a header that claims a size the browser would not decode at all
         files[20000, 20000] = huge_png_header(20000, 20000)
     if fmt == "JPEG":  # fill bytes before the start of frame, which the format allows
-        files[8000, 6000] = files[8000, 6000].replace(b"\xff\xc0", b"\xff\xff\xff\xc0", 1)
+        jpeg = files[8000, 6000]
+        files[8000, 6000] = jpeg.replace(b"\xff\xc0", b"\xff\xff\xff\xc0", 1)
+        app15 = b"\xff\xef" + struct.pack(">H", 65535) + bytes(65533)  # 20 such segments: 1.3 MB before the frame
+        files[8000, 6001] = jpeg[:2] + app15 * 20 + jpeg[2:].replace(b"\x17\x70\x1f\x40", b"\x17\x71\x1f\x40", 1)
+    if fmt == "GIF":
+        files[7000, 7000] = _gif_with_a_large_frame(7000, 7000)
+    if fmt == "BMP":
+        files[16000, 16000] = _bmp_header(16000, 16000)
     with StaticSite(site) as server:
         page = browser.open(server.url)
         page.evaluate(

@@ -246,27 +246,72 @@ export function resizeCrop(w, h, preprocess) {
 // kinds, whose size is checked once decoded). createImageBitmap decodes every pixel before its size can be seen
 // (seconds for a 20,000 x 20,000 PNG). Reading the first bytes is part of each classify that BENCHMARKS.md times
 // ("In the browser").
+function reader(blob) {
+  // read(at, n): n bytes of `blob` from `at` (fewer at its end), 64 KiB read at a time
+  let start = 0;
+  let buf = new Uint8Array(0);
+  return async (at, n) => {
+    if (at < start || at + n > start + buf.length) {
+      start = at;
+      buf = new Uint8Array(await blob.slice(at, at + Math.max(n, 1 << 16)).arrayBuffer());
+    }
+    return buf.subarray(at - start, at - start + n);
+  };
+}
+
+async function jpegSize(read, size) {
+  // the segments in turn, however long, up to a start of frame (SOF0-15 but DHT C4, JPG C8 and DAC CC), which holds
+  // the size; a scan (DA) before any frame: no size
+  for (let at = 2; at + 9 <= size; ) {
+    const s = await read(at, 9);
+    if (s[0] !== 0xff || s[1] === 0xda) return null;
+    if (s[1] === 0xff) at += 1; // a fill byte before a marker
+    else if (s[1] >= 0xc0 && s[1] <= 0xcf && ![0xc4, 0xc8, 0xcc].includes(s[1])) return [(s[7] << 8) | s[8], (s[5] << 8) | s[6]];
+    else at += 2 + ((s[2] << 8) | s[3]);
+  }
+  return null;
+}
+
+async function gifSize(read, size) {
+  // the logical screen, grown to the extent of the first frame (which the browser draws at its own size), found
+  // past the extensions (comments, loops) before it
+  const h = await read(0, 13);
+  const [w, ht] = [h[6] | (h[7] << 8), h[8] | (h[9] << 8)];
+  let at = 13 + (h[10] & 0x80 ? 3 << ((h[10] & 7) + 1) : 0); // past the global colour table
+  while (at < size) {
+    const [kind] = await read(at, 1);
+    if (kind === 0x2c) {
+      const d = await read(at + 1, 8); // left, top, width, height
+      return [Math.max(w, (d[0] | (d[1] << 8)) + (d[4] | (d[5] << 8))), Math.max(ht, (d[2] | (d[3] << 8)) + (d[6] | (d[7] << 8)))];
+    }
+    if (kind !== 0x21) break; // the trailer: no frame
+    at += 2; // an extension: its label, then its sub-blocks up to an empty one
+    for (let n; (n = (await read(at, 1))[0]); ) at += 1 + n;
+    at += 1;
+  }
+  return [w, ht];
+}
+
 async function headerSize(blob) {
-  const b = new Uint8Array(await blob.slice(0, 1 << 20).arrayBuffer());
-  const v = new DataView(b.buffer);
+  // [width, height] from the file's header, before any pixel is decoded; null: not a PNG, JPEG, WebP, GIF or BMP
+  const read = reader(blob);
+  const b = await read(0, 64);
+  const v = new DataView(b.buffer, b.byteOffset, b.length);
   const ascii = (at, text) => [...text].every((c, i) => b[at + i] === c.charCodeAt(0));
   if (b.length >= 24 && b[0] === 0x89 && ascii(1, "PNG") && ascii(12, "IHDR")) return [v.getUint32(16), v.getUint32(20)];
-  if (b.length >= 10 && ascii(0, "GIF8")) return [v.getUint16(6, true), v.getUint16(8, true)];
+  if (b.length >= 13 && ascii(0, "GIF8")) return gifSize(read, blob.size);
+  if (b.length >= 26 && ascii(0, "BM")) {
+    // BMP: the info header's width and height (negative for rows stored top-down); OS/2's old header, 16 bits each
+    if (v.getUint32(14, true) === 12) return [v.getUint16(18, true), v.getUint16(20, true)];
+    return [Math.abs(v.getInt32(18, true)), Math.abs(v.getInt32(22, true))];
+  }
   if (b.length >= 30 && ascii(0, "RIFF") && ascii(8, "WEBP")) {
     if (ascii(12, "VP8 ")) return [v.getUint16(26, true) & 0x3fff, v.getUint16(28, true) & 0x3fff];
     if (ascii(12, "VP8L")) return [1 + (v.getUint16(21, true) & 0x3fff), 1 + ((v.getUint32(21, true) >>> 14) & 0x3fff)];
     if (ascii(12, "VP8X")) return [1 + (v.getUint32(24, true) & 0xffffff), 1 + (v.getUint32(27, true) & 0xffffff)];
     return null;
   }
-  if (b.length >= 4 && b[0] === 0xff && b[1] === 0xd8) {
-    // JPEG: the segments in turn up to a start of frame (SOF0-15 but DHT C4, JPG C8 and DAC CC), which holds the size
-    for (let at = 2; at + 9 <= b.length && b[at] === 0xff; ) {
-      const marker = b[at + 1];
-      if (marker === 0xff) at += 1; // a fill byte before a marker
-      else if (marker >= 0xc0 && marker <= 0xcf && ![0xc4, 0xc8, 0xcc].includes(marker)) return [v.getUint16(at + 7), v.getUint16(at + 5)];
-      else at += 2 + v.getUint16(at + 2);
-    }
-  }
+  if (b.length >= 4 && b[0] === 0xff && b[1] === 0xd8) return jpegSize(read, blob.size);
   return null;
 }
 
@@ -284,7 +329,9 @@ async function decode(source) {
   if (blob.size === 0) throw new Error(`${name} is empty (0 bytes): choose the image file itself`);
   const tooLarge = (w, h) => new Error(`${name} is ${w} x ${h} pixels, over the limit of ${MAX_PIXELS.toLocaleString("en")}; resize it first`);
   const size = await headerSize(blob);
-  if (size && size[0] * size[1] > MAX_PIXELS) throw tooLarge(...size);
+  // a file the page cannot size is not decoded: the browser would take every pixel of it before its size is known
+  if (!size) throw new Error(`${name} is not a PNG, JPEG, WebP, GIF or BMP image (it may be truncated or another kind of file): try a PNG or JPEG file`);
+  if (size[0] * size[1] > MAX_PIXELS) throw tooLarge(...size);
   let bitmap;
   try {
     bitmap = await createImageBitmap(blob, { imageOrientation: "from-image", premultiplyAlpha: "none", colorSpaceConversion: "none" });
