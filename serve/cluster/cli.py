@@ -8,6 +8,7 @@ import sys
 from serve.cluster.output import OutputFolder
 from serve.runtime.interrupts import exit_code, sigterm_as_interrupt
 from serve.runtime.jobs import collect_sources
+from serve.runtime.ports import check_reachable
 from serve.runtime.predict import build_parser, check_args, run_args
 
 
@@ -36,6 +37,10 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--cpus-per-worker must be a finite number above 0, got {args.cpus_per_worker:g}")
     if args.threads is not None or args.decode_threads is not None:  # each actor's threads are its CPUs
         p.error("--threads and --decode-threads are for runs on one machine: with --ray, give --cpus-per-worker")
+    try:
+        check_reachable(args.ray_address)
+    except ValueError as e:
+        p.error(str(e))
     try:
         import ray.data  # noqa: F401 (the job imports it once the model has loaded: said before)
 

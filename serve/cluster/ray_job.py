@@ -138,6 +138,12 @@ def _score(
         ray.init(address=address, log_to_driver=False, include_dashboard=False, logging_level="WARNING")
     try:
         with sigterm_as_interrupt():  # SIGTERM as Ctrl-C again: ray.init set a handler that exits 15 silently
+            have = ray.cluster_resources().get("CPU", 0.0)
+            if cpus_per_worker > have:  # Ray would wait for such a node for ever
+                why = f"a worker reserves {cpus_per_worker:g} CPUs (--cpus-per-worker) and Ray has {have:g}"
+                if started and address is None:
+                    raise ValueError(f"{why}: lower --cpus-per-worker")
+                print(f"vit-predict: {why}: waiting for the cluster to add a node (Ctrl-C stops)", file=errors)
             ctx = ray.data.DataContext.get_current()
             ctx.enable_progress_bars = True
             blocks = max(1, min(len(sources) // batch_size, 64 * workers))

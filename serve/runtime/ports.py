@@ -1,4 +1,5 @@
-"""`check_port`: whether a server could listen on a port, asked before the slow part of its start.
+"""`check_port`: whether a server could listen on a port, asked before the slow part of its start; `check_reachable`:
+whether anything answers at a cluster's address, asked before Ray retries it for minutes.
 
 `vit-serve` loads and warms its models up, and `vit-train review` scores a whole run, before their web servers bind;
 a port another program holds was found only then. Each asks here first. The answer can change before the server
@@ -42,3 +43,23 @@ def check_port(host: str, port: int, flag: str = "--port", dual_stack: bool = Fa
                 f"port {port} on {host} is in use: stop what listens there, or give {flag} another"
             ) from None
         raise ValueError(f"cannot listen on {host} port {port} ({e.strerror}): give a --host of this machine") from None
+
+
+def check_reachable(address: str | None, flag: str = "--ray-address", timeout_s: float = 5.0) -> None:
+    """Refuse a cluster address `HOST:PORT` (or `ray://HOST:PORT`) that nothing answers at within `timeout_s`: a
+    typo or a cluster that is down, which `ray.init` retries for minutes. None, "auto" and an address without a port
+    are Ray's to resolve.
+
+    Raises:
+        ValueError: what is wrong and what to check.
+    """
+    host, _, port = (address or "").split("://", 1)[-1].rpartition(":")
+    if not host or not port.isdigit():
+        return
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except OSError as e:
+        raise ValueError(
+            f"cannot reach a Ray cluster at {address} ({e.strerror or e}): is `ray start --head` running there, and "
+            f"is {flag} its address?"
+        ) from None

@@ -254,3 +254,19 @@ def test_a_stopped_runs_parts_are_deleted_and_its_folder_reused_by_the_next_run(
     folder.publish({"path": "x"})
     folder.release()
     assert [p.name for p in out.iterdir()] == ["part-1.parquet"]  # the folder's mark of ownership does not ship
+
+
+@pytest.mark.cluster
+def test_a_worker_larger_than_the_ray_started_here_is_refused_not_waited_for(tiny_onnx, photos, tmp_path):
+    """A worker reserving more CPUs than the Ray the run started has waited for ever, "pending: 64 CPU"."""
+    out = tmp_path / "preds.parquet"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "RAY_AUTH_MODE": "disabled"}
+    env.pop("RAY_ADDRESS", None)
+    cmd = [sys.executable, "-m", "serve.cluster.cli", str(tiny_onnx), str(photos), "--ray", "--out", str(out)]
+    run = subprocess.run([*cmd, "--cpus-per-worker", "64"], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 2, run.stderr[-2000:]
+    assert (
+        "a worker reserves 64 CPUs (--cpus-per-worker) and Ray has" in run.stderr
+        and "lower --cpus-per-worker" in run.stderr
+    )
+    assert list(tmp_path.iterdir()) == []  # neither the table nor its parts

@@ -55,3 +55,14 @@ def test_an_existing_out_folder_is_refused_as_the_ray_run_says_not_as_a_local_ta
     assert said.endswith(
         f"{tmp_path / 'preds.parquet'} exists: remove it to score again (--resume is for runs on one machine)"
     )
+
+
+def test_a_ray_address_nothing_answers_on_is_refused_at_once(tmp_path, monkeypatch, capsys):
+    """Ray retried an address nothing listens on for minutes, printing its own timeouts, and vit-predict said
+    nothing of its own."""
+    monkeypatch.setattr(ray, "init", lambda *a, **kw: pytest.fail("Ray started for a cluster that is not there"))
+    (tmp_path / "a.png").write_bytes(b"")
+    argv = [str(tmp_path / "model.onnx"), str(tmp_path / "a.png"), "--ray", "--out", str(tmp_path / "p.parquet")]
+    said = _usage_error(vit_predict, [*argv, "--ray-address", "127.0.0.1:1"], capsys)
+    assert "cannot reach a Ray cluster at 127.0.0.1:1" in said and "ray start --head" in said
+    assert not list(tmp_path.glob("*.parquet*"))

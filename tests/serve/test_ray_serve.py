@@ -440,3 +440,25 @@ def test_replica_cpus_that_are_no_finite_positive_number_are_one_line_before_ray
     assert main([str(tiny_onnx), "--ray", "--replica-cpus", cpus]) == 2
     said = f"--replica-cpus must be a finite number above 0, got {float(cpus):g}"
     assert capsys.readouterr().err == f"vit-serve: {said}\n"
+
+
+def test_a_port_in_use_or_a_cluster_nothing_answers_at_is_one_line_before_ray_starts(tiny_onnx, monkeypatch, capsys):
+    """A port another program held failed inside Ray Serve's proxy, 66 lines of tracebacks after Ray had started;
+    an address nothing answers at was retried by Ray for minutes."""
+    import socket
+
+    from serve.server.cli import main
+
+    monkeypatch.setattr(ray, "init", lambda *a, **kw: pytest.fail("Ray started for a server that cannot run"))
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        assert main([str(tiny_onnx), "--ray", "--port", str(port)]) == 2
+    assert (
+        capsys.readouterr().err
+        == f"vit-serve: port {port} on 127.0.0.1 is in use: stop what listens there, or give --port another\n"
+    )
+    assert main([str(tiny_onnx), "--ray", "--port", str(port), "--ray-address", "127.0.0.1:1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("vit-serve: cannot reach a Ray cluster at 127.0.0.1:1") and len(err.splitlines()) == 1

@@ -21,6 +21,7 @@ from pathlib import Path
 from ray import serve
 
 from serve.runtime.interrupts import EXIT_INTERRUPTED  # the shell's status for Ctrl-C, as vit-predict exits
+from serve.runtime.ports import check_port, check_reachable
 from serve.server.ray.deployment import APP_NAME, deployment
 from serve.server.settings import ServeSettings
 
@@ -102,6 +103,9 @@ def run(
     if settings.grpc_port:  # each replica's app would bind the same port
         raise ValueError("--grpc-port is served without --ray only: run gRPC from a plain vit-serve")
     target = target_of(model, settings, replicas, max_replicas, cpus, models)  # checked before Ray starts
+    check_reachable(address)
+    if address is None:  # Serve's proxy binds the port on this machine (a cluster joined may run it already)
+        check_port(settings.host, settings.port)
     join_ray(address)
     stop, deployed = threading.Event(), threading.Event()
 
