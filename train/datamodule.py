@@ -36,6 +36,7 @@ from train.held_split import hold_split
 from train.shards import (
     expand_local,
     is_streaming_root,
+    moved_position,
     read_meta,
     streaming_class_counts,
     streaming_dataset,
@@ -339,7 +340,7 @@ class ImageFolderDataModule(pl.LightningDataModule):
         if self.scan.layout == "litdata":
             self._stream = loader
             if self._stream_state:
-                loader.load_state_dict(self._stream_state)
+                loader.load_state_dict(moved_position(self._stream_state, self.train_set.input_dir.path))
                 self._stream_state = None
         return loader
 

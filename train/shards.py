@@ -287,6 +287,16 @@ def streaming_loader(dataset, batch_size: int, num_workers: int, collate_fn=None
 PREPARE_HELP = "Write an image folder as LitData chunks that fit streams, on one node or many."
 
 
+def moved_position(state: dict, path: str | None) -> dict:
+    """A streamed loader's saved position, read from the prepared folder at `path` (LitData refuses a position saved
+    under another path: a folder moved to another disk or mount between the kill and the resume)."""
+    saved = state.get("dataset")
+    if not (isinstance(saved, dict) and path and saved.get("input_dir_path") not in (None, path)):
+        return state
+    log.info("resuming the prepared dataset from %s (the run saved its position in %s)", path, saved["input_dir_path"])
+    return {**state, "dataset": {**saved, "input_dir_path": path}}
+
+
 def prepare_parser() -> ArgumentParser:
     """The options of `vit-train prepare`; `vit-train --help` lists it with the Trainer's subcommands."""
     parser = ArgumentParser(

@@ -23,24 +23,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if not args.ray:
         return run_args(p, args)
-    if args.out is not None:  # a folder here, not the local run's table: refused as --ray says, before its checks
-        try:
-            OutputFolder(args.out)
-        except ValueError as e:
-            p.error(str(e))
-    check_args(p, args)  # the local run's usage errors, before Ray starts
-    if args.out is None or args.resume:
-        p.error("--ray needs --out DIR.parquet (and runs the whole job: no --resume)")
-    if args.workers < 1:
-        p.error("--workers must be at least 1")
-    if not (math.isfinite(args.cpus_per_worker) and args.cpus_per_worker > 0):
-        p.error(f"--cpus-per-worker must be a finite number above 0, got {args.cpus_per_worker:g}")
-    if args.threads is not None or args.decode_threads is not None:  # each actor's threads are its CPUs
-        p.error("--threads and --decode-threads are for runs on one machine: with --ray, give --cpus-per-worker")
-    try:
-        check_reachable(args.ray_address)
-    except ValueError as e:
-        p.error(str(e))
+    _check_ray_args(p, args)
     try:
         import ray.data  # noqa: F401 (the job imports it once the model has loaded: said before)
 
@@ -73,6 +56,28 @@ def main(argv: list[str] | None = None) -> int:
     if failed:
         print(f"vit-predict: classified {done} images; {failed} input(s) could not be read", file=sys.stderr)
     return 1 if failed or not done else 0
+
+
+def _check_ray_args(p, args) -> None:
+    """The usage errors of a --ray run (exit 2), before Ray starts: the local run's, then --ray's own."""
+    if args.out is not None:  # a folder here, not the local run's table: refused as --ray says, before its checks
+        try:
+            OutputFolder(args.out)
+        except ValueError as e:
+            p.error(str(e))
+    check_args(p, args)  # the local run's usage errors, before Ray starts
+    if args.out is None or args.resume:
+        p.error("--ray needs --out DIR.parquet (and runs the whole job: no --resume)")
+    if args.workers < 1:
+        p.error("--workers must be at least 1")
+    if not (math.isfinite(args.cpus_per_worker) and args.cpus_per_worker > 0):
+        p.error(f"--cpus-per-worker must be a finite number above 0, got {args.cpus_per_worker:g}")
+    if args.threads is not None or args.decode_threads is not None:  # each actor's threads are its CPUs
+        p.error("--threads and --decode-threads are for runs on one machine: with --ray, give --cpus-per-worker")
+    try:
+        check_reachable(args.ray_address)
+    except ValueError as e:
+        p.error(str(e))
 
 
 if __name__ == "__main__":

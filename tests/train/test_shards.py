@@ -221,7 +221,7 @@ def _samples(log: Path, before_step: int | None = None) -> dict[int, list[str]]:
 
 
 @pytest.mark.slow
-def test_a_killed_streaming_run_resumes_mid_epoch_and_sees_each_sample_of_it_once(tmp_path: Path):
+def test_a_killed_streaming_run_resumes_mid_epoch_and_sees_each_sample_of_it_once_from_a_moved_folder(tmp_path: Path):
     shards, run = tmp_path / "shards", tmp_path / "run"
     shapes = write_shapes(tmp_path / "shapes", per_class=16)
     (shapes / "bar" / "broken.png").write_bytes((shapes / "bar" / "000.png").read_bytes()[:60])  # left out, reported
@@ -244,6 +244,9 @@ def test_a_killed_streaming_run_resumes_mid_epoch_and_sees_each_sample_of_it_onc
     assert (killed["epoch"], killed["global_step"]) == (0, 4)  # mid-epoch: the 5th step was lost with the process
     kept = _samples((run / "samples.log").rename(tmp_path / "killed.log"), before_step=4)[0]  # what last.ckpt holds
 
+    # resumed from another place: the prepared folder moved (a new disk, another mount), given as the new --data.root
+    # (the loader's saved position named the old path, and LitData refused it in a traceback)
+    shards = shards.rename(tmp_path / "moved-shards")
     resumed = build_cli(_stream_fit_args(shards, run, "--last.every_n_train_steps", "2", "--ckpt_path", "last"))
     assert resumed.trainer.state.finished and resumed.trainer.global_step == 18
     seen = _samples(run / "samples.log")
