@@ -29,6 +29,7 @@ import torch
 from jsonargparse import ArgumentParser
 
 from serve.runtime.images import FILE_NAME_ERRORS, ImageError, load_image
+from serve.runtime.interrupts import exit_code, sigterm_as_interrupt
 from train.balance import resolve_balance
 from train.data_report import REPORTS, build_report, class_counts, write_duplicates_csv
 from train.dataset import ignore_sigterm, usable_cores
@@ -297,6 +298,17 @@ def moved_position(state: dict, path: str | None) -> dict:
     return {**state, "dataset": {**saved, "input_dir_path": path}}
 
 
+def stop_workers(grace_s: float = 5.0) -> None:
+    """End the processes LitData's `optimize` started (they outlive a stopped prepare otherwise, writing chunks)."""
+    children = multiprocessing.active_children()
+    for child in children:
+        child.terminate()
+    for child in children:
+        child.join(grace_s)
+        if child.is_alive():
+            child.kill()
+
+
 def prepare_parser() -> ArgumentParser:
     """The options of `vit-train prepare`; `vit-train --help` lists it with the Trainer's subcommands."""
     parser = ArgumentParser(
@@ -335,13 +347,19 @@ def main(argv: list[str]) -> None:
     args = prepare_parser().parse_args(argv)
     data = args.data
     try:
-        meta = prepare(
-            data.root, args.out, data.val_fraction, data.seed, args.workers, args.chunk_bytes,
-            data.corrections, data.dedupe,
-        )  # fmt: skip
+        with sigterm_as_interrupt():  # SIGTERM stops it as Ctrl-C does, its workers with it
+            meta = prepare(
+                data.root, args.out, data.val_fraction, data.seed, args.workers, args.chunk_bytes,
+                data.corrections, data.dedupe,
+            )  # fmt: skip
     except (OSError, ValueError) as e:
         print(f"vit-train prepare: {e}", file=sys.stderr)
         raise SystemExit(2) from None
+    except KeyboardInterrupt as e:
+        stop_workers()
+        said = str(e) or "interrupted"
+        print(f"vit-train prepare: {said}: {args.out} is not finished; the same command prepares it", file=sys.stderr)
+        raise SystemExit(exit_code(e)) from None
     print(
         f"{args.out}: {meta['train']} train and {meta['val']} val images, {len(meta['classes'])} classes, "
         f"{len(meta['bad'])} unreadable (bad_files.csv); train with --data.root {args.out}"

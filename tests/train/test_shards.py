@@ -326,3 +326,38 @@ def test_prepare_refuses_a_split_without_validation_images_before_writing_a_chun
     err = capsys.readouterr().err
     assert e.value.code == 2 and "gives no validation images: each of its 3 val/ images has a copy in train/" in err
     assert "--data.dedupe none" in err and not (tmp_path / "shards").exists()
+
+
+@pytest.mark.slow
+def test_a_prepare_stopped_by_sigterm_says_so_and_leaves_no_worker_running(tmp_path: Path):
+    """SIGTERM ended the prepare without a word, exit 143, and LitData's two workers and its resource tracker went
+    on running, orphaned, for a minute or more (one survived a second SIGTERM)."""
+    shapes = write_shapes(tmp_path / "shapes", per_class=300)
+    out = tmp_path / "shards"
+    cmd = [sys.executable, "-m", "train", "prepare", "--data.root", str(shapes), "--out", str(out)]
+    cmd += ["--workers", "2", "--chunk_bytes", "4kb", "--data.dedupe", "none"]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        wait_until(lambda: list(out.glob("train/chunk-*")) or proc.poll() is not None, 180, "the first chunk")
+        assert proc.poll() is None, "the prepare finished before it could be stopped: give it more images"
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+    def none_left() -> bool:
+        try:
+            os.killpg(proc.pid, 0)  # any process of its session: its workers, LitData's resource tracker
+        except ProcessLookupError:
+            return True
+        return False
+
+    assert proc.returncode == 143 and f"vit-train prepare: terminated: {out} is not finished" in err, err[-2000:]
+    try:
+        wait_until(none_left, 10, "no process of the prepare left")
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert is_streaming_root(out) and "Traceback" not in err
