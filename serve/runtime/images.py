@@ -128,6 +128,12 @@ def open_image(source: str | Path | bytes | bytearray, max_pixels: int | None = 
             message = f"{name} is too large for Pillow to decode safely ({e}); resize it first"
         raise ImageError(message, "too_large") from None
     except Exception as e:  # a header PIL recognises but cannot parse: any error at all means a broken file
+        if "MAX_TEXT_CHUNK" in str(e):  # a PNG text chunk inflating past Pillow's bound: a bomb in the metadata
+            message = (
+                f"{name} holds text metadata that decompresses to over Pillow's limit: save the image again without "
+                "its metadata"
+            )
+            raise ImageError(message, "corrupt") from None
         raise ImageError(f"{name} could not be read: {e}", "corrupt") from None
     _check_pixels(img, max_pixels)
     if img.format == "JPEG" and img.info.get("progressive"):

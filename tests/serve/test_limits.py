@@ -344,3 +344,16 @@ def test_an_explain_request_whose_client_left_during_the_decode_gets_no_explain_
         s.sendall(head.encode() + body)  # and away, before any answer
     wait_until(lambda: counted("499") == gone + 1, 30, "the abandoned explain request counted as 499")
     assert counted("200") == answered
+
+
+def test_a_png_whose_text_metadata_decompresses_past_pillows_limit_says_what_to_do():
+    """A zTXt chunk that inflates to 2 MB (a decompression bomb in the metadata) was refused with Pillow's own words,
+    "Decompressed data too large for PngImagePlugin.MAX_TEXT_CHUNK", which tell a user nothing to do."""
+    from PIL import PngImagePlugin
+
+    info = PngImagePlugin.PngInfo()
+    info.add_text("comment", "x" * 2_000_000, zip=True)
+    data = encoded(Image.new("RGB", (8, 8)), "PNG", pnginfo=info)
+    with pytest.raises(ImageError, match="text metadata .* over Pillow's limit") as refused:
+        open_image(data)
+    assert "save the image again without its metadata" in str(refused.value) and refused.value.kind == "corrupt"
