@@ -24,6 +24,7 @@ once all are on disk (`serve.cluster.output`): a run stopped while it writes lea
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -33,7 +34,7 @@ import numpy as np
 
 from serve.cluster.output import OutputFolder
 from serve.runtime.classifier import OnnxClassifier
-from serve.runtime.interrupts import sigterm_as_interrupt
+from serve.runtime.interrupts import Terminated, sigterm_as_interrupt
 from serve.runtime.jobs import decoded_batches
 from serve.runtime.predict import rows_for, template_row
 from serve.runtime.row_formats import parquet_text, table_row
@@ -134,9 +135,9 @@ def _score(
     import ray.data
 
     started = not ray.is_initialized()
-    if started:
-        ray.init(address=address, log_to_driver=False, include_dashboard=False, logging_level="WARNING")
     try:
+        if started:
+            _start(ray, address)
         with sigterm_as_interrupt():  # SIGTERM as Ctrl-C again: ray.init set a handler that exits 15 silently
             have = ray.cluster_resources().get("CPU", 0.0)
             if cpus_per_worker > have:  # Ray would wait for such a node for ever
@@ -165,3 +166,14 @@ def _score(
     finally:
         if started:
             ray.shutdown()
+
+
+def _start(ray, address: str | None) -> None:
+    """`ray.init`, with a SIGTERM during it stopping the run as one after it does (Ray's own handler, set first thing
+    in `init`, exits 15 without a word)."""
+    try:
+        ray.init(address=address, log_to_driver=False, include_dashboard=False, logging_level="WARNING")
+    except SystemExit as e:
+        if e.code == signal.SIGTERM:
+            raise Terminated("terminated") from None
+        raise
