@@ -59,9 +59,10 @@ def main(argv: list[str]) -> None:
         raise SystemExit(2)
     # the page's uploads and images go to a folder of this review's own, deleted when it ends (and by the next
     # review, if this one is killed), not to the shared /tmp/gradio; Gradio reads the variable as it is imported
-    temp_dir, before = OwnedTempDir("vitscope-review-"), os.environ.get("GRADIO_TEMP_DIR")
-    os.environ["GRADIO_TEMP_DIR"] = str(temp_dir.path)
+    temp_dir, before = None, os.environ.get("GRADIO_TEMP_DIR")
     try:
+        temp_dir = OwnedTempDir("vitscope-review-")  # an unwritable TMPDIR: one line, below
+        os.environ["GRADIO_TEMP_DIR"] = str(temp_dir.path)
         with sigterm_as_interrupt():  # stopped as by Ctrl-C: Gradio closes, and deletes what was uploaded
             launch_review(args.run_dir, args.host, args.port, args.share, args.limit, args.batch_size)
     except ImportError as e:
@@ -71,7 +72,8 @@ def main(argv: list[str]) -> None:
         print(f"vit-train review: {e}", file=sys.stderr)
         raise SystemExit(2) from None
     finally:
-        temp_dir.remove()
+        if temp_dir is not None:
+            temp_dir.remove()
         if before is None:
             os.environ.pop("GRADIO_TEMP_DIR", None)
         else:

@@ -20,7 +20,10 @@ import logging
 import multiprocessing
 import os
 import re
+import signal
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Literal
 
@@ -125,8 +128,9 @@ def prepare(
     try:
         for split, items in (("train", scan.train), ("val", scan.val)):
             items = [it for it in items if it[0] not in broken]
-            optimize(fn=_sample, inputs=items, output_dir=f"{out.rstrip('/')}/{split}", chunk_bytes=chunk_bytes,
-                     num_workers=workers, mode="overwrite")  # fmt: skip
+            with _keeping_sigint():
+                optimize(fn=_sample, inputs=items, output_dir=f"{out.rstrip('/')}/{split}", chunk_bytes=chunk_bytes,
+                         num_workers=workers, mode="overwrite")  # fmt: skip
             meta[split] = len(items)
     finally:  # optimize sets spawn for the whole process: a fit after it started each loader worker afresh (seconds)
         multiprocessing.set_start_method(method, force=True)
@@ -141,6 +145,18 @@ def prepare(
     csv.writer(buf).writerows([["file", "reason"], *bad])
     _write_text(out, "bad_files.csv", buf.getvalue())
     return meta
+
+
+@contextmanager
+def _keeping_sigint() -> Iterator[None]:
+    """`optimize` with Ctrl-C left as it was: LitData sets a SIGINT handler of its own for good, which ends the
+    process with `os._exit(0)`, so that a stopped prepare exited 0, as if it had finished, and without a word."""
+    set_handler = signal.signal
+    signal.signal = lambda sig, handler: signal.getsignal(sig) if sig == signal.SIGINT else set_handler(sig, handler)
+    try:
+        yield
+    finally:
+        signal.signal = set_handler
 
 
 def check_out_apart(root: str, out: str) -> None:
@@ -161,13 +177,22 @@ def check_out_fresh(out: str) -> None:
     """A `ValueError` when the local `out` holds files and is not an earlier prepare's folder: an image folder given
     by mistake would get train/ and val/ beside its classes, and stream as the other dataset from then on."""
     folder = Path(out)
-    if "://" in out or not folder.is_dir() or is_streaming_root(folder):
+    if "://" in out or not folder.is_dir() or is_streaming_root(folder) or _chunks_only(folder):
         return
-    if first := next(iter(sorted(folder.iterdir())), None):
+    hidden = lambda p: p.name.startswith(".") or p.name == "lost+found"  # .DS_Store, .gitkeep, a fresh mount
+    if first := next((p for p in sorted(folder.iterdir()) if not hidden(p)), None):
         raise ValueError(
             f"--out {out} holds files vit-train prepare did not write ({first.name}): give a new or empty folder, "
             "e.g. shards/<name>"
         )
+
+
+def _chunks_only(folder: Path) -> bool:
+    """Whether `folder` holds LitData chunks alone in train/ and val/: a prepare stopped before its first index, by
+    a version that wrote no mark."""
+    parts = [p for split in ("train", "val") if (folder / split).is_dir() for p in (folder / split).iterdir()]
+    named = lambda p: p.name.startswith("chunk-") or p.name.endswith("index.json")
+    return bool(parts) and all(named(p) for p in parts) and {p.name for p in folder.iterdir()} <= {"train", "val"}
 
 
 def check_chunk_bytes(chunk_bytes: int | str) -> None:

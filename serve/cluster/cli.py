@@ -63,7 +63,7 @@ def _check_ray_args(p, args) -> None:
     if args.out is not None:  # a folder here, not the local run's table: refused as --ray says, before its checks
         try:
             OutputFolder(args.out)
-        except ValueError as e:
+        except (ValueError, OSError) as e:  # OSError: a folder it cannot look into
             p.error(str(e))
     check_args(p, args)  # the local run's usage errors, before Ray starts
     if args.out is None or args.resume:

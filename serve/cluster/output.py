@@ -9,11 +9,10 @@
 
 A run stopped at any instant (Ctrl-C, a failed write, SIGKILL, a lost machine) leaves no --out, so that nothing
 reads as a complete table with rows missing. A SIGKILL leaves the `.incomplete` folder, and the next run to the
-same --out deletes its parts, saying so: a --ray job is not resumable (every input is scored again). The folder
-carries a mark (`MARK`) from its making to its rename: a folder of that name without it, or holding anything but
-Parquet parts, is someone else's, and is refused, never emptied. While a run goes
-it holds a lock on its folder, which the kernel lets go however the process ends, so that a second run on the
-same --out is refused instead of deleting the first one's parts (as the local job holds its parts folder,
+same --out deletes its parts, saying so: a --ray job is not resumable (every input is scored again). Only Parquet
+parts are deleted: a folder of that name holding anything else is someone else's, and is refused, never emptied.
+While a run goes it holds a lock on its folder, which the kernel lets go however the process ends, so that a second
+run on the same --out is refused instead of deleting the first one's parts (as the local job holds its parts folder,
 `serve.runtime.outputs.PartStore.lock`).
 
 Each part is flushed to disk, then the folder, then the rename and the folder it was made in, as
@@ -35,7 +34,6 @@ from serve.runtime.row_formats import require_pyarrow, table_row
 
 INCOMPLETE_SUFFIX = ".incomplete"
 EMPTY_PART = "columns.parquet"  # the part of a job no image reached: its columns and no rows
-MARK = ".vit-predict"  # in the temporary folder while a run owns it (Parquet readers skip dot files)
 
 
 class OutputFolder:
@@ -95,7 +93,6 @@ class OutputFolder:
                 file=errors,
             )
             _empty(self.tmp)
-        (self.tmp / MARK).touch()
 
     def publish(self, template: dict[str, Any]) -> None:
         """Flush the parts Ray wrote (or, when it wrote none, a part of `template`'s columns and no rows), then
@@ -107,7 +104,6 @@ class OutputFolder:
         if not any(self.tmp.glob("*.parquet")):
             pa = require_pyarrow()
             pa.parquet.write_table(pa.Table.from_pylist([table_row(template)]).slice(0, 0), self.tmp / EMPTY_PART)
-        (self.tmp / MARK).unlink(missing_ok=True)  # the table is the parts alone
         for part in filter(Path.is_file, self.tmp.iterdir()):
             with open(part, "rb") as f:
                 os.fsync(f.fileno())
@@ -128,14 +124,8 @@ class OutputFolder:
 
 
 def _not_ours(folder: Path) -> str | None:
-    """The name of something in `folder` a run of vit-predict did not write there (None: nothing): with its mark,
-    only Parquet parts are; without it (made by hand, or another program's), nothing is."""
-    entries = sorted(folder.iterdir())
-    if not entries:
-        return None  # a run killed as it made the folder: nothing to delete
-    if not (folder / MARK).is_file():
-        return entries[0].name
-    return next((e.name for e in entries if e.name != MARK and not _is_part(e)), None)
+    """The name of something in `folder` that is not a Parquet part a run of vit-predict writes (None: nothing)."""
+    return next((e.name for e in sorted(folder.iterdir()) if not _is_part(e)), None)
 
 
 def _is_part(entry: Path) -> bool:

@@ -142,7 +142,7 @@ def _score(
             have = ray.cluster_resources().get("CPU", 0.0)
             if cpus_per_worker > have:  # Ray would wait for such a node for ever
                 why = f"a worker reserves {cpus_per_worker:g} CPUs (--cpus-per-worker) and Ray has {have:g}"
-                if started and address is None:
+                if started and address is None and not os.environ.get("RAY_ADDRESS"):  # a Ray of this run's own
                     raise ValueError(f"{why}: lower --cpus-per-worker")
                 print(f"vit-predict: {why}: waiting for the cluster to add a node (Ctrl-C stops)", file=errors)
             ctx = ray.data.DataContext.get_current()

@@ -130,6 +130,8 @@ def main(argv: list[str] | None = None) -> int:
         return _run_on_ray(args, settings)
     try:
         _check_payload_log(settings.payload_log)
+        if not args.no_ui:
+            settings.check_ui_budget()
         models = _loaded(args.model, settings)
     except ValueError as e:
         print(f"vit-serve: {e}", file=sys.stderr)

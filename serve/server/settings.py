@@ -304,18 +304,25 @@ class ServeSettings(BaseSettings):
                 f"preferred_batch_size must be in 0..max_batch_size ({self.max_batch_size}) "
                 f"(0: measured at warm-up), got {self.preferred_batch_size}"
             )
-        if self.ui_cache_bytes < (largest := self.max_bytes + UI_FORM_OVERHEAD + UI_CALL_RESULT_BYTES):
-            raise ValueError(
-                f"ui_cache_bytes ({self.ui_cache_bytes:,}) must hold the largest request the UI takes: max_bytes "
-                f"({self.max_bytes:,}), its form and a call's results, {largest:,} in all; raise --ui-cache-bytes "
-                "or lower --max-bytes"
-            )
         if self.queue_size < self.max_batch_size:  # a request's images are queued all at once, or refused
             raise ValueError(
                 f"queue_size ({self.queue_size}) must be at least max_batch_size ({self.max_batch_size}): a request "
                 "of max_batch_size images could never fit the queue"
             )
         return self
+
+    def check_ui_budget(self) -> None:
+        """Refuse a UI disk budget that the largest request the UI takes cannot fit (checked where the UI runs).
+
+        Raises:
+            ValueError: what to raise or lower.
+        """
+        if self.ui_cache_bytes < (largest := self.max_bytes + UI_FORM_OVERHEAD + UI_CALL_RESULT_BYTES):
+            raise ValueError(
+                f"--ui-cache-bytes ({self.ui_cache_bytes:,}) must hold the largest request the UI takes: --max-bytes "
+                f"({self.max_bytes:,}), its form and a call's results, {largest:,} in all; raise --ui-cache-bytes, "
+                "lower --max-bytes, or serve without the UI (--no-ui)"
+            )
 
     def request_limits(self) -> RequestLimits:
         """The limits the request path reads, and nothing else."""

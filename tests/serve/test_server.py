@@ -172,7 +172,10 @@ def test_a_ui_disk_budget_smaller_than_one_request_is_refused_at_start(tiny_onnx
     """--ui-cache-bytes under --max-bytes started, then refused every large upload with 507 and "retry once older
     files go", which no wait could ever satisfy."""
     from serve.server.cli import main
+    from serve.server.settings import ServeSettings
 
     assert main([str(tiny_onnx), "--ui-cache-bytes", "3000000"]) == 2
     err = capsys.readouterr().err
-    assert "ui_cache_bytes (3,000,000) must hold the largest request the UI takes" in err and "--max-bytes" in err
+    assert err.startswith("vit-serve: --ui-cache-bytes (3,000,000) must hold the largest request the UI takes")
+    assert "lower --max-bytes, or serve without the UI (--no-ui)" in err and len(err.splitlines()) == 1
+    ServeSettings(max_bytes=2 << 30)  # the budget binds the UI alone: an API-only server takes larger bodies

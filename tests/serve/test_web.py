@@ -242,6 +242,8 @@ def test_an_image_over_the_pixel_limit_is_refused_from_its_header_with_its_size(
         files[8000, 6000] = jpeg.replace(b"\xff\xc0", b"\xff\xff\xff\xc0", 1)
         app15 = b"\xff\xef" + struct.pack(">H", 65535) + bytes(65533)  # 20 such segments: 1.3 MB before the frame
         files[8000, 6001] = jpeg[:2] + app15 * 20 + jpeg[2:].replace(b"\x17\x70\x1f\x40", b"\x17\x71\x1f\x40", 1)
+        stray = jpeg[:20] + b"\x00\x00" + jpeg[20:]  # two bytes after the JFIF segment, which decoders skip
+        files[8000, 6002] = stray.replace(b"\x17\x70\x1f\x40", b"\x17\x72\x1f\x40", 1)
     if fmt == "GIF":
         files[7000, 7000] = _gif_with_a_large_frame(7000, 7000)
     if fmt == "BMP":

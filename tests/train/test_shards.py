@@ -329,9 +329,13 @@ def test_prepare_refuses_a_split_without_validation_images_before_writing_a_chun
 
 
 @pytest.mark.slow
-def test_a_prepare_stopped_by_sigterm_says_so_and_leaves_no_worker_running(tmp_path: Path):
+@pytest.mark.parametrize(
+    ("stop", "code", "said"), [(signal.SIGTERM, 143, "terminated"), (signal.SIGINT, 130, "interrupted")]
+)
+def test_a_prepare_stopped_by_a_signal_says_so_and_leaves_no_worker_running(tmp_path: Path, stop, code, said):
     """SIGTERM ended the prepare without a word, exit 143, and LitData's two workers and its resource tracker went
-    on running, orphaned, for a minute or more (one survived a second SIGTERM)."""
+    on running, orphaned, for a minute or more (one survived a second SIGTERM). Ctrl-C (SIGINT to the whole process
+    group, as a terminal sends it) exited 0, as if the prepare had finished: LitData's own handler."""
     shapes = write_shapes(tmp_path / "shapes", per_class=300)
     out = tmp_path / "shards"
     cmd = [sys.executable, "-m", "train", "prepare", "--data.root", str(shapes), "--out", str(out)]
@@ -341,7 +345,10 @@ def test_a_prepare_stopped_by_sigterm_says_so_and_leaves_no_worker_running(tmp_p
     try:
         wait_until(lambda: list(out.glob("train/chunk-*")) or proc.poll() is not None, 180, "the first chunk")
         assert proc.poll() is None, "the prepare finished before it could be stopped: give it more images"
-        proc.send_signal(signal.SIGTERM)
+        if stop == signal.SIGINT:
+            os.killpg(proc.pid, stop)
+        else:
+            proc.send_signal(stop)
         _, err = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
@@ -354,10 +361,25 @@ def test_a_prepare_stopped_by_sigterm_says_so_and_leaves_no_worker_running(tmp_p
             return True
         return False
 
-    assert proc.returncode == 143 and f"vit-train prepare: terminated: {out} is not finished" in err, err[-2000:]
+    assert proc.returncode == code and f"vit-train prepare: {said}: {out} is not finished" in err, err[-2000:]
     try:
         wait_until(none_left, 10, "no process of the prepare left")
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
-    assert is_streaming_root(out) and "Traceback" not in err
+    assert is_streaming_root(out)  # and fit says it did not finish
+
+
+def test_an_out_holding_only_what_a_fresh_disk_or_an_earlier_stopped_prepare_holds_is_written_into(tmp_path: Path):
+    """A mount point's lost+found, a .DS_Store, or the chunks of a prepare stopped before its first index by a
+    version that wrote no mark were refused as "files vit-train prepare did not write"."""
+    root = write_shapes(tmp_path / "images", per_class=2)
+    for held in ("lost+found/", ".DS_Store", "train/chunk-0-0.bin"):
+        out = tmp_path / held.split("/")[0].replace(".", "_") / "out"
+        if held.endswith("/"):
+            (out / held).mkdir(parents=True)
+        else:
+            (out / held).parent.mkdir(parents=True)
+            (out / held).write_bytes(b"")
+        main(["prepare", "--data.root", str(root), "--out", str(out), "--workers", "1"])
+        assert read_meta(str(out))["train"] + read_meta(str(out))["val"] == 6, held

@@ -264,8 +264,9 @@ async function jpegSize(read, size) {
   // the size; a scan (DA) before any frame: no size
   for (let at = 2; at + 9 <= size; ) {
     const s = await read(at, 9);
-    if (s[0] !== 0xff || s[1] === 0xda) return null;
-    if (s[1] === 0xff) at += 1; // a fill byte before a marker
+    if (s[0] !== 0xff) at += 1; // a stray byte between segments, which decoders skip (libjpeg warns)
+    else if (s[1] === 0xda) return null;
+    else if (s[1] === 0xff) at += 1; // a fill byte before a marker
     else if (s[1] >= 0xc0 && s[1] <= 0xcf && ![0xc4, 0xc8, 0xcc].includes(s[1])) return [(s[7] << 8) | s[8], (s[5] << 8) | s[6]];
     else at += 2 + ((s[2] << 8) | s[3]);
   }

@@ -13,6 +13,7 @@ application per model and an ingress (`serve.server.ray.repository`), kept in st
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
 import time
@@ -104,7 +105,7 @@ def run(
         raise ValueError("--grpc-port is served without --ray only: run gRPC from a plain vit-serve")
     target = target_of(model, settings, replicas, max_replicas, cpus, models)  # checked before Ray starts
     check_reachable(address)
-    if address is None:  # Serve's proxy binds the port on this machine (a cluster joined may run it already)
+    if address is None and not os.environ.get("RAY_ADDRESS"):  # a Ray of its own: Serve's proxy binds here
         check_port(settings.host, settings.port)
     join_ray(address)
     stop, deployed = threading.Event(), threading.Event()
