@@ -21,7 +21,7 @@ from tests.helpers import REPO, wait_until, write_shapes
 from tests.train.rank_weights import fingerprints
 from train.cli import build_cli, main
 from train.folder_scan import scan_folder
-from train.shards import is_streaming_root, prepare, read_meta
+from train.shards import check_out_fresh, is_streaming_root, prepare, read_meta
 
 
 def test_prepare_keeps_the_split_classes_and_reports_every_broken_file(messy_folder: Path, tmp_path: Path):
@@ -282,10 +282,10 @@ def test_prepare_refuses_an_out_that_holds_other_files_and_leaves_them_as_they_w
     assert e.value.code == 2 and f"--out {other} holds files vit-train prepare did not write" in err
     assert "give a new or empty folder" in err and len(err.strip().splitlines()) == 1
     assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
-    (tmp_path / "empty").mkdir()  # an empty folder, and an earlier prepare's, are written into
-    for out in (tmp_path / "empty", tmp_path / "empty"):
-        main(["prepare", "--data.root", str(root), "--out", str(out), "--workers", "1"])
-        assert read_meta(str(out))["classes"] == sorted(p.name for p in root.iterdir())
+    (tmp_path / "empty").mkdir()  # an empty folder is written into, and is then an earlier prepare's folder
+    main(["prepare", "--data.root", str(root), "--out", str(tmp_path / "empty"), "--workers", "1"])
+    assert read_meta(str(tmp_path / "empty"))["classes"] == sorted(p.name for p in root.iterdir())
+    check_out_fresh(str(tmp_path / "empty"))
 
 
 def test_a_first_prepare_stopped_before_its_chunks_leaves_a_folder_fit_calls_unfinished(
@@ -373,7 +373,6 @@ def test_a_prepare_stopped_by_a_signal_says_so_and_leaves_no_worker_running(tmp_
 def test_an_out_holding_only_what_a_fresh_disk_or_an_earlier_stopped_prepare_holds_is_written_into(tmp_path: Path):
     """A mount point's lost+found, a .DS_Store, or the chunks of a prepare stopped before its first index by a
     version that wrote no mark were refused as "files vit-train prepare did not write"."""
-    root = write_shapes(tmp_path / "images", per_class=2)
     for held in ("lost+found/", ".DS_Store", "train/chunk-0-0.bin"):
         out = tmp_path / held.split("/")[0].replace(".", "_") / "out"
         if held.endswith("/"):
@@ -381,5 +380,8 @@ def test_an_out_holding_only_what_a_fresh_disk_or_an_earlier_stopped_prepare_hol
         else:
             (out / held).parent.mkdir(parents=True)
             (out / held).write_bytes(b"")
-        main(["prepare", "--data.root", str(root), "--out", str(out), "--workers", "1"])
-        assert read_meta(str(out))["train"] + read_meta(str(out))["val"] == 6, held
+        check_out_fresh(str(out))  # no refusal
+    (tmp_path / "other" / "train").mkdir(parents=True)
+    (tmp_path / "other" / "train" / "notes.txt").write_text("not a chunk")
+    with pytest.raises(ValueError, match="holds files vit-train prepare did not write"):
+        check_out_fresh(str(tmp_path / "other"))
