@@ -341,7 +341,12 @@ def test_a_prepare_stopped_by_a_signal_says_so_and_leaves_no_worker_running(tmp_
     cmd = [sys.executable, "-m", "train", "prepare", "--data.root", str(shapes), "--out", str(out)]
     cmd += ["--workers", "2", "--chunk_bytes", "4kb", "--data.dedupe", "none"]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    # with Ctrl-C as a terminal leaves it: a child of a process that ignores SIGINT (a pytest-xdist worker) would
+    # ignore it too, and finish
+    default_sigint = lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, env=env, stderr=subprocess.PIPE, text=True, start_new_session=True, preexec_fn=default_sigint
+    )
     try:
         wait_until(lambda: list(out.glob("train/chunk-*")) or proc.poll() is not None, 180, "the first chunk")
         assert proc.poll() is None, "the prepare finished before it could be stopped: give it more images"
