@@ -246,7 +246,8 @@ def test_an_image_over_the_pixel_limit_is_refused_from_its_header_with_its_size(
         files[8000, 6002] = stray.replace(b"\x17\x70\x1f\x40", b"\x17\x72\x1f\x40", 1)
     if fmt == "GIF":
         files[7000, 7000] = _gif_with_a_large_frame(7000, 7000)
-    if fmt == "BMP":
+    if fmt == "BMP":  # its headers decide: the rest of 48 MB of pixels cost a minute of the page's CPU to pass in
+        files[8000, 6000] = files[8000, 6000][:65536]
         files[16000, 16000] = _bmp_header(16000, 16000)
     with StaticSite(site) as server:
         page = browser.open(server.url)
