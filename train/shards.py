@@ -17,13 +17,9 @@ import csv
 import io
 import json
 import logging
-import multiprocessing
 import os
 import re
-import signal
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Literal
 
@@ -37,6 +33,7 @@ from train.balance import resolve_balance
 from train.data_report import REPORTS, build_report, class_counts, write_duplicates_csv
 from train.dataset import ignore_sigterm, usable_cores
 from train.folder_scan import BadFile, FolderScan, scan_folder
+from train.optimize import optimizing
 from train.parallel import parallel_map
 from train.splits import no_validation
 
@@ -124,16 +121,12 @@ def prepare(
     meta = {"format": FORMAT, "root": str(scan.root), "layout": scan.layout, "classes": scan.classes}
     _remove_meta(out)  # before any chunk is rewritten: a prepare stopped half-way must not pair them with it
     _write_text(out, MARK, "")  # and a first one stopped before its index is still known as a prepare's
-    method = multiprocessing.get_start_method(allow_none=True)
-    try:
+    with optimizing():
         for split, items in (("train", scan.train), ("val", scan.val)):
             items = [it for it in items if it[0] not in broken]
-            with _keeping_sigint():
-                optimize(fn=_sample, inputs=items, output_dir=f"{out.rstrip('/')}/{split}", chunk_bytes=chunk_bytes,
-                         num_workers=workers, mode="overwrite")  # fmt: skip
+            optimize(fn=_sample, inputs=items, output_dir=f"{out.rstrip('/')}/{split}", chunk_bytes=chunk_bytes,
+                     num_workers=workers, mode="overwrite")  # fmt: skip
             meta[split] = len(items)
-    finally:  # optimize sets spawn for the whole process: a fit after it started each loader worker afresh (seconds)
-        multiprocessing.set_start_method(method, force=True)
     meta["bad"] = [{"path": p, "reason": r} for p, r in bad]
     meta["class_counts"] = class_counts(scan)
     meta["report"] = build_report(scan, "auto", dedupe)
@@ -145,18 +138,6 @@ def prepare(
     csv.writer(buf).writerows([["file", "reason"], *bad])
     _write_text(out, "bad_files.csv", buf.getvalue())
     return meta
-
-
-@contextmanager
-def _keeping_sigint() -> Iterator[None]:
-    """`optimize` with Ctrl-C left as it was: LitData sets a SIGINT handler of its own for good, which ends the
-    process with `os._exit(0)`, so that a stopped prepare exited 0, as if it had finished, and without a word."""
-    set_handler = signal.signal
-    signal.signal = lambda sig, handler: signal.getsignal(sig) if sig == signal.SIGINT else set_handler(sig, handler)
-    try:
-        yield
-    finally:
-        signal.signal = set_handler
 
 
 def check_out_apart(root: str, out: str) -> None:
@@ -323,17 +304,6 @@ def moved_position(state: dict, path: str | None) -> dict:
     return {**state, "dataset": {**saved, "input_dir_path": path}}
 
 
-def stop_workers(grace_s: float = 5.0) -> None:
-    """End the processes LitData's `optimize` started (they outlive a stopped prepare otherwise, writing chunks)."""
-    children = multiprocessing.active_children()
-    for child in children:
-        child.terminate()
-    for child in children:
-        child.join(grace_s)
-        if child.is_alive():
-            child.kill()
-
-
 def prepare_parser() -> ArgumentParser:
     """The options of `vit-train prepare`; `vit-train --help` lists it with the Trainer's subcommands."""
     parser = ArgumentParser(
@@ -381,7 +351,6 @@ def main(argv: list[str]) -> None:
         print(f"vit-train prepare: {e}", file=sys.stderr)
         raise SystemExit(2) from None
     except KeyboardInterrupt as e:
-        stop_workers()
         said = str(e) or "interrupted"
         print(f"vit-train prepare: {said}: {args.out} is not finished; the same command prepares it", file=sys.stderr)
         raise SystemExit(exit_code(e)) from None

@@ -12,6 +12,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -24,11 +25,14 @@ from train.folder_scan import scan_folder
 from train.shards import check_out_fresh, is_streaming_root, prepare, read_meta
 
 
-def test_prepare_keeps_the_split_classes_and_reports_every_broken_file(messy_folder: Path, tmp_path: Path):
+def test_prepare_keeps_the_split_classes_and_reports_every_broken_file(messy_folder, tmp_path, monkeypatch):
     """Also: LitData's `optimize` set the process's multiprocessing start method to spawn for good, so a training
     run in the same process (a notebook, a script) started each DataLoader worker as a fresh interpreter, seconds
-    each, where fork takes milliseconds."""
-    out = tmp_path / "shards"
+    each, where fork takes milliseconds; and its cache folders stayed in the temporary folder, shared with (and
+    emptied by) every other prepare on the machine."""
+    out, temp = tmp_path / "shards", tmp_path / "tmp"
+    temp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
     method = multiprocessing.get_start_method(allow_none=True)
     multiprocessing.set_start_method("forkserver", force=True)  # not LitData's choice, whatever ran before
     try:
@@ -36,6 +40,7 @@ def test_prepare_keeps_the_split_classes_and_reports_every_broken_file(messy_fol
         assert multiprocessing.get_start_method() == "forkserver"
     finally:
         multiprocessing.set_start_method(method, force=True)
+    assert tempfile.gettempdir() == str(temp) and not list(temp.iterdir())
     scan = scan_folder(messy_folder, val_fraction=0.25, seed=0)
     assert meta["classes"] == scan.classes == ["cat", "dog"]
     assert {Path(b["path"]).name for b in meta["bad"]} == {"truncated.jpg", "empty.png", "text.png"}
@@ -335,12 +340,15 @@ def test_prepare_refuses_a_split_without_validation_images_before_writing_a_chun
 def test_a_prepare_stopped_by_a_signal_says_so_and_leaves_no_worker_running(tmp_path: Path, stop, code, said):
     """SIGTERM ended the prepare without a word, exit 143, and LitData's two workers and its resource tracker went
     on running, orphaned, for a minute or more (one survived a second SIGTERM). Ctrl-C (SIGINT to the whole process
-    group, as a terminal sends it) exited 0, as if the prepare had finished: LitData's own handler."""
+    group, as a terminal sends it) exited 0, as if the prepare had finished: LitData's own handler. Either way,
+    LitData's pickled list of the items stayed in the temporary folder, one more file per stopped prepare."""
     shapes = write_shapes(tmp_path / "shapes", per_class=300)
     out = tmp_path / "shards"
     cmd = [sys.executable, "-m", "train", "prepare", "--data.root", str(shapes), "--out", str(out)]
     cmd += ["--workers", "2", "--chunk_bytes", "4kb", "--data.dedupe", "none"]
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(REPO), "TMPDIR": str(temp)}
     # with Ctrl-C as a terminal leaves it: a child of a process that ignores SIGINT (a pytest-xdist worker) would
     # ignore it too, and finish
     default_sigint = lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)
@@ -373,6 +381,7 @@ def test_a_prepare_stopped_by_a_signal_says_so_and_leaves_no_worker_running(tmp_
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
     assert is_streaming_root(out)  # and fit says it did not finish
+    assert not list(temp.iterdir())  # LitData's list of the items (70 kB a thousand), its cache folders
 
 
 def test_an_out_holding_only_what_a_fresh_disk_or_an_earlier_stopped_prepare_holds_is_written_into(tmp_path: Path):
