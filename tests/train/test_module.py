@@ -61,14 +61,18 @@ def test_a_compile_that_fails_at_the_first_step_goes_on_eager(monkeypatch, caplo
     from torch._inductor import config
 
     monkeypatch.setenv("CXX", "false")  # on PATH, so setup compiles, whether or not this machine has g++
-    monkeypatch.setattr(config.cpp, "cxx", (None, "false"))
-    monkeypatch.setattr(config, "fx_graph_cache", False)  # a kernel built by an earlier run would need no compiler
     torch._dynamo.reset()
     module = ViTClassifier(num_classes=5, img_size=16, variant="vit_tiny_patch16_224", net_args=NET, compile=True)
     module.trainer = pl.Trainer(accelerator="cpu", logger=False, enable_checkpointing=False)
     module.setup("fit")
     x = torch.rand(2, 3, 16, 16)
-    with caplog.at_level("WARNING", logger="train.module"):
+    # torch's own patch, not monkeypatch's: its undo deleted the two settings (monkeypatch did not see them, so it
+    # took them for new), and every later torch.compile in the same process failed on "does not exist"
+    # (fx_graph_cache off: a kernel built by an earlier run would need no compiler)
+    with (
+        caplog.at_level("WARNING", logger="train.module"),
+        config.patch({"cpp.cxx": (None, "false"), "fx_graph_cache": False}),
+    ):
         logits = module._train_logits(x)
     assert "--model.compile failed, training goes on eager: InvalidCxxCompiler: No working C++ compiler" in caplog.text
     assert module.train_net is module.net and logits.shape == (2, 5)
