@@ -82,22 +82,26 @@ doc-commands: install
 # kept the cores 63% busy, three 78%, four lost more to contention than they gained; the same run varies by a
 # minute or more with the host's load). TEST_WORKERS=0: one process.
 TEST_WORKERS ?= 3
+# Files go to the workers in the order pytest collects them (tests/serve, tests/train, tests/vit), not xdist's
+# default of the most tests first: that left the files of a few long tests (the DDP runs, the browser, the export
+# options) for the end, where one worker ran them alone while the others had finished.
+XDIST = -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 # The tests' hundred-odd Python processes (workers, servers, training runs, Ray workers) read the bytecode that the
 # first import of each module writes (this project's own, and the serve-only venv's, which pip installs uncompiled);
 # where PYTHONDONTWRITEBYTECODE is set (CI images often set it), each compiled them again.
 WRITE_BYTECODE := PYTHONDONTWRITEBYTECODE=
 test: install lint docs
-	$(WRITE_BYTECODE) $(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not cluster"
+	$(WRITE_BYTECODE) $(BIN)/pytest -q $(XDIST) -m "not cluster"
 
 # Tiers, by marker: `slow` (servers, training runs; still run by `make test`), `browser` (Chromium), `gpu` (skipped
 # without CUDA), `cluster` (a local Ray cluster: test-cluster, and CI after make test). test-fast leaves out the
 # slow and browser tests. The cluster's tests mostly wait on Ray's processes: apart, they keep `make test` under
 # ten minutes from a fresh clone (BENCHMARKS.md, "The test suite": `python -m benchmarks.test_suite`).
 test-fast: install
-	$(WRITE_BYTECODE) $(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow and not browser"
+	$(WRITE_BYTECODE) $(BIN)/pytest -q $(XDIST) -m "not slow and not browser"
 
 test-cluster: install
-	$(WRITE_BYTECODE) $(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadfile -m cluster
+	$(WRITE_BYTECODE) $(BIN)/pytest -q $(XDIST) -m cluster
 
 # The main job on the embedded sample: data -> training -> ONNX -> server. Each step is a file
 # target, so a second `make demo` reuses whatever is already up to date.
@@ -128,7 +132,7 @@ SERVE_ONLY := build/serve-only
 test-serve-only: $(SERVE_ONLY)/venv/.installed $(SERVE_ONLY)/tiny.onnx
 	$(WRITE_BYTECODE) VITSCOPE_TINY_ONNX=$(abspath $(SERVE_ONLY)/tiny.onnx) VITSCOPE_TINY_REPO=$(abspath $(SERVE_ONLY)/models) \
 		$(SERVE_ONLY)/venv/bin/python -m pytest \
-		-q -n $(TEST_WORKERS) --dist loadfile tests/serve
+		-q $(XDIST) tests/serve
 
 $(SERVE_ONLY)/venv/.installed: pyproject.toml | $(VENV)/.installed
 	rm -rf $(SERVE_ONLY)/venv
