@@ -29,6 +29,7 @@ from tqdm import tqdm
 from serve.runtime.image_files import is_image_file, walk_image_files
 from serve.runtime.images import ImageError, PixelBudget
 from serve.runtime.outputs import PartStore
+from serve.runtime.row_formats import output_format, parquet_text
 
 # Shapes: B batch, H/W the model's input, K classes.
 
@@ -341,7 +342,8 @@ def score_to_file(
     if store is None:  # finished by an earlier run: an input with no row in it is not passed off as done
         paths = PartStore(out).output_paths()
         have = set(paths) | {source_key(p) for p in paths}  # as the rows name them, or where that is from here
-        if missing := [s for s in sources if s not in have and source_key(s) not in have]:
+        named = parquet_text if output_format(out) == ".parquet" else str  # as the rows write a name not UTF-8
+        if missing := [s for s in sources if named(s) not in have and named(source_key(s)) not in have]:
             print(
                 f"{out}: {len(missing):,} of this run's inputs have no row in it (unreadable then, or given since), "
                 f"such as {missing[0]}: remove it, or give another --out, to score them",
