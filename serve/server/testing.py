@@ -97,9 +97,12 @@ def read_metric(text: str, name: str, *, default: float | None = None, **labels:
         LookupError: no sample matches and `default` is None (a misspelt or renamed metric must not read as 0).
     """
     found = []
+    quote = lambda v: v.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')  # as the text format does
     for line in text.splitlines():
         head, _, value = line.rpartition(" ")
-        if (head == name or head.startswith(name + "{")) and all(f'{k}="{v}"' in head for k, v in labels.items()):
+        if (head == name or head.startswith(name + "{")) and all(
+            f'{k}="{quote(v)}"' in head for k, v in labels.items()
+        ):
             found.append(float(value))
     if not found:
         if default is not None:

@@ -5,6 +5,7 @@ in place is reloaded without a failed request, and the default model stays where
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -97,8 +98,13 @@ def bad_models(repo: Path, exported: Path) -> dict[str, str]:  # noqa: F811
     (repo / "latin1_labels" / "labels.txt").write_bytes("caf\xe9\n".encode("latin-1"))
     add_model(repo, exported, "misconfigured", [1])
     (repo / "misconfigured" / "config.pbtxt").write_text('name: "misconfigured"\nversion_policy: { newest { } }\n')
+    # folder names Linux allows and nothing else carries: one not UTF-8 made /readyz, /metrics and the index
+    # answer 500 (a kubelet restarts such a pod) and each log line a traceback; a newline forged a log line
+    for name in (os.fsdecode(b"bytes\xff"), "new\nline"):
+        (repo / name).mkdir()
+        drop_version(repo / name, 1, model)
     reasons = {"aaa_truncated": "model.onnx", "garbage": "model.onnx", "latin1_labels": "labels.txt"}
-    return {**reasons, "misconfigured": "config.pbtxt"}
+    return {**reasons, "misconfigured": "config.pbtxt", "bytes\\xff": "rename it", "new\\nline": "rename it"}
 
 
 def unavailable(url: str) -> dict[str, str]:
@@ -127,6 +133,7 @@ def test_bad_models_are_refused_at_start_up_and_the_good_one_serves(exported, tm
             refused = httpx.post(f"{url}/v2/repository/models/{name}/load", timeout=60)
             assert refused.status_code == 400 and bad[name] in refused.json()["error"], refused.text
         assert server.metric("vitscope_model_load_failures_total", model="misconfigured", reason="config") == 1
+        assert "Traceback" not in server.output and not any(line.startswith("line") for line in server.lines)
 
 
 def test_a_good_model_beside_bad_ones_is_picked_up_by_polling(exported, tmp_path):  # noqa: F811

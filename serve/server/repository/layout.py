@@ -21,6 +21,7 @@ and labels.txt files are capped in size.
 from __future__ import annotations
 
 import functools
+import unicodedata
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -208,10 +209,18 @@ def scan_model(folder: Path) -> ModelFolder:
     return ModelFolder(folder.name, folder, policy, files)
 
 
+def shown_name(name: str) -> str:
+    """`name` as a log line or a JSON answer can carry it: the bytes of a name that is not UTF-8 as `\\xff` (as
+    `vit-predict` writes them into Parquet), control characters as `\\n` or `\\x1b`; any other name as it is."""
+    text = name.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+    return "".join(ascii(c)[1:-1] if unicodedata.category(c) == "Cc" else c for c in text)
+
+
 def scan(root: Path) -> dict[str, ModelFolder]:
     """Every model folder under `root` (a folder with a config.pbtxt or a version folder), by name.
 
-    A model whose config cannot be read is returned with its `error` set: it fails alone, not the scan.
+    A model whose config cannot be read, or whose folder's name cannot name it (`shown_name`), is returned with
+    its `error` set: it fails alone, not the scan.
 
     Raises:
         ValueError: `root` holds no model in this layout.
@@ -223,7 +232,12 @@ def scan(root: Path) -> dict[str, ModelFolder]:
             has_version = any(d.is_dir() and version_of(d.name) for d in folder.iterdir())
         except OSError:
             has_version = True  # unreadable: scan_model says so as that model's error
-        if (folder / CONFIG_FILE).is_file() or has_version:
+        if not ((folder / CONFIG_FILE).is_file() or has_version):
+            continue
+        if (shown := shown_name(folder.name)) != folder.name:  # it cannot name the model, so this shows it
+            why = "is not UTF-8 or holds a control character, which no URL, log line or metric can carry"
+            models[shown] = ModelFolder(shown, folder, error=f"{root / shown}: the folder's name {why}: rename it")
+        else:
             models[folder.name] = scan_model(folder)
     if not models:
         raise ValueError(
