@@ -8,9 +8,7 @@ old one, so a crash or a power cut leaves either the old file or the new one, ne
 
 from __future__ import annotations
 
-import csv
 import fcntl
-import io
 import logging
 import os
 import threading
@@ -20,6 +18,7 @@ from pathlib import Path
 
 from serve.runtime.images import FILE_NAME_ERRORS
 from serve.runtime.outputs import sync_folder
+from serve.runtime.row_formats import csv_line
 from train.corrections import HEADER, CorrectionsTable, absolute_path, read_corrections
 
 CORRECTIONS_FILE = "corrections.csv"
@@ -134,13 +133,10 @@ def written_path(path: str, root: Path) -> str:
 
 def _write_atomically(file: Path, table: CorrectionsTable) -> None:
     """Write-then-rename with fsync of the file and of its folder (the rename itself must reach the disk)."""
-    buf = io.StringIO()
-    writer = csv.writer(buf, lineterminator="\n")
-    writer.writerow(table.header)
-    writer.writerows(table.rows.values())
+    text = "".join(csv_line(row) for row in [table.header, *table.rows.values()])
     tmp = _temporary(file)
     with open(tmp, "w", encoding="utf-8", errors=FILE_NAME_ERRORS, newline="") as f:
-        f.write(buf.getvalue())
+        f.write(text)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, file)

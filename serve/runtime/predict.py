@@ -26,8 +26,6 @@ file, and decoding runs beside the model (`serve.runtime.jobs`). With --coverage
 from __future__ import annotations
 
 import argparse
-import csv
-import io
 import json
 import math
 import os
@@ -52,6 +50,7 @@ from serve.runtime.jobs import (
     why_unreadable,
 )
 from serve.runtime.outputs import PARTS_SUFFIX
+from serve.runtime.row_formats import csv_line
 from serve.runtime.trust import Prediction
 
 PROGRESS_MIN_FILES = 20  # a bar for a handful of files is noise
@@ -142,16 +141,15 @@ class _Writer:
             self._guard(self.out.write, line + "\n")
 
     def _row(self, row: list) -> None:
-        text = io.StringIO()
-        csv.writer(text, lineterminator="\n").writerow(row)
+        line = csv_line(row)
         try:
-            self._guard(self.out.write, text.getvalue())
+            self._guard(self.out.write, line)
         except UnicodeEncodeError:  # a name's surrogate escapes: its own bytes, below the text layer
             buffer = getattr(self.out, "buffer", None)
             if buffer is None:
                 raise
             self.flush()
-            self._guard(buffer.write, text.getvalue().encode(self.out.encoding, "surrogateescape"))
+            self._guard(buffer.write, line.encode(self.out.encoding, "surrogateescape"))
 
     def flush(self) -> None:
         self._guard(self.out.flush)

@@ -73,23 +73,27 @@ def parquet_text(value: Any) -> Any:
     return value
 
 
+def csv_line(fields: list) -> str:
+    """One CSV record ending in "\\n", every field quoted when one holds a carriage return: with that terminator the
+    `csv` module leaves a carriage return unquoted, which readers take for a line break (a file name, a class)."""
+    text = io.StringIO()
+    quoting = csv.QUOTE_ALL if any("\r" in str(f) for f in fields) else csv.QUOTE_MINIMAL
+    csv.writer(text, lineterminator="\n", quoting=quoting).writerow(fields)
+    return text.getvalue()
+
+
 def encode_rows(rows: list[dict[str, Any]], fmt: str, header: bool = True) -> bytes:
     """Rows in the format's bytes (one part's data file); a path that is not UTF-8 as the module says."""
     if fmt == ".jsonl":
         return "".join(json.dumps(r, allow_nan=False) + "\n" for r in rows).encode()
     flat = [table_row(r) for r in rows]
     if fmt == ".csv":
-        text = io.StringIO()
-        writer = csv.DictWriter(text, fieldnames=list(flat[0]), lineterminator="\n")
-        # the "\n" terminator leaves a carriage return in a file name unquoted, which readers take for a line break
-        quoted = csv.DictWriter(text, fieldnames=list(flat[0]), lineterminator="\n", quoting=csv.QUOTE_ALL)
-        if header:
-            writer.writeheader()
-        for r in flat:
-            # lists as JSON text, and true / false as stdout writes them
-            row = {k: json.dumps(v) if isinstance(v, (list, dict, bool)) else v for k, v in r.items()}
-            (quoted if "\r" in str(row["path"]) else writer).writerow(row)
-        return text.getvalue().encode("utf-8", "surrogateescape")  # a name's own bytes, as the file system has them
+        fields = list(flat[0])
+        lines = [csv_line(fields)] if header else []
+        for r in flat:  # lists as JSON text, and true / false as stdout writes them
+            values = [r.get(k, "") for k in fields]
+            lines.append(csv_line([json.dumps(v) if isinstance(v, (list, dict, bool)) else v for v in values]))
+        return "".join(lines).encode("utf-8", "surrogateescape")  # a name's own bytes, as the file system has them
     pa = require_pyarrow()
     sink = pa.BufferOutputStream()
     pa.parquet.write_table(pa.Table.from_pylist([{k: parquet_text(v) for k, v in r.items()} for r in flat]), sink)

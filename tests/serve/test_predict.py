@@ -69,6 +69,16 @@ def test_csv_output_has_one_row_per_image_and_rank(tiny_onnx, tmp_path, capsys):
     assert np.all(np.diff(probs) <= 0) and 0 < probs.sum() <= 1.0001
 
 
+def test_csv_on_stdout_quotes_a_name_with_a_carriage_return(tiny_onnx, tmp_path, capsys):
+    """Left unquoted, a reader took the carriage return for the end of the row: a path `x`, then a broken row."""
+    folder = _folder(tmp_path, n=2)
+    odd = (folder / "0_top_left.png").rename(folder / "x\ry.png")
+    assert main([str(tiny_onnx), str(folder), "--format", "csv", "--top-k", "1"]) == 0
+    rows = list(csv.DictReader(io.StringIO(capsys.readouterr().out, newline="")))
+    paths = [r["path"] for r in rows]
+    assert str(odd) in paths and all(Path(p).is_file() for p in paths) and len(paths) == 2
+
+
 def test_csv_on_stdout_writes_a_name_that_is_not_utf8_as_its_bytes(tiny_onnx, tmp_path, monkeypatch):
     """Under a UTF-8 locale (stdout's errors 'strict') the run stopped at the first such name with exit 2, and the
     files after it were never classified; --out and JSON kept them."""

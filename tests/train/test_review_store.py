@@ -55,3 +55,13 @@ def test_a_read_only_run_trained_with_corrections_still_opens(tmp_path: Path):
     (tmp_path / "run").write_text("")  # a file where the folder should be: no write can succeed there, even as root
     decisions = Decisions(tmp_path / "run" / "corrections.csv", "/data", CLASSES, {"/data/cat/1.png": "dog"})
     assert decisions.all() == {"/data/cat/1.png": "dog"}
+
+
+def test_a_carriage_return_in_a_name_or_a_class_is_written_so_that_fit_reads_it_back(tmp_path: Path):
+    """The file's "\\n" rows left a carriage return unquoted: the next review and fit read `a/x` and refused the
+    file ("no label column after 'a/x'"), and a class `c\\rr` was read as `c`."""
+    file, classes = tmp_path / "corrections.csv", ["cat", "c\rr"]
+    odd = str(tmp_path / "cat" / "x\ry.png")
+    Decisions(file, tmp_path, classes).decide(odd, "c\rr")
+    assert load_corrections(file, tmp_path, classes) == {odd: "c\rr"}
+    assert Decisions(file, tmp_path, classes).all() == {odd: "c\rr"}
