@@ -201,11 +201,24 @@ def hold_run_dir(run_dir: Path, ckpt_path: str | None, overwrite: bool, check_ow
     return lock
 
 
+def is_utf8(text: str) -> bool:
+    """Whether `text` holds no byte that is not UTF-8 (a file name Python decoded with surrogate escapes)."""
+    return not any("\udc80" <= c <= "\udcff" for c in text)
+
+
 def check_run_dir(run_dir: Path, data_root: str | None, create: bool = True) -> None:
     """Create `run_dir` and a file in it now, so a read-only place fails in one line before any work; refuse it
     in the image folder `data_root`, where its reports (`confusion_matrix.png`) would be a class of the next scan.
     With `create` False, a `run_dir` not made yet stays so: a folder made and removed in its nearest existing parent
-    tells whether it can be (`vit-train fit` checks so before it reads the images, and makes it after)."""
+    tells whether it can be (`vit-train fit` checks so before it reads the images, and makes it after). Either
+    path not named in UTF-8 is refused too."""
+    for flag, path in (("--trainer.default_root_dir", run_dir), ("--data.root", data_root)):
+        if path and not is_remote(path) and not is_utf8(str(Path(path).expanduser().absolute())):
+            raise SetupError(
+                f"{flag} {os.fsencode(path)!r} is not named in UTF-8 (here or in a folder above it): the run's "
+                "config.yaml could not give it back, nor TensorBoard write under it; rename it, or give a link to it "
+                "whose name is UTF-8"
+            )
     images = None if not data_root or is_remote(data_root) else Path(data_root).expanduser().resolve()
     own = images is not None and (images / "train").is_dir() and (images / "val").is_dir()
     scanned = [images / "train", images / "val"] if own else [images] if images is not None else []

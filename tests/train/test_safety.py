@@ -155,6 +155,18 @@ def test_a_run_directory_inside_the_image_folder_is_refused_before_it_is_made(sm
     assert "--trainer.default_root_dir must be outside --data.root" in err and not (small_folder / "runs").exists()
 
 
+def test_a_run_directory_or_image_folder_not_named_in_utf8_is_refused_before_any_work(small_folder, tmp_path, capsys):
+    """A run directory so named stopped in a TensorBoard traceback with `.lock` and `tensorboard/` left behind; an
+    image folder so named trained, but the run's config.yaml held it as an escape its own --config refused."""
+    odd = os.fsdecode(os.fsencode(tmp_path) + b"/run\xff")
+    err = one_line_error(args(small_folder, Path(odd)), capsys)
+    assert "--trainer.default_root_dir b'" in err and "\\xff' is not named in UTF-8" in err and not os.path.exists(odd)
+    images = Path(os.fsdecode(os.fsencode(tmp_path) + b"/images\xff"))
+    shutil.copytree(small_folder, images)
+    err = one_line_error(args(images, tmp_path / "run"), capsys)
+    assert "--data.root b'" in err and "is not named in UTF-8" in err and not (tmp_path / "run").exists()
+
+
 def test_a_pretrained_file_that_is_not_weights_is_a_one_line_error(small_folder, tmp_path, capsys):
     bad = tmp_path / "weights.safetensors"
     bad.write_text("not weights\n")
