@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import gzip
 import logging
+import shlex
 import struct
 import sys
 from pathlib import Path
@@ -105,7 +106,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"vit-fashion-mnist: {e}", file=sys.stderr)
         raise SystemExit(2) from None
     # the guide's run (docs/guide/train.md): at the images' own 28 px, where the config's default is 32
-    train = f"vit-train fit --config configs/small_images.yaml --data.root {out} --data.img_size {SIDE}"
+    root = shlex.quote(str(out))
+    train = f"vit-train fit --config configs/small_images.yaml --data.root {root} --data.img_size {SIDE}"
     print(f"Fashion-MNIST in {out}: train with {train} --trainer.default_root_dir runs/fmnist")
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import shlex
 from pathlib import Path
 
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer
@@ -47,7 +48,7 @@ def report_fit(trainer: Trainer, model: LightningModule, datamodule: LightningDa
         lines += [
             f"  {kind} checkpoint: {best}",
             "  next: export it to ONNX with",
-            f"    vit-export {best} -o model.onnx",
+            f"    vit-export {shlex.quote(str(best))} -o model.onnx",
         ]
     log.info("\n".join(lines))
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import shlex
 from pathlib import Path
 
 import pytest
@@ -95,15 +96,18 @@ def test_a_fit_that_chose_no_best_checkpoint_says_why_and_how_to_export_the_last
     options, said, shapes_folder, tmp_path, caplog
 ):
     """--trainer.max_steps inside the first epoch: no validation ran, so no best.ckpt, and the run only said
-    "Training finished." (a user's next step, vit-export of best.ckpt, then failed on a missing file)."""
-    run = tmp_path / "run"
+    "Training finished." (a user's next step, vit-export of best.ckpt, then failed on a missing file). The command
+    is ready to paste: a run directory with a space in its name split it in two."""
+    run = tmp_path / "my run"
     args = ["fit", "--config", "configs/sample.yaml", "--data.root", str(shapes_folder), "--data.batch_size", "8"]
     with caplog.at_level(logging.INFO, logger="train"):
         build_cli([*args, "--trainer.default_root_dir", str(run), "--trainer.enable_progress_bar", "false", *options])
     last = run / "checkpoints" / "last.ckpt"
     assert last.is_file() and not (run / "checkpoints" / "best.ckpt").exists()
     assert f"no best.ckpt was chosen: {said}" in caplog.text
-    assert f"last checkpoint: {last}" in caplog.text and f"vit-export {last} -o model.onnx" in caplog.text
+    assert f"last checkpoint: {last}" in caplog.text
+    command = next(line for line in caplog.text.splitlines() if line.strip().startswith("vit-export "))
+    assert shlex.split(command) == ["vit-export", str(last), "-o", "model.onnx"]
 
 
 @pytest.mark.slow
