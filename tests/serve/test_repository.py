@@ -88,6 +88,18 @@ def test_version_policies_read_as_tritons():
         parse_version_policy("version_policy: { newest { } }")
 
 
+def test_a_folder_whose_name_reads_as_another_once_escaped_fails_both(tmp_path):
+    """A folder named `m\\xff` in plain text and one whose name holds the byte 0xff: the one scanned last took the
+    other's place, a good model dropped without a word, or a bad one's "rename it" never said."""
+    for names in ([os.fsdecode(b"m\xff"), "m\\xff"], ["n\nx", "n\\nx"], ["line\u2028break"]):
+        for name in names:
+            (tmp_path / name / "1").mkdir(parents=True)
+            (tmp_path / name / "1" / "model.onnx").write_bytes(b"")
+    folders = scan(tmp_path)
+    assert sorted(folders) == ["line\\u2028break", "m\\xff", "n\\nx"]
+    assert all("rename" in f.error and not f.wanted() for f in folders.values())
+
+
 def test_two_models_and_two_versions_are_served_side_by_side(exported, tmp_path):
     repo = tmp_path / "models"
     add_model(repo, exported, "alpha", [1, 2], "version_policy: { all { } }\n")

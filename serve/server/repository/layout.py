@@ -29,6 +29,7 @@ from google.protobuf import text_format
 
 from serve.server.repository.model_config_pb2 import ModelConfig
 
+LINE_BREAKING = ("Cc", "Zl", "Zp")  # Unicode categories of \n, \x1b and the like, U+2028 and U+2029
 MODEL_FILE = "model.onnx"
 CONFIG_FILE = "config.pbtxt"
 LABELS_FILE = "labels.txt"
@@ -211,9 +212,10 @@ def scan_model(folder: Path) -> ModelFolder:
 
 def shown_name(name: str) -> str:
     """`name` as a log line or a JSON answer can carry it: the bytes of a name that is not UTF-8 as `\\xff` (as
-    `vit-predict` writes them into Parquet), control characters as `\\n` or `\\x1b`; any other name as it is."""
+    `vit-predict` writes them into Parquet), control characters and line separators as `\\n`, `\\x1b` or
+    `\\u2028`; any other name as it is."""
     text = name.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
-    return "".join(ascii(c)[1:-1] if unicodedata.category(c) == "Cc" else c for c in text)
+    return "".join(ascii(c)[1:-1] if unicodedata.category(c) in LINE_BREAKING else c for c in text)
 
 
 def scan(root: Path) -> dict[str, ModelFolder]:
@@ -234,7 +236,12 @@ def scan(root: Path) -> dict[str, ModelFolder]:
             has_version = True  # unreadable: scan_model says so as that model's error
         if not ((folder / CONFIG_FILE).is_file() or has_version):
             continue
-        if (shown := shown_name(folder.name)) != folder.name:  # it cannot name the model, so this shows it
+        shown = shown_name(folder.name)  # the name itself, unless it cannot name the model
+        if shown in models:  # a folder named `a\xff` in plain text, beside one whose name has the byte 0xff
+            why = f"two folders of {root} read {shown} once written out (one not UTF-8, or with a control character)"
+            why += ": rename that one"
+            models[shown] = ModelFolder(shown, folder, error=why)
+        elif shown != folder.name:
             why = "is not UTF-8 or holds a control character, which no URL, log line or metric can carry"
             models[shown] = ModelFolder(shown, folder, error=f"{root / shown}: the folder's name {why}: rename it")
         else:
