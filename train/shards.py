@@ -19,6 +19,7 @@ import json
 import logging
 import os
 import re
+import shlex
 import sys
 from pathlib import Path
 from typing import Any, Literal
@@ -119,9 +120,9 @@ def prepare(
     broken = {p for p, _ in errors}
     bad = [(b.path, b.reason) for b in scan.bad] + errors
     meta = {"format": FORMAT, "root": str(scan.root), "layout": scan.layout, "classes": scan.classes}
-    _remove_meta(out)  # before any chunk is rewritten: a prepare stopped half-way must not pair them with it
-    _write_text(out, MARK, "")  # and a first one stopped before its index is still known as a prepare's
     with optimizing():
+        _remove_meta(out)  # before any chunk is rewritten: a prepare stopped half-way must not pair them with it
+        _write_text(out, MARK, "")  # and a first one stopped before its index is still known as a prepare's
         for split, items in (("train", scan.train), ("val", scan.val)):
             items = [it for it in items if it[0] not in broken]
             optimize(fn=_sample, inputs=items, output_dir=f"{out.rstrip('/')}/{split}", chunk_bytes=chunk_bytes,
@@ -356,5 +357,5 @@ def main(argv: list[str]) -> None:
         raise SystemExit(exit_code(e)) from None
     print(
         f"{args.out}: {meta['train']} train and {meta['val']} val images, {len(meta['classes'])} classes, "
-        f"{len(meta['bad'])} unreadable (bad_files.csv); train with --data.root {args.out}"
+        f"{len(meta['bad'])} unreadable (bad_files.csv); train with --data.root {shlex.quote(args.out)}"
     )

@@ -33,6 +33,7 @@ def test_prepare_keeps_the_split_classes_and_reports_every_broken_file(messy_fol
     out, temp = tmp_path / "shards", tmp_path / "tmp"
     temp.mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(temp))
+    environ, set_handler = dict(os.environ), signal.signal
     method = multiprocessing.get_start_method(allow_none=True)
     multiprocessing.set_start_method("forkserver", force=True)  # not LitData's choice, whatever ran before
     try:
@@ -41,6 +42,7 @@ def test_prepare_keeps_the_split_classes_and_reports_every_broken_file(messy_fol
     finally:
         multiprocessing.set_start_method(method, force=True)
     assert tempfile.gettempdir() == str(temp) and not list(temp.iterdir())
+    assert dict(os.environ) == environ and signal.signal is set_handler  # LitData set DATA_OPTIMIZER_NUM_WORKERS
     scan = scan_folder(messy_folder, val_fraction=0.25, seed=0)
     assert meta["classes"] == scan.classes == ["cat", "dog"]
     assert {Path(b["path"]).name for b in meta["bad"]} == {"truncated.jpg", "empty.png", "text.png"}
