@@ -206,19 +206,34 @@ def is_utf8(text: str) -> bool:
     return not any("\udc80" <= c <= "\udcff" for c in text)
 
 
+def check_utf8(run_dir: Path, data_root: str | None) -> None:
+    """Refuse a run directory or an image folder whose path, as given, is not UTF-8 (relative ones under a folder
+    so named work: TensorBoard and `config.yaml` hold them as given).
+
+    Raises:
+        SetupError: TensorBoard cannot write under such a run directory (a traceback, with `.lock` left behind),
+            and the run's `config.yaml` holds such an image folder as an escape its own `--config` refuses.
+    """
+    if not is_utf8(str(run_dir)):  # the current folder, when no --trainer.default_root_dir is given
+        raise SetupError(
+            f"the run directory {os.fsencode(run_dir)!r} is not named in UTF-8, and TensorBoard cannot write under "
+            "it: choose another --trainer.default_root_dir"
+        )
+    if data_root and not is_remote(data_root) and not is_utf8(data_root):
+        raise SetupError(
+            f"--data.root {os.fsencode(data_root)!r} is not named in UTF-8, and the run's config.yaml could not give "
+            "it back: rename it, or give a link to it whose name is UTF-8"
+        )
+
+
 def check_run_dir(run_dir: Path, data_root: str | None, create: bool = True) -> None:
     """Create `run_dir` and a file in it now, so a read-only place fails in one line before any work; refuse it
     in the image folder `data_root`, where its reports (`confusion_matrix.png`) would be a class of the next scan.
     With `create` False, a `run_dir` not made yet stays so: a folder made and removed in its nearest existing parent
-    tells whether it can be (`vit-train fit` checks so before it reads the images, and makes it after). Either
-    path not named in UTF-8 is refused too."""
-    for flag, path in (("--trainer.default_root_dir", run_dir), ("--data.root", data_root)):
-        if path and not is_remote(path) and not is_utf8(str(Path(path).expanduser().absolute())):
-            raise SetupError(
-                f"{flag} {os.fsencode(path)!r} is not named in UTF-8 (here or in a folder above it): the run's "
-                "config.yaml could not give it back, nor TensorBoard write under it; rename it, or give a link to it "
-                "whose name is UTF-8"
-            )
+    tells whether it can be (`vit-train fit` checks so before it reads the images, and makes it after), and
+    `check_utf8` refuses paths it could not write or give back."""
+    if not create:  # fit's checks: a path it writes, or that its config.yaml must give back, is UTF-8
+        check_utf8(run_dir, data_root)
     images = None if not data_root or is_remote(data_root) else Path(data_root).expanduser().resolve()
     own = images is not None and (images / "train").is_dir() and (images / "val").is_dir()
     scanned = [images / "train", images / "val"] if own else [images] if images is not None else []

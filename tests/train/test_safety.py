@@ -160,7 +160,7 @@ def test_a_run_directory_or_image_folder_not_named_in_utf8_is_refused_before_any
     image folder so named trained, but the run's config.yaml held it as an escape its own --config refused."""
     odd = os.fsdecode(os.fsencode(tmp_path) + b"/run\xff")
     err = one_line_error(args(small_folder, Path(odd)), capsys)
-    assert "--trainer.default_root_dir b'" in err and "\\xff' is not named in UTF-8" in err and not os.path.exists(odd)
+    assert "the run directory b'" in err and "\\xff' is not named in UTF-8" in err and not os.path.exists(odd)
     images = Path(os.fsdecode(os.fsencode(tmp_path) + b"/images\xff"))
     shutil.copytree(small_folder, images)
     err = one_line_error(args(images, tmp_path / "run"), capsys)
