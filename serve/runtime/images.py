@@ -30,7 +30,7 @@ FILE_NAME_ERRORS = "surrogateescape"
 # The decoders PIL may use: the formats above (JPEG's includes the MPO files of many phones). Every other
 # PIL plugin stays off for untrusted input (EPS, for one, would run Ghostscript).
 FORMATS = ("JPEG", "PNG", "BMP", "GIF", "WEBP", "TIFF")
-DEFAULT_MAX_PIXELS = 40_000_000  # 40 MP: most cameras, phones but their 48-200 MP modes; short of a bomb
+DEFAULT_MAX_PIXELS = 40_000_000  # 40 MP: a phone's usual photo and many cameras' (not 45-61 MP bodies); not a bomb
 # Each scan of a progressive JPEG is decoded in full: encoders write about ten, a crafted 60 kB file thousands
 MAX_JPEG_SCANS = 100  # (seconds of CPU); libjpeg-turbo's tools take such a cap as an option (djpeg -maxscans)
 INTERPOLATIONS = {

@@ -91,6 +91,8 @@ def encode_rows(rows: list[dict[str, Any]], fmt: str, header: bool = True) -> by
         fields = list(flat[0])
         lines = [csv_line(fields)] if header else []
         for r in flat:  # lists as JSON text, and true / false as stdout writes them
+            if extra := set(r) - set(fields):  # a column the header lacks would be lost
+                raise ValueError(f"a row has fields the first row does not: {sorted(extra)}")
             values = [r.get(k, "") for k in fields]
             lines.append(csv_line([json.dumps(v) if isinstance(v, (list, dict, bool)) else v for v in values]))
         return "".join(lines).encode("utf-8", "surrogateescape")  # a name's own bytes, as the file system has them
