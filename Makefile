@@ -95,8 +95,8 @@ test: install lint docs
 
 # Tiers, by marker: `slow` (servers, training runs; still run by `make test`), `browser` (Chromium), `gpu` (skipped
 # without CUDA), `cluster` (a local Ray cluster: test-cluster, and CI after make test). test-fast leaves out the
-# slow and browser tests. The cluster's tests mostly wait on Ray's processes: apart, they keep `make test` under
-# ten minutes from a fresh clone (BENCHMARKS.md, "The test suite": `python -m benchmarks.test_suite`).
+# slow and browser tests. The cluster's tests mostly wait on Ray's processes: apart, they leave `make test` minutes
+# shorter (BENCHMARKS.md, "The test suite": `python -m benchmarks.test_suite`).
 test-fast: install
 	$(WRITE_BYTECODE) $(BIN)/pytest -q $(XDIST) -m "not slow and not browser"
 
