@@ -30,6 +30,7 @@ from pathlib import Path
 from serve.runtime.image_files import LINK_NOT_FOLLOWED as SKIPPED_LINK
 from serve.runtime.image_files import is_image_file, walk_image_files
 from serve.runtime.image_formats import NOT_AN_IMAGE, signature_format, unread_format
+from serve.runtime.images import is_utf8
 from train.corrections import correct_folder
 from train.data_report import image_stats
 from train.duplicates import Duplicates, find_duplicates
@@ -194,7 +195,7 @@ def _scan_classes(
     dirs = class_dirs(folder)
     names = [d.name for d in dirs]
     # a class name is the label the model answers, in JSON and in the ONNX metadata: text, not stray bytes (PEP 383)
-    if strays := [n for n in names if any("\udc80" <= c <= "\udcff" for c in n)]:
+    if strays := [n for n in names if not is_utf8(n)]:
         what = f"the class folder {os.fsencode(strays[0])!r} in {folder} is not named in UTF-8"
         raise ValueError(f"{what} (its name is the label the model answers): rename it")
     if classes is not None and names != classes:

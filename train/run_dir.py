@@ -25,6 +25,7 @@ import zipfile
 from pathlib import Path
 from typing import IO, Any
 
+from serve.runtime.images import is_utf8
 from train.errors import SetupError, first_line
 
 CKPT_DIR = "checkpoints"
@@ -199,11 +200,6 @@ def hold_run_dir(run_dir: Path, ckpt_path: str | None, overwrite: bool, check_ow
             lock.close()
         raise
     return lock
-
-
-def is_utf8(text: str) -> bool:
-    """Whether `text` holds no byte that is not UTF-8 (a file name Python decoded with surrogate escapes)."""
-    return not any("\udc80" <= c <= "\udcff" for c in text)
 
 
 def check_utf8(run_dir: Path, data_root: str | None) -> None:

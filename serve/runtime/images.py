@@ -27,6 +27,13 @@ IMAGE_SUFFIXES = (".jpg", ".jpeg", ".jfif", ".jpe", ".png", ".bmp", ".gif", ".we
 # that list image paths (CSV reports, corrections) are written and read with this error handler: such a name is
 # kept as its bytes, so each row still names its file, and a UTF-8 name is written as plain UTF-8.
 FILE_NAME_ERRORS = "surrogateescape"
+
+
+def is_utf8(name: str) -> bool:
+    """Whether the file name `name` holds no byte that is not UTF-8 (none decoded as a surrogate escape)."""
+    return not any("\udc80" <= c <= "\udcff" for c in name)
+
+
 # The decoders PIL may use: the formats above (JPEG's includes the MPO files of many phones). Every other
 # PIL plugin stays off for untrusted input (EPS, for one, would run Ghostscript).
 FORMATS = ("JPEG", "PNG", "BMP", "GIF", "WEBP", "TIFF")

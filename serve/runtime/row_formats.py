@@ -89,9 +89,9 @@ def encode_rows(rows: list[dict[str, Any]], fmt: str, header: bool = True) -> by
     flat = [table_row(r) for r in rows]
     if fmt == ".csv":
         fields = list(flat[0])
-        lines = [csv_line(fields)] if header else []
+        known, lines = set(fields), [csv_line(fields)] if header else []
         for r in flat:  # lists as JSON text, and true / false as stdout writes them
-            if extra := set(r) - set(fields):  # a column the header lacks would be lost
+            if extra := set(r) - known:  # a column the header lacks would be lost
                 raise ValueError(f"a row has fields the first row does not: {sorted(extra)}")
             values = [r.get(k, "") for k in fields]
             lines.append(csv_line([json.dumps(v) if isinstance(v, (list, dict, bool)) else v for v in values]))
