@@ -27,6 +27,7 @@ from pathlib import Path
 
 from google.protobuf import text_format
 
+from serve.runtime.row_formats import parquet_text
 from serve.server.repository.model_config_pb2 import ModelConfig
 
 LINE_BREAKING = ("Cc", "Zl", "Zp")  # Unicode categories of \n, \x1b and the like, U+2028 and U+2029
@@ -214,8 +215,7 @@ def shown_name(name: str) -> str:
     """`name` as a log line or a JSON answer can carry it: the bytes of a name that is not UTF-8 as `\\xff` (as
     `vit-predict` writes them into Parquet), control characters and line separators as `\\n`, `\\x1b` or
     `\\u2028`; any other name as it is."""
-    text = name.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
-    return "".join(ascii(c)[1:-1] if unicodedata.category(c) in LINE_BREAKING else c for c in text)
+    return "".join(ascii(c)[1:-1] if unicodedata.category(c) in LINE_BREAKING else c for c in parquet_text(name))
 
 
 def scan(root: Path) -> dict[str, ModelFolder]:
