@@ -55,6 +55,7 @@ class OneModel:
         self.app = deployment(model, settings, replicas, max_replicas, cpus)  # checks the counts before Ray starts
         self.replicas, self.cpus = replicas, cpus
         self.placing = threading.Event()  # never set: a file is deployed once, before `run`'s `deployed`
+        self.stopping = threading.Event()  # set by Ctrl-C or SIGTERM (`run`)
 
     def deploy(self) -> None:
         serve.run(self.app, name=APP_NAME, route_prefix="/")
@@ -108,7 +109,7 @@ def run(
     if address is None and not os.environ.get("RAY_ADDRESS"):  # a Ray of its own: Serve's proxy binds here
         check_port(settings.host, settings.port)
     join_ray(address)
-    stop, deployed = threading.Event(), threading.Event()
+    stop, deployed = target.stopping, threading.Event()
 
     def on_signal(*_) -> None:
         stop.set()

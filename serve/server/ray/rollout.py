@@ -93,6 +93,7 @@ class RepositoryRollout:
         self.stamps: dict[str, dict[str, Stamp | None]] = {}  # model -> version -> the file its replicas hold
         self.deploying: set[str] = set()  # the models whose application was given to Ray, held or not yet
         self.placing = threading.Event()  # set while serve.run waits for a model's new replicas
+        self.stopping = threading.Event()  # set by Ctrl-C or SIGTERM (`launch.run`): no rollout starts after it
         self.check_settings = settings.model_copy(update={"preferred_batch_size": 1})  # a check, not a measurement
 
     def describe(self) -> str:
@@ -184,6 +185,8 @@ class RepositoryRollout:
         self.deploying.add(model)  # `delete` deletes it even if stopped while Ray waits for its replicas
         self.placing.set()  # Ray may wait here for room no node has: Ctrl-C then stops the wait (`launch.run`)
         try:
+            if self.stopping.is_set():  # a Ctrl-C between two models' rollouts of one poll: nothing would stop this
+                raise KeyboardInterrupt
             serve.run(app, name=model_app_name(model), route_prefix=None)
         finally:
             self.placing.clear()
