@@ -72,6 +72,24 @@ def tiny_onnx(request, tmp_path_factory) -> Path:
     return folder / "tiny.onnx"
 
 
+@pytest.fixture(scope="session")
+def exported(request, tmp_path_factory) -> Path:
+    """A repository from `vit-export --triton-repo --no-gradients`: model `alpha`, version 1. In the [serve]-only
+    venv it is the one named by VITSCOPE_TINY_REPO, exported beforehand in the full venv. Tests copy from it."""
+    given = os.environ.get("VITSCOPE_TINY_REPO")
+    if given:
+        assert (Path(given) / "alpha" / "1" / "model.onnx").is_file(), f"VITSCOPE_TINY_REPO holds no alpha/1: {given}"
+        return Path(given)
+    checkpoint = request.getfixturevalue("tiny_checkpoint")  # skips without torch
+    from serve.export.cli import main as export_main
+
+    def build(folder: Path) -> None:
+        args = ["-o", str(folder / "alpha.onnx"), "--triton-repo", str(folder / "models"), "--no-gradients"]
+        assert export_main([str(checkpoint), *args]) == 0
+
+    return built_once(tmp_path_factory, "exported", build) / "models"
+
+
 @pytest.fixture
 def ui_client(tmp_path, monkeypatch) -> Callable[..., object]:
     """`gradio_client.Client(url, **kwargs)` that downloads into the test's own folder: the client passes each

@@ -22,23 +22,6 @@ KEY = "repository-test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
-@pytest.fixture(scope="module")
-def exported(request, tmp_path_factory) -> Path:
-    """A repository from vit-export --triton-repo: model `alpha`, version 1. In the [serve]-only venv it is the
-    one named by VITSCOPE_TINY_REPO, exported beforehand in the full venv."""
-    given = os.environ.get("VITSCOPE_TINY_REPO")
-    if given:
-        assert (Path(given) / "alpha" / "1" / "model.onnx").is_file(), f"VITSCOPE_TINY_REPO holds no alpha/1: {given}"
-        return Path(given)
-    from serve.export.cli import main as export_main
-
-    root = tmp_path_factory.mktemp("exported")
-    args = ["-o", str(root / "alpha.onnx"), "--triton-repo", str(root / "models"), "--no-gradients"]
-    tiny_checkpoint = request.getfixturevalue("tiny_checkpoint")
-    assert export_main([str(tiny_checkpoint), *args]) == 0
-    return root / "models"
-
-
 def add_model(repo: Path, exported: Path, name: str, versions: list[int], policy: str = "") -> None:
     """`repo/name` holding the exported file as each of `versions` (a model folder copied and renamed)."""
     src = exported / "alpha"

@@ -24,7 +24,7 @@ from tests.helpers import (
     rss_mib,
     wait_until,
 )
-from tests.serve.test_repository import add_model, drop_version, exported  # noqa: F401 (a fixture)
+from tests.serve.test_repository import add_model, drop_version
 
 FAST = ("--no-ui", "--preferred-batch-size", "1", "--graceful-timeout-s", "1")
 
@@ -64,7 +64,7 @@ def cycle(url: str, name: str) -> None:
 
 
 @pytest.mark.slow
-def test_retired_versions_give_their_memory_and_threads_back(exported, tmp_path):  # noqa: F811
+def test_retired_versions_give_their_memory_and_threads_back(exported, tmp_path):
     """50 unload/load cycles and 50 rollouts picked up by polling: RSS and threads come back to where they were."""
     repo = tmp_path / "models"
     add_model(repo, exported, "alpha", [1])
@@ -86,7 +86,7 @@ def test_retired_versions_give_their_memory_and_threads_back(exported, tmp_path)
         assert rss_mib(pid) < rss + 30, f"RSS grew from {rss:.0f} to {rss_mib(pid):.0f} MiB over 100 retired versions"
 
 
-def bad_models(repo: Path, exported: Path) -> dict[str, str]:  # noqa: F811
+def bad_models(repo: Path, exported: Path) -> dict[str, str]:
     """Models a user can meet beside good ones: a truncated file, garbage bytes, a labels.txt that is not text, a
     config.pbtxt that cannot be read. Returns {model: a word its reason must hold}."""
     model = (exported / "alpha" / "1" / "model.onnx").read_bytes()
@@ -113,7 +113,7 @@ def unavailable(url: str) -> dict[str, str]:
     return {r["name"]: r["reason"] for r in rows if r["state"] == "UNAVAILABLE"}
 
 
-def test_bad_models_are_refused_at_start_up_and_the_good_one_serves(exported, tmp_path):  # noqa: F811
+def test_bad_models_are_refused_at_start_up_and_the_good_one_serves(exported, tmp_path):
     repo = tmp_path / "models"
     add_model(repo, exported, "beta", [1])
     bad = bad_models(repo, exported)
@@ -136,7 +136,7 @@ def test_bad_models_are_refused_at_start_up_and_the_good_one_serves(exported, tm
         assert "Traceback" not in server.output and not any(line.startswith("line") for line in server.lines)
 
 
-def test_a_good_model_beside_bad_ones_is_picked_up_by_polling(exported, tmp_path):  # noqa: F811
+def test_a_good_model_beside_bad_ones_is_picked_up_by_polling(exported, tmp_path):
     repo = tmp_path / "models"
     add_model(repo, exported, "beta", [1])
     with ServerProcess(repo, *FAST, "--repository-poll-s", "0.05") as server:
@@ -147,7 +147,7 @@ def test_a_good_model_beside_bad_ones_is_picked_up_by_polling(exported, tmp_path
         assert httpx.get(server.url + "/readyz").status_code == 200
 
 
-def test_exit_on_error_refuses_to_start_with_a_bad_model(exported, tmp_path):  # noqa: F811
+def test_exit_on_error_refuses_to_start_with_a_bad_model(exported, tmp_path):
     repo = tmp_path / "models"
     add_model(repo, exported, "beta", [1])
     add_model(repo, exported, "garbage", [])
@@ -156,7 +156,7 @@ def test_exit_on_error_refuses_to_start_with_a_bad_model(exported, tmp_path):  #
         ServerProcess(repo, *FAST, "--exit-on-error").wait_ready(120)
 
 
-def test_exit_on_error_says_why_in_one_line_and_exits_3(exported, tmp_path):  # noqa: F811
+def test_exit_on_error_says_why_in_one_line_and_exits_3(exported, tmp_path):
     """A bad file is the user's to fix, not a fault of the server: its reason ends the output, without a
     Python traceback, and the exit status is uvicorn's for a failed start-up (3), as for a port in use."""
     repo = tmp_path / "models"
@@ -175,7 +175,7 @@ def test_exit_on_error_says_why_in_one_line_and_exits_3(exported, tmp_path):  # 
     assert last.startswith("vit-serve: did not start:") and "garbage" in last and "--exit-on-error" in last
 
 
-def test_a_port_in_use_is_named_in_the_last_line(exported, tmp_path):  # noqa: F811
+def test_a_port_in_use_is_named_in_the_last_line(exported, tmp_path):
     """The last line of a server that did not start says why, whatever stopped it: here another process's port, said
     before any model loads (a repository of large models took minutes to load and warm up, then found it taken)."""
     repo = tmp_path / "models"
@@ -192,7 +192,7 @@ def test_a_port_in_use_is_named_in_the_last_line(exported, tmp_path):  # noqa: F
     assert "warmed up" not in run.stderr and "takes requests" not in run.stderr, run.stderr
 
 
-def test_any_exception_in_one_load_is_that_models_failure(exported, tmp_path):  # noqa: F811
+def test_any_exception_in_one_load_is_that_models_failure(exported, tmp_path):
     """An error the loader did not foresee (here from the engine factory) is one model's LoadFailure."""
     from serve.server.engine import Engine
     from serve.server.metrics import Metrics
@@ -219,7 +219,7 @@ def test_any_exception_in_one_load_is_that_models_failure(exported, tmp_path):  
         repository.stop()
 
 
-def test_readiness_and_the_index_are_read_while_the_poller_changes_the_failures(exported, tmp_path):  # noqa: F811
+def test_readiness_and_the_index_are_read_while_the_poller_changes_the_failures(exported, tmp_path):
     """/readyz, gRPC ServerReady and the index read the failures on their own threads while `sync` adds and drops
     them: iterating them there raised "changed size during iteration" (a 500 from /readyz)."""
     import sys
@@ -265,7 +265,7 @@ def test_readiness_and_the_index_are_read_while_the_poller_changes_the_failures(
     assert not errors, errors[0]
 
 
-def test_a_file_removed_while_it_loads_stops_the_engine_it_started(exported, tmp_path):  # noqa: F811
+def test_a_file_removed_while_it_loads_stops_the_engine_it_started(exported, tmp_path):
     """The file changed check after the warm-up raised on a file removed meanwhile, leaving the started engine's
     thread and session running with nothing to stop them."""
     from serve.server.engine import Engine
@@ -290,7 +290,7 @@ def test_a_file_removed_while_it_loads_stops_the_engine_it_started(exported, tmp
     assert len(engines) == 1 and not engines[0].ready, "the engine of the failed load still runs"
 
 
-def test_a_failed_load_keeps_no_session_alive(exported, tmp_path):  # noqa: F811
+def test_a_failed_load_keeps_no_session_alive(exported, tmp_path):
     """The failure kept the exception it was raised with, whose traceback held the load's frames: the failed
     version's classifier (its onnxruntime session and memory) stayed alive as long as the failure was listed."""
     import gc
@@ -323,7 +323,7 @@ def test_a_failed_load_keeps_no_session_alive(exported, tmp_path):  # noqa: F811
         repository.stop()
 
 
-def test_a_failed_version_is_tried_again_once_its_labels_are_fixed_or_a_load_asks(exported, tmp_path):  # noqa: F811
+def test_a_failed_version_is_tried_again_once_its_labels_are_fixed_or_a_load_asks(exported, tmp_path):
     """Failures were known by the version file alone: a labels.txt put right (or a warm-up that timed out on a busy
     machine) stayed failed, for polling and for an explicit load alike, until the file itself changed."""
     from serve.server.engine import Engine
@@ -368,7 +368,7 @@ def test_a_failed_version_is_tried_again_once_its_labels_are_fixed_or_a_load_ask
         repository.stop()
 
 
-def test_a_repository_emptied_under_the_poller_keeps_serving_and_says_so_once(exported, tmp_path, caplog):  # noqa: F811
+def test_a_repository_emptied_under_the_poller_keeps_serving_and_says_so_once(exported, tmp_path, caplog):
     """Each poll of an emptied (or unmounted) folder logged the same traceback again, forever."""
     import logging
 
@@ -463,7 +463,7 @@ class Labels(ClientLoop):
 
 
 @pytest.mark.parametrize("how", ["poll", "post"])
-def test_a_file_rewritten_in_place_is_reloaded_without_a_failed_request(exported, tmp_path, how):  # noqa: F811
+def test_a_file_rewritten_in_place_is_reloaded_without_a_failed_request(exported, tmp_path, how):
     """vit-export --triton-repo rewrites version 1 in place: its new class names must be served, by polling and
     by POST .../load, while requests keep being answered."""
     pytest.importorskip("onnx", reason="rewrites the file's metadata: not in the [serve]-only install")
@@ -492,7 +492,7 @@ def test_a_file_rewritten_in_place_is_reloaded_without_a_failed_request(exported
 
 
 @pytest.mark.parametrize("route", ["/v1/models/alpha/classify", "/v2/models/alpha/infer"])
-def test_a_request_that_resolved_a_retiring_version_runs_on_the_new_one(exported, tmp_path, route):  # noqa: F811
+def test_a_request_that_resolved_a_retiring_version_runs_on_the_new_one(exported, tmp_path, route):
     """A request resolves version 1; a rollout lands before it holds that version, so the drain sees no request,
     stops version 1, and the request met a stopped engine (503). It must be answered by version 2 instead."""
     from fastapi.testclient import TestClient
@@ -532,7 +532,7 @@ def bare_model(url: str) -> str | int:
     return r.json()["model"] if r.is_success else r.status_code
 
 
-def test_the_default_model_stays_where_start_up_put_it_and_a_change_is_logged(exported, tmp_path):  # noqa: F811
+def test_the_default_model_stays_where_start_up_put_it_and_a_change_is_logged(exported, tmp_path):
     repo = tmp_path / "models"
     add_model(repo, exported, "beta", [1])
     with ServerProcess(repo, *FAST, "--repository-poll-s", "0.05") as server:
@@ -552,7 +552,7 @@ def test_the_default_model_stays_where_start_up_put_it_and_a_change_is_logged(ex
 
 
 def test_a_version_that_fails_its_warm_up_leaves_the_drift_reference_of_the_one_served(
-    exported,  # noqa: F811
+    exported,
     uncalibrated,
     tmp_path,
 ):

@@ -14,13 +14,13 @@ import httpx
 import pytest
 
 from tests.helpers import ServerProcess, png_bytes, quadrant_images, read_response, wait_until
-from tests.serve.test_repository import add_model, drop_version, exported  # noqa: F401 (a fixture)
+from tests.serve.test_repository import add_model, drop_version
 
 V2_BODY = json.dumps({"inputs": [{"name": "pixels", "datatype": "UINT8", "shape": [1, 32, 32, 3], "data": [0] * 3072}]})
 
 
 @pytest.fixture(scope="module")
-def repo(exported, tmp_path_factory) -> Path:  # noqa: F811
+def repo(exported, tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("threads") / "models"
     add_model(root, exported, "alpha", [1])
     add_model(root, exported, "beta", [1])
@@ -34,7 +34,7 @@ def server(repo):
         yield s
 
 
-def test_a_slow_upload_across_a_rollout_is_answered_by_the_new_version(server, repo, exported):  # noqa: F811
+def test_a_slow_upload_across_a_rollout_is_answered_by_the_new_version(server, repo, exported):
     """The route held the version before it read the body: the drain gave up after --graceful-timeout-s and the
     upload, still in time for --body-timeout-s, got 503 "the server is shutting down"."""
     body = png_bytes(quadrant_images(1)[0][0])

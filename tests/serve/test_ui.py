@@ -16,7 +16,7 @@ from PIL import Image
 from serve.server.explain import cls_attention, render_overlay
 from serve.server.ui.blocks import example_files
 from tests.helpers import ServerProcess, peak_mib, reset_peak, server_has_read, wait_until
-from tests.serve.test_repository import add_model, drop_version, exported  # noqa: F401 (a fixture)
+from tests.serve.test_repository import add_model, drop_version
 
 
 @pytest.fixture(scope="module")
@@ -110,7 +110,7 @@ def test_gradio_client_gets_a_clear_error_for_a_bad_block_range(ui_server, image
 
 @pytest.mark.parametrize("call", ["classify", "trust"])
 def test_a_ui_call_that_resolved_a_retiring_version_runs_on_the_new_one(
-    exported,  # noqa: F811 (the fixture, imported above)
+    exported,
     tiny_onnx,
     tmp_path,
     image_file,
