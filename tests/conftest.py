@@ -7,8 +7,11 @@ test-serve-only`), where torch is absent; a test that needs it imports it or ski
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import signal
+import tempfile
 
 import pytest
 
@@ -17,6 +20,14 @@ import pytest
 # test_pipeline.py: 203 s and 308 s of CPU this way, 216 s and 338 s with PyTorch's default of a thread per
 # core; 2-core VM, 2026-12-03). onnxruntime keeps its own thread pools, which the tests set themselves.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+# Gradio and its client keep uploads and fetched results in GRADIO_TEMP_DIR, by default /tmp/gradio, where each run
+# of the suite left about 20 folders for good: the test processes use a folder of their own, removed when each
+# exits. Set before anything imports Gradio (its client reads it at import); a server that a test starts makes
+# its own (`vit-serve`, `vit-train review`).
+_GRADIO_TEMP = tempfile.mkdtemp(prefix="vitscope-tests-gradio-")
+os.environ.setdefault("GRADIO_TEMP_DIR", _GRADIO_TEMP)
+atexit.register(shutil.rmtree, _GRADIO_TEMP, ignore_errors=True)
 
 
 def _cuda_available() -> bool:
