@@ -57,6 +57,7 @@ __all__ = [
     "rss_mib",
     "server_has_read",
     "shape_image",
+    "thread_name",
     "tiny_gif",
     "wait_until",
     "write_shapes",
@@ -69,6 +70,14 @@ CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
 # The tiny serving model: which quadrant of a 32 x 32 image holds a bright square.
 CLASS_NAMES = ["top_left", "top_right", "bottom_left", "bottom_right"]
 TINY_NET = dict(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2, num_classes=len(CLASS_NAMES))
+
+
+def thread_name(task: Path) -> str:
+    """A thread's name from its /proc/PID/task/TID folder, or "" for one that ended since the folder was listed."""
+    try:
+        return (task / "comm").read_text().strip()
+    except FileNotFoundError:
+        return ""
 
 
 def quadrant_images(n: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:

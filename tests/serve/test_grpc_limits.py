@@ -21,7 +21,7 @@ import httpx
 import pytest
 
 from serve.server.grpc import grpc_predict_v2_pb2 as pb
-from tests.helpers import ServerProcess, free_port, read_metric, rss_mib, wait_until
+from tests.helpers import ServerProcess, free_port, read_metric, rss_mib, thread_name, wait_until
 
 pytestmark = pytest.mark.slow
 KEY = "grpc-limits-key"
@@ -381,12 +381,5 @@ def test_typed_calls_reuse_their_conversion_threads(server):
             assert infer(request, metadata=list(AUTH.items()), timeout=30).outputs[0].shape == [1, 4]
             seen |= threads()
     # the defect started one thread a call; a loaded full run once saw 3 others start (a bound of 2 failed it)
-    new = {t: _thread_name(server.proc.pid, t) for t in seen - before}
+    new = {t: thread_name(Path(f"/proc/{server.proc.pid}/task/{t}")) or "(ended)" for t in seen - before}
     assert len(new) <= 10, f"{len(new)} threads started over 100 typed calls: {new}"
-
-
-def _thread_name(pid: int, tid: str) -> str:
-    try:
-        return Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip()
-    except FileNotFoundError:
-        return "(ended)"

@@ -22,6 +22,7 @@ from tests.helpers import (
     png_bytes,
     quadrant_images,
     rss_mib,
+    thread_name,
     wait_until,
 )
 from tests.serve.test_repository import add_model, drop_version
@@ -37,17 +38,9 @@ def threads_of(pid: int) -> int:
     raise ProcessLookupError(f"no Threads line for process {pid}")
 
 
-def _name(task: Path) -> str:
-    """A thread's name, or "" for one that ended since its folder was listed."""
-    try:
-        return (task / "comm").read_text().strip()
-    except FileNotFoundError:
-        return ""
-
-
 def draining(pid: int) -> int:
     """How many of process `pid`'s threads are draining a retired version now."""
-    return sum(_name(task) == "vitscope-drain" for task in Path(f"/proc/{pid}/task").iterdir())
+    return sum(thread_name(task) == "vitscope-drain" for task in Path(f"/proc/{pid}/task").iterdir())
 
 
 def versions_of(url: str, name: str) -> list[str]:
