@@ -190,6 +190,13 @@ class ServerProcess:
     def output(self) -> str:
         return "\n".join(self.lines)
 
+    def wait_for_output(self, text: str, timeout: float = 10.0) -> str:
+        """The output once it holds `text`: a line the child has written may not have been read here yet."""
+        try:
+            return wait_until(lambda: self.output if text in self.output else None, timeout, f"{text!r} in the output")
+        except TimeoutError as e:
+            raise TimeoutError(f"{e}:\n{self.output}") from None
+
     def _ready(self) -> bool:
         if self.proc.poll() is not None:
             raise RuntimeError(f"vit-serve exited with {self.proc.returncode}:\n{self.output}")

@@ -238,7 +238,8 @@ def test_each_model_and_version_of_a_repository_answers_with_its_own_file(reposi
     models = httpx.get(url + "/v2/models").json()["models"]
     assert [m["name"] for m in models] == ["alpha", "beta"] and models[0]["versions"] == ["1", "2"]
     # the bad models are refused alone, each with its reason, and the server is ready with the good ones
-    assert "badlabels/labels.txt" in repository_server.output and "badconfig/config.pbtxt" in repository_server.output
+    repository_server.wait_for_output("badlabels/labels.txt")
+    repository_server.wait_for_output("badconfig/config.pbtxt")
     for path, model, version in [
         ("/v1/classify", "alpha", "2"),  # the default model (the first by name), its newest version
         ("/v1/models/alpha/classify", "alpha", "2"),

@@ -213,7 +213,7 @@ def test_new_versions_roll_out_under_load_without_a_failed_request_and_a_broken_
         assert "4" not in {v for _, v in answers}  # the broken file never took a request
     assert {v for _, v in load.answers[settled:]} == {"3"} and {v for _, v in grpc_load.answers[grpc_settled:]} == {"3"}
     assert {"1", "2", "3"} <= {v for _, v in grpc_load.answers}  # gRPC calls went through every swap
-    assert "does not take traffic" in server.output
+    server.wait_for_output("does not take traffic")
 
 
 def _index(url: str) -> list[dict]:

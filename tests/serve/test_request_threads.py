@@ -43,7 +43,7 @@ def test_a_slow_upload_across_a_rollout_is_answered_by_the_new_version(server, r
         s.sendall(head.encode() + body[:100])
         drop_version(repo / "alpha", 2, exported / "alpha" / "1" / "model.onnx")  # the policy serves the latest
         # drained, or (while the upload held it) given up after --graceful-timeout-s
-        wait_until(lambda: "version 1 of alpha unloaded" in server.output, 30, "version 1 retired", interval=0.1)
+        server.wait_for_output("version 1 of alpha unloaded", 30)
         s.sendall(body[100:])
         head, _, answer = read_response(s).partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 200"), answer

@@ -29,7 +29,8 @@ def server(tiny_onnx):
 @pytest.mark.slow
 def test_the_url_is_printed_once_ready(server):
     # without the UI, / is a 404: the line says where the API is instead
-    assert f"vitscope is ready: {server.url}/ (no UI: POST /v1/classify, the API's pages at /docs)" in server.output
+    # /readyz answers after the line is written, but this process's reader thread may not have read it yet
+    server.wait_for_output(f"vitscope is ready: {server.url}/ (no UI: POST /v1/classify, the API's pages at /docs)")
     assert httpx.get(server.url + "/docs").status_code == 200
 
 
@@ -144,7 +145,7 @@ def test_a_drain_that_runs_out_of_time_exits_1(tiny_onnx):
             wait_until(lambda: server_has_read(s.port), 10, "the server reading the half upload")
             s.proc.send_signal(signal.SIGTERM)
             assert s.proc.wait(30) == 1
-        assert "the drain did not finish" in s.output
+        s.wait_for_output("the drain did not finish")
     finally:
         s.stop()
 
