@@ -107,23 +107,32 @@ def test_ray_run_writes_the_local_runs_predictions_image_for_image(cluster, tiny
     assert "classified 241 images; 4 input(s) could not be read" in err
 
 
-def _actor_pids() -> list[int]:
+def _actor_pids(cluster: LocalRayCluster, before: set[int] = frozenset()) -> list[int]:
+    """The scoring actors running in `cluster`'s sessions, but those in `before` (an earlier job's, still stopping):
+    another run's actors on the machine, or this file's last job's, are not this job's."""
+    sessions = {p.pid for p in cluster.procs}  # each node starts a session; a worker has its own process group
     pids = []
     for entry in os.listdir("/proc"):
         try:
             with open(f"/proc/{entry}/cmdline", "rb") as f:
-                if ACTOR_TITLE in f.read():
-                    pids.append(int(entry))
+                if ACTOR_TITLE not in f.read():
+                    continue
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                stat = f.read()
+            session = int(stat[stat.rindex(b")") + 2 :].split()[3])  # after the name: state, parent, group, session
         except (OSError, ValueError):
             continue
+        if session in sessions and int(entry) not in before:
+            pids.append(int(entry))
     return pids
 
 
 def test_an_actor_killed_mid_job_loses_and_duplicates_nothing(cluster, tiny_onnx, photos, local_rows, tmp_path):
     out = tmp_path / "preds.parquet"
+    before = set(_actor_pids(cluster))
     proc = _ray_predict(tiny_onnx, [photos], out, cluster.address, "--batch-size", "2")  # many small batches
     deadline = time.monotonic() + 240
-    while not (pids := _actor_pids()):
+    while not (pids := _actor_pids(cluster, before)):
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
         time.sleep(0.05)
     os.kill(pids[0], signal.SIGKILL)  # one of this job's actors, started by the cluster this test runs
@@ -137,9 +146,10 @@ def test_sigterm_mid_job_stops_the_run_as_ctrl_c_does_with_the_shells_status(clu
     """`timeout`, systemd and a pod's stop send SIGTERM: Ray's own handler, set by `ray.init`, exited 15 without a
     word, where the local run says what was kept and exits 143."""
     out = tmp_path / "preds.parquet"
+    before = set(_actor_pids(cluster))
     proc = _ray_predict(tiny_onnx, [photos], out, cluster.address, "--batch-size", "2")
     deadline = time.monotonic() + 240
-    while not _actor_pids():  # the job runs on the cluster
+    while not _actor_pids(cluster, before):  # the job runs on the cluster: its driver has called ray.init
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
         time.sleep(0.05)
     proc.send_signal(signal.SIGTERM)
