@@ -211,7 +211,9 @@ def test_new_versions_roll_out_under_load_without_a_failed_request_and_a_broken_
         failed = [a for a in answers if a[0] != 200]
         assert not failed, f"failed requests during the swaps: {failed[:5]}"
         assert "4" not in {v for _, v in answers}  # the broken file never took a request
-    assert {v for _, v in load.answers[settled:]} == {"3"} and {v for _, v in grpc_load.answers[grpc_settled:]} == {"3"}
+    # a client's request sent before version 3 came may still come back from version 2 after the first answer of
+    # 3 (test_repository_lifecycle.py saw it under load): the last answers, each sent well after, come from 3 alone
+    assert {v for _, v in load.answers[-10:]} == {"3"} and {v for _, v in grpc_load.answers[-10:]} == {"3"}
     assert {"1", "2", "3"} <= {v for _, v in grpc_load.answers}  # gRPC calls went through every swap
     server.wait_for_output("does not take traffic")
 
