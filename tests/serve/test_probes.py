@@ -54,9 +54,10 @@ def test_readiness_follows_the_server_and_liveness_fails_while_its_loop_is_wedge
         assert status(probes.port, "/readyz") == 503
         ready.set()
         wait_until(lambda: status(probes.port, "/v2/health/ready") == 200, 5, "readiness after the server is ready")
-        loop.call_soon_threadsafe(time.sleep, 4)  # a callback that blocks the loop, as a wedged server would
-        wait_until(lambda: status(probes.port, "/healthz") == 503, 4, "liveness failing on the wedged loop")
-        assert status(probes.port, "/readyz") == 503  # not live, so not ready either
+        loop.call_soon_threadsafe(time.sleep, 6)  # a callback that blocks the loop, as a wedged server would
+        # both within the wedge (503 from about 1 s, stale_s, to 6 s), not live and so not ready either
+        wedged = lambda: status(probes.port, "/healthz") == 503 and status(probes.port, "/readyz") == 503
+        wait_until(wedged, 4, "liveness and readiness failing on the wedged loop")
         wait_until(lambda: status(probes.port, "/healthz") == 200, 8, "liveness once the loop turns again")
         assert httpx.get(f"http://127.0.0.1:{probes.port}/nowhere", timeout=2).status_code == 404
     finally:
