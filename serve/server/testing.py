@@ -191,11 +191,20 @@ class ServerProcess:
         return "\n".join(self.lines)
 
     def wait_for_output(self, text: str, timeout: float = 10.0) -> str:
-        """The output once it holds `text`: a line the child has written may not have been read here yet."""
+        """The output once it holds `text`: a line the child has written may not have been read here yet. Raises
+        with the output's end once `timeout` runs out, or at once when the child has exited and all is read."""
+
+        def holds() -> str | None:
+            if text in (output := self.output):
+                return output
+            if self.proc.poll() is not None and not self._reader.is_alive():
+                raise RuntimeError(f"vit-serve exited with {self.proc.returncode} without writing {text!r}")
+            return None
+
         try:
-            return wait_until(lambda: self.output if text in self.output else None, timeout, f"{text!r} in the output")
-        except TimeoutError as e:
-            raise TimeoutError(f"{e}:\n{self.output}") from None
+            return wait_until(holds, timeout, f"{text!r} in the output")
+        except (TimeoutError, RuntimeError) as e:
+            raise type(e)(f"{e}; its output ends:\n{self.output[-3000:]}") from None
 
     def _ready(self) -> bool:
         if self.proc.poll() is not None:
@@ -304,7 +313,8 @@ class LocalRayCluster:
         return Path(self.tmp, name).read_text(errors="replace")
 
     def stop(self) -> None:
-        """SIGKILL the process groups of the nodes started here (workers first), then remove the temp dir."""
+        """SIGKILL the process groups of the nodes started here (the head last), then remove the temp dir. Ray's
+        worker processes, each in a process group of its own within its node's session, exit with their raylet."""
         for proc in reversed(self.procs):
             try:
                 os.killpg(proc.pid, signal.SIGKILL)
