@@ -140,7 +140,8 @@ def _env() -> dict:
 
 
 class Load(ClientLoop):
-    """`clients` threads classifying in a loop until stopped; every answer's status and version is kept."""
+    """`clients` threads classifying in a loop until stopped; every answer's status and version is kept, with the
+    time its request was sent (answers are kept in the order they come back)."""
 
     def __init__(self, url: str, path: str, clients: int = 8):
         super().__init__(clients)
@@ -151,14 +152,15 @@ class Load(ClientLoop):
             images, _ = quadrant_images(1, seed=seed)
             files = {"file": ("a.png", png_bytes(images[0]), "image/png")}
             while not self.stopping.is_set():
+                sent = time.monotonic()
                 try:
                     r = client.post(self.url + self.path, files=files)
-                    self.answers.append((r.status_code, r.json().get("version")))
+                    self.answers.append((r.status_code, r.json().get("version"), sent))
                 except httpx.HTTPError as e:
-                    self.answers.append((type(e).__name__, None))
+                    self.answers.append((type(e).__name__, None, sent))
 
     def saw(self, version: str) -> bool:
-        return any(v == version for _, v in self.answers[-50:])
+        return any(v == version for _, v, _ in self.answers[-50:])
 
 
 class GrpcLoad(Load):
@@ -174,11 +176,12 @@ class GrpcLoad(Load):
         inp.set_data_from_numpy(pixels)
         try:
             while not self.stopping.is_set():
+                sent = time.monotonic()
                 try:
                     r = client.infer("beta", [inp], headers={"authorization": f"Bearer {KEY}"}, client_timeout=30)
-                    self.answers.append((200, r.get_response().model_version))
+                    self.answers.append((200, r.get_response().model_version, sent))
                 except InferenceServerException as e:
-                    self.answers.append((e.status(), None))
+                    self.answers.append((e.status(), None, sent))
         finally:
             client.close()
 
@@ -205,16 +208,16 @@ def test_new_versions_roll_out_under_load_without_a_failed_request_and_a_broken_
         drop_version(repo / "beta", 4, broken)
         index = wait_for(lambda: [r for r in _index(server.url) if r["version"] == "4"])
         assert index[0]["state"] == "UNAVAILABLE" and "model.onnx" in index[0]["reason"]
-        settled, grpc_settled = len(load.answers), len(grpc_load.answers)
-        wait_for(lambda: len(load.answers) > settled + 50 and len(grpc_load.answers) > grpc_settled + 20)
+        settled = time.monotonic()  # version 3 serves, and 4 was refused
+        sent_after = lambda answers: [v for _, v, sent in answers if sent > settled]
+        wait_for(lambda: len(sent_after(load.answers)) > 50 and len(sent_after(grpc_load.answers)) > 20)
     for answers in (load.answers, grpc_load.answers):
         failed = [a for a in answers if a[0] != 200]
         assert not failed, f"failed requests during the swaps: {failed[:5]}"
-        assert "4" not in {v for _, v in answers}  # the broken file never took a request
-    # a client's request sent before version 3 came may still come back from version 2 after the first answer of
-    # 3 (test_repository_lifecycle.py saw it under load): the last answers, each sent well after, come from 3 alone
-    assert {v for _, v in load.answers[-10:]} == {"3"} and {v for _, v in grpc_load.answers[-10:]} == {"3"}
-    assert {"1", "2", "3"} <= {v for _, v in grpc_load.answers}  # gRPC calls went through every swap
+        assert "4" not in {v for _, v, _ in answers}  # the broken file never took a request
+    # by their send time: a request sent before version 3 came may come back from 2 after the first answer of 3
+    assert set(sent_after(load.answers)) == {"3"} and set(sent_after(grpc_load.answers)) == {"3"}
+    assert {"1", "2", "3"} <= {v for _, v, _ in grpc_load.answers}  # gRPC calls went through every swap
     server.wait_for_output("does not take traffic")
 
 
@@ -257,7 +260,7 @@ def test_probes_on_their_own_port_answer_within_a_second_while_the_api_is_overlo
     with ServerProcess(tiny_onnx, *args) as server:
         probe = f"http://127.0.0.1:{probe_port}"
         with Load(server.url, "/v1/classify", clients=48) as load:
-            wait_for(lambda: any(s == 503 for s, _ in load.answers))  # the API sheds load
+            wait_for(lambda: any(s == 503 for s, _, _ in load.answers))  # the API sheds load
             for _ in range(20):
                 assert httpx.get(probe + "/healthz", timeout=1.0).json() == {"status": "live"}
                 assert httpx.get(probe + "/readyz", timeout=1.0).status_code == 200
