@@ -32,10 +32,11 @@ atexit.register(shutil.rmtree, _GRADIO_TEMP, ignore_errors=True)
 # No gRPC fork handlers in the test processes: a worker that has used a gRPC client and then starts a child with
 # `preexec_fn` (a plain fork, not vfork) had gRPC restart its poller in the child, where `close_fds` then closed
 # the poller's epoll descriptor: the child aborted on "epoll_wait error: Bad file descriptor" before its exec (a
-# full run's test_jobs.py child, exit -6), or hung. The test processes never use gRPC in a forked child; a repeat
-# of 200 such starts beside gRPC calls failed 2 (grpcio 1.85, grpc/grpc#43055), and none with this set. Set before
-# anything imports grpc, which reads it at import.
-os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+# full run's test_jobs.py child, exit -6), or hung. No test uses gRPC in a forked child; a repeat of 200 such
+# starts beside gRPC calls failed 2 (grpcio 1.85, grpc/grpc#43055), and none with this set. Set, not defaulted,
+# before anything imports grpc, which reads it at import; the servers, training runs and Ray nodes the tests
+# start inherit it, and none of them uses gRPC in a forked child either.
+os.environ["GRPC_ENABLE_FORK_SUPPORT"] = "false"
 
 
 def _cuda_available() -> bool:

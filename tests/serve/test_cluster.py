@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Collection
 from pathlib import Path
 
 import pytest
@@ -107,12 +108,12 @@ def test_ray_run_writes_the_local_runs_predictions_image_for_image(cluster, tiny
     assert "classified 241 images; 4 input(s) could not be read" in err
 
 
-def _actor_pids(cluster: LocalRayCluster, before: set[int] = frozenset()) -> list[int]:
+def _actor_pids(cluster: LocalRayCluster, before: Collection[int] = ()) -> list[int]:
     """The scoring actors running in `cluster`'s sessions, but those in `before` (an earlier job's, still stopping):
     another run's actors on the machine, or this file's last job's, are not this job's."""
     sessions = {p.pid for p in cluster.procs}  # each node starts a session; a worker has its own process group
     pids = []
-    for entry in os.listdir("/proc"):
+    for entry in filter(str.isdigit, os.listdir("/proc")):
         try:
             with open(f"/proc/{entry}/cmdline", "rb") as f:
                 if ACTOR_TITLE not in f.read():
