@@ -14,6 +14,7 @@ with SIGTERM (the graceful drain) on exit.
 from __future__ import annotations
 
 import io
+import itertools
 import json
 import os
 import re
@@ -169,6 +170,7 @@ class ServerProcess:
         out = open(self.log_file, "w") if self.log_file is not None else subprocess.PIPE
         self.proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT, text=True, bufsize=1)
         self._lines: list[str] = []
+        self._markers = itertools.count()
         self._reader = threading.Thread(target=self._read, daemon=True)
         if self.log_file is None:
             self._reader.start()
@@ -205,6 +207,16 @@ class ServerProcess:
             return wait_until(holds, timeout, f"{text!r} in the output")
         except (TimeoutError, RuntimeError) as e:
             raise type(e)(f"{e}; its output ends:\n{self.output[-3000:]}") from None
+
+    def caught_up(self) -> str:
+        """The output once every line the server wrote before this call is read: a `/healthz` with an ID of its
+        own, and its access line waited for (the server writes its log lines in order, on one thread). A check
+        that a line is *not* there reads this, not `output`."""
+        marker = f"caught-up-{next(self._markers)}"
+        req = urllib.request.Request(self.url + "/healthz", headers={"x-request-id": marker})
+        with urllib.request.urlopen(req, timeout=30):
+            pass
+        return self.wait_for_output(f"id={marker}", 30)
 
     def _ready(self) -> bool:
         if self.proc.poll() is not None:

@@ -127,7 +127,7 @@ def test_bad_models_are_refused_at_start_up_and_the_good_one_serves(exported, tm
             refused = httpx.post(f"{url}/v2/repository/models/{name}/load", timeout=60)
             assert refused.status_code == 400 and bad[name] in refused.json()["error"], refused.text
         assert server.metric("vitscope_model_load_failures_total", model="misconfigured", reason="config") == 1
-        assert "Traceback" not in server.output and not any(line.startswith("line") for line in server.lines)
+        assert "Traceback" not in server.caught_up() and not any(line.startswith("line") for line in server.lines)
 
 
 def test_a_good_model_beside_bad_ones_is_picked_up_by_polling(exported, tmp_path):

@@ -77,6 +77,7 @@ def test_identical_results_fetched_while_another_call_writes_them_arrive_whole(u
     lines = len(ui_server.lines)
     with ThreadPoolExecutor(4) as pool:
         list(pool.map(calls, range(4)))
+    ui_server.caught_up()
     assert not any("Content-Length" in line for line in ui_server.lines[lines:])
 
 
@@ -389,6 +390,7 @@ def test_a_value_the_ui_cannot_use_is_refused_saying_which(ui_server, image_file
     event = httpx.post(f"{ui_server.url}/gradio_api/call/{api}", content=data, headers=headers, timeout=60).json()
     stream = httpx.get(f"{ui_server.url}/gradio_api/call/{api}/{event['event_id']}", timeout=120).text
     assert "event: error" in stream and said in stream, stream[:400]
+    ui_server.caught_up()
     assert not any("Traceback" in line for line in ui_server.lines[lines:])  # the caller's mistake: no server fault
 
 
