@@ -223,6 +223,11 @@ class ClientLoop:
     def run(self, i: int) -> None:
         raise NotImplementedError
 
+    def sent_after(self, t: float) -> list[tuple]:
+        """The answers to requests sent after `t` (`time.monotonic()`), for loops whose answers end with the time
+        their request was sent: answers are kept in the order they come back, not the order they were sent."""
+        return [a for a in self.answers if a[-1] > t]
+
     def __enter__(self):
         for t in self.threads:
             t.start()

@@ -209,14 +209,14 @@ def test_new_versions_roll_out_under_load_without_a_failed_request_and_a_broken_
         index = wait_for(lambda: [r for r in _index(server.url) if r["version"] == "4"])
         assert index[0]["state"] == "UNAVAILABLE" and "model.onnx" in index[0]["reason"]
         settled = time.monotonic()  # version 3 serves, and 4 was refused
-        sent_after = lambda answers: [v for _, v, sent in answers if sent > settled]
-        wait_for(lambda: len(sent_after(load.answers)) > 50 and len(sent_after(grpc_load.answers)) > 20)
+        wait_for(lambda: len(load.sent_after(settled)) > 50 and len(grpc_load.sent_after(settled)) > 20)
     for answers in (load.answers, grpc_load.answers):
         failed = [a for a in answers if a[0] != 200]
         assert not failed, f"failed requests during the swaps: {failed[:5]}"
         assert "4" not in {v for _, v, _ in answers}  # the broken file never took a request
     # by their send time: a request sent before version 3 came may come back from 2 after the first answer of 3
-    assert set(sent_after(load.answers)) == {"3"} and set(sent_after(grpc_load.answers)) == {"3"}
+    for client in (load, grpc_load):
+        assert {v for _, v, _ in client.sent_after(settled)} == {"3"}
     assert {"1", "2", "3"} <= {v for _, v, _ in grpc_load.answers}  # gRPC calls went through every swap
     server.wait_for_output("does not take traffic")
 

@@ -478,13 +478,12 @@ def test_a_file_rewritten_in_place_is_reloaded_without_a_failed_request(exported
             assert loaded.status_code == 200, loaded.text
         wait_until(lambda: load.label_now() in renamed, 30, "answers with the new class names")
         swapped = time.monotonic()
-        sent_after = lambda: [label for _, label, sent in load.answers if sent > swapped]
-        wait_until(lambda: len(sent_after()) > 20, 30, "more answers after the swap")
+        wait_until(lambda: len(load.sent_after(swapped)) > 20, 30, "more answers after the swap")
     failed = [a for a in load.answers if a[0] != 200]
     assert not failed, f"{len(failed)} of {len(load.answers)} requests failed during the swap: {failed[:3]}"
     # by their send time: the other client's request sent before the swap may come back with an old name after the
     # first new one (seen under load)
-    assert set(sent_after()) <= set(renamed), sent_after()
+    assert {label for _, label, _ in load.sent_after(swapped)} <= set(renamed), load.sent_after(swapped)
 
 
 @pytest.mark.parametrize("route", ["/v1/models/alpha/classify", "/v2/models/alpha/infer"])
