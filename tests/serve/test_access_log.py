@@ -83,7 +83,7 @@ def server(tiny_onnx):
 
 def access_line(server: ServerProcess, path: str) -> str:
     """The one access-log line of a GET of `path`."""
-    rid = httpx.get(server.url + path).headers["x-request-id"]
+    rid = httpx.get(server.url + path, timeout=30).headers["x-request-id"]
     lines = wait_until(lambda: [x for x in server.output.splitlines() if f"id={rid}" in x], 10, "the access line")
     assert len(lines) == 1, lines
     return lines[0]

@@ -50,7 +50,7 @@ def client(server):
 
 @pytest.fixture(scope="module")
 def model(server) -> str:
-    return httpx.get(server.url + "/readyz", headers=AUTH).json()["model"]
+    return httpx.get(server.url + "/readyz", headers=AUTH, timeout=30).json()["model"]
 
 
 def infer(client, model: str, x: np.ndarray, outputs=("logits",), name="pixels", datatype="UINT8", **kwargs):
@@ -101,6 +101,7 @@ def test_infer_equals_the_file_and_v1_classify(client, model, server, tiny_onnx,
             server.url + f"/v1/classify?top_k={len(CLASS_NAMES)}",
             files={"file": ("x.png", png_bytes(img))},
             headers=AUTH,
+            timeout=30,
         )
         scores = {p["label"]: p["score"] for p in r.json()["predictions"]}
         np.testing.assert_allclose([scores[c] for c in CLASS_NAMES], row, atol=1e-6)
@@ -137,7 +138,7 @@ def test_bad_requests_get_the_right_status_and_say_what_to_do(client, model):
 def http_infer(server, model: str, x: np.ndarray, outputs, parameters: dict | None = None) -> httpx.Response:
     tensor = {"name": "pixels", "datatype": "UINT8", "shape": list(x.shape), "data": x.ravel().tolist()}
     body = {"inputs": [tensor], "outputs": [{"name": n} for n in outputs], "parameters": parameters or {}}
-    return httpx.post(f"{server.url}/v2/models/{model}/infer", json=body, headers=AUTH)
+    return httpx.post(f"{server.url}/v2/models/{model}/infer", json=body, headers=AUTH, timeout=30)
 
 
 def test_the_calibration_outputs_and_the_coverage_parameter_are_answered_as_over_http(client, model, server):
@@ -229,7 +230,7 @@ def test_grpc_calls_are_counted_in_the_metrics(client, model, server):
     infer(client, model, np.zeros((2, 32, 32, 3), np.uint8))
     assert answers() == before + 2  # gRPC answers feed the drift gauges as HTTP ones do
     refusal(lambda: infer(client, model, np.zeros((1, 16, 32, 3), np.uint8)))
-    text = httpx.get(server.url + "/metrics", headers=AUTH).text
+    text = httpx.get(server.url + "/metrics", headers=AUTH, timeout=30).text
     route = "/inference.GRPCInferenceService/ModelInfer"
     assert f'vitscope_requests_total{{route="{route}",status="OK"}}' in text
     assert f'vitscope_requests_total{{route="{route}",status="INVALID_ARGUMENT"}}' in text

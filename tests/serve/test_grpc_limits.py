@@ -232,7 +232,7 @@ def test_a_shape_of_millions_of_dimensions_is_refused_in_a_short_message_and_fre
             with pytest.raises(grpc.RpcError) as e:
                 infer(request, metadata=list(AUTH.items()), timeout=30)
             assert e.value.code() == grpc.StatusCode.NOT_FOUND  # "any" is no model: found before the shape is read
-        model = httpx.get(server.url + "/readyz", headers=AUTH).json()["model"]
+        model = httpx.get(server.url + "/readyz", headers=AUTH, timeout=30).json()["model"]
         request.model_name = model
         for _ in range(8):
             with pytest.raises(grpc.RpcError) as e:
@@ -249,7 +249,7 @@ def test_a_shape_of_millions_of_dimensions_is_refused_in_a_short_message_and_fre
 def test_a_request_id_longer_than_it_is_useful_is_refused(server):
     """A 5 MB id came back in the answer: over the client's 4 MiB limit, after the inference, with an ERROR
     traceback in the server's log."""
-    model = httpx.get(server.url + "/readyz", headers=AUTH).json()["model"]
+    model = httpx.get(server.url + "/readyz", headers=AUTH, timeout=30).json()["model"]
     request = pb.ModelInferRequest(model_name=model, id="x" * 5_000_000)
     request.inputs.add(name="pixels", datatype="UINT8", shape=[1, 32, 32, 3])
     request.raw_input_contents.append(bytes(32 * 32 * 3))
@@ -290,7 +290,7 @@ def test_a_message_that_cannot_be_read_and_a_deadline_that_passed_are_counted_as
 
 def test_pixels_sent_in_another_contents_field_are_named_in_the_refusal(server):
     """They were read as no values at all: "needs 3072 values ..., got 0", as if the client had sent nothing."""
-    model = httpx.get(server.url + "/readyz", headers=AUTH).json()["model"]
+    model = httpx.get(server.url + "/readyz", headers=AUTH, timeout=30).json()["model"]
     request = pb.ModelInferRequest(model_name=model)
     request.inputs.add(name="pixels", datatype="UINT8", shape=[1, 32, 32, 3])
     request.inputs[0].contents.int_contents.extend([0] * (32 * 32 * 3))
@@ -305,7 +305,7 @@ def test_pixels_sent_in_another_contents_field_are_named_in_the_refusal(server):
 def test_client_text_echoed_in_an_error_is_cut_short(server):
     # gRPC sends the message as a header: 20 kB of a client's own text echoed in it was past the client's
     # metadata limit, and the answer read RESOURCE_EXHAUSTED instead of what was wrong
-    long, model = "n" * 20_000, httpx.get(server.url + "/readyz", headers=AUTH).json()["model"]
+    long, model = "n" * 20_000, httpx.get(server.url + "/readyz", headers=AUTH, timeout=30).json()["model"]
 
     def request(**changes) -> pb.ModelInferRequest:
         r = pb.ModelInferRequest(model_name=changes.get("model", model))
@@ -335,7 +335,7 @@ def test_client_text_echoed_in_an_error_is_cut_short(server):
 def test_pixels_sent_as_typed_values_leave_the_loop_answering_health_checks(server):
     """`uint_contents` are converted one value at a time: 2,048 images of 32 x 32 took about 0.4 s on gRPC's
     event loop, and every other call (a kubelet's health check among them) waited behind each such message."""
-    model = httpx.get(server.url + "/readyz", headers=AUTH).json()["model"]
+    model = httpx.get(server.url + "/readyz", headers=AUTH, timeout=30).json()["model"]
     request = pb.ModelInferRequest(model_name=model)
     request.inputs.add(name="pixels", datatype="UINT8", shape=[TYPED_IMAGES, 32, 32, 3])
     request.inputs[0].contents.uint_contents.extend(bytes(range(256)) * (TYPED_IMAGES * 32 * 32 * 3 // 256))
@@ -368,7 +368,7 @@ def test_pixels_sent_as_typed_values_leave_the_loop_answering_health_checks(serv
 def test_typed_calls_reuse_their_conversion_threads(server):
     """gRPC's loop ran under `run_forever`, where anyio finds no root task: each worker thread that converted a
     call's typed values was stopped when its call ended, so every typed call started a new thread."""
-    model = httpx.get(server.url + "/readyz", headers=AUTH).json()["model"]
+    model = httpx.get(server.url + "/readyz", headers=AUTH, timeout=30).json()["model"]
     request = pb.ModelInferRequest(model_name=model)
     request.inputs.add(name="pixels", datatype="UINT8", shape=[1, 32, 32, 3])
     request.inputs[0].contents.uint_contents.extend(bytes(range(256)) * 12)

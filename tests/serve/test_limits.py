@@ -151,7 +151,9 @@ def test_concurrent_tiny_files_declaring_40_mp_keep_the_server_small(server):
 
 @pytest.mark.slow
 def test_a_jpeg_of_thousands_of_scans_gets_415_and_the_limit(server):
-    r = httpx.post(server.url + "/v1/classify", content=jpeg_with_scans(4000), headers={"Content-Type": "image/jpeg"})
+    r = httpx.post(
+        server.url + "/v1/classify", content=jpeg_with_scans(4000), headers={"Content-Type": "image/jpeg"}, timeout=30
+    )
     assert r.status_code == 415 and "4,000 scans, over the limit of 100" in r.json()["error"]["message"]
 
 
@@ -200,7 +202,7 @@ def test_a_client_that_reads_none_of_its_answers_is_closed_after_the_body_timeou
         s.sendall(b"GET /openapi.json HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n" * 300)  # and never read an answer
         port = s.getsockname()[1]
         wait_until(lambda: not server_holds(server.port, port), 20, "the server dropping the connection")
-    assert httpx.get(server.url + "/healthz").status_code == 200
+    assert httpx.get(server.url + "/healthz", timeout=30).status_code == 200
     assert "Traceback" not in server.caught_up()  # the requests still queued on it end quietly
 
 
@@ -310,7 +312,7 @@ def test_an_abandoned_upload_is_one_info_line_and_counted_as_499(server):
     ],
 )
 def test_wrong_methods_get_a_json_405_with_allow(server, method, path, allow):
-    r = httpx.request(method, server.url + path)
+    r = httpx.request(method, server.url + path, timeout=30)
     assert r.status_code == 405 and r.headers["allow"] == allow
     assert r.json()["error"]["code"] == "method_not_allowed"
 
@@ -318,7 +320,7 @@ def test_wrong_methods_get_a_json_405_with_allow(server, method, path, allow):
 @pytest.mark.slow
 def test_health_routes_answer_head(server):
     for path in ("/healthz", "/readyz"):
-        r = httpx.head(server.url + path)
+        r = httpx.head(server.url + path, timeout=30)
         assert r.status_code == 200 and r.content == b""
 
 

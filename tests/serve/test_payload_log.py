@@ -77,7 +77,7 @@ def wait_for(condition, timeout: float = 20.0, what: str = "condition"):
 
 
 def dropped(server, sink: str, reason: str) -> float:
-    for line in httpx.get(server.url + "/metrics").text.splitlines():
+    for line in httpx.get(server.url + "/metrics", timeout=30).text.splitlines():
         if line.startswith(f'vitscope_payload_log_dropped_total{{reason="{reason}",sink="{sink}"}}'):
             return float(line.rsplit(" ", 1)[1])
     return 0.0
@@ -146,7 +146,7 @@ def test_a_dead_sink_loses_records_without_failing_requests(server, sink):
     for img in images:
         classify(server, img)
     assert wait_for(lambda: dropped(server, "url", "write_failed") > before, what="write_failed drops")
-    assert httpx.get(server.url + "/readyz").status_code == 200
+    assert httpx.get(server.url + "/readyz", timeout=30).status_code == 200
 
 
 @pytest.mark.parametrize("where", ["missing/payloads.jsonl", "."])

@@ -119,7 +119,7 @@ def test_requests_spread_over_the_replicas(server):
 
 def test_v1_v2_and_metrics_answer_through_ray(server, tiny_onnx):
     x, _ = quadrant_images(4, seed=3)
-    model = httpx.get(server.url + "/readyz").json()["model"]
+    model = httpx.get(server.url + "/readyz", timeout=30).json()["model"]
     client = tritonclient_http.InferenceServerClient(server.url.removeprefix("http://"), network_timeout=60)
     try:
         assert client.is_server_ready() and client.is_model_ready(model)
@@ -130,7 +130,9 @@ def test_v1_v2_and_metrics_answer_through_ray(server, tiny_onnx):
         client.close()
     session = ort.InferenceSession(str(tiny_onnx), providers=["CPUExecutionProvider"])
     np.testing.assert_allclose(logits, session.run(["logits"], {"pixels": x})[0], rtol=1e-5, atol=1e-5)
-    r = httpx.post(server.url + f"/v1/classify?top_k={len(CLASS_NAMES)}", files={"file": ("x.png", png_bytes(x[0]))})
+    r = httpx.post(
+        server.url + f"/v1/classify?top_k={len(CLASS_NAMES)}", files={"file": ("x.png", png_bytes(x[0]))}, timeout=30
+    )
     assert r.status_code == 200 and r.json()["predictions"][0]["label"] == CLASS_NAMES[0]
     explained = httpx.post(
         server.url + "/v1/classify?explain=true", files={"file": ("x.png", png_bytes(x[0]))}, timeout=60
@@ -141,8 +143,8 @@ def test_v1_v2_and_metrics_answer_through_ray(server, tiny_onnx):
     # the model replicas' answer: a request of several images ran on the ingress's own copy of the model
     assert r.status_code == 200 and r.headers[HEADER].startswith("SERVE_REPLICA::vitscope#ModelReplica#"), r.headers
     bad = {"inputs": [{"name": "pixels", "datatype": "UINT8", "shape": [1, 32, 32, 3], "data": [True] * 3072}]}
-    assert httpx.post(f"{server.url}/v2/models/{model}/infer", json=bad).status_code == 422
-    assert "vitscope_requests_total" in httpx.get(server.url + "/metrics").text
+    assert httpx.post(f"{server.url}/v2/models/{model}/infer", json=bad, timeout=30).status_code == 422
+    assert "vitscope_requests_total" in httpx.get(server.url + "/metrics", timeout=30).text
 
 
 def test_killing_a_model_replica_loses_no_request(server, driver):
@@ -235,7 +237,7 @@ def expected(repository: Path, model: str, version: str, image: np.ndarray) -> l
 
 def test_each_model_and_version_of_a_repository_answers_with_its_own_file(repository_server, repository):
     url, image = repository_server.url, quadrant_images(1, seed=3)[0][0]
-    models = httpx.get(url + "/v2/models").json()["models"]
+    models = httpx.get(url + "/v2/models", timeout=30).json()["models"]
     assert [m["name"] for m in models] == ["alpha", "beta"] and models[0]["versions"] == ["1", "2"]
     # the bad models are refused alone, each with its reason, and the server is ready with the good ones
     repository_server.wait_for_output("badlabels/labels.txt")
@@ -246,7 +248,7 @@ def test_each_model_and_version_of_a_repository_answers_with_its_own_file(reposi
         ("/v1/models/alpha/versions/1/classify", "alpha", "1"),
         ("/v1/models/beta/classify", "beta", None),  # 1, or 2 once the rollout test has run
     ]:
-        r = httpx.post(f"{url}{path}?top_k={len(CLASS_NAMES)}", files={"file": ("x.png", png_bytes(image))})
+        r = httpx.post(f"{url}{path}?top_k={len(CLASS_NAMES)}", files={"file": ("x.png", png_bytes(image))}, timeout=30)
         body = r.json()
         assert r.status_code == 200 and body["model"] == model and body["version"] == (version or body["version"])
         assert r.headers[HEADER].startswith(f"SERVE_REPLICA::vitscope-model-{model}#ModelVersions#")
@@ -261,12 +263,20 @@ def test_each_model_and_version_of_a_repository_answers_with_its_own_file(reposi
         logits = np.array(r["outputs"][0]["data"], np.float32).reshape(r["outputs"][0]["shape"])
         own = OnnxClassifier(repository / "alpha" / version / "model.onnx", threads=1).logits(x)
         np.testing.assert_allclose(logits, own, rtol=1e-5, atol=1e-5)
-    assert httpx.get(url + "/v2/models/alpha/versions/1").json()["name"] == "alpha"
-    assert httpx.get(url + "/v2/models/beta/ready").status_code == 200
-    assert httpx.get(url + "/v2/models/beta/versions/9/ready").status_code == 404
-    assert httpx.post(url + "/v1/models/gamma/classify", files={"file": ("x.png", png_bytes(image))}).status_code == 404
-    assert httpx.get(url + "/readyz").status_code == 200 and httpx.get(url + "/healthz").status_code == 200
-    assert httpx.get(url + "/v2/health/ready").json() == {"ready": True}
+    assert httpx.get(url + "/v2/models/alpha/versions/1", timeout=30).json()["name"] == "alpha"
+    assert httpx.get(url + "/v2/models/beta/ready", timeout=30).status_code == 200
+    assert httpx.get(url + "/v2/models/beta/versions/9/ready", timeout=30).status_code == 404
+    assert (
+        httpx.post(
+            url + "/v1/models/gamma/classify", files={"file": ("x.png", png_bytes(image))}, timeout=30
+        ).status_code
+        == 404
+    )
+    assert (
+        httpx.get(url + "/readyz", timeout=30).status_code == 200
+        and httpx.get(url + "/healthz", timeout=30).status_code == 200
+    )
+    assert httpx.get(url + "/v2/health/ready", timeout=30).json() == {"ready": True}
 
 
 class ClassifyLoop(ClientLoop):
@@ -311,7 +321,7 @@ def test_a_new_version_rolls_out_through_ray_serve_with_no_failed_request(reposi
     before = {a[3] for a in loop.answers if a[1] == "1"}
     after = {a[3] for a in loop.answers[settled:]}
     assert not before & after  # new replicas answer: the rollout replaced them
-    assert httpx.get(url + "/v2/models").json()["models"][1] == {
+    assert httpx.get(url + "/v2/models", timeout=30).json()["models"][1] == {
         "name": "beta",
         "versions": ["2"],
         "platform": "onnxruntime_onnx",
@@ -322,7 +332,9 @@ def test_a_new_version_rolls_out_through_ray_serve_with_no_failed_request(reposi
     before = repository_server.output.count(switched)  # as at start
     shutil.rmtree(repository / "beta" / "2")
     wait_until(lambda: repository_server.output.count(switched) > before, 120, "version 1 back", interval=0.5)
-    r = httpx.post(url + "/v1/models/beta/classify", content=png_bytes(image), headers={"content-type": "image/png"})
+    r = httpx.post(
+        url + "/v1/models/beta/classify", content=png_bytes(image), headers={"content-type": "image/png"}, timeout=30
+    )
     assert r.status_code == 200 and r.json()["version"] == "1" and r.json()["predictions"][0]["label"] == old
 
 

@@ -91,7 +91,7 @@ def test_two_models_and_two_versions_are_served_side_by_side(exported, tmp_path)
     port = free_port()
     with ServerProcess(repo, "--no-ui", "--preferred-batch-size", "2", "--grpc-port", str(port), env=_env()) as server:
         url = server.url
-        models = httpx.get(url + "/v2/models", headers=AUTH).json()["models"]
+        models = httpx.get(url + "/v2/models", headers=AUTH, timeout=30).json()["models"]
         assert [(m["name"], m["versions"]) for m in models] == [("alpha", ["1", "2"]), ("beta", ["1"])]
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:  # gRPC's metadata lists them as HTTP's does
             path, answer = "/inference.GRPCInferenceService/ModelMetadata", pb.ModelMetadataResponse.FromString
@@ -114,23 +114,23 @@ def test_two_models_and_two_versions_are_served_side_by_side(exported, tmp_path)
                 {"name": "pixels", "datatype": "UINT8", "shape": [2, 32, 32, 3], "data": images.ravel().tolist()}
             ]
         }
-        r = httpx.post(url + "/v2/models/alpha/versions/1/infer", json=infer, headers=AUTH).json()
+        r = httpx.post(url + "/v2/models/alpha/versions/1/infer", json=infer, headers=AUTH, timeout=30).json()
         assert (r["model_name"], r["model_version"], r["outputs"][0]["shape"]) == ("alpha", "1", [2, len(CLASS_NAMES)])
-        assert httpx.get(url + "/v2/models/beta/versions/1/ready", headers=AUTH).status_code == 200
+        assert httpx.get(url + "/v2/models/beta/versions/1/ready", headers=AUTH, timeout=30).status_code == 200
         missing = classify(url, "/v1/models/gamma/classify")
         assert missing.status_code == 404 and "alpha" in missing.json()["error"]["message"]
-        assert httpx.get(url + "/v2/models/beta/versions/7/ready", headers=AUTH).status_code == 404
-        index = httpx.post(url + "/v2/repository/index", headers=AUTH).json()
+        assert httpx.get(url + "/v2/models/beta/versions/7/ready", headers=AUTH, timeout=30).status_code == 404
+        index = httpx.post(url + "/v2/repository/index", headers=AUTH, timeout=30).json()
         assert [(r["name"], r["version"], r["state"]) for r in index] == [
             ("alpha", "1", "READY"),
             ("alpha", "2", "READY"),
             ("beta", "1", "READY"),
         ]
         assert all(r["memory_bytes"] > 0 for r in index)
-        metrics = httpx.get(url + "/metrics", headers=AUTH).text
+        metrics = httpx.get(url + "/metrics", headers=AUTH, timeout=30).text
         assert 'vitscope_model_memory_bytes{model="beta",version="1"}' in metrics
         assert 'vitscope_batch_size_count{model="alpha",version="1"}' in metrics
-        assert httpx.post(url + "/v2/repository/index").status_code == 401  # the extension needs the key
+        assert httpx.post(url + "/v2/repository/index", timeout=30).status_code == 401  # the extension needs the key
 
 
 def _env() -> dict:
@@ -222,7 +222,7 @@ def test_new_versions_roll_out_under_load_without_a_failed_request_and_a_broken_
 
 
 def _index(url: str) -> list[dict]:
-    return httpx.post(url + "/v2/repository/index", headers=AUTH).json()
+    return httpx.post(url + "/v2/repository/index", headers=AUTH, timeout=30).json()
 
 
 def test_the_repository_extension_unloads_and_loads_a_model(exported, tmp_path):
@@ -231,24 +231,26 @@ def test_the_repository_extension_unloads_and_loads_a_model(exported, tmp_path):
     add_model(repo, exported, "beta", [1])
     with ServerProcess(repo, "--no-ui", "--preferred-batch-size", "1", env=_env()) as server:
         url = server.url
-        assert httpx.post(url + "/v2/repository/models/beta/unload", headers=AUTH).status_code == 200
+        assert httpx.post(url + "/v2/repository/models/beta/unload", headers=AUTH, timeout=30).status_code == 200
         assert classify(url, "/v1/models/beta/classify").status_code == 404
-        assert httpx.get(url + "/v2/models/beta/ready", headers=AUTH).status_code == 404
-        assert httpx.get(url + "/readyz").status_code == 200  # an unloaded model is not expected to be ready
+        assert httpx.get(url + "/v2/models/beta/ready", headers=AUTH, timeout=30).status_code == 404
+        assert (
+            httpx.get(url + "/readyz", timeout=30).status_code == 200
+        )  # an unloaded model is not expected to be ready
         (repo / "beta" / "1" / "model.onnx").write_bytes(b"\x08\x07not a model")
         refused = httpx.post(url + "/v2/repository/models/beta/load", headers=AUTH, timeout=60)
         assert refused.status_code == 400 and "beta" in refused.json()["error"]
         drop_version(repo / "beta", 2, exported / "alpha" / "1" / "model.onnx")
         assert httpx.post(url + "/v2/repository/models/beta/load", headers=AUTH, timeout=60).status_code == 200
         assert classify(url, "/v1/models/beta/classify").json()["version"] == "2"
-        gone = httpx.post(url + "/v2/repository/models/nope/load", headers=AUTH)
+        gone = httpx.post(url + "/v2/repository/models/nope/load", headers=AUTH, timeout=30)
         assert gone.status_code == 404
-        metrics = httpx.get(url + "/metrics", headers=AUTH).text
+        metrics = httpx.get(url + "/metrics", headers=AUTH, timeout=30).text
         assert 'vitscope_model_load_failures_total{model="beta",reason="unreadable",version="1"} 1.0' in metrics
         for name in ("alpha", "beta"):  # /readyz then said a model was "loading or warming up"
-            assert httpx.post(url + f"/v2/repository/models/{name}/unload", headers=AUTH).status_code == 200
+            assert httpx.post(url + f"/v2/repository/models/{name}/unload", headers=AUTH, timeout=30).status_code == 200
         for path in ("/readyz", "/v2/health/ready"):
-            none = httpx.get(url + path, headers=AUTH)
+            none = httpx.get(url + path, headers=AUTH, timeout=30)
             assert none.status_code == 503 and "no model is served" in none.text and "/load" in none.text, none.text
 
 
@@ -298,7 +300,7 @@ def test_loading_a_name_that_is_no_model_of_the_repository_is_a_404(polled, expo
 
 def series_of(url: str, model: str) -> list[str]:
     """The /metrics samples labelled with `model`."""
-    text = httpx.get(url + "/metrics", headers=AUTH).text
+    text = httpx.get(url + "/metrics", headers=AUTH, timeout=30).text
     return [line for line in text.splitlines() if f'model="{model}"' in line and not line.startswith("#")]
 
 
@@ -314,5 +316,5 @@ def test_retired_versions_and_removed_models_leave_no_series_in_the_metrics(poll
     assert any(line.startswith("vitscope_confidence_count") for line in kept), kept  # alpha still serves
     assert any(line.startswith("vitscope_batch_size_count") and 'version="2"' in line for line in kept), kept
     shutil.rmtree(repo / "beta")
-    assert httpx.post(url + "/v2/repository/models/gamma/unload", headers=AUTH).status_code == 200
+    assert httpx.post(url + "/v2/repository/models/gamma/unload", headers=AUTH, timeout=30).status_code == 200
     wait_for(lambda: not series_of(url, "beta") and not series_of(url, "gamma"), 10)

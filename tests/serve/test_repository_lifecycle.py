@@ -113,14 +113,14 @@ def test_bad_models_are_refused_at_start_up_and_the_good_one_serves(exported, tm
     bad = bad_models(repo, exported)
     with ServerProcess(repo, *FAST) as server:
         url = server.url
-        assert httpx.get(url + "/readyz").status_code == 200  # the models that loaded keep a version
+        assert httpx.get(url + "/readyz", timeout=30).status_code == 200  # the models that loaded keep a version
         assert versions_of(url, "beta") == ["1"]
         reasons = unavailable(url)
         assert sorted(reasons) == sorted(bad)
         for name, word in bad.items():
             assert word in reasons[name] and reasons[name].count(str(repo)) == 1, reasons[name]  # the path once
             assert server.metric("vitscope_model_load_failures_total", model=name) == 1
-            assert httpx.get(f"{url}/v2/models/{name}/ready").status_code == 404
+            assert httpx.get(f"{url}/v2/models/{name}/ready", timeout=30).status_code == 404
         refused = httpx.post(url + "/v2/repository/models/garbage/load", timeout=60)
         assert refused.status_code == 400 and "model.onnx" in refused.json()["error"], refused.text
         for name in ("latin1_labels", "misconfigured"):
@@ -138,7 +138,7 @@ def test_a_good_model_beside_bad_ones_is_picked_up_by_polling(exported, tmp_path
         add_model(repo, exported, "zeta", [1])  # sorts after every bad one: a sync that stops early misses it
         wait_until(lambda: versions_of(server.url, "zeta") == ["1"], 30, "the good new model serving")
         wait_until(lambda: sorted(unavailable(server.url)) == sorted(bad), 10, "every bad model in the index")
-        assert httpx.get(server.url + "/readyz").status_code == 200
+        assert httpx.get(server.url + "/readyz", timeout=30).status_code == 200
 
 
 def test_exit_on_error_refuses_to_start_with_a_bad_model(exported, tmp_path):
@@ -420,14 +420,16 @@ def test_an_uncalibrated_file_serves_with_a_null_ood_score(uncalibrated):
     pixels = {"name": "pixels", "datatype": "UINT8", "shape": [2, 32, 32, 3], "data": images.ravel().tolist()}
     with ServerProcess(uncalibrated, *FAST) as server:
         url = server.url
-        answer = httpx.post(url + "/v1/classify", files={"file": ("a.png", png_bytes(images[0]), "image/png")})
+        answer = httpx.post(
+            url + "/v1/classify", files={"file": ("a.png", png_bytes(images[0]), "image/png")}, timeout=30
+        )
         assert answer.status_code == 200, answer.text
         assert strict_json(answer.text)["ood_score"] is None
-        v2 = httpx.post(url + "/v2/models/plain/infer", json={"inputs": [pixels]})
+        v2 = httpx.post(url + "/v2/models/plain/infer", json={"inputs": [pixels]}, timeout=30)
         assert v2.status_code == 200, v2.text
         assert [o["name"] for o in strict_json(v2.text)["outputs"]] == ["logits"]
         asked = {"inputs": [pixels], "outputs": [{"name": "logits"}, {"name": "ood_score"}]}
-        refused = httpx.post(url + "/v2/models/plain/infer", json=asked)  # no OOD score to answer with
+        refused = httpx.post(url + "/v2/models/plain/infer", json=asked, timeout=30)  # no OOD score to answer with
         assert refused.status_code == 422, refused.text  # naming the file and only the output it lacks
         assert "model.onnx carries no calibration: it has no ['ood_score'] outputs" in refused.json()["error"]
 

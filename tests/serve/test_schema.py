@@ -34,7 +34,7 @@ def server(tiny_onnx):
 
 
 def test_errors_are_documented_with_the_body_they_really_have(server):
-    doc = httpx.get(server.url + "/openapi.json").json()
+    doc = httpx.get(server.url + "/openapi.json", timeout=30).json()
     assert "HTTPValidationError" not in str(doc)
     error = doc["components"]["schemas"]["Error"]
     assert error["required"] == ["error"]
@@ -43,9 +43,9 @@ def test_errors_are_documented_with_the_body_they_really_have(server):
     assert {"200", "413", "415", "422"} <= set(classify["responses"])
     assert "404" in doc["paths"]["/v2/models/{name}"]["get"]["responses"]
     assert set(doc["paths"]["/metrics"]["get"]["responses"]["200"]["content"]) == {"text/plain"}
-    r = httpx.post(server.url + "/v1/classify?top_k=0", content=b"x")
+    r = httpx.post(server.url + "/v1/classify?top_k=0", content=b"x", timeout=30)
     assert r.status_code in (415, 422) and set(r.json()) == {"error"}
-    r = httpx.get(server.url + "/v2/models/nope")  # /v2 answers in the KServe v2 protocol's shape
+    r = httpx.get(server.url + "/v2/models/nope", timeout=30)  # /v2 answers in the KServe v2 protocol's shape
     assert r.status_code == 404 and isinstance(r.json()["error"], str)
     assert set(r.json()) <= set(doc["components"]["schemas"]["KServeError"]["properties"])
     load = doc["paths"]["/v2/repository/models/{name}/load"]["post"]["responses"]["400"]["description"]
@@ -54,7 +54,7 @@ def test_errors_are_documented_with_the_body_they_really_have(server):
 
 def test_each_classify_route_is_documented_with_its_parameters_and_answer(server):
     """The classify routes are plain routes, which FastAPI leaves out: `classify_openapi` writes them."""
-    doc = httpx.get(server.url + "/openapi.json").json()
+    doc = httpx.get(server.url + "/openapi.json", timeout=30).json()
     paths = {
         "/v1/classify": [],
         "/v1/models/{name}/classify": ["name"],
@@ -103,7 +103,7 @@ def test_schemathesis_finds_no_5xx_on_gradios_routes_and_no_violation_of_its_doc
         "--config-file", str(GRADIO_CHECKS), "run", ui_server.url + "/gradio_api/openapi.json", cwd=tmp_path
     )
     assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-2000:]
-    fuzzed = set(httpx.get(ui_server.url + "/gradio_api/openapi.json").json()["paths"])
+    fuzzed = set(httpx.get(ui_server.url + "/gradio_api/openapi.json", timeout=30).json()["paths"])
     for name in ("classify", "attention", "gradient_rollout"):  # each endpoint: its call and its result stream
         assert {f"/gradio_api/call/v2/{name}", f"/gradio_api/call/{name}/{{event_id}}"} <= fuzzed
     assert "/gradio_api/upload" in fuzzed

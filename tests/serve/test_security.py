@@ -108,9 +108,14 @@ def test_a_foreign_host_header_is_refused_so_dns_rebinding_reaches_nothing(serve
         r = httpx.get(server.url + path, headers={**AUTH, "Host": "attacker.example:7860"}, timeout=10)
         assert r.status_code == 400 and r.json()["error"]["code"] == "bad_host"
         assert "--allowed-hosts" in r.json()["error"]["message"]
-    assert httpx.get(server.url + "/healthz", headers={"Host": "10.0.0.7"}).status_code == 200  # probes by IP
+    assert (
+        httpx.get(server.url + "/healthz", headers={"Host": "10.0.0.7"}, timeout=30).status_code == 200
+    )  # probes by IP
     for host in ("localhost:7860", "LOCALHOST", "[::1]:7860", "127.0.0.1"):  # the loopback names, port or none
-        assert httpx.get(server.url + "/v2/models/tiny_test", headers={**AUTH, "Host": host}).status_code == 200
+        assert (
+            httpx.get(server.url + "/v2/models/tiny_test", headers={**AUTH, "Host": host}, timeout=30).status_code
+            == 200
+        )
 
 
 @pytest.mark.slow
@@ -142,9 +147,9 @@ def test_a_request_without_host_is_refused_in_http_1_1_and_served_in_http_1_0(se
 def test_readyz_tells_the_model_only_to_a_client_with_the_key(server):
     """Probes send no key: /readyz answers them its status alone, not which model and version the server runs."""
     for headers in ({}, {"Authorization": "Bearer wrong"}):
-        r = httpx.get(server.url + "/readyz", headers=headers)
+        r = httpx.get(server.url + "/readyz", headers=headers, timeout=30)
         assert r.status_code == 200 and r.json() == {"status": "ready"}
-    full = httpx.get(server.url + "/readyz", headers=AUTH).json()
+    full = httpx.get(server.url + "/readyz", headers=AUTH, timeout=30).json()
     assert full["status"] == "ready" and full["model"] == "tiny_test" and full["version"]
 
 
@@ -162,10 +167,10 @@ def test_without_the_api_key_api_and_ui_answer_401(server, path):
 @pytest.mark.slow
 def test_the_api_key_is_taken_as_bearer_x_api_key_or_a_browser_password(server):
     for headers in (AUTH, {"X-API-Key": KEY}):
-        assert httpx.get(server.url + "/v2/models/tiny_test", headers=headers).status_code == 200
+        assert httpx.get(server.url + "/v2/models/tiny_test", headers=headers, timeout=30).status_code == 200
     assert httpx.get(server.url + "/", auth=("anyone", KEY), timeout=10).status_code == 200
-    assert httpx.get(server.url + "/healthz").status_code == 200  # health needs no key
-    assert httpx.get(server.url + "/readyz").status_code == 200
+    assert httpx.get(server.url + "/healthz", timeout=30).status_code == 200  # health needs no key
+    assert httpx.get(server.url + "/readyz", timeout=30).status_code == 200
 
 
 @pytest.mark.slow
@@ -181,9 +186,9 @@ def test_a_key_header_sent_twice_is_refused_whichever_copy_holds_the_key(server)
 
 @pytest.mark.slow
 def test_every_answer_carries_a_request_id_and_a_log_line(server):
-    r = httpx.get(server.url + "/healthz", headers={"X-Request-Id": "abc-123"})
+    r = httpx.get(server.url + "/healthz", headers={"X-Request-Id": "abc-123"}, timeout=30)
     assert r.headers["x-request-id"] == "abc-123"
-    odd = httpx.get(server.url + "/healthz", headers={"X-Request-Id": "no spaces\tor tabs"})
+    odd = httpx.get(server.url + "/healthz", headers={"X-Request-Id": "no spaces\tor tabs"}, timeout=30)
     generated = odd.headers["x-request-id"]
     assert generated != "no spaces\tor tabs" and len(generated) == 32
     logged = lambda: any("GET /healthz" in line and "id=abc-123" in line for line in server.lines)
@@ -197,7 +202,7 @@ def test_the_ui_config_names_no_library_versions(server):
     gradio_openapi = httpx.get(server.url + "/gradio_api/openapi.json", headers=AUTH, timeout=10).json()
     assert "." not in gradio_openapi["info"]["version"]
     assert "versions" not in json.dumps(config)
-    assert "server" not in httpx.get(server.url + "/healthz").headers
+    assert "server" not in httpx.get(server.url + "/healthz", timeout=30).headers
 
 
 @pytest.mark.slow
@@ -211,7 +216,7 @@ def test_a_huge_request_head_gets_431_and_the_server_stays_small(server):
             pass  # the server closed the connection under us: what it should do
         answer = s.recv(65536)
     assert answer.startswith(b"HTTP/1.1 431") and b"headers_too_large" in answer
-    assert httpx.get(server.url + "/healthz").status_code == 200
+    assert httpx.get(server.url + "/healthz", timeout=30).status_code == 200
 
 
 def test_a_head_over_the_limit_in_one_piece_gets_431_before_the_app_sees_it(server):
@@ -220,7 +225,7 @@ def test_a_head_over_the_limit_in_one_piece_gets_431_before_the_app_sees_it(serv
         s.sendall(head)  # 100 kB, over the 64 KiB limit, complete in one write
         answer = s.recv(65536)
     assert answer.startswith(b"HTTP/1.1 431") and b"headers_too_large" in answer
-    assert httpx.get(server.url + "/healthz").status_code == 200
+    assert httpx.get(server.url + "/healthz", timeout=30).status_code == 200
     assert "/v1/nothing" not in server.caught_up()  # refused in the protocol: no access line, no route
 
 
@@ -272,7 +277,7 @@ def test_connections_over_the_cap_get_503_and_the_server_keeps_serving(server):
     finally:
         for s in idle:
             s.close()
-    healthy = lambda: httpx.get(server.url + "/healthz").status_code == 200
+    healthy = lambda: httpx.get(server.url + "/healthz", timeout=30).status_code == 200
     wait_until(healthy, 10, "/healthz answering 200 once the idle connections are closed")
 
 

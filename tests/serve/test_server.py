@@ -31,21 +31,21 @@ def test_the_url_is_printed_once_ready(server):
     # without the UI, / is a 404: the line says where the API is instead
     # /readyz answers after the line is written, but this process's reader thread may not have read it yet
     server.wait_for_output(f"vitscope is ready: {server.url}/ (no UI: POST /v1/classify, the API's pages at /docs)")
-    assert httpx.get(server.url + "/docs").status_code == 200
+    assert httpx.get(server.url + "/docs", timeout=30).status_code == 200
 
 
 @pytest.mark.slow
 def test_classify_and_v2_infer_over_http(server, tiny_onnx):
-    r = httpx.post(server.url + "/v1/classify?top_k=3", files={"file": ("a.png", noise_png(), "image/png")})
+    r = httpx.post(server.url + "/v1/classify?top_k=3", files={"file": ("a.png", noise_png(), "image/png")}, timeout=30)
     assert r.status_code == 200 and len(r.json()["predictions"]) == 3
     name = r.json()["model"]
-    meta = httpx.get(f"{server.url}/v2/models/{name}").json()
+    meta = httpx.get(f"{server.url}/v2/models/{name}", timeout=30).json()
     x = np.zeros((1, *meta["inputs"][0]["shape"][1:]), np.uint8)
     req = {
         "inputs": [{"name": "pixels", "datatype": "UINT8", "shape": list(x.shape), "data": x.ravel().tolist()}],
         "outputs": [{"name": "probs"}],
     }
-    out = httpx.post(f"{server.url}/v2/models/{name}/infer", json=req).json()["outputs"][0]
+    out = httpx.post(f"{server.url}/v2/models/{name}/infer", json=req, timeout=30).json()["outputs"][0]
     assert out["shape"] == [1, len(meta["parameters"]["labels"])]
     assert sum(out["data"]) == pytest.approx(1.0, abs=1e-4)
 
@@ -63,7 +63,7 @@ def test_classify_and_v2_infer_over_http(server, tiny_onnx):
 def test_bad_inputs_over_http_leave_the_server_healthy(server, body, ctype, status):
     r = httpx.post(server.url + "/v1/classify", content=body, headers={"content-type": ctype}, timeout=30)
     assert r.status_code == status and "error" in r.json()
-    assert httpx.get(server.url + "/readyz").status_code == 200
+    assert httpx.get(server.url + "/readyz", timeout=30).status_code == 200
     assert httpx.post(server.url + "/v1/classify", content=noise_png(), timeout=30).status_code == 200
 
 

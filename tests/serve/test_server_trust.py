@@ -17,7 +17,9 @@ def server(tiny_onnx):
 
 
 def classify(url: str, image: np.ndarray, query: str = "") -> httpx.Response:
-    return httpx.post(url + "/v1/classify" + query, files={"file": ("a.png", png_bytes(image), "image/png")})
+    return httpx.post(
+        url + "/v1/classify" + query, files={"file": ("a.png", png_bytes(image), "image/png")}, timeout=30
+    )
 
 
 @pytest.mark.slow
@@ -61,7 +63,7 @@ def test_the_drift_gauge_stays_under_its_alert_for_test_images_and_passes_it_for
 
 
 def _v2(server, pixels: np.ndarray, outputs: list[str], parameters: dict | None = None) -> httpx.Response:
-    name = httpx.get(server.url + "/readyz").json()["model"]
+    name = httpx.get(server.url + "/readyz", timeout=30).json()["model"]
     req = {
         "inputs": [
             {"name": "pixels", "datatype": "UINT8", "shape": list(pixels.shape), "data": pixels.ravel().tolist()}
@@ -69,7 +71,7 @@ def _v2(server, pixels: np.ndarray, outputs: list[str], parameters: dict | None 
         "outputs": [{"name": n} for n in outputs],
         **({"parameters": parameters} if parameters else {}),
     }
-    return httpx.post(f"{server.url}/v2/models/{name}/infer", json=req)
+    return httpx.post(f"{server.url}/v2/models/{name}/infer", json=req, timeout=30)
 
 
 @pytest.mark.slow

@@ -250,12 +250,16 @@ def test_the_ui_queue_is_bounded_and_says_so(small_ui, image_file):
 
     path = upload(small_ui.url, image_file.read_bytes())
     call = {"data": [{"path": path, "meta": {"_type": "gradio.FileData"}}, "mean", 0, 0, 2, 0.5, "inferno"]}
-    with ThreadPoolExecutor(16) as pool:
-        posts = pool.map(
-            lambda _: httpx.post(small_ui.url + "/gradio_api/call/classify", json=call, timeout=30), range(16)
-        )
-        statuses = [r.status_code for r in posts]
-    assert 503 in statuses and 200 in statuses
+    statuses = []
+    for _ in range(5):  # 16 calls at once fill a queue of 2, unless a slow host sends them slower than one runs
+        with ThreadPoolExecutor(16) as pool:
+            posts = pool.map(
+                lambda _: httpx.post(small_ui.url + "/gradio_api/call/classify", json=call, timeout=30), range(16)
+            )
+            statuses += [r.status_code for r in posts]
+        if 503 in statuses:
+            break
+    assert 503 in statuses and 200 in statuses and set(statuses) <= {200, 503}, statuses
 
 
 @pytest.mark.slow
@@ -277,7 +281,7 @@ def test_malformed_calls_and_uploads_get_a_json_4xx_not_500(small_ui):
     assert r.status_code == 400 and r.json()["error"]["code"] == "bad_upload"
     assert "named `files` with a filename" in r.json()["error"]["message"]
     # a route for recordings, which the page has none of, wrote what it got to $TMPDIR, outside every limit
-    r = httpx.post(small_ui.url + "/gradio_api/process_recording", files={"video": ("a.webm", b"x" * 1000)})
+    r = httpx.post(small_ui.url + "/gradio_api/process_recording", files={"video": ("a.webm", b"x" * 1000)}, timeout=30)
     assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
 
 
@@ -354,7 +358,9 @@ def test_an_image_is_checked_from_its_header_before_gradio_decodes_it(ui_server,
         Image.new("L", (16000, 10000)).save(buf, "PNG")  # 160 MP: over the 40 MP limit, under Pillow's own
         image, said = {"url": "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()}, "over the limit"
     else:
-        path = httpx.post(ui_server.url + "/gradio_api/upload", files={"files": ("a.png", b"no image")}).json()[0]
+        path = httpx.post(
+            ui_server.url + "/gradio_api/upload", files={"files": ("a.png", b"no image")}, timeout=30
+        ).json()[0]
         image, said = {"path": path}, "not an image"
     reset_peak(ui_server.proc.pid)
     base = peak_mib(ui_server.proc.pid)
@@ -384,7 +390,9 @@ def test_a_value_the_ui_cannot_use_is_refused_saying_which(ui_server, image_file
     import httpx
 
     lines = len(ui_server.lines)
-    path = httpx.post(ui_server.url + "/gradio_api/upload", files={"files": ("a.png", image_file.read_bytes())}).json()
+    path = httpx.post(
+        ui_server.url + "/gradio_api/upload", files={"files": ("a.png", image_file.read_bytes())}, timeout=30
+    ).json()
     data = json.dumps({"data": [{"path": path[0], "meta": {"_type": "gradio.FileData"}}, *args]})  # NaN as JSON has it
     headers = {"Content-Type": "application/json"}
     event = httpx.post(f"{ui_server.url}/gradio_api/call/{api}", content=data, headers=headers, timeout=60).json()
@@ -402,26 +410,30 @@ def test_uploads_and_calls_past_the_ui_cache_cap_are_refused_until_old_ones_go(t
 
     args = ["--examples-dir", "", "--graceful-timeout-s", "3", "--ui-cache-bytes", "3000000", "--max-bytes", "2000000"]
     with ServerProcess(tiny_onnx, *args) as server:
-        post = lambda i: httpx.post(server.url + "/gradio_api/upload", files={"files": (f"{i}.bin", bytes(1_000_000))})
+        post = lambda i: httpx.post(
+            server.url + "/gradio_api/upload", files={"files": (f"{i}.bin", bytes(1_000_000))}, timeout=30
+        )
         assert [post(i).status_code for i in range(2)] == [200, 200]
         for i in range(2, 6):  # results the UI wrote may share the folder: a few more, until it is full
             if (r := post(i)).status_code != 200:
                 break
         assert r.status_code == 507 and "--ui-cache-bytes" in r.json()["error"]["message"], r.text
-        post = lambda i: httpx.post(server.url + "/gradio_api/upload", files={"files": (f"{i}.bin", bytes(400_000))})
+        post = lambda i: httpx.post(
+            server.url + "/gradio_api/upload", files={"files": (f"{i}.bin", bytes(400_000))}, timeout=30
+        )
         while post(i := i + 1).status_code == 200:  # within 400 kB of the cap
             assert i < 20
         # a call writes its results (and its data: URL images) into the same folder: refused as well, where each
         # distinct setting of an uploaded image's overlay added a file past the cap
         data = {"data": [{"url": "data:image/png;base64,", "meta": {"_type": "gradio.FileData"}}]}
-        r = httpx.post(server.url + "/gradio_api/call/classify", json=data)
+        r = httpx.post(server.url + "/gradio_api/call/classify", json=data, timeout=30)
         assert r.status_code == 507 and "--ui-cache-bytes" in r.json()["error"]["message"], r.text
-        assert httpx.get(server.url + "/healthz").status_code == 200
+        assert httpx.get(server.url + "/healthz", timeout=30).status_code == 200
 
 
 def test_the_page_names_no_server_path_and_carries_no_calibration_arrays(ui_server):
     """The Model tab put the file's whole calibration in the page: the path it was fitted from, and 370 kB of
     arrays that Gradio copied into the state of each of up to 10,000 sessions."""
-    page = httpx.get(ui_server.url + "/config").text
+    page = httpx.get(ui_server.url + "/config", timeout=30).text
     assert '"temperature"' in page and '"source"' not in page and '"means"' not in page and '"scores"' not in page
     assert len(page) < 60_000, len(page)

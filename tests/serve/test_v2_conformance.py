@@ -47,7 +47,7 @@ def session(tiny_onnx) -> ort.InferenceSession:
 
 @pytest.fixture(scope="module")
 def model(server) -> str:
-    return httpx.get(server.url + "/readyz").json()["model"]
+    return httpx.get(server.url + "/readyz", timeout=30).json()["model"]
 
 
 def infer(client, model: str, x: np.ndarray, binary: bool, outputs: tuple[str, ...] = ()):
@@ -93,7 +93,9 @@ def test_softmax_of_v2_logits_equals_the_v1_scores(client, model, server, tiny_o
     probs = softmax(result.as_numpy("logits") / temperature)
     np.testing.assert_allclose(result.as_numpy("probs"), probs, atol=1e-6)
     for img, row in zip(x, probs, strict=True):
-        r = httpx.post(server.url + f"/v1/classify?top_k={len(CLASS_NAMES)}", files={"file": ("x.png", png_bytes(img))})
+        r = httpx.post(
+            server.url + f"/v1/classify?top_k={len(CLASS_NAMES)}", files={"file": ("x.png", png_bytes(img))}, timeout=30
+        )
         scores = {p["label"]: p["score"] for p in r.json()["predictions"]}
         np.testing.assert_allclose([scores[c] for c in CLASS_NAMES], row, atol=1e-6)
 
@@ -119,7 +121,7 @@ def test_wrong_datatype_and_shape_are_refused_with_a_message(client, model):
 )
 def test_uint8_json_takes_only_integers_0_to_255(server, model, data):
     req = {"inputs": [{"name": "pixels", "datatype": "UINT8", "shape": [1, 32, 32, 3], "data": data}]}
-    r = httpx.post(f"{server.url}/v2/models/{model}/infer", json=req)
+    r = httpx.post(f"{server.url}/v2/models/{model}/infer", json=req, timeout=30)
     assert r.status_code == 422 and r.json()["code"] == "bad_request" and "pixels" in r.json()["error"]
 
 
@@ -128,9 +130,9 @@ def test_deeply_nested_json_is_a_422_not_a_crash(server, model, depth):
     nested = "[" * depth + "]" * depth
     head = '{"inputs": [{"name": "pixels", "datatype": "UINT8", "shape": [1, 32, 32, 3], "data": '
     for text in (head + nested + "}]}", nested, "[" * depth):
-        r = httpx.post(f"{server.url}/v2/models/{model}/infer", content=text)
+        r = httpx.post(f"{server.url}/v2/models/{model}/infer", content=text, timeout=30)
         assert r.status_code == 422 and r.headers["content-type"] == "application/json", r.text
-    assert httpx.get(server.url + "/readyz").status_code == 200
+    assert httpx.get(server.url + "/readyz", timeout=30).status_code == 200
 
 
 def test_binary_sizes_that_do_not_add_up_are_refused(server, model):
@@ -145,6 +147,7 @@ def test_binary_sizes_that_do_not_add_up_are_refused(server, model):
             f"{server.url}/v2/models/{model}/infer",
             content=header + b"\0" * extra,
             headers={"Inference-Header-Content-Length": length},
+            timeout=30,
         )
         assert r.status_code == 422, r.text
 
@@ -210,14 +213,17 @@ def test_repository_routes_refuse_a_body_over_max_bytes(server, model, path):
     url = server.url + path.format(model=model)
     r = httpx.post(url, content=b" " * (MAX_BYTES + 1), headers={"content-type": "application/json"}, timeout=30)
     assert r.status_code == 413 and "body_too_large" in r.text
-    assert httpx.post(server.url + "/v2/repository/index", json={"ready": True}).status_code == 200
+    assert httpx.post(server.url + "/v2/repository/index", json={"ready": True}, timeout=30).status_code == 200
 
 
 def test_a_header_length_of_thousands_of_digits_is_a_422_not_a_crash(server, model):
     """Python's int() refuses strings over 4,300 digits: such a header is a client's mistake, as a -5 is."""
     for length in ("9" * 5000, "0" * 5000 + "5"):
         r = httpx.post(
-            f"{server.url}/v2/models/{model}/infer", content=b"{}", headers={"Inference-Header-Content-Length": length}
+            f"{server.url}/v2/models/{model}/infer",
+            content=b"{}",
+            headers={"Inference-Header-Content-Length": length},
+            timeout=30,
         )
         assert r.status_code == 422 and "Inference-Header-Content-Length" in r.json()["error"], r.text
 
@@ -226,7 +232,7 @@ def test_a_header_length_of_thousands_of_digits_is_a_422_not_a_crash(server, mod
 def test_a_coverage_too_large_for_a_float_is_a_422_not_a_crash(server, model, coverage):
     req = {"inputs": [{"name": "pixels", "datatype": "UINT8", "shape": [1, 32, 32, 3], "data": [0] * 3072}]}
     body = json.dumps({**req, "parameters": {"coverage": coverage}, "outputs": [{"name": "in_set"}]})
-    r = httpx.post(f"{server.url}/v2/models/{model}/infer", content=body)
+    r = httpx.post(f"{server.url}/v2/models/{model}/infer", content=body, timeout=30)
     assert r.status_code == 422 and r.json()["code"] == "bad_request", r.text
     assert "coverage must be a number between 0 and 1" in r.json()["error"]
 
@@ -281,7 +287,11 @@ def test_a_long_value_the_client_sent_comes_back_cut_in_the_error(server, model)
         "v1 model name": (f"/v1/models/{long}/classify", None),
     }
     for what, (path, body) in requests.items():
-        r = httpx.post(server.url + path, json=body) if body else httpx.post(server.url + path, content=b"x")
+        r = (
+            httpx.post(server.url + path, json=body, timeout=30)
+            if body
+            else httpx.post(server.url + path, content=b"x", timeout=30)
+        )
         assert r.status_code in (404, 422), (what, r.status_code)
         said = json.dumps(r.json(), ensure_ascii=False)
         assert len(r.content) < 1000 and "n" * 100 in said and "n…'" in said, (what, said[:300])

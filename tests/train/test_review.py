@@ -145,7 +145,9 @@ def test_relabel_and_leave_out_in_a_real_browser_survive_a_reload(review_run):
     port = free_port()
     app = launch_review(review_run, port=port, block=False)
     try:  # the page takes no upload: Gradio's upload route kept whatever it was sent, in /tmp, for ever
-        upload = httpx.post(f"http://127.0.0.1:{port}/gradio_api/upload", files={"files": ("a.bin", bytes(1 << 20))})
+        upload = httpx.post(
+            f"http://127.0.0.1:{port}/gradio_api/upload", files={"files": ("a.bin", bytes(1 << 20))}, timeout=30
+        )
         assert upload.status_code == 413
         with sync_playwright() as p:
             browser = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)

@@ -163,7 +163,9 @@ def test_what_is_uploaded_to_the_page_is_deleted_when_it_closes(run: Path):
     port = free_port()
     app = launch_review(run, port=port, limit=3, block=False)
     try:
-        upload = httpx.post(f"http://127.0.0.1:{port}/gradio_api/upload", files={"files": ("a.bin", bytes(512))})
+        upload = httpx.post(
+            f"http://127.0.0.1:{port}/gradio_api/upload", files={"files": ("a.bin", bytes(512))}, timeout=30
+        )
         assert upload.status_code == 200
         (kept,) = upload.json()
         assert Path(kept).is_file()
@@ -196,7 +198,9 @@ def test_a_review_stopped_by_sigterm_closes_and_deletes_what_was_uploaded(
 
     def upload_then_terminate() -> None:
         wait_until(lambda: _answers(port), 60, "the review page up")
-        upload = httpx.post(f"http://127.0.0.1:{port}/gradio_api/upload", files={"files": ("a.bin", bytes(512))})
+        upload = httpx.post(
+            f"http://127.0.0.1:{port}/gradio_api/upload", files={"files": ("a.bin", bytes(512))}, timeout=30
+        )
         kept.extend(upload.json())
         if when != "launching":  # the page answers while launch() still checks it: wait until launch() has returned
             wait_until(lambda: "the page is at" in caplog.text, 60, "launch() done")
