@@ -30,7 +30,9 @@ GRPC_NO_KEY = "no API key: send it in the call's metadata as 'authorization: Bea
 INFER = "/inference.GRPCInferenceService/ModelInfer"
 LIVE = "/inference.GRPCInferenceService/ServerLive"
 FILES = 256  # the capped server's descriptor limit (ulimit -n)
-CAPS = {"grpc_max_connections": 16, "grpc_max_streams": 3, "grpc_max_calls": 4, "grpc_idle_timeout_s": 1}
+# the idle timeout is longer than opening FILES + 50 connections takes on a loaded host: were the first closed
+# while the others opened, their slots would go to later ones and more than the cap would be answered
+CAPS = {"grpc_max_connections": 16, "grpc_max_streams": 3, "grpc_max_calls": 4, "grpc_idle_timeout_s": 3}
 # HTTP/2's client preface and an empty SETTINGS frame: what a gRPC client sends first
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes(3) + b"\x04\x00" + bytes(4)
 SETTINGS_ACK = b"\x00\x00\x00\x04\x01" + bytes(4)
