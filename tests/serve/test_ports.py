@@ -50,7 +50,8 @@ def test_a_host_of_no_address_here_says_so_and_no_socket_is_left_open():
         with pytest.raises(ValueError, match="cannot listen on 192.0.2.1 port 9 .*: give a --host of this machine"):
             check_port("192.0.2.1", 9)  # TEST-NET-1: never this machine's
     check_port("127.0.0.1", 0)
-    assert len(os.listdir("/proc/self/fd")) == before
+    # a socket left by each try would be 50 more; the worker's other threads may hold a few of their own meanwhile
+    assert len(os.listdir("/proc/self/fd")) - before < 10
 
 
 @pytest.mark.parametrize("port", [65536, 99999, -1])
