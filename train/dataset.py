@@ -20,7 +20,7 @@ import torch
 from PIL import Image
 from torch.utils.data import Dataset, get_worker_info
 
-from serve.runtime.images import ImageError, load_image, open_image
+from serve.runtime.images import JPEG_FORMATS, ImageError, load_image, open_image
 from serve.runtime.jobs import usable_cores
 from train.parallel import parallel_map
 
@@ -37,7 +37,7 @@ def decode(path: str | Path, min_side: int | None = None) -> Image.Image:
     validation decodes in full, pixel for pixel as the server does.
     """
     img = open_image(path)
-    if min_side and img.format == "JPEG" and min(img.size) >= 2 * min_side:
+    if min_side and img.format in JPEG_FORMATS and min(img.size) >= 2 * min_side:
         w, h = img.size
         scale = min_side / min(w, h)
         img.draft("RGB", (math.ceil(w * scale), math.ceil(h * scale)))

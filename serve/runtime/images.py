@@ -37,6 +37,9 @@ def is_utf8(name: str) -> bool:
 # The decoders PIL may use: the formats above (JPEG's includes the MPO files of many phones). Every other
 # PIL plugin stays off for untrusted input (EPS, for one, would run Ghostscript).
 FORMATS = ("JPEG", "PNG", "BMP", "GIF", "WEBP", "TIFF")
+# What Pillow names a JPEG: "MPO" for one with the multi-picture extension (cameras' 3D and depth pictures),
+# whose first picture is the one decoded, by the JPEG decoder, under the same limits and at the same scales
+JPEG_FORMATS = ("JPEG", "MPO")
 DEFAULT_MAX_PIXELS = 40_000_000  # 40 MP: a phone's usual photo and many cameras' (not 45-61 MP bodies); not a bomb
 # Each scan of a progressive JPEG is decoded in full: encoders write about ten, a crafted 60 kB file thousands
 MAX_JPEG_SCANS = 100  # (seconds of CPU); libjpeg-turbo's tools take such a cap as an option (djpeg -maxscans)
@@ -143,7 +146,7 @@ def open_image(source: str | Path | bytes | bytearray, max_pixels: int | None = 
             raise ImageError(message, "corrupt") from None
         raise ImageError(f"{name} could not be read: {e}", "corrupt") from None
     _check_pixels(img, max_pixels)
-    if img.format == "JPEG" and img.info.get("progressive"):
+    if img.format in JPEG_FORMATS and img.info.get("progressive"):
         _check_scans(img, source if isinstance(source, (bytes, bytearray)) else Path(source).read_bytes(), name)
     return img
 
@@ -219,7 +222,7 @@ def load_reduced(
     img = source if isinstance(source, Image.Image) else open_image(source, max_pixels)
     _check_pixels(img, max_pixels)
     factor = _reduction(img.size, cover)
-    if factor >= 2 and img.format == "JPEG":
+    if factor >= 2 and img.format in JPEG_FORMATS:
         img.draft("RGB", (-(-img.width // factor), -(-img.height // factor)))  # the decoder's own 1/2..1/8 scale
         factor = _reduction(img.size, cover)
     with budget.hold(img.width * img.height) if budget is not None else nullcontext():

@@ -77,6 +77,9 @@ def test_large_jpeg_is_decoded_at_reduced_size_but_never_below_the_model_side(tm
     assert small.mode == "RGB" and 64 <= min(small.size) < 600 and small.size[0] / small.size[1] == 800 / 600
     assert decode(tmp_path / "big.jpg").size == (800, 600)
     assert decode(tmp_path / "big.png", min_side=64).size == (800, 600)  # only JPEG decodes at reduced size
+    # a JPEG with the multi-picture extension, which Pillow names MPO, as one without it
+    Image.open(tmp_path / "big.jpg").save(tmp_path / "big.mpo", "MPO", save_all=True, append_images=[small])
+    assert decode(tmp_path / "big.mpo", min_side=64).size == small.size
 
 
 def test_workers_leave_one_core_to_the_trainer_and_none_for_a_cached_two_core_run():
