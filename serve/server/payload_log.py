@@ -39,6 +39,8 @@ from datetime import datetime, timezone
 
 import numpy as np
 
+from serve.server.settings import consumer_url
+
 log = logging.getLogger(__name__)
 
 REQUEST_EVENT = "org.kubeflow.serving.inference.request"
@@ -108,9 +110,7 @@ class CloudEventsSink:
     name = "url"
 
     def __init__(self, url: str, timeout_s: float = 2.0):
-        parts = urllib.parse.urlsplit(url)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ValueError(f"--payload-log-url must be an http:// or https:// URL, got {url!r}")
+        parts = consumer_url(url)
         self.parts, self.timeout_s = parts, timeout_s
         self.path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
         self.conn: http.client.HTTPConnection | None = None

@@ -10,6 +10,7 @@ over the environment, the environment over the defaults. Each field's descriptio
 from __future__ import annotations
 
 import re
+import urllib.parse
 from dataclasses import dataclass
 from typing import Literal
 
@@ -21,6 +22,22 @@ ENV_PREFIX = "VITSCOPE_"
 
 UI_FORM_OVERHEAD = 64 * 1024  # multipart boundaries and headers around an uploaded file
 UI_CALL_RESULT_BYTES = 512 * 1024  # what a UI call writes: two images at display size (256 px), under this
+
+
+def consumer_url(url: str) -> urllib.parse.SplitResult:
+    """`url` split, as the payload log's CloudEvents sink sends to it; `ServeSettings` checks it before the start.
+
+    Raises:
+        ValueError: unless `url` is an http:// or https:// address with a host (and a port in 1-65535).
+    """
+    try:
+        parts = urllib.parse.urlsplit(url)
+        ok = parts.scheme in ("http", "https") and bool(parts.hostname) and parts.port != 0
+    except ValueError:  # an unclosed IPv6 bracket, a port that is no number or out of range
+        ok = False
+    if not ok:
+        raise ValueError(f"--payload-log-url must be an http:// or https:// URL, got {url!r}")
+    return parts
 
 
 class ServeSettings(BaseSettings):
@@ -270,7 +287,9 @@ class ServeSettings(BaseSettings):
     payload_log_max_bytes: int = Field(
         100 * 1024 * 1024, ge=1024, description="size at which the payload log file is rotated (to FILE.1, ...)"
     )
-    payload_log_backups: int = Field(5, ge=0, description="rotated payload log files kept")
+    payload_log_backups: int = Field(
+        5, ge=1, description="rotated payload log files kept (at least 1: with none to roll to, a file never rotates)"
+    )
     payload_log_queue_size: int = Field(
         1000,
         ge=1,
@@ -296,6 +315,14 @@ class ServeSettings(BaseSettings):
                 "HTTP headers and gRPC metadata"
             )
         return key
+
+    @field_validator("payload_log_url")
+    @classmethod
+    def _consumer_url(cls, url: str) -> str:
+        """Refused before the models load, not by the app's start-up, where it ended in a traceback."""
+        if url:
+            consumer_url(url)
+        return url
 
     @model_validator(mode="after")
     def _batch_sizes_fit(self) -> ServeSettings:

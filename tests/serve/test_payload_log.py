@@ -160,6 +160,24 @@ def test_a_payload_log_in_a_missing_folder_or_on_a_folder_is_refused_in_one_line
     assert ("mkdir -p" if "missing" in where else "is a folder") in err
 
 
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (["--payload-log-url", "ftp://x"], "--payload-log-url must be an http:// or https:// URL, got 'ftp://x'"),
+        (["--payload-log", "p.jsonl", "--payload-log-backups", "0"], "payload_log_backups"),
+    ],
+)
+def test_a_payload_log_that_would_fail_or_never_rotate_is_refused_in_one_line(args, said, tiny_onnx, tmp_path, capsys):
+    """A URL of another scheme ended the start in a traceback (exit 1); no backups kept the file from ever rotating
+    (Python's handler rolls over only with backups to roll to): 116 kB and growing under a 1 kB limit."""
+    from serve.server.cli import main
+
+    args = [str(tmp_path / a) if a == "p.jsonl" else a for a in args]
+    assert main([str(tiny_onnx), "--no-ui", *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("vit-serve: ") and said in err and len(err.splitlines()) == 1, err
+
+
 def test_a_line_still_being_written_is_not_read_as_a_record(tmp_path):
     path = tmp_path / "p.jsonl"
     assert json_lines(path) == []
