@@ -24,6 +24,7 @@ from serve.runtime.images import Preprocess
 from serve.server.testing import (
     LocalRayCluster,
     ServerProcess,
+    cpu_seconds,
     free_port,
     json_lines,
     noise_png,
@@ -41,6 +42,7 @@ __all__ = [
     "REPO",
     "ServerProcess",
     "TINY_NET",
+    "cpu_seconds",
     "bright_square",
     "encoded",
     "free_port",

@@ -11,6 +11,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import numpy as np
@@ -20,6 +21,7 @@ from PIL import Image
 from serve.runtime.images import ImageError, PixelBudget, Preprocess, load_image, load_reduced, open_image
 from tests.helpers import (
     ServerProcess,
+    cpu_seconds,
     encoded,
     noise_png,
     peak_mib,
@@ -166,6 +168,62 @@ def test_concurrent_tiny_files_declaring_40_mp_keep_the_server_small(server):
         done.set()
         watcher.join()
     assert peak[0] - base < 1024  # MiB; 16 such files without a budget took several GB
+
+
+def one_decode_s(data: bytes) -> float:
+    """The CPU seconds of decoding `data` for the tiny model, here (the least of three)."""
+    pre, costs = Preprocess(img_size=(32, 32)), []
+    for _ in range(3):
+        started = time.process_time()
+        pre.load_pixels(data)
+        costs.append(time.process_time() - started)
+    return min(costs)
+
+
+def gif_request(gif: bytes) -> bytes:
+    head = f"POST /v1/classify HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: {len(gif)}\r\n"
+    return (head + "Content-Type: image/gif\r\n\r\n").encode() + gif
+
+
+@pytest.mark.slow
+def test_uploads_whose_clients_left_while_they_waited_for_a_decode_are_not_decoded(server):
+    """Clients that gave up on a flood of 40 MP uploads: the server decoded each upload anyway, a core busy for half
+    a minute after 228 of 250 clients had gone."""
+    gif, n = tiny_gif(), 40
+    socks = [socket.create_connection(("127.0.0.1", server.port), timeout=30) for _ in range(n)]
+    before = cpu_seconds(server.proc.pid)
+    try:
+        for s in socks:
+            s.sendall(gif_request(gif))
+        wait_until(lambda: server_has_read(server.port, n), 30, f"the server reading all {n} uploads")
+    finally:
+        for s in socks:
+            s.close()
+    readings: list[float] = []
+
+    def idle() -> bool:  # no more CPU since the last reading, half a second ago, than the server's background work
+        readings.append(cpu_seconds(server.proc.pid))
+        return len(readings) > 1 and readings[-1] - readings[-2] < 0.05
+
+    wait_until(idle, 60, "the server idle again", interval=0.5)
+    used, one = readings[-1] - before, one_decode_s(gif)
+    assert used < n * one / 4, f"{used:.2f} s of CPU after the clients left; one decode takes {one:.3f} s"
+    assert httpx.get(server.url + "/healthz", timeout=30).status_code == 200
+
+
+@pytest.mark.slow
+def test_uploads_that_waited_their_timeout_for_a_decode_get_504_and_are_not_decoded(tiny_onnx):
+    """Uploads waiting for their turn to decode had no deadline: 250 of 40 MP were all answered 200, the last
+    after 34 s, past --request-timeout-s 30."""
+    gif, n = tiny_gif(), 60  # one at a time (each takes the whole pixel budget): seconds in all, past the timeout
+    with ServerProcess(tiny_onnx, "--no-ui", "--request-timeout-s", "1") as server:
+        with httpx.Client(base_url=server.url, timeout=60, limits=httpx.Limits(max_connections=n)) as client:
+            post = lambda _: client.post("/v1/classify", content=gif, headers={"Content-Type": "image/gif"})
+            with ThreadPoolExecutor(n) as pool:
+                answers = list(pool.map(post, range(n)))
+    statuses = [r.status_code for r in answers]
+    assert 200 in statuses and 504 in statuses and set(statuses) == {200, 504}, statuses
+    assert all("no result within 1.0 s" in r.json()["error"]["message"] for r in answers if r.status_code == 504)
 
 
 @pytest.mark.slow

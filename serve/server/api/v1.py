@@ -11,9 +11,11 @@ GET  /metrics              Prometheus
 from __future__ import annotations
 
 import re
+import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Literal
 
+from anyio import from_thread
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -31,7 +33,7 @@ from serve.server.metrics import Metrics
 from serve.server.payload_log import PayloadLog
 from serve.server.repository.repository import ModelRepository, UnknownModel
 from serve.server.repository.version import ModelVersion
-from serve.server.results import model_result
+from serve.server.results import api_error, model_result
 from serve.server.settings import RequestLimits
 from serve.server.threads import Threads, run_in
 
@@ -215,7 +217,7 @@ def classify_endpoint(
             if params.explain:  # the explain pass computes the probabilities too: no second forward pass
                 answers, explanation, rows = await explained(request, served, img, params, limits, budget, threads)
             else:
-                item = await decoded(served, img, len(data), limits, budget, threads)
+                item = await decoded(request, served, img, len(data), limits, budget, threads)
                 rows = await model_result(engine.infer(item), limits.request_timeout_s)  # logits, probs, features
                 answers, explanation = judge_rows(classifier, rows[None], coverage), None
             if payloads is not None:
@@ -271,16 +273,33 @@ def classify_openapi() -> tuple[dict[str, Any], dict[str, Any]]:
     return paths, schemas
 
 
-async def decoded(served: ModelVersion, img, size: int, limits: RequestLimits, budget, threads: Threads):
+async def decoded(request: Request, served: ModelVersion, img, size: int, limits: RequestLimits, budget, threads):
     """Decode small uploads where a core is free: on the event loop when onnxruntime runs on one thread
     (small models: the loop has the other core), on the model's thread right before its batch when
     onnxruntime uses every core (decoding on the loop would fight its threads)."""
     small = size <= limits.inline_decode_bytes and img.width * img.height <= INLINE_DECODE_PIXELS
     if not small:  # in a thread of its own, so that it never holds up the loop or a batch
-        return await run_in(threads.decodes, decode_image, img, served.classifier, limits.max_pixels, budget)
+        return await decoded_in_turn(request, served, img, limits, budget, threads)
     if served.decode_on_worker:  # on the model's thread, right before its batch runs
         return img
     return decode_image(img, served.classifier, limits.max_pixels)  # on the loop, the model on the other core
+
+
+async def decoded_in_turn(request: Request, served: ModelVersion, img, limits: RequestLimits, budget, threads: Threads):
+    """A large upload decoded in a thread of `threads.decodes` once one is free and its pixels fit `budget`; not at
+    all when the request waited for its turn past --request-timeout-s (504) or its client left meanwhile
+    (`ClientDisconnect`, 499). A flood of 40 MP uploads from clients that had given up kept a core decoding for
+    half a minute after they had gone, and its last requests were answered long past their timeout."""
+    deadline = time.monotonic() + limits.request_timeout_s
+
+    def decode():
+        if time.monotonic() > deadline:
+            raise api_error(TimeoutError(), limits.request_timeout_s)
+        if from_thread.run(request.is_disconnected):
+            raise ClientDisconnect()
+        return decode_image(img, served.classifier, limits.max_pixels, budget)
+
+    return await run_in(threads.decodes, decode)
 
 
 async def explained(
@@ -290,7 +309,7 @@ async def explained(
     while its image decoded gets no explain pass (`ClientDisconnect`: logged and counted as 499): abandoned explain
     requests kept a server busy for seconds after their clients had gone."""
     classifier, engine = served.classifier, served.engine
-    pixels = await run_in(threads.decodes, decode_image, img, classifier, limits.max_pixels, budget)
+    pixels = await decoded_in_turn(request, served, img, limits, budget, threads)
     if await request.is_disconnected():
         raise ClientDisconnect()
     fusion, discard = params.head_fusion, params.discard_ratio
