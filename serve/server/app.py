@@ -160,7 +160,8 @@ def lifespan_of(repository: ModelRepository, grpc, payloads, graceful_timeout_s:
             except LoadFailure as e:  # --exit-on-error: `vit-serve` ends its output with the reason
                 app.state.startup_error = e
                 raise
-            log.info("models %s warmed up; ready", ", ".join(sorted(repository.serving)))
+            if not repository.stopping:  # else a signal came during the start-up, and uvicorn stops at once
+                log.info("models %s warmed up; ready", ", ".join(sorted(repository.serving)))
             if grpc is not None:
                 await run_in_threadpool(grpc.start)
             yield

@@ -169,6 +169,25 @@ def test_exit_on_error_says_why_in_one_line_and_exits_3(exported, tmp_path):
     assert last.startswith("vit-serve: did not start:") and "garbage" in last and "--exit-on-error" in last
 
 
+@pytest.mark.slow
+def test_sigterm_during_the_start_up_loads_no_more_models_and_exits_at_once(exported, tmp_path):
+    """SIGTERM once the first of 20 models had loaded: the server loaded and warmed up all 20 before it stopped
+    (8 s on 2 cores). A large repository would outlast a pod's grace period and be killed, its CPU spent for nothing."""
+    repo, n = tmp_path / "models", 48  # about 15 ms each to load here: the signal comes while most wait
+    for i in range(n):
+        add_model(repo, exported, f"m{i:02d}", [1])
+    server = ServerProcess(repo, *FAST)
+    try:
+        server.wait_for_output("takes requests", 120)
+        server.proc.terminate()
+        assert server.proc.wait(60) == 0
+    finally:
+        server.stop()
+    loaded = server.output.count("takes requests")
+    assert loaded < n / 2 and "warmed up; ready" not in server.output, server.output[-3000:]
+    assert "Traceback" not in server.output
+
+
 def test_a_port_in_use_is_named_in_the_last_line(exported, tmp_path):
     """The last line of a server that did not start says why, whatever stopped it: here another process's port, said
     before any model loads (a repository of large models took minutes to load and warm up, then found it taken)."""

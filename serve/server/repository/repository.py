@@ -162,6 +162,8 @@ class ModelRepository:
                 if failed:
                     names = sorted({m for m, _ in self.failures})
                     log.warning("serving %s; not serving %s (reasons in the index)", sorted(self.serving), names)
+            if self.stopping:
+                log.info("stopping before every model was loaded (%d served)", len(self.serving))
             # fixed now, so that a model loaded later whose name sorts first does not move the bare routes
             self.default_model = self.default_model or min(self.serving, default="")
             self._publish()
@@ -178,6 +180,8 @@ class ModelRepository:
             folders = scan(self.root)
             known = set(folders) | set(self.serving) | {m for m, _ in self.failures}
             for name in [only] if only is not None else sorted(known):
+                if self.stopping and not self.started:  # SIGTERM during the start-up: the rest would go at once
+                    break
                 if name in self.unloaded or name not in folders:
                     self.expected.discard(name)
                     self._forget(name, keep=set())
