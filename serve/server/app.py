@@ -160,7 +160,9 @@ def lifespan_of(repository: ModelRepository, grpc, payloads, graceful_timeout_s:
             except LoadFailure as e:  # --exit-on-error: `vit-serve` ends its output with the reason
                 app.state.startup_error = e
                 raise
-            if not repository.stopping:  # else a signal came during the start-up, and uvicorn stops at once
+            if repository.stopping:  # a signal came during the start-up, which loaded no more models: stop now
+                log.info("stopping before every model was loaded (%d served)", len(repository.serving))
+            else:
                 log.info("models %s warmed up; ready", ", ".join(sorted(repository.serving)))
             if grpc is not None:
                 await run_in_threadpool(grpc.start)

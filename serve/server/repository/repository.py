@@ -1,15 +1,14 @@
 """`ModelRepository`: the models and versions a server holds, and the rollout of new ones without downtime.
 
 A request resolves and holds its version once, at its start (`hold`): a dict lookup in a table that is replaced
-whole, never edited, so a swap is atomic for the routes; a version that began to drain between the lookup and
-the hold refuses it (`Retired`), and the request looks up the new table. A new version (found by `sync`, which
-the poller runs every `poll_s` seconds, or asked for by `load`), or a served one whose file changed on disk (its
-size, modification time or inode: rewritten in place, or replaced by a rename), is loaded and checked off to the
-side (`load_version`); only then does the table name it, and new requests go to it. A version that leaves the
-table drains: it is stopped once the requests that resolved it have finished, and its series leave /metrics (the
-model's own too, with its last version). A version that fails its checks never enters the table; it is logged,
-counted in /metrics and listed in `index` with its reason, and tried again when its file or labels.txt changes (a
-copy that was not finished) or when `load` asks.
+whole, never edited, so a swap is atomic for the routes; a version that began to drain between the lookup and the
+hold refuses it (`Retired`), and the request looks up the new table. A new version (found by `sync`, which the
+poller runs every `poll_s` seconds, or asked for by `load`), or a served one whose file changed on disk (size,
+modification time or inode), is loaded and checked off to the side (`load_version`); only then does the table name
+it, and new requests go to it. A version that leaves the table drains: it is stopped once the requests that
+resolved it have finished, and its series leave /metrics (the model's own too, with its last version). A version
+that fails its checks never enters the table; it is logged, counted in /metrics and listed in `index` with its
+reason, and tried again when its file or labels.txt changes (a copy that was not finished) or when `load` asks.
 
 Whatever one model's folder holds (a truncated or garbage file, a labels.txt that is not text, a config that
 cannot be read, a file that makes the loader raise anything at all), it is that model's failure and no one
@@ -149,9 +148,8 @@ class ModelRepository:
             if self.started:
                 return
             if self.single is not None:
-                c = self.single
-                self._add(load_ready(c, self.single_engine, c.name, c.version))
-                self.expected = {c.name}
+                self._add(load_ready(self.single, self.single_engine, self.single.name, self.single.version))
+                self.expected = {self.single.name}
             else:
                 self.sync()
                 failed = [e for _, e in self.failures.values()]
@@ -162,8 +160,6 @@ class ModelRepository:
                 if failed:
                     names = sorted({m for m, _ in self.failures})
                     log.warning("serving %s; not serving %s (reasons in the index)", sorted(self.serving), names)
-            if self.stopping:
-                log.info("stopping before every model was loaded (%d served)", len(self.serving))
             # fixed now, so that a model loaded later whose name sorts first does not move the bare routes
             self.default_model = self.default_model or min(self.serving, default="")
             self._publish()
