@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any, Literal
 
 from anyio import from_thread
@@ -288,18 +289,37 @@ async def decoded(request: Request, served: ModelVersion, img, size: int, limits
 async def decoded_in_turn(request: Request, served: ModelVersion, img, limits: RequestLimits, budget, threads: Threads):
     """A large upload decoded in a thread of `threads.decodes` once one is free and its pixels fit `budget`; not at
     all when the request waited for its turn past --request-timeout-s (504) or its client left meanwhile
-    (`ClientDisconnect`, 499). A flood of 40 MP uploads from clients that had given up kept a core decoding for
-    half a minute after they had gone, and its last requests were answered long past their timeout."""
+    (`ClientDisconnect`, 499), as told once its pixels are held, right before the decode. A flood of 40 MP uploads
+    from clients that had given up kept a core decoding for half a minute after they had gone, and its last
+    requests were answered long past their timeout."""
     deadline = time.monotonic() + limits.request_timeout_s
 
-    def decode():
+    def still_wanted() -> None:  # in the decoding thread
         if time.monotonic() > deadline:
             raise api_error(TimeoutError(), limits.request_timeout_s)
         if from_thread.run(request.is_disconnected):
             raise ClientDisconnect()
-        return decode_image(img, served.classifier, limits.max_pixels, budget)
+
+    def decode():
+        if budget is None:
+            still_wanted()
+        held = None if budget is None else CheckedBudget(budget, still_wanted)
+        return decode_image(img, served.classifier, limits.max_pixels, held)
 
     return await run_in(threads.decodes, decode)
+
+
+class CheckedBudget:
+    """`budget`, whose hold calls `check` once the pixels are held: a decode that waited for them is still wanted."""
+
+    def __init__(self, budget: PixelBudget, check: Callable[[], None]):
+        self.budget, self.check = budget, check
+
+    @contextmanager
+    def hold(self, pixels: int) -> Iterator[None]:
+        with self.budget.hold(pixels):
+            self.check()
+            yield
 
 
 async def explained(
