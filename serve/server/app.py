@@ -160,11 +160,13 @@ def lifespan_of(repository: ModelRepository, grpc, payloads, graceful_timeout_s:
             except LoadFailure as e:  # --exit-on-error: `vit-serve` ends its output with the reason
                 app.state.startup_error = e
                 raise
-            if repository.stopping:  # a signal came during the start-up, which loaded no more models: stop now
-                log.info("stopping before every model was loaded (%d served)", len(repository.serving))
+            if repository.stopping:  # a signal came during the start-up, which then loaded no more models
+                log.info(
+                    "a stop was asked for during the start-up (%d models served): stopping", len(repository.serving)
+                )
             else:
                 log.info("models %s warmed up; ready", ", ".join(sorted(repository.serving)))
-            if grpc is not None:
+            if grpc is not None and not repository.stopping:
                 await run_in_threadpool(grpc.start)
             yield
         finally:

@@ -165,7 +165,7 @@ class ModelRepository:
             self._publish()
             log.info("the bare routes (/v1/classify) go to the default model %s", self.default_model or "(none yet)")
             self.started = True
-        if self.root is not None and self.poll_s > 0:
+        if self.root is not None and self.poll_s > 0 and not self.stopping:  # not after a signal in the start-up
             self._poller = threading.Thread(target=self._poll, name="vitscope-repository", daemon=True)
             self._poller.start()
 
