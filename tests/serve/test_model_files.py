@@ -317,6 +317,19 @@ def test_a_config_over_the_size_cap_is_that_models_error(tmp_path):
     assert "a few KiB" in models["big"].error and models["big"].wanted() == {} and models["good"].error == ""
 
 
+@pytest.mark.timeout(60, method="thread")  # a named pipe opened would wait for a writer for ever
+def test_a_config_that_is_a_folder_a_dangling_link_or_a_pipe_is_that_models_error(tmp_path):
+    """Taken for no config at all: the model was served under Triton's default policy, where Triton refuses it."""
+    root = repo_with(tmp_path, {"folder": None, "link": None, "pipe": None, "good": None}, versions=("1", "2"))
+    (root / "folder" / CONFIG_FILE).mkdir()
+    (root / "link" / CONFIG_FILE).symlink_to(tmp_path / "gone.pbtxt")
+    os.mkfifo(root / "pipe" / CONFIG_FILE)
+    models = scan(root)
+    for name in ("folder", "link", "pipe"):
+        assert CONFIG_FILE in models[name].error and models[name].wanted() == {}, models[name]
+    assert models["good"].error == "" and list(models["good"].wanted()) == [2]
+
+
 def test_an_unchanged_config_is_parsed_once_not_on_every_poll(tmp_path, monkeypatch):
     from serve.server.repository import layout
 

@@ -21,6 +21,7 @@ and labels.txt files are capped in size.
 from __future__ import annotations
 
 import functools
+import os
 import unicodedata
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -205,6 +206,8 @@ def scan_model(folder: Path) -> ModelFolder:
         return ModelFolder(folder.name, folder, error=f"{folder}: cannot be listed: {e}")
     config = folder / CONFIG_FILE
     try:
+        if not config.is_file() and os.path.lexists(config):  # Triton refuses the model; never opened (a pipe)
+            raise ValueError("it is not a file (a folder, a link to nothing, a pipe): write the model's config there")
         policy = read_policy(config) if config.is_file() else VersionPolicy()
     except (OSError, ValueError) as e:
         return ModelFolder(folder.name, folder, files=files, error=f"{config}: {e}")
