@@ -322,10 +322,14 @@ class PartStore:
             return None
 
     def remove_old_parts(self) -> None:
-        """Delete the parts folder of an output already merged, if a killed run left it."""
-        if self.old_dir.exists() or self.old_dir.is_symlink():
+        """Delete the parts folder of an output already merged, if a killed run left it, or while another run (a
+        `--resume` started during this one's clean-up) deletes it too."""
+        while self.old_dir.exists() or self.old_dir.is_symlink():
             _refuse_link(self.old_dir)
-            shutil.rmtree(self.old_dir)
+            try:
+                shutil.rmtree(self.old_dir)
+            except FileNotFoundError:  # the other run deleted a file first: go on with what is left
+                continue
 
 
 def _manifest(path: Path) -> dict[str, Any] | None:

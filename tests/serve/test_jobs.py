@@ -454,6 +454,34 @@ def test_a_symlinked_temporary_file_is_refused_and_never_written_through(tiny_on
     assert victim.read_text() == "keep me\n" and not out.exists()
 
 
+def removing(store: PartStore, start: threading.Barrier, failures: list[OSError]) -> None:
+    start.wait()
+    try:
+        store.remove_old_parts()
+    except OSError as e:
+        failures.append(e)
+
+
+def test_two_runs_removing_the_same_merged_parts_both_finish(tmp_path):
+    """A `--resume` started while a finished run deleted its merged parts deleted the same files, and whichever came
+    second to a file failed on it: "No such file or directory: 'part-01627.jsonl'", exit 2, for a table that was
+    complete (8 of 8 tries)."""
+    for attempt in range(5):  # two removals of 500 files at once collided in 10 tries of 10
+        out = tmp_path / f"{attempt}" / "preds.jsonl"
+        store = PartStore(out)
+        store.old_dir.mkdir(parents=True)
+        for i in range(500):
+            (store.old_dir / f"part-{i:05d}.jsonl").write_bytes(b"{}\n")
+        failures: list[OSError] = []
+        start = threading.Barrier(2)
+        threads = [threading.Thread(target=removing, args=(s, start, failures)) for s in (store, PartStore(out))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert failures == [] and not store.old_dir.exists(), failures
+
+
 def test_every_rename_is_fsynced_before_and_its_folder_after(tiny_onnx, tmp_path, monkeypatch):
     """A rename that reaches the disk before its file's data, or never reaches it, loses a part on power loss."""
     events: list[tuple[str, str]] = []
