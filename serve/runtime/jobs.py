@@ -84,10 +84,23 @@ def find_images(folder: str | Path, errors: TextIO) -> tuple[list[str], int]:
     return found, len(unlisted)
 
 
+MAX_LIST_BYTES = 1 << 30  # a list of 1 GiB names ten million files or more
+
+
 def _list_lines(path: Path) -> list[str]:
     """The lines of a `--from-list` file: the file system's bytes (`os.fsdecode`), after the UTF-8 byte order mark
-    Notepad writes; UTF-16 by its byte order mark (PowerShell 5's `>`)."""
-    data = path.read_bytes()
+    Notepad writes; UTF-16 by its byte order mark (PowerShell 5's `>`).
+
+    Raises:
+        ValueError: it is over `MAX_LIST_BYTES` (`/dev/zero`, or a pipe that never ends, was read until memory ran out).
+    """
+    with path.open("rb") as f:
+        data = f.read(MAX_LIST_BYTES + 1)
+    if len(data) > MAX_LIST_BYTES:
+        raise ValueError(
+            f"--from-list {path} is over {MAX_LIST_BYTES:,} bytes (ten million paths or more, or a stream that does "
+            "not end): split the list over several runs, each with its own --out"
+        )
     if data[:2] in (b"\xff\xfe", b"\xfe\xff"):
         return data.decode("utf-16").splitlines()
     return [os.fsdecode(line) for line in data.removeprefix(b"\xef\xbb\xbf").splitlines()]

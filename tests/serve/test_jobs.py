@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from serve.runtime import jobs
 from serve.runtime.outputs import JOB_FILE, PartStore
 from serve.runtime.predict import main
 from serve.runtime.row_formats import table_row
@@ -902,6 +903,17 @@ def test_output_and_input_errors_of_the_system_are_one_line_with_exit_2(tiny_onn
         assert main([str(tiny_onnx), str(folder), *extra]) == 2
         err = capsys.readouterr().err
         assert err.startswith("vit-predict: ") and len(err.splitlines()) == 1 and "kept" not in err, err
+
+
+@pytest.mark.timeout(120, method="thread")
+def test_a_list_that_never_ends_is_refused_in_one_line_once_past_its_cap(tiny_onnx, tmp_path, capsys, monkeypatch):
+    """`--from-list /dev/zero` (or a pipe that never closes) was read whole into memory: killed by the kernel at
+    24 GB, or a MemoryError traceback under a memory limit."""
+    monkeypatch.setattr(jobs, "MAX_LIST_BYTES", 1 << 20)  # a small cap: the refusal is tested, not 1 GiB read
+    assert main([str(tiny_onnx), "--from-list", "/dev/zero", "--out", str(tmp_path / "a.csv")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("vit-predict: --from-list /dev/zero is over") and len(err.splitlines()) == 1, err
+    assert not (tmp_path / "a.csv").exists()
 
 
 def test_a_folder_nested_deeper_than_pythons_recursion_limit_is_searched(tiny_onnx, tmp_path, capsys):
