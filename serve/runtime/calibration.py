@@ -20,6 +20,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 import zlib
 
 import numpy as np
@@ -209,8 +210,10 @@ def quantile_index(n: int, coverage: float) -> int:
     Raises:
         ValueError: coverage outside (0, 1), or finer than n calibration scores can honour.
     """
-    # compared, not converted: math.isfinite(10**400) overflows, and the bounds already refuse inf and NaN
-    if not (isinstance(coverage, (int, float)) and 0.0 < coverage < 1.0):
+    # compared, not converted: math.isfinite(10**400) overflows, and the bounds already refuse inf and NaN; any real
+    # number type (numpy's floats too), but no bool
+    real = isinstance(coverage, numbers.Real) and not isinstance(coverage, (bool, np.bool_))
+    if not (real and 0.0 < coverage < 1.0):
         raise ValueError(f"coverage must be a number between 0 and 1 (exclusive), e.g. 0.9 or 0.95; got {coverage!r}")
     k = math.ceil((n + 1) * coverage - 1e-9)
     if k > n:

@@ -115,6 +115,8 @@ def open_image(source: str | Path | bytes | bytearray, max_pixels: int | None = 
     else:
         path = Path(source)
         if not path.is_file():
+            if path.is_dir():
+                raise ImageError(f"{path} is a folder, not an image file: give the images in it", "unsupported")
             if path.exists():  # reading a named pipe would wait for a writer for ever
                 raise ImageError(f"{path} is not a regular file (a named pipe, socket or device)", "unsupported")
             raise FileNotFoundError(f"no such image file: {path}")

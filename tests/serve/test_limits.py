@@ -96,6 +96,13 @@ def test_a_jpeg_of_thousands_of_scans_is_refused_before_it_is_decoded():
     assert open_image(jpeg_with_scans(40)).size == (1000, 1000)  # more than any encoder writes, still fine
 
 
+def test_a_folder_given_as_an_image_is_said_to_be_a_folder(tmp_path):
+    """It was said to be "not a regular file (a named pipe, socket or device)"."""
+    with pytest.raises(ImageError, match=r"is a folder, not an image file: give the images in it") as err:
+        open_image(tmp_path)
+    assert err.value.kind == "unsupported"
+
+
 def test_an_mpo_file_is_held_to_a_jpegs_limits_and_decoded_at_a_jpegs_reduced_scale():
     """Pillow opens a JPEG that carries the multi-picture extension as format "MPO", which the checks for "JPEG"
     let by: 4,000 scans in 50 kB decoded (2.3 s of CPU per upload), and a 36 MP photo was decoded in full (15x

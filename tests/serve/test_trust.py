@@ -76,6 +76,19 @@ def test_a_coverage_outside_the_open_unit_interval_is_refused_with_an_example(co
         cal.quantile_index(100, coverage)
 
 
+@pytest.mark.parametrize("coverage", [np.float32(0.9), np.float16(0.9), 0.9])
+def test_a_coverage_of_any_real_number_type_is_taken(coverage):
+    """`np.float32(0.9)` was refused as "a number between 0 and 1 ...; got np.float32(0.9)", while `top_k` took
+    numpy's integers: a coverage read from an array or a config parsed by numpy."""
+    assert cal.quantile_index(100, coverage) == 91
+
+
+@pytest.mark.parametrize("coverage", [True, np.bool_(True), 1j])
+def test_a_coverage_that_is_no_real_number_is_refused(coverage):
+    with pytest.raises(ValueError, match=r"between 0 and 1 \(exclusive\)"):
+        cal.quantile_index(100, coverage)
+
+
 def test_a_coverage_finer_than_the_calibration_images_allow_is_refused():
     assert cal.quantile_index(99, 0.99) == 99  # ceil(100 * 0.99): the largest score
     with pytest.raises(ValueError, match=r"finer than the 99 calibration images.*0\.9900"):
