@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import Awaitable, Callable, Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any, Literal
 
 from anyio import from_thread
@@ -300,24 +300,20 @@ async def decoded_in_turn(request: Request, served: ModelVersion, img, limits: R
         if from_thread.run(request.is_disconnected):
             raise ClientDisconnect()
 
-    def decode():
-        if budget is None:
-            still_wanted()
-        held = None if budget is None else CheckedBudget(budget, still_wanted)
-        return decode_image(img, served.classifier, limits.max_pixels, held)
-
-    return await run_in(threads.decodes, decode)
+    checked = CheckedBudget(budget, still_wanted)
+    return await run_in(threads.decodes, decode_image, img, served.classifier, limits.max_pixels, checked)
 
 
 class CheckedBudget:
-    """`budget`, whose hold calls `check` once the pixels are held: a decode that waited for them is still wanted."""
+    """`budget` (None: none), whose hold calls `check` once the pixels are held: a decode that waited for them is
+    still wanted."""
 
-    def __init__(self, budget: PixelBudget, check: Callable[[], None]):
+    def __init__(self, budget: PixelBudget | None, check: Callable[[], None]):
         self.budget, self.check = budget, check
 
     @contextmanager
     def hold(self, pixels: int) -> Iterator[None]:
-        with self.budget.hold(pixels):
+        with self.budget.hold(pixels) if self.budget is not None else nullcontext():
             self.check()
             yield
 
