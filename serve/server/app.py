@@ -80,7 +80,7 @@ def build_app(
     app.state.engine = repository.single_engine  # None for a repository folder: each version has its own
     add_error_handlers(app, settings.retry_after_s)
     limits = settings.request_limits()
-    budget = PixelBudget(settings.decode_pixel_budget)  # shared by the API and the UI
+    app.state.pixel_budget = budget = PixelBudget(settings.decode_pixel_budget)  # shared by the API and the UI
     threads = Threads()  # the app's own limits on blocking work (decodes, parses, model loads)
     classify = classify_endpoint(repository, limits, budget, payloads, threads)
     add_v1_routes(app.router, repository, metrics, classify)

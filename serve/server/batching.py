@@ -18,11 +18,12 @@ model behind it, its batch size and its forward pass are `serve.server.engine`'s
 from __future__ import annotations
 
 import asyncio
+import heapq
+import itertools
 import logging
 import queue
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -254,32 +255,36 @@ def _set(future: Future | asyncio.Future, result: Any, error: BaseException | No
 
 
 class Deadlines:
-    """Fails the asyncio futures still pending `timeout_s` after `watch`, with `TimeoutError`.
+    """Fails the asyncio futures still pending `timeout_s` (or the time a request has left) after `watch`, with
+    `TimeoutError`.
 
     One sweep a few times a second rather than a timer per request (`asyncio.wait_for` arms and cancels
     one per call on the event loop). A deadline is kept to within a quarter of `timeout_s`, 1 s at most.
-    Each event loop has its own queue and sweep, run on that loop.
+    Each event loop has its own heap of deadlines and sweep, run on that loop.
     """
 
     def __init__(self, timeout_s: float):
         self.timeout_s = timeout_s
         self.every = min(1.0, timeout_s / 4)
-        # per event loop, futures in deadline order (one timeout for all); a loop's entry lives while it sweeps
-        self.waiting: dict[asyncio.AbstractEventLoop, deque[tuple[float, asyncio.Future]]] = {}
+        # per event loop, (deadline, tie-breaker, future) in a heap; a loop's entry lives while it sweeps
+        self.waiting: dict[asyncio.AbstractEventLoop, list[tuple[float, int, asyncio.Future]]] = {}
+        self._order = itertools.count()
 
-    def watch(self, future: asyncio.Future) -> asyncio.Future:
+    def watch(self, future: asyncio.Future, timeout_s: float | None = None) -> asyncio.Future:
+        """`future`, failed if still pending after `timeout_s` (None: the whole timeout)."""
         loop = future.get_loop()
         waiting = self.waiting.get(loop)
         if waiting is None:
-            waiting = self.waiting[loop] = deque()
+            waiting = self.waiting[loop] = []
             loop.call_later(self.every, self._sweep, loop)
-        waiting.append((loop.time() + self.timeout_s, future))
+        left = self.timeout_s if timeout_s is None else min(timeout_s, self.timeout_s)
+        heapq.heappush(waiting, (loop.time() + left, next(self._order), future))
         return future
 
     def _sweep(self, loop: asyncio.AbstractEventLoop) -> None:
         now, waiting = loop.time(), self.waiting[loop]
-        while waiting and (waiting[0][1].done() or waiting[0][0] <= now):
-            _, future = waiting.popleft()
+        while waiting and (waiting[0][2].done() or waiting[0][0] <= now):
+            *_, future = heapq.heappop(waiting)
             if not future.done():
                 future.set_exception(TimeoutError(f"no result within {self.timeout_s} s"))
         if waiting:

@@ -175,26 +175,27 @@ class Engine:
         self.ready = False
         self.drained = self.batcher.close(timeout=self.settings.graceful_timeout_s)
 
-    async def infer(self, item: Any) -> np.ndarray:
+    async def infer(self, item: Any, timeout_s: float | None = None) -> np.ndarray:
         """(H, W, 3) uint8 (or an item for `decode`) -> its record of `forward_rows` (logits, probs, features,
-        ood), batched with concurrent requests."""
+        ood), batched with concurrent requests; `TimeoutError` after `timeout_s` (None: --request-timeout-s)."""
         future = self.batcher.submit(item, asyncio.get_running_loop().create_future())
-        return await self.deadlines.watch(future)
+        return await self.deadlines.watch(future, timeout_s)
 
-    async def infer_all(self, items: Sequence[Any]) -> list:
+    async def infer_all(self, items: Sequence[Any], timeout_s: float | None = None) -> list:
         """Each item's record (as `infer`) or its failure; queued all at once or not at all (`QueueFull`)."""
         loop = asyncio.get_running_loop()
         futures = self.batcher.submit_all(items, [loop.create_future() for _ in items])
-        return await asyncio.gather(*map(self.deadlines.watch, futures), return_exceptions=True)
+        watched = [self.deadlines.watch(f, timeout_s) for f in futures]
+        return await asyncio.gather(*watched, return_exceptions=True)
 
     async def predict(self, item: Any) -> np.ndarray:
         """(H, W, 3) uint8 (or an item for `decode`) -> (K,) probabilities, batched with concurrent requests."""
         return (await self.infer(item))["probs"]
 
-    async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """`fn(*args)` on the worker thread (for anything else that uses the session)."""
+    async def run(self, fn: Callable[..., Any], *args: Any, timeout_s: float | None = None) -> Any:
+        """`fn(*args)` on the worker thread (for anything else that uses the session), as `infer` times out."""
         future = self.batcher.call(fn, *args, future=asyncio.get_running_loop().create_future())
-        return await self.deadlines.watch(future)
+        return await self.deadlines.watch(future, timeout_s)
 
     def run_sync(self, fn: Callable[..., Any], *args: Any) -> Any:
         return self.batcher.call(fn, *args).result(timeout=self.settings.request_timeout_s)

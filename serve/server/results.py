@@ -5,12 +5,32 @@ that stops, a deadline) become the `ApiError` of their kind.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable
 
 import numpy as np
 
 from serve.server.batching import QueueFull, ShuttingDown
 from serve.server.errors import ApiError
+
+
+class Deadline:
+    """A request's --request-timeout-s, counted from when its body is in: its waits for a decode or a parse and
+    for the model all come out of it. Each had the whole timeout before: a large upload that waited for the
+    pixel budget could then wait for the model as long again (an explain request, twice more)."""
+
+    def __init__(self, timeout_s: float):
+        self.timeout_s, self.at = timeout_s, time.monotonic() + timeout_s
+
+    def passed(self) -> bool:
+        return time.monotonic() >= self.at
+
+    def left(self) -> float:
+        """The seconds left; the 504's `ApiError` once none are."""
+        left = self.at - time.monotonic()
+        if left <= 0:
+            raise api_error(TimeoutError(), self.timeout_s)
+        return left
 
 
 async def model_result(work: Awaitable, timeout_s: float):
@@ -32,13 +52,14 @@ def api_error(e: BaseException, timeout_s: float) -> BaseException:
     return e
 
 
-async def batch_results(engine, images, timeout_s: float) -> np.ndarray:
+async def batch_results(engine, images, deadline: Deadline) -> np.ndarray:
     """The (B,) records of `engine.infer` for a request's B images, each joining the batches, all queued or none
-    (503); the first failure is raised once every image has settled (nothing is left running or unobserved). One
-    image, the common case, is awaited directly."""
+    (503), by the request's `deadline` (504); the first failure is raised once every image has settled (nothing is
+    left running or unobserved). One image, the common case, is awaited directly."""
+    timeout_s, left = deadline.timeout_s, deadline.left()
     if len(images) == 1:
-        return (await model_result(engine.infer(images[0]), timeout_s))[None]
-    results = await model_result(engine.infer_all(images), timeout_s)
+        return (await model_result(engine.infer(images[0], left), timeout_s))[None]
+    results = await model_result(engine.infer_all(images, left), timeout_s)
     failed = next((r for r in results if isinstance(r, BaseException)), None)
     if failed is not None:
         raise api_error(failed, timeout_s) from None

@@ -181,7 +181,10 @@ class ServeSettings(BaseSettings):
         16, ge=1, description="points on the deletion curve (patches removed in this many steps)"
     )
     request_timeout_s: float = Field(
-        30.0, gt=0, description="how long a request waits for its result before the server gives up (504)"
+        30.0,
+        gt=0,
+        description="how long a request waits for its result, from when its body is in (its decode's and parse's "
+        "waits included), before the server gives up (504)",
     )
     graceful_timeout_s: float = Field(
         20.0, ge=0, description="on SIGTERM, how long in-flight requests may take to finish"

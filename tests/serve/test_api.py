@@ -199,8 +199,9 @@ def test_v2_infer_refuses_tensors_that_do_not_fit(client, classifier, tensor):
 
 
 def test_concurrent_requests_share_batches_and_metrics_move(client):
-    before = counter(client, "vitscope_requests_total", route="/v1", status="200")
-    batches_before = counter(client, "vitscope_batch_size_count")
+    metrics = client.get("/metrics").text  # the test may be the module's first: no sample yet is 0
+    before = read_metric(metrics, "vitscope_requests_total", route="/v1", status="200", default=0)
+    batches_before = read_metric(metrics, "vitscope_batch_size_count", default=0)
     data = png_bytes(bright_square(3))
 
     def post(_):
@@ -289,6 +290,35 @@ def test_a_model_that_does_not_answer_in_time_gives_504_and_the_server_recovers(
     assert r.status_code == 504 and r.json()["error"]["code"] == "timeout"
     assert 0.4 <= waited < 3, waited  # the deadline, kept to within a quarter of it (plus a busy machine)
     assert ok.status_code == 200
+
+
+@pytest.mark.parametrize("explain", [False, True])
+def test_a_large_upload_waits_one_request_timeout_for_its_decode_and_its_model_together(classifier, explain):
+    """Its wait for the pixel budget and its wait for the model each had the whole --request-timeout-s: 1.5 s for
+    the budget and a model that hangs answered the 504 after 3.5 s, not 2."""
+    settings = ServeSettings(request_timeout_s=2.0, examples_dir="")
+    big = png_bytes(np.zeros((1000, 1100, 3), np.uint8))  # 1.1 MP: decoded in a thread, under the pixel budget
+    with TestClient(build_app(classifier, settings, with_ui=False), base_url=LOCAL) as c:
+        budget, held, free = c.app.state.pixel_budget, threading.Event(), threading.Event()
+
+        def hold_the_budget():
+            with budget.hold(budget.total):
+                held.set()
+                free.wait(1.5)
+
+        holder = threading.Thread(target=hold_the_budget)
+        holder.start()
+        held.wait(5)
+        gate = threading.Event()
+        blocker = c.app.state.engine.batcher.call(gate.wait, 20)  # the model hangs
+        started = time.monotonic()
+        r = c.post(f"/v1/classify?explain={explain}", content=big, headers={"content-type": "image/png"})
+        waited = time.monotonic() - started
+        gate.set()
+        blocker.result(5)
+        holder.join(5)
+    assert r.status_code == 504 and r.json()["error"]["code"] == "timeout", r.text
+    assert 2.0 <= waited < 3.2, waited  # the one deadline, kept to within a quarter of it (plus a busy machine)
 
 
 def test_with_onnxruntime_on_every_core_uploads_are_decoded_on_the_models_thread(tiny_onnx, classifier):

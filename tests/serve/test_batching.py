@@ -82,7 +82,7 @@ def test_a_request_of_many_images_is_queued_whole_or_refused_whole(tiny_onnx):
     from serve.runtime.classifier import OnnxClassifier
     from serve.server.engine import Engine
     from serve.server.errors import ApiError
-    from serve.server.results import batch_results
+    from serve.server.results import Deadline, batch_results
     from serve.server.settings import ServeSettings
 
     engine = Engine(OnnxClassifier(tiny_onnx), ServeSettings(preferred_batch_size=1, queue_size=4, max_batch_size=4))
@@ -95,10 +95,10 @@ def test_a_request_of_many_images_is_queued_whole_or_refused_whole(tiny_onnx):
         first = asyncio.ensure_future(engine.infer(images[0]))  # one of the queue's four places taken
         await asyncio.sleep(0)
         with pytest.raises(ApiError, match="4 images do not fit") as refused:
-            await batch_results(engine, images, 5.0)  # four images, three places left
+            await batch_results(engine, images, Deadline(5.0))  # four images, three places left
         depth = engine.batcher.depth
         gate.set()
-        rows = await batch_results(engine, images[:3], 5.0)  # three fit
+        rows = await batch_results(engine, images[:3], Deadline(5.0))  # three fit
         return refused.value.code, depth, len(rows), await first
 
     try:
@@ -181,6 +181,25 @@ def test_deadlines_time_out_the_futures_of_each_event_loop():
     for t in threads:
         t.join(5)
     assert len(errors) == 2 and not deadlines.waiting
+
+
+def test_a_shorter_time_left_watched_later_fails_first():
+    """The time a request has left (`serve.server.results.Deadline`): a future watched with less of it is failed by
+    its own deadline, not the whole timeout of one watched before it."""
+    deadlines = Deadlines(3.0)
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        whole, short = deadlines.watch(loop.create_future()), deadlines.watch(loop.create_future(), 0.3)
+        started = time.monotonic()
+        with pytest.raises(TimeoutError):
+            await short
+        waited = time.monotonic() - started
+        assert not whole.done()
+        whole.set_result("done")
+        return waited
+
+    assert 0.3 <= asyncio.run(main()) < 2.0
 
 
 class ModelClock:

@@ -11,7 +11,6 @@ GET  /metrics              Prometheus
 from __future__ import annotations
 
 import re
-import time
 from collections.abc import Awaitable, Callable, Iterator, Mapping
 from contextlib import contextmanager, nullcontext
 from typing import Any, Literal
@@ -34,7 +33,7 @@ from serve.server.metrics import Metrics
 from serve.server.payload_log import PayloadLog
 from serve.server.repository.repository import ModelRepository, UnknownModel
 from serve.server.repository.version import ModelVersion
-from serve.server.results import api_error, model_result
+from serve.server.results import Deadline, model_result
 from serve.server.settings import RequestLimits
 from serve.server.threads import Threads, run_in
 
@@ -206,6 +205,7 @@ def classify_endpoint(
         resolve(repository, name, version)  # an unknown model is told so before its upload is read
         # the upload is read before the version is held: a slow one must not keep a retired version from draining
         data, form = await decode_request(request, limits)
+        deadline = Deadline(limits.request_timeout_s)
         with repository.hold(name, version, lambda n, v: resolve(repository, n, v)) as served:
             classifier, engine = served.classifier, served.engine
             model = (served.name, served.version, classifier.labels)  # as the payload log names it
@@ -216,10 +216,13 @@ def classify_endpoint(
                 check_attention(classifier)
             img = open_upload(data, limits.max_pixels)  # the header: not an image, or too many pixels, fails here
             if params.explain:  # the explain pass computes the probabilities too: no second forward pass
-                answers, explanation, rows = await explained(request, served, img, params, limits, budget, threads)
+                answers, explanation, rows = await explained(
+                    request, served, img, limits, deadline, budget, threads, params
+                )
             else:
-                item = await decoded(request, served, img, len(data), limits, budget, threads)
-                rows = await model_result(engine.infer(item), limits.request_timeout_s)  # logits, probs, features
+                item = await decoded(request, served, img, limits, deadline, budget, threads, len(data))
+                # its record: logits, probs, features, ood
+                rows = await model_result(engine.infer(item, deadline.left()), deadline.timeout_s)
                 answers, explanation = judge_rows(classifier, rows[None], coverage), None
             if payloads is not None:
                 payloads.record(request_id_of(request), "/v1/classify", model, rows["probs"][None], [data])
@@ -274,29 +277,31 @@ def classify_openapi() -> tuple[dict[str, Any], dict[str, Any]]:
     return paths, schemas
 
 
-async def decoded(request: Request, served: ModelVersion, img, size: int, limits: RequestLimits, budget, threads):
+async def decoded(
+    request: Request, served: ModelVersion, img, limits: RequestLimits, deadline: Deadline, budget, threads, size: int
+):
     """Decode small uploads where a core is free: on the event loop when onnxruntime runs on one thread
     (small models: the loop has the other core), on the model's thread right before its batch when
     onnxruntime uses every core (decoding on the loop would fight its threads)."""
     small = size <= limits.inline_decode_bytes and img.width * img.height <= INLINE_DECODE_PIXELS
     if not small:  # in a thread of its own, so that it never holds up the loop or a batch
-        return await decoded_in_turn(request, served, img, limits, budget, threads)
+        return await decoded_in_turn(request, served, img, limits, deadline, budget, threads)
     if served.decode_on_worker:  # on the model's thread, right before its batch runs
         return img
     return decode_image(img, served.classifier, limits.max_pixels)  # on the loop, the model on the other core
 
 
-async def decoded_in_turn(request: Request, served: ModelVersion, img, limits: RequestLimits, budget, threads: Threads):
+async def decoded_in_turn(
+    request: Request, served: ModelVersion, img, limits: RequestLimits, deadline: Deadline, budget, threads: Threads
+):
     """A large upload decoded in a thread of `threads.decodes` once one is free and its pixels fit `budget`; not at
     all when the request waited for its turn past --request-timeout-s (504) or its client left meanwhile
     (`ClientDisconnect`, 499), as told once its pixels are held, right before the decode. A flood of 40 MP uploads
     from clients that had given up kept a core decoding for half a minute after they had gone, and its last
     requests were answered long past their timeout."""
-    deadline = time.monotonic() + limits.request_timeout_s
 
     def still_wanted() -> None:  # in the decoding thread
-        if time.monotonic() > deadline:
-            raise api_error(TimeoutError(), limits.request_timeout_s)
+        deadline.left()  # the 504 once the time is up
         if from_thread.run(request.is_disconnected):
             raise ClientDisconnect()
 
@@ -319,18 +324,20 @@ class CheckedBudget:
 
 
 async def explained(
-    request: Request, served: ModelVersion, img, params: ClassifyParams, limits: RequestLimits, budget, threads
+    request: Request, served: ModelVersion, img, limits: RequestLimits, deadline: Deadline, budget, threads, params
 ):
     """/v1/classify?explain=true: (the answers, the explanation's JSON, the fast path's record). A client that left
     while its image decoded gets no explain pass (`ClientDisconnect`: logged and counted as 499): abandoned explain
     requests kept a server busy for seconds after their clients had gone."""
     classifier, engine = served.classifier, served.engine
-    pixels = await decoded_in_turn(request, served, img, limits, budget, threads)
+    pixels = await decoded_in_turn(request, served, img, limits, deadline, budget, threads)
     if await request.is_disconnected():
         raise ClientDisconnect()
     fusion, discard = params.head_fusion, params.discard_ratio
-    work = engine.run(explain_pixels, classifier, pixels, fusion, discard, None, served.fill, limits)
-    ex = await model_result(work, limits.request_timeout_s)
+    work = engine.run(
+        explain_pixels, classifier, pixels, fusion, discard, None, served.fill, limits, timeout_s=deadline.left()
+    )
+    ex = await model_result(work, deadline.timeout_s)
     explanation = {
         "head_fusion": fusion,
         "discard_ratio": discard,
@@ -339,7 +346,7 @@ async def explained(
         "deletion": ex["deletion"].to_dict(),
     }
     # the unknown verdict needs the logits: one more pass of the fast path, small beside the explain one
-    rows = await model_result(engine.infer(pixels), limits.request_timeout_s)
+    rows = await model_result(engine.infer(pixels, deadline.left()), deadline.timeout_s)
     return judge_rows(classifier, rows[None], params.coverage), explanation, rows
 
 

@@ -46,7 +46,7 @@ from serve.server.metrics import Metrics
 from serve.server.payload_log import PayloadLog
 from serve.server.repository.repository import ModelRepository, UnknownModel
 from serve.server.repository.version import LoadFailure, ModelVersion
-from serve.server.results import batch_results
+from serve.server.results import Deadline, batch_results
 from serve.server.settings import RequestLimits
 from serve.server.threads import Threads, run_in
 
@@ -149,10 +149,11 @@ def add_infer_routes(
             raise ApiError("unsupported_media_type", f"send the request uncompressed (Content-Encoding {encoding!r})")
         resolve(repository, name, ver)  # an unknown model is told so before its body is read
         body = await read_body(request, limits)  # before the hold: a slow body must not keep a version from draining
+        deadline = Deadline(limits.request_timeout_s)
         with repository.hold(name, ver, lambda n, v: resolve(repository, n, v)) as served:
-            return await infer_with(served, request, body)
+            return await infer_with(served, request, body, deadline)
 
-    async def infer_with(served: ModelVersion, request: Request, body: bytes):
+    async def infer_with(served: ModelVersion, request: Request, body: bytes, deadline: Deadline):
         # at most max_batch_size images per request, so one client cannot fill the whole queue
         header_length = request.headers.get(HEADER_LENGTH)
         pixels, _ = specs_of(served)
@@ -162,8 +163,7 @@ def add_infer_routes(
         )
         classifier = served.classifier
         check_trust_request(classifier, req)
-        timeout = limits.request_timeout_s
-        rows = await batch_results(served.engine, req.pixels, timeout)  # (B,) records: logits, probs, features, ood
+        rows = await batch_results(served.engine, req.pixels, deadline)  # (B,) records: logits, probs, features, ood
         head = {"model_name": served.name, "model_version": served.version}
         req_id = req.id or request.headers.get("x-request-id")
         if req_id:

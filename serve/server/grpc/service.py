@@ -28,7 +28,7 @@ from serve.server.grpc.codec import infer_response, metadata_response, parse_inf
 from serve.server.grpc.models import Models, ServedModel
 from serve.server.metrics import Metrics
 from serve.server.payload_log import PayloadLog
-from serve.server.results import batch_results
+from serve.server.results import Deadline, batch_results
 from serve.server.threads import Threads, run_in
 
 log = logging.getLogger(__name__)
@@ -226,10 +226,11 @@ class Service:
         return metadata_response(m.name, versions, m.pixels, m.logits)
 
     async def model_infer(self, request: pb.ModelInferRequest, context):
+        deadline = Deadline(self.limits.request_timeout_s)  # the message is in: parsed before the method is called
         with self.models.hold(request.model_name, request.model_version) as m:
-            return await self.infer_with(m, request, context)
+            return await self.infer_with(m, request, deadline)
 
-    async def infer_with(self, m: ServedModel, request: pb.ModelInferRequest, context):
+    async def infer_with(self, m: ServedModel, request: pb.ModelInferRequest, deadline: Deadline):
         if not m.engine.ready:
             raise ApiError("not_ready", NOT_READY)
         # pixels sent as typed values are converted one by one (slow for a batch of large images): in a thread, so
@@ -239,7 +240,7 @@ class Service:
         req = parse_infer(request, m.pixels, self.limits.max_batch_size, converted)
         del typed, converted  # 4 bytes a value, for the whole call: the request keeps its own uint8 copy
         check_trust_request(m.classifier, req)
-        rows = await batch_results(m.engine, req.pixels, self.limits.request_timeout_s)  # (B,) records
+        rows = await batch_results(m.engine, req.pixels, deadline)  # (B,) records
         if self.payloads is not None:
             images = [p.tobytes() for p in req.pixels] if self.payloads.wants_images else None
             model = (m.name, m.version, m.classifier.labels)

@@ -126,14 +126,16 @@ class RayEngine(Engine):
         self.batcher.start()
         self.ready = True
 
-    async def infer(self, item: Any) -> np.ndarray:
-        """(H, W, 3) uint8 (or an opened upload) -> its record of `forward_rows` from a model replica."""
+    async def infer(self, item: Any, timeout_s: float | None = None) -> np.ndarray:
+        """(H, W, 3) uint8 (or an opened upload) -> its record of `forward_rows` from a model replica, within
+        `timeout_s` (None: --request-timeout-s) for each attempt."""
+        timeout_s = self.settings.request_timeout_s if timeout_s is None else timeout_s
         image = item if isinstance(item, np.ndarray) else await run_in_threadpool(self.batcher.prepare, item)
         for attempt in range(1, ATTEMPTS + 1):
             try:
                 forward = self.handle.forward
                 call = forward.remote(image) if self.version is None else forward.remote(image, self.version)
-                row, name = await asyncio.wait_for(call, self.settings.request_timeout_s)
+                row, name = await asyncio.wait_for(call, timeout_s)
             except (ActorDiedError, ActorUnavailableError) as e:  # died with the image in flight: send it again
                 log.warning("model replica lost with an image in flight (attempt %d of %d): %s", attempt, ATTEMPTS, e)
                 continue
@@ -145,9 +147,9 @@ class RayEngine(Engine):
             return row
         raise ApiError("shutting_down", f"{ATTEMPTS} model replicas in a row died under this request; retry")
 
-    async def infer_all(self, items: Sequence[Any]) -> list:
+    async def infer_all(self, items: Sequence[Any], timeout_s: float | None = None) -> list:
         """Each item's record (as `infer`) or its failure, from the model replicas, whose queues are their own."""
-        return await asyncio.gather(*map(self.infer, items), return_exceptions=True)
+        return await asyncio.gather(*(self.infer(item, timeout_s) for item in items), return_exceptions=True)
 
 
 class ReplicaHeader:
