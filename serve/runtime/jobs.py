@@ -62,6 +62,8 @@ def _expand_uri(uri: str) -> list[str]:
         fs, path = _fsspec().core.url_to_fs(uri)
     except ImportError as e:  # the scheme's backend: s3fs for s3://, aiohttp for http:// (fsspec says which)
         raise ValueError(f"{uri}: {e}") from None
+    except ValueError as e:  # fsspec's "Protocol not known: s4": say which input has it
+        raise ValueError(f"{uri}: {e} (a typo in the scheme, or a file system fsspec has no backend for)") from None
     if fs.isdir(path):
         return sorted(fs.unstrip_protocol(p) for p in fs.find(path) if is_image_file(p))
     return [uri] if fs.exists(path) else []

@@ -164,9 +164,26 @@ class PartStore:
         Raises:
             ValueError: another run holds it.
         """
-        _refuse_link(self.dir)
-        self.dir.mkdir(parents=True, exist_ok=True)
+        self._make_folder()
         self._held = lock_folder(os.open(self.dir, os.O_RDONLY | os.O_DIRECTORY), self._busy())
+
+    def _make_folder(self) -> None:
+        """The parts folder (with --out's own folders), made where it is missing and synced into its folder.
+
+        Raises:
+            ValueError: it cannot be made (`--out /proc/x.csv`, a read-only disk), in one line that says so.
+        """
+        _refuse_link(self.dir)
+        if self.dir.exists():
+            return
+        try:
+            self.dir.mkdir(parents=True)
+            sync_folder(self.dir.parent)
+        except OSError as e:
+            raise ValueError(
+                f"cannot make {self.dir}, the folder of the parts of {self.out} while the run goes on "
+                f"({e.strerror or e}): give an --out in a folder this user can write"
+            ) from None
 
     def check_not_in_use(self) -> None:
         """Refuse, as `lock` would, when another run holds the parts folder; hold nothing either way.
@@ -204,10 +221,7 @@ class PartStore:
             on a first run, and on a folder without a record (a run killed before it wrote one, which committed no
             part, or a vitscope from before records, whose parts cannot be checked).
         """
-        _refuse_link(self.dir)
-        if not self.dir.exists():
-            self.dir.mkdir(parents=True)
-            sync_folder(self.dir.parent)
+        self._make_folder()
         path = self.dir / JOB_FILE
         if not path.exists():
             _write_atomic(path, json.dumps(job).encode())
@@ -222,10 +236,7 @@ class PartStore:
         Returns:
             (done, failed): the paths already classified, and (path, reason) for those that could not be read.
         """
-        _refuse_link(self.dir)
-        if not self.dir.exists():
-            self.dir.mkdir(parents=True)
-            sync_folder(self.dir.parent)
+        self._make_folder()
         done: set[str] = set()
         failed: list[tuple[str, str]] = []
         indices = []

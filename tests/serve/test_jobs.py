@@ -25,7 +25,7 @@ from serve.runtime import jobs
 from serve.runtime.outputs import JOB_FILE, PartStore
 from serve.runtime.predict import main
 from serve.runtime.row_formats import table_row
-from tests.helpers import CLASS_NAMES, quadrant_images, wait_until
+from tests.helpers import CLASS_NAMES, bright_square, png_bytes, quadrant_images, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 HAS_PYARROW = importlib.util.find_spec("pyarrow") is not None  # the [batch] extra; the [serve]-only venv lacks it
@@ -277,6 +277,26 @@ def test_a_uri_whose_storage_backend_is_not_installed_is_one_line(tiny_onnx, tmp
     err = capsys.readouterr().err
     assert err.startswith("vit-predict: s3://bucket/photo.png: ") and "s3fs" in err, err
     assert len(err.strip().splitlines()) == 1 and not (tmp_path / "preds.jsonl").exists()
+
+
+def test_a_list_line_with_an_unknown_scheme_names_that_input(tiny_onnx, tmp_path, capsys):
+    """fsspec's "Protocol not known: s4" stopped the run without naming the line among thousands that had it."""
+    listed = tmp_path / "list.txt"
+    listed.write_text("# last night's\n\ns4://bucket/night/x.png\n")
+    assert main([str(tiny_onnx), "--from-list", str(listed), "--out", str(tmp_path / "preds.jsonl")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("vit-predict: s4://bucket/night/x.png: Protocol not known: s4 (a typo in the scheme"), err
+    assert len(err.strip().splitlines()) == 1 and not (tmp_path / "preds.jsonl").exists()
+
+
+def test_an_out_where_no_folder_can_be_made_is_one_line_that_says_so(tiny_onnx, tmp_path, capsys):
+    """`--out /proc/x.jsonl` was a bare "[Errno 2] No such file or directory: '/proc/x.jsonl.parts'"."""
+    image = tmp_path / "a.png"
+    image.write_bytes(png_bytes(bright_square(0)))
+    assert main([str(tiny_onnx), str(image), "--out", "/proc/x.jsonl"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("vit-predict: cannot make /proc/x.jsonl.parts, the folder of the parts of /proc/x.jsonl"), err
+    assert err.rstrip().endswith("give an --out in a folder this user can write") and len(err.splitlines()) == 1
 
 
 def _predict(*args: str, preexec_fn=None, **kw) -> subprocess.Popen:
