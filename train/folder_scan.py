@@ -115,8 +115,15 @@ def _visible(p: Path) -> bool:
 
 
 def class_dirs(folder: Path) -> list[Path]:
-    """The class folders of `folder`, sorted by name; hidden folders are not classes."""
-    return sorted((d for d in folder.iterdir() if d.is_dir() and _visible(d)), key=lambda d: d.name)
+    """The class folders of `folder`, sorted by name; hidden folders are not classes. A link to nothing (an
+    unmounted disk) or a loop is a `ValueError`: a class folder behind it would be left out without a word."""
+    entries = [d for d in folder.iterdir() if _visible(d)]
+    if gone := next((d for d in entries if d.is_symlink() and not d.exists()), None):
+        raise ValueError(
+            f"{gone} is a link to {os.readlink(gone)}, which does not exist (or loops): a class folder behind it "
+            "would be left out of training; mount or fix its target, or remove the link"
+        )
+    return sorted((d for d in entries if d.is_dir()), key=lambda d: d.name)
 
 
 def find_image_files(folder: Path, bad: list[BadFile] | None = None, root: Path | None = None) -> list[str]:
@@ -194,6 +201,11 @@ def _scan_classes(
 ) -> dict[str, list[str]]:
     dirs = class_dirs(folder)
     names = [d.name for d in dirs]
+    if loose := sorted(e.name for e in folder.iterdir() if _visible(e) and is_image_file(e.name) and e.is_file()):
+        log.warning(
+            "%d image file(s) in %s itself, beside its class folders, are in no class and not used (first: %s): "
+            "move each into the folder of its class", len(loose), folder, loose[0],
+        )  # fmt: skip
     # a class name is the label the model answers, in JSON and in the ONNX metadata: text, not stray bytes (PEP 383)
     if strays := [n for n in names if not is_utf8(n)]:
         what = f"the class folder {os.fsencode(strays[0])!r} in {folder} is not named in UTF-8"

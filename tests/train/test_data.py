@@ -451,6 +451,27 @@ def test_a_class_folder_that_is_a_link_to_another_class_is_refused_naming_both(t
         scan_folder(root, val_fraction=0.25)
 
 
+@pytest.mark.parametrize("target", ["/mnt/unmounted/cats", "cats"])  # a disk not mounted; a link to itself
+def test_a_class_folder_that_is_a_link_to_nothing_is_refused_not_left_out(tmp_path: Path, target: str):
+    """`ln -s /mnt/unmounted/cats cats` trained a model of the other classes, exit 0 and no word of cats."""
+    root = write_shapes(tmp_path / "shapes", per_class=4)
+    (root / "cats").symlink_to(target)
+    with pytest.raises(ValueError, match=r"shapes/cats is a link to .*, which does not exist \(or loops\)"):
+        scan_folder(root, val_fraction=0.25)
+
+
+def test_images_beside_the_class_folders_are_said_to_be_in_no_class(tmp_path: Path, caplog):
+    """182 images in the root itself were left out of training without a word."""
+    root = write_shapes(tmp_path / "shapes", per_class=4)
+    for name in ("a.png", "b.jpg"):
+        shutil.copy(next((root / "bar").iterdir()), root / name)
+    with caplog.at_level("WARNING", logger="train.folder_scan"):
+        scan = scan_folder(root, val_fraction=0.25)
+    assert len(scan.train) + len(scan.val) == 12  # the classes' own images only
+    said = [r.getMessage() for r in caplog.records if "in no class" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith(f"2 image file(s) in {root} itself") and "(first: a.png)" in said[0]
+
+
 def test_a_held_split_that_leaves_a_class_no_training_image_is_refused_and_no_val_image_is_said(tmp_path, caplog):
     from train.held_split import hold_split
 
