@@ -3,6 +3,7 @@ names the option (vit-train prints it without a traceback), not a run that train
 
 from __future__ import annotations
 
+import datetime
 import inspect
 import logging
 import math
@@ -13,6 +14,7 @@ from typing import Any
 from train.balance import LOSS_METHODS, METHODS
 from train.errors import SetupError
 from vit.model import VARIANTS, VisionTransformer
+from vit.patch_embed import too_many_patches
 
 log = logging.getLogger(__name__)
 # what `--checkpoint.monitor` (and early stopping) can watch: the metrics `ViTClassifier` logs
@@ -120,8 +122,11 @@ def check_net_args(
 
 
 def check_img_size(img_size: int, patch_size: int | None, variant: str | None) -> None:
-    """Refuse an `img_size` the patches do not tile: the network said so in its own words, naming no option."""
+    """Refuse an `img_size` the patches do not tile (the network said so in its own words, naming no option), or of
+    more patches than a model runs (`--data.img_size 100000` was a traceback from allocating 40 GB)."""
     patch = patch_size or VARIANTS.get(variant or "", {}).get("patch_size")
+    if patch and (why := too_many_patches((img_size, img_size), patch)):
+        raise ValueError(f"--data.img_size {img_size}: {why}; give a smaller size")
     if not patch or img_size % patch == 0:
         return
     where = "--model.net_args.patch_size" if patch_size else variant
@@ -170,8 +175,12 @@ def check_trainer_settings(trainer: Any, fit: bool) -> None:
     if fit and trainer.get("limit_train_batches") == 0:
         raise SetupError("--trainer.limit_train_batches 0 trains nothing: give a share in (0, 1] or a count")
     epochs, steps = trainer.get("max_epochs"), trainer.get("max_steps")
-    if fit and epochs == 0 and (steps is None or steps < 0):
+    if fit and epochs == 0:  # Lightning stops at the first limit reached, whatever max_steps says
         raise SetupError("--trainer.max_epochs 0 trains nothing: give 1 or more (or -1 with --trainer.max_steps)")
+    if fit and steps == 0:
+        raise SetupError("--trainer.max_steps 0 trains nothing: give 1 or more (-1: no limit by steps)")
+    if fit and _seconds(trainer.get("max_time")) == 0:
+        raise SetupError("--trainer.max_time of no time trains nothing: give DD:HH:MM:SS of at least a second")
     if fit and epochs == -1 and (steps is None or steps < 0):
         raise SetupError(
             "--trainer.max_epochs -1 trains without end, and the learning-rate schedule needs a length: give a "
@@ -182,6 +191,20 @@ def check_trainer_settings(trainer: Any, fit: bool) -> None:
             "--trainer.precision 16-true keeps the weights and AdamW's state in float16, where its updates underflow "
             "and the loss turns NaN at any learning rate: use 16-mixed or bf16-mixed (bf16-true also trains)"
         )
+
+
+def _seconds(max_time: Any) -> float | None:
+    """Lightning's `max_time` ("DD:HH:MM:SS" or {"days": .., "hours": ..}) in seconds; None when unset or not read
+    here (Lightning says what is wrong with it)."""
+    try:
+        if isinstance(max_time, str):
+            days, hours, minutes, seconds = (float(part) for part in max_time.split(":"))
+            return ((days * 24 + hours) * 60 + minutes) * 60 + seconds
+        if isinstance(max_time, dict):
+            return datetime.timedelta(**max_time).total_seconds()
+    except (TypeError, ValueError):
+        return None
+    return None
 
 
 def warn_on_doubtful_settings(config: Any) -> None:

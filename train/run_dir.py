@@ -137,8 +137,11 @@ def check_ckpt_owner(ckpt_path: str | None, run_dir: Path, overwrite: bool) -> N
         return
     where = f"{run_dir} already holds a run ({', '.join(existing)})"
     if not ckpt_path:
+        resume = (
+            "Resume it with --ckpt_path last, start" if existing != ["summary.json"] else "It kept no checkpoint: start"
+        )
         raise SetupError(
-            f"{where}; a new fit would replace them. Resume it with --ckpt_path last, start a new run with "
+            f"{where}; a new fit would replace them. {resume} a new run with "
             "--trainer.default_root_dir runs/<new name>, or replace it with --overwrite true"
         )
     own = not is_remote(ckpt_path) and Path(ckpt_path).resolve().parent == ckpt_dir.resolve()

@@ -19,6 +19,19 @@ from torch import nn
 # Shapes: B batch, C channels, H/W image, P patch, Gh/Gw grid, L = Gh*Gw patches, D embed_dim.
 
 STEMS = ("patch", "conv", "shifted")
+# 2048 x 2048 at patch 16: attention over N patches holds N x N scores per head and image (1 GiB at this limit)
+MAX_PATCHES = 16_384
+
+
+def too_many_patches(img_size: tuple[int, int], patch: int) -> str | None:
+    """Why a model cannot run at `img_size` (H, W) with `patch`-pixel patches, or None when it can."""
+    n = (img_size[0] // patch) * (img_size[1] // patch)
+    if n <= MAX_PATCHES:
+        return None
+    return (
+        f"{img_size[0]} x {img_size[1]} at patch {patch} is {n:,} patches, over the {MAX_PATCHES:,} a model runs "
+        f"(their attention would hold {n * n * 4 / 2**30:,.0f} GiB of scores per head and image)"
+    )
 
 
 class PatchEmbed(nn.Module):

@@ -44,6 +44,7 @@ from serve.export.metadata import build_metadata
 from serve.export.trace import DEFAULT_OPSET
 from serve.runtime.interrupts import exit_code, sigterm_as_interrupt
 from serve.runtime.outputs import sync_folder
+from vit.patch_embed import too_many_patches
 
 log = logging.getLogger(__name__)
 
@@ -189,13 +190,15 @@ def export_onnx(
 
 
 def _serving_preprocess(net, preprocess, img_size):
-    """The training preprocessing, at `img_size` when given (multiples of the patch size)."""
-    if img_size is None:
-        return preprocess
+    """The training preprocessing, at `img_size` when given (multiples of the patch size), of no more patches than a
+    model runs (`--img-size 100000 100000` grew to 21 GB until the kernel killed the export)."""
     P = net.patch_embed.patch_size[0]
-    if img_size[0] % P or img_size[1] % P:
+    if img_size is not None and (img_size[0] % P or img_size[1] % P):
         raise ValueError(f"--img-size {img_size} must be multiples of the patch size {P}")
-    return dataclasses.replace(preprocess, img_size=tuple(img_size))
+    if why := too_many_patches(tuple(img_size or preprocess.img_size), P):
+        given = "--img-size" if img_size is not None else "the checkpoint's image size"
+        raise ValueError(f"{given}: {why}; export at a smaller --img-size")
+    return preprocess if img_size is None else dataclasses.replace(preprocess, img_size=tuple(img_size))
 
 
 @contextlib.contextmanager

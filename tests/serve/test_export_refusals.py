@@ -415,3 +415,11 @@ def test_a_val_dir_of_linked_class_folders_is_the_parity_gates_sample(tmp_path):
     checkpoint = tmp_path / "run" / "checkpoints" / "best.ckpt"  # no split.json beside it
     sample = validation_sample(checkpoint, ["bar", "square"], Preprocess((32, 32), 1.0), tmp_path / "val")
     assert sample.source == str(tmp_path / "val") and sorted(sample.labels.tolist()) == [0, 0, 1, 1]
+
+
+def test_an_image_size_of_more_patches_than_a_model_runs_is_refused_before_the_export(own_run, capsys, no_export):
+    """`--img-size 100000 100000` grew to 21 GB until the kernel killed the export (exit 137)."""
+    checkpoint = own_run / "checkpoints" / "best.ckpt"
+    line = _refused(capsys, [str(checkpoint), "-o", str(own_run / "m.onnx"), "--img-size", "100000", "100000"])
+    assert "--img-size: 100000 x 100000 at patch 8 is 156,250,000 patches, over the 16,384 a model runs" in line, line
+    assert "export at a smaller --img-size" in line and not (own_run / "m.onnx").exists()

@@ -286,8 +286,9 @@ def test_a_run_without_checkpoints_is_not_replaced_unless_told(tmp_path):
     from train.run_dir import check_ckpt_owner
 
     (tmp_path / "summary.json").write_text("{}")
-    with pytest.raises(SetupError, match=r"already holds a run \(summary.json\).*--overwrite true"):
+    with pytest.raises(SetupError, match=r"already holds a run \(summary.json\).*--overwrite true") as refused:
         check_ckpt_owner(None, tmp_path, overwrite=False)
+    assert "--ckpt_path last" not in str(refused.value)  # there is no last.ckpt to resume from
     check_ckpt_owner(None, tmp_path, overwrite=True)
 
 

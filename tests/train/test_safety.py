@@ -137,6 +137,11 @@ def test_a_local_checkpoint_holding_code_is_refused_the_same_way(small_folder, t
         (["--model.net_args", "{patch_size: 0}"], "--model.net_args.patch_size must be in [1, inf)"),
         (["--trainer.accumulate_grad_batches", "0"], "--trainer.accumulate_grad_batches must be at least 1"),
         (["--trainer.limit_train_batches", "0"], "--trainer.limit_train_batches 0 trains nothing"),
+        # these three trained nothing, exit 0, and left a summary.json that refused the next fit into the folder
+        (["--trainer.max_steps", "0"], "--trainer.max_steps 0 trains nothing"),
+        (["--trainer.max_epochs", "0", "--trainer.max_steps", "2"], "--trainer.max_epochs 0 trains nothing"),
+        (["--trainer.max_time", "00:00:00:00"], "--trainer.max_time of no time trains nothing"),
+        (["--data.img_size", "100000"], "100000 x 100000 at patch 4 is 625,000,000 patches, over the 16,384"),
         (["--trainer.devices", "-5"], "--trainer: "),
         (["--checkpoint.monitor", "val/accuracy"], "--checkpoint.monitor 'val/accuracy' is no metric the run logs"),
         # the network's own message, after the folder scan, named neither option nor a size that fits
