@@ -28,6 +28,7 @@ import torch
 from PIL import Image
 
 from serve.runtime import calibration as cal
+from serve.runtime.image_files import link_loop
 from serve.runtime.images import FILE_NAME_ERRORS, ImageError, load_image
 from train.checkpoint_format import load_network
 from train.corrections import load_corrections, read_corrections
@@ -96,6 +97,8 @@ class ReviewRun:
     """
 
     def __init__(self, run_dir: str | Path, limit: int = 200, batch_size: int = 64):
+        if why := link_loop(Path(run_dir).expanduser()):
+            raise ValueError(why)
         self.run_dir = Path(run_dir).expanduser().resolve()
         self.checkpoint = find_checkpoint(self.run_dir)
         split_file, reports = self.run_dir / "split.json", self.run_dir / "reports"

@@ -25,6 +25,7 @@ import zipfile
 from pathlib import Path
 from typing import IO, Any
 
+from serve.runtime.image_files import link_loop
 from serve.runtime.images import is_utf8
 from train.errors import SetupError, first_line
 
@@ -231,6 +232,9 @@ def check_run_dir(run_dir: Path, data_root: str | None, create: bool = True) -> 
     With `create` False, a `run_dir` not made yet stays so: a folder made and removed in its nearest existing parent
     tells whether it can be (`vit-train fit` checks so before it reads the images, and makes it after), and
     `check_utf8` refuses paths it could not write or give back."""
+    given = [(run_dir, "--trainer.default_root_dir")] + ([(data_root, "--data.root")] if data_root else [])
+    if why := next((f"{what} {loop}" for path, what in given if (loop := link_loop(path))), None):
+        raise SetupError(why)
     if not create:  # fit's checks: a path it writes, or that its config.yaml must give back, is UTF-8
         check_utf8(run_dir, data_root)
     images = None if not data_root or is_remote(data_root) else Path(data_root).expanduser().resolve()

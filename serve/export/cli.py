@@ -42,6 +42,7 @@ from serve.export import files, preflight, targets, triton, web
 from serve.export.merge import set_metadata
 from serve.export.metadata import build_metadata
 from serve.export.trace import DEFAULT_OPSET
+from serve.runtime.image_files import path_argument
 from serve.runtime.interrupts import exit_code, sigterm_as_interrupt
 from serve.runtime.outputs import sync_folder
 from vit.patch_embed import too_many_patches
@@ -224,10 +225,10 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="vit-export", description=__doc__.split("\n\n")[0])
     p.add_argument(
         "checkpoint",
-        type=Path,
+        type=path_argument,
         help="a vitscope checkpoint, e.g. runs/sample/checkpoints/best.ckpt (or, with --web alone, a portable .onnx)",
     )
-    p.add_argument("-o", "--output", type=Path, help="the .onnx file to write (with --web: default DIR/model.onnx)")
+    p.add_argument("-o", "--output", type=path_argument, help="the .onnx file to write (--web: DIR/model.onnx)")
     p.add_argument(
         "--target",
         choices=targets.TARGETS,
@@ -237,13 +238,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--web",
-        type=Path,
+        type=path_argument,
         metavar="DIR",
         help="also write a static page that classifies images in the browser (onnxruntime-web): DIR/index.html, ...",
     )
     p.add_argument(
         "--ort-web",
-        type=Path,
+        type=path_argument,
         metavar="DIST",
         help="onnxruntime-web's dist folder for --web (default: the one `make install` puts in serve/export/web_page)",
     )
@@ -256,14 +257,14 @@ def _parser() -> argparse.ArgumentParser:
         f"the file, either target: {oldest}",
     )
     p.add_argument("--img-size", type=int, nargs=2, metavar=("H", "W"), help="export at another input size")
-    p.add_argument("--val-dir", type=Path, help="image folder for the parity gate when the run has no split.json")
+    p.add_argument("--val-dir", type=path_argument, help="images for the parity gate when the run has no split.json")
     p.add_argument(
         "--no-gradients", action="store_true", help="leave out the gradient graph (smaller file, no gradient rollout)"
     )
     p.add_argument("--parity-samples", type=int, default=256, help="validation images in the parity gate")
     p.add_argument(
         "--triton-repo",
-        type=Path,
+        type=path_argument,
         metavar="DIR",
         help="also write a Triton model repository: DIR/NAME/config.pbtxt, labels.txt, 1/model.onnx (logits only)",
     )
@@ -275,7 +276,7 @@ def _parser() -> argparse.ArgumentParser:
 def _add_calibration_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--calibrate",
-        type=Path,
+        type=path_argument,
         metavar="DIR",
         help="calibrate on this labelled folder (DIR/<class>/<image>) instead of the run's calibration split",
     )

@@ -3,6 +3,7 @@ images and `vit-predict` (`serve.runtime.jobs`) all list folders here, alike."""
 
 from __future__ import annotations
 
+import argparse
 import errno
 import os
 from collections.abc import Callable
@@ -12,6 +13,24 @@ from serve.runtime.image_formats import UNREAD_SUFFIXES
 from serve.runtime.images import IMAGE_SUFFIXES
 
 LINK_NOT_FOLLOWED = "a link into a folder walked on its own: not followed"
+
+
+def link_loop(path: str | Path) -> str | None:
+    """Why `path` cannot be used when it, or a folder on its way, is a symbolic link that loops; else None. Python
+    3.11's `Path.resolve` answers such a path with a RuntimeError traceback."""
+    try:
+        os.stat(path)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            return f"{path} is a symbolic link that loops (it leads back to itself): fix or remove the link"
+    return None
+
+
+def path_argument(value: str) -> Path:
+    """An argparse `type` for a local path: one line, not a traceback, for a link that loops (`link_loop`)."""
+    if why := link_loop(value):
+        raise argparse.ArgumentTypeError(why)
+    return Path(value)
 
 
 def is_image_file(path: str | Path) -> bool:

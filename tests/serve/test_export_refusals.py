@@ -423,3 +423,21 @@ def test_an_image_size_of_more_patches_than_a_model_runs_is_refused_before_the_e
     line = _refused(capsys, [str(checkpoint), "-o", str(own_run / "m.onnx"), "--img-size", "100000", "100000"])
     assert "--img-size: 100000 x 100000 at patch 8 is 156,250,000 patches, over the 16,384 a model runs" in line, line
     assert "export at a smaller --img-size" in line and not (own_run / "m.onnx").exists()
+
+
+@pytest.mark.parametrize("where", ["checkpoint", "-o", "--triton-repo", "--web"])
+def test_a_path_that_is_a_link_loop_is_one_line(own_run, tmp_path, capsys, no_export, where):
+    """Python 3.11's Path.resolve raised "RuntimeError: Symlink loop from ..." (exit 1) for any of them."""
+    (tmp_path / "a").symlink_to(tmp_path / "b")
+    (tmp_path / "b").symlink_to(tmp_path / "a")
+    loop, checkpoint = str(tmp_path / "a"), str(own_run / "checkpoints" / "best.ckpt")
+    argv = {
+        "checkpoint": [loop, "-o", str(tmp_path / "m.onnx")],
+        "-o": [checkpoint, "-o", loop],
+        "--triton-repo": [checkpoint, "-o", str(tmp_path / "m.onnx"), "--triton-repo", loop],
+        "--web": [checkpoint, "--web", loop],
+    }[where]
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and f"{loop} is a symbolic link that loops" in err and "Traceback" not in err, err

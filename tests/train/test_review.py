@@ -69,6 +69,18 @@ def review_run(tmp_path_factory) -> Path:
     return write_review_run(tmp_path_factory.mktemp("review") / "run")
 
 
+def test_review_of_a_run_folder_that_is_a_link_loop_is_one_line(tmp_path, capsys):
+    """Python 3.11's Path.resolve raised "RuntimeError: Symlink loop from ..." (exit 1)."""
+    from train.cli import main
+
+    (tmp_path / "a").symlink_to(tmp_path / "b")
+    (tmp_path / "b").symlink_to(tmp_path / "a")
+    with pytest.raises(SystemExit) as e:
+        main(["review", str(tmp_path / "a")])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith(f"vit-train review: {tmp_path / 'a'} is a symbolic link that loops")
+
+
 def test_review_refuses_a_run_without_checkpoints_or_reports_and_names_missing_lists(
     review_run, tmp_path, capsys, caplog
 ):
