@@ -172,6 +172,9 @@ def check_trainer_settings(trainer: Any, fit: bool) -> None:
         value = trainer.get(key)
         if value is not None and value < 1:
             raise SetupError(f"--trainer.{key} must be at least 1, got {value}")
+    clip = trainer.get("gradient_clip_val")
+    if isinstance(clip, (int, float)) and not (math.isfinite(clip) and clip >= 0):  # NaN: "use only one of them"
+        raise SetupError(f"--trainer.gradient_clip_val must be a finite number, 0 or more (0: no clipping), got {clip}")
     if fit and trainer.get("limit_train_batches") == 0:
         raise SetupError("--trainer.limit_train_batches 0 trains nothing: give a share in (0, 1] or a count")
     epochs, steps = trainer.get("max_epochs"), trainer.get("max_steps")

@@ -55,10 +55,13 @@ class Augment:
     re_mode: str = "pixel"
 
     def __post_init__(self):
-        for name in ("crop_scale", "crop_ratio"):
+        for name, top in (("crop_scale", 1.0), ("crop_ratio", math.inf)):  # a crop over the image: a centre crop
             low, high = getattr(self, name)
-            if not 0 < low <= high:
-                raise ValueError(f"--data.augment.{name} must be [low, high] with 0 < low <= high, got {[low, high]}")
+            if not 0 < low <= high <= top:
+                bound = "" if top == math.inf else f" <= {top:g}"
+                raise ValueError(
+                    f"--data.augment.{name} must be [low, high] with 0 < low <= high{bound}, got {[low, high]}"
+                )
         for name in ("hflip", "vflip", "re_prob"):
             if not 0 <= getattr(self, name) <= 1:
                 raise ValueError(f"--data.augment.{name} is a probability, in [0, 1]; got {getattr(self, name)}")

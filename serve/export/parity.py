@@ -71,6 +71,10 @@ def validation_sample(
             label = e.get("label", -1)
             entries.append((p, index.get(label, -1) if isinstance(label, str) else int(label)))
         source = str(split)
+    if entries and val_dir is not None:  # said, not silently passed over
+        log.warning(
+            "--val-dir %s is not used: the parity gate runs on the run's own validation images (%s)", val_dir, split
+        )
     if not entries and val_dir is not None:
         for p in map(Path, walk_image_files(val_dir)[0]):  # as --val-dir was checked: linked folders followed
             entries.append((p, index.get(p.parent.name, -1)))

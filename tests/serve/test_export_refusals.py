@@ -441,3 +441,17 @@ def test_a_path_that_is_a_link_loop_is_one_line(own_run, tmp_path, capsys, no_ex
         main(argv)
     err = capsys.readouterr().err
     assert exited.value.code == 2 and f"{loop} is a symbolic link that loops" in err and "Traceback" not in err, err
+
+
+def test_a_val_dir_beside_the_runs_own_validation_images_is_said_to_be_unused(own_run, tmp_path, caplog):
+    """The gate ran on the run's split.json and said nothing of the --val-dir given, of other classes even."""
+    from serve.export.parity import validation_sample
+    from serve.runtime.images import Preprocess
+    from tests.helpers import write_shapes
+
+    other = write_shapes(tmp_path / "other", per_class=2, classes=("cat", "dog"))
+    with caplog.at_level("WARNING", logger="serve.export.parity"):
+        sample = validation_sample(own_run / "checkpoints" / "best.ckpt", CLASS_NAMES, Preprocess((32, 32), 1.0), other)
+    assert sample.source == str(own_run / "split.json")
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith(f"--val-dir {other} is not used")]
+    assert len(said) == 1 and "the run's own validation images" in said[0], caplog.text

@@ -237,6 +237,8 @@ def test_a_second_fit_into_a_run_directory_in_use_is_refused_at_once(shapes_fold
         ("--data.img_size", "0", "img_size"),
         ("--data.img_size", "-4", "img_size"),
         ("--data.augment.crop_scale", "[0.9, 0.1]", "crop_scale"),
+        ("--data.augment.crop_scale", "[2, 3]", "0 < low <= high <= 1"),  # each crop fell back to a centre crop
+        ("--trainer.gradient_clip_val", ".nan", "--trainer.gradient_clip_val must be"),  # "use only one of them"
         # augmentation values torchvision or timm refuse only once the transform is built or first drawn, in a worker
         ("--data.augment.rotate", "-10", "rotate"),
         ("--data.augment.translate", "1.5", "translate"),
