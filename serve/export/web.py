@@ -84,15 +84,33 @@ def check_web_model(model: onnx.ModelProto, name: str) -> None:
         raise ValueError(f"{name} has no vitscope metadata (class names, preprocessing): export it with vit-export")
 
 
+def check_folder(folder: str | Path) -> None:
+    """Refuse a `folder` that holds page files (`index.html`, ...) no earlier `--web` wrote: the user's own page.
+
+    An earlier page is told by its `ort/NOTICE`, which every `--web` writes.
+    """
+    folder = Path(folder)
+    notice = folder / "ort" / "NOTICE"
+    if notice.is_file() and notice.read_bytes().startswith(b"onnxruntime-web "):
+        return
+    if theirs := [f for f in PAGE_FILES if (folder / f).exists()]:
+        raise ValueError(
+            f"--web {folder} holds {', '.join(theirs)}, which no vit-export --web wrote (there is no ort/NOTICE) and "
+            "the page would replace: give --web a new or empty folder, or move them away"
+        )
+
+
 def write_web(model_path: str | Path, folder: str | Path, ort_dist: str | Path | None = None) -> Path:
     """Write the static page for the exported file `model_path` into `folder` and return `folder`.
 
-    Files of an earlier page in `folder` are replaced; anything else there is left alone. Every file is staged
+    Files of an earlier page in `folder` are replaced, and page files of another are refused (`check_folder`);
+    anything else there is left alone. Every file is staged
     before any is renamed into place, the model last (`serve.export.files.write_pieces`): a full disk or an error
     leaves the earlier page whole, and a folder being written never serves a half-copied file.
     """
     model_path, folder = Path(model_path), Path(folder)
     dist = find_ort_dist(ort_dist)
+    check_folder(folder)
     if not model_path.is_file():
         raise FileNotFoundError(f"no such model file: {model_path}")
     try:

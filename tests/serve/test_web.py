@@ -354,3 +354,24 @@ def test_a_page_written_again_onto_a_full_disk_leaves_the_earlier_page_whole(tmp
     assert done.returncode == 1 and "OSError" in done.stderr and "ort-wasm-simd-threaded.wasm" in done.stderr
     after = {p: p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
     assert after == before, [p.name for p in set(after) ^ set(before)] or "a file of the earlier page was changed"
+
+
+def test_a_folder_with_a_page_no_export_wrote_is_refused_and_left_as_it_was(tmp_path, capsys):
+    """`--web DIR` over the user's own index.html replaced it (and page.js, page.css), exit 0, without a word."""
+    pytest.importorskip("onnx")  # the exporter's; the [serve]-only venv has none
+    from serve.export import web
+    from serve.export.cli import main as export_main
+
+    try:
+        web.find_ort_dist()
+    except FileNotFoundError as e:
+        pytest.skip(f"onnxruntime-web is not installed: {e}")
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "index.html").write_text("MY PAGE")
+    assert export_main([str(_web_model(tmp_path / "a.onnx")), "--web", str(mine)]) == 2
+    err = capsys.readouterr().err
+    assert f"--web {mine} holds index.html, which no vit-export --web wrote" in err, err
+    assert [p.name for p in mine.iterdir()] == ["index.html"] and (mine / "index.html").read_text() == "MY PAGE"
+    site = web.write_web(_web_model(tmp_path / "b.onnx"), tmp_path / "site")  # an earlier page: replaced
+    assert web.write_web(_web_model(tmp_path / "c.onnx", note="again"), site) == site
