@@ -27,12 +27,11 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
-from serve.export.preflight import check_image_folder, split_path
+from serve.export.preflight import MIN_IMAGES, calibration_entries
 from serve.runtime import calibration as cal
 from serve.runtime.images import ImageError, Preprocess, load_image
 from serve.runtime.session import session_options
 from serve.runtime.trust import FEATURES_OUTPUT, METADATA_KEY, Trust
-from train.folder_scan import class_dirs, find_image_files
 
 log = logging.getLogger(__name__)
 
@@ -44,55 +43,9 @@ DEFAULT_METHOD = "lac"  # benchmarks/trust.py: the smallest sets at the asked co
 DEFAULT_OOD_SCORE = "mahalanobis"
 FOLDS = 5  # cross-fitting of the Mahalanobis threshold
 ACCEPT = 0.95  # share of in-distribution calibration images the OOD threshold accepts
-MIN_IMAGES = 20  # below this, a coverage of 0.95 cannot be promised at all
 CONFIDENCE_EDGES = np.linspace(0.0, 1.0, 11)  # 10 equal bins of top-1 confidence, for drift
 COVERAGE_CHECK = 0.9  # the coverage whose per-class figure the report shows
 OOD_BINS = 10  # OOD-score bins for drift: the calibration deciles, so each holds a tenth of its images
-
-
-def calibration_entries(checkpoint: Path, class_names: list[str], calib_dir: Path | None) -> tuple[list, str]:
-    """(path, label) pairs of the calibration images and where they came from.
-
-    Raises:
-        ValueError: no calibration images, or a folder whose class names the model does not know.
-    """
-    index = {name: i for i, name in enumerate(class_names)}
-    if calib_dir is not None:
-        calib_dir = Path(calib_dir)
-        check_image_folder("--calibrate", calib_dir)
-        entries = []
-        for d in class_dirs(calib_dir):
-            if d.name not in index:
-                raise ValueError(
-                    f"--calibrate {calib_dir}: folder {d.name!r} is not one of the model's classes {class_names}"
-                )
-            entries += [(Path(p), index[d.name]) for p in find_image_files(d)]
-        if len(entries) < MIN_IMAGES:  # refused now, not after a minute of export
-            raise ValueError(
-                f"--calibrate {calib_dir}: {len(entries)} image files, and calibration needs at least {MIN_IMAGES}"
-            )
-        if len(covered := {label for _, label in entries}) < min(2, len(class_names)):
-            only = ", ".join(class_names[i] for i in sorted(covered)) or "none"
-            raise ValueError(
-                f"--calibrate {calib_dir}: its images are of one class ({only}): the temperature, the prediction "
-                "sets and the unknown-input threshold are fitted to the images the model will meet, so give held-out "
-                "images of its classes (one folder per class)"
-            )
-        return entries, str(calib_dir)
-    split = split_path(checkpoint)
-    if not split.is_file():  # a run on a prepared dataset (`vit-train prepare`) keeps none
-        raise ValueError(
-            f"no calibration images: {split} is not there (a run on a prepared LitData dataset, or a checkpoint out "
-            "of its run folder, has no calibration split): give --calibrate DIR, a folder of held-out images per "
-            "class; or pass --no-calibration for an uncalibrated file"
-        )
-    entries = [(Path(e["path"]), int(e["label"])) for e in json.loads(split.read_text()).get("calib", [])]
-    if entries:
-        return entries, f"{split} (calibration split)"
-    raise ValueError(
-        "no calibration images: the run's split.json has no calibration split (train with --data.calib_fraction "
-        "0.1, the default) and no --calibrate DIR was given; or pass --no-calibration for an uncalibrated file"
-    )
 
 
 def load_pixels(entries: list, preprocess: Preprocess) -> tuple[np.ndarray, np.ndarray]:

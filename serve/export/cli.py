@@ -138,8 +138,8 @@ def export_onnx(
         triton.check_model_folder(Path(triton_repo) / name)
         triton.check_output_apart(preflight.output_file(output), Path(triton_repo) / name)
     if calib_dir is not None and calibrate is not False:  # folders of other classes, too few images: refused now
-        entries, _ = calib.calibration_entries(checkpoint, meta["class_names"], calib_dir)
-        preflight.check_decodable(entries, f"--calibrate {calib_dir}", calib.MIN_IMAGES)
+        entries, _ = preflight.calibration_entries(checkpoint, meta["class_names"], calib_dir)
+        preflight.check_decodable(entries, f"--calibrate {calib_dir}", preflight.MIN_IMAGES)
     preflight.check_writable(preflight.output_file(output).parent, preflight.output_file(output).name)
     if triton_repo is not None:
         preflight.check_writable(Path(triton_repo))

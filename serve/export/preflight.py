@@ -7,6 +7,8 @@
   (the gate would run on random images, or calibration would fail after the export);
 - the checkpoint: metadata that cannot rebuild its network (another architecture, missing or unknown entries),
   or class names that do not name the head's outputs one to one;
+- the calibration images (`calibration_entries`): too few, of one class or of classes the model does not know; of a
+  `--calibrate` folder, the images the run trained on are left out, with a warning;
 - the run's `split.json` beside it (the parity gate's and the calibration's images) when it is another run's:
   other classes, or labels that are not the checkpoint's (a refit killed before its first checkpoint leaves
   the new split beside the old `best.ckpt`).
@@ -20,6 +22,7 @@ from __future__ import annotations
 import collections
 import errno
 import json
+import logging
 import os
 import stat
 from pathlib import Path
@@ -30,7 +33,11 @@ from serve.runtime.image_files import walk_image_files
 from serve.runtime.images import ImageError, load_image
 from train import checkpoint_format
 from train.errors import first_line
+from train.folder_scan import class_dirs, find_image_files
 from vit.model import VisionTransformer
+
+log = logging.getLogger(__name__)
+MIN_IMAGES = 20  # calibration images: below this, a coverage of 0.95 cannot be promised at all
 
 
 def check_output(checkpoint: Path, output: Path) -> None:
@@ -235,3 +242,71 @@ def _shown(names: list, most: int = 5) -> str:
     names = list(names)
     more = f" and {len(names) - most} more" if len(names) > most else ""
     return f"[{', '.join(map(repr, names[:most]))}{more}]"
+
+
+def calibration_entries(checkpoint: Path, class_names: list[str], calib_dir: Path | None) -> tuple[list, str]:
+    """(path, label) pairs of the calibration images and where they came from.
+
+    Raises:
+        ValueError: no calibration images, or a folder whose class names the model does not know.
+    """
+    index = {name: i for i, name in enumerate(class_names)}
+    if calib_dir is not None:
+        calib_dir = Path(calib_dir)
+        check_image_folder("--calibrate", calib_dir)
+        entries = []
+        for d in class_dirs(calib_dir):
+            if d.name not in index:
+                raise ValueError(
+                    f"--calibrate {calib_dir}: folder {d.name!r} is not one of the model's classes {class_names}"
+                )
+            entries += [(Path(p), index[d.name]) for p in find_image_files(d)]
+        if len(entries) < MIN_IMAGES:  # refused now, not after a minute of export
+            raise ValueError(
+                f"--calibrate {calib_dir}: {len(entries)} image files, and calibration needs at least {MIN_IMAGES}"
+            )
+        if len(covered := {label for _, label in entries}) < min(2, len(class_names)):
+            only = ", ".join(class_names[i] for i in sorted(covered)) or "none"
+            raise ValueError(
+                f"--calibrate {calib_dir}: its images are of one class ({only}): the temperature, the prediction "
+                "sets and the unknown-input threshold are fitted to the images the model will meet, so give held-out "
+                "images of its classes (one folder per class)"
+            )
+        return without_training_images(entries, checkpoint, f"--calibrate {calib_dir}"), str(calib_dir)
+    split = split_path(checkpoint)
+    if not split.is_file():  # a run on a prepared dataset (`vit-train prepare`) keeps none
+        raise ValueError(
+            f"no calibration images: {split} is not there (a run on a prepared LitData dataset, or a checkpoint out "
+            "of its run folder, has no calibration split): give --calibrate DIR, a folder of held-out images per "
+            "class; or pass --no-calibration for an uncalibrated file"
+        )
+    entries = [(Path(e["path"]), int(e["label"])) for e in json.loads(split.read_text()).get("calib", [])]
+    if entries:
+        return entries, f"{split} (calibration split)"
+    raise ValueError(
+        "no calibration images: the run's split.json has no calibration split (train with --data.calib_fraction "
+        "0.1, the default) and no --calibrate DIR was given; or pass --no-calibration for an uncalibrated file"
+    )
+
+
+def without_training_images(entries: list, checkpoint: Path, given: str) -> list:
+    """`entries` less the images the checkpoint's run trained on (its `split.json`), said in a warning: scores fitted
+    on them are overconfident, and the prediction sets too small for their coverage."""
+    split = split_path(checkpoint)
+    if not split.is_file():
+        return entries
+    run = split.parent
+    trained = {os.path.realpath(run / e["path"]) for e in json.loads(split.read_text()).get("train", [])}
+    kept = [(p, label) for p, label in entries if os.path.realpath(p) not in trained]
+    if len(kept) < len(entries):
+        log.warning(
+            "%s: %d of its %d images are training images of this run (%s), left out of the calibration: scores "
+            "fitted on them would be overconfident and the prediction sets too small", given,
+            len(entries) - len(kept), len(entries), split,
+        )  # fmt: skip
+    if len(kept) < MIN_IMAGES:
+        raise ValueError(
+            f"{given}: only {len(kept)} of its images are not training images of this run, and calibration needs at "
+            f"least {MIN_IMAGES}: give held-out images of the model's classes (one folder per class)"
+        )
+    return kept

@@ -392,7 +392,8 @@ def test_the_random_image_warning_says_where_it_looked_for_validation_images(own
 def test_a_run_without_split_json_is_told_to_give_calibrate_and_no_flag_is_claimed(tmp_path):
     """A run on a prepared LitData dataset keeps no split.json: the message told it to train with the default it had
     used, and the report blamed a --no-calibration nobody passed."""
-    from serve.export.calibrate import calibration_entries, format_report
+    from serve.export.calibrate import format_report
+    from serve.export.preflight import calibration_entries
 
     checkpoint = tmp_path / "run" / "checkpoints" / "best.ckpt"
     checkpoint.parent.mkdir(parents=True)
@@ -455,3 +456,28 @@ def test_a_val_dir_beside_the_runs_own_validation_images_is_said_to_be_unused(ow
     assert sample.source == str(own_run / "split.json")
     said = [r.getMessage() for r in caplog.records if r.getMessage().startswith(f"--val-dir {other} is not used")]
     assert len(said) == 1 and "the run's own validation images" in said[0], caplog.text
+
+
+def test_calibration_images_the_run_trained_on_are_left_out_and_said(own_run, tmp_path, caplog):
+    """`--calibrate` on the run's own training folder fitted the temperature, the sets and the threshold on images
+    the model had learnt, and said nothing."""
+    from serve.export.preflight import calibration_entries
+    from tests.helpers import quadrant_images
+
+    images, labels = quadrant_images(30)
+    paths = []
+    for i, (image, label) in enumerate(zip(images, labels, strict=True)):
+        path = tmp_path / "folder" / CLASS_NAMES[label] / f"{i}.png"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(image).save(path)
+        paths.append({"path": str(path), "label": int(label)})
+    split = json.loads((own_run / "split.json").read_text())
+    checkpoint = own_run / "checkpoints" / "best.ckpt"
+    (own_run / "split.json").write_text(json.dumps({**split, "train": paths[:10]}))
+    with caplog.at_level("WARNING", logger="serve.export.preflight"):
+        entries, _ = calibration_entries(checkpoint, CLASS_NAMES, tmp_path / "folder")
+    assert sorted(str(p) for p, _ in entries) == sorted(e["path"] for e in paths[10:])
+    assert "10 of its 30 images are training images of this run" in caplog.text, caplog.text
+    (own_run / "split.json").write_text(json.dumps({**split, "train": paths}))  # all of them
+    with pytest.raises(ValueError, match="only 0 of its images are not training images of this run"):
+        calibration_entries(checkpoint, CLASS_NAMES, tmp_path / "folder")
