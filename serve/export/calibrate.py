@@ -130,6 +130,14 @@ def fit(
         "labels": labels[order].tolist(),
     }
     entry["metrics"]["per_class_coverage"] = per_class_coverage(true, labels, K)
+    if ood_kind == "mahalanobis" and (spread := len(labels) - len(np.unique(labels))) < len(labels) / 2:
+        log.warning(
+            "the Mahalanobis unknown-input score needs 2 or more calibration images per class on average, to "
+            "measure how a class's images vary: these %d images of %d classes give %d beyond one per class, so the "
+            "score is energy instead (give more calibration images for Mahalanobis)",
+            len(labels), len(np.unique(labels)), spread,
+        )  # fmt: skip
+        ood_kind = "energy"  # one image per class has no spread: a precision of 1e24 and scores of 1e22
     entry["ood"], ood = _ood_entry(ood_kind, logits, probs, T, features, labels, accept)
     entry["drift"] = _drift_reference(probs, ood)
     return entry

@@ -70,6 +70,25 @@ def test_the_export_report_shows_an_under_covered_tail_class_and_class_condition
     assert few["metrics"]["per_class_coverage"]["class_conditional"] == [None, None, None]
 
 
+def test_one_calibration_image_per_class_gives_the_energy_score_not_a_mahalanobis_of_no_spread(caplog):
+    """1,500 classes of one calibration image each: every image its class's mean, a covariance of 0, a precision of
+    1e24 and a threshold of 1e23; the training images themselves scored 2e22."""
+    pytest.importorskip("torch")  # the exporter's stack: not in the [serve]-only install
+    from serve.export.calibrate import fit
+
+    rng = np.random.default_rng(0)
+    K = 40
+    labels = np.arange(K)  # one image per class
+    logits = rng.normal(0, 1, (K, K)).astype(np.float32) + 3 * np.eye(K, dtype=np.float32)
+    features = rng.normal(0, 1, (K, 16)).astype(np.float32)
+    with caplog.at_level("WARNING", logger="serve.export.calibrate"):
+        entry = fit(logits, labels, features)
+    assert entry["ood"]["score"] == "energy" and np.isfinite(entry["ood"]["threshold"])
+    assert "needs 2 or more calibration images per class on average" in caplog.text
+    two = fit(np.concatenate([logits, logits]), np.concatenate([labels, labels]), np.concatenate([features, -features]))
+    assert two["ood"]["score"] == "mahalanobis"  # two a class: a spread to measure
+
+
 @pytest.mark.parametrize("coverage", [0.0, 1.0, -0.5, 1.5, float("nan"), "0.9"])
 def test_a_coverage_outside_the_open_unit_interval_is_refused_with_an_example(coverage):
     with pytest.raises(ValueError, match=r"between 0 and 1 \(exclusive\), e\.g\. 0\.9"):
