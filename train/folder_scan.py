@@ -210,6 +210,9 @@ def _scan_classes(
     if strays := [n for n in names if not is_utf8(n)]:
         what = f"the class folder {os.fsencode(strays[0])!r} in {folder} is not named in UTF-8"
         raise ValueError(f"{what} (its name is the label the model answers): rename it")
+    if broken := next((n for n in names if n.splitlines() != [n]), None):  # labels.txt: one name a line
+        msg = "class folder %r has a line break in its name: a model repository's labels.txt (Triton, vit-serve DIR) "
+        log.warning(msg + "cannot hold it, and --triton-repo refuses it: rename the folder to serve from one", broken)
     if classes is not None and names != classes:
         raise ValueError(
             f"{folder} has class folders {names}, but the training folder has {classes}; "

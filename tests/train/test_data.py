@@ -472,6 +472,14 @@ def test_images_beside_the_class_folders_are_said_to_be_in_no_class(tmp_path: Pa
     assert len(said) == 1 and said[0].startswith(f"2 image file(s) in {root} itself") and "(first: a.png)" in said[0]
 
 
+def test_a_class_name_with_a_line_break_is_said_at_the_scan_not_first_at_the_triton_export(tmp_path, caplog):
+    """It trained, and only `vit-export --triton-repo` refused it: "rename that class folder and train again"."""
+    root = write_shapes(tmp_path / "shapes", per_class=4, classes=("bar", "col\numn", "square"))
+    with caplog.at_level("WARNING", logger="train.folder_scan"):
+        scan_folder(root, val_fraction=0.25)
+    assert "class folder 'col\\numn' has a line break in its name" in caplog.text, caplog.text
+
+
 def test_a_held_split_that_leaves_a_class_no_training_image_is_refused_and_no_val_image_is_said(tmp_path, caplog):
     from train.held_split import hold_split
 
