@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import stat
 import time
 from dataclasses import dataclass, field
@@ -42,6 +43,7 @@ log = logging.getLogger(__name__)
 PARALLEL_FROM = 5_000  # files; fewer are checked in this process (a pool costs more than it saves)
 # the names tools give a dataset's splits (Roboflow and Kaggle write train/, valid/, test/): ours are train/, val/
 SPLIT_NAMES = {"train": ("training",), "val": ("valid", "validation", "dev"), "test": ("testing",)}
+FILE_SUFFIX = re.compile(r"\.[A-Za-z0-9]{1,5}$")  # README.md, x.png: a file's name, not a class folder's
 
 
 @dataclass(frozen=True)
@@ -115,14 +117,14 @@ def _visible(p: Path) -> bool:
 
 
 def class_dirs(folder: Path) -> list[Path]:
-    """The class folders of `folder`, sorted by name; hidden folders are not classes. A link to nothing (an
-    unmounted disk) or a loop is a `ValueError`: a class folder behind it would be left out without a word."""
+    """The class folders of `folder`, sorted by name; hidden folders are not classes. A link to nothing (an unmounted
+    disk, a loop) named as a folder is refused, as a class behind it would be left out; one named as a file, said."""
     entries = [d for d in folder.iterdir() if _visible(d)]
-    if gone := next((d for d in entries if d.is_symlink() and not d.exists()), None):
-        raise ValueError(
-            f"{gone} is a link to {os.readlink(gone)}, which does not exist (or loops): a class folder behind it "
-            "would be left out of training; mount or fix its target, or remove the link"
-        )
+    for gone in (d for d in entries if d.is_symlink() and not d.exists()):
+        what = f"{gone} is a link to {os.readlink(gone)}, which does not exist (or loops)"
+        if not FILE_SUFFIX.search(gone.name):
+            raise ValueError(f"{what}: a class folder behind it would be left out; fix its target, or remove the link")
+        log.warning("%s: skipped", what)
     return sorted((d for d in entries if d.is_dir()), key=lambda d: d.name)
 
 
@@ -210,7 +212,7 @@ def _scan_classes(
     if strays := [n for n in names if not is_utf8(n)]:
         what = f"the class folder {os.fsencode(strays[0])!r} in {folder} is not named in UTF-8"
         raise ValueError(f"{what} (its name is the label the model answers): rename it")
-    if broken := next((n for n in names if n.splitlines() != [n]), None):  # labels.txt: one name a line
+    if classes is None and (broken := next((n for n in names if n.splitlines() != [n]), None)):  # said once
         msg = "class folder %r has a line break in its name: a model repository's labels.txt (Triton, vit-serve DIR) "
         log.warning(msg + "cannot hold it, and --triton-repo refuses it: rename the folder to serve from one", broken)
     if classes is not None and names != classes:

@@ -197,14 +197,16 @@ def check_trainer_settings(trainer: Any, fit: bool) -> None:
 
 
 def _seconds(max_time: Any) -> float | None:
-    """Lightning's `max_time` ("DD:HH:MM:SS" or {"days": .., "hours": ..}) in seconds; None when unset or not read
-    here (Lightning says what is wrong with it)."""
+    """Lightning's `max_time` ("DD:HH:MM:SS", {"days": .., "hours": ..} or a timedelta) in seconds; None when unset
+    or not read here (Lightning says what is wrong with it)."""
     try:
         if isinstance(max_time, str):
             days, hours, minutes, seconds = (float(part) for part in max_time.split(":"))
             return ((days * 24 + hours) * 60 + minutes) * 60 + seconds
         if isinstance(max_time, dict):
             return datetime.timedelta(**max_time).total_seconds()
+        if isinstance(max_time, datetime.timedelta):
+            return max_time.total_seconds()
     except (TypeError, ValueError):
         return None
     return None

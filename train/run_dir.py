@@ -233,7 +233,7 @@ def check_run_dir(run_dir: Path, data_root: str | None, create: bool = True) -> 
     tells whether it can be (`vit-train fit` checks so before it reads the images, and makes it after), and
     `check_utf8` refuses paths it could not write or give back."""
     given = [(run_dir, "--trainer.default_root_dir")] + ([(data_root, "--data.root")] if data_root else [])
-    if why := next((f"{what} {loop}" for path, what in given if (loop := link_loop(path))), None):
+    if why := next((f"{what} {loop}" for path, what in given if (loop := link_loop(Path(path).expanduser()))), None):
         raise SetupError(why)
     if not create:  # fit's checks: a path it writes, or that its config.yaml must give back, is UTF-8
         check_utf8(run_dir, data_root)

@@ -263,7 +263,7 @@ def calibrate(
     Returns:
         (entry, logits (n, K), labels (n,)): the logits and labels it was fitted on, for the reliability diagram.
     """
-    entries, source = calibration_entries(checkpoint, class_names, calib_dir)
+    entries, source = calibration_entries(checkpoint, class_names, calib_dir, warn=False)  # said at the preflight
     pixels, labels = load_pixels(entries, preprocess)
     logits, features = graph_outputs(model_bytes, pixels)
     if features is None and options.get("ood_kind", DEFAULT_OOD_SCORE) == "mahalanobis":

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from serve.export.preflight import split_path
+from serve.export.preflight import run_path, split_path
 from serve.runtime.classifier import OnnxClassifier
 from serve.runtime.image_files import walk_image_files
 from serve.runtime.images import ImageError, Preprocess, load_image
@@ -57,29 +57,45 @@ class Sample:
 def validation_sample(
     checkpoint: Path, class_names: list[str], preprocess: Preprocess, val_dir: Path | None = None, limit: int = 256
 ) -> Sample:
-    """The run's validation images (`<run>/split.json`), else `val_dir`, else random images with a warning."""
-    entries: list[tuple[Path, int]] = []
-    source = ""
+    """The run's validation images (`<run>/split.json`), else (or when none of them can be read) `val_dir`, else
+    random images with a warning."""
     split = split_path(checkpoint)  # checked against the checkpoint's classes: `preflight.check_split`
     index = {name: i for i, name in enumerate(class_names)}
-    if split.is_file():
-        run_dir = split.parent
-        for e in json.loads(split.read_text()).get("val", []):
-            p = Path(e["path"])
-            if not p.is_absolute() and not p.exists() and (run_dir / p).exists():
-                p = run_dir / p
-            label = e.get("label", -1)
-            entries.append((p, index.get(label, -1) if isinstance(label, str) else int(label)))
-        source = str(split)
-    if entries and val_dir is not None:  # said, not silently passed over
-        log.warning(
-            "--val-dir %s is not used: the parity gate runs on the run's own validation images (%s)", val_dir, split
+    label = lambda e: index.get(e.get("label", -1), -1) if isinstance(e.get("label"), str) else int(e.get("label", -1))
+    tried: list[tuple[list[tuple[Path, int]], str]] = []  # (entries, source), in the order they are tried
+    if split.is_file() and (val := json.loads(split.read_text()).get("val", [])):
+        tried.append(([(run_path(e["path"], split.parent), label(e)) for e in val], str(split)))
+    if val_dir is not None:  # as --val-dir was checked: linked folders followed
+        tried.append(
+            ([(Path(p), index.get(Path(p).parent.name, -1)) for p in walk_image_files(val_dir)[0]], str(val_dir))
         )
-    if not entries and val_dir is not None:
-        for p in map(Path, walk_image_files(val_dir)[0]):  # as --val-dir was checked: linked folders followed
-            entries.append((p, index.get(p.parent.name, -1)))
-        source = str(val_dir)
-    if len(entries) > limit:  # evenly spread, deterministic
+    if len(tried) == 2:  # said, not silently passed over
+        log.warning(
+            "--val-dir %s is used only if none of the run's own validation images (%s) can be read", val_dir, split
+        )
+    first_failure = None
+    for entries, source in tried:
+        pixels, labels, unreadable = _read_sample(entries, preprocess, limit)
+        if pixels:
+            return Sample(np.stack(pixels), np.asarray(labels), source)
+        first_failure = first_failure or (unreadable and (len(unreadable), source, unreadable[0]))
+    if first_failure:  # the gate would pass on noise: say so, rather than export unchecked
+        n, source, first = first_failure
+        fix = "restore them" + (
+            ", or give --val-dir DIR, a folder of readable images per class" if val_dir is None else ""
+        )
+        raise ValueError(f"none of the {n} parity images of {source} could be read, the first {first}: {fix}")
+    looked = ([f"{split}'s val split"] if split.is_file() else []) + ([str(val_dir)] if val_dir is not None else [])
+    where = f"in {' or '.join(looked)}" if looked else "(no split.json next to the checkpoint's run, no --val-dir)"
+    warnings.warn(f"no validation images found {where}: the parity gate runs on 32 random images instead", stacklevel=2)
+    H, W = preprocess.img_size
+    rng = np.random.default_rng(0)
+    return Sample(rng.integers(0, 256, (32, H, W, 3), dtype=np.uint8), np.full(32, -1), "random images")
+
+
+def _read_sample(entries: list[tuple[Path, int]], preprocess: Preprocess, limit: int) -> tuple[list, list, list[str]]:
+    """(pixels, labels, unreadable) of at most `limit` of `entries`, evenly spread (deterministic)."""
+    if len(entries) > limit:
         entries = [entries[i] for i in np.linspace(0, len(entries) - 1, limit).round().astype(int)]
     pixels, labels, unreadable = [], [], []
     for p, label in entries:
@@ -89,22 +105,7 @@ def validation_sample(
         except (ImageError, FileNotFoundError) as err:
             log.warning("parity sample: skipping %s (%s)", p, err)
             unreadable.append(f"{p} ({err})")
-    if unreadable and not pixels:  # the gate would pass on noise: say so, rather than export unchecked
-        raise ValueError(
-            f"none of the {len(unreadable)} parity images of {source} could be read, the first {unreadable[0]}: "
-            "restore them, or give --val-dir DIR, a folder of readable images per class"
-        )
-    if not pixels:
-        looked = ([f"{split}'s val split"] if split.is_file() else []) + ([str(val_dir)] if val_dir is not None else [])
-        where = f"in {' or '.join(looked)}" if looked else "(no split.json next to the checkpoint's run, no --val-dir)"
-        warnings.warn(
-            f"no validation images found {where}: the parity gate runs on 32 random images instead",
-            stacklevel=2,
-        )
-        H, W = preprocess.img_size
-        rng = np.random.default_rng(0)
-        return Sample(rng.integers(0, 256, (32, H, W, 3), dtype=np.uint8), np.full(32, -1), "random images")
-    return Sample(np.stack(pixels), np.asarray(labels), source)
+    return pixels, labels, unreadable
 
 
 @torch.no_grad()

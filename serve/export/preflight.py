@@ -244,8 +244,11 @@ def _shown(names: list, most: int = 5) -> str:
     return f"[{', '.join(map(repr, names[:most]))}{more}]"
 
 
-def calibration_entries(checkpoint: Path, class_names: list[str], calib_dir: Path | None) -> tuple[list, str]:
-    """(path, label) pairs of the calibration images and where they came from.
+def calibration_entries(
+    checkpoint: Path, class_names: list[str], calib_dir: Path | None, warn: bool = True
+) -> tuple[list, str]:
+    """(path, label) pairs of the calibration images and where they came from; a `--calibrate` folder's images that
+    the run trained on are left out, said in a warning when `warn`.
 
     Raises:
         ValueError: no calibration images, or a folder whose class names the model does not know.
@@ -261,9 +264,16 @@ def calibration_entries(checkpoint: Path, class_names: list[str], calib_dir: Pat
                     f"--calibrate {calib_dir}: folder {d.name!r} is not one of the model's classes {class_names}"
                 )
             entries += [(Path(p), index[d.name]) for p in find_image_files(d)]
+        found, entries = len(entries), without_training_images(entries, checkpoint, f"--calibrate {calib_dir}", warn)
         if len(entries) < MIN_IMAGES:  # refused now, not after a minute of export
+            less = (
+                f" ({found - len(entries)} of {found} left out as the run's training images)"
+                if found > len(entries)
+                else ""
+            )
             raise ValueError(
-                f"--calibrate {calib_dir}: {len(entries)} image files, and calibration needs at least {MIN_IMAGES}"
+                f"--calibrate {calib_dir}: {len(entries)} image files{less}, and calibration needs at least "
+                f"{MIN_IMAGES}"
             )
         if len(covered := {label for _, label in entries}) < min(2, len(class_names)):
             only = ", ".join(class_names[i] for i in sorted(covered)) or "none"
@@ -272,7 +282,7 @@ def calibration_entries(checkpoint: Path, class_names: list[str], calib_dir: Pat
                 "sets and the unknown-input threshold are fitted to the images the model will meet, so give held-out "
                 "images of its classes (one folder per class)"
             )
-        return without_training_images(entries, checkpoint, f"--calibrate {calib_dir}"), str(calib_dir)
+        return entries, str(calib_dir)
     split = split_path(checkpoint)
     if not split.is_file():  # a run on a prepared dataset (`vit-train prepare`) keeps none
         raise ValueError(
@@ -289,24 +299,26 @@ def calibration_entries(checkpoint: Path, class_names: list[str], calib_dir: Pat
     )
 
 
-def without_training_images(entries: list, checkpoint: Path, given: str) -> list:
-    """`entries` less the images the checkpoint's run trained on (its `split.json`), said in a warning: scores fitted
-    on them are overconfident, and the prediction sets too small for their coverage."""
+def without_training_images(entries: list, checkpoint: Path, given: str, warn: bool = True) -> list:
+    """`entries` less the images the checkpoint's run trained on (its `split.json`), said in a warning (`warn`): scores
+    fitted on them are overconfident, and the prediction sets too small for their coverage."""
     split = split_path(checkpoint)
     if not split.is_file():
         return entries
-    run = split.parent
-    trained = {os.path.realpath(run / e["path"]) for e in json.loads(split.read_text()).get("train", [])}
+    trained = {
+        os.path.realpath(run_path(e["path"], split.parent)) for e in json.loads(split.read_text()).get("train", [])
+    }
     kept = [(p, label) for p, label in entries if os.path.realpath(p) not in trained]
-    if len(kept) < len(entries):
+    if warn and len(kept) < len(entries):
         log.warning(
             "%s: %d of its %d images are training images of this run (%s), left out of the calibration: scores "
             "fitted on them would be overconfident and the prediction sets too small", given,
             len(entries) - len(kept), len(entries), split,
         )  # fmt: skip
-    if len(kept) < MIN_IMAGES:
-        raise ValueError(
-            f"{given}: only {len(kept)} of its images are not training images of this run, and calibration needs at "
-            f"least {MIN_IMAGES}: give held-out images of the model's classes (one folder per class)"
-        )
     return kept
+
+
+def run_path(path: str, run_dir: Path) -> Path:
+    """A path of a run's `split.json`: as written (absolute, or from here), else from the run folder."""
+    p = Path(path)
+    return run_dir / p if not p.is_absolute() and not p.exists() and (run_dir / p).exists() else p

@@ -122,9 +122,9 @@ def write_web(model_path: str | Path, folder: str | Path, ort_dist: str | Path |
         f"onnxruntime-web {ort_web_version()} (https://www.npmjs.com/package/onnxruntime-web), "
         "Copyright (c) Microsoft Corporation, MIT License.\n"
     )
-    pieces = {folder / f: (PAGE_DIR / f).read_bytes() for f in PAGE_FILES}
+    pieces = {folder / "ort" / "NOTICE": notice.encode()}  # renamed first: a page stopped half-way is still ours
+    pieces |= {folder / f: (PAGE_DIR / f).read_bytes() for f in PAGE_FILES}
     pieces |= {folder / "ort" / f: (dist / f).read_bytes() for f in ORT_FILES}
-    pieces[folder / "ort" / "NOTICE"] = notice.encode()
     if model_path.resolve() != (folder / "model.onnx").resolve():
         pieces[folder / "model.onnx"] = model_path.read_bytes()
     (folder / "ort").mkdir(parents=True, exist_ok=True)

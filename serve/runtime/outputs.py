@@ -173,13 +173,13 @@ class PartStore:
         Raises:
             ValueError: it cannot be made (`--out /proc/x.csv`, a read-only disk), in one line that says so.
         """
-        _refuse_link(self.dir)
-        if self.dir.exists():
-            return
         try:
-            self.dir.mkdir(parents=True)
+            _refuse_link(self.dir)
+            if self.dir.is_dir():
+                return
+            self.dir.mkdir(parents=True, exist_ok=True)  # exist_ok: a second run started at once is `lock`'s to refuse
             sync_folder(self.dir.parent)
-        except OSError as e:
+        except OSError as e:  # a parent this user cannot search or write, a read-only disk, /proc
             raise ValueError(
                 f"cannot make {self.dir}, the folder of the parts of {self.out} while the run goes on "
                 f"({e.strerror or e}): give an --out in a folder this user can write"

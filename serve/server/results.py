@@ -22,9 +22,6 @@ class Deadline:
     def __init__(self, timeout_s: float):
         self.timeout_s, self.at = timeout_s, time.monotonic() + timeout_s
 
-    def passed(self) -> bool:
-        return time.monotonic() >= self.at
-
     def left(self) -> float:
         """The seconds left; the 504's `ApiError` once none are."""
         left = self.at - time.monotonic()

@@ -444,18 +444,28 @@ def test_a_path_that_is_a_link_loop_is_one_line(own_run, tmp_path, capsys, no_ex
     assert exited.value.code == 2 and f"{loop} is a symbolic link that loops" in err and "Traceback" not in err, err
 
 
-def test_a_val_dir_beside_the_runs_own_validation_images_is_said_to_be_unused(own_run, tmp_path, caplog):
-    """The gate ran on the run's split.json and said nothing of the --val-dir given, of other classes even."""
+def test_a_val_dir_beside_the_runs_own_validation_images_is_said_and_taken_when_they_cannot_be_read(
+    own_run, tmp_path, caplog
+):
+    """The gate ran on the run's split.json and said nothing of the --val-dir given; and when none of the split's
+    images could be read, it said "give --val-dir DIR", which it then passed over again."""
     from serve.export.parity import validation_sample
     from serve.runtime.images import Preprocess
     from tests.helpers import write_shapes
 
     other = write_shapes(tmp_path / "other", per_class=2, classes=("cat", "dog"))
+    checkpoint, preprocess = own_run / "checkpoints" / "best.ckpt", Preprocess((32, 32), 1.0)
     with caplog.at_level("WARNING", logger="serve.export.parity"):
-        sample = validation_sample(own_run / "checkpoints" / "best.ckpt", CLASS_NAMES, Preprocess((32, 32), 1.0), other)
+        sample = validation_sample(checkpoint, CLASS_NAMES, preprocess, other)
     assert sample.source == str(own_run / "split.json")
-    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith(f"--val-dir {other} is not used")]
-    assert len(said) == 1 and "the run's own validation images" in said[0], caplog.text
+    said = f"--val-dir {other} is used only if none of the run's own validation images ({own_run / 'split.json'})"
+    assert said in caplog.text, caplog.text
+    split = json.loads((own_run / "split.json").read_text())
+    gone = [{**e, "path": str(tmp_path / "gone" / Path(e["path"]).name)} for e in split["val"]]
+    (own_run / "split.json").write_text(json.dumps({**split, "val": gone}))
+    assert validation_sample(checkpoint, CLASS_NAMES, preprocess, other).source == str(other)
+    with pytest.raises(ValueError, match="could be read, the first .*: restore them, or give --val-dir DIR"):
+        validation_sample(checkpoint, CLASS_NAMES, preprocess)
 
 
 def test_calibration_images_the_run_trained_on_are_left_out_and_said(own_run, tmp_path, caplog):
@@ -479,5 +489,11 @@ def test_calibration_images_the_run_trained_on_are_left_out_and_said(own_run, tm
     assert sorted(str(p) for p, _ in entries) == sorted(e["path"] for e in paths[10:])
     assert "10 of its 30 images are training images of this run" in caplog.text, caplog.text
     (own_run / "split.json").write_text(json.dumps({**split, "train": paths}))  # all of them
-    with pytest.raises(ValueError, match="only 0 of its images are not training images of this run"):
+    with pytest.raises(ValueError, match=r"0 image files \(30 of 30 left out as the run's training images\)"):
+        calibration_entries(checkpoint, CLASS_NAMES, tmp_path / "folder")
+    others = [e for e in paths if e["label"] != 0]  # every image but class 0's trained on: one class is left
+    (own_run / "split.json").write_text(json.dumps({**split, "train": others}))
+    for i in range(30, 50):  # enough images of that class
+        Image.fromarray(images[0]).save(tmp_path / "folder" / CLASS_NAMES[0] / f"{i}.png")
+    with pytest.raises(ValueError, match=r"its images are of one class \("):
         calibration_entries(checkpoint, CLASS_NAMES, tmp_path / "folder")

@@ -375,3 +375,29 @@ def test_a_folder_with_a_page_no_export_wrote_is_refused_and_left_as_it_was(tmp_
     assert [p.name for p in mine.iterdir()] == ["index.html"] and (mine / "index.html").read_text() == "MY PAGE"
     site = web.write_web(_web_model(tmp_path / "b.onnx"), tmp_path / "site")  # an earlier page: replaced
     assert web.write_web(_web_model(tmp_path / "c.onnx", note="again"), site) == site
+
+
+def test_a_first_page_stopped_after_its_first_rename_is_still_taken_for_ours(tmp_path, monkeypatch):
+    """`ort/NOTICE` was renamed into place last: a first `--web` stopped after `index.html` left a page that its
+    own retry refused as one no `--web` wrote."""
+    pytest.importorskip("onnx")  # the exporter's; the [serve]-only venv has none
+    from serve.export import files, web
+
+    try:
+        web.find_ort_dist()
+    except FileNotFoundError as e:
+        pytest.skip(f"onnxruntime-web is not installed: {e}")
+    replace, renamed = os.replace, []
+
+    def stopped_after_the_first(src, dst):
+        if renamed:
+            raise KeyboardInterrupt  # Ctrl-C between two renames
+        renamed.append(dst)
+        replace(src, dst)
+
+    monkeypatch.setattr(files.os, "replace", stopped_after_the_first)
+    with pytest.raises(KeyboardInterrupt):
+        web.write_web(_web_model(tmp_path / "a.onnx"), tmp_path / "site")
+    monkeypatch.setattr(files.os, "replace", replace)
+    assert [Path(p).name for p in renamed] == ["NOTICE"]
+    assert web.write_web(_web_model(tmp_path / "a.onnx"), tmp_path / "site") == tmp_path / "site"

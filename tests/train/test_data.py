@@ -460,6 +460,14 @@ def test_a_class_folder_that_is_a_link_to_nothing_is_refused_not_left_out(tmp_pa
         scan_folder(root, val_fraction=0.25)
 
 
+def test_a_link_to_nothing_named_as_a_file_is_said_and_the_scan_goes_on(tmp_path: Path, caplog):
+    root = write_shapes(tmp_path / "shapes", per_class=4)
+    (root / "README.md").symlink_to("../docs/README.md")
+    with caplog.at_level("WARNING", logger="train.folder_scan"):
+        scan = scan_folder(root, val_fraction=0.25)
+    assert scan.classes == ["bar", "column", "square"] and "README.md is a link to ../docs/README.md" in caplog.text
+
+
 def test_images_beside_the_class_folders_are_said_to_be_in_no_class(tmp_path: Path, caplog):
     """182 images in the root itself were left out of training without a word."""
     root = write_shapes(tmp_path / "shapes", per_class=4)

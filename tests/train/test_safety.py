@@ -209,17 +209,19 @@ def test_a_run_directory_through_a_link_to_nowhere_is_refused_before_the_scan(tm
         check_run_dir(tmp_path / "runs" / under, None, create=False)
 
 
-@pytest.mark.parametrize("option", ["--trainer.default_root_dir", "--data.root"])
-def test_a_run_directory_or_image_folder_that_is_a_link_loop_is_one_line(tmp_path, option):
+@pytest.mark.parametrize("option", ["--trainer.default_root_dir", "--data.root", "--data.root ~"])
+def test_a_run_directory_or_image_folder_that_is_a_link_loop_is_one_line(tmp_path, option, monkeypatch):
     """Python 3.11's Path.resolve raised "RuntimeError: Symlink loop from ..." through vit-train fit."""
     from train.errors import SetupError
     from train.run_dir import check_run_dir
 
     (tmp_path / "a").symlink_to(tmp_path / "b")
     (tmp_path / "b").symlink_to(tmp_path / "a")
-    run, root = (tmp_path / "a", None) if option == "--trainer.default_root_dir" else (tmp_path / "run", tmp_path / "a")
-    with pytest.raises(SetupError, match=f"^{option} {tmp_path / 'a'} is a symbolic link that loops"):
-        check_run_dir(run, root and str(root), create=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    loop = "~/a" if option.endswith("~") else str(tmp_path / "a")
+    run, root = (Path(loop), None) if option == "--trainer.default_root_dir" else (tmp_path / "run", loop)
+    with pytest.raises(SetupError, match=f"^{option.split()[0]} {tmp_path / 'a'} is a symbolic link that loops"):
+        check_run_dir(run, root, create=False)
 
 
 def _fake_run(run_dir: Path, *names: str) -> Path:

@@ -29,6 +29,7 @@ import asyncio
 import functools
 import logging
 import math
+import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextvars import ContextVar
@@ -128,14 +129,14 @@ class RayEngine(Engine):
 
     async def infer(self, item: Any, timeout_s: float | None = None) -> np.ndarray:
         """(H, W, 3) uint8 (or an opened upload) -> its record of `forward_rows` from a model replica, within
-        `timeout_s` (None: --request-timeout-s) for each attempt."""
-        timeout_s = self.settings.request_timeout_s if timeout_s is None else timeout_s
+        `timeout_s` (None: --request-timeout-s), its decode and every attempt included."""
+        end = time.monotonic() + (self.settings.request_timeout_s if timeout_s is None else timeout_s)
         image = item if isinstance(item, np.ndarray) else await run_in_threadpool(self.batcher.prepare, item)
         for attempt in range(1, ATTEMPTS + 1):
             try:
                 forward = self.handle.forward
                 call = forward.remote(image) if self.version is None else forward.remote(image, self.version)
-                row, name = await asyncio.wait_for(call, timeout_s)
+                row, name = await asyncio.wait_for(call, max(0.0, end - time.monotonic()))  # one time for all tries
             except (ActorDiedError, ActorUnavailableError) as e:  # died with the image in flight: send it again
                 log.warning("model replica lost with an image in flight (attempt %d of %d): %s", attempt, ATTEMPTS, e)
                 continue
