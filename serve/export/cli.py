@@ -257,7 +257,7 @@ def _parser() -> argparse.ArgumentParser:
         f"the file, either target: {oldest}",
     )
     p.add_argument("--img-size", type=int, nargs=2, metavar=("H", "W"), help="export at another input size")
-    p.add_argument("--val-dir", type=path_argument, help="images for the parity gate when the run has no split.json")
+    p.add_argument("--val-dir", type=path_argument, help="images for the parity gate if the run has none it can read")
     p.add_argument(
         "--no-gradients", action="store_true", help="leave out the gradient graph (smaller file, no gradient rollout)"
     )
