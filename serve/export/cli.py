@@ -313,7 +313,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("name the file to write with -o, e.g. -o artifacts/model.onnx")
     if args.web is not None:
         try:
-            web.find_ort_dist(args.ort_web), web.check_folder(args.web)  # before a minute of export, not after
+            web.find_ort_dist(args.ort_web)  # before a minute of export, not after
+            web.check_folder(args.web)
         except (FileNotFoundError, ValueError) as e:
             print(f"vit-export: {e}", file=sys.stderr)
             return 2
