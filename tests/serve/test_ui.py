@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import base64
+import io
 import os
 import socket
 import time
@@ -13,6 +15,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from serve.runtime.temp_dirs import LOCK
 from serve.server.explain import cls_attention, render_overlay
 from serve.server.ui.blocks import example_files
 from tests.helpers import ServerProcess, peak_mib, reset_peak, server_has_read, wait_until
@@ -437,3 +440,77 @@ def test_the_page_names_no_server_path_and_carries_no_calibration_arrays(ui_serv
     page = httpx.get(ui_server.url + "/config", timeout=30).text
     assert '"temperature"' in page and '"source"' not in page and '"means"' not in page and '"scores"' not in page
     assert len(page) < 60_000, len(page)
+
+
+def png(size: tuple[int, int], mode: str = "L") -> bytes:
+    buf = io.BytesIO()
+    Image.new(mode, size).save(buf, "PNG")
+    return buf.getvalue()
+
+
+def data_url(*images: bytes) -> str:
+    return "data:image/png;base64," + ",".join(base64.b64encode(i).decode() for i in images)
+
+
+def call(server, api: str, image: dict, *args) -> str:
+    data = [{**image, "meta": {"_type": "gradio.FileData"}}, *args]
+    event = httpx.post(f"{server.url}/gradio_api/call/{api}", json={"data": data}, timeout=60).json()
+    return httpx.get(f"{server.url}/gradio_api/call/{api}/{event['event_id']}", timeout=120).text
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "sent, said",
+    [
+        ("two images in one data: URL", "one image"),  # Gradio decoded the last, 160 MP, where the check read the first
+        ("a URL", "not one uploaded"),  # Gradio downloads it, from the server's network, of any size
+        ("the server's lock", "not one uploaded"),  # Gradio took it, and its clean-up deleted it
+        ("the model file", "not one uploaded"),  # Gradio's refusal named the model's path and the server's code
+        ("a relative path", "not one uploaded"),  # Gradio's refusal named the server's working directory
+    ],
+)
+def test_the_ui_takes_only_an_upload_or_one_data_url_image(ui_server, tiny_onnx, sent, said):
+    uploaded = httpx.post(ui_server.url + "/gradio_api/upload", files={"files": ("a.png", png((8, 8)))}, timeout=30)
+    folder = next(p for p in Path(uploaded.json()[0]).parents if p.name.startswith("vitscope-ui-"))
+    image = {
+        "two images in one data: URL": {"url": data_url(png((8, 8)), png((16000, 10000)))},
+        "a URL": {"path": "http://127.0.0.1:9/a.png", "url": "http://127.0.0.1:9/a.png"},
+        "the server's lock": {"path": str(folder / LOCK)},
+        "the model file": {"path": str(tiny_onnx)},
+        "a relative path": {"path": "a.png"},
+    }[sent]
+    reset_peak(ui_server.proc.pid)
+    base = peak_mib(ui_server.proc.pid)
+    stream = call(ui_server, "classify", image, "mean", 0.0, 0, 2, 0.5, "inferno")
+    assert "event: error" in stream and said in stream, stream[:500]
+    assert "/tmp" not in stream and "/work" not in stream and str(Path.cwd()) not in stream, stream[:500]
+    assert peak_mib(ui_server.proc.pid) - base < 300  # MiB: no image decoded whole
+    assert (folder / LOCK).exists()
+
+
+@pytest.mark.slow
+def test_an_image_in_a_data_url_is_classified_and_a_cut_one_refused(ui_server):
+    img = np.full((32, 32, 3), 30, np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(img).save(buf, "PNG")
+    stream = call(ui_server, "trust", {"url": data_url(buf.getvalue())}, 0.9)
+    assert "event: complete" in stream, stream[:500]
+    lines = len(ui_server.lines)
+    stream = call(ui_server, "trust", {"url": data_url(buf.getvalue()[:-30])}, 0.9)
+    assert "event: error" in stream and "truncated" in stream and "Original error" not in stream, stream[:500]
+    ui_server.caught_up()
+    assert not any("Traceback" in line for line in ui_server.lines[lines:])  # the caller's mistake: no server fault
+
+
+def test_the_pages_events_share_one_concurrency_limit(tiny_onnx):
+    """--ui-concurrency bounded each of the page's events on its own (Gradio's default): with 13 of them, 26 calls
+    could decode images at once where the flag said 2."""
+    from serve.runtime.classifier import OnnxClassifier
+    from serve.server.app import build_app
+    from serve.server.settings import ServeSettings
+    from serve.server.ui.blocks import build_ui
+
+    settings = ServeSettings(preferred_batch_size=1, examples_dir="")
+    classifier = OnnxClassifier(tiny_onnx)
+    demo = build_ui(build_app(classifier, settings, with_ui=False).state.repository, classifier, settings)
+    assert len(demo.fns) > 5 and len({fn.concurrency_id for fn in demo.fns.values()}) == 1

@@ -15,9 +15,8 @@ Endpoints for `gradio_client` (``Client(url).predict(..., api_name=...)``):
 
 from __future__ import annotations
 
-import base64
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -27,7 +26,7 @@ import numpy as np
 from fastapi import FastAPI
 
 from serve.runtime.faithfulness import mean_fill
-from serve.runtime.images import IMAGE_SUFFIXES, ImageError, PixelBudget, open_image
+from serve.runtime.images import IMAGE_SUFFIXES, ImageError, PixelBudget
 from serve.runtime.rollout import HEAD_FUSIONS
 from serve.server.explain import (
     COLORMAPS,
@@ -41,7 +40,7 @@ from serve.server.repository.repository import UnknownModel
 from serve.server.repository.version import Retired
 from serve.server.ui.http import NoVersionInGradioOpenapi, UiCallErrorsAsJson, UploadLimit
 from serve.server.ui.images import cached_image
-from serve.server.ui.inputs import Refused, choice, share, whole
+from serve.server.ui.inputs import Refused, choice, share, uploads_only, whole
 from serve.server.ui.metadata import page_metadata
 
 log = logging.getLogger(__name__)
@@ -267,6 +266,7 @@ def build_ui(repository, classifier, settings, budget: PixelBudget | None = None
             picker = gr.Dropdown(list(models), value=models[0], label="Model")
             picker.change(lambda name: name, picker, picked, api_name=False)
         image, opacity, cmap = _rollout_panel(on, settings, picked)
+        uploads_only(demo, image, settings.max_pixels)
         _attention_tab(on, image, opacity, cmap, picked)
         _gradient_tab(on, image, opacity, cmap, picked)
         with gr.Tab("Model"):
@@ -274,6 +274,8 @@ def build_ui(repository, classifier, settings, budget: PixelBudget | None = None
         examples = example_files(settings.examples_dir)
         if examples:
             gr.Examples(examples, inputs=[image], label="Sample images")
+    for fn in demo.fns.values():  # one group: --ui-concurrency bounds the page's calls together, not each event's
+        fn.concurrency_id = "model"
     return demo
 
 
@@ -286,31 +288,6 @@ def no_attention(classifier) -> str | None:
     return None
 
 
-def checked_upload(preprocess: Callable[[Any], Any], max_pixels: int) -> Callable[[Any], Any]:
-    """`gr.Image.preprocess`, after the upload's header is checked as the API checks one (`open_image`: an image,
-    within `max_pixels`): Gradio decodes an image sent as a data: URL whole (a few hundred kB of PNG can be 160 MP,
-    1.5 GB) before any of our limits, and its error for a file that is no image names the server's temporary path.
-    A refusal is our message, as a `gr.Error`."""
-
-    def checked(payload):
-        if payload is None:
-            return None
-        url, path = getattr(payload, "url", None), getattr(payload, "path", None)
-        try:
-            if url and url.startswith("data:"):  # bounded by the request's --max-bytes, like any upload
-                data = base64.b64decode(url.partition(",")[2])
-            else:
-                data = Path(path).read_bytes() if path else b""
-            open_image(data, max_pixels).close()  # the header only
-        except ImageError as e:
-            raise Refused(str(e)) from None
-        except (OSError, ValueError):  # a path gone from the cache, a data: URL that is not base64
-            raise Refused("the upload could not be read: upload the image again") from None
-        return preprocess(payload)
-
-    return checked
-
-
 def _rollout_panel(on: UiActions, settings, picked):
     """The image, the prediction and the rollout overlay with its controls; returns the widgets the tabs share."""
     with gr.Row(equal_height=True):
@@ -321,7 +298,6 @@ def _rollout_panel(on: UiActions, settings, picked):
             label="Image (upload, paste or webcam)",
             height=300,
         )
-        image.preprocess = checked_upload(image.preprocess, settings.max_pixels)
         seen = gr.Image(type="numpy", label="What the model sees", interactive=False, height=300)
         overlay = gr.Image(type="numpy", label="Attention rollout", interactive=False, elem_id="overlay", height=300)
     with gr.Row():

@@ -1,4 +1,5 @@
-"""The UI's result images, written into Gradio's cache whole before they get their name.
+"""The UI's result images, and the images calls send as data: URLs, written into Gradio's cache whole before they
+get their name.
 
 Gradio saves an image a callback returns under a folder named by its content, rewriting the file in place at each
 identical result (`processing_utils.save_pil_to_cache`): a client fetching the result of one call while another
@@ -23,16 +24,20 @@ def cached_image(image: np.ndarray, format: str = "webp") -> str:
     """The path of `image` (H, W, 3) uint8 as a `format` file in Gradio's cache, for a `gr.Image` output."""
     buf = io.BytesIO()
     Image.fromarray(image).save(buf, format=format)
-    data = buf.getvalue()
+    return cached_bytes(buf.getvalue(), f"image.{format}")
+
+
+def cached_bytes(data: bytes, name: str) -> str:
+    """The path of a file `name` holding `data` in Gradio's cache, in the folder named by its content."""
     folder = Path(utils.get_upload_folder()) / processing_utils.hash_bytes(data)
-    path = folder / f"image.{format}"
+    path = folder / name
     try:
         os.utime(path)  # handed out again: the cache's age limit counts from now, as Gradio's copy step does
         return str(path)
     except FileNotFoundError:
         pass  # new, or the cache just aged it out
     folder.mkdir(parents=True, exist_ok=True)
-    fd, staging = tempfile.mkstemp(dir=folder, prefix=f".image.{format}.")
+    fd, staging = tempfile.mkstemp(dir=folder, prefix=f".{name}.")
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)

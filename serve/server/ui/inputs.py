@@ -1,15 +1,24 @@
 """What the UI's callbacks accept from a page or a raw API call: each refusal a `Refused` that names the widget.
 
 Gradio hands a callback whatever a raw call sends (NaN, 0.5 for a slider of whole numbers, null or a list for a
-dropdown); these checks turn each into a message the caller can act on.
+dropdown); these checks turn each into a message the caller can act on. `uploads_only` does the same for the image.
 """
 
 from __future__ import annotations
 
+import base64
 import math
+import os
+from pathlib import Path
 from typing import Any
 
 import gradio as gr
+from gradio.exceptions import InvalidPathError
+
+from serve.runtime.images import ImageError, open_image
+from serve.server.ui.images import cached_bytes
+
+NOT_AN_UPLOAD = "the image is not one uploaded to this server: upload it, or send it in the call as a data: URL"
 
 
 class Refused(gr.Error):
@@ -41,3 +50,66 @@ def choice(value: Any, options: tuple[str, ...], name: str) -> str:
     if not (isinstance(value, str) and value in options):
         raise Refused(f"the {name} must be one of {', '.join(options)}, got {value!r}")
     return value
+
+
+def uploads_only(demo: gr.Blocks, image: gr.Image, max_pixels: int) -> None:
+    """Have the "filepath" input `image` of `demo` take an image uploaded to this server, or sent in the call as one
+    base64 data: URL, and nothing else; each is checked from its header as the API checks one (`open_image`: an
+    image, within `max_pixels`) before anything decodes it. What Gradio does otherwise:
+
+    - it decodes a data: URL's image whole and re-encodes it before any of our limits (a few hundred kB of PNG can
+      be 160 MP, 1.5 GB), and it reads the last of several comma-separated parts, where a check reads the first;
+    - it downloads an http(s) URL a call names, from the server's network, of any size, past every limit;
+    - it takes any file at the top of its upload folder: an upload still arriving, or the server's lock, which its
+      clean-up then deletes;
+    - it names a path it refuses back in its error, made absolute (with the server's working directory).
+
+    A refusal is our message, as a `Refused`.
+    """
+    folder = os.path.abspath(gr.utils.get_upload_folder())
+    move, preprocess, preprocess_data = image.async_move_resource_to_block_cache, image.preprocess, demo.preprocess_data
+
+    async def move_upload(path):
+        name = str(path or "")
+        if "://" in name or os.path.dirname(os.path.abspath(name)) == folder:  # uploads are in hash folders
+            raise Refused(NOT_AN_UPLOAD)
+        return await move(path)
+
+    def checked(payload):
+        if payload is None:
+            return None
+        url = getattr(payload, "url", None) or ""
+        try:
+            if url.startswith("data:"):
+                return _data_url_file(image, url, max_pixels)
+            # the header only, from the bytes (at most --max-bytes): an error then names no server path
+            open_image(Path(payload.path or "").read_bytes(), max_pixels).close()
+        except Refused:
+            raise
+        except ImageError as e:
+            raise Refused(str(e)) from None
+        except (OSError, ValueError):  # a path gone from the cache, a data: URL that is not base64
+            raise Refused("the upload could not be read: upload the image again") from None
+        return preprocess(payload)
+
+    async def paths_unsaid(*args, **kwargs):
+        try:
+            return await preprocess_data(*args, **kwargs)
+        except InvalidPathError:
+            raise Refused(NOT_AN_UPLOAD) from None
+
+    image.async_move_resource_to_block_cache, image.preprocess = move_upload, checked
+    demo.preprocess_data = paths_unsaid
+
+
+def _data_url_file(image: gr.Image, url: str, max_pixels: int) -> str:
+    """The image of a data: URL, checked from its header and saved as it came, in the UI's folder."""
+    head, _, text = url.partition(",")
+    if not head.endswith(";base64") or "," in text:
+        raise Refused("send one image in a base64 data: URL (data:image/png;base64,...), or upload the file")
+    data = base64.b64decode(text, validate=True)  # binascii.Error is a ValueError
+    with open_image(data, max_pixels) as im:
+        name = f"image.{(im.format or 'bin').lower()}"
+    path = cached_bytes(data, name)
+    image.temp_files.add(path)  # deleted with the UI's other files, after --ui-cache-s
+    return path
