@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import sys
 from pathlib import Path
 
 from jsonargparse import ActionYesNo, ArgumentParser
 
-from serve.runtime.interrupts import sigterm_as_interrupt
+from serve.runtime.interrupts import exit_code, sigterm_as_interrupt
 from serve.runtime.ports import check_port
 from serve.runtime.temp_dirs import OwnedTempDir
 from train.errors import SetupError
@@ -39,7 +40,7 @@ def review_parser() -> ArgumentParser:
     )
     parser.add_argument("run_dir", type=str, help="the run directory of a vit-train fit (--trainer.default_root_dir)")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
-    parser.add_argument("--port", type=int, default=7860, help="port to listen on")
+    parser.add_argument("--port", type=int, default=7860, help="port to listen on (0: a free one, said when it is up)")
     parser.add_argument(
         "--share", action=ActionYesNo, default=False, help="also open a public gradio.live link (it shows your images)"
     )
@@ -71,6 +72,9 @@ def main(argv: list[str]) -> None:
     except (SetupError, ValueError, OSError) as e:
         print(f"vit-train review: {e}", file=sys.stderr)
         raise SystemExit(2) from None
+    except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM while the run is scored: once the page is up, it just closes
+        print(f"vit-train review: {str(e) or 'interrupted'}", file=sys.stderr)
+        raise SystemExit(exit_code(e)) from None
     finally:
         if temp_dir is not None:
             temp_dir.remove()
@@ -78,6 +82,17 @@ def main(argv: list[str]) -> None:
             os.environ.pop("GRADIO_TEMP_DIR", None)
         else:
             os.environ["GRADIO_TEMP_DIR"] = before
+
+
+def _free_port(host: str) -> int:
+    """A port free on `host` now, for --port 0: Gradio, given 0, binds a free port but then asks port 0 whether its
+    page is up, and fails."""
+    family, kind, proto, _, address = socket.getaddrinfo(
+        host.strip("[]") or None, 0, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )[0]
+    with socket.socket(family, kind, proto) as s:
+        s.bind(address)
+        return s.getsockname()[1]
 
 
 def launch_review(
@@ -96,8 +111,7 @@ def launch_review(
     """
     from train.review_data import ReviewRun
 
-    if port:  # 0: Gradio picks a free one
-        check_port(host, port)  # before the run is scored (minutes for a large one): Gradio finds it taken only after
+    check_port(host, port)  # before the run is scored (minutes for a large one): Gradio finds it taken only after
     run = ReviewRun(Path(run_dir), limit=limit, batch_size=batch_size)  # a run it cannot review is refused first
     from train.review_app import build_review_app  # gradio: only for this subcommand, and only then
 
@@ -106,6 +120,7 @@ def launch_review(
     log.info("review: %s; decisions go to %s", counts, run.run_dir / "corrections.csv")
     app.queue(default_concurrency_limit=1)  # one network, one decisions file: one event at a time (one queue)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # Gradio's requests to its own page, a line each
+    port = port or _free_port(host)  # picked now, once the run is scored
     try:
         app.launch(
             server_name=host, server_port=port, share=share, show_error=True, prevent_thread_lock=True, quiet=True,

@@ -124,7 +124,14 @@ class ReviewActions:
         return self.rows(which), *self.show(which, 0)
 
     def pick(self, which: str, evt: gr.SelectData):
-        return self.show(which, evt.index[0])
+        """The image of the table row clicked. An index that is no row's (5, None, ["x", 0], [NaN, 0]: a select event
+        sent to the page's API by hand) is refused as a click on no image: it ended in a traceback on the console."""
+        index = getattr(evt, "index", None)
+        row = index[0] if isinstance(index, list | tuple) and index else None
+        whole = isinstance(row, float) and row.is_integer() or isinstance(row, int) and not isinstance(row, bool)
+        if not whole or row < 0:
+            raise refused("pick an image in the table")
+        return self.show(which, int(row))
 
     def decide(self, which: str, index: int, action: str, label: str | None, seen: str | None = None):
         """Record one decision for image `index` of list `which`, then move on to the next image; returns the table,

@@ -19,6 +19,7 @@ from __future__ import annotations
 import csv
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -87,6 +88,30 @@ def _read_split(split_file: Path, labels: list[str]) -> dict:
     return split
 
 
+def _split_parts(split: dict, split_file: Path, classes: int) -> dict[str, list[tuple[str, int]]]:
+    """(path, label) of each image of the split's parts; a `SetupError` naming `split_file` for an entry fit does not
+    write (no path, a label out of 0..K-1, which showed an image as another class or ended in a traceback)."""
+    parts = {}
+    for key in ("train", "val", "calib"):
+        entries = split.get(key, [])
+        wrong = [e for e in entries if not _image_entry(e, classes)] if isinstance(entries, list) else [entries]
+        if wrong:
+            raise SetupError(
+                f"{split_file} is not a split.json that vit-train fit writes ({key}: {wrong[0]!r:.100} is not "
+                f'{{"path": ..., "label": 0 to {classes - 1}}}): fit the run again, or fix the entry'
+            )
+        parts[key] = [(e["path"], e["label"]) for e in entries]
+    return parts
+
+
+def _image_entry(entry, classes: int) -> bool:
+    """Whether `entry` is one image of a split: {"path": text, "label": a class index} (a bool is not an index)."""
+    if not isinstance(entry, dict):
+        return False
+    label = entry.get("label")
+    return isinstance(entry.get("path"), str) and type(label) is int and 0 <= label < classes
+
+
 class ReviewRun:
     """The lists and the network of one run directory.
 
@@ -115,7 +140,7 @@ class ReviewRun:
         self.trained_with = self._corrections(split)
         if (decided := self.run_dir / CORRECTIONS_FILE).exists():  # one fit would refuse: said before the scoring
             read_corrections(decided, self.data_root, self.labels)
-        parts = {key: [(e["path"], int(e["label"])) for e in split.get(key, [])] for key in ("train", "val", "calib")}
+        parts = _split_parts(split, split_file, len(self.labels))
         self.given = {p: self.labels[y] for entries in parts.values() for p, y in entries}
         self.limit = limit
         log.info("review: scoring the %d images of %s", len(self.given), self.run_dir)  # once the run is known good
@@ -207,18 +232,40 @@ class ReviewRun:
         log.warning("review: %s", said)
         return said
 
-    def _read_label_issues(self, file: Path) -> list[Item]:
+    def _read_report(self, file: Path, columns: tuple[str, ...], item: Callable[[dict], Item]) -> list[Item]:
+        """The first `limit` rows of a report of the run as `Item`s ([] without the file).
+
+        Raises:
+            SetupError: a report fit does not write (a header cut short, another encoding, a class index out of
+                range, a score that is no number, a stray quote), naming the file and the row: one line, where a
+                traceback ended the review or the rows were read wrong.
+        """
         if not file.is_file():
             return []
-        with open(file, newline="", encoding="utf-8", errors=FILE_NAME_ERRORS) as f:
-            rows = list(csv.DictReader(f))
-        items = [
-            Item(r["path"], self._name(r["given"]), self._name(r["suggested"]) or None, float(r["score"] or 0), "")
-            for r in rows[: self.limit]
-        ]
-        for item in items:
-            item.why = f"the run flags it (score {item.score:.3f})"
+        line, fix = 1, "run vit-train fit again to write it, or fix the row"
+        try:
+            with open(file, newline="", encoding="utf-8", errors=FILE_NAME_ERRORS) as f:
+                reader = csv.DictReader(f, strict=True)  # a stray quote is refused, not read as one long field
+                if missing := [c for c in columns if c not in (reader.fieldnames or [])]:
+                    raise KeyError(f"its header has no {missing[0]} column")
+                rows = [(reader.line_num, r) for r in reader]
+            items = []
+            for at, r in rows[: self.limit]:
+                line = at  # said if the row cannot be read
+                items.append(item(r))
+        except (KeyError, ValueError, IndexError, TypeError, csv.Error) as e:
+            line = reader.line_num + 1 if isinstance(e, csv.Error) else line  # the record after the last one read
+            why = e.args[0] if isinstance(e, KeyError) and e.args else e
+            raise SetupError(f"{file} line {line} is not what vit-train fit writes ({why}): {fix}") from None
         return items
+
+    def _read_label_issues(self, file: Path) -> list[Item]:
+        def item(r: dict) -> Item:
+            score = float(r["score"] or 0)
+            why = f"the run flags it (score {score:.3f})"
+            return Item(r["path"], self._name(r["given"]), self._name(r["suggested"]) or None, score, why)
+
+        return self._read_report(file, ("path", "given", "suggested", "score"), item)
 
     def _name(self, label: str) -> str:
         """A label as a class name (reports may hold the class index); a class name is kept as it is ('dog ')."""
@@ -226,6 +273,8 @@ class ReviewRun:
         if label in self.labels:
             return label
         label = label.strip()
+        if label.isdigit() and label not in self.labels and int(label) >= len(self.labels):
+            raise ValueError(f"class index {label}, where the run has {len(self.labels)} classes")
         return self.labels[int(label)] if label.isdigit() and label not in self.labels else label
 
     def _given(self, path: str) -> str:
@@ -234,17 +283,13 @@ class ReviewRun:
         return self.given.get(path) or (folder if folder in self.labels else "?")
 
     def _read_duplicates(self, file: Path, scored: dict[str, dict]) -> list[Item]:
-        if not file.is_file():
-            return []
         every = _joined(scored.values())
         top = dict(zip(every["paths"], [self.labels[k] for k in every["probs"].argmax(-1)], strict=True))
-        with open(file, newline="", encoding="utf-8", errors=FILE_NAME_ERRORS) as f:
-            rows = list(csv.DictReader(f))
-        return [
-            Item(r["path"], self._given(r["path"]), top.get(r["path"]), float(r["group"]),
-                 f"copy group {r['group']} ({r['kind']}), in {r['split'] or 'no split'}")
-            for r in rows[: self.limit]
-        ]  # fmt: skip
+        item = lambda r: Item(
+            r["path"], self._given(r["path"]), top.get(r["path"]), float(r["group"]),
+            f"copy group {r['group']} ({r['kind']}), in {r['split'] or 'no split'}",
+        )  # fmt: skip
+        return self._read_report(file, ("group", "path", "kind", "split"), item)
 
     def _unknown(self, scored: dict[str, dict]) -> list[Item]:
         K = len(self.labels)

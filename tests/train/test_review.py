@@ -247,6 +247,49 @@ def test_a_corrections_file_with_a_label_that_is_no_class_is_refused_when_the_re
     assert "scoring" not in caplog.text
 
 
+def _in_split(change):
+    return lambda text: (split := json.loads(text), change(split), json.dumps(split))[-1]
+
+
+def _rows_after_header(*rows: str):
+    return lambda text: "\n".join([text.splitlines()[0], *rows, ""])
+
+
+DAMAGES = {
+    "copies header cut": ("reports/duplicates.csv", lambda text: "group,path,ki"),
+    "copy group no number": ("reports/duplicates.csv", _rows_after_header("x,/x.png,exact,train")),
+    "label issues header cut": ("reports/label_issues.csv", lambda text: "path,giv"),
+    "label issues in utf-16": ("reports/label_issues.csv", lambda text: text.encode("utf-16")),
+    "class index out of range": ("reports/label_issues.csv", _rows_after_header("/x.png,99,1,0.5")),
+    "score no number": ("reports/label_issues.csv", _rows_after_header("/x.png,0,1,abc")),
+    "stray quote": ("reports/label_issues.csv", _rows_after_header('"/x.png,0,1,0.5', "/y.png,0,1,0.5")),
+    "stray quote over the field limit": ("reports/label_issues.csv", _rows_after_header('"' + "a" * 200_000)),
+    "split label 99": ("split.json", _in_split(lambda split: split["train"][0].update(label=99))),
+    "split label -1": ("split.json", _in_split(lambda split: split["train"][0].update(label=-1))),
+    "split label true": ("split.json", _in_split(lambda split: split["val"][0].update(label=True))),
+    "split entry without path": ("split.json", _in_split(lambda split: split["val"][0].pop("path"))),
+    "split path a number": ("split.json", _in_split(lambda split: split["calib"][0].update(path=5))),
+    "split train null": ("split.json", _in_split(lambda split: split.update(train=None))),
+}
+
+
+@pytest.mark.parametrize(("file", "damage"), DAMAGES.values(), ids=DAMAGES.keys())
+def test_a_damaged_report_or_split_entry_is_refused_in_one_line_naming_the_file(review_run, tmp_path, file, damage):
+    """Each ended the review in a traceback (KeyError: 'kind', IndexError, TypeError, _csv.Error), was read wrong
+    without a word (a label -1 shown as the last class), or was said without naming the file."""
+    from train.errors import SetupError
+    from train.review_data import ReviewRun
+
+    run = Path(shutil.copytree(review_run, tmp_path / "run"))
+    damaged = damage((run / file).read_text())
+    (run / file).write_bytes(damaged if isinstance(damaged, bytes) else damaged.encode())
+    with pytest.raises(SetupError) as refused:
+        ReviewRun(run, limit=5)
+    said = str(refused.value)
+    assert said.startswith(str(run / file)) and len(said.splitlines()) == 1, said
+    assert ("line " in said and "run vit-train fit again" in said) or "fit the run again" in said, said
+
+
 def test_an_image_gone_since_the_run_is_shown_as_such_and_can_be_left_out(review_run, tmp_path):
     """A moved image made the page answer an error for the click that had just been saved, and it could never be
     chosen, so never left out."""

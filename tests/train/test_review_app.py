@@ -174,6 +174,36 @@ def test_what_is_uploaded_to_the_page_is_deleted_when_it_closes(run: Path):
     wait_until(lambda: not Path(kept).exists(), 10, "the upload deleted")
 
 
+def test_port_0_serves_the_page_on_a_free_port(run: Path):
+    """--port 0 scored the whole run, then ended in a traceback (httpx.ConnectError): Gradio, given 0, bound a free
+    port and then asked port 0 whether its page was up."""
+    from train.review import launch_review
+
+    app = launch_review(run, port=0, limit=3, block=False)
+    try:
+        port = int(app.local_url.rstrip("/").rsplit(":", 1)[1])
+        assert port > 0 and _answers(port)
+    finally:
+        app.close()
+
+
+@pytest.mark.parametrize(
+    ("stop", "code", "said"), [(signal.SIGTERM, 143, "terminated"), (signal.SIGINT, 130, "interrupted")]
+)
+def test_a_review_stopped_while_it_scores_the_run_says_so_in_one_line(run: Path, capsys, monkeypatch, stop, code, said):
+    """Ctrl-C or SIGTERM while the run was scored printed a traceback of some 60 lines, exit 1."""
+    from train.review import main
+
+    def stopped(self, path):  # the signal lands in this, the main, thread while the first image is read
+        os.kill(os.getpid(), stop)
+        time.sleep(30)
+
+    monkeypatch.setattr(ReviewRun, "_pixels", stopped)
+    with pytest.raises(SystemExit) as e:
+        main([str(run), "--port", str(free_port())])
+    assert e.value.code == code and capsys.readouterr().err == f"vit-train review: {said}\n"
+
+
 @pytest.mark.parametrize("when", ["serving", "launching", "before-gradio-waits"])
 def test_a_review_stopped_by_sigterm_closes_and_deletes_what_was_uploaded(
     when, run: Path, tmp_path: Path, capsys, caplog, monkeypatch
@@ -356,6 +386,21 @@ def test_a_refused_click_or_load_tells_the_page_and_prints_no_traceback(run: Pat
             call()
         refusals.append(refused.value)
     assert [e.print_exception for e in refusals] == [False] * len(refusals)
+
+
+@pytest.mark.parametrize("index", [5, None, [], ["x", 0], [float("nan"), 0], [float("inf"), 0], [True, 0], [1.5, 0]])
+def test_a_select_event_whose_index_is_no_row_is_refused_without_a_traceback(run: Path, index):
+    """Sent to the page's API by hand, each ended in a traceback on the console ("'int' object is not subscriptable",
+    "cannot convert float NaN to integer"); a real click's index is still a row's."""
+    from types import SimpleNamespace
+
+    on = ReviewActions(ReviewRun(run, limit=3))
+    with pytest.raises(gr.Error, match="pick an image in the table") as refused:
+        on.pick(FLAGGED, SimpleNamespace(index=index))
+    assert refused.value.print_exception is False
+    shown = on.pick(FLAGGED, SimpleNamespace(index=[1, 4]))
+    assert shown[5] == (FLAGGED, 1) and shown[6] == on.shown_path(on.run.lists[FLAGGED][1].path)
+    assert on.pick(FLAGGED, SimpleNamespace(index=[10**400, 0]))[5] == (FLAGGED, -1)  # past the end, as a click there
 
 
 def _heading(app) -> str:
