@@ -27,7 +27,7 @@ import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.fabric.utilities.cloud_io import get_filesystem
 
-from serve.runtime.outputs import sync_folder
+from serve.runtime.outputs import create_anew, sync_folder
 from train.checkpoint_format import META_KEY
 from train.errors import SetupError, TrainingError, first_line
 from train.run_dir import is_remote, usable_checkpoints
@@ -51,7 +51,7 @@ def atomic_torch_save(obj: Any, path: str | Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}{PARTIAL_SUFFIX}")
     try:
-        with open(tmp, "wb") as f:
+        with create_anew(tmp) as f:  # never through a link planted at the name
             torch.save(obj, f)
             f.flush()
             os.fsync(f.fileno())

@@ -32,6 +32,7 @@ from serve.runtime.image_files import LINK_NOT_FOLLOWED as SKIPPED_LINK
 from serve.runtime.image_files import is_image_file, walk_image_files
 from serve.runtime.image_formats import NOT_AN_IMAGE, signature_format, unread_format
 from serve.runtime.images import is_utf8
+from serve.runtime.outputs import create_anew
 from train.corrections import correct_folder
 from train.data_report import image_stats
 from train.duplicates import Duplicates, find_duplicates
@@ -84,7 +85,8 @@ class FolderScan:
     def write_split(self, path: str | Path) -> None:
         """Write `split.json` atomically: a kill leaves the old file or the new one, which a resume reads."""
         tmp = Path(path).with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.to_split_dict(), indent=1))
+        with create_anew(tmp, "w") as f:  # never through a link planted at the name
+            f.write(json.dumps(self.to_split_dict(), indent=1))
         os.replace(tmp, path)
 
     def to_dict(self) -> dict:
@@ -103,7 +105,8 @@ class FolderScan:
     def save(self, path: str | Path) -> None:
         """Write the whole scan as JSON, atomically (a temporary file of this process's own, then a rename)."""
         tmp = Path(path).with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(self.to_dict()))
+        with create_anew(tmp, "w") as f:
+            f.write(json.dumps(self.to_dict()))
         os.replace(tmp, path)
 
     @classmethod
@@ -361,8 +364,8 @@ def scan_folder(
     return _done(scan, start)
 
 
-def _image_root(root: str | Path) -> Path:
-    root = Path(root).expanduser().resolve()
+def _image_root(root: str | Path, resolve: bool = True) -> Path:
+    root = Path(root).expanduser().resolve() if resolve else Path(root).expanduser()
     if root.is_file():
         raise ValueError(f"{root} is a file: give the image folder that holds it (root/<class>/<image> files)")
     if not root.is_dir():
@@ -391,10 +394,6 @@ def _done(scan: FolderScan, start: float) -> FolderScan:
 
 def folder_classes(root: str | Path) -> list[str]:
     """The class names of an image folder from its folder names alone (no file is read)."""
-    root = Path(root).expanduser()
-    if root.is_file():
-        raise ValueError(f"{root} is a file: give the image folder that holds it (root/<class>/<image> files)")
-    if not root.is_dir():
-        raise FileNotFoundError(f"image folder not found: {root} (expected root/<class>/<image> files)")
+    root = _image_root(root, resolve=False)
     base = root / "train" if (root / "train").is_dir() and (root / "val").is_dir() else root
     return [d.name for d in class_dirs(base)]

@@ -3,7 +3,8 @@
 The file is what `vit-train fit --data.corrections` reads (`train.corrections`), and the review reads it by the same
 rules: one row per image (absolute, or relative to the data root), an empty label leaving the image out, labels and
 paths as written. Each decision rewrites the whole file beside itself, flushes it to disk and renames it over the
-old one, so a crash or a power cut leaves either the old file or the new one, never half of either.
+old one, so a crash or a power cut leaves either the old file or the new one, never half of either. The file beside
+it is made anew each time (`create_anew`): a link planted at its name is removed, never written through.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from serve.runtime.images import FILE_NAME_ERRORS
-from serve.runtime.outputs import sync_folder
+from serve.runtime.outputs import create_anew, sync_folder
 from serve.runtime.row_formats import csv_line
 from train.corrections import HEADER, CorrectionsTable, absolute_path, read_corrections
 
@@ -60,8 +61,7 @@ class Decisions:
         """Why a decision could not be saved, found by making the write a decision makes (nothing is changed)."""
         try:
             with self._folder_locked():
-                with open(_temporary(self.file), "w"):
-                    pass
+                create_anew(_temporary(self.file)).close()
                 _temporary(self.file).unlink()
         except OSError as e:
             return (
@@ -135,7 +135,7 @@ def _write_atomically(file: Path, table: CorrectionsTable) -> None:
     """Write-then-rename with fsync of the file and of its folder (the rename itself must reach the disk)."""
     text = "".join(csv_line(row) for row in [table.header, *table.rows.values()])
     tmp = _temporary(file)
-    with open(tmp, "w", encoding="utf-8", errors=FILE_NAME_ERRORS, newline="") as f:
+    with create_anew(tmp, "w", encoding="utf-8", errors=FILE_NAME_ERRORS, newline="") as f:  # never through a link
         f.write(text)
         f.flush()
         os.fsync(f.fileno())

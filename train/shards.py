@@ -30,12 +30,14 @@ from jsonargparse import ArgumentParser
 
 from serve.runtime.images import FILE_NAME_ERRORS, ImageError, load_image
 from serve.runtime.interrupts import exit_code, sigterm_as_interrupt
+from serve.runtime.outputs import create_anew
 from train.balance import resolve_balance
 from train.data_report import REPORTS, build_report, class_counts, write_duplicates_csv
 from train.dataset import ignore_sigterm, usable_cores
 from train.folder_scan import BadFile, FolderScan, scan_folder
 from train.optimize import optimizing
 from train.parallel import parallel_map
+from train.prepare_out import check_out_usable, holding_out, write_failure
 from train.splits import no_validation
 
 log = logging.getLogger(__name__)
@@ -97,7 +99,8 @@ def prepare(
     """Convert the image folder `root` into LitData chunks of `chunk_bytes` under `out` (a folder or s3:// / gs:// URL).
 
     `corrections` and `dedupe` act as in fit (`ImageFolderDataModule`): the chunks hold the corrected, grouped
-    split, and `out/duplicates.csv` and the report in `out/vitscope.json` travel with them.
+    split, and `out/duplicates.csv` and the report in `out/vitscope.json` travel with them. A local `out` is checked
+    before the scan, and held by this prepare alone until it ends (`train.prepare_out`).
 
     Returns:
         What `out/vitscope.json` holds: format, classes, layout, counts, bad files, class counts, data report.
@@ -109,36 +112,38 @@ def prepare(
     check_chunk_bytes(chunk_bytes)
     if workers is not None and workers < 1:
         raise ValueError(f"--workers must be at least 1 (or left out: the usable cores), got {workers}")
-    check_out_fresh(out)
-    scan = scan_folder(root, val_fraction, seed, verify=True, corrections=corrections, dedupe=dedupe != "none")
-    if not scan.val:  # before any chunk: LitData would write train/, then fail on an empty val/
-        raise ValueError(no_validation(scan))
-    workers = workers or usable_cores()
-    paths = [p for p, _ in scan.train + scan.val] if scan.duplicates is None else []  # dedupe decoded them all
-    chunks = [paths[i : i + 1000] for i in range(0, len(paths), 1000)]
-    errors = [e for part in parallel_map(_decode_errors, chunks, workers) for e in part]
-    broken = {p for p, _ in errors}
-    bad = [(b.path, b.reason) for b in scan.bad] + errors
-    meta = {"format": FORMAT, "root": str(scan.root), "layout": scan.layout, "classes": scan.classes}
-    with optimizing():
-        _remove_meta(out)  # before any chunk is rewritten: a prepare stopped half-way must not pair them with it
-        _write_text(out, MARK, "")  # and a first one stopped before its index is still known as a prepare's
-        for split, items in (("train", scan.train), ("val", scan.val)):
-            items = [it for it in items if it[0] not in broken]
-            optimize(fn=_sample, inputs=items, output_dir=f"{out.rstrip('/')}/{split}", chunk_bytes=chunk_bytes,
-                     num_workers=workers, mode="overwrite")  # fmt: skip
-            meta[split] = len(items)
-    meta["bad"] = [{"path": p, "reason": r} for p, r in bad]
-    meta["class_counts"] = class_counts(scan)
-    meta["report"] = build_report(scan, "auto", dedupe)
-    buf = io.StringIO()
-    meta["report"]["duplicates"].update(write_duplicates_csv(scan, buf))
-    _write_text(out, "duplicates.csv", buf.getvalue())
-    _write_text(out, META, json.dumps(meta, indent=1))
-    buf = io.StringIO()
-    csv.writer(buf).writerows([["file", "reason"], *bad])
-    _write_text(out, "bad_files.csv", buf.getvalue())
-    return meta
+    check_out_usable(out)  # before the scan: a file, a link to nothing, a folder this user cannot write
+    with holding_out(out):  # one prepare at a time: a second into the same folder is refused
+        check_out_fresh(out)
+        scan = scan_folder(root, val_fraction, seed, verify=True, corrections=corrections, dedupe=dedupe != "none")
+        if not scan.val:  # before any chunk: LitData would write train/, then fail on an empty val/
+            raise ValueError(no_validation(scan))
+        workers = workers or usable_cores()
+        paths = [p for p, _ in scan.train + scan.val] if scan.duplicates is None else []  # dedupe decoded them all
+        chunks = [paths[i : i + 1000] for i in range(0, len(paths), 1000)]
+        errors = [e for part in parallel_map(_decode_errors, chunks, workers) for e in part]
+        broken = {p for p, _ in errors}
+        bad = [(b.path, b.reason) for b in scan.bad] + errors
+        meta = {"format": FORMAT, "root": str(scan.root), "layout": scan.layout, "classes": scan.classes}
+        with optimizing():
+            _remove_meta(out)  # before any chunk is rewritten: a prepare stopped half-way must not pair them with it
+            _write_text(out, MARK, "")  # and a first one stopped before its index is still known as a prepare's
+            for split, items in (("train", scan.train), ("val", scan.val)):
+                items = [it for it in items if it[0] not in broken]
+                optimize(fn=_sample, inputs=items, output_dir=f"{out.rstrip('/')}/{split}", chunk_bytes=chunk_bytes,
+                         num_workers=workers, mode="overwrite")  # fmt: skip
+                meta[split] = len(items)
+        meta["bad"] = [{"path": p, "reason": r} for p, r in bad]
+        meta["class_counts"] = class_counts(scan)
+        meta["report"] = build_report(scan, "auto", dedupe)
+        buf = io.StringIO()
+        meta["report"]["duplicates"].update(write_duplicates_csv(scan, buf))
+        _write_text(out, "duplicates.csv", buf.getvalue())
+        _write_text(out, META, json.dumps(meta, indent=1))
+        buf = io.StringIO()
+        csv.writer(buf).writerows([["file", "reason"], *bad])
+        _write_text(out, "bad_files.csv", buf.getvalue())
+        return meta
 
 
 def check_out_apart(root: str, out: str) -> None:
@@ -202,7 +207,8 @@ def _write_text(out: str, name: str, text: str) -> None:
     if "://" not in out:  # whole or not at all: a prepare killed mid-write leaves no vitscope.json cut short
         Path(out).mkdir(parents=True, exist_ok=True)
         partial = Path(out) / f".{name}.partial"
-        partial.write_text(text, encoding="utf-8", errors=FILE_NAME_ERRORS)
+        with create_anew(partial, "w", encoding="utf-8", errors=FILE_NAME_ERRORS) as f:  # never through a link
+            f.write(text)
         partial.replace(Path(out) / name)
         return
     import fsspec  # remote outputs: the object store's fsspec driver (s3fs, gcsfs)
@@ -348,8 +354,11 @@ def main(argv: list[str]) -> None:
                 data.root, args.out, data.val_fraction, data.seed, args.workers, args.chunk_bytes,
                 data.corrections, data.dedupe,
             )  # fmt: skip
-    except (OSError, ValueError) as e:
-        print(f"vit-train prepare: {e}", file=sys.stderr)
+    except (OSError, ValueError, RuntimeError) as e:  # RuntimeError: LitData's, for a chunk it could not write
+        said = str(e) if isinstance(e, ValueError) else write_failure(e, args.out)
+        if said is None:
+            raise
+        print(f"vit-train prepare: {said}", file=sys.stderr)
         raise SystemExit(2) from None
     except KeyboardInterrupt as e:
         said = str(e) or "interrupted"

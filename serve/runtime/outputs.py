@@ -42,7 +42,7 @@ import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import IO, Any, BinaryIO
 
 from serve.runtime.row_formats import encode_rows, merge_parquet, output_format, require_pyarrow, rows_in
 
@@ -75,6 +75,16 @@ def _create(path: Path):
             _refuse_link(path)
         raise
     return os.fdopen(fd, "wb")
+
+
+def create_anew(path: Path, mode: str = "wb", **text: Any) -> IO:
+    """`path` made anew and opened for writing (`mode` "w" takes `open`'s encoding, errors and newline), never through
+    a symbolic link: what stands at the name goes first (a stale temporary file, or a link planted there by whoever
+    else can write the folder: removing a link removes the link alone), then O_EXCL | O_NOFOLLOW create the file,
+    and fail rather than follow a link planted in between. For a temporary name kept to one writer (by a lock, or a
+    process id in it): the file another writer holds under it would be removed too."""
+    path.unlink(missing_ok=True)
+    return os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666), mode, **text)
 
 
 def sync_folder(folder: Path) -> None:

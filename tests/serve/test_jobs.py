@@ -22,7 +22,7 @@ import pytest
 from PIL import Image
 
 from serve.runtime import jobs
-from serve.runtime.outputs import JOB_FILE, PartStore
+from serve.runtime.outputs import JOB_FILE, PartStore, create_anew
 from serve.runtime.predict import main
 from serve.runtime.row_formats import table_row
 from tests.helpers import CLASS_NAMES, bright_square, png_bytes, quadrant_images, wait_until
@@ -473,6 +473,23 @@ def test_a_symlinked_temporary_file_is_refused_and_never_written_through(tiny_on
     assert main([str(tiny_onnx), str(folder), "--out", str(out)]) == 2
     assert "is a symbolic link" in capsys.readouterr().err
     assert victim.read_text() == "keep me\n" and not out.exists()
+
+
+def test_create_anew_replaces_what_stands_at_the_name_and_never_writes_through_a_link(tmp_path):
+    """vit-train's temporary files (the review's decisions, prepare's metadata, checkpoints) are made by this: a link
+    planted at the name is removed, not followed, and a stale file is replaced whole."""
+    victim, tmp = tmp_path / "precious.txt", tmp_path / ".out.tmp"
+    victim.write_text("keep me\n")
+    tmp.symlink_to(victim)
+    with create_anew(tmp, "w", encoding="utf-8") as f:
+        f.write("new")
+    assert victim.read_text() == "keep me\n" and not tmp.is_symlink() and tmp.read_text() == "new"
+    with create_anew(tmp) as f:  # a stale file from a killed run: made anew, not written over in place
+        f.write(b"x")
+    assert tmp.read_bytes() == b"x"
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
+    create_anew(tmp_path / "dangling").close()
+    assert not (tmp_path / "nowhere").exists() and (tmp_path / "dangling").is_file()
 
 
 def removing(store: PartStore, start: threading.Barrier, failures: list[OSError]) -> None:

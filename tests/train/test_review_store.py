@@ -65,3 +65,20 @@ def test_a_carriage_return_in_a_name_or_a_class_is_written_so_that_fit_reads_it_
     Decisions(file, tmp_path, classes).decide(odd, "c\rr")
     assert load_corrections(file, tmp_path, classes) == {odd: "c\rr"}
     assert Decisions(file, tmp_path, classes).all() == {odd: "c\rr"}
+
+
+def test_a_link_planted_at_the_temporary_name_is_removed_and_nothing_is_written_through_it(tmp_path: Path):
+    """Whoever could write a shared run folder could plant `.corrections.csv.tmp` as a link to any file this user can
+    write: the review's start-up check emptied the link's target, and each decision then overwrote it."""
+    victim, run = tmp_path / "elsewhere.txt", tmp_path / "run"
+    victim.write_text("precious\n")
+    run.mkdir()
+    file, planted = run / "corrections.csv", run / ".corrections.csv.tmp"
+    planted.symlink_to(victim)
+    decisions = Decisions(file, tmp_path, CLASSES)
+    assert decisions.cannot_save is None and victim.read_text() == "precious\n"
+    planted.symlink_to(victim)  # planted again while the page is open
+    image = str(tmp_path / "cat" / "1.png")
+    decisions.decide(image, "dog")
+    assert victim.read_text() == "precious\n" and file.is_file() and not file.is_symlink()
+    assert load_corrections(file, tmp_path, CLASSES) == {image: "dog"} and not planted.is_symlink()

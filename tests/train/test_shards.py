@@ -401,3 +401,82 @@ def test_an_out_holding_only_what_a_fresh_disk_or_an_earlier_stopped_prepare_hol
     (tmp_path / "other" / "train" / "notes.txt").write_text("not a chunk")
     with pytest.raises(ValueError, match="holds files vit-train prepare did not write"):
         check_out_fresh(str(tmp_path / "other"))
+
+
+def test_prepare_never_writes_through_a_link_planted_in_its_out(tmp_path: Path):
+    """Whoever could write a shared --out could plant `.vitscope.json.partial` as a link: prepare wrote the dataset's
+    metadata into the link's target, then renamed the link to vitscope.json."""
+    root, out, victim = write_shapes(tmp_path / "images", per_class=5), tmp_path / "shards", tmp_path / "precious.txt"
+    out.mkdir()
+    victim.write_text("keep me\n")
+    for name in (".vitscope.json.partial", "..vitscope-prepare.partial"):
+        (out / name).symlink_to(victim)
+    meta = prepare(str(root), str(out), workers=1, dedupe="none")
+    assert victim.read_text() == "keep me\n" and read_meta(str(out)) == meta
+    assert not any(p.is_symlink() for p in out.iterdir())
+
+
+def test_a_second_prepare_into_an_out_being_written_is_refused_before_any_work(tmp_path: Path, monkeypatch):
+    """Two prepares into one --out both ended with exit 0 and left an index.json with no chunks, or the other's chunks
+    beside it: a dataset fit could not read. The second is now refused at once, and the first goes on."""
+    import train.shards
+
+    root, out, refusals = write_shapes(tmp_path / "images", per_class=5), tmp_path / "shards", []
+
+    def second_prepare_while_scanning(*args, **kwargs):  # the first prepare holds --out by now
+        if not refusals:
+            refusals.append(None)
+            with pytest.raises(ValueError) as refused:
+                prepare(str(root), str(out), workers=1, dedupe="none")
+            refusals.append(str(refused.value))
+        return scan_folder(*args, **kwargs)
+
+    monkeypatch.setattr(train.shards, "scan_folder", second_prepare_while_scanning)
+    meta = prepare(str(root), str(out), workers=1, dedupe="none")
+    assert refusals[1] == (
+        f"--out {out} is being written by another vit-train prepare: wait for it to end, or give another --out"
+    )
+    assert read_meta(str(out)) == meta and meta["train"] + meta["val"] == 15
+
+
+@pytest.mark.parametrize("kind", ["a file", "in a file", "a link to nothing", "read-only"])
+def test_an_out_that_cannot_be_written_is_refused_before_the_scan(tmp_path: Path, capsys, monkeypatch, kind):
+    """Each was found after the whole scan and decode, as "[Errno 20] Not a directory: 'afile/vitscope.json'", "[Errno
+    17] File exists" or "[Errno 30] Read-only file system", in a line that did not say it was about --out."""
+    import train.shards
+
+    monkeypatch.setattr(train.shards, "scan_folder", lambda *a, **k: pytest.fail("scanned before refusing --out"))
+    (tmp_path / "afile").write_text("")
+    (tmp_path / "gone").symlink_to(tmp_path / "nowhere")
+    (tmp_path / "locked").mkdir(mode=0o555)
+    if kind == "read-only" and os.access(tmp_path / "locked", os.W_OK):
+        pytest.skip("this user (root) can write a read-only folder")
+    out = {"a file": "afile", "in a file": "afile/shards", "a link to nothing": "gone", "read-only": "locked/s"}[kind]
+    with pytest.raises(SystemExit) as e:
+        main(["prepare", "--data.root", str(tmp_path / "images"), "--out", str(tmp_path / out)])
+    said = {"a file": "is not a folder", "in a file": "is not a folder", "a link to nothing": "which does not exist",
+            "read-only": "cannot be written"}[kind]  # fmt: skip
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith(f"vit-train prepare: --out {tmp_path / out} ") and said in err, err
+    assert len(err.splitlines()) == 1 and not (tmp_path / "nowhere").exists()
+
+
+def test_a_full_disk_while_chunks_are_written_is_one_line(tmp_path: Path, capsys, monkeypatch):
+    """LitData reports a chunk its worker could not write as a RuntimeError holding the worker's traceback as text: a
+    full disk ended the command in some 70 lines. (Tested by hand on a 24 kB tmpfs.)"""
+    import litdata
+
+    def disk_full(*args, **kwargs):
+        raise RuntimeError(
+            'We found the following error Traceback (most recent call last):\n  File "writer.py", line 752\n'
+            "OSError: [Errno 28] No space left on device\nThe above exception was the direct cause of ...\n"
+        )
+
+    monkeypatch.setattr(litdata, "optimize", disk_full)
+    out = tmp_path / "shards"
+    with pytest.raises(SystemExit) as e:
+        main(["prepare", "--data.root", str(write_shapes(tmp_path / "images", per_class=5)), "--out", str(out),
+              "--workers", "1", "--data.dedupe", "none"])  # fmt: skip
+    err = capsys.readouterr().err
+    assert e.value.code == 2
+    assert err == f"vit-train prepare: no space left writing {out}: free space and run the same command again\n"
