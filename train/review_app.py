@@ -78,18 +78,24 @@ class ReviewActions:
             return "left out"
         return "kept" if label == item.given else f"relabelled {label}"
 
+    def items(self, which: str) -> list[Item]:
+        """The images of list `which`; a name that is no list's (sent to the page's API by hand) is refused."""
+        if not (isinstance(which, str) and which in self.run.lists):
+            raise refused(f"pick one of the lists: {', '.join(self.run.lists)}")
+        return self.run.lists[which]
+
     def rows(self, which: str) -> list[list]:
         return [
             [i + 1, self.shown_path(it.path), visible(it.given), visible(it.suggested or ""), round(it.score, 4),
              visible(it.why), visible(self.decision_text(it))]
-            for i, it in enumerate(self.run.lists[which])
+            for i, it in enumerate(self.items(which))
         ]  # fmt: skip
 
     def show(self, which: str, index: int):
         """The widgets of image `index` of list `which`: image, overlay, probabilities, about, relabel choice, what is
         shown ((list, index): the image a decision is for; index -1: none, past the list's end) and its path as the
         page holds it (a click sends it back: `decide` checks that it is still the image shown)."""
-        items = self.run.lists[which]
+        items = self.items(which)
         if not items or int(index) >= len(items):
             said = self.run.missing.get(which, "nothing to look at in this run") if not items else (
                 "the end of the list: every image of it has been seen. Pick one in the table to change its decision"
@@ -136,7 +142,7 @@ class ReviewActions:
     def decide(self, which: str, index: int, action: str, label: str | None, seen: str | None = None):
         """Record one decision for image `index` of list `which`, then move on to the next image; returns the table,
         the next image and a status. `seen`: the path the page showed when the click was made (None: not checked)."""
-        items = self.run.lists[which]
+        items = self.items(which)
         if not items or index is None or not 0 <= int(index) < len(items):
             raise refused("pick an image in the table first")
         item = items[int(index)]

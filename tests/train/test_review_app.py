@@ -403,6 +403,17 @@ def test_a_select_event_whose_index_is_no_row_is_refused_without_a_traceback(run
     assert on.pick(FLAGGED, SimpleNamespace(index=[10**400, 0]))[5] == (FLAGGED, -1)  # past the end, as a click there
 
 
+def test_a_list_name_that_is_no_lists_is_refused_without_a_traceback(run: Path):
+    """Sent to the page's API by hand, a list the page has not ("nope") ended in a KeyError on the console."""
+    on = ReviewActions(ReviewRun(run, limit=3))
+    for which in ("nope", None, ["x"]):
+        for call, args in ((on.load, (which,)), (on.decide, (which, 0, "leave", None))):
+            with pytest.raises(gr.Error, match="pick one of the lists") as refused:
+                call(*args)
+            assert refused.value.print_exception is False
+    assert on.load(FLAGGED)[0]  # a list of the page's: its table
+
+
 def _heading(app) -> str:
     return next(block.value for block in app.blocks.values() if isinstance(block, gr.Markdown))
 
