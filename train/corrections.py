@@ -50,10 +50,11 @@ class CorrectionsTable:
     labels: dict[str, str | None]
 
 
-def absolute_path(path: str, root: Path) -> str:
-    """`path` as the scan writes it: absolute (relative paths are taken from `root`), its folders resolved."""
+def absolute_path(path: str, root: Path, folders: dict[str, str] | None = None) -> str:
+    """`path` as the scan writes it: absolute (relative paths are taken from `root`), its folders resolved (each
+    once with `folders`, as `resolved_folder`)."""
     p = Path(path).expanduser()
-    return resolved_folder(os.path.normpath(p if p.is_absolute() else root / p))
+    return resolved_folder(os.path.normpath(p if p.is_absolute() else root / p), folders)
 
 
 def resolved_folder(path: str, folders: dict[str, str] | None = None) -> str:
@@ -100,13 +101,13 @@ def read_corrections(file: str | Path, root: str | Path, classes: list[str]) -> 
         raise ValueError(f"{file} must start with the header line path,label (found {found})")
     # a label typed in another Unicode form than the folder's name (macOS writes names decomposed) is the class
     known = {**{_nfc(c): c for c in classes}, **{c: c for c in classes}}
-    table = CorrectionsTable(rows[0][2], {}, {})
+    table, folders = CorrectionsTable(rows[0][2], {}, {}), {}  # each folder resolved once: the rows share a few
     for start, end, row, well_formed in rows[1:]:
         if not any(c.strip() for c in row):
             continue
         where = f"{file} line {start}"
         runs = f"; the row runs to line {end}: {STRAY_QUOTE}" if end > start and not well_formed else ""
-        path, label = _parse(row, root, known, where, runs)
+        path, label = _parse(row, (root, folders), known, where, runs)
         if label is False:
             raise ValueError(
                 f"{where}: label {_shown(row[1])} is not a class (classes: {', '.join(map(repr, classes))}){runs}; "
@@ -150,10 +151,13 @@ def _well_formed(text: str, row: list[str]) -> bool:
         return False
 
 
-def _parse(row: list[str], root: Path, known: dict[str, str], where: str, runs: str) -> tuple[str, str | None | bool]:
+def _parse(
+    row: list[str], root: tuple[Path, dict], known: dict[str, str], where: str, runs: str
+) -> tuple[str, str | None | bool]:
     """(absolute path, class name: None to leave the image out, False when no class) of a row that is not blank.
 
-    `where` names the row's file and line, and `runs` says how far it runs when that is over several lines.
+    `root` is the data root and the folders resolved so far; `where` names the row's file and line, and `runs` says
+    how far it runs when that is over several lines.
     """
     if not row[0].strip():
         raise ValueError(f"{where}: no path before the label {_shown(row[1])}{runs}; write path,label")
@@ -163,7 +167,7 @@ def _parse(row: list[str], root: Path, known: dict[str, str], where: str, runs: 
             f"{where}: no label column after {_shown(row[0])}{quoted}; write path,class to relabel the image, or "
             "path, (the label empty) to leave it out"
         )
-    path = _image_path(row[0], root)
+    path = _image_path(row[0], *root)
     if "\n" in row[0] and runs and not os.path.isfile(path):  # a stray quote ran on, unless this names a file
         raise ValueError(f"{where}: the path {_shown(row[0])} names no file{runs}")
     for label in (row[1], row[1].strip()):
@@ -178,14 +182,14 @@ def _nfc(text: str) -> str:
     return unicodedata.normalize("NFC", text)
 
 
-def _image_path(text: str, root: Path) -> str:
+def _image_path(text: str, root: Path, folders: dict[str, str]) -> str:
     """`text` as an absolute path; the text less its outer spaces only where that names a file and `text` not."""
-    exact = absolute_path(text, root)
+    exact = absolute_path(text, root, folders)
     if not os.path.isfile(exact):  # the path typed in another Unicode form than the file's name
         exact = next((p for form in ("NFD", "NFC") if os.path.isfile(p := unicodedata.normalize(form, exact))), exact)
     if text.strip() == text or os.path.isfile(exact):
         return exact
-    stripped = absolute_path(text.strip(), root)
+    stripped = absolute_path(text.strip(), root, folders)
     return stripped if os.path.isfile(stripped) else exact
 
 
