@@ -29,6 +29,7 @@ ERROR_STATUS = {
     "too_large": 413,  # over the pixel limit (checked from the header)
     "body_too_large": 413,  # over max_bytes
     "length_required": 411,  # a UI upload without Content-Length
+    "forbidden": 403,  # a file the UI does not serve (Gradio's own refusal)
     "not_found": 404,
     "load_failed": 400,  # a model version that failed its checks on load (Triton's status for it)
     "model_control": 400,  # load or unload on a server of one file (Triton's status where it has no model control)

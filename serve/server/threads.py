@@ -6,7 +6,10 @@ PixelBudget`), a model load or unload waits for the one before it. Forty such re
 other step, and a small KServe v2 request took seconds. Here each kind of step has its own `CapacityLimiter`:
 past it, requests wait on the event loop and hold no thread.
 
-    decodes  large uploads decoding, the explain overlay: one per core, as the budget lets them run
+    decodes  large uploads decoding: one per core, as the budget lets them run
+    renders  the explain overlay of a request whose model pass is done: one per core. On `decodes` it waited
+             behind every decode queued before it, so under a burst no explain was answered until the last
+             image had decoded
     parses   KServe v2 JSON bodies: one per core; each takes many times its size in memory while it is parsed
     changes  repository loads and unloads: one at a time, as the repository makes them anyway
 """
@@ -28,12 +31,13 @@ class Threads:
     event loop they wait in, so two apps, each on its own loop, must not share one).
 
     Args:
-        cores: decodes and parses at a time (None: the cores this process may use).
+        cores: decodes, renders and parses at a time (None: the cores this process may use).
     """
 
     def __init__(self, cores: int | None = None):
         cores = cores or usable_cores()
-        self.decodes, self.parses, self.changes = CapacityLimiter(cores), CapacityLimiter(cores), CapacityLimiter(1)
+        self.decodes, self.renders, self.parses = CapacityLimiter(cores), CapacityLimiter(cores), CapacityLimiter(cores)
+        self.changes = CapacityLimiter(1)
 
 
 async def run_in(limiter: CapacityLimiter, fn: Callable[..., T], *args) -> T:

@@ -253,16 +253,18 @@ def test_the_ui_queue_is_bounded_and_says_so(small_ui, image_file):
 
     path = upload(small_ui.url, image_file.read_bytes())
     call = {"data": [{"path": path, "meta": {"_type": "gradio.FileData"}}, "mean", 0, 0, 2, 0.5, "inferno"]}
-    statuses = []
+    answers = []
     for _ in range(5):  # 16 calls at once fill a queue of 2, unless a slow host sends them slower than one runs
         with ThreadPoolExecutor(16) as pool:
-            posts = pool.map(
+            answers += pool.map(
                 lambda _: httpx.post(small_ui.url + "/gradio_api/call/classify", json=call, timeout=30), range(16)
             )
-            statuses += [r.status_code for r in posts]
-        if 503 in statuses:
+        if 503 in (statuses := [r.status_code for r in answers]):
             break
     assert 503 in statuses and 200 in statuses and set(statuses) <= {200, 503}, statuses
+    full = next(r for r in answers if r.status_code == 503)  # Gradio's own {"detail": ...}, with no Retry-After
+    assert full.json()["error"]["code"] == "queue_full" and "retry" in full.json()["error"]["message"], full.text
+    assert full.headers["retry-after"] == "1"
 
 
 @pytest.mark.slow
@@ -286,6 +288,25 @@ def test_malformed_calls_and_uploads_get_a_json_4xx_not_500(small_ui):
     # a route for recordings, which the page has none of, wrote what it got to $TMPDIR, outside every limit
     r = httpx.post(small_ui.url + "/gradio_api/process_recording", files={"video": ("a.webm", b"x" * 1000)}, timeout=30)
     assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "method, route, body, status, code, said",
+    [
+        ("GET", "/file=/etc/passwd", None, 403, "forbidden", "File not allowed: /etc/passwd"),
+        ("POST", "/upload", {"content": b"x", "headers": {"content-type": "text/plain"}}, 400, "bad_upload", "type"),
+        ("POST", "/queue/join", {"json": {}}, 422, "bad_request", "body.data: Field required"),
+        ("GET", "/no_such_route", None, 404, "not_found", "Not Found"),
+        ("TRACE", "/call/classify/0", None, 405, "method_not_allowed", "Method Not Allowed"),  # with its Allow
+    ],
+)
+def test_gradios_own_refusals_answer_our_json_error_body(small_ui, method, route, body, status, code, said):
+    """Gradio answered these `{"detail": ...}`, where the README promises `{"error": {"code", "message"}}`."""
+    r = httpx.request(method, small_ui.url + "/gradio_api" + route, **(body or {}), timeout=30)
+    assert r.status_code == status and r.json()["error"]["code"] == code, r.text
+    assert said in r.json()["error"]["message"], r.text
+    assert status != 405 or "GET" in r.headers["allow"]
 
 
 @pytest.mark.slow

@@ -342,7 +342,7 @@ async def explained(
         "head_fusion": fusion,
         "discard_ratio": discard,
         "grid": ex["grid"].round(5).tolist(),
-        "overlay_png": await run_in(threads.decodes, overlay_png, pixels, ex["grid"]),  # a few ms: off the loop
+        "overlay_png": await run_in(threads.renders, overlay_png, pixels, ex["grid"]),  # not behind the decodes
         "deletion": ex["deletion"].to_dict(),
     }
     # the unknown verdict needs the logits: one more pass of the fast path, small beside the explain one

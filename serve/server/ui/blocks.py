@@ -78,9 +78,10 @@ def mount_ui(app: FastAPI, repository, classifier, settings, budget: PixelBudget
     ui.config["version"] = ui.config["version"].split(".")[0]  # gradio_client needs the major; no more
     folder, most = gr.utils.get_upload_folder(), settings.ui_cache_bytes  # the folder: GRADIO_TEMP_DIR, the server's
     app.add_middleware(
-        UploadLimit, max_bytes=settings.max_bytes, folder=folder, folder_bytes=most, stale_s=settings.ui_cache_s
-    )
-    app.add_middleware(UiCallErrorsAsJson)
+        UploadLimit, max_bytes=settings.max_bytes, folder=folder, folder_bytes=most, stale_s=settings.ui_cache_s,
+        partial_s=2 * settings.body_timeout_s,  # an upload's partial file unchanged for longer is no upload's
+    )  # fmt: skip
+    app.add_middleware(UiCallErrorsAsJson, retry_after_s=settings.retry_after_s)
     app.add_middleware(NoVersionInGradioOpenapi)
     return app
 
