@@ -405,14 +405,16 @@ def test_an_out_holding_only_what_a_fresh_disk_or_an_earlier_stopped_prepare_hol
 
 def test_prepare_never_writes_through_a_link_planted_in_its_out(tmp_path: Path):
     """Whoever could write a shared --out could plant `.vitscope.json.partial` as a link: prepare wrote the dataset's
-    metadata into the link's target, then renamed the link to vitscope.json."""
-    root, out, victim = write_shapes(tmp_path / "images", per_class=5), tmp_path / "shards", tmp_path / "precious.txt"
+    metadata into the link's target, then renamed the link to vitscope.json (every file prepare writes in --out goes
+    through `_write_text`)."""
+    from train.shards import META, _write_text
+
+    out, victim = tmp_path / "shards", tmp_path / "precious.txt"
     out.mkdir()
     victim.write_text("keep me\n")
-    for name in (".vitscope.json.partial", "..vitscope-prepare.partial"):
-        (out / name).symlink_to(victim)
-    meta = prepare(str(root), str(out), workers=1, dedupe="none")
-    assert victim.read_text() == "keep me\n" and read_meta(str(out)) == meta
+    (out / f".{META}.partial").symlink_to(victim)
+    _write_text(str(out), META, "{}")
+    assert victim.read_text() == "keep me\n" and (out / META).read_text() == "{}"
     assert not any(p.is_symlink() for p in out.iterdir())
 
 
