@@ -65,6 +65,8 @@ def test_the_disk_check_walks_the_folder_now_and_then_not_for_every_request(serv
         codes = [upload(server).status_code for _ in range(5)]
         if time.monotonic() - started < WALK_EVERY_S:
             break
+    else:
+        pytest.skip(f"five bursts of uploads each took over {WALK_EVERY_S} s: the host is too busy to time the walks")
     assert codes == [200] * 5 and second.exists(), "the folder was walked again within its interval"
     big = folder / ("0" * 64) / "big.bin"  # the folder over its budget, as files the UI wrote would take it
     big.parent.mkdir()

@@ -77,11 +77,11 @@ def mount_ui(app: FastAPI, repository, classifier, settings, budget: PixelBudget
     ui.has_launched = True  # what launch() sets: Gradio's processing_utils._check_allowed reads it
     ui.config["version"] = ui.config["version"].split(".")[0]  # gradio_client needs the major; no more
     folder, most = gr.utils.get_upload_folder(), settings.ui_cache_bytes  # the folder: GRADIO_TEMP_DIR, the server's
+    app.add_middleware(UiCallErrorsAsJson, retry_after_s=settings.retry_after_s)  # within UploadLimit: Gradio's alone
     app.add_middleware(
         UploadLimit, max_bytes=settings.max_bytes, folder=folder, folder_bytes=most, stale_s=settings.ui_cache_s,
         partial_s=2 * settings.body_timeout_s,  # an upload's partial file unchanged for longer is no upload's
     )  # fmt: skip
-    app.add_middleware(UiCallErrorsAsJson, retry_after_s=settings.retry_after_s)
     app.add_middleware(NoVersionInGradioOpenapi)
     return app
 
@@ -275,8 +275,9 @@ def build_ui(repository, classifier, settings, budget: PixelBudget | None = None
         examples = example_files(settings.examples_dir)
         if examples:
             gr.Examples(examples, inputs=[image], label="Sample images")
-    for fn in demo.fns.values():  # one group: --ui-concurrency bounds the page's calls together, not each event's
-        fn.concurrency_id = "model"
+    for fn in demo.fns.values():  # one group: --ui-concurrency bounds the model's calls together, not each event's
+        if getattr(fn.fn, "__self__", None) is on and fn.fn.__name__ != "restyle":  # a restyle only redraws
+            fn.concurrency_id = "model"
     return demo
 
 

@@ -265,7 +265,7 @@ def folder_size(folder: str, stale_s: float | None = None) -> int:
                 if stale and name != LOCK:
                     os.unlink(path)
                     continue
-                total += st.st_blocks * 512
+                total += max(st.st_blocks * 512, st.st_size)  # a file inlined in its inode (btrfs) has no block
             except OSError:
                 continue
     return total

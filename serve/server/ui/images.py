@@ -36,13 +36,19 @@ def cached_bytes(data: bytes, name: str) -> str:
         return str(path)
     except FileNotFoundError:
         pass  # new, or the cache just aged it out
-    folder.mkdir(parents=True, exist_ok=True)
-    fd, staging = tempfile.mkstemp(dir=folder, prefix=f".{name}.")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(staging, path)
-    except BaseException:
-        Path(staging).unlink(missing_ok=True)
-        raise
-    return str(path)
+    for last in (False, True):  # the UI folder's walk removes an empty hash folder: made again, once
+        folder.mkdir(parents=True, exist_ok=True)
+        try:
+            fd, staging = tempfile.mkstemp(dir=folder, prefix=f".{name}.")
+        except FileNotFoundError:
+            if last:
+                raise
+            continue
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            os.replace(staging, path)
+        except BaseException:
+            Path(staging).unlink(missing_ok=True)
+            raise
+        return str(path)

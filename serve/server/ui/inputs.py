@@ -16,6 +16,7 @@ import gradio as gr
 from gradio.exceptions import InvalidPathError
 
 from serve.runtime.images import ImageError, open_image
+from serve.runtime.temp_dirs import LOCK
 from serve.server.ui.images import cached_bytes
 
 NOT_AN_UPLOAD = "the image is not one uploaded to this server: upload it, or send it in the call as a data: URL"
@@ -66,12 +67,14 @@ def uploads_only(demo: gr.Blocks, image: gr.Image, max_pixels: int) -> None:
 
     A refusal is our message, as a `Refused`.
     """
-    folder = os.path.abspath(gr.utils.get_upload_folder())
+    folder = os.path.realpath(gr.utils.get_upload_folder())
     move, preprocess, preprocess_data = image.async_move_resource_to_block_cache, image.preprocess, demo.preprocess_data
 
     async def move_upload(path):
         name = str(path or "")
-        if "://" in name or os.path.dirname(os.path.abspath(name)) == folder:  # uploads are in hash folders
+        real = os.path.realpath(name)  # as Gradio resolves it: `//tmp/...` and links name the same file
+        hashed = os.path.dirname(os.path.dirname(real)) == folder  # `<folder>/<hash>/<file>`: uploads and results
+        if "://" in name or not hashed or os.path.basename(real) == LOCK:
             raise Refused(NOT_AN_UPLOAD)
         return await move(path)
 
@@ -80,7 +83,7 @@ def uploads_only(demo: gr.Blocks, image: gr.Image, max_pixels: int) -> None:
             return None
         url = getattr(payload, "url", None) or ""
         try:
-            if url.startswith("data:"):
+            if url[:5].lower() == "data:":
                 return _data_url_file(image, url, max_pixels)
             # the header only, from the bytes (at most --max-bytes): an error then names no server path
             open_image(Path(payload.path or "").read_bytes(), max_pixels).close()
@@ -105,9 +108,14 @@ def uploads_only(demo: gr.Blocks, image: gr.Image, max_pixels: int) -> None:
 def _data_url_file(image: gr.Image, url: str, max_pixels: int) -> str:
     """The image of a data: URL, checked from its header and saved as it came, in the UI's folder."""
     head, _, text = url.partition(",")
-    if not head.endswith(";base64") or "," in text:
-        raise Refused("send one image in a base64 data: URL (data:image/png;base64,...), or upload the file")
-    data = base64.b64decode(text, validate=True)  # binascii.Error is a ValueError
+    text = "".join(text.split())  # base64 as tools wrap it, in lines
+    one = "send one image in a base64 data: URL (data:image/png;base64,...), or upload the file"
+    if not head.lower().endswith(";base64") or "," in text:
+        raise Refused(one)
+    try:
+        data = base64.b64decode(text, validate=True)
+    except ValueError:  # binascii.Error
+        raise Refused(f"the data: URL is not base64: {one}") from None
     with open_image(data, max_pixels) as im:
         name = f"image.{(im.format or 'bin').lower()}"
     path = cached_bytes(data, name)
