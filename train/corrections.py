@@ -107,7 +107,7 @@ def read_corrections(file: str | Path, root: str | Path, classes: list[str]) -> 
             continue
         where = f"{file} line {start}"
         runs = f"; the row runs to line {end}: {STRAY_QUOTE}" if end > start and not well_formed else ""
-        path, label = _parse(row, (root, folders), known, where, runs)
+        path, label = _parse(row, root, known, where, runs, folders)
         if label is False:
             raise ValueError(
                 f"{where}: label {_shown(row[1])} is not a class (classes: {', '.join(map(repr, classes))}){runs}; "
@@ -152,12 +152,12 @@ def _well_formed(text: str, row: list[str]) -> bool:
 
 
 def _parse(
-    row: list[str], root: tuple[Path, dict], known: dict[str, str], where: str, runs: str
+    row: list[str], root: Path, known: dict[str, str], where: str, runs: str, folders: dict[str, str]
 ) -> tuple[str, str | None | bool]:
     """(absolute path, class name: None to leave the image out, False when no class) of a row that is not blank.
 
-    `root` is the data root and the folders resolved so far; `where` names the row's file and line, and `runs` says
-    how far it runs when that is over several lines.
+    `where` names the row's file and line, `runs` says how far it runs when that is over several lines, and `folders`
+    keeps the folders resolved so far (`resolved_folder`).
     """
     if not row[0].strip():
         raise ValueError(f"{where}: no path before the label {_shown(row[1])}{runs}; write path,label")
@@ -167,7 +167,7 @@ def _parse(
             f"{where}: no label column after {_shown(row[0])}{quoted}; write path,class to relabel the image, or "
             "path, (the label empty) to leave it out"
         )
-    path = _image_path(row[0], *root)
+    path = _image_path(row[0], root, folders)
     if "\n" in row[0] and runs and not os.path.isfile(path):  # a stray quote ran on, unless this names a file
         raise ValueError(f"{where}: the path {_shown(row[0])} names no file{runs}")
     for label in (row[1], row[1].strip()):

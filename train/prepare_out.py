@@ -11,6 +11,7 @@ it is written.
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import re
 from collections.abc import Iterator
@@ -18,6 +19,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from serve.runtime.outputs import lock_folder
+
+log = logging.getLogger(__name__)
 
 OUT_OF_SPACE = (errno.ENOSPC, errno.EDQUOT)
 _WORKER_ERROR = re.compile(r"^\w*Error: \[Errno (\d+)\] .*$", re.MULTILINE)  # a line of a worker's traceback
@@ -67,7 +70,11 @@ def holding_out(out: str) -> Iterator[None]:
         except FileExistsError:  # another prepare made it first
             pass
     busy = f"--out {out} is being written by another vit-train prepare: wait for it to end, or give another --out"
-    held = lock_folder(os.open(folder, os.O_RDONLY | os.O_DIRECTORY), busy, wait_s=0)
+    held = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        lock_folder(held, busy, wait_s=0)
+    except OSError as e:  # a file system without locks (some network ones): the prepare goes on, unguarded
+        log.warning("--out %s cannot be locked on its file system (%s): run one prepare into it at a time", out, e)
     try:
         yield
     finally:
@@ -82,12 +89,18 @@ def holding_out(out: str) -> Iterator[None]:
 def write_failure(e: OSError | RuntimeError, out: str) -> str | None:
     """One line for an error writing `out` (None: `e` is a RuntimeError of something else). LitData raises a
     RuntimeError for a chunk its worker could not write, with the worker's OSError as its cause or as the text of its
-    traceback (from another process); a full disk there ended the command in a traceback of some 70 lines."""
-    cause = e if isinstance(e, OSError) else e.__cause__ or e.__context__
+    traceback (from another process); a full disk there ended the command in a traceback of some 70 lines. LitData
+    writes each chunk in its cache folder first (under $TMPDIR), then copies it to `out`: either disk may be full."""
+    cause = e if isinstance(e, OSError) else e.__cause__
     if isinstance(cause, OSError):
         code, said = cause.errno, str(cause)
     elif found := _WORKER_ERROR.search(str(e)):
         code, said = int(found[1]), found[0]
     else:
         return None
-    return f"no space left writing {out}: free space and run the same command again" if code in OUT_OF_SPACE else said
+    if code not in OUT_OF_SPACE:
+        return said
+    return (
+        f"no space left on a disk while writing {out} ({said}): free space on the disk of --out and of $TMPDIR, "
+        "where LitData stages each chunk, and run the same command again"
+    )

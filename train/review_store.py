@@ -49,7 +49,8 @@ class Decisions:
         self._lock = threading.Lock()  # Gradio runs each click on a thread of its own
         if earlier and not self.file.exists():
             try:
-                _write_atomically(self.file, self._read())
+                with self._folder_locked():  # two reviews opening at once: one temporary file at a time
+                    _write_atomically(self.file, self._read())
             except OSError:  # a read-only run: the page opens saying so (`cannot_save`), and shows the run's
                 pass
         self._table = self._read()

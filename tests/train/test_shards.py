@@ -481,4 +481,22 @@ def test_a_full_disk_while_chunks_are_written_is_one_line(tmp_path: Path, capsys
               "--workers", "1", "--data.dedupe", "none"])  # fmt: skip
     err = capsys.readouterr().err
     assert e.value.code == 2
-    assert err == f"vit-train prepare: no space left writing {out}: free space and run the same command again\n"
+    assert err.startswith(f"vit-train prepare: no space left on a disk while writing {out} (OSError: [Errno 28] No ")
+    assert err.endswith("free space on the disk of --out and of $TMPDIR, where LitData stages each chunk, and run the "
+                        "same command again\n")  # fmt: skip
+
+
+def test_an_out_on_a_file_system_without_locks_is_written_with_a_warning(tmp_path: Path, monkeypatch, caplog):
+    """Some network file systems refuse a lock (ENOLCK): prepare, which wrote there before it took one, goes on."""
+    import errno
+    import logging
+
+    import train.prepare_out
+
+    def no_locks(fd, busy, wait_s=0.2):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(train.prepare_out, "lock_folder", no_locks)
+    with caplog.at_level(logging.WARNING), train.prepare_out.holding_out(str(tmp_path / "out")):
+        (tmp_path / "out" / "chunk").write_text("written")
+    assert "cannot be locked on its file system" in caplog.text and (tmp_path / "out" / "chunk").exists()
