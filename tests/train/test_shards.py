@@ -420,25 +420,26 @@ def test_prepare_never_writes_through_a_link_planted_in_its_out(tmp_path: Path):
 
 def test_a_second_prepare_into_an_out_being_written_is_refused_before_any_work(tmp_path: Path, monkeypatch):
     """Two prepares into one --out both ended with exit 0 and left an index.json with no chunks, or the other's chunks
-    beside it: a dataset fit could not read. The second is now refused at once, and the first goes on."""
+    beside it: a dataset fit could not read. The second is now refused at once; the lock goes with the first."""
     import train.shards
+    from train.prepare_out import holding_out
 
     root, out, refusals = write_shapes(tmp_path / "images", per_class=5), tmp_path / "shards", []
 
     def second_prepare_while_scanning(*args, **kwargs):  # the first prepare holds --out by now
-        if not refusals:
-            refusals.append(None)
-            with pytest.raises(ValueError) as refused:
-                prepare(str(root), str(out), workers=1, dedupe="none")
-            refusals.append(str(refused.value))
-        return scan_folder(*args, **kwargs)
+        with pytest.raises(ValueError) as refused:
+            prepare(str(root), str(out), workers=1, dedupe="none")
+        refusals.append(str(refused.value))
+        raise KeyboardInterrupt("the first stops here: the rest of a prepare is tested elsewhere")
 
     monkeypatch.setattr(train.shards, "scan_folder", second_prepare_while_scanning)
-    meta = prepare(str(root), str(out), workers=1, dedupe="none")
-    assert refusals[1] == (
+    with pytest.raises(KeyboardInterrupt):
+        prepare(str(root), str(out), workers=1, dedupe="none")
+    assert refusals == [
         f"--out {out} is being written by another vit-train prepare: wait for it to end, or give another --out"
-    )
-    assert read_meta(str(out)) == meta and meta["train"] + meta["val"] == 15
+    ]
+    with holding_out(str(out)):  # let go with the first
+        pass
 
 
 @pytest.mark.parametrize("kind", ["a file", "in a file", "a link to nothing", "read-only"])
