@@ -16,7 +16,6 @@ import gradio as gr
 from gradio.exceptions import InvalidPathError
 
 from serve.runtime.images import ImageError, open_image
-from serve.runtime.temp_dirs import LOCK
 from serve.server.ui.images import cached_bytes
 
 NOT_AN_UPLOAD = "the image is not one uploaded to this server: upload it, or send it in the call as a data: URL"
@@ -74,7 +73,7 @@ def uploads_only(demo: gr.Blocks, image: gr.Image, max_pixels: int) -> None:
         name = str(path or "")
         real = os.path.realpath(name)  # as Gradio resolves it: `//tmp/...` and links name the same file
         hashed = os.path.dirname(os.path.dirname(real)) == folder  # `<folder>/<hash>/<file>`: uploads and results
-        if "://" in name or not hashed or os.path.basename(real) == LOCK:
+        if "://" in name or not hashed:  # the server's lock and partial uploads lie at the top: never taken
             raise Refused(NOT_AN_UPLOAD)
         return await move(path)
 
