@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import sys
 from pathlib import Path
 
 from jsonargparse import ActionYesNo, ArgumentParser
 
 from serve.runtime.interrupts import exit_code, sigterm_as_interrupt
-from serve.runtime.ports import check_port
+from serve.runtime.ports import check_port, free_port
 from serve.runtime.temp_dirs import OwnedTempDir
 from train.errors import SetupError
 
@@ -84,17 +83,6 @@ def main(argv: list[str]) -> None:
             os.environ["GRADIO_TEMP_DIR"] = before
 
 
-def _free_port(host: str) -> int:
-    """A port free on `host` now, for --port 0: Gradio, given 0, binds a free port but then asks port 0 whether its
-    page is up, and fails."""
-    family, kind, proto, _, address = socket.getaddrinfo(
-        host.strip("[]") or None, 0, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
-    )[0]
-    with socket.socket(family, kind, proto) as s:
-        s.bind(address)
-        return s.getsockname()[1]
-
-
 def launch_review(
     run_dir: str | Path,
     host: str = "127.0.0.1",
@@ -120,7 +108,7 @@ def launch_review(
     log.info("review: %s; decisions go to %s", counts, run.run_dir / "corrections.csv")
     app.queue(default_concurrency_limit=1)  # one network, one decisions file: one event at a time (one queue)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # Gradio's requests to its own page, a line each
-    port = port or _free_port(host)  # picked now, once the run is scored
+    port = port or free_port(host)  # picked now, once the run is scored: Gradio, given 0, asks port 0 if it is up
     try:
         app.launch(
             server_name=host, server_port=port, share=share, show_error=True, prevent_thread_lock=True, quiet=True,

@@ -1,5 +1,6 @@
-"""`check_port`: whether a server could listen on a port, asked before the slow part of its start; `check_reachable`:
-whether anything answers at a cluster's address, asked before Ray retries it for minutes.
+"""`check_port`: whether a server could listen on a port, asked before the slow part of its start (`free_port`: one
+that is free); `check_reachable`: whether anything answers at a cluster's address, asked before Ray retries it for
+minutes.
 
 `vit-serve` loads and warms its models up, and `vit-train review` scores a whole run, before their web servers bind;
 a port another program holds was found only then. Each asks here first. The answer can change before the server
@@ -43,6 +44,16 @@ def check_port(host: str, port: int, flag: str = "--port", dual_stack: bool = Fa
                 f"port {port} on {host} is in use: stop what listens there, or give {flag} another"
             ) from None
         raise ValueError(f"cannot listen on {host} port {port} ({e.strerror}): give a --host of this machine") from None
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nothing listens on at `host` right now (another program may take it before it is used)."""
+    family, kind, proto, _, address = socket.getaddrinfo(
+        host.strip("[]") or None, 0, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )[0]
+    with socket.socket(family, kind, proto) as s:
+        s.bind(address)
+        return s.getsockname()[1]
 
 
 def check_reachable(address: str | None, flag: str = "--ray-address", timeout_s: float = 5.0) -> None:

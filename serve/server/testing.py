@@ -20,7 +20,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import struct
 import subprocess
 import sys
@@ -35,6 +34,8 @@ from typing import TypeVar
 
 import numpy as np
 from PIL import Image
+
+from serve.runtime import ports
 
 T = TypeVar("T")
 
@@ -119,9 +120,7 @@ def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on right now, and never one this process was given before: two
     calls before either server binds (a gRPC port, then the HTTP one) could otherwise get the same port."""
     while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = ports.free_port()
         if port not in _GIVEN:
             _GIVEN.add(port)
             return port
