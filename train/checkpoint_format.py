@@ -47,14 +47,20 @@ def _checkpoints_in(folder: Path, most: int = 5) -> str:
 def load_checkpoint(path: str | Path) -> dict[str, Any]:
     """Read a checkpoint with `weights_only=True` and check it is one of ours."""
     path = Path(path)
-    if path.is_dir():  # a run folder, or its checkpoints folder
+    try:
+        kind = "folder" if path.is_dir() else "file" if path.is_file() else "other" if path.exists() else None
+    except OSError as e:  # a name too long for the file system: `is_dir` passes over ENOENT and ELOOP only
+        raise ValueError(f"cannot read the checkpoint {path}: {e.strerror or e}") from None
+    if kind == "other":  # /dev/null, a FIFO: reading one would find nothing, or wait for a writer
+        raise ValueError(f"{path} is not a regular file: give the .ckpt file vit-train wrote")
+    if kind == "folder":  # a run folder, or its checkpoints folder
         found = _checkpoints_in(path) or _checkpoints_in(path / "checkpoints")
         raise FileNotFoundError(
             f"{path} is a folder: give a checkpoint file in it: {found}"
             if found
             else f"{path} is a folder with no usable .ckpt file: give a checkpoint file vit-train wrote"
         )
-    if not path.is_file():
+    if kind is None:
         found = _checkpoints_in(path.parent)
         raise FileNotFoundError(f"checkpoint not found: {path}" + (f"; that folder holds {found}" if found else ""))
     with open(path, "rb") as f:
@@ -117,7 +123,13 @@ def load_network(path: str | Path) -> tuple[VisionTransformer, dict[str, Any]]:
     """
     ckpt = load_checkpoint(path)
     meta = dict(ckpt[META_KEY])
-    net = VisionTransformer(**meta["model_config"])
+    try:
+        net = VisionTransformer(**meta["model_config"])
+    except ValueError as e:  # sizes no model takes: more patches than it runs allocated 40 GB before anything said no
+        raise ValueError(
+            f"{path}: its '{META_KEY}' model_config cannot build a network ({first_line(e)}); give the .ckpt file "
+            "vit-train wrote, unedited"
+        ) from None
     prefix = meta.get("weights_prefix", "net.")
     state = {k[len(prefix) :]: v for k, v in ckpt["state_dict"].items() if k.startswith(prefix)}
     net.load_state_dict(state)

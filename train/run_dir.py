@@ -64,8 +64,8 @@ def usable_checkpoints(ckpt_dir: Path, exclude: Path | None = None) -> list[Path
     """The intact `*.ckpt` files of `ckpt_dir` (sorted), leaving out `exclude`."""
     if not ckpt_dir.is_dir():
         return []
-    skip = exclude.resolve() if exclude is not None else None
-    return [p for p in sorted(ckpt_dir.glob("*.ckpt")) if p.resolve() != skip and is_intact(p)]
+    skip = os.path.realpath(exclude) if exclude is not None else None  # realpath: a link loop raises nothing
+    return [p for p in sorted(ckpt_dir.glob("*.ckpt")) if os.path.realpath(p) != skip and is_intact(p)]
 
 
 def _alternatives(ckpt_dir: Path, exclude: Path | None = None) -> str:

@@ -74,6 +74,8 @@ class PatchEmbed(nn.Module):
         H, W = self.img_size
         if H % patch_size or W % patch_size:
             raise ValueError(f"img_size {self.img_size} is not a multiple of patch_size {patch_size}")
+        if why := too_many_patches(self.img_size, patch_size):  # its position table alone could take gigabytes
+            raise ValueError(why)
         self.grid_size = (H // patch_size, W // patch_size)
         self.num_patches = self.grid_size[0] * self.grid_size[1]
         self.stem_type = stem

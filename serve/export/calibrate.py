@@ -18,6 +18,7 @@ On them the export fits, with the formulas of `serve.runtime.calibration`:
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 from collections.abc import Callable
@@ -29,6 +30,7 @@ import onnxruntime as ort
 
 from serve.export.preflight import MIN_IMAGES, calibration_entries
 from serve.runtime import calibration as cal
+from serve.runtime.image_files import path_argument
 from serve.runtime.images import ImageError, Preprocess, load_image
 from serve.runtime.session import session_options
 from serve.runtime.trust import FEATURES_OUTPUT, METADATA_KEY, Trust
@@ -358,4 +360,36 @@ def format_report(entry: dict[str, Any] | None, names: list[str] | None = None) 
     )
 
 
-__all__ = ["METADATA_KEY", "calibrate", "fit", "for_export", "format_report"]
+def add_args(p: argparse.ArgumentParser) -> None:
+    """`vit-export`'s calibration options (`check_args` refuses those --no-calibration would leave unused)."""
+    p.add_argument(
+        "--calibrate",
+        type=path_argument,
+        metavar="DIR",
+        help="calibrate on this labelled folder (DIR/<class>/<image>) instead of the run's calibration split",
+    )
+    p.add_argument(
+        "--no-calibration", action="store_true", help="write an uncalibrated file: raw softmax, no sets, no unknown"
+    )
+    p.add_argument("--conformal", choices=["lac", "aps"], help=f"the prediction-set score (default {DEFAULT_METHOD})")
+    p.add_argument(
+        "--class-conditional", action="store_true", help="one prediction-set threshold per class (imbalanced folders)"
+    )
+    p.add_argument(
+        "--ood-score",
+        choices=["mahalanobis", "energy", "max_softmax"],
+        help="unknown-input score: the pre-logit features' distance to the nearest class (default), or from the logits",
+    )
+
+
+def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse calibration options with --no-calibration: the file would be written uncalibrated, without a word of
+    them (an exit 0 that looked as if `--conformal aps` had been applied)."""
+    given = {"--calibrate": args.calibrate, "--conformal": args.conformal, "--ood-score": args.ood_score}
+    unused = [name for name, value in given.items() if value is not None]
+    unused += ["--class-conditional"] if args.class_conditional else []
+    if args.no_calibration and unused:
+        parser.error(f"--no-calibration writes an uncalibrated file: {', '.join(unused)} would change nothing")
+
+
+__all__ = ["METADATA_KEY", "add_args", "calibrate", "check_args", "fit", "for_export", "format_report"]

@@ -140,53 +140,50 @@ def export_onnx(
     if calib_dir is not None and calibrate is not False:  # folders of other classes, too few images: refused now
         entries, _ = preflight.calibration_entries(checkpoint, meta["class_names"], calib_dir)
         preflight.check_decodable(entries, f"--calibrate {calib_dir}", preflight.MIN_IMAGES)
-    preflight.check_writable(preflight.output_file(output).parent, preflight.output_file(output).name)
-    if triton_repo is not None:
-        preflight.check_writable(Path(triton_repo))
-    preprocess = _serving_preprocess(net, meta["preprocess"], img_size)
+    with preflight.writable_folders(preflight.output_file(output), triton_repo):  # made now, gone if it stops
+        preprocess = _serving_preprocess(net, meta["preprocess"], img_size)
+        log.info("exporting %s at %s for %s, opset %d", checkpoint, preprocess.img_size, target, opset)
+        sample = parity.validation_sample(checkpoint, meta["class_names"], preprocess, val_dir, parity_samples)
+        graphs = targets.build(
+            net,
+            preprocess,
+            target=target,
+            opset=opset,
+            sample=sample,
+            quantize=quantize,
+            gradients=gradients and target == "onnxruntime",
+            logits_only=triton_repo is not None,
+        )
+        model = graphs.model
+        supports_gradients = any(i.name == "target" for i in model.graph.input)
+        metadata = build_metadata(
+            net, meta, preprocess, opset, graphs.quantization, supports_gradients, graphs.fused, target=target
+        )
+        calibration, write_reports = calib.for_export(
+            model, checkpoint, output, meta["class_names"], preprocess, calibrate, calib_dir,
+            method=conformal, class_conditional=class_conditional, ood_kind=ood_score,
+        )  # fmt: skip
+        if calibration is not None:
+            metadata[calib.METADATA_KEY] = calibration
+        set_metadata(model, metadata)
+        model.doc_string = f"vitscope {metadata['variant'] or 'ViT'} classifier, {len(meta['class_names'])} classes"
+        onnx.checker.check_model(model)
+        int8 = quantize == "int8"
+        logits_only = graphs.logits_only
+        if logits_only is not None:  # checked before anything is written
+            triton.finish_model(logits_only, metadata, calibration, graphs.logits_only_quantization)
+            if check_parity:
+                parity.check_logits_only(net, logits_only.SerializeToString(), sample, preprocess, int8)
 
-    log.info("exporting %s at %s for %s, opset %d", checkpoint, preprocess.img_size, target, opset)
-    sample = parity.validation_sample(checkpoint, meta["class_names"], preprocess, val_dir, parity_samples)
-    graphs = targets.build(
-        net,
-        preprocess,
-        target=target,
-        opset=opset,
-        sample=sample,
-        quantize=quantize,
-        gradients=gradients and target == "onnxruntime",
-        logits_only=triton_repo is not None,
-    )
-    model = graphs.model
-    supports_gradients = any(i.name == "target" for i in model.graph.input)
-    metadata = build_metadata(
-        net, meta, preprocess, opset, graphs.quantization, supports_gradients, graphs.fused, target=target
-    )
-    calibration, write_reports = calib.for_export(
-        model, checkpoint, output, meta["class_names"], preprocess, calibrate, calib_dir,
-        method=conformal, class_conditional=class_conditional, ood_kind=ood_score,
-    )  # fmt: skip
-    if calibration is not None:
-        metadata[calib.METADATA_KEY] = calibration
-    set_metadata(model, metadata)
-    model.doc_string = f"vitscope {metadata['variant'] or 'ViT'} classifier, {len(meta['class_names'])} classes"
-    onnx.checker.check_model(model)
-    int8 = quantize == "int8"
-    logits_only = graphs.logits_only
-    if logits_only is not None:  # checked before anything is written
-        triton.finish_model(logits_only, metadata, calibration, graphs.logits_only_quantization)
-        if check_parity:
-            parity.check_logits_only(net, logits_only.SerializeToString(), sample, preprocess, int8)
+        def gate(path: Path) -> dict[str, Any] | None:
+            int8_maps = int8 and target == "portable"
+            return parity.check(net, path, sample, preprocess, int8, int8_maps=int8_maps) if check_parity else None
 
-    def gate(path: Path) -> dict[str, Any] | None:
-        int8_maps = int8 and target == "portable"
-        return parity.check(net, path, sample, preprocess, int8, int8_maps=int8_maps) if check_parity else None
-
-    folder = None
-    with _write_checked(model, output, gate) as report:  # `output` comes last: once there, the export is whole
-        if logits_only is not None:
-            folder = triton.write_repo(logits_only, list(meta["class_names"]), triton_repo, name)
-    png = write_reports()  # the model is in place: the run's reports now describe it
+        folder = None
+        with _write_checked(model, output, gate) as report:  # `output` comes last: once there, the export is whole
+            if logits_only is not None:
+                folder = triton.write_repo(logits_only, list(meta["class_names"]), triton_repo, name)
+        png = write_reports()  # the model is in place: the run's reports now describe it
     return ExportResult(output, metadata, report, graphs.quant_report, folder, calibration, png)
 
 
@@ -269,30 +266,8 @@ def _parser() -> argparse.ArgumentParser:
         help="also write a Triton model repository: DIR/NAME/config.pbtxt, labels.txt, 1/model.onnx (logits only)",
     )
     p.add_argument("--triton-name", help="the model's name in the Triton repository (default: the output's stem)")
-    _add_calibration_args(p)
+    calib.add_args(p)
     return p
-
-
-def _add_calibration_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--calibrate",
-        type=path_argument,
-        metavar="DIR",
-        help="calibrate on this labelled folder (DIR/<class>/<image>) instead of the run's calibration split",
-    )
-    p.add_argument(
-        "--no-calibration", action="store_true", help="write an uncalibrated file: raw softmax, no sets, no unknown"
-    )
-    p.add_argument("--conformal", choices=["lac", "aps"], default=calib.DEFAULT_METHOD, help="the prediction-set score")
-    p.add_argument(
-        "--class-conditional", action="store_true", help="one prediction-set threshold per class (imbalanced folders)"
-    )
-    p.add_argument(
-        "--ood-score",
-        choices=["mahalanobis", "energy", "max_softmax"],
-        default=calib.DEFAULT_OOD_SCORE,
-        help="unknown-input score: the pre-logit features' distance to the nearest class (default), or from the logits",
-    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -311,6 +286,9 @@ def main(argv: list[str] | None = None) -> int:
         return _package_web(args.checkpoint, args.web, args.ort_web)  # a file exported before, for the browser
     if args.output is None and args.web is None:
         parser.error("name the file to write with -o, e.g. -o artifacts/model.onnx")
+    calib.check_args(parser, args)
+    if args.triton_name is not None and args.triton_repo is None:
+        parser.error("--triton-name names the model in --triton-repo, which is not given: it would change nothing")
     if args.web is not None:
         try:
             web.find_ort_dist(args.ort_web)  # before a minute of export, not after
@@ -362,9 +340,9 @@ def _export(args: argparse.Namespace, output: Path, target: str) -> ExportResult
         triton_name=args.triton_name,
         calibrate=False if args.no_calibration else (True if args.calibrate else None),
         calib_dir=args.calibrate,
-        conformal=args.conformal,
+        conformal=args.conformal or calib.DEFAULT_METHOD,
         class_conditional=args.class_conditional,
-        ood_score=args.ood_score,
+        ood_score=args.ood_score or calib.DEFAULT_OOD_SCORE,
     )
 
 

@@ -20,11 +20,13 @@ line and answers 2 (1 means the parity gate failed).
 from __future__ import annotations
 
 import collections
+import contextlib
 import errno
 import json
 import logging
 import os
 import stat
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -83,11 +85,34 @@ def output_file(output: Path) -> Path:
     return target
 
 
-def check_writable(folder: Path, name: str = "probe") -> None:
-    """Fail before the slow export, not after it, when `folder` cannot be created or written, or `name` (the file
-    to write there) is too long for the temporary it is written through (`files.temporary_name`)."""
-    probe, made = folder / files.temporary_name(name), False
+@contextlib.contextmanager
+def writable_folders(output: Path, triton_repo: Path | None) -> Iterator[None]:
+    """`check_writable` for the output file's folder and --triton-repo, making those not there yet; the folders made
+    are removed again, those still empty, when the export then fails or is stopped: "nothing was written" left the
+    new folders of -o and --triton-repo behind."""
+    made = check_writable(output.parent, output.name)
     try:
+        made += check_writable(Path(triton_repo)) if triton_repo is not None else []
+        yield
+    except BaseException:
+        for folder in sorted(made, key=lambda f: len(f.parts), reverse=True):  # the deepest first
+            with contextlib.suppress(OSError):
+                folder.rmdir()  # only an empty one
+        raise
+
+
+def check_writable(folder: Path, name: str = "probe") -> list[Path]:
+    """Fail before the slow export, not after it, when `folder` cannot be created or written, or `name` (the file
+    to write there) is too long for the temporary it is written through (`files.temporary_name`).
+
+    Returns:
+        The folders made for it, `folder` and those above it that were not there.
+    """
+    probe, made = folder / files.temporary_name(name), False
+    new = [f for f in (folder, *folder.parents) if not os.path.lexists(f)]
+    try:
+        if blocking := next((f for f in (folder, *folder.parents) if os.path.isfile(f)), None):
+            raise ValueError(f"cannot write to {folder}: {blocking} is a file, not a folder; choose an output folder")
         folder.mkdir(parents=True, exist_ok=True)
         made = True
         files.write_new(probe, b"")
@@ -101,6 +126,7 @@ def check_writable(folder: Path, name: str = "probe") -> None:
         raise ValueError(
             f"cannot write to {folder}: {e.strerror or e}; choose an output folder you can write to"
         ) from None
+    return new
 
 
 def _looks_like_onnx(path: Path) -> bool:
@@ -212,7 +238,7 @@ def check_split(checkpoint: Path, class_names: list[str]) -> None:
     """Refuse a `split.json` beside the checkpoint that is not its run's: the parity gate and the calibration would
     run on another run's images, labelled by its classes (a wrong temperature, or an IndexError)."""
     split = split_path(checkpoint)
-    if not split.is_file():
+    if not os.path.lexists(split):
         return
     elsewhere = (
         f"export {checkpoint} from its own run folder, beside the split.json that trained it, or from a folder "

@@ -111,8 +111,12 @@ def write_web(model_path: str | Path, folder: str | Path, ort_dist: str | Path |
     model_path, folder = Path(model_path), Path(folder)
     dist = find_ort_dist(ort_dist)
     check_folder(folder)
+    if model_path.is_dir():
+        raise ValueError(f"{model_path} is a folder, not an ONNX file: give the .onnx file vit-export wrote")
     if not model_path.is_file():
         raise FileNotFoundError(f"no such model file: {model_path}")
+    if model_path.stat().st_size == 0:  # protobuf reads no bytes as an empty model: "outputs []"
+        raise ValueError(f"{model_path} is empty (0 bytes), a copy that did not finish? Export it again")
     try:
         model = onnx.load(str(model_path), load_external_data=False)
     except Exception as e:  # protobuf's DecodeError, and whatever a half-copied file makes it raise

@@ -1,0 +1,138 @@
+"""vit-export given paths and options a pipeline gets wrong: each is one line naming the real cause, exit 2, and an
+export that stops leaves no folder of its own behind."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from serve.export import targets  # noqa: E402  (after the skip: the [serve]-only venv has no torch)
+from serve.export.cli import main  # noqa: E402
+
+
+@pytest.fixture
+def run(tiny_checkpoint, tmp_path) -> Path:
+    """A copy of the tiny run (checkpoint and split) that a test may change."""
+    (tmp_path / "run" / "checkpoints").mkdir(parents=True)
+    shutil.copy(tiny_checkpoint.parent.parent / "split.json", tmp_path / "run" / "split.json")
+    shutil.copy(tiny_checkpoint, tmp_path / "run" / "checkpoints" / "best.ckpt")
+    return tmp_path / "run"
+
+
+@pytest.fixture
+def no_export(monkeypatch):
+    def started(*args, **kwargs):
+        raise AssertionError("the export started: the refusal should have come before it")
+
+    monkeypatch.setattr(targets, "build", started)
+
+
+def test_a_link_loop_among_a_folders_checkpoints_is_no_checkpoint_and_the_one_asked_for_is_not_there(
+    tmp_path, capsys, no_export
+):
+    """`Path.resolve` raised on the loop, and the export said the weights did not fit the network."""
+    folder = tmp_path / "ck"
+    folder.mkdir()
+    (folder / "b.ckpt").symlink_to("a.ckpt")
+    (folder / "a.ckpt").symlink_to("b.ckpt")
+    assert main([str(folder / "best.ckpt"), "-o", str(tmp_path / "m.onnx")]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == f"vit-export: checkpoint not found: {folder / 'best.ckpt'}", err
+    assert main([str(folder), "-o", str(tmp_path / "m.onnx")]) == 2
+    assert "is a folder with no usable .ckpt file" in capsys.readouterr().err
+
+
+def test_a_checkpoint_that_is_a_device_or_has_a_name_too_long_is_said_as_such(tmp_path, capsys, no_export):
+    """/dev/null was "checkpoint not found", and a name over the file system's limit "could not write the model"."""
+    assert main(["/dev/null", "-o", str(tmp_path / "m.onnx")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "vit-export: /dev/null is not a regular file: give the .ckpt file vit-train wrote", err
+    long = tmp_path / ("a" * 300 + ".ckpt")
+    assert main([str(long), "-o", str(tmp_path / "m.onnx")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"vit-export: cannot read the checkpoint {long}: File name too long"), err
+    assert "could not write" not in err
+
+
+def test_a_checkpoint_edited_to_more_patches_than_a_model_runs_is_refused_before_its_network_is_built(
+    run, tmp_path, capsys, no_export, monkeypatch
+):
+    """An img_size of 100,000 in the model_config allocated 40 GB for the position table before anything said no."""
+    checkpoint = run / "checkpoints" / "best.ckpt"
+    ckpt = torch.load(checkpoint, map_location="cpu", weights_only=True)
+    ckpt["vitscope"]["model_config"]["img_size"] = 1040  # 130 x 130 patches of 8: 16,900, over 16,384
+    torch.save(ckpt, checkpoint)
+    assert main([str(checkpoint), "-o", str(tmp_path / "m.onnx")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"vit-export: {checkpoint}: its 'vitscope' model_config cannot build a network"), err
+    assert "1040 x 1040 at patch 8 is 16,900 patches, over the 16,384 a model runs" in err
+
+
+@pytest.mark.parametrize(
+    "extra, says",
+    [
+        (["--no-calibration", "--conformal", "aps"], "--conformal"),
+        (["--no-calibration", "--class-conditional"], "--class-conditional"),
+        (["--no-calibration", "--ood-score", "energy"], "--ood-score"),
+        (["--no-calibration", "--calibrate", "DIR"], "--calibrate"),
+        (["--triton-name", "alpha"], "--triton-name"),
+    ],
+)
+def test_options_another_option_would_leave_unused_are_refused(run, tmp_path, capsys, no_export, extra, says):
+    """`--no-calibration --conformal aps` exported an uncalibrated file with exit 0 and no word of the option."""
+    extra = [str(tmp_path) if e == "DIR" else e for e in extra]
+    with pytest.raises(SystemExit) as exited:
+        main([str(run / "checkpoints" / "best.ckpt"), "-o", str(tmp_path / "m.onnx"), *extra])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and says in err.splitlines()[-1] and "Traceback" not in err, err
+    assert "would change nothing" in err
+
+
+def test_an_export_stopped_before_it_writes_leaves_none_of_the_folders_it_made(run, tmp_path, capsys, monkeypatch):
+    """The folders of -o and --triton-repo were made before the export, and stayed after "nothing was written"."""
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(targets, "build", interrupted)
+    (tmp_path / "kept").mkdir()
+    out, repo = tmp_path / "kept" / "new" / "deep" / "m.onnx", tmp_path / "kept" / "repo" / "models"
+    assert main([str(run / "checkpoints" / "best.ckpt"), "-o", str(out), "--triton-repo", str(repo)]) == 130
+    assert "nothing was written" in capsys.readouterr().err
+    assert sorted(os.listdir(tmp_path / "kept")) == []  # the folder that was there stays, empty as it was
+
+
+def test_an_output_under_a_file_says_that_file_is_no_folder(run, tmp_path, capsys, no_export):
+    """It said "cannot write to afile: File exists"."""
+    (tmp_path / "afile").write_text("mine")
+    assert main([str(run / "checkpoints" / "best.ckpt"), "-o", str(tmp_path / "afile" / "m.onnx")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert f"{tmp_path / 'afile'} is a file, not a folder" in err, err
+    assert (tmp_path / "afile").read_text() == "mine"
+
+
+@pytest.mark.parametrize("kind", ["folder", "empty"])
+def test_a_model_for_the_page_that_is_a_folder_or_empty_is_said_as_such(tmp_path, capsys, kind):
+    model = tmp_path / "m.onnx"
+    model.mkdir() if kind == "folder" else model.write_bytes(b"")
+    code = main([str(model), "--web", str(tmp_path / "site")])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "Traceback" not in err, err
+    said = {"folder": f"{model} is a folder, not an ONNX file", "empty": f"{model} is empty (0 bytes)"}[kind]
+    assert said in err, err
+
+
+@pytest.mark.parametrize("kind", ["folder", "dangling_link"])
+def test_a_split_json_that_is_no_file_is_refused_not_taken_for_no_split(run, tmp_path, capsys, no_export, kind):
+    """A split.json that was a folder was passed over as absent: the gate ran on random images, with exit 0."""
+    split = run / "split.json"
+    split.unlink()
+    split.mkdir() if kind == "folder" else split.symlink_to(tmp_path / "gone.json")
+    assert main([str(run / "checkpoints" / "best.ckpt"), "-o", str(tmp_path / "m.onnx")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"vit-export: {split} is not a split.json that vit-train writes"), err
