@@ -28,8 +28,10 @@ from tqdm import tqdm
 
 from serve.runtime.image_files import is_image_file, walk_image_files
 from serve.runtime.images import ImageError, PixelBudget
+from serve.runtime.input_lists import listed_inputs
 from serve.runtime.outputs import PartStore
 from serve.runtime.row_formats import output_format, parquet_text
+from serve.runtime.terminal import one_line
 
 # Shapes: B batch, H/W the model's input, K classes.
 
@@ -82,30 +84,8 @@ def find_images(folder: str | Path, errors: TextIO) -> tuple[list[str], int]:
     """
     found, unlisted = walk_image_files(folder)
     for e in unlisted:
-        print(f"{e.filename}: folder cannot be read: {e.strerror}", file=errors)
+        print(one_line(f"{e.filename}: folder cannot be read: {e.strerror}"), file=errors)
     return found, len(unlisted)
-
-
-MAX_LIST_BYTES = 1 << 30  # a list of 1 GiB names ten million files or more
-
-
-def _list_lines(path: Path) -> list[str]:
-    """The lines of a `--from-list` file: the file system's bytes (`os.fsdecode`), after the UTF-8 byte order mark
-    Notepad writes; UTF-16 by its byte order mark (PowerShell 5's `>`).
-
-    Raises:
-        ValueError: it is over `MAX_LIST_BYTES` (`/dev/zero`, or a pipe that never ends, was read until memory ran out).
-    """
-    with path.open("rb") as f:
-        data = f.read(MAX_LIST_BYTES + 1)
-    if len(data) > MAX_LIST_BYTES:
-        raise ValueError(
-            f"--from-list {path} is over {MAX_LIST_BYTES:,} bytes (ten million paths or more, or a stream that does "
-            "not end): split the list over several runs, each with its own --out"
-        )
-    if data[:2] in (b"\xff\xfe", b"\xfe\xff"):
-        return data.decode("utf-16").splitlines()
-    return [os.fsdecode(line) for line in data.removeprefix(b"\xef\xbb\xbf").splitlines()]
 
 
 def collect_sources(
@@ -116,23 +96,12 @@ def collect_sources(
     Args:
         paths: local files, folders and URIs.
         errors: where a missing path, an empty folder or one that cannot be listed is reported, one line each.
-        from_list: a text file of paths or URIs, one a line (blank lines and `#` comments skipped); read as the
-            file system's bytes (`os.fsdecode`), so that it may name a file whose name is not UTF-8.
+        from_list: a text file of paths or URIs, one a line (`serve.runtime.input_lists`).
 
     Returns:
         (sources, problems): each input once, in order; problems counts the missing, empty and unlisted ones.
     """
-    items = [str(p) for p in paths]
-    if from_list is not None:
-        for n, line in enumerate(_list_lines(Path(from_list)), 1):
-            item = line.strip()
-            if item.startswith("#") and os.path.isfile(item):  # a comment that names a file (a long one: False)
-                print(
-                    f"{from_list}:{n}: {item} is read as a comment; write it as ./{item} to score that file",
-                    file=errors,
-                )
-            elif item and not item.startswith("#"):
-                items.append(item)
+    items = [str(p) for p in paths] + ([] if from_list is None else listed_inputs(Path(from_list), errors))
     sources: dict[str, str] = {}  # ordered and each input once: a file named twice (`a/x.png`, `./a/x.png`) is one row
     problems = 0
     for item in items:
@@ -145,19 +114,19 @@ def collect_sources(
             except Exception as e:  # a host that refuses, does not resolve or answers 403: this input's, not the run's
                 found = []
                 why = (str(e).strip().splitlines() or [type(e).__name__])[0]
-                print(f"{item}: cannot be reached or listed ({why})", file=errors)
+                print(one_line(f"{item}: cannot be reached or listed ({why})"), file=errors)
             else:
                 if not found:
-                    print(f"{item}: no such object, or no image files under this prefix", file=errors)
+                    print(one_line(f"{item}: no such object, or no image files under this prefix"), file=errors)
         elif Path(item).is_dir():
             found, unlisted = find_images(item, errors)
             if not found and not unlisted:
-                print(f"{item}: no image files in this folder", file=errors)
+                print(one_line(f"{item}: no image files in this folder"), file=errors)
         elif Path(item).exists():
             found = [item]
         else:
             found = []
-            print(f"{item}: no such file or folder", file=errors)
+            print(one_line(f"{item}: no such file or folder"), file=errors)
         problems += unlisted or not found
         for f in found:
             sources.setdefault(source_key(f), f)
@@ -360,8 +329,10 @@ def score_to_file(
         named = parquet_text if output_format(out) == ".parquet" else str  # as the rows write a name not UTF-8
         if missing := [s for s in sources if named(s) not in have and named(source_key(s)) not in have]:
             print(
-                f"{out}: {len(missing):,} of this run's inputs have no row in it (unreadable then, or given since), "
-                f"such as {missing[0]}: remove it, or give another --out, to score them",
+                one_line(
+                    f"{out}: {len(missing):,} of this run's inputs have no row in it (unreadable then, or given "
+                    f"since), such as {missing[0]}: remove it, or give another --out, to score them"
+                ),
                 file=errors,
             )
         return len(paths), len(missing)
@@ -385,7 +356,7 @@ def _fill(store: PartStore, prepare, sources, rows_for: RowsFor, batch_size, wor
     with tqdm(total=len(sources), initial=len(sources) - len(todo), unit="img", file=errors, disable=not show) as bar:
         for ok, pixels, bad in decoded_batches(todo, prepare, batch_size, workers or default_decode_workers()):
             for source, reason in bad:
-                tqdm.write(f"{source}: {reason}", file=errors)  # one line per file, path first
+                tqdm.write(one_line(f"{source}: {reason}"), file=errors)  # one line per file, path first
             if pixels is not None:
                 rows.extend(rows_for(ok, pixels))
             part_failed.extend(bad)

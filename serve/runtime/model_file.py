@@ -17,6 +17,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
+from serve.runtime.image_files import link_loop
+
 # Field numbers from onnx.proto (stable since IR version 3).
 _MODEL_GRAPH, _MODEL_METADATA, _MODEL_FUNCTIONS = 7, 14, 25
 _GRAPH_NODE, _GRAPH_INITIALIZER, _GRAPH_SPARSE_INITIALIZER = 1, 5, 15
@@ -53,13 +55,15 @@ def read_model_bytes(path: str | Path, max_bytes: int = 4 << 30) -> bytes:
 
     Raises:
         FileNotFoundError: the path does not exist.
-        ModelFileError: empty, truncated, not ONNX, or with external data references.
+        ModelFileError: a folder, a link that loops; empty, truncated, not ONNX, or with external data references.
     """
     path = Path(path)
     if path.is_dir():
         raise ModelFileError(f"{path} is a folder, not a model file: give the .onnx file")
     if path.exists() and not path.is_file():  # reading a named pipe would wait for a writer for ever
         raise ModelFileError(f"{path} is not a regular file (a named pipe, socket or device): give the .onnx file")
+    if why := link_loop(path):  # is_file says False, as for a path that is not there
+        raise ModelFileError(why)
     if not path.is_file():
         raise FileNotFoundError(f"model file not found: {path}")
     size = path.stat().st_size

@@ -38,6 +38,7 @@ import numpy as np
 from tqdm import tqdm
 
 from serve.runtime.classifier import OnnxClassifier
+from serve.runtime.image_files import link_loop
 from serve.runtime.images import ImageError
 from serve.runtime.interrupts import exit_code, sigterm_as_interrupt
 from serve.runtime.jobs import (
@@ -51,11 +52,15 @@ from serve.runtime.jobs import (
 )
 from serve.runtime.outputs import PARTS_SUFFIX
 from serve.runtime.row_formats import csv_line
+from serve.runtime.terminal import one_line
 from serve.runtime.trust import Prediction
 
 PROGRESS_MIN_FILES = 20  # a bar for a handful of files is noise
 EXIT_BROKEN_PIPE = 128 + 13  # what a shell reports for a process ended by SIGPIPE
 MAX_DECODE_THREADS = 256  # more than cores pays only for reads that wait (object storage); beyond this, memory
+# a batch is held whole, and --out decodes up to 2 x --decode-threads of them ahead (`jobs.decoded_batches`): 1,024
+# images of 224 x 224 are 150 MB of pixels a batch, 2.6 GB at 8 threads; 1e9 held every input in one batch
+MAX_BATCH_SIZE = 1024
 
 
 class OutputError(Exception):
@@ -198,7 +203,7 @@ def run(
                     ok.append(f)
                 except (ImageError, OSError) as e:
                     failed += 1
-                    tqdm.write(f"{f}: {why_unreadable(str(f), e)}", file=errors)  # one line per file, path first
+                    tqdm.write(one_line(f"{f}: {why_unreadable(str(f), e)}"), file=errors)  # a line a file, path first
             if pixels:
                 answers = clf.predictions(clf.assess(np.stack(pixels), coverage), top_k)
                 for f, top in zip(ok, answers, strict=True):
@@ -225,7 +230,9 @@ def build_parser() -> argparse.ArgumentParser:
         choices=list(STDOUT_SUFFIX),
         help="on standard output, json (the default): one object per line; csv: rows (--out: its suffix says)",
     )
-    p.add_argument("--batch-size", type=int, default=32, help="images per onnxruntime call (default 32)")
+    p.add_argument(
+        "--batch-size", type=int, default=32, help=f"images per onnxruntime call (default 32, at most {MAX_BATCH_SIZE})"
+    )
     p.add_argument(
         "--threads",
         type=int,
@@ -261,12 +268,14 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     --ray job with it too, before Ray starts."""
     if args.top_k < 1 or args.batch_size < 1 or args.part_size < 1:
         p.error("--top-k, --batch-size and --part-size must be at least 1")
+    if args.batch_size > MAX_BATCH_SIZE:
+        p.error(f"--batch-size must be 1 to {MAX_BATCH_SIZE}, got {args.batch_size}")
     if not args.paths and not args.from_list:
         p.error("give image files or folders, or --from-list FILE")
     if args.out is None and (args.from_list or args.resume or any(is_uri(s) for s in args.paths)):
         p.error("--from-list, URIs and --resume need --out FILE")
-    if args.out is not None and args.out.is_dir():
-        p.error(f"--out {args.out} is a folder: give the table's file name (preds.parquet, preds.csv or preds.jsonl)")
+    if args.out is not None:
+        _check_out(p, args.out)
     if args.format is None:
         args.format = "json"
     elif args.out is not None and args.out.suffix.lower() != STDOUT_SUFFIX[args.format]:
@@ -279,6 +288,28 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error(f"--threads must be 0 (every core) to {cores} (this machine's cores), got {args.threads}")
     if args.decode_threads is not None and not 1 <= args.decode_threads <= MAX_DECODE_THREADS:
         p.error(f"--decode-threads must be 1 to {MAX_DECODE_THREADS}, got {args.decode_threads}")
+
+
+def _check_out(p: argparse.ArgumentParser, out: Path) -> None:
+    """Refuse an --out no job can write, before any work: a folder; a link that loops, or one to nothing (the job
+    would replace the link with its table and write nothing where it points; a link to a file is an output that
+    exists, refused without --resume as any is); a name the file system refuses (too long), in one line as an
+    input's is."""
+    if why := link_loop(out):
+        p.error(f"--out {why}")
+    try:
+        is_dir, dangling = out.is_dir(), out.is_symlink() and not out.exists()
+    except OSError as e:  # a name too long, a folder on the way this user cannot search: is_dir swallows a missing one
+        p.exit(2, one_line(f"vit-predict: --out {out}: {e.strerror or e}") + "\n")
+    if is_dir:
+        p.error(f"--out {out} is a folder: give the table's file name (preds.parquet, preds.csv or preds.jsonl)")
+    if dangling:
+        p.error(
+            one_line(
+                f"--out {out} is a symbolic link to {os.readlink(out)}, which does not exist: vit-predict would "
+                "replace the link with its table; remove the link, or give the file it should point at as --out"
+            )
+        )
 
 
 def run_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
@@ -294,7 +325,7 @@ def run_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
                     args.model, paths, args.top_k, args.format, args.batch_size, args.threads, coverage=args.coverage
                 )
     except (ValueError, FileNotFoundError) as e:
-        print(f"vit-predict: {e}", file=sys.stderr)
+        print(one_line(f"vit-predict: {e}"), file=sys.stderr)
         return 2
     except BrokenPipeError:  # the reader left (`| head`): stop quietly, as other tools do
         _drop_stdout()
@@ -305,7 +336,8 @@ def run_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         return 2
     except OSError as e:  # the model, a list or the --out folder that cannot be read or written, a full disk
         kept = "; the parts written so far are kept: run it again with --resume" if _has_parts(args.out) else ""
-        print(f"vit-predict: {e.filename or ''}{': ' if e.filename else ''}{e.strerror or e}{kept}", file=sys.stderr)
+        where = f"{e.filename}: " if e.filename else ""
+        print(one_line(f"vit-predict: {where}{e.strerror or e}{kept}"), file=sys.stderr)
         return 2
     except KeyboardInterrupt as e:
         kept = f": the parts written so far are kept, run the same command with --resume to finish {args.out}"

@@ -31,13 +31,13 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from logging.handlers import QueueHandler, QueueListener
 
+from serve.runtime.terminal import CONTROL_ESCAPES
+
 log = logging.getLogger("vitscope.access")
 FORMAT = '%s "%s %s" %s %.1fms id=%s'
 FLUSH_S = 0.1  # once the queue is empty, the listener sleeps this long: lines reach the log at most this late
 MAX_LINES = 10_000  # lines waiting for a log that cannot keep up (a few MB); more are dropped, and counted
-ESCAPES = {c: f"\\x{c:02x}" for c in [*range(0x20), *range(0x7F, 0xA0)]}  # C0, DEL and C1 (NEL among them)
-ESCAPES |= {c: f"\\u{c:04x}" for c in (0x2028, 0x2029)}  # the line and paragraph separators editors break on
-ESCAPES |= {c: f"\\x{c:02x}" for c in b'"\\'}  # the field's quote, and the escape character itself
+ESCAPES = CONTROL_ESCAPES | {c: f"\\x{c:02x}" for c in b'"\\'}  # also the field's quote, and the escape character
 
 
 def escaped(field: object) -> object:

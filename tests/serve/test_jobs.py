@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from serve.runtime import jobs
+from serve.runtime import input_lists
 from serve.runtime.outputs import JOB_FILE, PartStore, create_anew
 from serve.runtime.predict import main
 from serve.runtime.row_formats import table_row
@@ -946,7 +946,7 @@ def test_output_and_input_errors_of_the_system_are_one_line_with_exit_2(tiny_onn
 def test_a_list_that_never_ends_is_refused_in_one_line_once_past_its_cap(tiny_onnx, tmp_path, capsys, monkeypatch):
     """`--from-list /dev/zero` (or a pipe that never closes) was read whole into memory: killed by the kernel at
     24 GB, or a MemoryError traceback under a memory limit."""
-    monkeypatch.setattr(jobs, "MAX_LIST_BYTES", 1 << 20)  # a small cap: the refusal is tested, not 1 GiB read
+    monkeypatch.setattr(input_lists, "MAX_LIST_BYTES", 1 << 20)  # a small cap: the refusal is tested, not 1 GiB read
     assert main([str(tiny_onnx), "--from-list", "/dev/zero", "--out", str(tmp_path / "a.csv")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("vit-predict: --from-list /dev/zero is over") and len(err.splitlines()) == 1, err
@@ -1091,3 +1091,32 @@ def test_a_model_replaced_while_the_run_lists_its_inputs_is_not_the_one_its_part
         f.write(inputs)
     _, err = resumed.communicate(timeout=120)
     assert resumed.returncode == 2 and "was started with another model file" in err, err
+
+
+def test_a_from_list_that_is_a_folder_says_to_give_the_folder_as_an_input(tiny_onnx, tmp_path, capsys):
+    """It said `in: Is a directory`, true but no help: --from-list takes a text file of paths."""
+    folder = tmp_path / "in"
+    _images(folder, 1)
+    out = tmp_path / "x.csv"
+    assert main([str(tiny_onnx), str(folder / "0000_top_left.png"), "--out", str(out), "--from-list", str(folder)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"vit-predict: --from-list {folder} is a folder: it takes a text file of paths") and (
+        "give the folder as an input" in err and len(err.splitlines()) == 1
+    ), err
+    assert not out.exists()
+
+
+def test_each_unreadable_input_of_an_out_job_is_one_stderr_line_its_control_characters_escaped(
+    tiny_onnx, tmp_path, capsys
+):
+    """A name holding a newline wrote a line of its own choosing on stderr (a forged summary line)."""
+    folder = tmp_path / "photos"
+    _images(folder, 1)
+    forged = "vit-predict: classified 99 images; 0 input(s) could not be read"
+    (folder / f"x\n{forged}\n.png").write_bytes(b"not an image")
+    (folder / "café\r.png").write_bytes(b"not an image")
+    assert main([str(tiny_onnx), str(folder), "--out", str(tmp_path / "p.jsonl")]) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 3 and forged not in err and not any("\r" in line for line in err), err
+    assert any(line.startswith(f"{folder}/x\\x0a{forged}\\x0a.png: ") for line in err), err
+    assert any(line.startswith(f"{folder}/café\\x0d.png: ") for line in err), err

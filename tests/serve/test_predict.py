@@ -232,3 +232,77 @@ def test_ray_without_ray_installed_says_what_to_install_before_the_model_loads(t
     assert vit_predict(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("vit-predict: --ray needs Ray Data: pip install 'vitscope[ray]'") and "Traceback" not in err
+
+
+def _usage_error(argv: list[str], capsys) -> list[str]:
+    """The stderr lines of a run refused at argument checking (exit 2, before the model loads)."""
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    return capsys.readouterr().err.splitlines()
+
+
+def test_an_out_name_too_long_for_the_file_system_is_one_line_not_a_traceback(tiny_onnx, tmp_path, capsys):
+    """`--out` of 300 characters ended in an OSError traceback (ENAMETOOLONG), where an input's or the model's said
+    why in one line."""
+    folder = _folder(tmp_path, n=1)
+    out = tmp_path / f"{'a' * 300}.csv"
+    assert _usage_error([str(tiny_onnx), str(folder), "--out", str(out)], capsys) == [
+        f"vit-predict: --out {out}: File name too long"
+    ]
+
+
+def test_an_out_that_is_a_link_to_nothing_is_refused_and_a_link_to_a_file_is_left_as_it_was(
+    tiny_onnx, tmp_path, capsys
+):
+    """The job replaced a dangling link with its table (exit 0): nothing was written where the link pointed, and
+    the link was gone."""
+    folder = _folder(tmp_path, n=1)
+    link = tmp_path / "dl.csv"
+    link.symlink_to("/nonexistent/dir/p.csv")
+    said = _usage_error([str(tiny_onnx), str(folder), "--out", str(link)], capsys)[-1]
+    assert f"--out {link} is a symbolic link to /nonexistent/dir/p.csv, which does not exist" in said, said
+    assert os.readlink(link) == "/nonexistent/dir/p.csv"  # the link kept, and nothing made beside it
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dl.csv", "photos"]
+    # a link to a file that exists is an output that exists, as before: refused without --resume, the file untouched
+    (tmp_path / "target.csv").write_text("kept\n")
+    (tmp_path / "good.csv").symlink_to("target.csv")
+    assert main([str(tiny_onnx), str(folder), "--out", str(tmp_path / "good.csv")]) == 2
+    assert "exists: add --resume" in capsys.readouterr().err and (tmp_path / "target.csv").read_text() == "kept\n"
+
+
+def test_a_batch_size_past_its_bound_is_refused_at_argument_checking(tiny_onnx, tmp_path, capsys):
+    """--batch-size 1000000000 was taken: every input decoded into one batch, memory growing with the inputs."""
+    folder = _folder(tmp_path, n=1)
+    for out in ([], ["--out", str(tmp_path / "p.csv")]):
+        said = _usage_error([str(tiny_onnx), str(folder), "--batch-size", "1000000000", *out], capsys)[-1]
+        assert said.endswith(" must be 1 to 1024, got 1000000000") and "--batch-size" in said, said
+    assert main([str(tiny_onnx), str(folder), "--batch-size", "1024"]) == 0
+
+
+def test_a_model_path_that_is_a_link_loop_says_so(tiny_onnx, tmp_path, capsys):
+    """It said `model file not found`, which sent the user looking for a file that is there by name."""
+    folder = _folder(tmp_path, n=1)
+    loop = tmp_path / "loop1"
+    loop.symlink_to("loop1")
+    assert main([str(loop), str(folder)]) == 2
+    said = f"vit-predict: {loop} is a symbolic link that loops (it leads back to itself): fix or remove the link"
+    assert capsys.readouterr().err == said + "\n"
+
+
+FORGED = "vit-predict: classified 99 images; 0 input(s) could not be read"
+
+
+def test_each_unreadable_file_is_one_stderr_line_its_control_characters_escaped(tiny_onnx, tmp_path, capsys):
+    """A name holding a newline wrote a line of its own choosing (a forged summary), and `\\r` overwrote a terminal's
+    line; a printable name, accents and all, is written as it is."""
+    folder = _folder(tmp_path, n=1)
+    (folder / f"x\n{FORGED}\n.png").write_bytes(b"not an image")
+    (folder / "over\rwrite.png").write_bytes(b"not an image")
+    (folder / "café ünï.png").write_bytes(b"not an image")
+    assert main([str(tiny_onnx), str(folder)]) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 4 and FORGED not in err and not any("\r" in line for line in err), err
+    assert any(line.startswith(f"{folder}/x\\x0a{FORGED}\\x0a.png: ") for line in err), err
+    assert any(line.startswith(f"{folder}/over\\x0dwrite.png: ") for line in err), err
+    assert any(line.startswith(f"{folder}/café ünï.png: ") for line in err), err
