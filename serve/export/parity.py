@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -87,7 +86,7 @@ def validation_sample(
         raise ValueError(f"none of the {n} parity images of {source} could be read, the first {first}: {fix}")
     looked = ([f"{split}'s val split"] if split.is_file() else []) + ([str(val_dir)] if val_dir is not None else [])
     where = f"in {' or '.join(looked)}" if looked else "(no split.json next to the checkpoint's run, no --val-dir)"
-    warnings.warn(f"no validation images found {where}: the parity gate runs on 32 random images instead", stacklevel=2)
+    log.warning("no validation images found %s: the parity gate runs on 32 random images instead", where)
     H, W = preprocess.img_size
     rng = np.random.default_rng(0)
     return Sample(rng.integers(0, 256, (32, H, W, 3), dtype=np.uint8), np.full(32, -1), "random images")

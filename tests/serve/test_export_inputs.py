@@ -3,8 +3,10 @@ export that stops leaves no folder of its own behind."""
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
+import warnings
 from pathlib import Path
 
 import pytest
@@ -136,3 +138,20 @@ def test_a_split_json_that_is_no_file_is_refused_not_taken_for_no_split(run, tmp
     assert main([str(run / "checkpoints" / "best.ckpt"), "-o", str(tmp_path / "m.onnx")]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"vit-export: {split} is not a split.json that vit-train writes"), err
+
+
+def test_the_random_image_warning_is_a_log_line_not_a_python_warning(run, tmp_path, caplog, monkeypatch):
+    """It came out as Python's warning: the source file and line, "UserWarning:", and the line of code under it
+    (the command prints its log lines as they are, on stderr)."""
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(targets, "build", interrupted)
+    (run / "split.json").unlink()
+    with warnings.catch_warnings(record=True) as caught, caplog.at_level(logging.WARNING):
+        warnings.simplefilter("always")
+        assert main([str(run / "checkpoints" / "best.ckpt"), "-o", str(tmp_path / "m.onnx"), "--no-calibration"]) == 130
+    assert not [w for w in caught if "random images" in str(w.message)]
+    said = [r.getMessage() for r in caplog.records if "random images" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith("no validation images found (no split.json"), said
