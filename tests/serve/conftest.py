@@ -58,6 +58,15 @@ def tiny_checkpoint(tiny_run) -> Path:
     return tiny_run / "checkpoints" / "best.ckpt"
 
 
+@pytest.fixture
+def own_run(tiny_checkpoint, tmp_path) -> Path:
+    """A copy of the tiny run's checkpoint and split in a folder of its own: a test may damage it."""
+    (tmp_path / "run" / "checkpoints").mkdir(parents=True)
+    shutil.copy(tiny_checkpoint.parent.parent / "split.json", tmp_path / "run" / "split.json")
+    shutil.copy(tiny_checkpoint, tmp_path / "run" / "checkpoints" / "best.ckpt")
+    return tmp_path / "run"
+
+
 @pytest.fixture(scope="session")
 def tiny_onnx(request, tmp_path_factory) -> Path:
     """The tiny checkpoint exported by `export_onnx` (fp32, parity-checked, with its metadata)."""

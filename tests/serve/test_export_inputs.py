@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import warnings
-from pathlib import Path
 
 import pytest
 
@@ -15,15 +13,6 @@ torch = pytest.importorskip("torch")
 
 from serve.export import targets  # noqa: E402  (after the skip: the [serve]-only venv has no torch)
 from serve.export.cli import main  # noqa: E402
-
-
-@pytest.fixture
-def run(tiny_checkpoint, tmp_path) -> Path:
-    """A copy of the tiny run (checkpoint and split) that a test may change."""
-    (tmp_path / "run" / "checkpoints").mkdir(parents=True)
-    shutil.copy(tiny_checkpoint.parent.parent / "split.json", tmp_path / "run" / "split.json")
-    shutil.copy(tiny_checkpoint, tmp_path / "run" / "checkpoints" / "best.ckpt")
-    return tmp_path / "run"
 
 
 @pytest.fixture
@@ -62,10 +51,10 @@ def test_a_checkpoint_that_is_a_device_or_has_a_name_too_long_is_said_as_such(tm
 
 
 def test_a_checkpoint_edited_to_more_patches_than_a_model_runs_is_refused_before_its_network_is_built(
-    run, tmp_path, capsys, no_export, monkeypatch
+    own_run, tmp_path, capsys, no_export, monkeypatch
 ):
     """An img_size of 100,000 in the model_config allocated 40 GB for the position table before anything said no."""
-    checkpoint = run / "checkpoints" / "best.ckpt"
+    checkpoint = own_run / "checkpoints" / "best.ckpt"
     ckpt = torch.load(checkpoint, map_location="cpu", weights_only=True)
     ckpt["vitscope"]["model_config"]["img_size"] = 1040  # 130 x 130 patches of 8: 16,900, over 16,384
     torch.save(ckpt, checkpoint)
@@ -85,17 +74,17 @@ def test_a_checkpoint_edited_to_more_patches_than_a_model_runs_is_refused_before
         (["--triton-name", "alpha"], "--triton-name"),
     ],
 )
-def test_options_another_option_would_leave_unused_are_refused(run, tmp_path, capsys, no_export, extra, says):
+def test_options_another_option_would_leave_unused_are_refused(own_run, tmp_path, capsys, no_export, extra, says):
     """`--no-calibration --conformal aps` exported an uncalibrated file with exit 0 and no word of the option."""
     extra = [str(tmp_path) if e == "DIR" else e for e in extra]
     with pytest.raises(SystemExit) as exited:
-        main([str(run / "checkpoints" / "best.ckpt"), "-o", str(tmp_path / "m.onnx"), *extra])
+        main([str(own_run / "checkpoints" / "best.ckpt"), "-o", str(tmp_path / "m.onnx"), *extra])
     err = capsys.readouterr().err
     assert exited.value.code == 2 and says in err.splitlines()[-1] and "Traceback" not in err, err
     assert "would change nothing" in err
 
 
-def test_an_export_stopped_before_it_writes_leaves_none_of_the_folders_it_made(run, tmp_path, capsys, monkeypatch):
+def test_an_export_stopped_before_it_writes_leaves_none_of_the_folders_it_made(own_run, tmp_path, capsys, monkeypatch):
     """The folders of -o and --triton-repo were made before the export, and stayed after "nothing was written"."""
 
     def interrupted(*args, **kwargs):
@@ -104,15 +93,15 @@ def test_an_export_stopped_before_it_writes_leaves_none_of_the_folders_it_made(r
     monkeypatch.setattr(targets, "build", interrupted)
     (tmp_path / "kept").mkdir()
     out, repo = tmp_path / "kept" / "new" / "deep" / "m.onnx", tmp_path / "kept" / "repo" / "models"
-    assert main([str(run / "checkpoints" / "best.ckpt"), "-o", str(out), "--triton-repo", str(repo)]) == 130
+    assert main([str(own_run / "checkpoints" / "best.ckpt"), "-o", str(out), "--triton-repo", str(repo)]) == 130
     assert "nothing was written" in capsys.readouterr().err
     assert sorted(os.listdir(tmp_path / "kept")) == []  # the folder that was there stays, empty as it was
 
 
-def test_an_output_under_a_file_says_that_file_is_no_folder(run, tmp_path, capsys, no_export):
+def test_an_output_under_a_file_says_that_file_is_no_folder(own_run, tmp_path, capsys, no_export):
     """It said "cannot write to afile: File exists"."""
     (tmp_path / "afile").write_text("mine")
-    assert main([str(run / "checkpoints" / "best.ckpt"), "-o", str(tmp_path / "afile" / "m.onnx")]) == 2
+    assert main([str(own_run / "checkpoints" / "best.ckpt"), "-o", str(tmp_path / "afile" / "m.onnx")]) == 2
     err = capsys.readouterr().err.strip()
     assert f"{tmp_path / 'afile'} is a file, not a folder" in err, err
     assert (tmp_path / "afile").read_text() == "mine"
@@ -130,17 +119,17 @@ def test_a_model_for_the_page_that_is_a_folder_or_empty_is_said_as_such(tmp_path
 
 
 @pytest.mark.parametrize("kind", ["folder", "dangling_link"])
-def test_a_split_json_that_is_no_file_is_refused_not_taken_for_no_split(run, tmp_path, capsys, no_export, kind):
+def test_a_split_json_that_is_no_file_is_refused_not_taken_for_no_split(own_run, tmp_path, capsys, no_export, kind):
     """A split.json that was a folder was passed over as absent: the gate ran on random images, with exit 0."""
-    split = run / "split.json"
+    split = own_run / "split.json"
     split.unlink()
     split.mkdir() if kind == "folder" else split.symlink_to(tmp_path / "gone.json")
-    assert main([str(run / "checkpoints" / "best.ckpt"), "-o", str(tmp_path / "m.onnx")]) == 2
+    assert main([str(own_run / "checkpoints" / "best.ckpt"), "-o", str(tmp_path / "m.onnx")]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"vit-export: {split} is not a split.json that vit-train writes"), err
 
 
-def test_the_random_image_warning_is_a_log_line_not_a_python_warning(run, tmp_path, caplog, monkeypatch):
+def test_the_random_image_warning_is_a_log_line_not_a_python_warning(own_run, tmp_path, caplog, monkeypatch):
     """It came out as Python's warning: the source file and line, "UserWarning:", and the line of code under it
     (the command prints its log lines as they are, on stderr)."""
 
@@ -148,10 +137,11 @@ def test_the_random_image_warning_is_a_log_line_not_a_python_warning(run, tmp_pa
         raise KeyboardInterrupt
 
     monkeypatch.setattr(targets, "build", interrupted)
-    (run / "split.json").unlink()
+    (own_run / "split.json").unlink()
     with warnings.catch_warnings(record=True) as caught, caplog.at_level(logging.WARNING):
         warnings.simplefilter("always")
-        assert main([str(run / "checkpoints" / "best.ckpt"), "-o", str(tmp_path / "m.onnx"), "--no-calibration"]) == 130
+        checkpoint = own_run / "checkpoints" / "best.ckpt"
+        assert main([str(checkpoint), "-o", str(tmp_path / "m.onnx"), "--no-calibration"]) == 130
     assert not [w for w in caught if "random images" in str(w.message)]
     said = [r.getMessage() for r in caplog.records if "random images" in r.getMessage()]
     assert len(said) == 1 and said[0].startswith("no validation images found (no split.json"), said

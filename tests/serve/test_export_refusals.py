@@ -46,15 +46,6 @@ def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-@pytest.fixture
-def own_run(tiny_checkpoint, tmp_path) -> Path:
-    """A copy of the tiny run's checkpoint and split in a folder of its own: a test may damage it."""
-    (tmp_path / "run" / "checkpoints").mkdir(parents=True)
-    shutil.copy(tiny_checkpoint.parent.parent / "split.json", tmp_path / "run" / "split.json")
-    shutil.copy(tiny_checkpoint, tmp_path / "run" / "checkpoints" / "best.ckpt")
-    return tmp_path / "run"
-
-
 @pytest.mark.parametrize("spelling", ["same", "dotted", "symlink"])
 def test_an_output_that_is_the_checkpoint_itself_is_refused_and_the_checkpoint_kept(
     own_run, capsys, no_export, spelling
