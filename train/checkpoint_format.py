@@ -12,10 +12,12 @@ pickled objects), so everything loads with ``weights_only=True``:
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import pickle
 import random
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -48,9 +50,12 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
     """Read a checkpoint with `weights_only=True` and check it is one of ours."""
     path = Path(path)
     try:
-        kind = "folder" if path.is_dir() else "file" if path.is_file() else "other" if path.exists() else None
-    except OSError as e:  # a name too long for the file system: `is_dir` passes over ENOENT and ELOOP only
-        raise ValueError(f"cannot read the checkpoint {path}: {e.strerror or e}") from None
+        mode = path.stat().st_mode
+        kind = "folder" if stat.S_ISDIR(mode) else "file" if stat.S_ISREG(mode) else "other"
+    except OSError as e:  # not there, or a name too long for the file system (Path.is_dir says False to both)
+        if e.errno not in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP):
+            raise ValueError(f"cannot read the checkpoint {path}: {e.strerror or e}; check the path") from None
+        kind = None
     if kind == "other":  # /dev/null, a FIFO: reading one would find nothing, or wait for a writer
         raise ValueError(f"{path} is not a regular file: give the .ckpt file vit-train wrote")
     if kind == "folder":  # a run folder, or its checkpoints folder

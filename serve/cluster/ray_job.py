@@ -38,6 +38,7 @@ from serve.runtime.interrupts import Terminated, sigterm_as_interrupt
 from serve.runtime.jobs import decoded_batches
 from serve.runtime.predict import rows_for, template_row
 from serve.runtime.row_formats import parquet_text, table_row
+from serve.runtime.terminal import one_line
 
 ERROR = "error"  # the column that carries an unreadable input's reason until the table is written
 
@@ -158,7 +159,7 @@ def _score(
             ).materialize()
             failed = scored.filter(lambda r: r[ERROR] is not None).take_all()
             for row in failed:
-                print(f"{row['path']}: {row[ERROR]}", file=errors)
+                print(one_line(f"{row['path']}: {row[ERROR]}"), file=errors)  # a line each, as `jobs` prints them
             done = scored.count() - len(failed)
             if done:  # none: `publish` writes the columns, which Ray cannot know from no rows
                 scored.filter(lambda r: r[ERROR] is None).drop_columns([ERROR]).write_parquet(str(folder.resolve()))

@@ -389,7 +389,10 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
     unused = [name for name, value in given.items() if value is not None]
     unused += ["--class-conditional"] if args.class_conditional else []
     if args.no_calibration and unused:
-        parser.error(f"--no-calibration writes an uncalibrated file: {', '.join(unused)} would change nothing")
+        parser.error(
+            f"--no-calibration writes an uncalibrated file: {', '.join(unused)} would change nothing; drop them, or "
+            "drop --no-calibration"
+        )
 
 
 __all__ = ["METADATA_KEY", "add_args", "calibrate", "check_args", "fit", "for_export", "format_report"]

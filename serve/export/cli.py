@@ -205,6 +205,7 @@ def _write_checked(model: onnx.ModelProto, output: Path, gate: Any) -> Iterator[
     when the block ends without an error (removed otherwise), whole (`serve.export.files`).
     A link is written through: the temporary goes beside the file it names, and the link stays."""
     target = preflight.output_file(output)
+    target.parent.mkdir(parents=True, exist_ok=True)  # another export's failure may have removed it (`preflight`)
     files.remove_stale_temporaries(target.parent)
     tmp = target.with_name(files.temporary_name(target.name))
     try:

@@ -118,7 +118,10 @@ def check_writable(folder: Path, name: str = "probe") -> list[Path]:
         files.write_new(probe, b"")
         probe.unlink()
     except OSError as e:
-        if e.errno == errno.ENAMETOOLONG and made:  # the folder is there: the temporary's name is too long
+        for f in new:  # the deepest first: nothing is left of a refused export
+            with contextlib.suppress(OSError):
+                f.rmdir()
+        if e.errno == errno.ENAMETOOLONG and made:  # the folder was there: the temporary's name is too long
             raise ValueError(
                 f"{folder / name}: the name is too long to be written through a temporary beside it (whose name "
                 f"takes {len(os.fsencode(probe.name))} bytes, over the file system's limit); choose a shorter name"
@@ -244,6 +247,9 @@ def check_split(checkpoint: Path, class_names: list[str]) -> None:
         f"export {checkpoint} from its own run folder, beside the split.json that trained it, or from a folder "
         "without one, with --val-dir DIR and --calibrate DIR (or --no-calibration)"
     )
+    if not split.is_file():  # taken for no split, the gate ran on random images; a FIFO's read would wait for ever
+        kind = "a folder" if split.is_dir() else "a link to nothing" if split.is_symlink() else "not a regular file"
+        raise ValueError(f"{split} is {kind}, not the split.json vit-train writes; {elsewhere}")
     K = len(class_names)
     try:
         data = json.loads(split.read_text())
@@ -314,14 +320,15 @@ def calibration_entries(
         raise ValueError(
             f"no calibration images: {split} is not there (a run on a prepared LitData dataset, or a checkpoint out "
             "of its run folder, has no calibration split): give --calibrate DIR, a folder of held-out images per "
-            "class; or pass --no-calibration for an uncalibrated file"
+            "class; or pass --no-calibration, without the other calibration options, for an uncalibrated file"
         )
     entries = [(Path(e["path"]), int(e["label"])) for e in json.loads(split.read_text()).get("calib", [])]
     if entries:
         return entries, f"{split} (calibration split)"
     raise ValueError(
         "no calibration images: the run's split.json has no calibration split (train with --data.calib_fraction "
-        "0.1, the default) and no --calibrate DIR was given; or pass --no-calibration for an uncalibrated file"
+        "0.1, the default) and no --calibrate DIR was given; or pass --no-calibration (without the other "
+        "calibration options) for an uncalibrated file"
     )
 
 

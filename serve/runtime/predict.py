@@ -26,9 +26,11 @@ file, and decoding runs beside the model (`serve.runtime.jobs`). With --coverage
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import math
 import os
+import stat
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -298,9 +300,11 @@ def _check_out(p: argparse.ArgumentParser, out: Path) -> None:
     if why := link_loop(out):
         p.error(f"--out {why}")
     try:
-        is_dir, dangling = out.is_dir(), out.is_symlink() and not out.exists()
-    except OSError as e:  # a name too long, a folder on the way this user cannot search: is_dir swallows a missing one
-        p.exit(2, one_line(f"vit-predict: --out {out}: {e.strerror or e}") + "\n")
+        is_dir, dangling = stat.S_ISDIR(out.stat().st_mode), False
+    except OSError as e:  # not there (a new table), or a name too long, a folder this user cannot search
+        if e.errno not in (errno.ENOENT, errno.ENOTDIR):
+            p.exit(2, one_line(f"vit-predict: --out {out}: {e.strerror or e}; give another --out") + "\n")
+        is_dir, dangling = False, out.is_symlink()
     if is_dir:
         p.error(f"--out {out} is a folder: give the table's file name (preds.parquet, preds.csv or preds.jsonl)")
     if dangling:

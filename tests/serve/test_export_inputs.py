@@ -118,15 +118,45 @@ def test_a_model_for_the_page_that_is_a_folder_or_empty_is_said_as_such(tmp_path
     assert said in err, err
 
 
-@pytest.mark.parametrize("kind", ["folder", "dangling_link"])
+@pytest.mark.parametrize("kind", ["folder", "dangling_link", "fifo"])
 def test_a_split_json_that_is_no_file_is_refused_not_taken_for_no_split(own_run, tmp_path, capsys, no_export, kind):
-    """A split.json that was a folder was passed over as absent: the gate ran on random images, with exit 0."""
+    """A split.json that was a folder was passed over as absent: the gate ran on random images, with exit 0. A FIFO
+    must be refused unread: reading one waits for a writer for ever."""
     split = own_run / "split.json"
     split.unlink()
-    split.mkdir() if kind == "folder" else split.symlink_to(tmp_path / "gone.json")
+    {"folder": split.mkdir, "dangling_link": lambda: split.symlink_to(tmp_path / "gone.json"),
+     "fifo": lambda: os.mkfifo(split)}[kind]()  # fmt: skip
     assert main([str(own_run / "checkpoints" / "best.ckpt"), "-o", str(tmp_path / "m.onnx")]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith(f"vit-export: {split} is not a split.json that vit-train writes"), err
+    said = {"folder": "a folder", "dangling_link": "a link to nothing", "fifo": "not a regular file"}[kind]
+    assert err.startswith(f"vit-export: {split} is {said}, not the split.json vit-train writes"), err
+
+
+def test_an_output_name_refused_after_its_folder_was_made_leaves_no_folder(own_run, tmp_path, capsys, no_export):
+    """The folder check made the folder, then refused the name (too long for its temporary): the folder stayed."""
+    out = tmp_path / "new" / "deeper" / ("a" * 250 + ".onnx")
+    assert main([str(own_run / "checkpoints" / "best.ckpt"), "-o", str(out)]) == 2
+    assert "the name is too long" in capsys.readouterr().err
+    assert not (tmp_path / "new").exists()
+
+
+def test_an_export_whose_folder_another_exports_failure_removed_still_writes(tiny_onnx, tmp_path):
+    """Export A made artifacts/ and failed, removing it, while export B, started into it meanwhile, ran: B then
+    failed at its very end ("No such file or directory"), after its whole export."""
+    import onnx
+
+    from serve.export import preflight
+    from serve.export.cli import _write_checked
+
+    out_a, out_b = tmp_path / "artifacts" / "a.onnx", tmp_path / "artifacts" / "b.onnx"
+    with pytest.raises(KeyboardInterrupt), preflight.writable_folders(out_a, None):
+        with preflight.writable_folders(out_b, None):  # B starts: the folder is there, and not B's
+            pass
+        raise KeyboardInterrupt  # A stops: the folder it made goes
+    assert not out_b.parent.exists()
+    with _write_checked(onnx.load(str(tiny_onnx)), out_b, lambda path: None):
+        pass
+    assert out_b.is_file()
 
 
 def test_the_random_image_warning_is_a_log_line_not_a_python_warning(own_run, tmp_path, caplog, monkeypatch):
