@@ -59,6 +59,18 @@ def tiny_checkpoint(tiny_run) -> Path:
 
 
 @pytest.fixture
+def no_export(monkeypatch):
+    """Every refusal comes before the export: a test that reaches it fails at once instead of exporting."""
+    pytest.importorskip("torch")
+    from serve.export import targets
+
+    def started(*args, **kwargs):
+        raise AssertionError("the export started: the refusal should have come before it")
+
+    monkeypatch.setattr(targets, "build", started)
+
+
+@pytest.fixture
 def own_run(tiny_checkpoint, tmp_path) -> Path:
     """A copy of the tiny run's checkpoint and split in a folder of its own: a test may damage it."""
     (tmp_path / "run" / "checkpoints").mkdir(parents=True)

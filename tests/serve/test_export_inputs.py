@@ -15,14 +15,6 @@ from serve.export import targets  # noqa: E402  (after the skip: the [serve]-onl
 from serve.export.cli import main  # noqa: E402
 
 
-@pytest.fixture
-def no_export(monkeypatch):
-    def started(*args, **kwargs):
-        raise AssertionError("the export started: the refusal should have come before it")
-
-    monkeypatch.setattr(targets, "build", started)
-
-
 def test_a_link_loop_among_a_folders_checkpoints_is_no_checkpoint_and_the_one_asked_for_is_not_there(
     tmp_path, capsys, no_export
 ):

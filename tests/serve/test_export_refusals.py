@@ -24,16 +24,6 @@ from serve.export.cli import main  # noqa: E402
 from tests.helpers import CLASS_NAMES  # noqa: E402
 
 
-@pytest.fixture
-def no_export(monkeypatch):
-    """Every refusal comes before the export: a test that reaches it fails at once instead of exporting."""
-
-    def started(*args, **kwargs):
-        raise AssertionError("the export started: the refusal should have come before it")
-
-    monkeypatch.setattr(targets, "build", started)
-
-
 def _refused(capsys, argv: list[str]) -> str:
     """Run vit-export with `argv`; it must answer 2 with one line and no traceback. Returns that line."""
     assert main(argv) == 2
