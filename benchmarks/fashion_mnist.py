@@ -92,7 +92,7 @@ def main() -> None:
     if total is not None:
         run.add("command wall time", f"{total / 60:.1f} min")
     run.add("epochs, steps", f"{s['epochs']}, {s['global_step']}")
-    run.add("finished", f"{done:%Y-%m-%d %H:%M UTC}")
+    run.add("finished", f"{done:%Y-%m-%d}")
     result.data = {"best_test_acc": best, "last_test_acc": last, "best_val_acc": s["best_val_acc"],
                    "last_val_acc": accs[-1], "fit_seconds": s["fit_seconds"], "command_seconds": total,
                    "best_test_acc_one_view": one_view}  # fmt: skip

@@ -268,7 +268,7 @@ def tables(result: Result, rows: list[dict]) -> None:
                   o["called_unknown"])  # fmt: skip
     t = result.table(["model", "measured", "command"], "Where each model's rows come from")
     for r in rows:
-        t.add(r["model"], r["date"], f"`{r['command']}`")
+        t.add(r["model"], r["date"][:10], f"`{r['command']}`")
 
 
 def main() -> None:

@@ -1,10 +1,12 @@
 """The figures in the docs site's benchmark pages, BENCHMARKS.md and README's results table are what
 `benchmarks.report` renders from the results (so nobody edits them by hand), every result is on a page, every
-page is in the docs navigation, and every result file is in the format `common.Result` writes."""
+page is in the docs navigation, every result file is in the format `common.Result` writes, and BENCHMARKS.md stays
+a page of current tables: 500 lines at most, notes of two sentences at most, no clock times."""
 
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -12,6 +14,7 @@ from benchmarks.common import RESULTS, Table
 from benchmarks.report import DOCS, RESULT, ROOT, every_result, nav, render
 
 RERUN = "run `make report` (python -m benchmarks.report)"
+NOT_NOTES = ("|", "#", "Measured ", "```", "<!--", "- ", "vit-serve beside", "in-process,")
 HEADER = ("benchmark", "question", "date", "machine", "versions", "setting", "command", "tables")
 
 
@@ -37,3 +40,22 @@ def test_a_result_file_is_in_the_harness_format(path):
         assert all(len(row) == len(table.columns) for row in table.rows) and table.rows
         assert set(table.formats) <= set(table.columns), f"a format for no column in {path.name}"
         table.markdown()  # every cell renders with its column's format
+
+
+def notes(text: str) -> list[str]:
+    """The page's prose paragraphs: not tables, titles, provenance lines, code or lists."""
+    paragraphs = [" ".join(p.split()) for p in re.split(r"\n\s*\n", text)]
+    return [p for p in paragraphs if p and not p.startswith(NOT_NOTES)]
+
+
+def sentences(paragraph: str) -> int:
+    return len(re.findall(r"[.!?](?:\s|$)", re.sub(r"\b(?:e\.g|i\.e|vs|etc)\.", "", paragraph)))
+
+
+def test_the_benchmark_page_is_short_with_short_notes_and_no_clock_times():
+    text = (ROOT / "BENCHMARKS.md").read_text()
+    assert len(text.splitlines()) <= 500, "BENCHMARKS.md is over 500 lines: keep the current tables only"
+    long = [p[:80] for p in notes(text) if sentences(p) > 2]
+    assert not long, f"notes over two sentences (say what a figure means, no run histories): {long}"
+    assert not re.search(r"\b[0-2]\d:[0-5]\d\b|\bUTC\b", text), "a clock time on the page: its date is enough"
+    assert sentences("A first one, e.g. this. A second: 0.5 s.") == 2 and notes("| a |\n\nOne. Two.") == ["One. Two."]
