@@ -132,6 +132,35 @@ def closed_by_server(s: socket.socket) -> bool:
     return True
 
 
+def goaway_after_pings(s: socket.socket, every_s: float, seconds: float) -> tuple[int, bytes] | None:
+    """Ping on a connection without calls every `every_s` for up to `seconds`: (the error code, the debug data) of
+    the server's GOAWAY, or None when none came."""
+    deadline, buffer = time.monotonic() + seconds, b""
+    s.settimeout(every_s)
+    while time.monotonic() < deadline:
+        s.sendall(b"\x00\x00\x08\x06\x00" + bytes(4) + os.urandom(8))  # PING on stream 0
+        try:
+            buffer += s.recv(65536)
+        except TimeoutError:
+            continue
+        while len(buffer) >= 9 and len(buffer) >= 9 + int.from_bytes(buffer[:3], "big"):
+            length, kind = int.from_bytes(buffer[:3], "big"), buffer[3]
+            payload, buffer = buffer[9 : 9 + length], buffer[9 + length :]
+            if kind == 7:  # GOAWAY: last stream ID, error code, debug data
+                return int.from_bytes(payload[4:8], "big"), payload[8:]
+    return None
+
+
+def test_a_client_cannot_keep_an_idle_connection_open_by_pinging_it(server):
+    # keepalive enforcement: a connection without calls that pings every 50 ms gets HTTP/2's ENHANCE_YOUR_CALM
+    # (code 11) on its third strike, as gRPC servers answer it, long before the idle timeout would close it
+    with h2_connection(int(server.grpc_url.rsplit(":", 1)[1])) as s:
+        assert server_settings(s) is not None
+        goaway = goaway_after_pings(s, 0.05, 10)
+        assert goaway == (11, b"too_many_pings"), goaway
+        assert wait_until(lambda: closed_by_server(s), 5, "the server closing the connection")
+
+
 def test_idle_grpc_connections_past_their_cap_leave_http_answering_and_are_closed(capped):
     # an idle HTTP/2 connection per client beyond the descriptors the process has: gRPC must keep to its share
     socks = [h2_connection(capped.grpc_port) for _ in range(FILES + 50)]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import http.server
 import json
+import sys
 import threading
 import time
 
@@ -210,6 +211,30 @@ def test_a_full_disk_counts_every_lost_record_as_dropped_without_a_traceback(tmp
     log.close()
     assert drops == [("file", "write_failed")] * 20
     assert "Traceback" not in capfd.readouterr().err
+
+
+def test_a_full_file_system_under_a_real_server_counts_each_lost_record_and_answers_every_request(tiny_onnx, tmp_path):
+    """The server's own payload log file meets a failed write (a file size limit stands in for a full disk: the same
+    OSError from the same write): every request is answered, every record is in the file or counted as dropped, and
+    the server's log holds no traceback. Such failures once printed a traceback each and were counted nowhere."""
+    limit_kib = 4
+    python = tmp_path / "python"  # ulimit -f counts 512-byte blocks in dash and 1 KiB ones in bash: 4 KiB at most
+    python.write_text(f'#!/bin/sh\nulimit -f {limit_kib * 2}\nexec {sys.executable} "$@"\n')
+    python.chmod(0o755)
+    log, sent = tmp_path / "payloads.jsonl", 40
+    with ServerProcess(tiny_onnx, "--no-ui", "--payload-log", str(log), python=str(python)) as s:
+        s.payload_log = log
+        images, _ = quadrant_images(sent, seed=6)
+        for img in images:
+            classify(s, img)  # each asserts its 200
+
+        def accounted() -> tuple[float, int] | None:
+            lost, kept = dropped(s, "file", "write_failed"), len(records(s))
+            return (lost, kept) if lost >= 1 and lost + kept >= sent else None
+
+        lost, kept = wait_for(accounted, what=f"all {sent} records in the file or counted as dropped")
+        assert kept >= 1 and log.stat().st_size <= limit_kib * 1024, (lost, kept, log.stat().st_size)
+        assert "Traceback" not in s.caught_up()
 
 
 def test_the_queue_is_bounded_in_bytes_and_what_is_past_it_is_dropped_and_counted():

@@ -34,7 +34,7 @@ def add_model(repo: Path, exported: Path, name: str, versions: list[int], policy
         drop_version(folder, v, src / "1" / "model.onnx")
 
 
-def drop_version(folder: Path, version: int, model: Path | bytes) -> None:
+def drop_version(folder: Path, version: int | str, model: Path | bytes) -> None:
     """A new version as a deployment writes one: copied beside the repository, then renamed into it."""
     tmp = folder / f".{version}.incoming"
     tmp.mkdir()

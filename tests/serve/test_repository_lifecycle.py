@@ -130,6 +130,49 @@ def test_bad_models_are_refused_at_start_up_and_the_good_one_serves(exported, tm
         assert "Traceback" not in server.caught_up() and not any(line.startswith("line") for line in server.lines)
 
 
+CALIBRATION_EDITS = {  # model: (its file's calibration entry changed, a word its reason must hold)
+    "cold": (lambda entry: entry.update(temperature=-1.0), "temperature"),  # served the least likely class
+    "blind": (lambda entry: entry["ood"].update(threshold=float("nan")), "ood.threshold"),  # never said unknown
+    "unsorted": (lambda entry: entry["conformal"].update(scores=entry["conformal"]["scores"][::-1]), "conformal"),
+}
+
+
+def test_calibration_configs_and_version_folders_are_read_per_model_by_a_running_server(exported, tmp_path):
+    """What a user's repository may hold, served as Triton would: a file whose calibration does not hold together
+    is that model's failure with its reason (a temperature of -1 served the least likely class, a NaN threshold
+    never said unknown); a comment that mentions `version_policy` is a comment (the file was unreadable, or the
+    policy changed); version folders `²` and `١` are no versions (one failed the scan of every model)."""
+    pytest.importorskip("onnx")  # edits an exported file's metadata
+    from tests.serve.test_model_files import with_calibration
+
+    repo = tmp_path / "models"
+    add_model(repo, exported, "beta", [1])
+    for name, (edit, _) in CALIBRATION_EDITS.items():
+        add_model(repo, exported, name, [])
+        drop_version(repo / name, 1, with_calibration(exported / "alpha" / "1" / "model.onnx", tmp_path / name, edit))
+    policy = "\n# version_policy: { latest { num_versions: 1 } } was the old policy\n"
+    add_model(repo, exported, "commented", [1, 2], policy + "version_policy { specific { versions: [1] } }  # not 2\n")
+    add_model(repo, exported, "digits", [1])
+    for odd in ("\u00b2", "\u0661"):  # superscript two, Arabic-Indic one: digits to str.isdigit, not to Triton
+        drop_version(repo / "digits", odd, exported / "alpha" / "1" / "model.onnx")
+    with ServerProcess(repo, *FAST) as server:
+        url = server.url
+        reasons = unavailable(url)
+        assert sorted(reasons) == sorted(CALIBRATION_EDITS), reasons
+        for name, (_, word) in CALIBRATION_EDITS.items():
+            assert "calibration" in reasons[name] and word in reasons[name], reasons[name]
+            assert httpx.get(f"{url}/v2/models/{name}/ready", timeout=30).status_code == 404
+        assert versions_of(url, "commented") == ["1"] and versions_of(url, "digits") == ["1"]
+        assert versions_of(url, "beta") == ["1"] and classify_with(url, "digits").status_code == 200
+        assert "Traceback" not in server.caught_up()
+
+
+def classify_with(url: str, name: str) -> httpx.Response:
+    images, _ = quadrant_images(1, seed=9)
+    files = {"file": ("a.png", png_bytes(images[0]), "image/png")}
+    return httpx.post(f"{url}/v1/models/{name}/classify", files=files, timeout=30)
+
+
 def test_a_good_model_beside_bad_ones_is_picked_up_by_polling(exported, tmp_path):
     repo = tmp_path / "models"
     add_model(repo, exported, "beta", [1])
