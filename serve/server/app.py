@@ -87,7 +87,6 @@ def build_app(
     v2 = v2_router(repository, limits, metrics, payloads, threads)
     app.include_router(v2)
     add_fallback_routes(app, [*app.router.routes, *v2.routes])
-    docs_last(app)
     default, layout, names = ui_layout(models, single, settings.default_model, with_ui)
     describe(app, limits, default, auth=bool(settings.api_key.get_secret_value()), plain=classify_openapi())
     if with_ui:
@@ -96,18 +95,6 @@ def build_app(
         app = mount_ui(app, repository, layout, settings, budget, names)
     add_request_layers(app, settings, metrics)
     return app
-
-
-def docs_last(app: FastAPI) -> None:
-    """FastAPI's documentation routes (`/openapi.json`, `/docs`, `/docs/oauth2-redirect`, `/redoc`) after the API's:
-    a request tries the routes in order, each a regular-expression match, and FastAPI puts its own first. Before the
-    UI's mount at `/`, which would answer every path after it."""
-    urls = (app.openapi_url, app.docs_url, app.redoc_url, app.swagger_ui_oauth2_redirect_url)
-    docs = {url for url in urls if url}  # a URL set to None: no such route
-    routes = app.router.routes
-    routes[:] = [r for r in routes if getattr(r, "path", None) not in docs] + [
-        r for r in routes if getattr(r, "path", None) in docs
-    ]
 
 
 def add_request_layers(app: FastAPI, settings: ServeSettings, metrics: Metrics) -> None:

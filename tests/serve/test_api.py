@@ -54,7 +54,7 @@ def test_health_and_readiness_after_warm_up(client):
 
 
 def test_the_documentation_answers_beside_the_ui(client):
-    """FastAPI's documentation routes come after the API's (`docs_last`) and still before the UI's mount at `/`."""
+    """FastAPI's documentation routes answer, before the UI's mount at `/` that would answer every path after it."""
     assert "/v1/classify" in client.get("/openapi.json").json()["paths"]
     docs = client.get("/docs")
     assert docs.status_code == 200 and "swagger-ui" in docs.text
