@@ -237,12 +237,19 @@ def test_the_repository_extension_unloads_and_loads_a_model(exported, tmp_path):
         assert (
             httpx.get(url + "/readyz", timeout=30).status_code == 200
         )  # an unloaded model is not expected to be ready
+        index = httpx.post(url + "/v2/repository/index", headers=AUTH, timeout=30).json()
+        unloaded = {"name": "beta", "version": "", "state": "UNAVAILABLE", "reason": "unloaded"}
+        assert unloaded in index and {r["name"] for r in index} == {"alpha", "beta"}  # it was missing, as if gone
         (repo / "beta" / "1" / "model.onnx").write_bytes(b"\x08\x07not a model")
         refused = httpx.post(url + "/v2/repository/models/beta/load", headers=AUTH, timeout=60)
         assert refused.status_code == 400 and "beta" in refused.json()["error"]
         drop_version(repo / "beta", 2, exported / "alpha" / "1" / "model.onnx")
         assert httpx.post(url + "/v2/repository/models/beta/load", headers=AUTH, timeout=60).status_code == 200
         assert classify(url, "/v1/models/beta/classify").json()["version"] == "2"
+        index = httpx.post(url + "/v2/repository/index", headers=AUTH, timeout=30).json()
+        assert unloaded not in index and {"beta", "2", "READY"} <= set(
+            next(r for r in index if r["version"] == "2").values()
+        )
         gone = httpx.post(url + "/v2/repository/models/nope/load", headers=AUTH, timeout=30)
         assert gone.status_code == 404
         metrics = httpx.get(url + "/metrics", headers=AUTH, timeout=30).text

@@ -249,7 +249,7 @@ class ModelRepository:
             self._remove(name, set(self.serving.get(name, {})))
 
     def index(self) -> list[dict]:
-        """The repository index of Triton's extension: name, version, state and reason, plus memory."""
+        """Triton's repository index: name, version, state, reason (memory when served; unloaded models too)."""
         rows = [
             {"name": m, "version": v, "state": READY, "reason": "", "memory_bytes": mv.memory_bytes}
             for m, versions in sorted(self.serving.items())
@@ -323,10 +323,8 @@ class ModelRepository:
     def _settle(self) -> None:
         """What `ready` and `index` read on other threads, computed under `_change` each time the state changes."""
         failed = {m for m, _ in self.failures}
-        rows = [
-            {"name": m, "version": v, "state": UNAVAILABLE, "reason": str(e)}
-            for (m, v), (_, e) in sorted(self.failures.items())
-        ]
+        why = {**{k: str(e) for k, (_, e) in self.failures.items()}, **{(m, ""): "unloaded" for m in self.unloaded}}
+        rows = [{"name": m, "version": v, "state": UNAVAILABLE, "reason": r} for (m, v), r in sorted(why.items())]
         self._settled = (bool(self.serving) and all(self.serving.get(m) for m in self.expected - failed), tuple(rows))
 
     def _add(self, mv: ModelVersion) -> None:
