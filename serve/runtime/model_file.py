@@ -36,6 +36,7 @@ MAX_METADATA_DEPTH = 16
 MAX_METADATA_VALUE_CHARS = 64 << 20
 MAX_METADATA_ENTRIES = 1024
 AGAIN = "export it again with vit-export"
+ZIP_MAGIC = b"PK\x03\x04"  # what torch.save writes (a zip archive)
 T = TypeVar("T")
 
 
@@ -78,6 +79,11 @@ def read_model_bytes(path: str | Path, max_bytes: int = 4 << 30) -> bytes:
 
 def check_model_bytes(data: bytes, name: str = "model") -> None:
     """Raise `ModelFileError` unless `data` parses as an ONNX model with every tensor stored inline."""
+    if bytes(data[:4]) == ZIP_MAGIC:  # no ONNX file starts so (field 10 of a ModelProto is none)
+        raise ModelFileError(
+            f"{name} is a zip archive, as a PyTorch or Lightning checkpoint is, not an ONNX file: export the "
+            "checkpoint first (vit-export CHECKPOINT -o model.onnx) and give the .onnx file"
+        )
     try:
         fields = _fields(memoryview(data))  # views, not copies, of the large weight blobs
         graphs = [v for f, v in fields if f == _MODEL_GRAPH]

@@ -108,6 +108,13 @@ def test_a_foreign_model_file_is_a_clear_error(tmp_path, capsys):
     assert "vit-predict:" in capsys.readouterr().err
 
 
+def test_a_checkpoint_given_for_the_model_says_to_export_it(tiny_checkpoint, tmp_path, capsys):
+    """It said "truncated or not an ONNX file (field number 0)": true, and no help."""
+    assert main([str(tiny_checkpoint), str(_folder(tmp_path, n=1))]) == 2
+    err = capsys.readouterr().err
+    assert "checkpoint" in err and "vit-export" in err and "field number" not in err, err
+
+
 def _strict_json(line: str) -> dict:
     def refuse(constant: str):
         raise ValueError(f"{constant} is not JSON")
