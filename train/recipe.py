@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 SMALL_SIDE = 64  # pixels: up to here the small-image recipe works at the images' own size
 CPU_SIDE = 64  # larger images are trained at this side on CPU (a 224-px ViT from scratch takes days there)
 TARGET_STEPS = 6_000  # optimizer steps the schedule aims for, whatever the dataset size
+FEWEST_EPOCHS, MOST_EPOCHS = 10, 100
 CPU_MINUTES = 25.0  # time budget on CPU: the run anneals and stops by then (train.budget)
 PATIENCE_SHARE = 4  # early stopping waits a quarter of the epochs (at least MIN_PATIENCE) for balanced accuracy
 MIN_PATIENCE = 5
@@ -197,12 +198,12 @@ def _schedule(train_images: int, small: bool, why: dict[str, str]) -> tuple[int,
         reason = f"the largest power of two that gives at least 20 batches an epoch: {made}"
     _say(why, "data.batch_size", batch, reason)
     wanted = round(TARGET_STEPS / steps_per_epoch)
-    epochs = int(min(100, max(10, wanted)))
-    take = f"at {steps_per_epoch} steps an epoch, {TARGET_STEPS:,} steps take {wanted} epochs"
+    epochs = int(min(MOST_EPOCHS, max(FEWEST_EPOCHS, wanted)))
+    take = f"{TARGET_STEPS:,} steps would take {wanted} epochs at {steps_per_epoch} steps an epoch"
     if wanted > epochs:
-        reason = f"the most the recipe runs: {take}"
+        reason = f"the recipe runs {MOST_EPOCHS} epochs at most, though {take}"
     elif wanted < epochs:
-        reason = f"the fewest the recipe runs: {take}"
+        reason = f"the recipe runs {FEWEST_EPOCHS} epochs at least, though {take}"
     else:
         reason = f"{steps_per_epoch} steps an epoch: about {TARGET_STEPS:,} steps in all"
     _say(why, "trainer.max_epochs", epochs, reason)
