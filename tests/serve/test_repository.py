@@ -238,7 +238,7 @@ def test_the_repository_extension_unloads_and_loads_a_model(exported, tmp_path):
             httpx.get(url + "/readyz", timeout=30).status_code == 200
         )  # an unloaded model is not expected to be ready
         index = httpx.post(url + "/v2/repository/index", headers=AUTH, timeout=30).json()
-        unloaded = {"name": "beta", "version": "", "state": "UNAVAILABLE", "reason": "unloaded"}
+        unloaded = {"name": "beta", "version": "1", "state": "UNAVAILABLE", "reason": "unloaded"}  # per version
         assert unloaded in index and {r["name"] for r in index} == {"alpha", "beta"}  # it was missing, as if gone
         (repo / "beta" / "1" / "model.onnx").write_bytes(b"\x08\x07not a model")
         refused = httpx.post(url + "/v2/repository/models/beta/load", headers=AUTH, timeout=60)
@@ -259,6 +259,15 @@ def test_the_repository_extension_unloads_and_loads_a_model(exported, tmp_path):
         for path in ("/readyz", "/v2/health/ready"):
             none = httpx.get(url + path, headers=AUTH, timeout=30)
             assert none.status_code == 503 and "no model is served" in none.text and "/load" in none.text, none.text
+        index = httpx.post(url + "/v2/repository/index", headers=AUTH, timeout=30).json()
+        assert [(r["name"], r["version"], r["reason"]) for r in index] == [
+            ("alpha", "1", "unloaded"),
+            ("beta", "2", "unloaded"),
+        ]
+        shutil.rmtree(repo / "beta")  # an unloaded model whose folder goes is forgotten at the next scan
+        assert httpx.post(url + "/v2/repository/models/alpha/load", headers=AUTH, timeout=60).status_code == 200
+        index = httpx.post(url + "/v2/repository/index", headers=AUTH, timeout=30).json()
+        assert [(r["name"], r["state"]) for r in index] == [("alpha", "READY")], index
 
 
 @pytest.mark.slow

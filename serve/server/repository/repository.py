@@ -99,7 +99,7 @@ class ModelRepository:
         # (model, version or "" for the whole model) -> (what failed: a file stamp or the reason, the failure)
         self.failures: dict[tuple[str, str], tuple[object, LoadFailure]] = {}
         self.expected: set[str] = set()  # models that should be served (found on disk, not unloaded)
-        self.unloaded: set[str] = set()  # unloaded through the API: the poller leaves them alone
+        self.unloaded: dict[str, list[str]] = {}  # unloaded through the API (the versions it served): left alone
         # (all expected models not failed are served, the index's failure rows): `ready` reads it on other threads
         self._settled: tuple[bool, tuple[dict, ...]] = (False, ())
         self.started = self.stopping = False
@@ -174,6 +174,7 @@ class ModelRepository:
         `retry`, versions that failed are tried again even if their files did not change."""
         with self._change:
             folders = scan(self.root)
+            self.unloaded = {m: vs for m, vs in self.unloaded.items() if m in folders}  # a folder gone: forgot
             known = set(folders) | set(self.serving) | {m for m, _ in self.failures}
             for name in [only] if only is not None else sorted(known):
                 if self.stopping and not self.started:  # SIGTERM during the start-up: the rest would go at once
@@ -231,7 +232,7 @@ class ModelRepository:
                 found = False
             if not found:
                 raise UnknownModel(f"the repository has no model {name!r}")
-            self.unloaded.discard(name)
+            self.unloaded.pop(name, None)  # settled by the sync, which takes it up at once
             self.sync(only=name, retry=True)  # asked for: its failed versions are tried again, changed or not
             failed = [e for (m, _), (_, e) in self.failures.items() if m == name]
             if failed or not self.serving.get(name):
@@ -243,9 +244,9 @@ class ModelRepository:
         with self._change:
             if name not in self.serving and name not in self.expected:
                 raise UnknownModel(f"model {name!r} is not loaded")
-            self.unloaded.add(name)
+            self.unloaded[name] = sorted(self.serving.get(name, {}), key=_order) or [""]
             self.expected.discard(name)
-            self._settle()
+            self._forget(name, keep=set())  # its failures too: nothing of it is tried now
             self._remove(name, set(self.serving.get(name, {})))
 
     def index(self) -> list[dict]:
@@ -323,7 +324,8 @@ class ModelRepository:
     def _settle(self) -> None:
         """What `ready` and `index` read on other threads, computed under `_change` each time the state changes."""
         failed = {m for m, _ in self.failures}
-        why = {**{k: str(e) for k, (_, e) in self.failures.items()}, **{(m, ""): "unloaded" for m in self.unloaded}}
+        why = {k: str(e) for k, (_, e) in self.failures.items()}
+        why |= {(m, v): "unloaded" for m, vs in self.unloaded.items() for v in vs}  # per version, as Triton lists them
         rows = [{"name": m, "version": v, "state": UNAVAILABLE, "reason": r} for (m, v), r in sorted(why.items())]
         self._settled = (bool(self.serving) and all(self.serving.get(m) for m in self.expected - failed), tuple(rows))
 
