@@ -79,7 +79,7 @@ def read_model_bytes(path: str | Path, max_bytes: int = 4 << 30) -> bytes:
 
 def check_model_bytes(data: bytes, name: str = "model") -> None:
     """Raise `ModelFileError` unless `data` parses as an ONNX model with every tensor stored inline."""
-    if bytes(data[:4]) == ZIP_MAGIC:  # no ONNX file starts so (field 10 of a ModelProto is none)
+    if bytes(data[:4]) == ZIP_MAGIC:  # no protobuf starts so: field 10 and its varint, then a tag of field 0
         raise ModelFileError(
             f"{name} is a zip archive, as a PyTorch or Lightning checkpoint is, not an ONNX file: export the "
             "checkpoint first (vit-export CHECKPOINT -o model.onnx) and give the .onnx file"

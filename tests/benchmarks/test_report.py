@@ -14,7 +14,7 @@ from benchmarks.common import RESULTS, Table
 from benchmarks.report import DOCS, RESULT, ROOT, every_result, nav, render
 
 RERUN = "run `make report` (python -m benchmarks.report)"
-NOT_NOTES = ("|", "#", "Measured ", "```", "<!--", "- ", "vit-serve beside", "in-process,")
+NOT_NOTES = ("|", "#", "```", "<!--", "- ", "vit-serve beside", "in-process,")  # and "Measured <date>" lines
 HEADER = ("benchmark", "question", "date", "machine", "versions", "setting", "command", "tables")
 
 
@@ -43,13 +43,14 @@ def test_a_result_file_is_in_the_harness_format(path):
 
 
 def notes(text: str) -> list[str]:
-    """The page's prose paragraphs: not tables, titles, provenance lines, code or lists."""
+    """The page's prose paragraphs: not tables, titles, provenance lines, code or lists (numbered too)."""
     paragraphs = [" ".join(p.split()) for p in re.split(r"\n\s*\n", text)]
-    return [p for p in paragraphs if p and not p.startswith(NOT_NOTES)]
+    return [p for p in paragraphs if p and not p.startswith(NOT_NOTES) and not re.match(r"Measured \d{4}-|\d+\. ", p)]
 
 
 def sentences(paragraph: str) -> int:
-    return len(re.findall(r"[.!?](?:\s|$)", re.sub(r"\b(?:e\.g|i\.e|vs|etc)\.", "", paragraph)))
+    plain = re.sub(r"\b(?:e\.g|i\.e|vs|etc|cf|approx|Fig)\.", "", paragraph)
+    return len(re.findall(r"[.!?][)\"'*_`]*(?:\s|$)", plain)) + (not re.search(r"[.!?][)\"'*_`]*$", plain))
 
 
 def test_the_benchmark_page_is_short_with_short_notes_and_no_clock_times():
@@ -57,5 +58,6 @@ def test_the_benchmark_page_is_short_with_short_notes_and_no_clock_times():
     assert len(text.splitlines()) <= 500, "BENCHMARKS.md is over 500 lines: keep the current tables only"
     long = [p[:80] for p in notes(text) if sentences(p) > 2]
     assert not long, f"notes over two sentences (say what a figure means, no run histories): {long}"
-    assert not re.search(r"\b[0-2]\d:[0-5]\d\b|\bUTC\b", text), "a clock time on the page: its date is enough"
+    assert not re.search(r"[0-2]\d:[0-5]\d\b|\bUTC\b", text), "a clock time on the page: its date is enough"
     assert sentences("A first one, e.g. this. A second: 0.5 s.") == 2 and notes("| a |\n\nOne. Two.") == ["One. Two."]
+    assert sentences("One (a note.) Two, ending so") == 2 and sentences('"Quoted." Two.') == 2

@@ -140,9 +140,12 @@ def goaway_after_pings(s: socket.socket, every_s: float, seconds: float) -> tupl
     while time.monotonic() < deadline:
         s.sendall(b"\x00\x00\x08\x06\x00" + bytes(4) + os.urandom(8))  # PING on stream 0
         try:
-            buffer += s.recv(65536)
+            chunk = s.recv(65536)
         except TimeoutError:
             continue
+        if not chunk:  # closed without a GOAWAY
+            return None
+        buffer += chunk
         while len(buffer) >= 9 and len(buffer) >= 9 + int.from_bytes(buffer[:3], "big"):
             length, kind = int.from_bytes(buffer[:3], "big"), buffer[3]
             payload, buffer = buffer[9 : 9 + length], buffer[9 + length :]
