@@ -26,7 +26,7 @@ from tests.helpers import (
     thread_name,
     wait_until,
 )
-from tests.serve.test_repository import add_model, drop_version
+from tests.serve.test_repository import add_model, classify, drop_version
 
 FAST = ("--no-ui", "--preferred-batch-size", "1", "--graceful-timeout-s", "1")
 
@@ -163,14 +163,8 @@ def test_calibration_configs_and_version_folders_are_read_per_model_by_a_running
             assert "calibration" in reasons[name] and word in reasons[name], reasons[name]
             assert httpx.get(f"{url}/v2/models/{name}/ready", timeout=30).status_code == 404
         assert versions_of(url, "commented") == ["1"] and versions_of(url, "digits") == ["1"]
-        assert versions_of(url, "beta") == ["1"] and classify_with(url, "digits").status_code == 200
+        assert versions_of(url, "beta") == ["1"] and classify(url, "/v1/models/digits/classify").status_code == 200
         assert "Traceback" not in server.caught_up()
-
-
-def classify_with(url: str, name: str) -> httpx.Response:
-    images, _ = quadrant_images(1, seed=9)
-    files = {"file": ("a.png", png_bytes(images[0]), "image/png")}
-    return httpx.post(f"{url}/v1/models/{name}/classify", files=files, timeout=30)
 
 
 def test_a_good_model_beside_bad_ones_is_picked_up_by_polling(exported, tmp_path):
