@@ -544,6 +544,40 @@ def test_a_file_rewritten_in_place_is_reloaded_without_a_failed_request(exported
     assert {label for _, label, _ in load.sent_after(swapped)} <= set(renamed), load.sent_after(swapped)
 
 
+def test_a_same_size_rewrite_that_keeps_its_modification_time_is_reloaded(exported, tmp_path):
+    """`rsync --inplace --times` (or `cp` and `touch -r`) rewrites a version in place with its size, inode and
+    modification time as they were: the retrained weights of one architecture are the same size. Polling kept
+    serving the old file."""
+    pytest.importorskip("onnx", reason="rewrites the file's metadata: not in the [serve]-only install")
+    from serve.server.engine import Engine
+    from serve.server.metrics import Metrics
+    from serve.server.repository.repository import ModelRepository
+    from serve.server.settings import ServeSettings
+    from tests.serve.broken_models import with_metadata
+
+    repo = tmp_path / "models"
+    add_model(repo, exported, "alpha", [1])
+    (repo / "alpha" / "labels.txt").unlink()  # the class names come from the file
+    served_file = repo / "alpha" / "1" / "model.onnx"
+    swapped = [name.upper() for name in CLASS_NAMES]  # the same length: the same file size
+    new = with_metadata(served_file, tmp_path / "new.onnx", class_names=json.dumps(swapped)).read_bytes()
+    before = served_file.stat()
+    assert len(new) == before.st_size
+    settings = ServeSettings(preferred_batch_size=1, graceful_timeout_s=1)
+    repository = ModelRepository(lambda c, n, v: Engine(c, settings), Metrics(), root=repo, drain_s=1)
+    repository.start()
+    try:
+        assert repository.resolve("alpha", None).classifier.labels == CLASS_NAMES
+        with open(served_file, "r+b") as f:  # in place, as rsync --inplace writes
+            f.write(new)
+        os.utime(served_file, ns=(before.st_atime_ns, before.st_mtime_ns))
+        assert served_file.stat().st_ino == before.st_ino and served_file.stat().st_mtime_ns == before.st_mtime_ns
+        repository.sync()
+        assert repository.resolve("alpha", None).classifier.labels == swapped
+    finally:
+        repository.stop()
+
+
 @pytest.mark.parametrize("route", ["/v1/models/alpha/classify", "/v2/models/alpha/infer"])
 def test_a_request_that_resolved_a_retiring_version_runs_on_the_new_one(exported, tmp_path, route):
     """A request resolves version 1; a rollout lands before it holds that version, so the drain sees no request,

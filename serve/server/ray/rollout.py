@@ -4,8 +4,8 @@ Each model of `DIR` (or of `--models`) is an application of its own, and one ing
 (`serve.server.ray.repository`). At start, and then every `--repository-poll-s` seconds, the launcher
 reads the folder as `vit-serve DIR` does (`scan`, the version policies), checks each new version file once
 (`load_version`: one that fails is logged, never deployed, and tried again when its file changes), checks
-again a held version whose file was rewritten in place (its size, modification time or inode changed: the
-replicas hold it as it was, and roll out the new file as a new version once it passes), and takes each
+again a held version whose file was rewritten in place (its size, modification or change time, or inode
+changed: the replicas hold it as it was, and roll out the new file as a new version once it passes), and takes each
 changed model to its wanted versions in three steps:
 
 1. widen: its application is redeployed holding the versions the ingress sends requests to and the wanted
@@ -45,7 +45,7 @@ from serve.server.settings import ServeSettings
 log = logging.getLogger(__name__)
 
 Versions = dict[str, str]  # version -> path of its model.onnx
-Stamp = tuple[int, int, int]  # a file's size, modification time and inode (`stamp_of`)
+Stamp = tuple[int, int, int, int]  # a file's size, modification and change times and inode (`stamp_of`)
 
 
 class RepositoryRollout:

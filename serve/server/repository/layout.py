@@ -14,7 +14,7 @@ A version is a folder named by ASCII digits without a leading zero, as Triton's 
 
 A config that cannot be read fails its own model only: `scan` returns that folder with `error` set, and it
 serves nothing until the file is fixed. The poller scans every few seconds under the repository lock, so a
-config is parsed again only when its size, modification time or inode changed (`read_policy`), and configs
+config is parsed again only when its size, modification or change time, or inode changed (`read_policy`), and configs
 and labels.txt files are capped in size.
 """
 
@@ -142,15 +142,16 @@ def read_policy(path: Path) -> VersionPolicy:
         OSError: it cannot be read.
     """
     st = path.stat()
-    policy = _policy_of(str(path), st.st_size, st.st_mtime_ns, st.st_ino)
+    policy = _policy_of(str(path), st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
     if isinstance(policy, str):
         raise ValueError(policy)
     return policy
 
 
 @functools.lru_cache(maxsize=1024)
-def _policy_of(path: str, size: int, mtime_ns: int, inode: int) -> VersionPolicy | str:
-    """The policy of the file `path` as it was at (size, mtime_ns, inode), or why it is refused (cached too)."""
+def _policy_of(path: str, size: int, mtime_ns: int, ctime_ns: int, inode: int) -> VersionPolicy | str:
+    """The policy of the file `path` as it was at (size, mtime_ns, ctime_ns, inode), or why it is refused (cached
+    too)."""
     try:
         return parse_version_policy(read_config(Path(path)))
     except ValueError as e:

@@ -3,9 +3,9 @@
 A request resolves and holds its version once, at its start (`hold`): a dict lookup in a table that is replaced
 whole, never edited, so a swap is atomic for the routes; a version that began to drain between the lookup and the
 hold refuses it (`Retired`), and the request looks up the new table. A new version (found by `sync`, which the
-poller runs every `poll_s` seconds, or asked for by `load`), or a served one whose file changed on disk (size,
-modification time or inode), is loaded and checked off to the side (`load_version`); only then does the table name
-it, and new requests go to it. A version that leaves the table drains: it is stopped once the requests that
+poller runs every `poll_s` seconds, or asked for by `load`), or a served one whose file changed on disk (its
+`stamp_of`), is loaded and checked off to the side (`load_version`); only then does the table name it, and new
+requests go to it. A version that leaves the table drains: it is stopped once the requests that
 resolved it have finished, and its series leave /metrics (the model's own too, with its last version). A version
 that fails its checks never enters the table; it is logged, counted in /metrics and listed in `index` with its
 reason, and tried again when its file or labels.txt changes (a copy that was not finished) or when `load` asks.

@@ -203,11 +203,14 @@ def _warm_up(engine: Engine, classifier: OnnxClassifier, path: Path, stamp: tupl
         raise LoadFailure("unreadable", f"{path}: the file changed while it was loaded (still being copied?)")
 
 
-def stamp_of(path: Path) -> tuple[int, int, int]:
-    """(size, modification time, inode) of a version file: a copy not finished yet, a file rewritten in place
-    (as `vit-export --triton-repo` rewrites version 1) and one renamed over it each change it."""
+def stamp_of(path: Path) -> tuple[int, int, int, int]:
+    """(size, modification time, change time, inode) of a version file: a copy not finished yet, a file rewritten
+    in place (as `vit-export --triton-repo` rewrites version 1) and one renamed over it each change it. The change
+    time is the kernel's, moved by every write: a same-size rewrite that keeps its modification time (`rsync
+    --inplace --times`, retrained weights of the same architecture) changes nothing else. A `chmod` moves it too,
+    and costs a reload of the same file."""
     st = path.stat()
-    return st.st_size, st.st_mtime_ns, st.st_ino
+    return st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino
 
 
 def file_changed(served: ModelVersion, path: Path) -> bool:
@@ -218,7 +221,7 @@ def file_changed(served: ModelVersion, path: Path) -> bool:
         return False
 
 
-def _stamp(path: Path) -> tuple[int, int, int]:
+def _stamp(path: Path) -> tuple[int, int, int, int]:
     try:
         return stamp_of(path)
     except OSError as e:
