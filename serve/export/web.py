@@ -22,6 +22,7 @@ from pathlib import Path
 import onnx
 
 from serve.export import files
+from serve.runtime.model_file import read_model_bytes
 
 PAGE_DIR = Path(__file__).with_name("web_page")
 PAGE_FILES = ("index.html", "page.css", "page.js", "vitscope.js")
@@ -111,14 +112,9 @@ def write_web(model_path: str | Path, folder: str | Path, ort_dist: str | Path |
     model_path, folder = Path(model_path), Path(folder)
     dist = find_ort_dist(ort_dist)
     check_folder(folder)
-    if model_path.is_dir():
-        raise ValueError(f"{model_path} is a folder, not an ONNX file: give the .onnx file vit-export wrote")
-    if not model_path.is_file():
-        raise FileNotFoundError(f"no such model file: {model_path}")
-    if model_path.stat().st_size == 0:  # protobuf reads no bytes as an empty model: "outputs []"
-        raise ValueError(f"{model_path} is empty (0 bytes), a copy that did not finish? Export it again")
+    data = read_model_bytes(model_path)  # as the server reads it: a folder, an empty, truncated or checkpoint file
     try:
-        model = onnx.load(str(model_path), load_external_data=False)
+        model = onnx.load_model_from_string(data)
     except Exception as e:  # protobuf's DecodeError, and whatever a half-copied file makes it raise
         raise ValueError(f"{model_path} is not a readable ONNX file ({type(e).__name__}): export it again") from None
     check_web_model(model, str(model_path))
@@ -130,7 +126,7 @@ def write_web(model_path: str | Path, folder: str | Path, ort_dist: str | Path |
     pieces |= {folder / f: (PAGE_DIR / f).read_bytes() for f in PAGE_FILES}
     pieces |= {folder / "ort" / f: (dist / f).read_bytes() for f in ORT_FILES}
     if model_path.resolve() != (folder / "model.onnx").resolve():
-        pieces[folder / "model.onnx"] = model_path.read_bytes()
+        pieces[folder / "model.onnx"] = data
     (folder / "ort").mkdir(parents=True, exist_ok=True)
     files.remove_stale_temporaries(folder / "ort")
     files.write_pieces(pieces)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import warnings
+import zipfile
 
 import pytest
 
@@ -99,15 +100,28 @@ def test_an_output_under_a_file_says_that_file_is_no_folder(own_run, tmp_path, c
     assert (tmp_path / "afile").read_text() == "mine"
 
 
-@pytest.mark.parametrize("kind", ["folder", "empty"])
-def test_a_model_for_the_page_that_is_a_folder_or_empty_is_said_as_such(tmp_path, capsys, kind):
+@pytest.mark.parametrize("kind", ["folder", "empty", "checkpoint"])
+def test_a_model_for_the_page_that_is_a_folder_empty_or_a_checkpoint_is_said_as_such(tmp_path, capsys, kind):
+    """As `vit-serve` and `vit-predict` say it: a checkpoint renamed .onnx was "not a readable ONNX file
+    (DecodeError)" here."""
     model = tmp_path / "m.onnx"
-    model.mkdir() if kind == "folder" else model.write_bytes(b"")
+    if kind == "folder":
+        model.mkdir()
+    elif kind == "empty":
+        model.write_bytes(b"")
+    else:  # torch.save writes a zip archive
+        with zipfile.ZipFile(model, "w") as z:
+            z.writestr("archive/data.pkl", b"not a model")
     code = main([str(model), "--web", str(tmp_path / "site")])
     err = capsys.readouterr().err.strip()
     assert code == 2 and "Traceback" not in err, err
-    said = {"folder": f"{model} is a folder, not an ONNX file", "empty": f"{model} is empty (0 bytes)"}[kind]
+    said = {
+        "folder": f"{model} is a folder, not a model file",
+        "empty": f"{model} is empty (0 bytes)",
+        "checkpoint": f"{model} is a zip archive, as a PyTorch or Lightning checkpoint is, not an ONNX file",
+    }[kind]
     assert said in err, err
+    assert not (tmp_path / "site").exists()
 
 
 @pytest.mark.parametrize("kind", ["folder", "dangling_link", "fifo"])

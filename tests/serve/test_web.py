@@ -304,7 +304,7 @@ def test_web_export_refuses_what_the_browser_cannot_run_with_what_to_do(tiny_onn
     corrupt = tmp_path / "half.onnx"
     corrupt.write_bytes(tiny_onnx.read_bytes()[:1000])
     assert export_main([str(corrupt), "--web", str(tmp_path / "b")]) == 2
-    assert "is not a readable ONNX file" in capsys.readouterr().err
+    assert "half.onnx is truncated or not an ONNX file" in capsys.readouterr().err
     assert export_main([str(tiny_onnx), "--web", str(tmp_path / "c"), "--ort-web", str(tmp_path / "nowhere")]) == 2
     assert "npm ci --prefix" in capsys.readouterr().err
     assert export_main([str(tiny_onnx), "-o", str(tmp_path / "x.onnx")]) == 2  # an .onnx without --web
