@@ -14,6 +14,7 @@ place rolls out as a new version does.
 from __future__ import annotations
 
 import shutil
+import socket
 import threading
 import time
 from collections import Counter
@@ -34,6 +35,7 @@ from tests.helpers import (
     ServerProcess,
     png_bytes,
     quadrant_images,
+    read_metric,
     wait_until,
 )
 
@@ -89,6 +91,7 @@ def servers(cluster):
 @pytest.fixture
 def server(servers, cluster, tiny_onnx):
     args = ["--ray", "--replicas", "2", "--ray-address", cluster.address, "--preferred-batch-size", "4"]
+    args += ["--max-batch-size", "8", "--queue-size", "8"]  # a queue a test can fill
     return servers.get("file", lambda: ServerProcess(tiny_onnx, *args))
 
 
@@ -175,6 +178,58 @@ def test_killing_a_model_replica_loses_no_request(server, driver):
             w.join(60)
     assert set(statuses) == {200}, statuses  # no retries in the client: none was needed
     assert set(names) - before, f"no replacement replica answered within 120 s: {names}"
+
+
+def test_past_its_queue_the_server_sheds_load_with_503_and_retry_after(server):
+    """Past --queue-size requests in the ingress and as many waiting at Ray Serve's proxy, a request gets 503 with
+    Retry-After at once, as from plain vit-serve. The proxy queued every request, unbounded: 600 explain requests
+    at --queue-size 32 got no 503, and the slowest was answered after 80 s."""
+    data = png_bytes(quadrant_images(1)[0][0])
+
+    def explain(client: httpx.Client) -> tuple[int, str | None]:
+        r = client.post(server.url + "/v1/classify?explain=true", content=data, headers={"content-type": "image/png"})
+        return r.status_code, r.headers.get("retry-after")
+
+    limits = httpx.Limits(max_connections=120)
+    with httpx.Client(timeout=120, limits=limits) as client, ThreadPoolExecutor(120) as pool:
+        answers = list(pool.map(lambda _: explain(client), range(120)))
+    codes = Counter(code for code, _ in answers)
+    assert codes[503] > 0 and set(codes) <= {200, 503}, codes
+    assert {retry for code, retry in answers if code == 503} == {"1"}  # --retry-after-s
+    assert classify(httpx.Client(timeout=60), server.url, data).status_code == 200  # and it serves on
+
+
+def test_a_client_that_hangs_up_mid_body_is_a_499_not_a_server_error(server):
+    """Ray Serve's proxy ends the body of a client that hung up with an exception, not with http.disconnect:
+    a quarter of such requests were counted as 500 and logged with a traceback."""
+    head = b"POST /v1/classify HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: image/png\r\nContent-Length: 200000\r\n\r\n"
+    host, port = server.url.removeprefix("http://").rsplit(":", 1)
+
+    def count(status: str) -> float:
+        text = httpx.get(server.url + "/metrics", timeout=30).text
+        return read_metric(text, "vitscope_requests_total", route="/v1", status=status, default=0)
+
+    before = {status: count(status) for status in ("499", "500")}
+    for _ in range(40):
+        with socket.create_connection((host, int(port))) as s:
+            s.sendall(head + b"x" * 100_000)
+            time.sleep(0.05)  # the proxy has passed the request on
+    wait_until(lambda: count("499") + count("500") >= before["499"] + before["500"] + 40, 60, "40 requests counted")
+    assert count("500") == before["500"] and count("499") == before["499"] + 40
+
+
+def test_an_idle_keep_alive_connection_is_closed_after_keep_alive_s(server):
+    """As plain vit-serve closes one after --keep-alive-s (5 s): Ray Serve's proxy kept each for 90 s."""
+    host, port = server.url.removeprefix("http://").rsplit(":", 1)
+    with socket.create_connection((host, int(port))) as s:
+        s.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        s.settimeout(30)
+        answer = b""
+        while not answer.endswith(b'{"status":"live"}'):
+            answer += s.recv(65536)
+        started = time.monotonic()
+        assert s.recv(65536) == b""  # closed by the server
+    assert answer.startswith(b"HTTP/1.1 200") and time.monotonic() - started < 15
 
 
 def reweighted(model: Path, out: Path) -> Path:

@@ -57,7 +57,11 @@ class RequestRecord:
 
         async def receive_watching():
             nonlocal gone
-            message = await receive()
+            try:
+                message = await receive()
+            except Exception:  # Ray Serve's proxy ends the body of a client that hung up so (TaskCancelledError)
+                gone = True
+                raise
             gone = gone or message["type"] == "http.disconnect"
             return message
 

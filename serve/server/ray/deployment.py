@@ -239,11 +239,18 @@ def model_options(settings: ServeSettings, replicas: int, max_replicas: int | No
 
 
 def ingress_options(settings: ServeSettings, replicas: int = 1) -> dict[str, Any]:
-    """The Ray Serve options of the ingress: it reserves no CPU, as it mostly waits on the model replicas."""
+    """The Ray Serve options of the ingress: it reserves no CPU, as it mostly waits on the model replicas.
+
+    Past `queue_size` requests in each replica and as many waiting at the proxy, the proxy answers 503 with
+    Retry-After at once, as `vit-serve` does past its queue (its body is Ray Serve's words, not our JSON): without
+    a bound the proxy queued every request, and a flood was answered minutes late.
+    """
     return {
         "name": INGRESS_NAME,
         "num_replicas": replicas,
         "max_ongoing_requests": settings.queue_size,  # as many requests as vit-serve's queue holds
+        "max_queued_requests": settings.queue_size,
+        "backpressure_config": {"status_code": 503, "retry_after_s": settings.retry_after_s},
         "ray_actor_options": {"num_cpus": 0},
         "logging_config": QUIET,
         "graceful_shutdown_timeout_s": settings.graceful_timeout_s,

@@ -158,7 +158,9 @@ def deploy_and_follow(target, settings: ServeSettings, stop: threading.Event, de
 
     # one proxy, on the head node, at the URL printed below (a load balancer over every node's proxy
     # is the multi-machine alternative: proxy_location="EveryNode")
-    serve.start(proxy_location="HeadOnly", http_options={"host": settings.host, "port": settings.port})
+    # the proxy closes an idle connection as vit-serve does (Ray Serve's default keeps one for 90 s)
+    http = {"host": settings.host, "port": settings.port, "keep_alive_timeout_s": settings.keep_alive_s}
+    serve.start(proxy_location="HeadOnly", http_options=http)
     port = ray.get(serve_controller().get_http_config.remote()).port
     if port != settings.port:
         raise ValueError(f"Ray Serve on this cluster listens on port {port} already: pass --port {port}")
