@@ -88,7 +88,7 @@ def settings_from(args: argparse.Namespace) -> ServeSettings:
 
 def _check_payload_log(path: str) -> None:
     """Refuse a payload log this server cannot create: its folder is the operator's to make, as for nginx's logs (a
-    missing one failed the start with a traceback). Not under --ray: the ingress writes it, on its own node."""
+    missing one failed the start with a traceback). Not on a Ray cluster joined: the ingress writes it, on its node."""
     if path and os.path.isdir(path):
         raise ValueError(
             f"--payload-log {path} is a folder: give a file in it, such as {os.path.join(path, 'payloads.jsonl')}"
@@ -108,6 +108,8 @@ def _run_on_ray(args, settings: ServeSettings) -> int:
         print(f"vit-serve: --ray needs Ray Serve ({e}): pip install 'vitscope[ray]'", file=sys.stderr)
         return 2
     try:
+        if args.ray_address is None:  # a Ray started here: the replicas write the log on this machine
+            _check_payload_log(settings.payload_log)
         models = [m for m in args.models.split(",") if m] if args.models else None
         return run(
             str(args.model), settings, args.replicas, args.max_replicas, args.replica_cpus, args.ray_address, models

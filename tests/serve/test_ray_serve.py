@@ -449,6 +449,19 @@ def test_a_model_file_that_cannot_load_is_one_line_before_ray_starts(tiny_onnx, 
     assert len(r.stderr.splitlines()) == 1 and "Traceback" not in r.stderr
 
 
+def test_a_payload_log_in_no_folder_is_one_line_before_a_ray_started_here(tiny_onnx, tmp_path):
+    """Without --ray-address the replicas run on this machine, and write the log here: each failed in a traceback
+    of its own, 242 lines and exit 1 after 18 s. (On a cluster joined, the log's folder is on the replicas' nodes.)"""
+    import subprocess
+    import sys
+
+    log = tmp_path / "nowhere" / "payloads.jsonl"
+    args = [sys.executable, "-m", "serve.server", str(tiny_onnx), "--ray", "--port", "18999", "--payload-log", str(log)]
+    r = subprocess.run(args, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stderr.startswith(f"vit-serve: --payload-log: the folder {log.parent} does not ")
+    assert len(r.stderr.splitlines()) == 1 and "Traceback" not in r.stderr, r.stderr[-800:]
+
+
 def test_a_version_rewritten_in_place_rolls_out(repository_server, repository):
     url, image = repository_server.url, quadrant_images(1, seed=3)[0][0]
     path = repository / "alpha" / "1" / "model.onnx"
