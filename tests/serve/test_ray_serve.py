@@ -357,6 +357,23 @@ class ClassifyLoop(ClientLoop):
         return sum(1 for a in self.answers[since:] if a[1] == version)
 
 
+def test_the_index_lists_the_refused_models_with_their_reasons_and_a_load_tells_them(repository_server):
+    """As `vit-serve DIR` lists and tells them: under --ray the index left them out, and a load said 404 "the
+    repository has no model" of a model right there in the folder."""
+    url = repository_server.url
+
+    def refused() -> dict[str, str]:
+        index = httpx.post(url + "/v2/repository/index", timeout=30).json()
+        return {row["name"]: row["reason"] for row in index if row["state"] == "UNAVAILABLE"}
+
+    wait_until(lambda: {"badlabels", "badconfig"} <= set(refused()), 30, "the refused models in the index")
+    reasons = refused()
+    assert "labels.txt" in reasons["badlabels"] and "newest" in reasons["badconfig"], reasons
+    loaded = httpx.post(url + "/v2/repository/models/badlabels/load", timeout=60)
+    assert loaded.status_code == 400 and "labels.txt" in loaded.json()["error"], loaded.text
+    assert httpx.post(url + "/v2/repository/models/nowhere/load", timeout=60).status_code == 404
+
+
 def test_a_new_version_rolls_out_through_ray_serve_with_no_failed_request(repository_server, repository):
     url, image = repository_server.url, quadrant_images(1, seed=3)[0][0]
     old = expected(repository, "beta", "1", image)[0]["label"]

@@ -204,6 +204,11 @@ class RepositoryIngress:
             time.sleep(0.01)
         return by_number(now)
 
+    def refused(self, rows: list[tuple[str, str, str]]) -> None:
+        """The launcher's verdicts, (model, version or "", reason) each: models and versions that never reach the
+        view, listed by the index and told by a load as `vit-serve DIR` lists and tells them."""
+        self.repository.refused_elsewhere({(model, version): reason for model, version, reason in rows})
+
     def check_health(self) -> None:
         if self.repository is None or not self.repository.ready:
             raise RuntimeError("the app has not started, or a model it should serve has no version loaded")

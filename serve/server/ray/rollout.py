@@ -134,6 +134,7 @@ class RepositoryRollout:
                 self.deploy_model(model, versions, labels)
         serve.run(ingress_app(self.settings), name=APP_NAME, route_prefix="/")
         self.routed = {model: dict(versions) for model, versions in self.held.items()}
+        self.tell_refusals()
 
     def reasons(self, models: list[str]) -> str:
         """Why each of `models` (or one of its versions) does not serve, for a log line or an error."""
@@ -146,6 +147,8 @@ class RepositoryRollout:
         for model, (versions, labels, fresh) in wanted.items():
             if versions:  # none passes its checks: what serves keeps serving, as with vit-serve DIR
                 self.roll(model, versions, labels, fresh)
+        self.failures = {key: failed for key, failed in self.failures.items() if key[0] in wanted}  # folder gone
+        self.tell_refusals()
         gone = sorted(set(self.held) - set(wanted))
         if gone and len(gone) == len(self.held):
             log.warning("no model to serve is left in %s; still serving %s", self.root, ", ".join(gone))
@@ -157,6 +160,13 @@ class RepositoryRollout:
             self.deploying.discard(model)
             self.routed.pop(model, None)
             log.info("%s: removed from the repository, its application deleted", model)
+
+    def tell_refusals(self) -> None:
+        """Give every ingress replica the reason each refused model or version does not serve (each poll: one
+        that Ray restarted learns them too)."""
+        rows = [(model, version, reason) for (model, version), (_, reason) in sorted(self.failures.items())]
+        ingress = serve.get_deployment_handle(INGRESS_NAME, APP_NAME)
+        ingress.broadcast("refused", rows).results(timeout_s=BROADCAST_TIMEOUT_S)
 
     def roll(self, model: str, versions: Versions, labels: list[str] | None, fresh: set[str] = frozenset()) -> None:
         """Take one model to `versions`: widen, switch, narrow (the module's docstring); each step only if needed.

@@ -42,6 +42,7 @@ from serve.server.repository.version import (
     UNAVAILABLE,
     LoadFailure,
     ModelVersion,
+    described,
     file_changed,
     freeze_heap,
     hold_current,
@@ -49,6 +50,7 @@ from serve.server.repository.version import (
     load_version,
     release_heap,
     stamp_of,
+    version_order,
 )
 
 log = logging.getLogger("vitscope.repository")
@@ -100,6 +102,7 @@ class ModelRepository:
         self.failures: dict[tuple[str, str], tuple[object, LoadFailure]] = {}
         self.expected: set[str] = set()  # models that should be served (found on disk, not unloaded)
         self.unloaded: dict[str, list[str]] = {}  # unloaded through the API (the versions it served): left alone
+        self.elsewhere: dict[tuple[str, str], str] = {}  # (model, version) -> why checks run elsewhere refused it
         # (all expected models not failed are served, the index's failure rows): `ready` reads it on other threads
         self._settled: tuple[bool, tuple[dict, ...]] = (False, ())
         self.started = self.stopping = False
@@ -170,8 +173,7 @@ class ModelRepository:
             self._poller.start()
 
     def sync(self, only: str | None = None, retry: bool = False) -> None:
-        """Bring the table in line with the folder: load the versions the policies want, drain the others; with
-        `retry`, versions that failed are tried again even if their files did not change."""
+        """Load the versions the policies want, drain the others; `retry`: failed files too, changed or not."""
         with self._change:
             folders = scan(self.root)
             self.unloaded = {m: vs for m, vs in self.unloaded.items() if m in folders}  # a folder gone: forgot
@@ -189,7 +191,7 @@ class ModelRepository:
                 try:
                     self._sync_model(folders[name], retry)
                 except Exception as e:  # one model's folder, whatever it holds, never stops the others' sync
-                    self._fail(name, "", LoadFailure("unreadable", f"{folders[name].folder}: {_described(e)}"))
+                    self._fail(name, "", LoadFailure("unreadable", f"{folders[name].folder}: {described(e)}"))
 
     def _sync_model(self, folder: ModelFolder, retry: bool) -> None:
         name = folder.name
@@ -200,7 +202,7 @@ class ModelRepository:
         try:
             labels = folder.labels()
         except (OSError, ValueError) as e:
-            self._fail(name, "", LoadFailure("labels", f"{folder.folder}/labels.txt: {_described(e)}"))
+            self._fail(name, "", LoadFailure("labels", f"{folder.folder}/labels.txt: {described(e)}"))
             return
         wanted = {str(v): p for v, p in folder.wanted().items()}
         if not wanted and not self.serving.get(name):
@@ -230,11 +232,12 @@ class ModelRepository:
                 found = self.root is not None and name in scan(self.root)
             except (OSError, ValueError):  # no folder, or no model in it
                 found = False
-            if not found:
+            if not found and name not in {m for m, _ in self.elsewhere}:
                 raise UnknownModel(f"the repository has no model {name!r}")
             self.unloaded.pop(name, None)  # settled by the sync, which takes it up at once
             self.sync(only=name, retry=True)  # asked for: its failed versions are tried again, changed or not
             failed = [e for (m, _), (_, e) in self.failures.items() if m == name]
+            failed += [LoadFailure("unreadable", why) for (m, _), why in self.elsewhere.items() if m == name]
             if failed or not self.serving.get(name):
                 reasons = "; ".join(map(str, failed))
                 raise LoadFailure(failed[0].kind if failed else "unreadable", reasons or f"{name} has no version file")
@@ -244,10 +247,16 @@ class ModelRepository:
         with self._change:
             if name not in self.serving and name not in self.expected:
                 raise UnknownModel(f"model {name!r} is not loaded")
-            self.unloaded[name] = sorted(self.serving.get(name, {}), key=_order) or [""]
+            self.unloaded[name] = sorted(self.serving.get(name, {}), key=version_order) or [""]
             self.expected.discard(name)
             self._forget(name, keep=set())  # its failures too: nothing of it is tried now
             self._remove(name, set(self.serving.get(name, {})))
+
+    def refused_elsewhere(self, reasons: dict[tuple[str, str], str]) -> None:
+        """Why the Ray launcher's checks refused a model (version "") or version: `index` lists it, `load` tells it."""
+        with self._change:
+            self.elsewhere = dict(reasons)
+            self._settle()
 
     def index(self) -> list[dict]:
         """Triton's repository index: name, version, state, reason (memory when served; unloaded models too)."""
@@ -272,7 +281,7 @@ class ModelRepository:
             try:
                 self.sync()
             except Exception as e:  # keep serving what is loaded: a volume mounted late or a folder being replaced
-                why = _described(e)
+                why = described(e)
                 if why != failing:
                     expected = isinstance(e, (OSError, ValueError))  # no folder, or no model in it: no traceback
                     log.error("cannot scan the repository (%s); serving what is loaded", e, exc_info=not expected)
@@ -296,7 +305,7 @@ class ModelRepository:
             self._fail(name, version, e, stamp)
             return
         except Exception as e:  # what the checks did not foresee is still this version's failure alone
-            self._fail(name, version, LoadFailure("unreadable", f"{path}: {_described(e)}"), stamp)
+            self._fail(name, version, LoadFailure("unreadable", f"{path}: {described(e)}"), stamp)
             return
         self.failures.pop((name, version), None)
         self._add(mv)  # which settles the state (`_publish`)
@@ -324,7 +333,7 @@ class ModelRepository:
     def _settle(self) -> None:
         """What `ready` and `index` read on other threads, computed under `_change` each time the state changes."""
         failed = {m for m, _ in self.failures}
-        why = {k: str(e) for k, (_, e) in self.failures.items()}
+        why = self.elsewhere | {k: str(e) for k, (_, e) in self.failures.items()}
         why |= {(m, v): "unloaded" for m, vs in self.unloaded.items() for v in vs}  # per version, as Triton lists them
         rows = [{"name": m, "version": v, "state": UNAVAILABLE, "reason": r} for (m, v), r in sorted(why.items())]
         self._settled = (bool(self.serving) and all(self.serving.get(m) for m in self.expected - failed), tuple(rows))
@@ -371,7 +380,7 @@ class ModelRepository:
         for name, versions in self.serving.items():
             for v, mv in versions.items():
                 routes[(name, v)] = mv
-            routes[(name, None)] = versions[max(versions, key=_order)]
+            routes[(name, None)] = versions[max(versions, key=version_order)]
         if self.started and not self.default_model and self.serving:  # none served at start-up: the first one
             self.default_model = min(self.serving)
             log.warning("the default model is now %s, the first served since start-up", self.default_model)
@@ -388,13 +397,3 @@ class ModelRepository:
                 self.metrics.trust.watch(name, routes[(name, None)].classifier.trust)
         self.routes = routes  # one assignment: a request sees the old table or the new one
         self._settle()
-
-
-def _order(version: str) -> tuple[int, str]:
-    return (int(version), "") if version.isascii() and version.isdigit() else (0, version)
-
-
-def _described(e: Exception, limit: int = 500) -> str:
-    """An unforeseen exception as a reason for the index: its type and message, cut to `limit` characters."""
-    text = f"{type(e).__name__}: {e}"
-    return text if len(text) <= limit else text[:limit] + "..."

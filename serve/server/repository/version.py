@@ -261,3 +261,14 @@ def load_ready(classifier: OnnxClassifier, engine: Engine, name: str, version: s
     before = rss_bytes()
     engine.start()
     return ModelVersion(name, version, classifier, engine, classifier.path, max(0, rss_bytes() - before))
+
+
+def version_order(version: str) -> tuple[int, str]:
+    """A sort key: versions by their number (a name that is none first)."""
+    return (int(version), "") if version.isascii() and version.isdigit() else (0, version)
+
+
+def described(e: Exception, limit: int = 500) -> str:
+    """An unforeseen exception as a reason for the index: its type and message, cut to `limit` characters."""
+    text = f"{type(e).__name__}: {e}"
+    return text if len(text) <= limit else text[:limit] + "..."
