@@ -29,3 +29,19 @@ def with_metadata(model: Path, out: Path, **entries: str) -> Path:
             p.value = entries[p.key]
     onnx.save(m, out)
     return out
+
+
+def nan_head(model: Path, out: Path) -> Path:
+    """A copy of an exported file whose head's weights are NaN (a diverged run): it loads, and answers NaN."""
+    import numpy as np
+    import onnx
+    from onnx import numpy_helper
+
+    m = onnx.load(model)
+    head = [w for w in m.graph.initializer if w.name.startswith("net.head.")]
+    assert head, f"{model} has no net.head weights"
+    for weights in head:
+        nan = np.full_like(numpy_helper.to_array(weights), np.nan)
+        weights.CopyFrom(numpy_helper.from_array(nan, weights.name))
+    onnx.save(m, out)
+    return out

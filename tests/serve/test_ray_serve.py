@@ -451,15 +451,20 @@ def test_only_the_models_that_serve_count_against_the_cpus(mixed_repository):
     assert RepositoryRollout(mixed_repository, ServeSettings(), cpus=0.5).cpus_needed() == 0.5  # `good` alone
 
 
-@pytest.mark.parametrize("kind", ["missing", "cut short"])
+@pytest.mark.parametrize("kind", ["missing", "cut short", "answers NaN"])
 def test_a_model_file_that_cannot_load_is_one_line_before_ray_starts(tiny_onnx, tmp_path, kind):
-    """Each replica failed to load it in a traceback of its own: 330 log lines and exit 1 after 15 s."""
+    """Each replica failed to load it in a traceback of its own: 330 log lines and exit 1 after 15 s. A file whose
+    answers are NaN was served, each request answered 500."""
     import subprocess
     import sys
 
     model = tmp_path / "model.onnx"
     if kind == "cut short":
         model.write_bytes(tiny_onnx.read_bytes()[:1000])
+    if kind == "answers NaN":
+        from tests.serve.broken_models import nan_head
+
+        nan_head(tiny_onnx, model)
     args = [sys.executable, "-m", "serve.server", str(model), "--ray", "--port", "18999"]
     r = subprocess.run(args, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and r.stderr.startswith(f"vit-serve: cannot load {model}: "), r.stderr[-800:]

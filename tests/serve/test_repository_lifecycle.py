@@ -206,6 +206,20 @@ def test_exit_on_error_says_why_in_one_line_and_exits_3(exported, tmp_path):
     assert last.startswith("vit-serve: did not start:") and "garbage" in last and "--exit-on-error" in last
 
 
+def test_a_model_file_whose_answers_are_nan_is_refused_at_start_as_in_a_repository(exported, tmp_path):
+    """`vit-serve FILE` served it, and answered every request 500 "internal error (ValueError)"; a repository
+    refuses the same file at its warm-up."""
+    pytest.importorskip("onnx", reason="edits the file's weights: not in the [serve]-only install")
+    from tests.serve.broken_models import nan_head
+
+    model = nan_head(exported / "alpha" / "1" / "model.onnx", tmp_path / "diverged.onnx")
+    args = [sys.executable, "-m", "serve.server", str(model), *FAST, "--port", "0"]
+    run = subprocess.run(args, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 3 and "Traceback" not in run.stdout + run.stderr, run.stderr[-2000:]
+    last = run.stderr.strip().splitlines()[-1]
+    assert last.startswith("vit-serve: did not start:") and "NaN or infinite outputs" in last, last
+
+
 @pytest.mark.slow
 def test_sigterm_during_the_start_up_loads_no_more_models_and_exits_at_once(exported, tmp_path):
     """SIGTERM once the first of a repository's 20 models had loaded: the server loaded and warmed up all 20 before

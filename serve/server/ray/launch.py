@@ -47,11 +47,15 @@ class OneModel:
 
     def __init__(self, model: str, settings: ServeSettings, replicas: int, max_replicas: int | None, cpus: float):
         from serve.runtime.classifier import OnnxClassifier
+        from serve.server.engine import Engine
+        from serve.server.repository.version import LoadFailure, load_ready
 
         try:  # the file's checks, as `vit-serve FILE` makes them: each replica would fail in a traceback of its own
-            OnnxClassifier(model, threads=1)
-        except (FileNotFoundError, ValueError) as e:
-            raise ValueError(f"cannot load {model}: {e}") from None
+            classifier = OnnxClassifier(model, threads=1)
+            check = settings.model_copy(update={"preferred_batch_size": 1})  # a check, not a measurement
+            load_ready(classifier, Engine(classifier, check), "model", "1").engine.stop()  # its answers are finite
+        except (FileNotFoundError, ValueError, LoadFailure) as e:
+            raise ValueError(f"cannot load {model}: {str(e).removeprefix(f'{model}: ')}") from None
         self.app = deployment(model, settings, replicas, max_replicas, cpus)  # checks the counts before Ray starts
         self.replicas, self.cpus = replicas, cpus
         self.placing = threading.Event()  # never set: a file is deployed once, before `run`'s `deployed`

@@ -182,7 +182,7 @@ def load_version(
             raise
 
 
-def _warm_up(engine: Engine, classifier: OnnxClassifier, path: Path, stamp: tuple[int, int, int]) -> None:
+def _warm_up(engine: Engine, classifier: OnnxClassifier, path: Path, stamp: tuple[int, int, int, int]) -> None:
     """Start `engine`, check that one warm-up batch gives finite outputs and that the file did not change meanwhile.
 
     Raises:
@@ -257,9 +257,18 @@ def release_heap(lock: threading.Lock) -> None:
 
 
 def load_ready(classifier: OnnxClassifier, engine: Engine, name: str, version: str) -> ModelVersion:
-    """An already loaded classifier (a plain .onnx file) as a version: its engine warmed up, as today."""
+    """An already loaded classifier (a plain .onnx file) as a version, warmed up and checked as a repository's
+    versions are (`load_version`): a file whose answers are NaN was served, and every request failed with a 500.
+
+    Raises:
+        LoadFailure: it must not take traffic (`vit-serve FILE` does not start).
+    """
     before = rss_bytes()
-    engine.start()
+    try:
+        _warm_up(engine, classifier, classifier.path, _stamp(classifier.path))
+    except BaseException:
+        engine.stop()
+        raise
     return ModelVersion(name, version, classifier, engine, classifier.path, max(0, rss_bytes() - before))
 
 
