@@ -592,6 +592,31 @@ def test_a_same_size_rewrite_that_keeps_its_modification_time_is_reloaded(export
         repository.stop()
 
 
+def test_a_chmod_or_a_hard_link_moves_the_change_time_but_reloads_nothing(exported, tmp_path):
+    """The change time moves with metadata too: only the file's bytes decide then, hashed once."""
+    from serve.server.engine import Engine
+    from serve.server.metrics import Metrics
+    from serve.server.repository.repository import ModelRepository
+    from serve.server.settings import ServeSettings
+
+    repo = tmp_path / "models"
+    add_model(repo, exported, "alpha", [1])
+    served_file = repo / "alpha" / "1" / "model.onnx"
+    settings = ServeSettings(preferred_batch_size=1, graceful_timeout_s=1)
+    repository = ModelRepository(lambda c, n, v: Engine(c, settings), Metrics(), root=repo, drain_s=1)
+    repository.start()
+    try:
+        served = repository.resolve("alpha", None)
+        stamp = served.stamp
+        served_file.chmod(0o600)
+        os.link(served_file, tmp_path / "backup.onnx")  # as `cp -al` makes a backup
+        assert served_file.stat().st_ctime_ns != stamp[2]
+        repository.sync()
+        assert repository.resolve("alpha", None) is served and served.stamp != stamp  # the new stamp, kept
+    finally:
+        repository.stop()
+
+
 @pytest.mark.parametrize("route", ["/v1/models/alpha/classify", "/v2/models/alpha/infer"])
 def test_a_request_that_resolved_a_retiring_version_runs_on_the_new_one(exported, tmp_path, route):
     """A request resolves version 1; a rollout lands before it holds that version, so the drain sees no request,

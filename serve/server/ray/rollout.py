@@ -39,12 +39,13 @@ from serve.server.ray.repository import (
     model_app_name,
 )
 from serve.server.repository.layout import LABELS_FILE, ModelFolder, scan
-from serve.server.repository.version import LoadFailure, load_version, stamp_of
+from serve.server.repository.version import LoadFailure, file_digest, load_version, metadata_only, stamp_of
 from serve.server.settings import ServeSettings
 
 log = logging.getLogger(__name__)
 
 Versions = dict[str, str]  # version -> path of its model.onnx
+TELL_TIMEOUT_S = 10.0  # `tell_refusals`: a poll waits no longer for the ingress
 Stamp = tuple[int, int, int, int]  # a file's size, modification and change times and inode (`stamp_of`)
 
 
@@ -91,6 +92,7 @@ class RepositoryRollout:
         self.failures: dict[tuple[str, str], tuple[object, str]] = {}
         self.checked: dict[tuple[str, str], Stamp] = {}  # (model, version) -> the stamp of its file that passed
         self.stamps: dict[str, dict[str, Stamp | None]] = {}  # model -> version -> the file its replicas hold
+        self.digests: dict[Stamp, str] = {}  # the stamp of a file that passed -> the digest of its bytes
         self.deploying: set[str] = set()  # the models whose application was given to Ray, held or not yet
         self.placing = threading.Event()  # set while serve.run waits for a model's new replicas
         self.stopping = threading.Event()  # set by Ctrl-C or SIGTERM (`launch.run`): no rollout starts after it
@@ -148,11 +150,10 @@ class RepositoryRollout:
             if versions:  # none passes its checks: what serves keeps serving, as with vit-serve DIR
                 self.roll(model, versions, labels, fresh)
         self.failures = {key: failed for key, failed in self.failures.items() if key[0] in wanted}  # folder gone
-        self.tell_refusals()
         gone = sorted(set(self.held) - set(wanted))
         if gone and len(gone) == len(self.held):
             log.warning("no model to serve is left in %s; still serving %s", self.root, ", ".join(gone))
-            return
+            gone = []
         for model in gone:
             self.route(model, {})
             serve.delete(model_app_name(model))
@@ -160,13 +161,18 @@ class RepositoryRollout:
             self.deploying.discard(model)
             self.routed.pop(model, None)
             log.info("%s: removed from the repository, its application deleted", model)
+        self.tell_refusals()
 
     def tell_refusals(self) -> None:
-        """Give every ingress replica the reason each refused model or version does not serve (each poll: one
-        that Ray restarted learns them too)."""
+        """Give every ingress replica the reason each refused model or version does not serve, for its index and
+        its loads; each poll, so that a replica Ray restarted learns them too. Best effort: an ingress that does
+        not answer within `TELL_TIMEOUT_S` (restarting, or busy with a load) is told at the next poll."""
         rows = [(model, version, reason) for (model, version), (_, reason) in sorted(self.failures.items())]
-        ingress = serve.get_deployment_handle(INGRESS_NAME, APP_NAME)
-        ingress.broadcast("refused", rows).results(timeout_s=BROADCAST_TIMEOUT_S)
+        try:
+            ingress = serve.get_deployment_handle(INGRESS_NAME, APP_NAME)
+            ingress.broadcast("refused", rows).results(timeout_s=TELL_TIMEOUT_S)
+        except Exception as e:  # never the poll's failure: the rollouts go on
+            log.warning("the ingress did not take the refused models' reasons (%s); telling it again", type(e).__name__)
 
     def roll(self, model: str, versions: Versions, labels: list[str] | None, fresh: set[str] = frozenset()) -> None:
         """Take one model to `versions`: widen, switch, narrow (the module's docstring); each step only if needed.
@@ -267,8 +273,8 @@ class RepositoryRollout:
 
     def check(self, model: str, version: str, path: Path, labels: list[str] | None) -> bool | None:
         """Whether a version file may be held: True when it passed the checks of `vit-serve DIR` (`load_version`)
-        and its replicas do not hold it yet (a new version, or a file rewritten in place: its size, modification
-        time or inode changed), False when they hold it already (a new file that failed leaves the one they
+        and its replicas do not hold it yet (a new version, or a file rewritten in place: its `stamp_of` changed),
+        False when they hold it already (a new file that failed leaves the one they
         loaded serving), None when it may not. Each file is checked once."""
         key, held = (model, version), self.stamps.get(model, {}).get(version)
         try:
@@ -277,27 +283,40 @@ class RepositoryRollout:
             return None if held is None else False  # gone again
         if stamp == held:
             return False
+        if metadata_only(stamp, held) and self.same_bytes(path, held):  # a chmod, a hard link: the file it holds
+            self.stamps[model][version] = self.checked[key] = stamp
+            self.digests[stamp] = self.digests[held]
+            return False
         if stamp != self.checked.get(key) and not self.passes(model, version, path, labels, stamp):
             return None if held is None else False
         return True
 
+    def same_bytes(self, path: Path, held: Stamp) -> bool:
+        """Whether the file at `path` holds the bytes of the one that passed its checks with the stamp `held`."""
+        try:
+            return held in self.digests and file_digest(path) == self.digests[held]
+        except OSError:
+            return False
+
     def passes(self, model: str, version: str, path: Path, labels: list[str] | None, stamp: Stamp) -> bool:
-        """Run `load_version`'s checks on a file with this stamp, unless the same file failed them before."""
-        failed = self.failures.get((model, version))
-        if failed is not None and failed[0] == stamp:
-            return False  # the same file failed before: try again when it changes
+        """Run `load_version`'s checks on a file with this stamp, unless the same file and labels failed them before
+        (a labels.txt fixed since is checked again, as by `vit-serve DIR`)."""
+        failed, tried = self.failures.get((model, version)), (stamp, None if labels is None else tuple(labels))
+        if failed is not None and failed[0] == tried:
+            return False  # the same file failed before: try again when it or the labels change
         make_engine = lambda classifier, _model, _version: Engine(classifier, self.check_settings)  # noqa: E731
         try:
             checked = load_version(model, version, path, make_engine, 1, labels)
         except LoadFailure as e:
-            self.fail(model, version, str(e), stamp)
+            self.fail(model, version, str(e), tried)
             return False
         except Exception as e:  # what the checks did not foresee is still this version's failure alone
-            self.fail(model, version, f"{path}: {type(e).__name__}: {e}", stamp)
+            self.fail(model, version, f"{path}: {type(e).__name__}: {e}", tried)
             return False
         checked.engine.stop()
         self.failures.pop((model, version), None)
         self.checked[(model, version)] = stamp
+        self.digests[stamp] = checked.digest
         return True
 
     def fail(self, model: str, version: str, reason: str, stamp: object = None) -> None:
