@@ -108,7 +108,7 @@ def _run_on_ray(args, settings: ServeSettings) -> int:
         print(f"vit-serve: --ray needs Ray Serve ({e}): pip install 'vitscope[ray]'", file=sys.stderr)
         return 2
     try:
-        if args.ray_address is None:  # a Ray started here: the replicas write the log on this machine
+        if args.ray_address is None and not os.environ.get("RAY_ADDRESS"):  # a Ray started here: the log is here
             _check_payload_log(settings.payload_log)
         models = [m for m in args.models.split(",") if m] if args.models else None
         return run(

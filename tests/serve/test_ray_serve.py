@@ -13,6 +13,7 @@ place rolls out as a new version does.
 
 from __future__ import annotations
 
+import json
 import shutil
 import socket
 import threading
@@ -213,9 +214,10 @@ def test_a_client_that_hangs_up_mid_body_is_a_499_not_a_server_error(server):
     for _ in range(40):
         with socket.create_connection((host, int(port))) as s:
             s.sendall(head + b"x" * 100_000)
-            time.sleep(0.05)  # the proxy has passed the request on
-    wait_until(lambda: count("499") + count("500") >= before["499"] + before["500"] + 40, 60, "40 requests counted")
-    assert count("500") == before["500"] and count("499") == before["499"] + 40
+            time.sleep(0.1)  # the proxy has passed the request on (one cancelled before it did is never counted)
+    wait_until(lambda: count("499") >= before["499"] + 20, 60, "most of the 40 counted as 499")
+    time.sleep(1)  # any late 500 would be counted by now
+    assert count("500") == before["500"]
 
 
 def test_an_idle_keep_alive_connection_is_closed_after_keep_alive_s(server):
@@ -224,9 +226,10 @@ def test_an_idle_keep_alive_connection_is_closed_after_keep_alive_s(server):
     with socket.create_connection((host, int(port))) as s:
         s.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
         s.settimeout(30)
-        answer = b""
-        while not answer.endswith(b'{"status":"live"}'):
-            answer += s.recv(65536)
+        answer, chunk = b"", b"-"
+        while chunk and not answer.endswith(b'{"status":"live"}'):
+            chunk = s.recv(65536)
+            answer += chunk
         started = time.monotonic()
         assert s.recv(65536) == b""  # closed by the server
     assert answer.startswith(b"HTTP/1.1 200") and time.monotonic() - started < 15
@@ -482,6 +485,46 @@ def test_a_payload_log_in_no_folder_is_one_line_before_a_ray_started_here(tiny_o
     r = subprocess.run(args, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and r.stderr.startswith(f"vit-serve: --payload-log: the folder {log.parent} does not ")
     assert len(r.stderr.splitlines()) == 1 and "Traceback" not in r.stderr, r.stderr[-800:]
+
+
+def test_a_version_refused_for_its_labels_is_checked_again_once_labels_txt_is_fixed(tiny_onnx, tmp_path):
+    """As `vit-serve DIR` checks it again: the launcher kept the refusal until the model file itself changed."""
+    from serve.server.ray.rollout import RepositoryRollout
+    from serve.server.settings import ServeSettings
+
+    root = tmp_path / "models"
+    put_version(root / "alpha", 1, tiny_onnx)
+    labels = root / "alpha" / "labels.txt"
+    labels.write_text("\n".join(["renamed", *CLASS_NAMES[1:]]) + "\n")
+    rollout = RepositoryRollout(root, ServeSettings(preferred_batch_size=1))
+    assert rollout.wanted()["alpha"][0] == {} and "labels" in rollout.reasons(["alpha"])
+    labels.write_text("\n".join(CLASS_NAMES) + "\n")
+    assert list(rollout.wanted()["alpha"][0]) == ["1"] and not rollout.failures
+
+
+def test_the_launcher_rolls_out_a_changed_file_but_not_a_chmod(tiny_onnx, tmp_path):
+    """A held version whose change time alone moved (a chmod) keeps its replicas: a rolling update restarts every
+    one of them. A same-size rewrite that puts its modification time back is a new file."""
+    pytest.importorskip("onnx", reason="rewrites the file's metadata")
+    import os
+
+    from serve.server.ray.rollout import RepositoryRollout
+    from serve.server.settings import ServeSettings
+    from tests.serve.broken_models import with_metadata
+
+    root = tmp_path / "models"
+    put_version(root / "alpha", 1, tiny_onnx)
+    served = root / "alpha" / "1" / "model.onnx"
+    rollout = RepositoryRollout(root, ServeSettings(preferred_batch_size=1))
+    assert rollout.wanted()["alpha"][2] == {"1"}  # checked anew: its replicas would load it
+    rollout.stamps["alpha"] = {"1": rollout.checked[("alpha", "1")]}  # as `deploy_model` records what they hold
+    served.chmod(0o600)
+    assert rollout.wanted()["alpha"][2] == set()
+    before = served.stat()
+    renamed = json.dumps([c.upper() for c in CLASS_NAMES])
+    served.write_bytes(with_metadata(served, tmp_path / "new.onnx", class_names=renamed).read_bytes())
+    os.utime(served, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert served.stat().st_size == before.st_size and rollout.wanted()["alpha"][2] == {"1"}
 
 
 def test_a_version_rewritten_in_place_rolls_out(repository_server, repository):

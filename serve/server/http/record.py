@@ -57,11 +57,7 @@ class RequestRecord:
 
         async def receive_watching():
             nonlocal gone
-            try:
-                message = await receive()
-            except Exception:  # Ray Serve's proxy ends the body of a client that hung up so (TaskCancelledError)
-                gone = True
-                raise
+            message = await receive()
             gone = gone or message["type"] == "http.disconnect"
             return message
 

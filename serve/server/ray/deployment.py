@@ -37,7 +37,7 @@ from typing import Any
 
 import numpy as np
 from ray import serve
-from ray.exceptions import ActorDiedError, ActorUnavailableError
+from ray.exceptions import ActorDiedError, ActorUnavailableError, TaskCancelledError
 from starlette.concurrency import run_in_threadpool
 
 from serve.server.engine import Engine, choose_batch_size, forward_rows, time_batch_sizes
@@ -154,7 +154,8 @@ class RayEngine(Engine):
 
 
 class ReplicaHeader:
-    """ASGI middleware: every response names the model replica(s) that computed it."""
+    """ASGI middleware: every response names the model replica(s) that computed it; a client that hung up during
+    its body is an `http.disconnect`, as from uvicorn (a 499), not an error (it was a 500 with a traceback)."""
 
     def __init__(self, app, fallback: str):
         self.app, self.fallback = app, fallback
@@ -174,8 +175,14 @@ class ReplicaHeader:
                 }
             await send(message)
 
+        async def receive_or_disconnect():
+            try:
+                return await receive()
+            except TaskCancelledError:  # how the proxy ends the body of a client that hung up: the ASGI way instead
+                return {"type": "http.disconnect"}
+
         try:
-            await self.app(scope, receive, send_named)
+            await self.app(scope, receive_or_disconnect, send_named)
         finally:
             _SERVED_BY.reset(token)
 
