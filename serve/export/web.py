@@ -112,7 +112,10 @@ def write_web(model_path: str | Path, folder: str | Path, ort_dist: str | Path |
     model_path, folder = Path(model_path), Path(folder)
     dist = find_ort_dist(ort_dist)
     check_folder(folder)
-    data = read_model_bytes(model_path)  # as the server reads it: a folder, an empty, truncated or checkpoint file
+    try:  # as the server reads it: a folder, an empty, truncated or checkpoint file is said as such
+        data = read_model_bytes(model_path)
+    except OSError as e:  # not the page's write error (`vit-export`'s OSError)
+        raise ValueError(f"cannot read {model_path}: {e.strerror or e}") from None
     try:
         model = onnx.load_model_from_string(data)
     except Exception as e:  # protobuf's DecodeError, and whatever a half-copied file makes it raise
