@@ -316,7 +316,7 @@ class RepositoryRollout:
         checked.engine.stop()
         self.failures.pop((model, version), None)
         self.checked[(model, version)] = stamp
-        self.digests[stamp] = checked.digest
+        self.digests[stamp] = checked.classifier.sha256
         return True
 
     def fail(self, model: str, version: str, reason: str, stamp: object = None) -> None:
